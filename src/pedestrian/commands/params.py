@@ -1,0 +1,98 @@
+"""Print the parameter table (per layer, per kind, total) of a preset or config, without allocating.
+
+Examples:
+  pedestrian params --preset gpt2
+  pedestrian params --preset gpt2 --lora-rank 16 --lora-targets logits
+  pedestrian params --vocab-size 65 --context-length 64 --d-model 128 --n-heads 4 --n-blocks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import LORA_LAYER_KINDS, PRESETS, GPTConfig, lora_specs, param_specs, preset
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model-shape flags shared by several commands (``--preset`` plus per-field overrides)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--context-length", type=int)
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--n-heads", type=int)
+    g.add_argument("--n-blocks", type=int)
+    g.add_argument("--d-head", type=int)
+    g.add_argument("--d-qk", type=int)
+    g.add_argument("--mlp-ratio", type=int)
+    g.add_argument("--activation", choices=["gelu_tanh", "gelu", "relu"])
+    g.add_argument("--ln-eps", type=float)
+    g.add_argument("--no-bias", dest="bias", action="store_false", default=None)
+    g.add_argument("--untied", dest="tie_weights", action="store_false", default=None)
+    g.add_argument("--non-causal", dest="causal", action="store_false", default=None)
+
+
+CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
+                 "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal")
+
+
+def config_from_args(args: argparse.Namespace, base: dict | None = None) -> GPTConfig:
+    """A :class:`GPTConfig` from ``--preset`` and field flags (flags win), over ``base``.
+
+    Raises:
+        ValueError: required widths missing (the message names them) or invalid values.
+    """
+    values = dict(base or {})
+    if getattr(args, "preset", None):
+        values.update(PRESETS[args.preset])
+    for f in CONFIG_FIELDS:
+        v = getattr(args, f, None)
+        if v is not None:
+            values[f] = v
+    missing = [f for f in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks") if f not in values]
+    if missing:
+        raise ValueError("missing model settings: " + ", ".join("--" + m.replace("_", "-") for m in missing)
+                         + " (or pass --preset)")
+    return GPTConfig(**values)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--lora-rank", type=int, help="also count LoRA adapters of this rank")
+    parser.add_argument("--lora-targets", nargs="+", default=["all"],
+                        help=f"LoRA layer kinds: {' '.join(LORA_LAYER_KINDS)} or all (default all)")
+    parser.add_argument("--per-block", action="store_true", help="list every block's parameters "
+                        "(default: block 0 only, the others are identical)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.preset is None and args.vocab_size is None:
+        args.preset = "gpt2"
+    config = config_from_args(args)
+    specs = param_specs(config)
+    rows = [s for s in specs if args.per_block or not s.name.startswith("blocks.")
+            or s.name.startswith("blocks.0.")]
+    width = max(len(s.name) for s in rows) + 2
+    last_block0 = [s.name for s in rows if s.name.startswith("blocks.0.")][-1]
+    print(f"config: {config}")
+    print(f"{'parameter':<{width}}{'shape':>18}{'count':>16}")
+    for s in rows:
+        print(f"{s.name:<{width}}{str(s.shape):>18}{s.size:>16,}")
+        if not args.per_block and s.name == last_block0 and config.n_blocks > 1:
+            print(f"{'... blocks.1 - blocks.' + str(config.n_blocks - 1) + ' identical':<{width}}")
+    print()
+    by_kind: dict[str, int] = {}
+    for s in specs:
+        by_kind[s.kind] = by_kind.get(s.kind, 0) + s.size
+    block = sum(s.size for s in specs if s.name.startswith("blocks.0."))
+    print(f"{'one transformer block':<32}{block:>16,}")
+    for kind, n in by_kind.items():
+        print(f"{'kind: ' + kind:<32}{n:>16,}")
+    total = sum(s.size for s in specs)
+    print(f"{'total':<32}{total:>16,}")
+    if args.lora_rank is not None:
+        lora = lora_specs(config, args.lora_targets, args.lora_rank)
+        n = sum(s.size for s in lora)
+        print(f"{'LoRA r=' + str(args.lora_rank) + ' on ' + ','.join(args.lora_targets):<32}{n:>16,}"
+              f"   ({100 * n / total:.2f}% of the base; {len(lora) // 2} adapted layers)")
+    return 0

@@ -1,0 +1,261 @@
+"""Model configuration, named presets, and the parameter layout (names, shapes, counts).
+
+The layout is computed from the config alone, so parameter counts for any size (GPT-2 small:
+124,439,808) come without allocating a single array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+from .layers.activations import ACTIVATIONS
+
+LORA_LAYER_KINDS = ("q", "k", "v", "attn_proj", "mlp_expand", "mlp_contract", "logits")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The handful of widths that define a GPT (paper conclusion, "minimalistic transformer").
+
+    Attributes:
+        vocab_size: ``V``, number of token ids.
+        context_length: the most tokens a sequence may hold (learned positions ``0..C-1``).
+        d_model: ``d``, width of the residual stream.
+        n_heads: attention heads per block.
+        n_blocks: transformer blocks.
+        d_head: value width per head (default ``d_model // n_heads``; then ``d_model`` must be
+            divisible by ``n_heads``).
+        d_qk: query/key width per head, the paper's ``d_ρ`` (default ``d_head``).
+        mlp_ratio: ``d_mlp = mlp_ratio · d_model`` (4 in GPT-2).
+        activation: ``"gelu_tanh"`` (GPT-2), ``"gelu"`` (exact) or ``"relu"``.
+        ln_eps: layer-norm epsilon inside the square root, ``>= 0`` (paper 0, GPT-2 1e-5).
+        bias: biases on every fully connected layer and layer norm.
+        tie_weights: logits use ``W_tokᵀ`` and no bias (GPT-2); else a separate
+            ``logits.weight`` (and ``logits.bias`` if ``bias``).
+        causal: causal attention mask (a GPT); ``False`` gives a bidirectional encoder.
+        dropout: drop probability after the embedding, the attention projection and the MLP
+            (0 = off, the default).
+
+    Raises:
+        ValueError: on any inconsistent or out-of-range value, naming it.
+    """
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    n_heads: int
+    n_blocks: int
+    d_head: int | None = None
+    d_qk: int | None = None
+    mlp_ratio: int = 4
+    activation: str = "gelu_tanh"
+    ln_eps: float = 1e-5
+    bias: bool = True
+    tie_weights: bool = True
+    causal: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "choose n_heads dividing d_model or give d_head explicitly"
+                )
+            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+        if self.d_qk is None:
+            object.__setattr__(self, "d_qk", self.d_head)
+        for name in ("d_head", "d_qk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
+        if not self.ln_eps >= 0:
+            raise ValueError(f"ln_eps must be >= 0 (the paper uses 0, GPT-2 1e-5), got {self.ln_eps}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def d_mlp(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GPTConfig":
+        """Build from a dict (e.g. a checkpoint's JSON); unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+
+#: Named configurations. GPT-2 widths come from the released model (HF ``gpt2``).
+PRESETS: dict[str, dict] = {
+    # the released GPT-2 small: 12 blocks, tied logits without bias -> 124,439,808
+    "gpt2": dict(vocab_size=50257, context_length=1024, d_model=768, n_heads=12, n_blocks=12),
+    # twelve blocks, untied logits with bias -> 163,087,441
+    "gpt2-untied": dict(vocab_size=50257, context_length=1024, d_model=768, n_heads=12,
+                        n_blocks=12, tie_weights=False),
+    # the paper's minimal model: one block, embeddings, final LN, logits with bias -> 85,120,849
+    "paper-minimal": dict(vocab_size=50257, context_length=1024, d_model=768, n_heads=12,
+                          n_blocks=1, tie_weights=False),
+    # the small character model of the benchmarks
+    "char-small": dict(vocab_size=65, context_length=64, d_model=128, n_heads=4, n_blocks=4),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A :class:`GPTConfig` from :data:`PRESETS`, with optional field overrides.
+
+    Raises:
+        ValueError: unknown preset name (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+class ParamSpec(NamedTuple):
+    """One named parameter: its shape, its layer kind, and whether weight decay applies."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    decay: bool
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def fc_layers(config: GPTConfig) -> list[tuple[str, int, int]]:
+    """Every fully connected layer that can carry a LoRA adapter: ``(name, f_in, f_out)``.
+
+    Names: ``blocks.{i}.attn.q|k|v``, ``blocks.{i}.attn_proj``, ``blocks.{i}.mlp_expand``,
+    ``blocks.{i}.mlp_contract``, ``logits``.
+    """
+    c = config
+    hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
+    out = []
+    for i in range(c.n_blocks):
+        p = f"blocks.{i}"
+        out += [(f"{p}.attn.q", c.d_model, hq), (f"{p}.attn.k", c.d_model, hq),
+                (f"{p}.attn.v", c.d_model, hv), (f"{p}.attn_proj", hv, c.d_model),
+                (f"{p}.mlp_expand", c.d_model, c.d_mlp), (f"{p}.mlp_contract", c.d_mlp, c.d_model)]
+    out.append(("logits", c.d_model, c.vocab_size))
+    return out
+
+
+def fc_kind(fc_name: str) -> str:
+    """``"blocks.3.attn.q"`` -> ``"q"``; ``"blocks.0.mlp_expand"`` -> ``"mlp_expand"``."""
+    return fc_name.rsplit(".", 1)[-1]
+
+
+def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
+    """Expand LoRA target names to full FC layer names.
+
+    Args:
+        targets: iterable of kinds (``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``,
+            ``"mlp_expand"``, ``"mlp_contract"``, ``"logits"``; ``"all"`` for every one) or
+            full layer names like ``"blocks.0.attn.q"``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid kinds).
+    """
+    layers = [name for name, _, _ in fc_layers(config)]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if "all" in targets:
+        return layers
+    chosen = []
+    for t in targets:
+        if t in LORA_LAYER_KINDS:
+            chosen += [name for name in layers if fc_kind(name) == t]
+        elif t in layers:
+            chosen.append(t)
+        else:
+            raise ValueError(
+                f"unknown LoRA target {t!r}; use kinds {LORA_LAYER_KINDS}, 'all', "
+                "or full layer names like 'blocks.0.attn.q'"
+            )
+    return [name for name in layers if name in set(chosen)]
+
+
+def param_specs(config: GPTConfig) -> list[ParamSpec]:
+    """Every base parameter in its documented, stable order.
+
+    ``y = x W + b`` convention: ``W`` is ``(f_in, f_out)``. Decay: 2-D matrices (embeddings
+    included) are decayed; 1-D parameters (biases, layer-norm weights) are not.
+    """
+    c = config
+    d = c.d_model
+    specs = [ParamSpec("tok_emb.weight", (c.vocab_size, d), "embedding", True),
+             ParamSpec("pos_emb.weight", (c.context_length, d), "embedding", True)]
+
+    def ln(name: str, kind: str) -> list[ParamSpec]:
+        out = [ParamSpec(f"{name}.weight", (d,), kind, False)]
+        if c.bias:
+            out.append(ParamSpec(f"{name}.bias", (d,), kind, False))
+        return out
+
+    for i in range(c.n_blocks):
+        p = f"blocks.{i}"
+        specs += ln(f"{p}.ln1", "layernorm")
+        for fc, f_in, f_out in fc_layers(c)[6 * i:6 * i + 6]:
+            kind = "attention" if ".attn" in fc else "mlp"
+            specs.append(ParamSpec(f"{fc}.weight", (f_in, f_out), kind, True))
+            if c.bias:
+                specs.append(ParamSpec(f"{fc}.bias", (f_out,), kind, False))
+            if fc.endswith("attn_proj"):
+                specs += ln(f"{p}.ln2", "layernorm")
+    specs += ln("ln_final", "layernorm")
+    if not c.tie_weights:
+        specs.append(ParamSpec("logits.weight", (d, c.vocab_size), "logits", True))
+        if c.bias:
+            specs.append(ParamSpec("logits.bias", (c.vocab_size,), "logits", False))
+    return specs
+
+
+def lora_specs(config: GPTConfig, targets, rank: int) -> list[ParamSpec]:
+    """``X.lora_D (f_in, r)`` and ``X.lora_U (r, f_out)`` for each target FC layer ``X``.
+
+    Raises:
+        ValueError: ``rank < 1`` or an unknown target.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora_rank must be a positive integer, got {rank!r}")
+    wanted = set(resolve_lora_targets(config, targets))
+    specs = []
+    for name, f_in, f_out in fc_layers(config):
+        if name in wanted:
+            specs += [ParamSpec(f"{name}.lora_D", (f_in, rank), "lora", True),
+                      ParamSpec(f"{name}.lora_U", (rank, f_out), "lora", True)]
+    return specs
+
+
+def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = None) -> int:
+    """Total parameter count (base, or LoRA-only when ``lora_rank`` is given); no allocation."""
+    if lora_rank is not None:
+        return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank))
+    return sum(s.size for s in param_specs(config))
+
+
+def iter_block_counts(config: GPTConfig) -> Iterator[tuple[str, int]]:
+    """``(group, count)`` per layer group, in order (embedding, each block, final LN, logits)."""
+    groups: dict[str, int] = {}
+    for s in param_specs(config):
+        group = ".".join(s.name.split(".")[:2]) if s.name.startswith("blocks.") else s.name.split(".")[0]
+        groups[group] = groups.get(group, 0) + s.size
+    yield from groups.items()
