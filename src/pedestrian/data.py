@@ -59,10 +59,12 @@ _CACHE_FORMAT = 1  # bump when the token-file layout or the cache key changes
 _READ_BLOCK = 1 << 22  # bytes read from a file at a time (4 MiB)
 _PIECE_CHARS = 1 << 18  # target characters per piece handed to the tokenizer (256 Ki)
 _PIECES_PER_BATCH = 8  # pieces encoded together (tokenizers runs a batch on all cores)
-# A piece may end only right after a "\n" that is followed by a non-whitespace character.
-# Byte-level BPE pre-tokenisation (GPT-2's pattern, and the Llama-3 style ones) always starts
-# a new pre-token there, so encoding piece by piece gives the same ids as encoding the whole.
-_SAFE_CUT = re.compile(r"\n(?=\S)")
+# A piece may end only at a *single* "\n" between two non-whitespace characters. Byte-level BPE
+# pre-tokenisation (GPT-2's pattern, and the Llama-3 style ones) always starts a new pre-token
+# after such a newline, and the newline's own pre-token is the same whether or not the text ends
+# there (which is not true after a run of whitespace: GPT-2's `\s+(?!\S)` would then merge it), so
+# encoding piece by piece gives the same ids as encoding the whole.
+_SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
 
 
 class CorpusError(ValueError):
@@ -173,8 +175,8 @@ def _iter_corpus_text(files: list[Path]) -> Iterator[str]:
 
 def _cut_pieces(blocks: Iterator[str], piece_chars: int) -> Iterator[str]:
     """Re-chunk a stream of strings into pieces of at least ``piece_chars`` characters (but the
-    last), each ending right after the first ``"\\n"``-followed-by-non-whitespace at or past
-    that length. ``"".join(pieces) == "".join(blocks)``."""
+    last), each ending right after the first cut point (see ``_SAFE_CUT``) at or past that
+    length. ``"".join(pieces) == "".join(blocks)``."""
     buf, start, scan = "", 0, 0  # buf[start:] is pending; no cut point in buf[start:scan]
     for block in blocks:
         buf = buf[start:] + block
@@ -197,9 +199,10 @@ def iter_corpus_pieces(
     """Stream a corpus as consecutive text pieces without holding all of it in memory.
 
     ``"".join(iter_corpus_pieces(path)) == load_corpus(path)``. Each piece but the last ends
-    right after a ``"\\n"`` that is followed by a non-whitespace character, a point where
-    byte-level BPE always starts a new pre-token, so tokenising piece by piece gives the same
-    ids as tokenising the whole text.
+    right after a single ``"\\n"`` standing between two non-whitespace characters, a point where
+    byte-level BPE pre-tokenisation always cuts the text the same way whether or not the text
+    ends there, so tokenising piece by piece gives the same ids as tokenising the whole. (A text
+    without such newlines -- e.g. one with ``"\\r\\n"`` line ends -- comes as a single piece.)
 
     Args:
         path: a UTF-8 text file or a folder of ``*.txt`` files; ``None`` = :data:`BUNDLED_CORPUS`.
