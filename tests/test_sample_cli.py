@@ -1,0 +1,230 @@
+"""`pedestrian sample`: streaming output, UTF-8 hold-back, stop tokens, bad input, the CLI wiring."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from pedestrian import cli
+from pedestrian.commands import sample as sample_cmd
+from pedestrian.config import GPTConfig
+from pedestrian.generate import generate
+from pedestrian.model import GPT
+from pedestrian.tokenizer import BPETokenizer, CharTokenizer, bytes_to_unicode
+
+TEXT = "hello world, the quick brown fox jumps over the lazy dog.\n" * 4
+
+
+class Chunks(io.StringIO):
+    """A text stream that also records every write (one write per streamed token)."""
+
+    def __init__(self):
+        super().__init__()
+        self.chunks: list[str] = []
+
+    def write(self, s):
+        self.chunks.append(s)
+        return super().write(s)
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(["sample", "--checkpoint", "unused", *argv])
+
+
+@pytest.fixture(scope="module")
+def char_setup():
+    tok = CharTokenizer.from_text(TEXT)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=32, d_model=16, n_heads=2,
+                          n_blocks=1), seed=3)
+    return model, tok
+
+
+def forced_model(tokenizer, chain: list[int], context_length: int = 32) -> GPT:
+    """A GPT that deterministically emits ``chain[i+1]`` after ``chain[i]`` (greedy).
+
+    All blocks are zeroed (the residual stream carries ``W_tok[x]``), each chain token gets its
+    own embedding axis, and the untied logits weight maps that axis to the successor.
+    """
+    V = tokenizer.vocab_size
+    d = len(chain) + 2
+    model = GPT(GPTConfig(vocab_size=V, context_length=context_length, d_model=d, n_heads=1,
+                          n_blocks=1, tie_weights=False), dtype="float64")
+    for name, p in model.params.items():
+        p[...] = 1.0 if ("ln" in name and name.endswith("weight")) else 0.0
+    for slot, token in enumerate(chain[:-1]):
+        model.params["tok_emb.weight"][token, slot] = 10.0
+        model.params["logits.weight"][slot, chain[slot + 1]] = 10.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return BPETokenizer.train(TEXT, vocab_size=300)
+
+
+def byte_id(tok: BPETokenizer, b: int) -> int:
+    return tok.hf.token_to_id(bytes_to_unicode()[b])
+
+
+# ------------------------------------------------------------------ streaming, char tokenizer
+def test_prints_prompt_then_generated_text(char_setup):
+    model, tok = char_setup
+    out = Chunks()
+    args = parse("--prompt", "the ", "--max-new-tokens", "20", "--temperature", "0.9",
+                 "--top-k", "5", "--seed", "7")
+    assert sample_cmd.run_sample(model, tok, args, out=out) == 0
+    ids = generate(model, np.array([tok.encode("the ")]), 20, temperature=0.9, top_k=5, seed=7)
+    assert out.getvalue() == "the " + tok.decode(ids[0, 4:]) + "\n"
+    assert len(out.chunks) >= 20                      # printed token by token, not at the end
+    # same seed, same text
+    again = Chunks()
+    sample_cmd.run_sample(model, tok, args, out=again)
+    assert again.getvalue() == out.getvalue()
+
+
+def test_num_samples_and_greedy(char_setup):
+    model, tok = char_setup
+    out = io.StringIO()
+    sample_cmd.run_sample(model, tok, parse("--prompt", "he", "--max-new-tokens", "8",
+                                            "--temperature", "0", "--num-samples", "3"), out=out)
+    text = out.getvalue()
+    assert text.count("--- sample") == 3
+    bodies = [part.split("\n", 1)[1] for part in text.split("--- sample")[1:]]
+    assert len(set(bodies)) == 1                      # greedy: three identical samples
+    greedy = generate(model, np.array([tok.encode("he")]), 8, temperature=0)
+    assert bodies[0] == "he" + tok.decode(greedy[0, 2:]) + "\n"
+
+
+def test_no_cache_flag_gives_same_text(char_setup):
+    model, tok = char_setup
+    a, b = io.StringIO(), io.StringIO()
+    common = ("--prompt", "fox", "--max-new-tokens", "40", "--seed", "1", "--top-p", "0.9")
+    sample_cmd.run_sample(model, tok, parse(*common), out=a)
+    sample_cmd.run_sample(model, tok, parse(*common, "--no-cache"), out=b)
+    assert a.getvalue() == b.getvalue()               # 40 new tokens: past the context of 32
+
+
+# ------------------------------------------------------------------ byte-level BPE: UTF-8 hold-back
+def test_partial_utf8_is_held_back(bpe):
+    target = "é😀"                                     # 2-byte and 4-byte characters
+    raw = target.encode("utf-8")
+    eot = bpe.special_tokens["<|endoftext|>"]
+    chain = [bpe.encode("a")[0]] + [byte_id(bpe, b) for b in raw] + [eot]
+    model = forced_model(bpe, chain)
+    out = Chunks()
+    code = sample_cmd.run_sample(model, bpe, parse("--prompt", "a", "--max-new-tokens", "20",
+                                                   "--temperature", "0"), out=out)
+    assert code == 0
+    assert out.getvalue() == "a" + target + "\n"      # stopped at <|endoftext|>, not printed
+    assert "\ufffd" not in out.getvalue()
+    for chunk in out.chunks:                           # every chunk is whole characters
+        assert chunk.encode("utf-8").decode("utf-8") == chunk
+    assert [c for c in out.chunks if c] == ["a", "é", "😀", "\n"]
+
+
+def test_cut_off_character_at_the_end_prints_replacement_not_crash(bpe):
+    chain = [bpe.encode("a")[0]] + [byte_id(bpe, b) for b in "😀".encode("utf-8")]
+    model = forced_model(bpe, chain)
+    out = io.StringIO()
+    sample_cmd.run_sample(model, bpe, parse("--prompt", "a", "--max-new-tokens", "2",
+                                            "--temperature", "0"), out=out)
+    assert out.getvalue() == "a\ufffd\n"              # 2 of 4 bytes: flushed as U+FFFD at the end
+
+
+def test_empty_prompt_starts_from_endoftext_for_bpe(bpe):
+    eot = bpe.special_tokens["<|endoftext|>"]
+    chain = [eot, bpe.encode("h")[0], bpe.encode("i")[0], eot]
+    model = forced_model(bpe, chain)
+    out = io.StringIO()
+    sample_cmd.run_sample(model, bpe, parse("--prompt", "", "--temperature", "0",
+                                            "--max-new-tokens", "10"), out=out)
+    assert out.getvalue() == "hi\n"
+    # --ignore-eot: the end-of-text token does not stop generation (and is not printed)
+    out = io.StringIO()
+    sample_cmd.run_sample(model, bpe, parse("--prompt", "", "--temperature", "0",
+                                            "--max-new-tokens", "5", "--ignore-eot"), out=out)
+    assert out.getvalue() == "hihi\n"
+
+
+def test_stop_text_and_stop_id(char_setup):
+    model, tok = char_setup
+    free = io.StringIO()
+    sample_cmd.run_sample(model, tok, parse("--prompt", "o", "--max-new-tokens", "30",
+                                            "--temperature", "0"), out=free)
+    body = free.getvalue()[1:-1]
+    stop_char = body[3]
+    cut = body.index(stop_char)
+    for flag, value in (("--stop", stop_char), ("--stop-id", str(tok.encode(stop_char)[0]))):
+        out = io.StringIO()
+        sample_cmd.run_sample(model, tok, parse("--prompt", "o", "--max-new-tokens", "30",
+                                                "--temperature", "0", flag, value), out=out)
+        assert out.getvalue() == "o" + body[:cut] + "\n"
+    with pytest.raises(ValueError, match="exactly one token"):
+        sample_cmd.run_sample(model, tok, parse("--prompt", "o", "--stop", "ab"), out=io.StringIO())
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("argv, match", [
+    (("--prompt", "hi", "--temperature", "-1"), "temperature"),
+    (("--prompt", "hi", "--top-p", "0"), "top_p"),
+    (("--prompt", "hi", "--top-p", "1.5"), "top_p"),
+    (("--prompt", "hi", "--top-k", "0"), "top_k"),
+    (("--prompt", "hi", "--max-new-tokens", "-2"), "max-new-tokens"),
+    (("--prompt", "hi", "--num-samples", "0"), "num-samples"),
+    (("--prompt", "hi", "--window-shift", "0"), "window_shift"),
+    (("--prompt", "héllo"), "not in the CharTokenizer vocabulary"),       # unknown character
+    (("--prompt", ""), "prompt is empty"),                               # char model: no <|endoftext|>
+])
+def test_bad_input_is_a_clear_error(char_setup, argv, match):
+    model, tok = char_setup
+    with pytest.raises(ValueError, match=match):
+        sample_cmd.run_sample(model, tok, parse(*argv), out=io.StringIO())
+
+
+def test_long_prompt_keeps_last_tokens_with_warning(char_setup):
+    model, tok = char_setup
+    prompt = TEXT[:50]                                 # 50 characters > context 32
+    out = io.StringIO()
+    with pytest.warns(UserWarning, match="last 32 tokens"):
+        sample_cmd.run_sample(model, tok, parse("--prompt", prompt, "--max-new-tokens", "5",
+                                                "--temperature", "0"), out=out)
+    ids = generate(model, np.array([tok.encode(prompt[-32:])]), 5, temperature=0)
+    assert out.getvalue() == prompt + tok.decode(ids[0, 32:]) + "\n"
+
+
+# ------------------------------------------------------------------ the command line end to end
+def test_cli_with_a_real_checkpoint(char_setup, tmp_path, capsys):
+    from pedestrian.checkpoint import save_checkpoint
+
+    model, tok = char_setup
+    save_checkpoint(tmp_path / "ckpt", model, tokenizer=tok, step=1)
+    code = cli.main(["sample", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "the",
+                     "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "4",
+                     "--top-p", "0.95", "--seed", "3", "--stats"])
+    captured = capsys.readouterr()
+    assert code == 0
+    ids = generate(model, np.array([tok.encode("the")]), 12, temperature=0.8, top_k=4, top_p=0.95, seed=3)
+    assert captured.out == "the" + tok.decode(ids[0, 3:]) + "\n"
+    assert "tokens/s" in captured.err
+
+
+def test_cli_errors_are_one_line(char_setup, tmp_path, capsys):
+    from pedestrian.checkpoint import save_checkpoint
+
+    model, tok = char_setup
+    save_checkpoint(tmp_path / "ckpt", model, tokenizer=tok, step=1)
+    code = cli.main(["sample", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "hi",
+                     "--top-p", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "top_p" in err and "Traceback" not in err
+    code = cli.main(["sample", "--checkpoint", str(tmp_path / "missing"), "--prompt", "hi"])
+    assert code == 2 and capsys.readouterr().err.startswith("error: ")
+
+
+def test_cli_needs_a_model_source(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["sample", "--prompt", "hi"])
+    assert exc.value.code == 2
+    assert "--checkpoint" in capsys.readouterr().err
