@@ -33,7 +33,10 @@ class GPTConfig:
         ln_eps: layer-norm epsilon inside the square root, ``>= 0`` (paper 0, GPT-2 1e-5).
         bias: biases on every fully connected layer and layer norm.
         tie_weights: logits use ``W_tokᵀ`` and no bias (GPT-2); else a separate
-            ``logits.weight`` (and ``logits.bias`` if ``bias``).
+            ``logits.weight`` (and ``logits.bias`` if ``logits_bias``).
+        logits_bias: ``logits.bias`` exists (untied logits only); ``None`` (default) means
+            ``bias and not tie_weights``. ``False`` with untied weights is Hugging Face's
+            ``GPT2LMHeadModel`` with ``tie_word_embeddings=False`` (its ``lm_head`` has no bias).
         causal: causal attention mask (a GPT); ``False`` gives a bidirectional encoder.
         dropout: drop probability after the embedding, the attention projection and the MLP
             (0 = off, the default).
@@ -56,6 +59,7 @@ class GPTConfig:
     tie_weights: bool = True
     causal: bool = True
     dropout: float = 0.0
+    logits_bias: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -81,6 +85,11 @@ class GPTConfig:
             raise ValueError(f"ln_eps must be >= 0 (the paper uses 0, GPT-2 1e-5), got {self.ln_eps}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.logits_bias is None:
+            object.__setattr__(self, "logits_bias", self.bias and not self.tie_weights)
+        elif self.logits_bias and self.tie_weights:
+            raise ValueError("logits_bias=True needs untied logits (tie_weights=False); tied logits "
+                             "use W_tokᵀ and no bias")
 
     @property
     def d_mlp(self) -> int:
@@ -223,7 +232,7 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     specs += ln("ln_final", "layernorm")
     if not c.tie_weights:
         specs.append(ParamSpec("logits.weight", (d, c.vocab_size), "logits", True))
-        if c.bias:
+        if c.logits_bias:
             specs.append(ParamSpec("logits.bias", (c.vocab_size,), "logits", False))
     return specs
 

@@ -1,0 +1,413 @@
+"""Checkpoints: parameters and optimizer moments in safetensors, everything else in JSON.
+
+A checkpoint is a folder (``runs/NAME/latest``, ``runs/NAME/best``)::
+
+    model.safetensors       parameters by name (all of them, or only the LoRA adapters)
+    optimizer.safetensors   AdamW moments "base.m", "base.v" (and "lora.m", "lora.v")
+    state.json              format/version, model config, dtype, step, tokenizer, dropout RNG
+                            state, optimizer step and hyper-parameters, LoRA settings, which
+                            base model an adapter-only checkpoint belongs to, the byte size and
+                            SHA-256 of both .safetensors files, and a free-form "meta" dict
+                            (the training loop keeps its settings, data RNG state, metrics there)
+
+Atomic writes: the new checkpoint is written and fsync-ed into a hidden sibling folder
+``.NAME.tmp-XXXX``; then ``NAME`` is renamed to ``.NAME.old``, the new folder renamed to
+``NAME``, and ``.NAME.old`` deleted. A kill at any moment leaves a complete checkpoint at
+``NAME`` or -- only between the two renames -- at ``.NAME.old``, which :func:`load_checkpoint`
+and the next :func:`save_checkpoint` pick up automatically. Truncated or corrupted files are
+detected by the sizes and hashes in ``state.json`` (and by safetensors' own checks) and
+reported as one clear :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import GPTConfig
+
+__all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint",
+           "copy_checkpoint", "resolve_checkpoint_dir", "read_state", "FORMAT", "VERSION"]
+
+FORMAT = "pedestrian-checkpoint"
+VERSION = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+_HINT = "re-run training, or use another checkpoint (e.g. the run's best/ or latest/ folder)"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: truncated, corrupted, or of an unknown format."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint.
+
+    Attributes:
+        path: the checkpoint folder (the one holding ``state.json``).
+        model: the :class:`~pedestrian.model.GPT`, parameters loaded, dropout RNG restored,
+            ``training`` left ``True``.
+        tokenizer: the saved tokenizer (``CharTokenizer`` / ``BPETokenizer``) or ``None``.
+        config: the :class:`~pedestrian.config.GPTConfig`.
+        step: optimizer updates done when it was saved.
+        meta: the free-form dict given to :func:`save_checkpoint` (training settings, data RNG
+            state, metrics for checkpoints written by ``pedestrian train``).
+        state: the whole parsed ``state.json``.
+    """
+
+    path: Path
+    model: Any
+    tokenizer: Any
+    config: GPTConfig
+    step: int
+    meta: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
+
+    def optimizer_state(self) -> dict:
+        """The AdamW state saved with it, for :meth:`AdamW.load_state_dict`.
+
+        Returns:
+            ``{"step": int, "base.m": ndarray, ...}``.
+
+        Raises:
+            CheckpointError: no optimizer state was saved, or the file is damaged.
+        """
+        if OPTIMIZER_FILE not in self.state.get("files", {}):
+            raise CheckpointError(f"checkpoint {self.path} holds no optimizer state (it was saved "
+                                  "for inference only); it cannot be resumed, only evaluated or sampled")
+        tensors = _read_safetensors(self.path, OPTIMIZER_FILE, self.state)
+        return {"step": int(self.state["optimizer"]["step"]), **tensors}
+
+
+# ---------------------------------------------------------------------------------------- paths
+def resolve_checkpoint_dir(path) -> Path:
+    """Find the checkpoint folder a user path stands for.
+
+    Accepts a checkpoint folder (holding ``state.json``), one of its files, or a run folder
+    (``runs/NAME``, meaning its ``latest/``). A folder missing only because a save was killed
+    between its two renames is found at ``.NAME.old``.
+
+    Raises:
+        FileNotFoundError: nothing loadable there (the message says what was expected).
+    """
+    p = Path(path).expanduser()
+    if p.is_file() and p.name in (STATE_FILE, MODEL_FILE, OPTIMIZER_FILE):
+        p = p.parent
+    for candidate in (p, p / "latest"):
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+        old = candidate.parent / f".{candidate.name}.old"
+        if not candidate.exists() and (old / STATE_FILE).is_file():
+            return old
+    raise FileNotFoundError(
+        f"no checkpoint at {p}: expected a folder holding {STATE_FILE} (e.g. runs/NAME/latest or "
+        "runs/NAME/best) or a run folder holding latest/; train one with `pedestrian train`")
+
+
+def read_state(path) -> tuple[Path, dict]:
+    """``(checkpoint folder, parsed state.json)`` without loading any tensor.
+
+    Raises:
+        FileNotFoundError: see :func:`resolve_checkpoint_dir`.
+        CheckpointError: ``state.json`` is not valid JSON or not a pedestrian checkpoint.
+    """
+    folder = resolve_checkpoint_dir(path)
+    file = folder / STATE_FILE
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {file} is truncated or corrupted ({exc}); {_HINT}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a pedestrian checkpoint (no \"format\": \"{FORMAT}\"); {_HINT}")
+    if state.get("version") != VERSION:
+        raise CheckpointError(f"{file} has checkpoint format version {state.get('version')!r}; this "
+                              f"pedestrian reads version {VERSION}. Use the matching pedestrian version.")
+    return folder, state
+
+
+# ---------------------------------------------------------------------------------------- save
+def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int = 0,
+                    meta: dict | None = None, *, params: str = "all", base: dict | None = None) -> Path:
+    """Write a checkpoint folder atomically (see the module docstring).
+
+    Args:
+        directory: the checkpoint folder to create or replace, e.g. ``runs/NAME/latest``.
+            Its parent is created if needed.
+        model: a :class:`~pedestrian.model.GPT`.
+        optimizer: an :class:`~pedestrian.optim.AdamW` whose moments and step are saved, or
+            ``None`` (an inference-only checkpoint that cannot be resumed).
+        tokenizer: saved as its ``to_dict()`` (or ``None``).
+        step: optimizer updates done.
+        meta: JSON-serialisable dict stored as is (training settings, RNG states, metrics).
+        params: ``"all"`` (every parameter) or ``"lora"`` (only the ``X.lora_D`` /
+            ``X.lora_U`` adapters: a small file that needs its base model to be loaded).
+        base: for ``params="lora"``, a JSON-serialisable description of the base model the
+            adapters belong to (e.g. ``{"source": "path/to/gpt2", "sha256": ...}``); the base
+            config is always recorded.
+
+    Returns:
+        the checkpoint folder.
+
+    Raises:
+        ValueError: ``params`` unknown, or ``"lora"`` for a model without adapters.
+        TypeError: ``meta`` not JSON-serialisable (nothing is written then).
+        OSError: the folder cannot be written (the previous checkpoint is left intact).
+    """
+    from safetensors.numpy import save_file
+
+    from .backend import to_numpy
+
+    if params not in ("all", "lora"):
+        raise ValueError(f"params must be 'all' or 'lora', got {params!r}")
+    tensors = model.state_dict()
+    if params == "lora":
+        tensors = {k: v for k, v in tensors.items() if ".lora_" in k}
+        if not tensors:
+            raise ValueError("params='lora' but the model has no LoRA adapters")
+    lora = None
+    if model._lora is not None:
+        lora = {"targets": list(model.lora_targets), "rank": int(model.lora_rank),
+                "alpha": float(model.lora_alpha), "freeze_base": bool(model.freeze_base)}
+    state = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": model.config.to_dict(),
+        "dtype": model.dtype_name,
+        "params": params,
+        "lora": lora,
+        "base": ({"config": model.config.to_dict(), **(base or {})} if params == "lora" else None),
+        "step": int(step),
+        "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
+        "dropout_rng": _rng_state(model.dropout_rng),
+        "optimizer": None,
+        "files": {},
+        "meta": meta or {},
+    }
+    opt_tensors = None
+    if optimizer is not None:
+        opt_state = optimizer.state_dict()
+        state["optimizer"] = {"step": int(opt_state["step"]), **opt_state["hyper"],
+                              "groups": [g.name for g in optimizer.groups]}
+        opt_tensors = {k: v for k, v in opt_state.items() if k not in ("step", "hyper")}
+        if params == "lora":
+            opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
+    text = json.dumps(state)  # fail early (TypeError) if meta is not serialisable
+
+    final = Path(directory).expanduser()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _recover(final)
+    tmp = _make_tmp_dir(final)
+    try:
+        save_file({k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()},
+                  str(tmp / MODEL_FILE), metadata={"format": FORMAT})
+        files = [MODEL_FILE]
+        if opt_tensors is not None:
+            save_file(opt_tensors, str(tmp / OPTIMIZER_FILE), metadata={"format": FORMAT})
+            files.append(OPTIMIZER_FILE)
+        for name in files:
+            state["files"][name] = _file_record(tmp / name)
+        text = json.dumps(state, indent=1)
+        _write_synced(tmp / STATE_FILE, text.encode("utf-8"))
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def copy_checkpoint(src, dst) -> Path:
+    """Copy checkpoint folder ``src`` to ``dst`` atomically (e.g. ``latest`` -> ``best``)."""
+    src = resolve_checkpoint_dir(src)
+    final = Path(dst).expanduser()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _recover(final)
+    tmp = _make_tmp_dir(final)
+    try:
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+                with open(tmp / f.name, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _make_tmp_dir(final: Path) -> Path:
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~_umask())          # mkdtemp makes it private (0700)
+    return tmp
+
+
+def _recover(final: Path) -> None:
+    """Finish or clean up after a save that was killed (see the module docstring)."""
+    old = final.parent / f".{final.name}.old"
+    if old.exists():
+        if final.exists():
+            shutil.rmtree(old)                 # killed after the swap: old is stale
+        else:
+            os.rename(old, final)              # killed between the renames: put it back
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)   # killed while writing: incomplete
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    old = final.parent / f".{final.name}.old"
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows cannot open folders
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _file_record(path: Path) -> dict:
+    os.chmod(path, 0o666 & ~_umask())         # safetensors creates its files 0600
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rng_state(rng: np.random.Generator) -> dict:
+    return rng.bit_generator.state
+
+
+def _restore_rng(rng: np.random.Generator, state: dict) -> None:
+    """Put a saved ``bit_generator.state`` back into ``rng``."""
+    rng.bit_generator.state = state
+
+
+# ---------------------------------------------------------------------------------------- load
+def _read_safetensors(folder: Path, name: str, state: dict, verify: bool = True) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    file = folder / name
+    record = state.get("files", {}).get(name)
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {folder} is incomplete: {name} is missing; {_HINT}")
+    if record is not None:
+        size = file.stat().st_size
+        if size != record.get("bytes"):
+            raise CheckpointError(f"checkpoint file {file} is truncated or corrupted ({size} bytes, "
+                                  f"{record.get('bytes')} expected); {_HINT}")
+        if verify and _sha256(file) != record.get("sha256"):
+            raise CheckpointError(f"checkpoint file {file} is corrupted (its SHA-256 differs from the "
+                                  f"one recorded in {STATE_FILE}); {_HINT}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint file {file} is truncated or corrupted ({exc}); {_HINT}") from None
+
+
+def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, base_model=None,
+                    verify: bool = True) -> Checkpoint:
+    """Load a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        path: a checkpoint folder, one of its files, or a run folder (its ``latest/``).
+        backend: ``"numpy"`` or ``"torch"`` for the rebuilt model.
+        dtype: ``"float32"`` / ``"float64"``; ``None`` keeps the saved dtype.
+        base_model: for an adapter-only checkpoint (``params="lora"``), the
+            :class:`~pedestrian.model.GPT` the adapters belong to (same config, no adapters
+            yet); they are added to it and it is returned as ``Checkpoint.model``.
+        verify: check the SHA-256 of ``model.safetensors`` against ``state.json`` (one pass
+            over the file).
+
+    Returns:
+        a :class:`Checkpoint`. The optimizer state is read on demand
+        (:meth:`Checkpoint.optimizer_state`).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        CheckpointError (a ``ValueError``): truncated/corrupted files, an unknown format, tensors
+            that do not match the recorded config, or an adapter-only checkpoint without (or
+            with a mismatching) ``base_model``.
+    """
+    from .model import GPT
+    from .tokenizer import load_tokenizer
+
+    folder, state = read_state(path)
+    try:
+        config = GPTConfig.from_dict(state["config"])
+        step = int(state["step"])
+        params = state.get("params", "all")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / STATE_FILE} has an invalid model config ({exc}); {_HINT}") from None
+    tensors = _read_safetensors(folder, MODEL_FILE, state, verify=verify)
+    lora = state.get("lora")
+    if params == "lora":
+        if base_model is None:
+            raise CheckpointError(
+                f"{folder} holds only LoRA adapters (base: {state.get('base')}); load it with "
+                "base_model=<the GPT they belong to>")
+        if base_model.config != config:
+            raise CheckpointError(f"the adapters in {folder} belong to a base model with config {config}, "
+                                  f"not {base_model.config}")
+        model = base_model
+    else:
+        model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend)
+    try:
+        if lora is not None:
+            model.add_lora(lora["targets"], lora["rank"], lora["alpha"], freeze_base=lora["freeze_base"])
+        if params == "lora":
+            missing = [k for k in model.params if ".lora_" in k and k not in tensors]
+            if missing:
+                raise ValueError(f"missing adapters {missing}")
+        model.load_state_dict(tensors, strict=(params == "all"))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"the tensors in {folder / MODEL_FILE} do not match the config in its "
+                              f"{STATE_FILE} ({exc}); {_HINT}") from None
+    if state.get("dropout_rng") is not None:
+        _restore_rng(model.dropout_rng, state["dropout_rng"])
+    tokenizer = load_tokenizer(state["tokenizer"]) if state.get("tokenizer") is not None else None
+    return Checkpoint(path=folder, model=model, tokenizer=tokenizer, config=config, step=step,
+                      meta=state.get("meta") or {}, state=state)

@@ -1,0 +1,67 @@
+"""Write a model as a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer),
+or its LoRA adapters as a PEFT directory.
+
+Sources:
+  --checkpoint CKPT          a full checkpoint of `pedestrian train` (adapters, if any, merged)
+  --adapter RUN              a `pedestrian finetune` run (or its adapter/ checkpoint); the base is
+                             the --hf-dir recorded in it (or --hf-dir BASE)
+
+Examples:
+  pedestrian export-hf --checkpoint runs/shakespeare_char/best --out shakespeare-gpt2
+  pedestrian export-hf --adapter runs/ft --out gpt2-ft              # base + adapters, merged
+  pedestrian export-hf --adapter runs/ft --format peft --out ft-peft # only the adapters
+
+transformers then reads the result with GPT2LMHeadModel.from_pretrained(OUT) (and, for
+--format peft, peft.PeftModel.from_pretrained(base, OUT)).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="CKPT", help="a full checkpoint (e.g. runs/NAME/best)")
+    src.add_argument("--adapter", metavar="RUN", help="a finetune run folder or its adapter/ checkpoint")
+    parser.add_argument("--hf-dir", metavar="DIR", help="base model of --adapter (default: the recorded one)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--format", choices=["model", "peft"], default="model",
+                        help="model: a GPT-2 directory with adapters merged (default); "
+                             "peft: only the adapters, as a PEFT directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UserError
+    from ..interop.hf import save_pretrained
+    from ..interop.peft import save_peft_adapter
+
+    if args.hf_dir and not args.adapter:
+        raise UserError("--hf-dir names the base model of --adapter; with --checkpoint leave it out")
+    base_name = None
+    if args.adapter:
+        from ..finetune import adapter_base, load_finetuned
+
+        model, tokenizer = load_finetuned(args.adapter, args.hf_dir)
+        base_name = args.hf_dir or adapter_base(args.adapter).get("hf_dir")
+    else:
+        from ..checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(args.checkpoint)
+        model, tokenizer = ckpt.model, ckpt.tokenizer
+    if args.format == "peft":
+        if not model.lora_targets:
+            raise UserError("this model has no LoRA adapters; use --format model")
+        out = save_peft_adapter(model, args.out, base_model_name_or_path=base_name, overwrite=args.overwrite)
+        print(f"wrote the PEFT adapter ({len(model.lora_targets)} layers, r={model.lora_rank}, "
+              f"alpha={model.lora_alpha:g}) to {out}")
+        return 0
+    if model.lora_targets:
+        try:
+            model.merge_lora()
+        except ValueError as exc:
+            raise UserError(f"{exc}; export the adapters alone with --format peft") from None
+    out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
+    print(f"wrote a Hugging Face GPT-2 ({model.num_params():,} parameters) to {out}")
+    return 0

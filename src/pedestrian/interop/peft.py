@@ -1,0 +1,389 @@
+"""PEFT LoRA adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Hugging Face PEFT adds ``scaling · x Aᵀ Bᵀ`` to a module, with ``A`` of shape ``(r, f_in)``
+(``lora_A.weight``), ``B`` of shape ``(f_out, r)`` (``lora_B.weight``) and
+``scaling = lora_alpha / r`` (``lora_alpha / √r`` with ``use_rslora``; per-module values from
+``rank_pattern`` / ``alpha_pattern``). pedestrian adds ``α · x D U`` (paper section 6, plain
+scalar ``α``), so ``D = Aᵀ``, ``U = Bᵀ`` and ``α = scaling`` (EQUATIONS.md, "LoRA").
+
+Modules (HF GPT-2 -> pedestrian FC layer)::
+
+    transformer.h.{i}.attn.c_attn  -> blocks.{i}.attn.q, .k, .v   (output columns [q | k | v])
+    transformer.h.{i}.attn.c_proj  -> blocks.{i}.attn_proj
+    transformer.h.{i}.mlp.c_fc     -> blocks.{i}.mlp_expand
+    transformer.h.{i}.mlp.c_proj   -> blocks.{i}.mlp_contract
+    lm_head                        -> logits
+
+GPT-2 fuses q, k, v in one ``c_attn`` module, so a PEFT adapter on it is shared:
+
+- import: ``D_q = D_k = D_v = Aᵀ`` and ``U_q, U_k, U_v`` are the column blocks of ``Bᵀ`` (exact);
+- export: the adapters pedestrian has on some of q, k, v of a block become one ``c_attn`` adapter
+  of rank ``n·r`` (``n`` adapted parts): ``A`` stacks their ``Dᵀ``, ``B`` is block-diagonal in
+  their ``Uᵀ`` (exact); ``rank_pattern`` / ``alpha_pattern`` give that module ``n·r`` and
+  ``lora_alpha = α·n·r``. The file's metadata records the layout, so importing a file written
+  here gives back the very same adapters.
+
+pedestrian has one rank and one ``α`` for all adapters. On import, adapters of smaller rank are
+padded with zero columns of ``D`` and zero rows of ``U`` (the product is unchanged, and those
+entries get zero gradients, so they stay zero), and a module whose scaling differs from the
+first module's has the ratio folded into its ``U`` (same outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from ..backend import to_numpy
+from ..config import GPTConfig, fc_layers
+from .hf import _listing, _SafetensorsFile, _torch_load, _json_writer, write_dir_atomically
+
+__all__ = ["load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
+           "lora_state_to_peft", "peft_module", "peft_scaling"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_META_KEY = "pedestrian_lora"
+_MODULE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$")
+_HF_TO_FC = {"attn.c_proj": "attn_proj", "mlp.c_fc": "mlp_expand", "mlp.c_proj": "mlp_contract"}
+_FC_TO_HF = {v: k for k, v in _HF_TO_FC.items()}
+_UNSUPPORTED = {  # adapter_config.json option -> value pedestrian needs
+    "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
+    "target_parameters": None, "trainable_token_indices": None, "layer_replication": None,
+}
+
+
+def peft_module(fc: str) -> tuple[str, str | None]:
+    """pedestrian FC layer -> ``(PEFT module name, part of c_attn or None)``.
+
+    ``"blocks.0.attn.k"`` -> ``("transformer.h.0.attn.c_attn", "k")``,
+    ``"logits"`` -> ``("lm_head", None)``.
+    """
+    if fc == "logits":
+        return "lm_head", None
+    _, i, rest = fc.split(".", 2)
+    if rest.startswith("attn."):
+        return f"transformer.h.{i}.attn.c_attn", rest[len("attn."):]
+    return f"transformer.h.{i}.{_FC_TO_HF[rest]}", None
+
+
+def _pattern_value(patterns: Mapping, module: str, default):
+    """PEFT's rule (``peft.utils.other.get_pattern_key``): the first key ``k`` for which
+    ``re.match(rf"(.*\\.)?({k})$", module)`` matches gives the value."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def peft_scaling(peft_config: Mapping, module: str, rank: int) -> float:
+    """PEFT's ``scaling`` of one module: ``lora_alpha / r`` (``/ √r`` with ``use_rslora``),
+    with ``alpha_pattern`` applied; this is pedestrian's ``α`` for that module."""
+    alpha = _pattern_value(peft_config.get("alpha_pattern"), module, peft_config.get("lora_alpha", 8))
+    denom = math.sqrt(rank) if peft_config.get("use_rslora") else rank
+    return float(alpha) / denom
+
+
+# ------------------------------------------------------------------------------------ reading
+def read_peft_adapter(adapter_dir) -> tuple[dict, dict[str, np.ndarray], dict]:
+    """``(adapter_config, tensors, metadata)`` of a PEFT adapter directory.
+
+    Reads ``adapter_model.safetensors`` (or ``adapter_model.bin`` through PyTorch).
+
+    Raises:
+        FileNotFoundError: no directory, ``adapter_config.json`` or weights file.
+        ValueError: unreadable files, or a ``peft_type`` other than ``"LORA"``.
+    """
+    d = Path(adapter_dir).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(f"PEFT adapter directory not found: {d} is not a directory")
+    cfg_path = d / ADAPTER_CONFIG
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{d} is not a PEFT adapter: it has no {ADAPTER_CONFIG}")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} does not hold a JSON object")
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{cfg_path} has peft_type {cfg.get('peft_type')!r}; pedestrian reads only "
+                         "LoRA adapters (peft_type 'LORA')")
+    st = d / ADAPTER_WEIGHTS
+    if st.is_file():
+        f = _SafetensorsFile(st)
+        tensors = {k: f.get(k) for k in f.entries}
+        from safetensors import safe_open
+
+        with safe_open(str(st), framework="numpy") as h:
+            metadata = h.metadata() or {}
+        return cfg, tensors, metadata
+    if (d / "adapter_model.bin").is_file():
+        return cfg, _torch_load(d / "adapter_model.bin"), {}
+    raise FileNotFoundError(f"{d} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} (or adapter_model.bin)")
+
+
+def _base_weight_np(model, name: str) -> np.ndarray | None:
+    """The base tensor a PEFT file may carry a copy of (HF layout), for the same-base check."""
+    if name == "lm_head.base_layer.weight" or name == "lm_head.weight":
+        w = model.params["tok_emb.weight"] if model.config.tie_weights else model.params["logits.weight"]
+        w = np.asarray(to_numpy(w))
+        return w if model.config.tie_weights else w.T
+    if name in ("transformer.wte.weight", "wte.weight"):
+        return np.asarray(to_numpy(model.params["tok_emb.weight"]))
+    return None
+
+
+def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray], config: GPTConfig, *,
+                         metadata: Mapping | None = None, model=None,
+                         source: str = "the adapter") -> tuple[dict[str, np.ndarray], int, float]:
+    """PEFT tensors -> pedestrian adapters ``(lora_state, rank, alpha)``, fully validated.
+
+    Args:
+        peft_config: the parsed ``adapter_config.json``.
+        tensors: ``adapter_model`` tensors by name (``base_model.model.`` prefix optional).
+        config: the base model's config.
+        metadata: the safetensors metadata (a pedestrian layout record, if any).
+        model: the base model, to compare any base weights the file carries (PEFT stores
+            ``lm_head.base_layer.weight`` when ``lm_head`` is adapted and tied).
+        source: how to name the adapter in messages.
+
+    Returns:
+        ``X.lora_D (f_in, rank)`` / ``X.lora_U (rank, f_out)`` arrays (float64), the common
+        ``rank`` and ``α`` (see the module docstring for padding and folding).
+
+    Raises:
+        ValueError: unsupported PEFT options, modules the base does not have, missing
+            ``lora_A``/``lora_B``, shapes that do not fit the base, base weights that differ,
+            anything else in the file -- every problem in one message.
+    """
+    problems = []
+    for key, ok in _UNSUPPORTED.items():
+        value = peft_config.get(key, ok)
+        if value != ok and (ok or value):           # null / false / [] all mean "off"
+            problems.append(f"{key}={value!r} (pedestrian supports only {key}={ok!r})")
+    shapes = {name: (f_in, f_out) for name, f_in, f_out in fc_layers(config)}
+    hq, hv = config.n_heads * config.d_qk, config.n_heads * config.d_head
+    cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    unexpected, base_mismatch = [], []
+    for key, value in tensors.items():
+        name = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        m = re.match(r"^(.*)\.(lora_A|lora_B)\.weight$", name)
+        if m:
+            modules.setdefault(m.group(1), {})[m.group(2)] = np.asarray(value)
+            continue
+        base = _base_weight_np(model, name) if model is not None else None
+        if base is not None or name in ("lm_head.base_layer.weight", "transformer.wte.weight"):
+            if base is not None:
+                v = np.asarray(value, dtype=np.float64)
+                if v.shape != base.shape or not np.allclose(v, base, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(base).max())):
+                    base_mismatch.append(name)
+            continue
+        unexpected.append(key)
+    if unexpected:
+        problems.append(f"unsupported tensors {_listing(unexpected)}")
+    if base_mismatch:
+        problems.append(f"the adapter's copy of {base_mismatch} differs from this model's weights "
+                        "(the adapter was trained on a different base model)")
+    per_fc: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}   # fc -> (D, U, scaling)
+    layout = _read_layout(metadata)
+    for module, ab in modules.items():
+        if "lora_A" not in ab or "lora_B" not in ab:
+            problems.append(f"{module} has only {sorted(ab)} (needs lora_A and lora_B)")
+            continue
+        A, B = ab["lora_A"], ab["lora_B"]
+        targets = _fc_of_module(module, config)
+        if targets is None:
+            problems.append(f"{module} is not a module of this base (a GPT-2 with {config.n_blocks} "
+                            "blocks has transformer.h.{i}.attn.c_attn / attn.c_proj / mlp.c_fc / "
+                            "mlp.c_proj and lm_head)")
+            continue
+        f_in = shapes[targets[0]][0]
+        f_out = sum(shapes[t][1] for t in targets)
+        if A.ndim != 2 or B.ndim != 2 or A.shape[1] != f_in or B.shape[0] != f_out or A.shape[0] != B.shape[1]:
+            problems.append(f"{module}: lora_A {A.shape}, lora_B {B.shape} do not fit the base layer "
+                            f"(needs lora_A (r, {f_in}), lora_B ({f_out}, r))")
+            continue
+        rank = A.shape[0]
+        expected_rank = _pattern_value(peft_config.get("rank_pattern"), module, peft_config.get("r", rank))
+        if expected_rank != rank:
+            problems.append(f"{module}: tensors have rank {rank} but adapter_config.json says {expected_rank}")
+            continue
+        scaling = peft_scaling(peft_config, module, rank)
+        if len(targets) == 1:
+            per_fc[targets[0]] = (A.T, B.T, scaling)
+            continue
+        parts = layout.get("c_attn_parts", {}).get(module)
+        r = layout.get("rank")
+        if parts and r and rank == len(parts) * r and _is_block_diagonal(B, parts, r, cols):
+            for j, part in enumerate(parts):
+                lo, hi = cols[part]
+                per_fc[f"{targets[0].rsplit('.', 1)[0]}.{part}"] = (
+                    A[j * r:(j + 1) * r].T, B[lo:hi, j * r:(j + 1) * r].T, scaling)
+        else:
+            for fc in targets:
+                lo, hi = cols[fc.rsplit(".", 1)[1]]
+                per_fc[fc] = (A.T, B[lo:hi].T, scaling)
+    if not modules and not problems:
+        problems.append("it holds no lora_A / lora_B tensors")
+    if problems:
+        raise ValueError(f"{source} does not fit this model ({config.n_blocks} blocks, d_model="
+                         f"{config.d_model}, vocab_size={config.vocab_size}): " + "; ".join(problems)
+                         + ". Nothing was loaded.")
+    order = [name for name, _, _ in fc_layers(config)]
+    fcs = sorted(per_fc, key=order.index)
+    rank = max(per_fc[fc][0].shape[1] for fc in fcs)
+    alpha = float(layout["alpha"]) if "alpha" in layout else per_fc[fcs[0]][2]
+    state = {}
+    for fc in fcs:
+        D, U, scaling = per_fc[fc]
+        r = D.shape[1]
+        D_full = np.zeros((D.shape[0], rank))
+        U_full = np.zeros((rank, U.shape[1]))
+        D_full[:, :r] = D
+        U_full[:r] = U if math.isclose(scaling, alpha, rel_tol=1e-12) else U * (scaling / alpha)
+        state[f"{fc}.lora_D"], state[f"{fc}.lora_U"] = D_full, U_full
+    return state, rank, alpha
+
+
+def _read_layout(metadata: Mapping | None) -> dict:
+    try:
+        layout = json.loads((metadata or {}).get(_META_KEY, "{}"))
+    except (TypeError, ValueError):
+        return {}
+    return layout if isinstance(layout, dict) and layout.get("version") == 1 else {}
+
+
+def _is_block_diagonal(B: np.ndarray, parts, r: int, cols) -> bool:
+    mask = np.ones(B.shape, dtype=bool)
+    for j, part in enumerate(parts):
+        lo, hi = cols[part]
+        mask[lo:hi, j * r:(j + 1) * r] = False
+    return not np.any(B[mask])
+
+
+def _fc_of_module(module: str, config: GPTConfig) -> list[str] | None:
+    if module in ("lm_head",):
+        return ["logits"]
+    m = _MODULE.match(module)
+    if m is None or int(m.group(1)) >= config.n_blocks:
+        return None
+    i, kind = int(m.group(1)), m.group(2)
+    if kind == "attn.c_attn":
+        return [f"blocks.{i}.attn.{p}" for p in "qkv"]
+    return [f"blocks.{i}.{_HF_TO_FC[kind]}"]
+
+
+def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
+    """Attach the LoRA adapters of a PEFT directory to ``model`` (all or nothing).
+
+    Args:
+        model: a :class:`~pedestrian.model.GPT` holding the base the adapter was trained on
+            (e.g. from :func:`pedestrian.interop.hf.load_pretrained`), without adapters.
+        adapter_dir: directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        freeze_base: as in :meth:`~pedestrian.model.GPT.add_lora`.
+
+    Afterwards ``model``'s logits equal those of the HF model with the adapter applied by PEFT.
+
+    Raises:
+        FileNotFoundError: missing files. ValueError: the model already has adapters, or the
+            adapter does not fit this base (see :func:`lora_state_from_peft`); the model is
+            left unchanged.
+    """
+    cfg, tensors, metadata = read_peft_adapter(adapter_dir)
+    state, rank, alpha = lora_state_from_peft(cfg, tensors, model.config, metadata=metadata, model=model,
+                                              source=f"the PEFT adapter {adapter_dir}")
+    if model.lora_targets:
+        raise ValueError("the model already has LoRA adapters; merge_lora() or remove_lora() first")
+    targets = sorted({k.rsplit(".", 1)[0] for k in state}, key=[n for n, _, _ in fc_layers(model.config)].index)
+    model.add_lora(targets, rank, alpha, freeze_base=freeze_base)
+    model.load_state_dict(state, strict=False)
+
+
+# ------------------------------------------------------------------------------------ writing
+def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
+                       ) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
+    """``(adapter_config, tensors, metadata)`` of ``model``'s adapters in PEFT's format.
+
+    Non-fused layers: ``lora_A = Dᵀ``, ``lora_B = Uᵀ``, ``r`` = the model's rank,
+    ``lora_alpha = α·r``. ``c_attn``: see the module docstring.
+
+    Raises:
+        ValueError: the model has no adapters, or its base is not a Hugging Face GPT-2
+            (:func:`pedestrian.interop.hf.export_problems`).
+    """
+    from .hf import export_problems
+
+    if not model.lora_targets:
+        raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
+    problems = export_problems(model.config)
+    if problems:
+        raise ValueError("PEFT adapters apply to a Hugging Face GPT-2, and this base is not one: "
+                         + "; ".join(problems))
+    r, alpha = model.lora_rank, model.lora_alpha
+    P = {k: np.asarray(to_numpy(v)) for k, v in model.params.items() if ".lora_" in k}
+    hq, hv = model.config.n_heads * model.config.d_qk, model.config.n_heads * model.config.d_head
+    cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
+    grouped: dict[str, list[tuple[str, str | None]]] = {}
+    for fc in model.lora_targets:
+        module, part = peft_module(fc)
+        grouped.setdefault(module, []).append((fc, part))
+    tensors, rank_pattern, alpha_pattern, parts_of = {}, {}, {}, {}
+    for module, members in grouped.items():
+        if members[0][1] is None:
+            fc = members[0][0]
+            A, B = P[f"{fc}.lora_D"].T, P[f"{fc}.lora_U"].T
+        else:
+            n = len(members)
+            A = np.concatenate([P[f"{fc}.lora_D"].T for fc, _ in members], axis=0)
+            B = np.zeros((2 * hq + hv, n * r), dtype=A.dtype)
+            for j, (fc, part) in enumerate(members):
+                lo, hi = cols[part]
+                B[lo:hi, j * r:(j + 1) * r] = P[f"{fc}.lora_U"].T
+            parts_of[module] = [part for _, part in members]
+            if n != 1:
+                rank_pattern[module], alpha_pattern[module] = n * r, alpha * n * r
+        tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(A)
+        tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(B)
+    conv1d = any(m != "lm_head" for m in grouped)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r, "lora_alpha": alpha * r, "lora_dropout": 0.0, "use_rslora": False, "use_dora": False,
+        "target_modules": list(grouped), "fan_in_fan_out": conv1d, "bias": "none",
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+        "layers_to_transform": None, "layers_pattern": None,
+    }
+    meta = {"format": "pt", _META_KEY: json.dumps({"version": 1, "rank": r, "alpha": alpha,
+                                                   "c_attn_parts": parts_of})}
+    return config, tensors, meta
+
+
+def save_peft_adapter(model, out_dir, *, base_model_name_or_path: str | None = None,
+                      overwrite: bool = False) -> Path:
+    """Write ``model``'s LoRA adapters as a PEFT adapter directory (atomically).
+
+    ``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), out_dir)`` then gives the
+    same logits as ``model``; :func:`load_peft_adapter` gives back the same adapters.
+
+    Args:
+        base_model_name_or_path: recorded in ``adapter_config.json`` (where PEFT finds the base).
+        overwrite: replace the files of an existing non-empty directory.
+
+    Raises:
+        ValueError: see :func:`lora_state_to_peft`; output problems (non-empty directory).
+    """
+    from safetensors.numpy import save_file
+
+    config, tensors, meta = lora_state_to_peft(model, base_model_name_or_path=base_model_name_or_path)
+    writers = {ADAPTER_CONFIG: _json_writer(config),
+               ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata=meta)}
+    return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=("adapter_model.bin",))

@@ -1,0 +1,233 @@
+"""Checkpoints: round trip, atomic replacement (a kill at any moment leaves one loadable),
+damaged files detected, adapter-only (LoRA) checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pedestrian import checkpoint as ck
+from pedestrian.checkpoint import CheckpointError, copy_checkpoint, load_checkpoint, save_checkpoint
+from pedestrian.config import GPTConfig
+from pedestrian.model import GPT
+from pedestrian.optim import AdamW
+from pedestrian.tokenizer import CharTokenizer
+
+CFG = GPTConfig(vocab_size=7, context_length=6, d_model=8, n_heads=2, n_blocks=1, dropout=0.1)
+X = np.array([[0, 1, 2, 3, 4, 5]])
+Y = np.array([[1, 2, 3, 4, 5, 6]])
+
+
+def _trained(seed=0, steps=2, dtype="float32"):
+    model = GPT(CFG, seed=seed, dtype=dtype)
+    opt = AdamW(model, lr=1e-2)
+    for _ in range(steps):
+        model.loss(X, Y)
+        model.backward()
+        opt.step()
+    return model, opt
+
+
+def _files(folder):
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def test_round_trip(tmp_path):
+    model, opt = _trained()
+    tok = CharTokenizer(list("abcdefg"))
+    path = save_checkpoint(tmp_path / "latest", model, opt, tok, step=2, meta={"note": "x", "n": [1, 2]})
+    assert sorted(os.listdir(path)) == ["model.safetensors", "optimizer.safetensors", "state.json"]
+    c = load_checkpoint(tmp_path)                        # the run folder means its latest/
+    assert c.path == path and c.step == 2 and c.config == CFG and c.meta == {"note": "x", "n": [1, 2]}
+    assert c.tokenizer == tok
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(c.model.params[k], v)
+    assert c.model.dtype_name == "float32"
+    # the dropout RNG continues where it was
+    assert c.model.dropout_rng.random() == model.dropout_rng.random()
+    state = c.optimizer_state()
+    fresh = AdamW(c.model, lr=1e-2)
+    fresh.load_state_dict(state)
+    assert fresh.step_count == 2
+    np.testing.assert_array_equal(fresh.m[0], opt.m[0])
+    assert list(os.listdir(tmp_path)) == ["latest"]      # no temporary folders left behind
+
+
+def test_other_backend_and_dtype(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "c", model, opt, None, step=2)
+    c = load_checkpoint(tmp_path / "c", backend="torch", dtype="float64")
+    assert str(c.model.flat.dtype) == "torch.float64"
+    np.testing.assert_allclose(c.model.flat.numpy(), model.flat, rtol=1e-7)
+    assert c.tokenizer is None
+
+
+def test_replace_keeps_one_loadable_checkpoint_at_every_moment(tmp_path, monkeypatch):
+    """Kill the second save at each stage: while writing files, between the two renames, and
+    before the old folder is deleted. Every time the checkpoint still loads (old or new)."""
+    m1, o1 = _trained(seed=1)
+    m2, o2 = _trained(seed=2)
+    final = tmp_path / "latest"
+    save_checkpoint(final, m1, o1, None, step=1)
+    original = _files(final)
+
+    class Killed(BaseException):
+        pass
+
+    # 1. killed while writing the optimizer file
+    import safetensors.numpy as stn
+
+    calls = {"n": 0}
+    real_save_file = stn.save_file
+
+    def dying_save_file(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Killed()
+        return real_save_file(*a, **k)
+
+    monkeypatch.setattr(stn, "save_file", dying_save_file)
+    with pytest.raises(Killed):
+        save_checkpoint(final, m2, o2, None, step=2)
+    monkeypatch.setattr(stn, "save_file", real_save_file)
+    assert _files(final) == original and load_checkpoint(final).step == 1
+
+    # 2. killed between "latest -> .latest.old" and ".tmp -> latest"
+    real_rename = os.rename
+    seen = []
+
+    def dying_rename(src, dst):
+        seen.append((str(src), str(dst)))
+        if len(seen) == 2:
+            raise Killed()
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ck.os, "rename", dying_rename)
+    with pytest.raises(Killed):
+        save_checkpoint(final, m2, o2, None, step=2)
+    monkeypatch.setattr(ck.os, "rename", real_rename)
+    assert not final.exists()
+    c = load_checkpoint(final)                           # found at .latest.old
+    assert c.step == 1
+    np.testing.assert_array_equal(c.model.flat, m1.flat)
+    assert load_checkpoint(tmp_path).step == 1           # also through the run folder
+
+    # the next save recovers the old folder first, then replaces it
+    save_checkpoint(final, m2, o2, None, step=2)
+    assert load_checkpoint(final).step == 2
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+
+    # 3. killed after the swap, before the old copy is removed: the new one is in place
+    real_rmtree = ck.shutil.rmtree
+
+    def dying_rmtree(path, *a, **k):
+        if str(path).endswith(".latest.old"):
+            raise Killed()
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(ck.shutil, "rmtree", dying_rmtree)
+    with pytest.raises(Killed):
+        save_checkpoint(final, m1, o1, None, step=3)
+    monkeypatch.setattr(ck.shutil, "rmtree", real_rmtree)
+    assert load_checkpoint(final).step == 3
+    save_checkpoint(final, m1, o1, None, step=4)         # cleans the stale .latest.old
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+
+
+def test_copy_checkpoint(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path / "latest", model, opt, None, step=5)
+    copy_checkpoint(tmp_path / "latest", tmp_path / "best")
+    assert _files(tmp_path / "best") == _files(tmp_path / "latest")
+    assert load_checkpoint(tmp_path / "best").step == 5
+
+
+@pytest.mark.parametrize("damage", ["truncate_model", "flip_model", "truncate_optimizer", "state_json",
+                                    "missing_model", "foreign_tensors"])
+def test_damaged_checkpoint_is_a_clear_error(tmp_path, damage):
+    model, opt = _trained()
+    folder = save_checkpoint(tmp_path / "latest", model, opt, None, step=2)
+    f = folder / "model.safetensors"
+    if damage == "truncate_model":
+        f.write_bytes(f.read_bytes()[:-100])
+    elif damage == "flip_model":
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    elif damage == "truncate_optimizer":
+        g = folder / "optimizer.safetensors"
+        g.write_bytes(g.read_bytes()[:50])
+    elif damage == "state_json":
+        s = folder / "state.json"
+        s.write_text(s.read_text()[:200])
+    elif damage == "missing_model":
+        f.unlink()
+    elif damage == "foreign_tensors":
+        # a model file from another config, with its record updated so only the shapes differ
+        other = GPT(GPTConfig(vocab_size=7, context_length=6, d_model=4, n_heads=2, n_blocks=1))
+        save_checkpoint(tmp_path / "other", other, None, None)
+        f.write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
+        s = folder / "state.json"
+        state = json.loads(s.read_text())
+        state["files"]["model.safetensors"] = ck._file_record(f)
+        s.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError) as info:
+        c = load_checkpoint(folder)
+        c.optimizer_state()
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert str(folder) in msg
+    if damage == "foreign_tensors":
+        assert "do not match" in msg
+    else:
+        assert any(w in msg for w in ("truncated", "corrupted", "missing"))
+    assert "re-run training" in msg
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="state.json"):
+        load_checkpoint(tmp_path / "empty")
+
+
+def test_lora_adapter_only_checkpoint(tmp_path):
+    base = GPT(CFG, seed=4, dtype="float64")
+    model = GPT(CFG, seed=4, dtype="float64")
+    model.add_lora(["q", "v"], rank=2, alpha=2.0, seed=1, freeze_base=True)
+    opt = AdamW(model, lr=1e-2)
+    model.training = False
+    for _ in range(2):
+        model.loss(X, Y)
+        model.backward()
+        opt.step()
+    folder = save_checkpoint(tmp_path / "adapter", model, opt, None, step=2, params="lora",
+                             base={"source": "test base, seed 4"})
+    state = json.loads((folder / "state.json").read_text())
+    assert state["params"] == "lora" and state["base"]["source"] == "test base, seed 4"
+    assert state["base"]["config"] == CFG.to_dict()
+    assert state["lora"] == {"targets": ["blocks.0.attn.q", "blocks.0.attn.v"], "rank": 2, "alpha": 2.0,
+                             "freeze_base": True}
+    from safetensors.numpy import load_file
+
+    assert sorted(load_file(str(folder / "model.safetensors"))) == sorted(model.lora_state_dict())
+    assert sorted(load_file(str(folder / "optimizer.safetensors"))) == ["lora.m", "lora.v"]
+    with pytest.raises(CheckpointError, match="only LoRA adapters"):
+        load_checkpoint(folder)
+    c = load_checkpoint(folder, base_model=base)
+    c.model.training = False
+    np.testing.assert_allclose(c.model.forward(X), model.forward(X), rtol=1e-13)
+    wrong = GPT(GPTConfig(vocab_size=7, context_length=6, d_model=4, n_heads=2, n_blocks=1))
+    with pytest.raises(CheckpointError, match="belong to a base model"):
+        load_checkpoint(folder, base_model=wrong)
+
+
+def test_meta_must_be_json(tmp_path):
+    model, opt = _trained()
+    with pytest.raises(TypeError):
+        save_checkpoint(tmp_path / "c", model, opt, None, meta={"x": object()})
+    assert not (tmp_path / "c").exists()

@@ -1,0 +1,177 @@
+"""`pedestrian finetune` and `pedestrian export-hf` end to end on a tiny GPT-2 directory:
+the loss goes down, only the adapters move, the outputs load in transformers / peft, and
+bad input ends with one `error:` line and nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hf_fixtures import TEXT, hf_logits, hf_model, save_hf_dir, tiny_tokenizer, transformers
+
+from pedestrian import cli
+from pedestrian.checkpoint import save_checkpoint
+from pedestrian.finetune import adapter_base, load_finetuned
+from pedestrian.interop.hf import load_hf_model, load_pretrained
+from pedestrian.interop.peft import read_peft_adapter
+from pedestrian.model import GPT
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:peft"),
+              pytest.mark.filterwarnings("ignore::FutureWarning:transformers")]
+
+X = np.random.default_rng(3).integers(0, 300, size=(2, 16))
+
+
+def main(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One fine-tuning run: (tmp folder, base dir, run dir)."""
+    tmp = tmp_path_factory.mktemp("ft")
+    base = save_hf_dir(hf_model(seed=4), tmp / "base")
+    data = tmp / "data.txt"
+    data.write_text(TEXT * 3, encoding="utf-8")
+    code = cli.main(["finetune", "--hf-dir", str(base), "--data", str(data), "--lora-rank", "4",
+                     "--lora-alpha", "2", "--lora-targets", "q", "v", "mlp_expand", "--max-steps", "40",
+                     "--context-length", "32", "--batch-size", "4", "--lr", "1e-2", "--eval-interval", "20",
+                     "--eval-batches", "4", "--out", str(tmp / "run"), "--no-progress", "--no-plot"])
+    assert code == 0
+    return tmp, base, tmp / "run"
+
+
+def test_finetune_lowers_the_validation_loss(run):
+    _, _, out = run
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 40 and len(val) == 3                       # steps 0, 20, 40
+    assert val[-1] < val[0] - 0.05
+
+
+def test_only_adapters_are_saved_and_the_base_is_untouched(run):
+    _, base, out = run
+    state = json.loads((out / "adapter" / "state.json").read_text())
+    assert state["params"] == "lora" and state["lora"]["rank"] == 4 and state["lora"]["alpha"] == 2.0
+    assert state["optimizer"]["groups"] == ["lora"]
+    assert adapter_base(out)["hf_dir"] == str(base.resolve())
+    adapter_bytes = (out / "adapter" / "model.safetensors").stat().st_size
+    assert adapter_bytes < 0.15 * (base / "model.safetensors").stat().st_size
+    model, tok = load_finetuned(out)
+    assert tok.encode(TEXT) == tiny_tokenizer().encode(TEXT)
+    assert model.lora_targets == [f"blocks.{i}.{k}" for i in range(2) for k in ("attn.q", "attn.v", "mlp_expand")]
+    original = load_hf_model(base)
+    for k, v in original.params.items():
+        np.testing.assert_array_equal(model.params[k], v)
+    assert any(np.any(v != 0) for k, v in model.lora_state_dict().items() if k.endswith("lora_U"))
+
+
+def test_peft_output_matches_in_transformers(run):
+    peft = pytest.importorskip("peft")
+    _, base, out = run
+    model, _ = load_finetuned(out)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(base)).eval()
+    with_adapter = peft.PeftModel.from_pretrained(hf, str(out / "peft")).eval()
+    assert np.max(np.abs(hf_logits(with_adapter, X) - model.forward(X))) <= 1e-5
+
+
+def test_export_merged_model_and_sample_from_it(run, capsys):
+    tmp, _, out = run
+    code, stdout, _ = main(capsys, "export-hf", "--adapter", out, "--out", tmp / "merged")
+    assert code == 0 and "wrote a Hugging Face GPT-2" in stdout
+    model, _ = load_finetuned(out)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp / "merged")).eval()
+    assert np.max(np.abs(hf_logits(hf, X) - model.forward(X))) <= 1e-5
+    code, stdout, _ = main(capsys, "sample", "--hf-dir", tmp / "merged", "--prompt", "the quick",
+                           "--max-new-tokens", "5", "--temperature", "0", "--ignore-eot")
+    assert code == 0 and stdout.startswith("the quick")
+    code, stdout, _ = main(capsys, "export-hf", "--adapter", out / "adapter", "--format", "peft",
+                           "--out", tmp / "peft2")
+    assert code == 0
+    (cfg_a, tensors_a, meta_a), (cfg_b, tensors_b, meta_b) = (read_peft_adapter(tmp / "peft2"),
+                                                             read_peft_adapter(out / "peft"))
+    assert cfg_a == cfg_b and meta_a == meta_b and tensors_a.keys() == tensors_b.keys()
+    for k, v in tensors_a.items():
+        np.testing.assert_array_equal(v, tensors_b[k])
+
+
+def test_export_full_checkpoint(tmp_path, capsys):
+    tok = tiny_tokenizer()
+    from pedestrian.config import GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=32, d_model=16, n_heads=2, n_blocks=1,
+                          activation="gelu"), seed=5)
+    save_checkpoint(tmp_path / "ckpt", model, None, tok)
+    code, _, _ = main(capsys, "export-hf", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "hf")
+    assert code == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.activation_function == "gelu"
+    assert np.max(np.abs(hf_logits(hf, X) - model.forward(X))) <= 1e-5
+    back, back_tok = load_pretrained(tmp_path / "hf")
+    assert back_tok == tok
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(back.params[k], v)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def one_error_line(code, err, *fragments):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def test_finetune_bad_input(run, tmp_path, capsys):
+    tmp, base, _ = run
+    data = tmp / "data.txt"
+    (tmp_path / "short.txt").write_text("the quick", encoding="utf-8")
+    new = tmp_path / "new"
+    common = ["--data", data, "--out", new, "--no-progress", "--max-steps", "2"]
+    one_error_line(*main(capsys, "finetune", "--hf-dir", tmp_path, "--lora-rank", "2", *common)[::2],
+                   "no config.json")
+    one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "0", *common)[::2],
+                   "--lora-rank must be a positive integer")
+    one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "2", "--context-length", "65",
+                         *common)[::2], "longer than the model's context (64 positions)")
+    one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "2", "--lora-targets", "wq",
+                         *common)[::2], "unknown LoRA target 'wq'")
+    one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "2", "--data",
+                         tmp_path / "short.txt", "--out", new)[::2], "too short")
+    assert not new.exists()                                        # nothing written
+    one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "2", "--data", data,
+                         "--out", tmp / "run")[::2], "already holds a run")
+
+
+def test_export_bad_input(run, tmp_path, capsys):
+    tmp, _, out = run
+    other = save_hf_dir(hf_model(seed=9), tmp_path / "other")
+    capsys.readouterr()                                   # transformers' own progress output
+    one_error_line(*main(capsys, "export-hf", "--adapter", out, "--hf-dir", other, "--out", tmp_path / "x")[::2],
+                   "trained on other weights")
+    one_error_line(*main(capsys, "export-hf", "--checkpoint", out / "adapter", "--out", tmp_path / "x")[::2],
+                   "holds only LoRA adapters")
+    one_error_line(*main(capsys, "export-hf", "--adapter", other, "--out", tmp_path / "x")[::2],
+                   "no checkpoint")
+    one_error_line(*main(capsys, "export-hf", "--checkpoint", out, "--hf-dir", other,
+                         "--out", tmp_path / "x")[::2], "--hf-dir names the base model of --adapter")
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_to_merge_tied_logits_adapter(tmp_path, capsys):
+    tok = tiny_tokenizer()
+    from pedestrian.config import GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=8, n_heads=2, n_blocks=1))
+    model.add_lora("logits", rank=2, freeze_base=False)
+    save_checkpoint(tmp_path / "ckpt", model, None, tok)
+    one_error_line(*main(capsys, "export-hf", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "x")[::2],
+                   "tied logits", "--format peft")
+    code, _, _ = main(capsys, "export-hf", "--checkpoint", tmp_path / "ckpt", "--format", "peft",
+                      "--out", tmp_path / "p")
+    assert code == 0 and (tmp_path / "p" / "adapter_config.json").is_file()
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,200 @@
+"""The hand-written AdamW, schedule and clipping against torch.optim / torch.nn.utils (the oracle)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pedestrian.config import GPTConfig
+from pedestrian.model import GPT
+from pedestrian.optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm, param_groups
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The tensors here are tiny: torch's intra-op threads only add overhead (a lot of it on a
+    busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+
+def _groups(rng, sizes=((37, 20), (11, 0)), dtype=np.float64):
+    """Flat groups ``(n, n_decay)`` with random parameters (gradients filled per step)."""
+    return [ParamGroup(f"g{i}", rng.standard_normal(n).astype(dtype), np.zeros(n, dtype), n_decay)
+            for i, (n, n_decay) in enumerate(sizes)]
+
+
+def test_adamw_matches_torch_adamw_every_step():
+    """Several steps, varying lr, decay on the first n_decay entries only: torch.optim.AdamW
+    with two parameter groups (weight_decay wd / 0) gives the same parameters."""
+    rng = np.random.default_rng(0)
+    groups = _groups(rng)
+    wd, betas, eps = 0.3, (0.8, 0.95), 1e-6
+    ours = AdamW(groups, lr=0.1, betas=betas, eps=eps, weight_decay=wd, chunk_size=8)
+    tparams = []
+    for g in groups:
+        tparams += [torch.tensor(g.params[:g.n_decay]).requires_grad_(), torch.tensor(g.params[g.n_decay:]).requires_grad_()]
+    ref = torch.optim.AdamW([{"params": tparams[0::2], "weight_decay": wd},
+                             {"params": tparams[1::2], "weight_decay": 0.0}],
+                            lr=0.1, betas=betas, eps=eps, foreach=False)
+    for step in range(6):
+        lr = 0.1 * (0.5 + step / 7)
+        for g, (td, tn) in zip(groups, zip(tparams[0::2], tparams[1::2])):
+            g.grads[...] = rng.standard_normal(g.grads.shape) * (10.0 ** (step % 3 - 1))
+            td.grad = torch.tensor(g.grads[:g.n_decay])
+            tn.grad = torch.tensor(g.grads[g.n_decay:])
+        for pg in ref.param_groups:
+            pg["lr"] = lr
+        ref.step()
+        ours.step(lr)
+        for g, (td, tn) in zip(groups, zip(tparams[0::2], tparams[1::2])):
+            expect = np.concatenate([td.detach().numpy(), tn.detach().numpy()])
+            np.testing.assert_allclose(g.params, expect, rtol=1e-14, atol=1e-15)
+    assert ours.step_count == 6
+
+
+def test_weight_decay_only_on_the_decayed_region():
+    """With zero gradients the Adam term is exactly 0: decayed entries shrink by (1 - lr·wd),
+    the others (biases, layer norms) do not move at all."""
+    model = GPT(GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1), dtype="float64")
+    opt = AdamW(model, lr=0.01, weight_decay=0.5)
+    before = model.flat.copy()
+    model._grad_base.flat[...] = 0.0
+    opt.step()
+    n = model._base.n_decay
+    np.testing.assert_array_equal(model.flat[:n], before[:n] * (1 - 0.01 * 0.5))
+    np.testing.assert_array_equal(model.flat[n:], before[n:])
+    # the decayed region is exactly the 2-D weights of param_specs (embeddings included)
+    decayed = {name for name, view in model.params.items() if view.ndim == 2}
+    assert sum(model.params[k].size for k in decayed) == n
+
+
+def test_chunk_size_does_not_change_the_result():
+    rng = np.random.default_rng(1)
+    a, b = _groups(rng), None
+    b = [ParamGroup(g.name, g.params.copy(), g.grads, g.n_decay) for g in a]
+    oa = AdamW(a, lr=0.05, weight_decay=0.1, chunk_size=3)
+    ob = AdamW(b, lr=0.05, weight_decay=0.1, chunk_size=1 << 16)
+    for _ in range(3):
+        for g in a:
+            g.grads[...] = rng.standard_normal(g.grads.shape)
+        oa.step()
+        ob.step()
+    for ga, gb in zip(a, b):
+        np.testing.assert_array_equal(ga.params, gb.params)
+
+
+def test_torch_backend_matches_numpy_backend():
+    rng = np.random.default_rng(2)
+    np_groups = _groups(rng)
+    t_groups = [ParamGroup(g.name, torch.tensor(g.params), torch.zeros(len(g.params), dtype=torch.float64),
+                           g.n_decay) for g in np_groups]
+    on = AdamW(np_groups, lr=0.02, weight_decay=0.2, chunk_size=16)
+    ot = AdamW(t_groups, lr=0.02, weight_decay=0.2, chunk_size=16)
+    for _ in range(4):
+        for gn, gt in zip(np_groups, t_groups):
+            gn.grads[...] = rng.standard_normal(gn.grads.shape)
+            gt.grads.copy_(torch.tensor(gn.grads))
+        assert clip_grad_norm(np_groups, 1.5) == pytest.approx(clip_grad_norm(t_groups, 1.5), rel=1e-14)
+        on.step()
+        ot.step()
+    for gn, gt in zip(np_groups, t_groups):
+        np.testing.assert_allclose(gn.params, gt.params.numpy(), rtol=1e-14, atol=1e-15)
+    sn, st = on.state_dict(), ot.state_dict()
+    for k in ("g0.m", "g0.v", "g1.m", "g1.v"):
+        np.testing.assert_allclose(sn[k], st[k], rtol=1e-14, atol=1e-300)
+
+
+def test_clip_grad_norm_matches_torch():
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(13) * 3, rng.standard_normal(5)]
+    tensors = [torch.tensor(a.copy()).requires_grad_() for a in arrays]
+    for t, a in zip(tensors, arrays):
+        t.grad = torch.tensor(a.copy())
+    expect = float(torch.nn.utils.clip_grad_norm_(tensors, 2.0))
+    norm = clip_grad_norm(arrays, 2.0)
+    assert norm == pytest.approx(expect, rel=1e-14)
+    assert norm > 2.0  # the clipping branch ran
+    for t, a in zip(tensors, arrays):
+        np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-14)
+    assert global_grad_norm(arrays) == pytest.approx(2.0, rel=1e-6)
+    # below the threshold nothing changes, bit for bit
+    small = [a * 0.1 for a in arrays]
+    copies = [s.copy() for s in small]
+    clip_grad_norm(small, 2.0)
+    for s, c in zip(small, copies):
+        np.testing.assert_array_equal(s, c)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm(arrays, 0.0)
+
+
+def test_schedule_warmup_then_cosine():
+    s = CosineSchedule(max_lr=1e-3, warmup_steps=10, max_steps=110, min_lr=1e-4)
+    assert s(0) == pytest.approx(1e-4)                  # the first update already moves
+    assert s(0) > 0
+    assert s(9) == pytest.approx(1e-3)                  # end of warm-up reaches the peak
+    assert [s(i) for i in range(10)] == sorted(s(i) for i in range(10))
+    assert s(10) == pytest.approx(1e-3)
+    assert s(60) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # half-way down the cosine
+    assert s(110) == s(500) == 1e-4
+    cos_part = [s(i) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(cos_part, cos_part[1:]))
+    assert CosineSchedule(1.0, 0, 5)(0) == 1.0          # no warm-up
+    for bad in (dict(max_lr=0, warmup_steps=1, max_steps=2), dict(max_lr=1, warmup_steps=-1, max_steps=2),
+                dict(max_lr=1, warmup_steps=1, max_steps=0), dict(max_lr=1, warmup_steps=1, max_steps=2, min_lr=2)):
+        with pytest.raises(ValueError):
+            CosineSchedule(**bad)
+
+
+def test_schedule_matches_torch_lambdalr():
+    """The same schedule driven through torch's LambdaLR (update index = scheduler epoch)."""
+    s = CosineSchedule(max_lr=0.5, warmup_steps=3, max_steps=12, min_lr=0.05)
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: s(it) / 0.5)
+    for it in range(15):
+        assert opt.param_groups[0]["lr"] == pytest.approx(s(it), rel=1e-15)
+        opt.step()
+        sched.step()
+
+
+def test_state_dict_round_trip_and_mismatch():
+    rng = np.random.default_rng(4)
+    groups = _groups(rng)
+    opt = AdamW(groups, lr=0.01)
+    for g in groups:
+        g.grads[...] = 1.0
+    opt.step()
+    state = opt.state_dict()
+    fresh = AdamW(_groups(rng), lr=0.01)
+    fresh.load_state_dict(state)
+    assert fresh.step_count == 1
+    for k in ("g0.m", "g0.v", "g1.m", "g1.v"):
+        np.testing.assert_array_equal(fresh.state_dict()[k], state[k])
+    other = AdamW(_groups(rng, sizes=((30, 10), (11, 0))), lr=0.01)
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_state_dict(state)
+    assert other.step_count == 0
+
+
+def test_param_groups_follow_lora_freezing():
+    model = GPT(GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1))
+    assert [g.name for g in param_groups(model)] == ["base"]
+    model.add_lora("all", rank=2, freeze_base=True)
+    assert [g.name for g in param_groups(model)] == ["lora"]
+    model.freeze_base = False
+    assert [g.name for g in param_groups(model)] == ["base", "lora"]
+
+
+def test_bad_hyper_parameters():
+    g = _groups(np.random.default_rng(5))
+    for kw in (dict(lr=0), dict(betas=(1.0, 0.9)), dict(eps=-1), dict(weight_decay=-0.1)):
+        with pytest.raises(ValueError):
+            AdamW(g, **kw)
+    assert math.isclose(AdamW(g).lr, 1e-3)

@@ -1,0 +1,207 @@
+"""The training loop: end to end against torch autograd + torch.optim.AdamW, gradient
+accumulation, evaluation, exact resume, the wall-clock budget, logs and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pedestrian.checkpoint import load_checkpoint
+from pedestrian.config import GPTConfig, param_specs
+from pedestrian.model import GPT
+from pedestrian.optim import AdamW, CosineSchedule
+from pedestrian.train import (TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
+                              train_step)
+from torch_reference import reference_forward, reference_loss
+
+TINY = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_blocks=2)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The tensors here are tiny: torch's intra-op threads only add overhead (a lot of it on a
+    busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_fifty_steps_match_torch_adamw_end_to_end():
+    """50 float64 steps on fixed batches, warm-up + cosine, clipping and weight decay on:
+    the loss of every step equals that of an identical PyTorch model trained with autograd,
+    torch.optim.AdamW (decay only on the 2-D weights), clip_grad_norm_ and LambdaLR."""
+    cfg = GPTConfig(**TINY, tie_weights=True)
+    model = GPT(cfg, seed=3, dtype="float64")
+    lr, wd, betas, eps, clip, steps = 3e-2, 0.1, (0.9, 0.95), 1e-8, 1.0, 50
+    schedule = CosineSchedule(lr, warmup_steps=5, max_steps=steps, min_lr=3e-3)
+    opt = AdamW(model, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+
+    ref_cfg = dict(cfg.to_dict())
+    for k in ("dropout", "logits_bias"):
+        ref_cfg.pop(k, None)
+    tparams = {k: torch.tensor(v, dtype=torch.float64).requires_grad_() for k, v in model.state_dict().items()}
+    decay = {s.name for s in param_specs(cfg) if s.decay}
+    topt = torch.optim.AdamW([{"params": [p for k, p in tparams.items() if k in decay], "weight_decay": wd},
+                              {"params": [p for k, p in tparams.items() if k not in decay], "weight_decay": 0.0}],
+                             lr=lr, betas=betas, eps=eps, foreach=False)
+    tsched = torch.optim.lr_scheduler.LambdaLR(topt, lambda it: schedule(it) / lr)
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 11, (3, 8)), rng.integers(0, 11, (3, 8))) for _ in range(4)]
+    ours, theirs, clipped = [], [], 0
+    for it in range(steps):
+        x, y = batches[it % len(batches)]
+        loss, norm = train_step(model, opt, [(x, y)], schedule(it), grad_clip=clip)
+        ours.append(loss)
+        clipped += norm > clip
+
+        topt.zero_grad()
+        tloss = reference_loss(reference_forward(tparams, ref_cfg, x), y)
+        tloss.backward()
+        tnorm = float(torch.nn.utils.clip_grad_norm_(list(tparams.values()), clip))
+        topt.step()
+        tsched.step()
+        theirs.append(float(tloss.detach()))
+        assert norm == pytest.approx(tnorm, rel=1e-8)
+    ours, theirs = np.array(ours), np.array(theirs)
+    assert np.max(np.abs(ours - theirs) / np.abs(theirs)) <= 1e-8
+    assert 0 < clipped < steps                   # both branches of the clipping were exercised
+    assert theirs[-1] < theirs[0] - 0.3          # it actually trained
+    for k, p in tparams.items():
+        np.testing.assert_allclose(model.params[k], p.detach().numpy(), rtol=1e-7, atol=1e-9)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """k micro-batches of B windows give the same update as one batch of k·B windows."""
+    cfg = GPTConfig(**TINY)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 11, (6, 8))
+    y = rng.integers(0, 11, (6, 8))
+    big, small = GPT(cfg, seed=0, dtype="float64"), GPT(cfg, seed=0, dtype="float64")
+    ob, os_ = AdamW(big, lr=1e-2, weight_decay=0.1), AdamW(small, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        lb, nb = train_step(big, ob, [(x, y)], 1e-2, grad_clip=0.3)
+        ls, ns = train_step(small, os_, [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])], 1e-2, grad_clip=0.3)
+        assert ls == pytest.approx(lb, rel=1e-13)
+        assert ns == pytest.approx(nb, rel=1e-12)
+    np.testing.assert_allclose(small.flat, big.flat, rtol=1e-11, atol=1e-13)
+    assert not np.array_equal(big.flat, GPT(cfg, seed=0, dtype="float64").flat)
+
+
+def test_evaluate_tokens_counts_every_target_once():
+    cfg = GPTConfig(**TINY)
+    model = GPT(cfg, seed=0, dtype="float64")
+    tokens = np.random.default_rng(2).integers(0, 11, 8 * 5 + 4).astype(np.uint16)  # 44 tokens
+    loss, n = evaluate_tokens(model, tokens, batch_size=2)
+    assert n == len(tokens) - 1
+    # the same windows one by one, summed by hand
+    total = 0.0
+    for s in range(0, 40, 8):
+        w = tokens[s:s + 9].astype(np.int64)
+        total += model.loss(w[None, :-1], w[None, 1:]) * 8
+    w = tokens[40:].astype(np.int64)
+    total += model.loss(w[None, :-1], w[None, 1:]) * 3
+    assert loss == pytest.approx(total / 43, rel=1e-12)
+    assert model.training  # restored
+
+
+def test_estimate_loss_turns_dropout_off():
+    model = GPT(GPTConfig(**TINY, dropout=0.5), seed=0, dtype="float64")
+    x = np.zeros((2, 8), dtype=np.int64)
+    a = estimate_loss(model, [(x, x)])
+    b = estimate_loss(model, [(x, x)])
+    assert a == b and model.training
+
+
+# ------------------------------------------------------------------------------------ train()
+@pytest.fixture
+def corpus(tmp_path):
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+    text = "\n".join(" ".join(rng.choice(words, 9)) for _ in range(300))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _settings(corpus, out, **kw):
+    base = dict(data=str(corpus), out=str(out), model=dict(context_length=16, d_model=16, n_heads=2, n_blocks=2),
+                batch_size=4, max_steps=6, warmup_steps=2, lr=1e-2, min_lr=1e-3, eval_interval=2,
+                eval_batches=2, max_minutes=None, progress=False, plot=False)
+    base.update(kw)
+    return TrainSettings(**base)
+
+
+def _train_losses(out):
+    return {r["step"]: r["loss"] for r in read_log(out / "log.jsonl") if "loss" in r}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_resume_is_exact(corpus, tmp_path, dtype):
+    """2N steps in one run == N steps, stop, resume, N steps: the same loss at every step, bit
+    for bit, with dropout and gradient accumulation on (data RNG, dropout RNG, moments restored)."""
+    model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
+    common = dict(dtype=dtype, grad_accum=2, model=model, checkpoint_interval=4)
+    one = _settings(corpus, tmp_path / "one", **common)
+    train(one, echo=lambda s: None)
+    two = _settings(corpus, tmp_path / "two", stop_step=3, **common)
+    r = train(two, echo=lambda s: None)
+    assert r.step == 3 and r.stop_reason == "stop_step"
+    resumed = _settings(corpus, tmp_path / "two", **common)
+    r = train(resumed, resume=True, explicit={"out"}, echo=lambda s: None)
+    assert r.step == 6
+    a, b = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
+    assert list(a) == list(b) == [1, 2, 3, 4, 5, 6]
+    assert a == b                                     # exact float equality (JSON round-trips floats)
+    ca, cb = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
+    for k, v in ca.model.params.items():
+        np.testing.assert_array_equal(v, cb.model.params[k])
+    oa, ob = ca.optimizer_state(), cb.optimizer_state()
+    assert oa["step"] == ob["step"] == 6
+    np.testing.assert_array_equal(oa["base.v"], ob["base.v"])
+    assert ca.model.dropout_rng.bit_generator.state == cb.model.dropout_rng.bit_generator.state
+
+
+def test_run_writes_log_checkpoints_and_plot(corpus, tmp_path):
+    s = _settings(corpus, tmp_path / "run", max_steps=40, plot=True, eval_interval=10, lr=3e-2)
+    r = train(s, echo=lambda s: None)
+    out = tmp_path / "run"
+    records = read_log(out / "log.jsonl")
+    steps = [x for x in records if "loss" in x]
+    vals = [x for x in records if "val_loss" in x]
+    assert [x["step"] for x in steps] == list(range(1, 41))
+    assert [x["step"] for x in vals] == [10, 20, 30, 40]
+    assert {"lr", "grad_norm", "tokens_per_s", "time_s"} <= set(steps[0])
+    assert steps[0]["lr"] == pytest.approx(3e-2 / 2)       # first warm-up step: non-zero
+    assert r.val_loss == vals[-1]["val_loss"] and r.val_loss < vals[0]["val_loss"] < math.log(len(set(corpus.read_text())))
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = load_checkpoint(out / "best")
+    assert best.meta["val_loss"] == min(v["val_loss"] for v in vals)
+    latest = load_checkpoint(out)
+    assert latest.step == 40 and latest.meta["settings"]["max_steps"] == 40
+
+
+def test_max_minutes_stops_gracefully(corpus, tmp_path):
+    s = _settings(corpus, tmp_path / "run", max_steps=10_000, max_minutes=0.02, plot=True, eval_interval=5)
+    r = train(s, echo=lambda s: None)
+    assert r.stop_reason == "max_minutes"
+    assert 0 < r.step < 10_000
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.step == r.step and math.isfinite(ckpt.meta["val_loss"])
+    assert (tmp_path / "run" / "loss_curve.png").is_file()
+    assert r.seconds < 0.02 * 60 + 10
+
+
+def test_torch_backend_trains(corpus, tmp_path):
+    s = _settings(corpus, tmp_path / "t", backend="torch", dtype="float64", max_steps=4)
+    n = _settings(corpus, tmp_path / "n", dtype="float64", max_steps=4)
+    train(s, echo=lambda s: None)
+    train(n, echo=lambda s: None)
+    a, b = _train_losses(tmp_path / "t"), _train_losses(tmp_path / "n")
+    np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-10)
+    assert json.loads((tmp_path / "t" / "latest" / "state.json").read_text())["step"] == 4

@@ -1,0 +1,222 @@
+"""`pedestrian train` / `pedestrian eval` from the command line: settings from flags and TOML,
+resume, and every bad input ending in one clear line, a non-zero exit, and no damage on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from pedestrian.cli import build_parser, main
+from pedestrian.commands.train import settings_from_args
+from pedestrian.train import TrainSettings, read_log
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--context-length", "16", "--d-model", "16", "--n-heads", "2", "--n-blocks", "2", "--batch-size", "4",
+        "--eval-interval", "3", "--eval-batches", "2", "--warmup-steps", "2", "--lr", "1e-2",
+        "--max-minutes", "0", "--no-progress", "--no-plot"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(200)),
+                    encoding="utf-8")
+    return path
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: "), err
+    assert "\n" not in err, err
+    return err
+
+
+@pytest.fixture
+def run(corpus, tmp_path, capsys):
+    """A finished 6-step run in tmp_path/run; returns its folder."""
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "6", *TINY]) == 0
+    capsys.readouterr()
+    return out
+
+
+def test_train_eval_resume(run, corpus, capsys):
+    state = json.loads((run / "latest" / "state.json").read_text())
+    assert state["step"] == 6 and state["config"]["d_model"] == 16
+    assert state["meta"]["settings"]["data"] == str(corpus)
+    assert (run / "best" / "state.json").is_file()
+    assert main(["eval", str(run), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "val loss" in out and "nats per character" in out
+    # resume to a larger max_steps: no other setting needed, and no conflict
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "8", "--no-progress", "--no-plot"]) == 0
+    steps = [r["step"] for r in read_log(run / "log.jsonl") if "loss" in r]
+    assert steps == list(range(1, 9))
+    # finished runs say so
+    assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
+    assert "already finished" in _one_line_error(capsys)
+
+
+def test_toml_config_and_flag_priority(tmp_path, corpus, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"""
+data = "{corpus}"
+max_steps = 10
+[model]
+context_length = 16
+d_model = 16
+n_heads = 2
+n_blocks = 2
+dropout = 0.1
+[optim]
+lr = 5e-3
+batch_size = 4
+""")
+    out = tmp_path / "r"
+    rc = main(["train", "--config", str(cfg), "--max-steps", "3", "--out", str(out), "--no-progress",
+               "--no-plot", "--eval-batches", "1"])
+    assert rc == 0
+    s = json.loads((out / "latest" / "state.json").read_text())["meta"]["settings"]
+    assert s["max_steps"] == 3 and s["lr"] == 5e-3 and s["model"]["dropout"] == 0.1 and s["batch_size"] == 4
+
+
+def test_bundled_config_file_is_the_default_run():
+    """configs/shakespeare_char.toml spells out exactly what `pedestrian train` does."""
+    parser = build_parser()
+    from_file, _ = settings_from_args(parser.parse_args(["train", "--config", str(REPO / "configs" / "shakespeare_char.toml")]))
+    default, explicit = settings_from_args(parser.parse_args(["train"]))
+    assert explicit == set()
+    assert from_file.to_dict() == default.to_dict() == TrainSettings().to_dict()
+
+
+# ------------------------------------------------------------------------------ bad input
+def _bad(capsys, argv, expect, protect: Path | None = None):
+    before = _snapshot(protect) if protect else None
+    rc = main(argv)
+    assert rc == 2
+    msg = _one_line_error(capsys)
+    assert expect in msg, msg
+    if protect:
+        assert _snapshot(protect) == before
+    return msg
+
+
+def test_missing_corpus(tmp_path, capsys):
+    msg = _bad(capsys, ["train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o"), *TINY],
+               "corpus not found")
+    assert "nope.txt" in msg
+    assert not (tmp_path / "o").exists()
+
+
+def test_empty_corpus(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("  \n\n ")
+    _bad(capsys, ["train", "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"), *TINY],
+         "contains no text")
+    (tmp_path / "folder").mkdir()
+    _bad(capsys, ["train", "--data", str(tmp_path / "folder"), "--out", str(tmp_path / "o"), *TINY],
+         "no *.txt files")
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_utf8_corpus(tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait, ".encode("latin-1") * 20)
+    _bad(capsys, ["train", "--data", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o"), *TINY],
+         "not valid UTF-8")
+
+
+def test_corpus_shorter_than_one_window(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("to be or not to be, that is the question")   # 41 chars
+    msg = _bad(capsys, ["train", "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "o"), *TINY],
+               "too short")
+    assert "context_length + 1 = 17" in msg
+
+
+def test_existing_run_is_not_overwritten(run, corpus, capsys):
+    _bad(capsys, ["train", "--data", str(corpus), "--out", str(run), "--max-steps", "6", *TINY],
+         "already holds a checkpoint", protect=run)
+
+
+def test_checkpoint_from_a_different_config(run, corpus, capsys, tmp_path):
+    msg = _bad(capsys, ["train", "--out", str(run), "--resume", "--d-model", "32", "--no-progress"],
+               "different config", protect=run)
+    assert "d_model=16" in msg and "32" in msg
+    _bad(capsys, ["train", "--out", str(run), "--resume", "--lr", "0.5", "--no-progress"],
+         "different config", protect=run)
+    # evaluating it on a text with characters its tokenizer never saw
+    (tmp_path / "greek.txt").write_text("αβγδ " * 200, encoding="utf-8")
+    _bad(capsys, ["eval", str(run), "--data", str(tmp_path / "greek.txt"), "--no-progress"],
+         "not in the CharTokenizer vocabulary", protect=run)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "state"])
+def test_damaged_checkpoint(run, capsys, damage):
+    target = run / "latest" / ("state.json" if damage == "state" else "model.safetensors")
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "corrupt":
+        target.write_bytes(data[:-64] + bytes(64))
+    else:
+        target.write_bytes(data[:100])
+    for argv in (["eval", str(run), "--no-progress"],
+                 ["train", "--out", str(run), "--resume", "--max-steps", "9", "--no-progress"]):
+        msg = _bad(capsys, argv, "re-run training", protect=run)
+        assert "truncated" in msg or "corrupted" in msg
+    assert (run / "best" / "state.json").is_file()       # the other checkpoint is untouched
+
+
+def test_unknown_flag_values(tmp_path, corpus, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--tokenizer", "words"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "invalid choice: 'words'" in err
+    with pytest.raises(SystemExit):
+        main(["train", "--max-steps", "many"])
+    assert "invalid int value" in capsys.readouterr().err
+    _bad(capsys, ["train", "--data", str(corpus), "--lr", "-1", *TINY[:-6]], "--lr must be > 0")
+    _bad(capsys, ["train", "--data", str(corpus), "--batch-size", "0"], "--batch-size must be a positive integer")
+    _bad(capsys, ["train", "--data", str(corpus), "--vocab-size", "50"], "set by the tokenizer")
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('tokenizer = "words"\n')
+    _bad(capsys, ["train", "--config", str(cfg)], "--tokenizer must be 'char' or 'bpe'")
+    cfg.write_text("learning_rate = 3\n")
+    _bad(capsys, ["train", "--config", str(cfg)], "unknown setting 'learning_rate'")
+    cfg.write_text("lr = \n")
+    _bad(capsys, ["train", "--config", str(cfg)], "not valid TOML")
+    _bad(capsys, ["train", "--config", str(tmp_path / "missing.toml")], "config file not found")
+    _bad(capsys, ["eval", str(tmp_path / "no_run")], "no checkpoint at")
+    assert not (REPO / "runs" / "corpus_char").exists()
+
+
+def test_bpe_tokenizer_run(corpus, tmp_path, capsys):
+    out = tmp_path / "bpe"
+    assert main(["train", "--data", str(corpus), "--out", str(out), "--tokenizer", "bpe", "--bpe-vocab-size", "300",
+                 "--max-steps", "3", *TINY]) == 0
+    state = json.loads((out / "latest" / "state.json").read_text())
+    assert state["tokenizer"]["kind"] == "bpe" and state["config"]["vocab_size"] == 300
+    capsys.readouterr()
+    assert main(["eval", str(out), "--no-progress"]) == 0
+    assert "nats per token" in capsys.readouterr().out
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
+    _bad(capsys, ["train", "--out", str(tmp_path / "fresh"), "--resume", "--no-progress"], "no checkpoint at")
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_resume_accepts_the_same_settings_again(run, corpus, capsys):
+    """Repeating the original flags (or derived widths like --d-head) on resume is no conflict."""
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--resume", "--max-steps", "7",
+                 "--d-head", "8", *TINY]) == 0
+    msg = _bad(capsys, ["train", "--out", str(run), "--resume", "--max-steps", "9", "--n-blocks", "3",
+                        "--no-progress"], "different config", protect=run)
+    assert "n_blocks=2 (you gave 3)" in msg and "d_model" not in msg
