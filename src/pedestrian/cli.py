@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name == f"pedestrian.commands.{module}":
                 continue  # command not built yet
             raise
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
