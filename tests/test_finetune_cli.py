@@ -153,25 +153,93 @@ def test_export_bad_input(run, tmp_path, capsys):
     capsys.readouterr()                                   # transformers' own progress output
     one_error_line(*main(capsys, "export-hf", "--adapter", out, "--hf-dir", other, "--out", tmp_path / "x")[::2],
                    "trained on other weights")
-    one_error_line(*main(capsys, "export-hf", "--checkpoint", out / "adapter", "--out", tmp_path / "x")[::2],
-                   "holds only LoRA adapters")
     one_error_line(*main(capsys, "export-hf", "--adapter", other, "--out", tmp_path / "x")[::2],
                    "no checkpoint")
+    # a fine-tune run given as --checkpoint is read as --adapter (so --hf-dir is its base)
     one_error_line(*main(capsys, "export-hf", "--checkpoint", out, "--hf-dir", other,
-                         "--out", tmp_path / "x")[::2], "--hf-dir names the base model of --adapter")
+                         "--out", tmp_path / "x")[::2], "trained on other weights")
     assert not (tmp_path / "x").exists()
 
 
-def test_export_refuses_to_merge_tied_logits_adapter(tmp_path, capsys):
+def test_export_of_a_tied_logits_adapter_is_untied(tmp_path, capsys):
+    """A LoRA on GPT-2's tied logits cannot go into wte (that would change the embedding too), so
+    export writes an untied model: wte unchanged, lm_head.weight = wte + (alpha D U)^T."""
     tok = tiny_tokenizer()
     from pedestrian.config import GPTConfig
 
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=8, n_heads=2, n_blocks=1))
-    model.add_lora("logits", rank=2, freeze_base=False)
+    model.add_lora("logits", rank=2, alpha=1.5, freeze_base=False)
+    model.params["logits.lora_U"][...] = np.random.default_rng(0).normal(0, 0.3, model.params["logits.lora_U"].shape)
     save_checkpoint(tmp_path / "ckpt", model, None, tok)
-    one_error_line(*main(capsys, "export-hf", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "x")[::2],
-                   "tied logits", "--format peft")
+    code, out, _ = main(capsys, "export-hf", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "x")
+    assert code == 0 and "untied" in out
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["tie_word_embeddings"] is False
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "x")).eval()
+    x = X[:, :16] % tok.vocab_size
+    assert np.max(np.abs(hf_logits(hf, x) - model.forward(x))) <= 1e-5
+    wte = model.params["tok_emb.weight"]
+    np.testing.assert_array_equal(hf.transformer.wte.weight.detach().numpy(), wte)
+    expected = wte + (1.5 * model.params["logits.lora_D"] @ model.params["logits.lora_U"]).T
+    np.testing.assert_allclose(hf.lm_head.weight.detach().numpy(), expected, rtol=1e-6, atol=1e-6)
+    assert "logits.lora_D" in model.params                            # the source model is unchanged
     code, _, _ = main(capsys, "export-hf", "--checkpoint", tmp_path / "ckpt", "--format", "peft",
                       "--out", tmp_path / "p")
     assert code == 0 and (tmp_path / "p" / "adapter_config.json").is_file()
-    assert not (tmp_path / "x").exists()
+
+
+@pytest.fixture(scope="module")
+def run_all(run):
+    """A 3-step fine-tune with adapters on every layer, tied logits included (GPT-2)."""
+    tmp, base, _ = run
+    code = cli.main(["finetune", "--hf-dir", str(base), "--data", str(tmp / "data.txt"), "--lora-rank", "2",
+                     "--lora-targets", "all", "--max-steps", "3", "--context-length", "16", "--batch-size",
+                     "2", "--lr", "5e-2", "--eval-interval", "3", "--eval-batches", "1",
+                     "--out", str(tmp / "run_all"), "--no-progress", "--no-plot"])
+    assert code == 0
+    return tmp, base, tmp / "run_all"
+
+
+def test_finetune_with_tied_logits_exports_from_the_cli(run_all, capsys):
+    tmp, base, out = run_all
+    code, stdout, _ = main(capsys, "export-hf", "--adapter", out, "--out", tmp / "merged_all")
+    assert code == 0 and "untied" in stdout
+    model, _ = load_finetuned(out)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp / "merged_all")).eval()
+    assert hf.config.tie_word_embeddings is False
+    assert np.max(np.abs(hf_logits(hf, X) - model.forward(X))) <= 1e-5
+    base_model, _ = load_pretrained(base)
+    np.testing.assert_array_equal(hf.transformer.wte.weight.detach().numpy(),
+                                  base_model.params["tok_emb.weight"])
+
+
+def test_sample_and_eval_accept_a_finetune_run(run_all, tmp_path, capsys):
+    tmp, base, out = run_all
+    texts = []
+    for ckpt, extra in ((out, []), (out / "adapter", []), (out, ["--hf-dir", base])):
+        code, stdout, err = main(capsys, "sample", "--checkpoint", ckpt, *extra, "--prompt", "the quick",
+                                 "--max-new-tokens", "5", "--temperature", "0", "--ignore-eot")
+        assert code == 0, err
+        texts.append(stdout)
+    assert texts[0].startswith("the quick") and texts[0] == texts[1] == texts[2]
+    model, tok = load_finetuned(out)                                   # the same text as the library
+    from pedestrian.generate import generate
+
+    ids = generate(model, np.array(tok.encode("the quick")), 5, temperature=0)
+    assert texts[0] == tok.decode(ids) + "\n"
+    code, stdout, err = main(capsys, "eval", out, "--no-progress")
+    assert code == 0 and "val loss" in stdout, err
+    code, stdout, err = main(capsys, "eval", out / "adapter", "--hf-dir", base, "--split", "all",
+                             "--no-progress")
+    assert code == 0 and "all loss" in stdout, err
+    # the recorded base is gone: a short CLI-level message naming the fix
+    moved = tmp_path / "ft"
+    import shutil
+
+    shutil.copytree(out, moved)
+    state = json.loads((moved / "adapter" / "state.json").read_text())
+    state["base"]["hf_dir"] = str(tmp_path / "gone")
+    (moved / "adapter" / "state.json").write_text(json.dumps(state))
+    for argv in (["sample", "--checkpoint", moved, "--prompt", "a"], ["eval", moved, "--no-progress"]):
+        code, _, err = main(capsys, *argv)
+        one_error_line(code, err, "pass --hf-dir BASE_DIR")
+        assert len(err) < 300 and "base_model=" not in err

@@ -167,6 +167,57 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
     assert ca.model.dropout_rng.bit_generator.state == cb.model.dropout_rng.bit_generator.state
 
 
+def _signal_at(monkeypatch, n: int, sig):
+    """Make the n-th call of train_step deliver ``sig`` to this process while it runs (a real
+    Ctrl-C / SIGTERM arriving mid-step)."""
+    import os
+
+    import pedestrian.train as train_module
+
+    real, calls = train_module.train_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_step", step)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupt_saves_a_checkpoint_and_resume_is_exact(corpus, tmp_path, monkeypatch, sig):
+    """A signal in the middle of step 5 lets step 5 finish, saves a checkpoint of step 5 (not on
+    the eval/checkpoint grid) and stops; resuming gives the uninterrupted run's losses bit for bit."""
+    import signal
+
+    common = dict(max_steps=8, grad_accum=2, eval_interval=3,
+                  model=dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1))
+    train(_settings(corpus, tmp_path / "one", **common), echo=lambda s: None)
+    before = signal.getsignal(signal.SIGINT)
+    with monkeypatch.context() as m:
+        _signal_at(m, 5, getattr(signal, sig))
+        r = train(_settings(corpus, tmp_path / "two", **common), echo=lambda s: None)
+    assert r.stop_reason == "interrupted" and r.step == 5
+    assert signal.getsignal(signal.SIGINT) is before                 # handlers restored
+    assert load_checkpoint(tmp_path / "two").step == 5
+    r = train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"}, echo=lambda s: None)
+    assert r.step == 8
+    a, b = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
+    assert list(a) == list(b) == list(range(1, 9)) and a == b
+    ca, cb = load_checkpoint(tmp_path / "one"), load_checkpoint(tmp_path / "two")
+    for k, v in ca.model.params.items():
+        np.testing.assert_array_equal(v, cb.model.params[k])
+
+
+def test_non_finite_loss_without_a_checkpoint_says_so(corpus, tmp_path, monkeypatch):
+    import pedestrian.train as train_module
+
+    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: (float("nan"), 0.0))
+    with pytest.raises(ValueError, match="at step 1; no checkpoint was written"):
+        train(_settings(corpus, tmp_path / "run"), echo=lambda s: None)
+
+
 def test_run_writes_log_checkpoints_and_plot(corpus, tmp_path):
     s = _settings(corpus, tmp_path / "run", max_steps=40, plot=True, eval_interval=10, lr=3e-2)
     r = train(s, echo=lambda s: None)

@@ -182,7 +182,7 @@ def test_unknown_flag_values(tmp_path, corpus, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--max-steps", "many"])
     assert "invalid int value" in capsys.readouterr().err
-    _bad(capsys, ["train", "--data", str(corpus), "--lr", "-1", *TINY[:-6]], "--lr must be > 0")
+    _bad(capsys, ["train", "--data", str(corpus), "--lr", "-1", *TINY[:-6]], "--lr must be a finite number > 0")
     _bad(capsys, ["train", "--data", str(corpus), "--batch-size", "0"], "--batch-size must be a positive integer")
     _bad(capsys, ["train", "--data", str(corpus), "--vocab-size", "50"], "set by the tokenizer")
     cfg = tmp_path / "bad.toml"
@@ -220,3 +220,139 @@ def test_resume_accepts_the_same_settings_again(run, corpus, capsys):
     msg = _bad(capsys, ["train", "--out", str(run), "--resume", "--max-steps", "9", "--n-blocks", "3",
                         "--no-progress"], "different config", protect=run)
     assert "n_blocks=2 (you gave 3)" in msg and "d_model" not in msg
+
+
+# ------------------------------------------------------------------------- new-user fixes
+def test_end_of_run_prints_samples_and_where_things_are(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "3", *TINY]) == 0
+    stdout = capsys.readouterr().out
+    assert "--- sample 1 ---" in stdout and "--- sample 2 ---" in stdout
+    assert str(out / "log.jsonl") in stdout and f"pedestrian sample --checkpoint {out / 'best'}" in stdout
+    assert f"pedestrian train --out {out} --resume" in stdout
+    assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "r2"), "--max-steps", "3",
+                 "--no-sample", *TINY]) == 0
+    assert "--- sample" not in capsys.readouterr().out
+
+
+def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, capsys, monkeypatch):
+    import pedestrian.train as train_module
+
+    before = _snapshot(run)
+    real, calls = train_module.train_step, [0]
+
+    def crash_at_step_2(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("simulated crash")
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "train_step", crash_at_step_2)
+        with pytest.raises(RuntimeError):
+            main(["train", "--data", str(corpus), "--out", str(run), "--overwrite", "--max-steps", "6", *TINY])
+    assert _snapshot(run) == before                  # old log and checkpoints untouched, no .new left
+    # resuming the old run after the aborted overwrite: only its own log records
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "8", "--no-progress", "--no-plot",
+                 "--no-sample"]) == 0
+    assert [r["step"] for r in read_log(run / "log.jsonl") if "loss" in r] == list(range(1, 9))
+    # a completed overwrite replaces the log (and best/) with the new run's
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--overwrite", "--max-steps", "4",
+                 "--checkpoint-interval", "1", "--no-sample", *TINY]) == 0
+    assert [r["step"] for r in read_log(run / "log.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert json.loads((run / "best" / "state.json").read_text())["step"] == 3
+    assert not (run / "log.jsonl.new").exists()
+
+
+def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import pedestrian.train as train_module
+
+    real, calls = train_module.train_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "6", *TINY]) == 130
+    err = capsys.readouterr().err
+    assert f"checkpoint of step 2 is saved in {out / 'latest'}" in err
+    assert f"pedestrian train --out {out} --resume" in err
+    assert json.loads((out / "latest" / "state.json").read_text())["step"] == 2
+
+
+def test_progress_bar_never_shows_val_nan(corpus, tmp_path, capsys):
+    import re
+
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), "--max-steps", "2", *TINY,
+            "--eval-interval", "100", "--no-sample"]
+    argv.remove("--no-progress")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "nan" not in err
+    last_bar = [line for line in re.split(r"[\r\n]", err) if line.startswith("train")][-1]
+    assert re.search(r"val \d\.\d{4}", last_bar), last_bar        # updated after the final validation
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--min-lr", "inf"], "--min-lr must be in [0, lr="),
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number >= 0"),
+    (["--max-minutes", "nan"], "--max-minutes must be > 0"),
+])
+def test_non_finite_float_flags(corpus, tmp_path, capsys, flags, expect):
+    _bad(capsys, ["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY, *flags], expect)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("toml, expect", [
+    ('[model]\nbias = "no"\n', 'bias = \'no\' must be true or false'),
+    ("[train]\ndata = 5\n", "data = 5 must be a string"),
+    ("[optim]\nlr = \"fast\"\n", "lr = 'fast' must be a number"),
+    ("[optim]\nlr = inf\n", "lr = inf must be a finite number"),
+    ("[model]\nd_model = 16.5\n", "d_model = 16.5 must be an integer"),
+    ("[train]\nmax_steps = true\n", "max_steps = True must be an integer"),
+])
+def test_toml_value_types_are_checked(corpus, tmp_path, capsys, toml, expect):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    _bad(capsys, ["train", "--config", str(cfg), "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY],
+         expect)
+
+
+def test_warmup_longer_than_the_run_is_warned_about(corpus, tmp_path, capsys):
+    assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY, "--max-steps", "3",
+                 "--warmup-steps", "100", "--no-sample"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "--warmup-steps 100 >= --max-steps 3" in warnings[0]
+
+
+def test_missing_torch_and_out_of_memory_are_one_line_errors(corpus, tmp_path, capsys, monkeypatch):
+    import sys
+
+    import pedestrian.model as model_module
+
+    monkeypatch.setitem(sys.modules, "torch", None)          # `import torch` fails as if not installed
+    monkeypatch.setitem(sys.modules, "array_api_compat.torch", None)
+    _bad(capsys, ["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY, "--backend", "torch"],
+         'pip install -e ".[torch]"')
+    monkeypatch.undo()
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 192. TiB for an array")
+
+    monkeypatch.setattr(model_module.GPT, "__init__", no_memory)
+    msg = _bad(capsys, ["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY],
+               "too large for this machine's memory")
+    assert "choose smaller widths" in msg
+    monkeypatch.setenv("PEDESTRIAN_DEBUG", "1")
+    with pytest.raises(MemoryError):
+        main(["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY])

@@ -386,9 +386,11 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
     lora = state.get("lora")
     if params == "lora":
         if base_model is None:
+            base_dir = (state.get("base") or {}).get("hf_dir")
             raise CheckpointError(
-                f"{folder} holds only LoRA adapters (base: {state.get('base')}); load it with "
-                "base_model=<the GPT they belong to>")
+                f"{folder} holds only LoRA adapters (base model: {base_dir or 'not recorded'}); load it "
+                "with base_model=<its base GPT> or pedestrian.finetune.load_finetuned (on the command line: "
+                "pass it as is, with --hf-dir BASE_DIR if the base moved)")
         if base_model.config != config:
             raise CheckpointError(f"the adapters in {folder} belong to a base model with config {config}, "
                                   f"not {base_model.config}")

@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
+           "adapter_checkpoint_dir",
            "base_fingerprint", "DEFAULT_TARGETS"]
 
 #: Hu et al. (2021), LoRA, section 7.1: adapting W_q and W_v is the usual cheap choice.
@@ -102,8 +103,8 @@ class FinetuneSettings:
             raise ValueError(f"--lora-alpha must be a finite non-zero number, got {self.lora_alpha!r}")
         if not 0.0 < float(self.val_fraction) < 1.0:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0) or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need a finite --lr > 0 and 0 <= --min-lr <= --lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup_steps < 0 or self.seed < 0:
             raise ValueError("--warmup-steps and --seed must be >= 0")
         for name in ("weight_decay", "grad_clip"):
@@ -153,6 +154,28 @@ def base_fingerprint(hf_dir) -> dict:
             "sha256": h.hexdigest()}
 
 
+def adapter_checkpoint_dir(path) -> Path | None:
+    """The adapter-only checkpoint ``path`` stands for, or ``None`` if it is not one.
+
+    Accepts a ``pedestrian finetune`` run folder (its ``adapter/``), the adapter checkpoint
+    folder itself, or one of its files. Never raises for a path that is something else
+    (a full checkpoint, a train run folder, nothing at all): it returns ``None`` then.
+    """
+    from .checkpoint import read_state
+
+    p = Path(path).expanduser()
+    if p.is_file():
+        p = p.parent
+    for candidate in (p, p / "adapter"):
+        if (candidate / "state.json").is_file():
+            try:
+                folder, state = read_state(candidate)
+            except (OSError, ValueError):
+                return None
+            return folder if state.get("params") == "lora" else None
+    return None
+
+
 def _adapter_state(adapter_dir) -> tuple[Path, dict]:
     from .checkpoint import read_state
 
@@ -196,7 +219,11 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
     recorded = state.get("base") or {}
     base_dir = hf_dir if hf_dir is not None else recorded.get("hf_dir")
     if base_dir is None:
-        raise ValueError(f"{folder} does not record its base model directory; pass hf_dir (--hf-dir)")
+        raise ValueError(f"{folder} does not record its base model directory; pass --hf-dir BASE_DIR")
+    if hf_dir is None and not (Path(base_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"the base model of the adapters in {folder}, {base_dir}, is gone; "
+                                "pass --hf-dir BASE_DIR (the Hugging Face GPT-2 directory they were "
+                                "trained on)")
     if recorded.get("sha256"):
         now = base_fingerprint(base_dir)
         if now["sha256"] != recorded["sha256"]:

@@ -19,6 +19,14 @@ logs every step to ``<out>/log.jsonl``, evaluates a fixed set of validation batc
 ``<out>/loss_curve.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
 steps bit for bit (NumPy backend; a test).
+
+Interruptions: while :func:`train` runs in the main thread, ``Ctrl-C`` (SIGINT) and SIGTERM only
+set a flag; the step in progress finishes, then a checkpoint of that step is saved (atomically)
+and :func:`train` returns with ``stop_reason`` ``"interrupted"``. Resuming from it is exact. A
+second ``Ctrl-C`` stops at once (``KeyboardInterrupt``), keeping the last saved checkpoint.
+
+``--overwrite``: the old run's ``log.jsonl`` and checkpoints are kept untouched until the new run
+commits its first checkpoint; until then the new log is written to ``log.jsonl.new``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -140,10 +149,12 @@ class TrainSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise TrainingError(f"--{_flag(name)} must be an integer >= 0, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise TrainingError(f"--lr must be > 0, got {self.lr!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise TrainingError(f"--lr must be a finite number > 0, got {self.lr!r}")
         if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
-            raise TrainingError(f"--min-lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+            raise TrainingError(f"--min-lr must be in [0, lr={self.lr:g}], got {self.min_lr!r}")
+        if not (isinstance(self.val_fraction, (int, float)) and not isinstance(self.val_fraction, bool)):
+            raise TrainingError(f"--val-fraction must be a number in (0, 1), got {self.val_fraction!r}")
         for name in ("weight_decay", "eps", "grad_clip"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
@@ -152,7 +163,8 @@ class TrainSettings:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v < 1):
                 raise TrainingError(f"--{_flag(name)} must be in [0, 1), got {v!r}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
+        if self.max_minutes is not None and not (isinstance(self.max_minutes, (int, float))
+                                                 and self.max_minutes > 0):
             raise TrainingError(f"--max-minutes must be > 0, got {self.max_minutes!r}")
         if self.stop_step is not None and (not isinstance(self.stop_step, int) or self.stop_step < 1):
             raise TrainingError(f"--stop-step must be a positive integer, got {self.stop_step!r}")
@@ -486,6 +498,37 @@ def _rng_state(rng: np.random.Generator) -> dict:
     return rng.bit_generator.state
 
 
+def _install_stop_handlers(flag: list) -> dict:
+    """SIGINT / SIGTERM append their name to ``flag`` (the loop stops between steps); a second
+    SIGINT raises ``KeyboardInterrupt`` at once. Only possible in the main thread: elsewhere
+    nothing is installed (and a ``KeyboardInterrupt`` ends the run without a save)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        if flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag.append(signal.Signals(signum).name)
+
+    old = {}
+    for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+        if sig is None:
+            continue
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except (ValueError, OSError):  # pragma: no cover - unusual embedding
+            pass
+    return old
+
+
+def _restore_handlers(old: dict) -> None:
+    for sig, h in old.items():
+        if h is not None:
+            signal.signal(sig, h)
+
+
 def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
           overwrite: bool = False, echo: Callable[[str], None] | None = None) -> TrainResult:
     """Run (or resume) a training job.
@@ -498,14 +541,18 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             ``"model.<GPTConfig field>"`` for single model fields, or ``"model"`` for the whole
             model dict. On resume any of them outside :data:`RESUMABLE_SETTINGS` must equal the
             checkpoint's.
-        overwrite: start afresh even if ``<out>`` already holds a checkpoint (it is replaced
-            only when the new run writes its first checkpoint).
+        overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
+            ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
+            checkpoint; the new log goes to ``log.jsonl.new`` until then).
         echo: where to print progress messages (default: stdout via tqdm.write).
 
     Returns:
-        a :class:`TrainResult`.
+        a :class:`TrainResult`; ``stop_reason`` is ``"max_steps"``, ``"stop_step"``,
+        ``"max_minutes"``, or ``"interrupted"`` (SIGINT / SIGTERM: a checkpoint of the last
+        finished step was saved; see the module docstring).
 
     Raises:
+        KeyboardInterrupt: a second ``Ctrl-C`` while stopping (the last checkpoint is kept).
         TrainingError / ValueError / FileNotFoundError: bad settings or data, an existing run
             without ``resume``/``overwrite``, a checkpoint that does not match the settings,
             a non-finite loss. Nothing on disk is changed before the inputs are validated.
@@ -602,9 +649,16 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     accum = [_empty_like(g.grads) for g in optimizer.groups] if k > 1 else None
 
     out.mkdir(parents=True, exist_ok=True)
+    pending_log = out / "log.jsonl.new"       # a new run's log while an old run is still on disk
+    if pending_log.exists():
+        pending_log.unlink()                  # left by an overwrite that never saved: not ours
     records = [r for r in read_log(log_path) if r.get("step", 0) <= step] if ckpt else []
-    _rewrite_log(log_path, records)          # drop steps after the checkpoint (or an old run's)
-    log_file = open(log_path, "a", encoding="utf-8")
+    replacing = ckpt is None and has_ckpt      # --overwrite: keep the old run until our first save
+    if replacing:
+        log_file = open(pending_log, "w", encoding="utf-8")
+    else:
+        _rewrite_log(log_path, records)      # drop steps after the checkpoint (or an old run's)
+        log_file = open(log_path, "a", encoding="utf-8")
 
     end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
     ckpt_every = settings.checkpoint_interval or settings.eval_interval
@@ -615,9 +669,13 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     say(f"steps {step} -> {end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
         f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
         f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
+    if settings.warmup_steps >= settings.max_steps:
+        print(f"warning: --warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
+              f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps",
+              file=sys.stderr)
 
     def save(val_loss: float, train_loss: float) -> None:
-        nonlocal best_val, last_save
+        nonlocal best_val, last_save, replacing, log_file
         is_best = math.isfinite(val_loss) and val_loss <= best_val
         if is_best:
             best_val = val_loss
@@ -625,6 +683,15 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                 "val_loss": _finite_or_none(val_loss), "train_loss": _finite_or_none(train_loss),
                 "best_val_loss": _finite_or_none(best_val), "tokens_seen": step * tokens_per_step}
         save_checkpoint(latest, model, optimizer, tokenizer, step, meta)
+        if replacing:                         # the new run is committed: its log replaces the old
+            log_file.close()
+            os.replace(pending_log, log_path)
+            log_file = open(log_path, "a", encoding="utf-8")
+            replacing = False
+            if not is_best:
+                import shutil
+
+                shutil.rmtree(out / "best", ignore_errors=True)     # the old run's best
         if is_best:
             copy_checkpoint(latest, out / "best")
         last_save = step
@@ -637,6 +704,11 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         last_eval = step
         return loss
 
+    def postfix() -> str:
+        rate = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
+        val = f"{val_loss:.4f}" if math.isfinite(val_loss) else "-"
+        return f"loss {last_loss:.4f}, val {val}, {rate:,.0f} tok/s"
+
     bar = tqdm(total=end, initial=step, desc="train", unit="step", disable=not settings.progress,
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     last_loss, val_loss = math.nan, math.nan
@@ -645,8 +717,13 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     reserve = 0.0                       # seconds the final validation + checkpoint will take
     t_loop = time.perf_counter()
     steps_this_run = 0
+    stop_signal: list[str] = []         # set by SIGINT / SIGTERM, checked between steps
+    old_handlers = _install_stop_handlers(stop_signal)
     try:
         while step < end:
+            if stop_signal:
+                stop_reason = "interrupted"
+                break
             if settings.max_minutes is not None:
                 if time.perf_counter() - t_start + reserve >= settings.max_minutes * 60:
                     stop_reason = "max_minutes"
@@ -659,37 +736,67 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             steps_this_run += 1
             dt = time.perf_counter() - t0
             if not math.isfinite(last_loss):
-                raise TrainingError(f"the training loss became {last_loss} at step {step}; the last "
-                                    "checkpoint is kept. Lower --lr or --grad-clip and resume or restart")
+                if last_save >= 0:
+                    kept = f"the checkpoint of step {last_save} in {latest} is kept"
+                elif has_ckpt:
+                    kept = f"nothing was saved (the previous run in {out} is left as it was)"
+                else:
+                    kept = "no checkpoint was written"
+                raise TrainingError(f"the training loss became {last_loss} at step {step}; {kept}. "
+                                    "Lower --lr or --grad-clip and "
+                                    + ("resume or restart" if last_save >= 0 else "start again"))
             log_file.write(json.dumps({
                 "step": step, "loss": last_loss, "lr": lr, "grad_norm": norm,
                 "time_s": round(time.perf_counter() - t_start, 4),
                 "tokens_per_s": round(tokens_per_step / dt, 1)}) + "\n")
             bar.update(1)
-            rate = tokens_per_step * steps_this_run / (time.perf_counter() - t_loop)
-            bar.set_postfix_str(f"loss {last_loss:.4f}, val {val_loss:.4f}, {rate:,.0f} tok/s", refresh=False)
+            bar.set_postfix_str(postfix(), refresh=False)
             t1 = time.perf_counter()
             if step % settings.eval_interval == 0:
                 val_loss = validate()
+                bar.set_postfix_str(postfix(), refresh=False)
                 say(f"step {step}: train loss {last_loss:.4f}, val loss {val_loss:.4f}")
             if step % ckpt_every == 0:
                 save(val_loss if last_eval == step else math.nan, last_loss)
             if last_eval == step or last_save == step:
                 reserve = max(reserve, 1.5 * (time.perf_counter() - t1))
-        if last_eval != step or not math.isfinite(val_loss):
-            val_loss = validate()
-        if last_save != step:
-            save(val_loss, last_loss)
+        if stop_signal:
+            stop_reason = "interrupted"
+        if stop_reason == "interrupted":
+            if last_save != step:              # between steps: a consistent state to save
+                save(val_loss if last_eval == step else math.nan, last_loss)
+        else:
+            if last_eval != step or not math.isfinite(val_loss):
+                val_loss = validate()
+                bar.set_postfix_str(postfix(), refresh=True)
+            if last_save != step:
+                save(val_loss, last_loss)
     finally:
+        _restore_handlers(old_handlers)
         bar.close()
         log_file.close()
+        if replacing and pending_log.exists():
+            pending_log.unlink()               # never committed: the old run stays as it was
     seconds = time.perf_counter() - t_start
     tps = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
     if settings.plot:
         plot_loss_curve(read_log(log_path), out / "loss_curve.png",
                         title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
                               f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
-    say(f"done ({stop_reason}): step {step}, train loss {last_loss:.4f}, val loss {val_loss:.4f} "
+    if stop_reason == "interrupted":
+        say(f"interrupted ({stop_signal[0] if stop_signal else 'stop'}) after step {step}: checkpoint "
+            f"saved in {latest}")
+        return TrainResult(step=step, train_loss=last_loss, val_loss=val_loss, best_val_loss=best_val,
+                           seconds=time.perf_counter() - t_start, tokens_per_second=tps,
+                           stop_reason=stop_reason, out=out, model=model, tokenizer=tokenizer)
+    val_text = f"{val_loss:.4f}" if math.isfinite(val_loss) else "-"
+    seconds = time.perf_counter() - t_start
+    tps = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
+    if settings.plot:
+        plot_loss_curve(read_log(log_path), out / "loss_curve.png",
+                        title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
+                              f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
+    say(f"done ({stop_reason}): step {step}, train loss {last_loss:.4f}, val loss {val_text} "
         f"(best {best_val:.4f}), {seconds / 60:.1f} min, {tps:,.0f} tokens/s; checkpoints in {out}")
     return TrainResult(step=step, train_loss=last_loss, val_loss=val_loss, best_val_loss=best_val,
                        seconds=seconds, tokens_per_second=tps, stop_reason=stop_reason, out=out,

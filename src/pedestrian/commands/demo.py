@@ -6,7 +6,9 @@ gradient flows back through the paper's numbered activations), and compares, for
 parameter tensor, a few gradient entries with central finite differences
 (L(θ+h) − L(θ−h)) / 2h. An entry passes when |numeric − analytic| <= atol + rtol·|numeric|
 (finite differences themselves are only good to about h² + ε/h ≈ 1e-10 absolute); exit status 1
-if any entry fails.
+if any entry fails. The relative error |numeric − analytic| / |numeric| is shown only where
+|numeric| >= atol ('-' otherwise: a gradient that is exactly zero, e.g. that of the attention
+key bias, which softmax's shift invariance cancels, has no meaningful relative error).
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ from ..tokenizer import CharTokenizer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder (default: the bundled Shakespeare)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--entries", type=int, default=3, help="entries checked per parameter tensor")
-    parser.add_argument("--step", type=float, default=1e-5, help="finite-difference step h")
+    parser.add_argument("--entries", type=int, default=3, help="entries checked per parameter tensor (>= 1)")
+    parser.add_argument("--step", type=float, default=1e-5, help="finite-difference step h (> 0)")
     parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance")
     parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance")
 
 
 def run(args: argparse.Namespace) -> int:
+    import math
+
+    if args.entries < 1:
+        raise ValueError(f"--entries must be a positive integer, got {args.entries}")
+    if not (math.isfinite(args.step) and args.step > 0):
+        raise ValueError(f"--step must be a finite number > 0 (e.g. 1e-5), got {args.step}")
+    for name in ("rtol", "atol"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{name} must be a finite number >= 0, got {v}")
     text = load_corpus(args.data)[:200_000]
     tokenizer = CharTokenizer.from_text(text)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
@@ -71,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
             analytic = grads[name][idx]
             err = abs(numeric - analytic)
             abs_errs.append(err)
-            rel_errs.append(err / max(abs(numeric), 1e-300))
+            if abs(numeric) >= args.atol and abs(numeric) > 0:
+                rel_errs.append(err / abs(numeric))
             failed += err > args.atol + args.rtol * abs(numeric)
-        print(f"{name:<30}{len(abs_errs):>8}{max(abs_errs):>14.2e}{max(rel_errs):>14.2e}")
+        rel = f"{max(rel_errs):>14.2e}" if rel_errs else f"{'-':>14}"
+        print(f"{name:<30}{len(abs_errs):>8}{max(abs_errs):>14.2e}{rel}")
     print(f"\n{failed} entries outside |numeric − analytic| <= {args.atol:g} + {args.rtol:g}·|numeric| "
           f"-> {'OK' if not failed else 'FAILED'}")
     return 0 if not failed else 1

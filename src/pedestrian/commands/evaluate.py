@@ -1,12 +1,15 @@
 """Validation loss of a checkpoint over a whole split of its corpus, every target counted once.
 
 The corpus, tokenizer and split come from the checkpoint (as trained); --data evaluates on
-another text with the checkpoint's tokenizer.
+another text with the checkpoint's tokenizer (--split all: the whole of it). A `pedestrian
+finetune` run folder (or its adapter/ checkpoint) is evaluated on its base model plus the
+adapters: the base recorded in it, or --hf-dir BASE_DIR.
 
 Examples:
   pedestrian eval runs/shakespeare_char            # its latest/ checkpoint
   pedestrian eval runs/shakespeare_char/best --split train --max-batches 50
-  pedestrian eval runs/shakespeare_char/best --data other_text.txt
+  pedestrian eval runs/shakespeare_char/best --data other_text.txt --split all
+  pedestrian eval runs/finetune                    # LoRA fine-tune: base + adapters
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import math
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (…/latest, …/best) or run folder")
     parser.add_argument("--data", metavar="PATH", help="corpus to evaluate on (default: the training corpus)")
-    parser.add_argument("--split", choices=["val", "train"], default="val",
-                        help="which part of the corpus (default val: the held-out last fraction)")
+    parser.add_argument("--split", choices=["val", "train", "all"], default="val",
+                        help="which part of the corpus (default val: the held-out last fraction; "
+                             "all: the whole text)")
+    parser.add_argument("--hf-dir", metavar="DIR",
+                        help="base model of a fine-tune run (default: the one recorded in it)")
     parser.add_argument("--val-fraction", type=float, metavar="F",
                         help="held-out fraction (default: the one used in training, else 0.1)")
     parser.add_argument("--batch-size", type=int, default=32, metavar="B", help="windows per forward pass")
@@ -29,30 +35,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+def _tokens(data, tokenizer, val_fraction: float, split: str):
+    from pathlib import Path
+
+    from ..data import BUNDLED_CORPUS, encode_to_token_file
+    from ..train import TrainingError, split_tokens
+
+    corpus = Path(data).expanduser() if data else BUNDLED_CORPUS
+    tokens = encode_to_token_file(corpus, tokenizer)
+    if split == "all":
+        part = tokens
+    else:
+        part = dict(zip(("train", "val"), split_tokens(tokens, val_fraction)))[split]
+    if part.shape[0] < 2:
+        what = "the whole text" if split == "all" else (
+            f"its {split} part (val_fraction {val_fraction}: the last {val_fraction:g} of the tokens "
+            "is the val part, the rest the train part)")
+        raise TrainingError(f"{corpus} has {tokens.shape[0]} tokens and {what} holds {part.shape[0]}; "
+                            "evaluation needs at least 2. Use a longer text"
+                            + ("" if split == "all" else ", --split all, or another --val-fraction"))
+    return part
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_checkpoint
-    from ..train import TrainingError, TrainSettings, evaluate_tokens, prepare_data
+    from ..checkpoint import load_checkpoint, read_state
+    from ..finetune import adapter_checkpoint_dir, load_finetuned
+    from ..train import TrainingError, evaluate_tokens
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.max_batches is not None and args.max_batches < 1:
         raise ValueError(f"--max-batches must be a positive integer, got {args.max_batches}")
-    ckpt = load_checkpoint(args.checkpoint, backend=args.backend, dtype=args.dtype)
-    if ckpt.tokenizer is None:
-        raise TrainingError(f"checkpoint {ckpt.path} has no tokenizer; it cannot be evaluated on text")
-    saved = ckpt.meta.get("settings") or {}
+    if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    adapter = adapter_checkpoint_dir(args.checkpoint)
+    if adapter is not None:
+        model, tokenizer = load_finetuned(adapter, args.hf_dir, dtype=args.dtype, backend=args.backend)
+        path, state = read_state(adapter)
+        step, saved = int(state.get("step", 0)), (state.get("meta") or {}).get("finetune") or {}
+    else:
+        if args.hf_dir:
+            raise ValueError(f"--hf-dir names the base model of a fine-tune run; {args.checkpoint} is "
+                             "not one, so leave --hf-dir out")
+        ckpt = load_checkpoint(args.checkpoint, backend=args.backend, dtype=args.dtype)
+        model, tokenizer, path, step = ckpt.model, ckpt.tokenizer, ckpt.path, ckpt.step
+        saved = ckpt.meta.get("settings") or {}
+    if tokenizer is None:
+        raise TrainingError(f"checkpoint {path} has no tokenizer; it cannot be evaluated on text")
     data = args.data if args.data is not None else saved.get("data")
     if data is None and not saved:
-        raise TrainingError(f"checkpoint {ckpt.path} does not record its training corpus; pass --data PATH")
+        raise TrainingError(f"checkpoint {path} does not record its training corpus; pass --data PATH")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
-    settings = TrainSettings(data=data, val_fraction=val_fraction,
-                             model={k: v for k, v in ckpt.config.to_dict().items() if k != "vocab_size"})
-    settings.validate()
-    _, train_tokens, val_tokens = prepare_data(settings, ckpt.tokenizer)
-    tokens = val_tokens if args.split == "val" else train_tokens
-    loss, n = evaluate_tokens(ckpt.model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
+    tokens = _tokens(data, tokenizer, val_fraction, args.split)
+    loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
                               progress=args.progress)
-    unit = "character" if ckpt.tokenizer.to_dict().get("kind") == "char" else "token"
-    print(f"checkpoint {ckpt.path} (step {ckpt.step}): {args.split} loss {loss:.4f} nats per {unit} "
+    unit = "character" if tokenizer.to_dict().get("kind") == "char" else "token"
+    print(f"checkpoint {path} (step {step}): {args.split} loss {loss:.4f} nats per {unit} "
           f"({loss / math.log(2):.4f} bits, perplexity {math.exp(loss):.2f}) over {n:,} targets")
     return 0

@@ -2,7 +2,8 @@
 or its LoRA adapters as a PEFT directory.
 
 Sources:
-  --checkpoint CKPT          a full checkpoint of `pedestrian train` (adapters, if any, merged)
+  --checkpoint CKPT          a full checkpoint of `pedestrian train` (adapters, if any, merged);
+                             a fine-tune's adapter checkpoint is treated as --adapter
   --adapter RUN              a `pedestrian finetune` run (or its adapter/ checkpoint); the base is
                              the --hf-dir recorded in it (or --hf-dir BASE)
 
@@ -10,6 +11,10 @@ Examples:
   pedestrian export-hf --checkpoint runs/shakespeare_char/best --out shakespeare-gpt2
   pedestrian export-hf --adapter runs/ft --out gpt2-ft              # base + adapters, merged
   pedestrian export-hf --adapter runs/ft --format peft --out ft-peft # only the adapters
+
+With --format model, adapters are merged (W + alpha D U). An adapter on tied logits (GPT-2
+ties lm_head to wte) is merged into a separate lm_head.weight = wte + (alpha D U)^T, so that
+export is untied (tie_word_embeddings=false) and wte is unchanged.
 
 transformers then reads the result with GPT2LMHeadModel.from_pretrained(OUT) (and, for
 --format peft, peft.PeftModel.from_pretrained(base, OUT)).
@@ -34,15 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UserError
-    from ..interop.hf import save_pretrained
+    from ..interop.hf import merged_for_export, save_pretrained
     from ..interop.peft import save_peft_adapter
 
+    from ..finetune import adapter_base, adapter_checkpoint_dir, load_finetuned
+
+    if args.checkpoint and adapter_checkpoint_dir(args.checkpoint) is not None:
+        args.adapter, args.checkpoint = args.checkpoint, None      # an adapter: same as --adapter
     if args.hf_dir and not args.adapter:
         raise UserError("--hf-dir names the base model of --adapter; with --checkpoint leave it out")
     base_name = None
     if args.adapter:
-        from ..finetune import adapter_base, load_finetuned
-
         model, tokenizer = load_finetuned(args.adapter, args.hf_dir)
         base_name = args.hf_dir or adapter_base(args.adapter).get("hf_dir")
     else:
@@ -58,10 +65,11 @@ def run(args: argparse.Namespace) -> int:
               f"alpha={model.lora_alpha:g}) to {out}")
         return 0
     if model.lora_targets:
-        try:
-            model.merge_lora()
-        except ValueError as exc:
-            raise UserError(f"{exc}; export the adapters alone with --format peft") from None
+        tied = "logits" in model.lora_targets and model.config.tie_weights
+        model = merged_for_export(model)
+        if tied:
+            print("note: the adapter on the tied logits is merged into a separate lm_head.weight, so "
+                  "the exported model is untied (tie_word_embeddings=false; wte unchanged)")
     out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
     print(f"wrote a Hugging Face GPT-2 ({model.num_params():,} parameters) to {out}")
     return 0

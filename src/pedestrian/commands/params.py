@@ -70,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
         args.preset = "gpt2"
     config = config_from_args(args)
     specs = param_specs(config)
+    lora = None
+    if args.lora_rank is not None:                      # validate before printing anything
+        if args.lora_rank < 1:
+            raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
+        lora = lora_specs(config, args.lora_targets, args.lora_rank)
     rows = [s for s in specs if args.per_block or not s.name.startswith("blocks.")
             or s.name.startswith("blocks.0.")]
     width = max(len(s.name) for s in rows) + 2
@@ -90,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'kind: ' + kind:<32}{n:>16,}")
     total = sum(s.size for s in specs)
     print(f"{'total':<32}{total:>16,}")
-    if args.lora_rank is not None:
-        lora = lora_specs(config, args.lora_targets, args.lora_rank)
+    if lora is not None:
         n = sum(s.size for s in lora)
         print(f"{'LoRA r=' + str(args.lora_rank) + ' on ' + ','.join(args.lora_targets):<32}{n:>16,}"
               f"   ({100 * n / total:.2f}% of the base; {len(lora) // 2} adapted layers)")

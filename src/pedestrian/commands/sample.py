@@ -4,6 +4,7 @@ Examples:
   pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --max-new-tokens 300 \\
       --temperature 0.8 --top-k 40 --seed 1
   pedestrian sample --hf-dir gpt2 --prompt "The meaning of life" --top-p 0.9 --seed 0
+  pedestrian sample --checkpoint runs/finetune --prompt "Dear diary,"   # base + LoRA adapters
 
 Behaviour:
   - The prompt is echoed, then each new token is printed as soon as its text is complete: with
@@ -13,7 +14,8 @@ Behaviour:
     --top-k larger than the vocabulary means no top-k filter.
   - An empty prompt starts from <|endoftext|> when the tokenizer has it (GPT-2 convention) and
     is an error otherwise. A prompt longer than the context keeps its last context_length
-    tokens (with a warning).
+    tokens (with a one-line warning on stderr).
+  - Every setting is checked before anything is printed.
   - Generation stops at <|endoftext|> (when the tokenizer has it; --ignore-eot to go on) or at
     any --stop / --stop-id token; the stop token is not printed. Past the context length the
     window slides (see pedestrian.generate).
@@ -33,9 +35,11 @@ EOT = "<|endoftext|>"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter     # keep the examples' layout
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a checkpoint written by `pedestrian train`")
-    src.add_argument("--hf-dir", help="a Hugging Face GPT-2 directory (config.json + weights)")
+    src = parser.add_argument_group("model (one of --checkpoint / --hf-dir, or both for a fine-tune)")
+    src.add_argument("--checkpoint", help="a checkpoint or run folder of `pedestrian train`, or a "
+                     "`pedestrian finetune` run folder (or its adapter/ checkpoint)")
+    src.add_argument("--hf-dir", help="a Hugging Face GPT-2 directory (config.json + weights); with a "
+                     "fine-tune --checkpoint: its base model (default: the one recorded in it)")
     parser.add_argument("--prompt", default="", help="text to continue (default: empty, see above)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
@@ -61,24 +65,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace):
-    """``(model, tokenizer)`` from ``--checkpoint`` or ``--hf-dir`` (imports are lazy)."""
+    """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir`` (imports are lazy).
+
+    A fine-tune run (or its ``adapter/`` checkpoint) is loaded onto its base model: the one
+    recorded in it, or ``--hf-dir``.
+    """
     from ..cli import UserError
 
-    if args.hf_dir:
-        try:
-            from ..interop.hf import load_pretrained
-        except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build state
-            raise UserError(f"--hf-dir needs pedestrian.interop.hf, which is not available ({exc})")
-        return load_pretrained(args.hf_dir, dtype=args.dtype or "float32", backend=args.backend)
-    try:
+    if args.checkpoint:
+        from ..finetune import adapter_checkpoint_dir, load_finetuned
+
+        adapter = adapter_checkpoint_dir(args.checkpoint)
+        if adapter is not None:
+            return load_finetuned(adapter, args.hf_dir, dtype=args.dtype, backend=args.backend)
+        if args.hf_dir:
+            raise UserError(f"--hf-dir with --checkpoint names the base model of a fine-tune run; "
+                            f"{args.checkpoint} is not one, so pass only one of them")
         from ..checkpoint import load_checkpoint
-    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build state
-        raise UserError(f"--checkpoint needs pedestrian.checkpoint, which is not available ({exc})")
-    ckpt = load_checkpoint(args.checkpoint, backend=args.backend, dtype=args.dtype)
-    if getattr(ckpt, "tokenizer", None) is None:
-        raise UserError(f"checkpoint {args.checkpoint} has no tokenizer saved beside it, so its "
-                        "token ids cannot be turned into text")
-    return ckpt.model, ckpt.tokenizer
+
+        ckpt = load_checkpoint(args.checkpoint, backend=args.backend, dtype=args.dtype)
+        if getattr(ckpt, "tokenizer", None) is None:
+            raise UserError(f"checkpoint {args.checkpoint} has no tokenizer saved beside it, so its "
+                            "token ids cannot be turned into text")
+        return ckpt.model, ckpt.tokenizer
+    if args.hf_dir:
+        from ..interop.hf import load_pretrained
+
+        return load_pretrained(args.hf_dir, dtype=args.dtype or "float32", backend=args.backend)
+    raise UserError("pass --checkpoint CKPT (a train or finetune run) or --hf-dir DIR (a Hugging Face "
+                    "GPT-2 directory)")
 
 
 def _special_id(tokenizer, text: str) -> int | None:
@@ -115,8 +130,17 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     from ..generate import check_sampling, generate
     from ..tokenizer import StreamDecoder
 
+    import warnings
+
+    from ..tokenizer import UnknownCharacterError
+
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1] (1 = no nucleus filter), got {args.top_p:g}; "
+                         "for greedy decoding use --temperature 0")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be a positive integer, got {args.top_k}")
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -129,7 +153,13 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
-    prompt_ids = tokenizer.encode(args.prompt)           # a char tokenizer raises on unknown chars
+    try:
+        prompt_ids = tokenizer.encode(args.prompt)       # a char tokenizer raises on unknown chars
+    except UnknownCharacterError as exc:
+        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
+        raise ValueError(f"the prompt has {len(exc.unknown)} character(s) this model's character vocabulary "
+                         f"lacks ({shown}); use only characters that occur in its training text, or "
+                         "train with --tokenizer bpe (which encodes any text)") from None
     if not prompt_ids:
         eot = _special_id(tokenizer, EOT)
         if eot is None:
@@ -137,7 +167,15 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
                              "start from; pass --prompt with at least one character")
         prompt_ids = [eot]
     stops = _stop_ids(tokenizer, args)
+    V = model.config.vocab_size
+    bad = [i for i in args.stop_id if not 0 <= i < V]
+    if bad:
+        raise ValueError(f"--stop-id {bad[0]} is not a token id of this model: ids are 0 ... {V - 1}")
     stop_set = set(stops)
+    if len(prompt_ids) > C:
+        err.write(f"warning: the prompt has {len(prompt_ids)} tokens but the model's context is {C}: "
+                  f"only the last {C} condition the generation\n")
+        err.flush()
     prompt = np.tile(np.asarray(prompt_ids, dtype=np.int64), (args.num_samples, 1))
 
     streaming = args.num_samples == 1
@@ -160,10 +198,12 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
         out.write(args.prompt)
         out.flush()
     t0 = time.perf_counter()
-    tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops or None,
-                      use_cache=not args.no_cache, on_token=on_token if streaming else None,
-                      window_shift=args.window_shift)
+    with warnings.catch_warnings():                     # already said above, in one line
+        warnings.filterwarnings("ignore", message="the prompt has", category=UserWarning)
+        tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops or None,
+                          use_cache=not args.no_cache, on_token=on_token if streaming else None,
+                          window_shift=args.window_shift)
     seconds = time.perf_counter() - t0
     if streaming:
         out.write(decoder.flush() + "\n")

@@ -6,6 +6,14 @@ cores. Checkpoints, the step log (log.jsonl) and the loss curve (loss_curve.png)
 runs/<corpus>_<tokenizer> (or --out).
 
 Settings come from, in increasing priority: the defaults, a TOML file (--config), the flags.
+TOML keys are the flag names with underscores (tables [data] [model] [optim] [train]); their
+values must have the flag's type (e.g. bias = false, not "no").
+
+At the end it prints two short samples of the best checkpoint (temperature 0.8, top-k 40,
+seed 0; --no-sample to skip) and where the checkpoints, log and loss curve are.
+Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and says how to resume
+(--resume continues exactly); a second Ctrl-C stops at once.
+--warmup-steps >= --max-steps is allowed but warned about: the peak lr is never reached.
 
 Examples:
   pedestrian train
@@ -18,6 +26,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +45,37 @@ _TRAIN_FIELDS = ("data", "tokenizer", "bpe_vocab_size", "val_fraction", "dtype",
                  "max_minutes", "stop_step", "out", "progress", "plot")
 _MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
 _TABLES = ("data", "model", "optim", "train")
+#: the type every TOML value must have (that of its flag); floats also accept integers
+_INT_KEYS = {"bpe_vocab_size", "batch_size", "grad_accum", "max_steps", "warmup_steps", "seed", "eval_interval",
+             "eval_batches", "checkpoint_interval", "stop_step", "context_length", "d_model", "n_heads",
+             "n_blocks", "d_head", "d_qk", "mlp_ratio"}
+_FLOAT_KEYS = {"val_fraction", "lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
+               "max_minutes", "dropout", "ln_eps"}
+_BOOL_KEYS = {"bias", "tie_weights", "causal", "progress", "plot"}
+_STR_KEYS = {"data", "tokenizer", "dtype", "backend", "out", "activation", "preset"}
+
+
+def _check_toml_type(path, key: str, value):
+    """``value`` converted to its flag's type, or a ValueError naming the key and the type."""
+    def bad(expected: str):
+        return ValueError(f"config file {path}: {key} = {value!r} must be {expected}")
+
+    if key in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise bad("true or false (a TOML boolean, no quotes)")
+    elif key in _INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+    elif key in _FLOAT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise bad("a finite number")
+    elif key in _STR_KEYS:
+        if not isinstance(value, str):
+            raise bad('a string (in quotes, e.g. "text")')
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,13 +121,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no progress bar")
     t.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="no loss_curve.png")
+    t.add_argument("--no-sample", dest="sample", action="store_false", default=True,
+                   help="do not print samples of the trained model at the end")
 
 
 def read_config_file(path) -> dict:
     """Flatten a TOML settings file into ``{setting: value}`` (tables data/model/optim/train).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: invalid TOML or an unknown key.
+        FileNotFoundError: no such file. ValueError: invalid TOML, an unknown key, or a value
+            whose type is not that of its flag (the message names the key and the type).
     """
     p = Path(path).expanduser()
     if not p.is_file():
@@ -112,7 +155,7 @@ def read_config_file(path) -> dict:
                                  f"{sorted(set(_TRAIN_FIELDS) | set(_MODEL_KEYS))}")
             if k in flat:
                 raise ValueError(f"config file {p}: {k!r} is given twice")
-            flat[k] = v
+            flat[k] = _check_toml_type(p, k, v)
     return flat
 
 
@@ -145,11 +188,54 @@ def settings_from_args(args: argparse.Namespace):
     return settings, explicit
 
 
+def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
+    """``n`` samples of about ``chars`` characters from ``out/best`` (or ``out/latest``):
+    temperature 0.8, top-k 40, seed 0 (:func:`pedestrian.generate.generate`)."""
+    import numpy as np
+
+    from ..checkpoint import load_checkpoint
+    from ..generate import generate
+
+    folder = out / "best" if (out / "best" / "state.json").is_file() else out / "latest"
+    ckpt = load_checkpoint(folder)
+    model, tok = ckpt.model, ckpt.tokenizer
+    model.training = False
+    start = getattr(tok, "special_tokens", {}).get("<|endoftext|>")
+    if start is None:
+        try:
+            start = tok.encode("\n")[0]
+        except (ValueError, IndexError):
+            start = 0
+    per_token = 1 if tok.to_dict().get("kind") == "char" else 3       # BPE: ~3-4 characters a token
+    ids = generate(model, np.full((n, 1), start, dtype=np.int64), max(1, chars // per_token),
+                   temperature=0.8, top_k=min(40, model.config.vocab_size), seed=0)
+    print(f"samples from {folder} (temperature 0.8, top-k 40; --no-sample to skip):")
+    for i, row in enumerate(ids):
+        text = tok.decode([int(t) for t in row[1:] if int(t) != start or per_token == 1])[:chars]
+        print(f"--- sample {i + 1} ---\n{text.strip()}")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..train import train
 
     settings, explicit = settings_from_args(args)
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
+    out = result.out
+    if result.stop_reason == "interrupted":
+        print(f"interrupted: a checkpoint of step {result.step} is saved in {out / 'latest'}; continue "
+              f"with: pedestrian train --out {out} --resume", file=sys.stderr)
+        return 130
     print(f"final validation loss {result.val_loss:.4f} nats/token at step {result.step} "
-          f"({result.seconds / 60:.1f} min); latest checkpoint {result.out / 'latest'}", file=sys.stdout)
+          f"({result.seconds / 60:.1f} min); latest checkpoint {out / 'latest'}", file=sys.stdout)
+    if args.sample:
+        _print_samples(out)
+    files = [f"checkpoints {out / 'latest'} and {out / 'best'}", f"log {out / 'log.jsonl'}"]
+    if (out / "loss_curve.png").is_file() and settings.plot:
+        files.append(f"loss curve {out / 'loss_curve.png'}")
+    print("files: " + ", ".join(files))
+    print(f"sample: pedestrian sample --checkpoint {out / 'best'} --prompt \"...\" --temperature 0.8 --top-k 40")
+    if result.stop_reason == "max_steps":
+        print(f"train on: pedestrian train --out {out} --resume --max-steps {2 * result.step}")
+    else:
+        print(f"resume: pedestrian train --out {out} --resume")
     return 0

@@ -56,6 +56,7 @@ import numpy as np
 from ..config import GPTConfig, param_specs
 
 __all__ = [
+    "merged_for_export",
     "load_pretrained",
     "load_hf_model",
     "load_hf_tokenizer",
@@ -718,3 +719,42 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
                **tokenizer_writers(tokenizer, config.context_length)}
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)
+
+
+def merged_for_export(model):
+    """A copy of ``model`` with its LoRA adapters merged, ready for :func:`save_pretrained`.
+
+    ``W ← W + α D U`` for every adapted layer (paper section 6; ``model`` itself is not
+    changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
+    into ``tok_emb.weight`` without changing the embedding lookup too, so the copy is
+    **untied** instead: ``tie_weights=False`` (HF ``tie_word_embeddings=false``), the token
+    embedding unchanged, and ``logits.weight = W_tokᵀ + α D U`` of shape ``(d_model, V)``
+    (HF ``lm_head.weight = wte + (α D U)ᵀ``, ``(V, d_model)``, no bias). The copy gives the
+    same logits as the adapted model.
+
+    Args:
+        model: a :class:`~pedestrian.model.GPT` (with or without adapters).
+
+    Returns:
+        a new :class:`~pedestrian.model.GPT` without adapters, same dtype, NumPy backend.
+
+    Raises:
+        ValueError: the merged parameters do not fit the (untied) config (a bug).
+    """
+    import dataclasses
+
+    from ..model import GPT
+
+    state = {k: np.asarray(v, dtype=np.float64) for k, v in model.state_dict().items()}
+    config = model.config
+    targets = list(model.lora_targets or [])
+    alpha = float(model.lora_alpha) if targets else 0.0
+    if "logits" in targets and config.tie_weights:
+        config = dataclasses.replace(config, tie_weights=False, logits_bias=False)
+        state["logits.weight"] = state["tok_emb.weight"].T.copy()
+    for fc in targets:
+        state[f"{fc}.weight"] = state[f"{fc}.weight"] + alpha * (state.pop(f"{fc}.lora_D")
+                                                                 @ state.pop(f"{fc}.lora_U"))
+    out = GPT(config, dtype=model.dtype_name)
+    out.load_state_dict(state, strict=True)
+    return out

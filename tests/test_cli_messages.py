@@ -1,0 +1,97 @@
+"""Messages a new user meets on the command line: one line, CLI terms (flags, not Python
+arguments), printed before any output, and no tracebacks or raw Python warnings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pedestrian.checkpoint import save_checkpoint
+from pedestrian.cli import main
+from pedestrian.config import GPTConfig
+from pedestrian.model import GPT
+from pedestrian.tokenizer import CharTokenizer
+
+
+def _one_line_error(capsys, *fragments) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    return out
+
+
+@pytest.fixture
+def char_ckpt(tmp_path):
+    tok = CharTokenizer.from_text("abcdefgh \n")
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=8, d_model=8, n_heads=2, n_blocks=1), seed=1)
+    return save_checkpoint(tmp_path / "ckpt", model, None, tok, step=1)
+
+
+def test_demo_validates_its_flags(capsys):
+    assert main(["demo", "--step", "0"]) == 2
+    _one_line_error(capsys, "--step must be a finite number > 0")
+    for n in ("0", "-1"):
+        assert main(["demo", "--entries", n]) == 2
+        _one_line_error(capsys, "--entries must be a positive integer")
+
+
+def test_demo_shows_no_relative_error_for_a_zero_gradient(capsys):
+    assert main(["demo", "--entries", "2"]) == 0
+    out = capsys.readouterr().out
+    k_bias = [line for line in out.splitlines() if line.startswith("blocks.0.attn.k.bias")][0]
+    assert k_bias.split()[-1] == "-", k_bias          # its gradient is exactly 0 (softmax shift)
+    assert "e+" not in out.split("max rel err")[1]    # no absurd 1e+283 anywhere
+    assert "-> OK" in out
+
+
+def test_sample_cli_messages(char_ckpt, capsys):
+    ckpt = str(char_ckpt)
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "xyz"]) == 2
+    _one_line_error(capsys, "use only characters that occur in its training text", "--tokenizer bpe")
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "ab", "--top-p", "1.5"]) == 2
+    _one_line_error(capsys, "--top-p must be in (0, 1]", "got 1.5")
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "ab", "--stop-id", "999"]) == 2
+    assert _one_line_error(capsys, "--stop-id 999", "0 ... 9") == ""          # nothing printed first
+
+
+def test_long_prompt_warns_in_one_line_before_generating(char_ckpt, capsys):
+    with _no_python_warning():
+        assert main(["sample", "--checkpoint", str(char_ckpt), "--prompt", "abcdefghabcd",
+                     "--max-new-tokens", "3", "--seed", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("abcdefghabcd")
+    assert err.strip().splitlines() == [
+        "warning: the prompt has 12 tokens but the model's context is 8: only the last 8 condition the "
+        "generation"]
+
+
+class _no_python_warning:
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings(record=True)
+        self.records = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        assert not [w for w in self.records if issubclass(w.category, UserWarning)], self.records
+        return False
+
+
+def test_params_validates_before_printing(capsys):
+    assert main(["params", "--preset", "gpt2", "--lora-rank", "0"]) == 2
+    assert _one_line_error(capsys, "--lora-rank must be a positive integer") == ""
+
+
+def test_eval_on_a_short_file_names_the_evaluated_part(char_ckpt, tmp_path, capsys):
+    one = tmp_path / "one.txt"
+    one.write_text("abcdefgh", encoding="utf-8")
+    assert main(["eval", str(char_ckpt), "--data", str(one), "--no-progress"]) == 2
+    _, err = capsys.readouterr()
+    assert "training split" not in err and "val part" in err and "--split all" in err
+    assert main(["eval", str(char_ckpt), "--data", str(one), "--split", "all", "--no-progress"]) == 0
+    assert "all loss" in capsys.readouterr().out
