@@ -37,7 +37,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .backend import array_namespace, asarray_like, namespace_for, resolve_dtype, to_numpy
+from .backend import (Workspace, array_namespace, asarray_like, elementwise_lib, empty_array, matmul_into,
+                      namespace_for, resolve_dtype, to_numpy)
 from .config import GPTConfig, fc_layers, lora_specs, param_specs
 from .layers.activations import activation_backward, activation_forward
 from .layers.attention import multi_head_attention_backward, multi_head_attention_forward
@@ -147,6 +148,7 @@ class GPT:
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._cache: dict | None = None
         self._deltas: dict = {}
+        self._workspace = Workspace()             # last step's arrays, reused by the next
         self._init_weights(seed)
 
     # ------------------------------------------------------------------ parameters
@@ -347,19 +349,33 @@ class GPT:
                 when given the mean loss is computed and :meth:`backward` may be called.
 
         Returns:
-            logits ``(B, T, vocab_size)`` in the model's dtype and backend.
+            logits ``(B, T, vocab_size)`` in the model's dtype and backend. Arrays of an
+            earlier step (logits, activations, error signals) are reused for this one only when
+            nothing outside the model refers to them any more, so arrays the caller kept never
+            change (:class:`pedestrian.backend.Workspace`).
 
         Raises:
             TypeError: non-integer tokens or targets.
             ValueError: ids out of range, ``T > context_length``, shape mismatch.
         """
-        c, xp, P = self.config, self.xp, self.params
+        c = self.config
         tokens = self._as_tokens(tokens, "token ids")
         check_tokens(tokens, c.vocab_size, c.context_length)
         if targets is not None:
             targets = self._as_tokens(targets, "targets")
             self._check_targets(targets, tokens)
         self._lora_set = set(self.lora_targets)
+        # the last step's activations and signals go first (peak memory), into the workspace
+        # unless the caller still holds them (see Workspace.recycle)
+        self._workspace.new_step()
+        done = [self._cache, self._deltas]
+        self._cache, self._deltas = None, {}
+        self._workspace.recycle(done)
+        with self._workspace.active():
+            return self._forward(tokens, targets)
+
+    def _forward(self, tokens, targets):
+        c, P = self.config, self.params
         hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
         cache: dict = {"a0": tokens, "blocks": [], "lora": {}, "drop": {}}
         a1, _ = embedding_forward(tokens, P["tok_emb.weight"], P["pos_emb.weight"])
@@ -379,12 +395,12 @@ class GPT:
                     qkv[..., lo:hi] += y_lora
             a3, bc["attn"] = multi_head_attention_forward(qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal)
             a4 = self._dropout(self._fc_forward(f"{p}.attn_proj", a3, cache["lora"]), bc, "drop_a4")
-            a5 = x + a4
+            a5 = self._add(x, a4)
             a6, bc["ln2"] = layernorm_forward(a5, P[f"{p}.ln2.weight"], P.get(f"{p}.ln2.bias"), c.ln_eps)
             a7 = self._fc_forward(f"{p}.mlp_expand", a6, cache["lora"])
-            a8, _ = activation_forward(a7, c.activation)
+            a8, bc["act"] = activation_forward(a7, c.activation)
             a9 = self._dropout(self._fc_forward(f"{p}.mlp_contract", a8, cache["lora"]), bc, "drop_a9")
-            a10 = a5 + a9
+            a10 = self._add(a5, a9)
             bc.update(a2=a2, a3=a3, a4=a4, a5=a5, a6=a6, a7=a7, a8=a8, a9=a9, a10=a10)
             cache["blocks"].append(bc)
             x = a10
@@ -396,8 +412,14 @@ class GPT:
             cache["loss_value"] = loss
             cache["targets"] = targets
         self._cache = cache
-        self._deltas = {}
         return a12
+
+    @staticmethod
+    def _add(a, b):
+        """``a + b`` into a (possibly reused) new array."""
+        out = empty_array(a.shape, a)
+        elementwise_lib(a).add(a, b, out=out)
+        return out
 
     def loss(self, tokens, targets) -> float:
         """Forward with targets; returns the mean next-token cross-entropy (nats per token).
@@ -438,12 +460,8 @@ class GPT:
             need_weight=train_base and not tied_logits, need_bias=train_base and has_bias,
             weight_out=g.get(f"{fc}.weight"), bias_out=g.get(f"{fc}.bias"))
         if train_base and tied_logits:               # d(W_tok) from the logits layer: Δ12ᵀ a11
-            xp = self.xp
             V, d = self.params["tok_emb.weight"].shape
-            from .backend import matmul_into
-
-            matmul_into(g["tok_emb.weight"], xp.matrix_transpose(xp.reshape(delta, (-1, V))),
-                        xp.reshape(x, (-1, d)))
+            matmul_into(g["tok_emb.weight"], delta.reshape(-1, V).mT, x.reshape(-1, d))
         if fc in self._lora_set:
             d_lora, d_D, d_U = lora_backward(delta, lora_cache[fc], self.params[f"{fc}.lora_D"],
                                              self.params[f"{fc}.lora_U"], self.lora_alpha,
@@ -451,7 +469,7 @@ class GPT:
             self._grad_lora.views[f"{fc}.lora_D"][...] = d_D
             self._grad_lora.views[f"{fc}.lora_U"][...] = d_U
             if need_input:
-                delta_in = delta_in + d_lora
+                delta_in += d_lora
         return delta_in
 
     def backward(self, *, keep_deltas: bool = False) -> dict:
@@ -473,6 +491,14 @@ class GPT:
         if cache is None or "loss" not in cache:
             raise ValueError("backward() called before a forward with targets; "
                              "call model.loss(tokens, targets) or model.forward(tokens, targets) first")
+        done = [self._deltas]
+        self._deltas = {}
+        self._workspace.recycle(done)
+        with self._workspace.active():
+            self._deltas = self._backward(cache, keep_deltas)
+        return self.grads
+
+    def _backward(self, cache: dict, keep_deltas: bool) -> dict:
         c, P = self.config, self.params
         self._grad_buffers()
         train_base = not self.freeze_base
@@ -494,11 +520,12 @@ class GPT:
                 keep[f"{p}.Δ10"] = d10
             d9 = dropout_backward(d10, bc["drop_a9"])
             d8 = self._fc_backward(f"{p}.mlp_contract", d9, bc["a8"], lc)
-            d7 = activation_backward(d8, bc["a7"], c.activation)
+            d7 = activation_backward(d8, bc["act"], c.activation)
             d6 = self._fc_backward(f"{p}.mlp_expand", d7, bc["a6"], lc)
             d5_ln, dw, db = layernorm_backward(d6, bc["ln2"], need_params=train_base)
             self._put(g, f"{p}.ln2", dw, db)
-            d5 = d10 + d5_ln                                   # skip: Δ10 reaches a5 unchanged
+            d5_ln += d10                                       # skip: Δ10 reaches a5 unchanged
+            d5 = d5_ln
             d4 = dropout_backward(d5, bc["drop_a4"])
             d3 = self._fc_backward(f"{p}.attn_proj", d4, bc["a3"], lc)
             d_qkv, d_causal = multi_head_attention_backward(d3, bc["attn"], keep_delta_causal=keep_deltas)
@@ -514,23 +541,29 @@ class GPT:
                                                      P[f"{fc}.lora_U"], self.lora_alpha)
                     self._grad_lora.views[f"{fc}.lora_D"][...] = d_D
                     self._grad_lora.views[f"{fc}.lora_U"][...] = d_U
-                    d2 = d2 + d_lora
+                    d2 += d_lora
             d1_ln, dw, db = layernorm_backward(d2, bc["ln1"], need_params=train_base)
             self._put(g, f"{p}.ln1", dw, db)
-            d_in = d5 + d1_ln                                  # skip: Δ5 reaches the block input
+            d1_ln += d5                                        # skip: Δ5 reaches the block input
             if keep_deltas:
                 keep.update({f"{p}.Δ9": d9, f"{p}.Δ8": d8, f"{p}.Δ7": d7, f"{p}.Δ6": d6,
                              f"{p}.Δ5": d5, f"{p}.Δ4": d4, f"{p}.Δ3": d3, f"{p}.Δ2": d2,
                              f"{p}.Δcausal": d_causal})
-            d10 = d_in
+            # this block's signals are done: the next block's backward reuses their arrays
+            done = [d10, d9, d8, d7, d6, d5, d4, d3, d_qkv, d2]
+            d10 = d1_ln
+            del d9, d8, d7, d6, d5, d5_ln, d4, d3, d_qkv, d_causal, d2, d1_ln
+            self._workspace.recycle(done)
         d1 = dropout_backward(d10, cache["drop"]["a1"])
         if train_base:
             embedding_backward(d1, cache["a0"], g["tok_emb.weight"], g["pos_emb.weight"],
                                accumulate_tok=c.tie_weights)
         if keep_deltas:
             keep["Δ1"] = d1
-        self._deltas = keep
-        return self.grads
+        done = [d12, d11, d10, d1]
+        del d12, d11, d10, d1
+        self._workspace.recycle(done)
+        return keep
 
     @staticmethod
     def _put(g: dict, layer: str, dw, db) -> None:

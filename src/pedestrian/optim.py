@@ -19,8 +19,10 @@ counting from 1, learning rate ``lr`` and weight decay ``λ``::
 Ba, "Adam", ICLR 2015, with the bias corrections folded in as PyTorch does.)
 
 The buffers are processed in chunks of ``chunk_size`` elements with in-place operations
-(``out=``), so the whole step creates two chunk-sized temporaries and nothing parameter-sized;
-each chunk's parameters, gradients and moments stay in cache across the dozen passes. The same
+(``out=``), so the whole step uses two chunk-sized temporaries per thread and nothing
+parameter-sized; each chunk's parameters, gradients and moments stay in cache across the dozen
+passes. Chunks are independent, so with NumPy they are shared out over the elementwise thread
+pool (:func:`pedestrian.backend.for_row_blocks`); the result does not depend on the split. The same
 code runs on NumPy arrays and on PyTorch tensors (``backend="torch"``): ``np.multiply`` and
 ``torch.mul`` and friends share the ``f(a, b, out=c)`` signature.
 """
@@ -28,12 +30,13 @@ code runs on NumPy arrays and on PyTorch tensors (``backend="torch"``): ``np.mul
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
-from .backend import is_torch_array, to_numpy
+from .backend import for_row_blocks, is_torch_array, to_numpy
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
            "clip_grad_norm"]
@@ -42,6 +45,8 @@ __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad
 NUMPY_CHUNK = 1 << 16
 #: torch ops carry more per-call overhead and are multi-threaded inside: use larger chunks
 TORCH_CHUNK = 1 << 20
+
+_scratch = threading.local()                        # per-thread chunk temporaries (AdamW)
 
 
 @dataclass
@@ -240,9 +245,22 @@ class AdamW:
             self.m.append(zeros_like(g.params.shape) if torch_backend else np.zeros_like(g.params))
             self.v.append(zeros_like(g.params.shape) if torch_backend else np.zeros_like(g.params))
         n_max = max(int(g.params.shape[0]) for g in self.groups)
-        empty_like = _ops(self.groups[0].params)[5]
-        self._tmp = empty_like(self.groups[0].params[: min(self.chunk_size, n_max)])
-        self._tmp2 = empty_like(self._tmp)
+        self._tmp_len = min(self.chunk_size, n_max)
+
+    def _temporaries(self):
+        """Two chunk-sized scratch arrays private to the calling thread (kept between steps)."""
+        store = getattr(_scratch, "arrays", None)
+        if store is None:
+            store = _scratch.arrays = {}
+        like = self.groups[0].params
+        key = (type(like), str(like.dtype), str(getattr(like, "device", "cpu")), self._tmp_len)
+        pair = store.get(key)
+        if pair is None:
+            if len(store) >= 4:                         # other sizes / dtypes: keep only a few
+                store.pop(next(iter(store)))
+            empty_like = _ops(like)[5]
+            pair = store[key] = (empty_like(like[:self._tmp_len]), empty_like(like[:self._tmp_len]))
+        return pair
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float | None = None) -> None:
@@ -259,20 +277,42 @@ class AdamW:
         step_size = lr / (1.0 - b1 ** t)
         bc2_sqrt = (1.0 - b2 ** t) ** 0.5
         decay = 1.0 - lr * self.weight_decay
-        for group, m, v in zip(self.groups, self.m, self.v):
+        chunks = []                                   # (group, start, end, decayed)
+        for gi, group in enumerate(self.groups):
             n = int(group.params.shape[0])
-            bounds = [(0, group.n_decay, True), (group.n_decay, n, False)]
-            for lo, hi, decayed in bounds:
-                for s in range(lo, hi, self.chunk_size):
-                    e = min(s + self.chunk_size, hi)
-                    self._update_chunk(group.params[s:e], group.grads[s:e], m[s:e], v[s:e],
-                                       step_size, bc2_sqrt, decay if decayed else None)
+            for lo, hi, decayed in ((0, group.n_decay, True), (group.n_decay, n, False)):
+                chunks += [(gi, s, min(s + self.chunk_size, hi), decayed)
+                           for s in range(lo, hi, self.chunk_size)]
+
+        def kernel(lo: int, hi: int) -> None:
+            for gi, s, e, decayed in chunks[lo:hi]:
+                group, m, v = self.groups[gi], self.m[gi], self.v[gi]
+                self._update_chunk(group.params[s:e], group.grads[s:e], m[s:e], v[s:e],
+                                   step_size, bc2_sqrt, decay if decayed else None)
+
+        # chunks are independent: NumPy runs them on the elementwise thread pool (each
+        # thread with its own temporaries); torch threads each operation itself
+        for_row_blocks(self.groups[0].params, kernel, len(chunks), self.chunk_size)
 
     def _update_chunk(self, p, g, m, v, step_size, bc2_sqrt, decay):
-        mul, sub, add, div, sqrt, _ = _ops(p)
         b1, b2 = self.betas
         k = p.shape[0]
-        t1, t2 = self._tmp[:k], self._tmp2[:k]
+        t1, t2 = self._temporaries()
+        t1, t2 = t1[:k], t2[:k]
+        if is_torch_array(p):
+            # the same update with torch's multi-operand in-place operations (5 passes
+            # instead of 14; torch.optim.AdamW's single-tensor path uses these very calls)
+            if decay is not None and decay != 1.0:
+                p.mul_(decay)
+            m.lerp_(g, 1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            import torch
+
+            torch.sqrt(v, out=t2)
+            t2.div_(bc2_sqrt).add_(self.eps)
+            p.addcdiv_(m, t2, value=-step_size)
+            return
+        mul, sub, add, div, sqrt, _ = _ops(p)
         if decay is not None and decay != 1.0:
             mul(p, decay, out=p)                      # θ ← θ (1 − lr λ)
         sub(g, m, out=t1)                             # m ← m + (1 − β1)(g − m)

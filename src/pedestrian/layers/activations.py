@@ -1,10 +1,18 @@
-"""Pointwise non-linearities: ReLU, exact GELU, GELU tanh approximation (EQUATIONS.md)."""
+"""Pointwise non-linearities: ReLU, exact GELU, GELU tanh approximation (EQUATIONS.md).
+
+The GELU tanh approximation is evaluated through the identity ``½(1 + tanh u) = σ(2u) =
+1/(1 + exp(−2u))``: the same function, but one ``exp`` costs about half a ``tanh`` in NumPy
+and PyTorch. For very negative ``u`` the ``exp`` overflows to ``inf`` and ``σ`` correctly
+becomes 0 (NumPy's overflow warning is silenced for that one operation).
+"""
 
 from __future__ import annotations
 
 import math
 
-from ..backend import array_namespace, erf
+import numpy as np
+
+from ..backend import array_namespace, elementwise_lib, empty_array, erf, for_row_blocks, scratch
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
@@ -12,6 +20,8 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_C = 0.044715
+_MINUS_2K = -2.0 * _SQRT_2_OVER_PI                 # −2u = x(_MINUS_2K_C·x² + _MINUS_2K)
+_MINUS_2K_C = -2.0 * _SQRT_2_OVER_PI * _GELU_C
 
 
 def _check(name: str) -> None:
@@ -28,19 +38,37 @@ def activation_forward(x, name: str):
             ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``, HF ``gelu_new``).
 
     Returns:
-        ``(y, cache)`` with ``cache = x``.
+        ``(y, cache)`` with ``cache = x``, except for ``"gelu_tanh"`` where ``cache = (x, s)``
+        with ``s = ½(1 + tanh u)``, kept so that the backward needs no second ``exp``.
+        :func:`activation_backward` accepts either form.
 
     Raises:
         ValueError: unknown activation name.
     """
     _check(name)
-    xp = array_namespace(x)
     if name == "relu":
         return x * (x > 0), x
     if name == "gelu":
         return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2)), x
-    u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
-    return 0.5 * x * (1.0 + xp.tanh(u)), x
+    lib = elementwise_lib(x)
+    x2 = x.reshape(-1)
+    y, s = empty_array(x.shape, x), empty_array(x.shape, x)
+    y2, s2 = y.reshape(-1), s.reshape(-1)
+
+    def kernel(lo: int, hi: int) -> None:                  # in place on s and y
+        xb, sb = x2[lo:hi], s2[lo:hi]
+        lib.multiply(xb, xb, out=sb)
+        lib.multiply(sb, _MINUS_2K_C, out=sb)
+        lib.add(sb, _MINUS_2K, out=sb)
+        lib.multiply(sb, xb, out=sb)                       # −2u, u = √(2/π)(x + 0.044715x³)
+        with np.errstate(over="ignore"):
+            lib.exp(sb, out=sb)
+        lib.add(sb, 1.0, out=sb)
+        lib.divide(1.0, sb, out=sb)                        # s = σ(2u) = ½(1 + tanh u)
+        lib.multiply(xb, sb, out=y2[lo:hi])                # g(x) = x s
+
+    for_row_blocks(x, kernel, x2.shape[0], 1)
+    return y, (x, s)
 
 
 def activation_backward(delta, x, name: str):
@@ -52,18 +80,50 @@ def activation_backward(delta, x, name: str):
 
     Args:
         delta: error signal, same shape as ``x``.
-        x: the forward input (the cache).
+        x: the forward input, or the cache of :func:`activation_forward` (for ``"gelu_tanh"``
+            the pair ``(x, s)``, which saves recomputing ``tanh u``).
         name: as in :func:`activation_forward`.
     """
     _check(name)
-    xp = array_namespace(x)
+    x, s = x if isinstance(x, tuple) else (x, None)
     if name == "relu":
         return delta * (x > 0)
     if name == "gelu":
+        xp = array_namespace(x)
         cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
         pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
         return delta * (cdf + x * pdf)
-    x2 = x * x
-    t = xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x2 * x))
-    grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x2)
-    return delta * grad
+    # with s = ½(1 + t) = σ(2u): 1 − t² = 4s(1 − s), so g'(x) = s (1 + 2(1 − s) A),
+    # A = x√(2/π)(1 + 3·0.044715x²) -- the same formula, in fewer and cheaper passes
+    lib = elementwise_lib(x)
+    x2, d2 = x.reshape(-1), delta.reshape(-1)
+    s2 = None if s is None else s.reshape(-1)
+    out = empty_array(x.shape, x)
+    out2 = out.reshape(-1)
+
+    def kernel(lo: int, hi: int) -> None:
+        xb, db, a = x2[lo:hi], d2[lo:hi], out2[lo:hi]
+        lib.multiply(xb, xb, out=a)                        # x²
+        if s2 is None:
+            sb = scratch(a.shape, a, "gelu.s")
+            lib.multiply(a, _MINUS_2K_C, out=sb)
+            lib.add(sb, _MINUS_2K, out=sb)
+            lib.multiply(sb, xb, out=sb)                   # −2u
+            with np.errstate(over="ignore"):
+                lib.exp(sb, out=sb)
+            lib.add(sb, 1.0, out=sb)
+            lib.divide(1.0, sb, out=sb)                    # s = σ(2u)
+        else:
+            sb = s2[lo:hi]
+        lib.multiply(a, 6.0 * _GELU_C * _SQRT_2_OVER_PI, out=a)
+        lib.add(a, 2.0 * _SQRT_2_OVER_PI, out=a)
+        lib.multiply(a, xb, out=a)                         # 2A
+        one_minus_s = scratch(a.shape, a, "gelu.1-s")
+        lib.subtract(1.0, sb, out=one_minus_s)
+        lib.multiply(a, one_minus_s, out=a)
+        lib.add(a, 1.0, out=a)
+        lib.multiply(a, sb, out=a)                         # g'(x)
+        lib.multiply(db, a, out=a)
+
+    for_row_blocks(x, kernel, x2.shape[0], 1)
+    return out

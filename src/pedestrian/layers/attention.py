@@ -13,10 +13,13 @@ import math
 
 from array_api_compat import device
 
-from ..backend import array_namespace
+from ..backend import (array_namespace, elementwise_lib, empty_array, for_row_blocks, matmul_into, rowdot,
+                       scratch)
 from .linear import linear_backward, linear_forward
 
 _MASKS: dict = {}
+#: elements of (B, H, T, T) per block: batched matmuls of small matrices want few, large calls
+_BLOCK = 1 << 20
 
 
 def causal_mask(T: int, like):
@@ -49,14 +52,23 @@ def softmax_rows(scores):
     return e
 
 
-def softmax_backward(delta_p, p):
+def softmax_backward(delta_p, p, *, out=None):
     """``Δ_S = P ∘ (dP − rowsum(dP ∘ P))`` (EQUATIONS.md; the paper's Δcausal).
 
     Each row of the result sums to zero because each row of ``P`` sums to one. Masked
     entries come out exactly 0 because ``P`` is 0 there.
+
+    Args:
+        delta_p: ``dP``, any shape ``(..., T)``; p: the softmax output, same shape.
+        out: array to write the result into (may be ``delta_p`` itself); default a new one.
     """
-    xp = array_namespace(p)
-    return p * (delta_p - xp.sum(delta_p * p, axis=-1, keepdims=True))
+    lib = elementwise_lib(p)
+    if out is None:
+        out = empty_array(p.shape, p)
+    rowsum = rowdot(delta_p, p)                            # Σ_β dP_αβ P_αβ, no temporary
+    lib.subtract(delta_p, rowsum, out=out)
+    lib.multiply(out, p, out=out)
+    return out
 
 
 def attention_head_forward(x, wq, bq, wk, bk, wv, bv, *, causal: bool = True):
@@ -127,22 +139,32 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         ``P v`` (the paper's ``a3``); the cache holds ``q`` (pre-scaled by ``1/√d_qk``), ``k``,
         ``v`` as ``(B, n_heads, T, ·)`` and ``P`` as ``(B, n_heads, T, T)``.
     """
-    xp = array_namespace(qkv)
     B, T, _ = qkv.shape
     hq, hv = n_heads * d_qk, n_heads * d_head
 
-    def heads(part, width):                                  # (B, T, H·w) -> (B, H, T, w)
-        return xp.permute_dims(xp.reshape(part, (B, T, n_heads, width)), (0, 2, 1, 3))
+    def heads(lo, width):                                    # (B, T, H·w) -> (B, H, T, w) view
+        return qkv[..., lo:lo + n_heads * width].reshape(B, T, n_heads, width).swapaxes(1, 2)
 
-    q = heads(qkv[..., :hq], d_qk) * (1.0 / math.sqrt(d_qk))  # fold the scale into q
-    k = heads(qkv[..., hq:2 * hq], d_qk)
-    v = heads(qkv[..., 2 * hq:2 * hq + hv], d_head)
-    scores = q @ xp.matrix_transpose(k)                      # (B, H, T, T)
-    if causal:
-        scores += causal_mask(T, scores)
-    p = softmax_rows(scores)
-    out = p @ v                                              # (B, H, T, d_head)
-    out = xp.reshape(xp.permute_dims(out, (0, 2, 1, 3)), (B, T, hv))
+    q_raw, k, v = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
+    q = empty_array((B, n_heads, T, d_qk), qkv)              # q / √d_qk (the scale folded in)
+    p = empty_array((B, n_heads, T, T), qkv)
+    out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
+    out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
+    mask = causal_mask(T, qkv) if causal else None
+    lib = elementwise_lib(qkv)
+
+    def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
+        qb, sb = q[lo:hi], p[lo:hi]
+        lib.multiply(q_raw[lo:hi], 1.0 / math.sqrt(d_qk), out=qb)
+        matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T)
+        if mask is not None:
+            lib.add(sb, mask, out=sb)
+        lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)    # softmax_rows, in place
+        lib.exp(sb, out=sb)
+        lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
+        matmul_into(out_heads[lo:hi], sb, v[lo:hi])          # P v
+
+    for_row_blocks(qkv, kernel, B, n_heads * T * T, block=_BLOCK)
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk)
 
 
@@ -159,22 +181,29 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         ``Δcausal`` ``(B, n_heads, T, T)`` (else ``None``).
     """
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
-    xp = array_namespace(p)
     B, H, T, d_head = v.shape
     d_qk = cache["d_qk"]
     hq, hv = H * d_qk, H * d_head
-    d_out = xp.permute_dims(xp.reshape(delta, (B, T, H, d_head)), (0, 2, 1, 3))
-    dv = xp.matrix_transpose(p) @ d_out                      # Pᵀ Δ
-    dp = d_out @ xp.matrix_transpose(v)                      # Δ vᵀ
-    delta_causal = softmax_backward(dp, p)                   # masked entries are 0 already
-    dq = (delta_causal @ k) * (1.0 / math.sqrt(d_qk))        # Δraw k
-    dk = xp.matrix_transpose(delta_causal) @ q               # Δrawᵀ q (q carries 1/√d_qk)
-    delta_qkv = xp.empty((B, T, 2 * hq + hv), dtype=p.dtype, device=device(p))
+    delta_qkv = empty_array((B, T, 2 * hq + hv), p)
+    kept = empty_array(p.shape, p) if keep_delta_causal else None
+    lib = elementwise_lib(p)
 
-    def merge(part):                                          # (B, H, T, w) -> (B, T, H·w)
-        return xp.reshape(xp.permute_dims(part, (0, 2, 1, 3)), (B, T, -1))
+    def heads(lo, width):                                     # column block as (B, H, T, w) view
+        return delta_qkv[..., lo:lo + H * width].reshape(B, T, H, width).swapaxes(1, 2)
 
-    delta_qkv[..., :hq] = merge(dq)
-    delta_qkv[..., hq:2 * hq] = merge(dk)
-    delta_qkv[..., 2 * hq:] = merge(dv)
-    return delta_qkv, (delta_causal if keep_delta_causal else None)
+    d_out = delta.reshape(B, T, H, d_head).swapaxes(1, 2)     # head h's columns of Δ
+    dq_all, dk_all, dv_all = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
+
+    def kernel(lo: int, hi: int) -> None:                     # batch rows lo:hi
+        pb, db = p[lo:hi], d_out[lo:hi]
+        matmul_into(dv_all[lo:hi], pb.mT, db)                 # dv = Pᵀ Δ
+        delta_causal = kept[lo:hi] if kept is not None else scratch(pb.shape, pb, "attention.dP")
+        matmul_into(delta_causal, db, v[lo:hi].mT)            # dP = Δ vᵀ
+        softmax_backward(delta_causal, pb, out=delta_causal)  # Δcausal; masked entries stay 0
+        dq = dq_all[lo:hi]
+        matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
+        lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
+        matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])  # dk = Δrawᵀ q (q carries 1/√d_qk)
+
+    for_row_blocks(p, kernel, B, H * T * T, block=_BLOCK)
+    return delta_qkv, kept

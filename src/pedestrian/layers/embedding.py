@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import array_namespace, scatter_add_rows
+from ..backend import array_namespace, empty_array, scatter_add_rows, take_rows
 
 
 def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "token ids") -> None:
@@ -49,10 +49,10 @@ def embedding_forward(tokens, tok_weight, pos_weight):
     Returns:
         ``(a1, cache)``: ``a1`` of shape ``(B, T, d)``; ``cache = tokens``.
     """
-    xp = array_namespace(tok_weight)
     B, T = tokens.shape
     d = tok_weight.shape[1]
-    a1 = xp.reshape(xp.take(tok_weight, xp.reshape(tokens, (-1,)), axis=0), (B, T, d))
+    a1 = empty_array((B, T, d), tok_weight)
+    take_rows(tok_weight, tokens.reshape(-1), out=a1.reshape(B * T, d))
     a1 += pos_weight[:T, :]
     return a1, tokens
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import array_namespace
+from ..backend import elementwise_lib, empty_array, for_row_blocks, is_torch_array, rowdot, scratch
 
 
 def layernorm_forward(x, weight, bias, eps: float):
@@ -22,15 +22,40 @@ def layernorm_forward(x, weight, bias, eps: float):
     """
     if eps < 0:
         raise ValueError(f"layer norm eps must be >= 0, got {eps}")
-    xp = array_namespace(x)
-    mean = xp.mean(x, axis=-1, keepdims=True)
-    xc = x - mean
-    var = xp.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = 1.0 / xp.sqrt(var + eps)
-    xhat = xc * rstd
-    y = xhat * weight
-    if bias is not None:
-        y += bias
+    if is_torch_array(x):
+        # the same formulas in fewer operations (torch's per-operation cost dominates small
+        # inputs, e.g. one token while generating): var_mean gives both statistics at once
+        import torch
+
+        var, mean = torch.var_mean(x, dim=-1, correction=0, keepdim=True)
+        rstd = torch.rsqrt(var + eps)
+        xhat = x - mean
+        xhat *= rstd
+        y = xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
+        return y, (xhat, rstd, weight)
+    lib = elementwise_lib(x)
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
+    rstd = empty_array((*x.shape[:-1], 1), x)
+    xhat2, y2, rstd2 = xhat.reshape(-1, d), y.reshape(-1, d), rstd.reshape(-1, 1)
+    inv_d = 1.0 / d
+
+    def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
+        xb, hb, yb, rb = x2[lo:hi], xhat2[lo:hi], y2[lo:hi], rstd2[lo:hi]
+        mean = lib.sum(xb, axis=-1, keepdims=True)
+        lib.multiply(mean, inv_d, out=mean)
+        lib.subtract(xb, mean, out=hb)                                     # x − μ
+        lib.multiply(rowdot(hb, hb), inv_d, out=rb)                        # biased variance
+        lib.add(rb, eps, out=rb)
+        lib.sqrt(rb, out=rb)
+        lib.reciprocal(rb, out=rb)                                         # 1/σ
+        lib.multiply(hb, rb, out=hb)                                       # x̂
+        lib.multiply(hb, weight, out=yb)
+        if bias is not None:
+            lib.add(yb, bias, out=yb)
+
+    for_row_blocks(x, kernel, x2.shape[0], d)
     return y, (xhat, rstd, weight)
 
 
@@ -47,15 +72,36 @@ def layernorm_backward(delta, cache, *, need_params=True):
     Returns:
         ``(delta_in, d_weight, d_bias)`` (the last two ``None`` when not needed).
     """
-    xp = array_namespace(delta)
     xhat, rstd, weight = cache
-    g = delta * weight
-    mean_g = xp.mean(g, axis=-1, keepdims=True)
-    mean_gx = xp.mean(g * xhat, axis=-1, keepdims=True)
-    delta_in = rstd * (g - mean_g - xhat * mean_gx)
+    lib = elementwise_lib(delta)
+    d = delta.shape[-1]
+    delta2, xhat2, rstd2 = delta.reshape(-1, d), xhat.reshape(-1, d), rstd.reshape(-1, 1)
+    delta_in = empty_array(delta.shape, delta)
+    out2 = delta_in.reshape(-1, d)
+    inv_d = 1.0 / d
+    partial_w: dict = {}                                   # block start -> Σ_block x̂ ∘ Δ
+
+    def kernel(lo: int, hi: int) -> None:
+        db, hb, rb, ob = delta2[lo:hi], xhat2[lo:hi], rstd2[lo:hi], out2[lo:hi]
+        t = scratch(hb.shape, hb, "layernorm.t")
+        if need_params:
+            lib.multiply(hb, db, out=t)
+            partial_w[lo] = lib.sum(t, axis=0)
+        lib.multiply(db, weight, out=ob)                   # g = Δ ∘ w
+        mean_g = lib.sum(ob, axis=-1, keepdims=True)
+        lib.multiply(mean_g, inv_d, out=mean_g)
+        mean_gx = rowdot(ob, hb)
+        lib.multiply(mean_gx, inv_d, out=mean_gx)
+        lib.subtract(ob, mean_g, out=ob)
+        lib.multiply(hb, mean_gx, out=t)
+        lib.subtract(ob, t, out=ob)
+        lib.multiply(ob, rb, out=ob)
+
+    for_row_blocks(delta, kernel, delta2.shape[0], d)
     d_weight = d_bias = None
     if need_params:
-        d = delta.shape[-1]
-        d_weight = xp.sum(xp.reshape(xhat * delta, (-1, d)), axis=0)
-        d_bias = xp.sum(xp.reshape(delta, (-1, d)), axis=0)
+        d_weight = partial_w.pop(0) if partial_w else lib.sum(xhat2 * delta2, axis=0)
+        for lo in sorted(partial_w):                       # fixed order: same sum every run
+            d_weight += partial_w[lo]
+        d_bias = lib.sum(delta2, axis=0)
     return delta_in, d_weight, d_bias

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import array_namespace, matmul_into
+from ..backend import elementwise_lib, empty_array, matmul_into
 
 
 def linear_forward(x, weight, bias=None):
@@ -18,12 +18,11 @@ def linear_forward(x, weight, bias=None):
         ``(y, cache)``: ``y`` of shape ``(..., f_out)``; ``cache = x`` (the backward needs
         only the input, for ``dW = xᵀ Δ``).
     """
-    xp = array_namespace(x, weight)
-    f_in = weight.shape[0]
-    y = xp.reshape(xp.reshape(x, (-1, f_in)) @ weight, (*x.shape[:-1], weight.shape[1]))
-    if bias is not None:
-        y += bias
-    return y, x
+    f_in, f_out = weight.shape
+    x2 = x.reshape(-1, f_in)
+    y = empty_array((x2.shape[0], f_out), x2)
+    matmul_into(y, x2, weight, bias=bias)
+    return y.reshape(*x.shape[:-1], f_out), x
 
 
 def linear_backward(delta, x, weight, *, need_input=True, need_weight=True, need_bias=True,
@@ -45,23 +44,25 @@ def linear_backward(delta, x, weight, *, need_input=True, need_weight=True, need
     Returns:
         ``(delta_in, d_weight, d_bias)``; entries not asked for are ``None``.
     """
-    xp = array_namespace(delta, weight)
     f_in, f_out = weight.shape
-    d2 = xp.reshape(delta, (-1, f_out))
+    d2 = delta.reshape(-1, f_out)
     d_weight = d_bias = delta_in = None
     if need_weight:
-        x2 = xp.reshape(x, (-1, f_in))
+        x2 = x.reshape(-1, f_in)
         if weight_out is None:
-            d_weight = xp.matrix_transpose(x2) @ d2
+            d_weight = x2.mT @ d2
         else:
-            matmul_into(weight_out, xp.matrix_transpose(x2), d2)
+            matmul_into(weight_out, x2.mT, d2)
             d_weight = weight_out
     if need_bias:
+        lib = elementwise_lib(d2)
         if bias_out is None:
-            d_bias = xp.sum(d2, axis=0)
+            d_bias = lib.sum(d2, axis=0)
         else:
-            bias_out[...] = xp.sum(d2, axis=0)
+            lib.sum(d2, axis=0, out=bias_out)
             d_bias = bias_out
     if need_input:
-        delta_in = xp.reshape(d2 @ xp.matrix_transpose(weight), (*delta.shape[:-1], f_in))
+        delta_in = empty_array((d2.shape[0], f_in), d2)
+        matmul_into(delta_in, d2, weight.mT)
+        delta_in = delta_in.reshape(*delta.shape[:-1], f_in)
     return delta_in, d_weight, d_bias

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array_api_compat import device
 
-from ..backend import array_namespace
+from ..backend import array_namespace, elementwise_lib, empty_array, for_row_blocks
 
 IGNORE_INDEX = -100  # PyTorch's default ignore_index
 
@@ -26,21 +26,30 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX):
         token); ``cache`` holds the probabilities ``y_pred`` and the targets for the backward.
     """
     xp = array_namespace(logits)
+    lib = elementwise_lib(logits)
     V = logits.shape[-1]
-    z = xp.reshape(logits, (-1, V))
-    t = xp.reshape(targets, (-1,))
+    z = logits.reshape(-1, V)
+    t = targets.reshape(-1)
     counted = t != ignore_index
-    n_counted = int(xp.sum(xp.astype(counted, xp.int64)))
+    n_counted = int(counted.sum())
     safe_t = xp.where(counted, t, xp.zeros_like(t))
-    shifted = z - xp.max(z, axis=-1, keepdims=True)
-    e = xp.exp(shifted)
-    sum_e = xp.sum(e, axis=-1, keepdims=True)
-    log_z = xp.log(sum_e)
-    target_shifted = xp.take_along_axis(shifted, safe_t[:, None], axis=-1)[:, 0]
-    nll = (log_z[:, 0] - target_shifted) * xp.astype(counted, z.dtype)
+    y_pred = empty_array(z.shape, z)
+    log_z = empty_array((z.shape[0],), z)                  # log Σ exp(z − max), per row
+    target_shifted = empty_array((z.shape[0],), z)         # z[target] − max, per row
+
+    def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
+        eb = y_pred[lo:hi]
+        lib.subtract(z[lo:hi], lib.amax(z[lo:hi], axis=-1, keepdims=True), out=eb)
+        target_shifted[lo:hi] = xp.take_along_axis(eb, safe_t[lo:hi, None], axis=-1)[:, 0]
+        lib.exp(eb, out=eb)
+        sum_e = lib.sum(eb, axis=-1, keepdims=True)
+        lib.log(sum_e[:, 0], out=log_z[lo:hi])
+        lib.divide(eb, sum_e, out=eb)                      # y_pred
+
+    for_row_blocks(z, kernel, z.shape[0], V)
+    nll = (log_z - target_shifted) * xp.astype(counted, z.dtype)
     loss = xp.sum(nll) / max(n_counted, 1)
-    e /= sum_e  # e now holds y_pred
-    return loss, (e, safe_t, counted, n_counted, logits.shape)
+    return loss, (y_pred, safe_t, counted, n_counted, logits.shape)
 
 
 def cross_entropy_backward(cache):
@@ -52,8 +61,15 @@ def cross_entropy_backward(cache):
     """
     y_pred, safe_t, counted, n_counted, shape = cache
     xp = array_namespace(y_pred)
+    lib = elementwise_lib(y_pred)
     scale = xp.astype(counted, y_pred.dtype) * (1.0 / max(n_counted, 1))
-    delta = y_pred * scale[:, None]
+    delta = empty_array(y_pred.shape, y_pred)
+    V = y_pred.shape[-1]
+
+    def kernel(lo: int, hi: int) -> None:
+        lib.multiply(y_pred[lo:hi], scale[lo:hi, None], out=delta[lo:hi])
+
+    for_row_blocks(y_pred, kernel, y_pred.shape[0], V)
     rows = xp.arange(delta.shape[0], device=device(delta))
     delta[rows, safe_t] -= scale
     return xp.reshape(delta, shape)

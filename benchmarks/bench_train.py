@@ -1,0 +1,584 @@
+"""Training-step benchmark: pedestrian's hand-written backward against PyTorch eager autograd.
+
+Both sides hold the same weights (copied from pedestrian's parameters), see the same batches and
+run the same AdamW update; they take turns in one process (rounds in ABBA order, a pause before
+each turn so that the other library's idle threads have stopped spinning) so that machine load
+hits both alike, and every figure is a median. Peak memory is measured for each side in its
+own subprocess (``VmHWM``, the peak resident set), so the two never mix.
+
+Run (about 2 minutes per backend on 2 cores)::
+
+    python3 benchmarks/bench_train.py --config all                   # NumPy backend
+    python3 benchmarks/bench_train.py --config all --backend torch   # torch tensors as plain arrays
+    python3 benchmarks/bench_train.py --config char-small --steps 10 --no-memory   # quick look
+    python3 benchmarks/bench_train.py --config all --threads 1       # single-threaded, both sides
+
+Writes ``benchmarks/results/train_<backend>.json`` and ``.md`` and refreshes the matching table
+in ``docs/performance.md``.
+
+The PyTorch side is a nanoGPT-style ``torch.nn`` module (tied weights, ``nn.Linear`` holding the
+transpose of our ``(f_in, f_out)`` weights) with its fastest eager settings: fused AdamW, and
+``F.scaled_dot_product_attention`` or manual attention, whichever measures faster here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+CONFIGS = {
+    # name: (preset, overrides, batch size, sequence length)
+    "char-small": ("char-small", {}, 12, 64),
+    "gpt2-124M": ("gpt2", {}, 4, 64),
+}
+DEFAULT_STEPS = {"char-small": (3, 32), "gpt2-124M": (2, 8)}   # (warm-up, timed) per side
+#: per round and side: (timed steps, untimed lead-in steps after the pause). A small model's
+#: step is shorter than the pause's effects (cold caches, a clock that slowed down), so it
+#: runs a few steps per round after one it does not time; a gpt2-124M step is 3 s: no need.
+ROUNDS = {"char-small": (4, 1), "gpt2-124M": (1, 0)}
+HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+#: pause before each timed step: OpenBLAS's worker threads spin for about 0.1 s after a matrix
+#: product (2^28 cycles, OPENBLAS_THREAD_TIMEOUT), which would halve PyTorch's speed if its
+#: step started at once (measured); PyTorch's OpenMP threads spin much less
+SETTLE_S = 0.2
+
+
+# ---------------------------------------------------------------------------------- pedestrian
+def make_config(name: str):
+    from pedestrian.config import preset
+
+    preset_name, overrides, B, T = CONFIGS[name]
+    return preset(preset_name, **overrides), B, T
+
+
+class PlaceholderAdamW:
+    """AdamW over the model's flat buffers (bench-only stand-in until ``pedestrian.optim`` exists).
+
+    Decoupled weight decay on the decayed region (``flat[:n_decay]``), PyTorch's update:
+    ``p ← p(1 − lr·wd) − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)``.
+    """
+
+    def __init__(self, model, lr, betas, eps, weight_decay):
+        self.model, self.lr, self.betas, self.eps, self.wd = model, lr, betas, eps, weight_decay
+        model.grads  # allocate the gradient buffers
+        p = model._base.flat
+        self.m, self.v = p * 0, p * 0
+        self.t = 0
+
+    def step(self):
+        self.t += 1
+        b1, b2 = self.betas
+        p, g = self.model._base.flat, self.model._grad_base.flat
+        nd = self.model._base.n_decay
+        p[:nd] *= 1.0 - self.lr * self.wd
+        self.m *= b1
+        self.m += (1 - b1) * g
+        self.v *= b2
+        self.v += (1 - b2) * g * g
+        denom = (self.v ** 0.5) * (1.0 / math.sqrt(1 - b2 ** self.t)) + self.eps
+        p -= (self.lr / (1 - b1 ** self.t)) * self.m / denom
+
+
+def make_optimizer(model):
+    """pedestrian.optim.AdamW when it exists (same hyper-parameters), else the placeholder."""
+    try:
+        from pedestrian.optim import AdamW
+    except ImportError:
+        return PlaceholderAdamW(model, **HPARAMS), "placeholder (bench_train.PlaceholderAdamW)"
+    return AdamW(model, **HPARAMS), "pedestrian.optim.AdamW"
+
+
+def pedestrian_step(model, opt, x, y) -> float:
+    loss = model.loss(x, y)
+    model.backward()
+    opt.step()
+    return loss
+
+
+# ---------------------------------------------------------------------------------- PyTorch
+def build_torch_model(config, attention: str):
+    """A nanoGPT-style module for ``config`` (bias, tied or untied logits, causal)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    c = config
+    hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
+    act = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu,
+           "relu": F.relu}[c.activation]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(c.d_model, eps=c.ln_eps, bias=c.bias)
+            self.c_attn = nn.Linear(c.d_model, 2 * hq + hv, bias=c.bias)
+            self.c_proj = nn.Linear(hv, c.d_model, bias=c.bias)
+            self.ln_2 = nn.LayerNorm(c.d_model, eps=c.ln_eps, bias=c.bias)
+            self.c_fc = nn.Linear(c.d_model, c.d_mlp, bias=c.bias)
+            self.mlp_proj = nn.Linear(c.d_mlp, c.d_model, bias=c.bias)
+            self.register_buffer("mask", torch.tril(torch.ones(c.context_length, c.context_length,
+                                                               dtype=torch.bool)), persistent=False)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split([hq, hq, hv], dim=2)
+            q = q.view(B, T, c.n_heads, c.d_qk).transpose(1, 2)
+            k = k.view(B, T, c.n_heads, c.d_qk).transpose(1, 2)
+            v = v.view(B, T, c.n_heads, c.d_head).transpose(1, 2)
+            if model.attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=c.causal)
+            else:
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c.d_qk))
+                if c.causal:
+                    att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
+                y = torch.softmax(att, dim=-1) @ v
+            y = y.transpose(1, 2).contiguous().view(B, T, hv)
+            x = x + self.c_proj(y)
+            return x + self.mlp_proj(act(self.c_fc(self.ln_2(x))))
+
+    class TorchGPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = attention
+            self.wte = nn.Embedding(c.vocab_size, c.d_model)
+            self.wpe = nn.Embedding(c.context_length, c.d_model)
+            self.h = nn.ModuleList([Block() for _ in range(c.n_blocks)])
+            self.ln_f = nn.LayerNorm(c.d_model, eps=c.ln_eps, bias=c.bias)
+            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.bias and not c.tie_weights)
+            if c.tie_weights:
+                self.lm_head.weight = self.wte.weight
+
+        def forward(self, idx, targets):
+            T = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(T))
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
+                                   ignore_index=-100)
+
+    model = TorchGPT()
+    return model
+
+
+def copy_weights_to_torch(params: dict, tmodel, config) -> None:
+    """pedestrian ``(f_in, f_out)`` weights -> nn.Linear's ``(f_out, f_in)``."""
+    import torch
+
+    from pedestrian.backend import to_numpy
+
+    def put(dst, name, transpose=False):
+        value = to_numpy(params[name])
+        with torch.no_grad():
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(value.T if transpose else value)))
+
+    put(tmodel.wte.weight, "tok_emb.weight")
+    put(tmodel.wpe.weight, "pos_emb.weight")
+    for i, blk in enumerate(tmodel.h):
+        p = f"blocks.{i}"
+        qkv_w = np.concatenate([to_numpy(params[f"{p}.attn.{h}.weight"]) for h in "qkv"], axis=1)
+        with torch.no_grad():
+            blk.c_attn.weight.copy_(torch.from_numpy(np.ascontiguousarray(qkv_w.T)))
+        put(blk.ln_1.weight, f"{p}.ln1.weight")
+        put(blk.ln_2.weight, f"{p}.ln2.weight")
+        put(blk.c_proj.weight, f"{p}.attn_proj.weight", True)
+        put(blk.c_fc.weight, f"{p}.mlp_expand.weight", True)
+        put(blk.mlp_proj.weight, f"{p}.mlp_contract.weight", True)
+        if config.bias:
+            qkv_b = np.concatenate([to_numpy(params[f"{p}.attn.{h}.bias"]) for h in "qkv"])
+            with torch.no_grad():
+                blk.c_attn.bias.copy_(torch.from_numpy(qkv_b))
+            put(blk.ln_1.bias, f"{p}.ln1.bias")
+            put(blk.ln_2.bias, f"{p}.ln2.bias")
+            put(blk.c_proj.bias, f"{p}.attn_proj.bias")
+            put(blk.c_fc.bias, f"{p}.mlp_expand.bias")
+            put(blk.mlp_proj.bias, f"{p}.mlp_contract.bias")
+    put(tmodel.ln_f.weight, "ln_final.weight")
+    if config.bias:
+        put(tmodel.ln_f.bias, "ln_final.bias")
+    if not config.tie_weights:
+        put(tmodel.lm_head.weight, "logits.weight", True)
+        if config.bias:
+            put(tmodel.lm_head.bias, "logits.bias")
+
+
+def make_torch_optimizer(tmodel):
+    """Fused AdamW (CPU kernels exist since torch 2.4), else foreach; pedestrian's decay split."""
+    import torch
+
+    decay = [p for p in tmodel.parameters() if p.dim() >= 2]
+    no_decay = [p for p in tmodel.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": HPARAMS["weight_decay"]},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kw = dict(lr=HPARAMS["lr"], betas=HPARAMS["betas"], eps=HPARAMS["eps"])
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kw), "fused"
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, foreach=True, **kw), "foreach"
+
+
+def torch_step(tmodel, topt, x, y) -> float:
+    topt.zero_grad(set_to_none=True)
+    loss = tmodel(x, y)
+    loss.backward()
+    topt.step()
+    return float(loss.detach())
+
+
+# ---------------------------------------------------------------------------------- per-layer
+class LayerTimer:
+    """Time every layer function the model calls (wrappers put into ``pedestrian.model``).
+
+    Linear layers are labelled by their weight's shape (qkv, attn_proj, mlp_expand,
+    mlp_contract, logits) and their matrix-product FLOPs are counted, as are those of the tied
+    logits layer's ``dW_tok = Δ12ᵀ a11`` (``matmul_into`` called by the model). Only functions
+    called from ``pedestrian.model`` are wrapped, so a layer calling another is not counted twice.
+    """
+
+    def __init__(self, config):
+        c = config
+        hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
+        self.shape_names = {(c.d_model, 2 * hq + hv): "qkv", (hv, c.d_model): "attn_proj",
+                            (c.d_model, c.d_mlp): "mlp_expand", (c.d_mlp, c.d_model): "mlp_contract",
+                            (c.d_model, c.vocab_size): "logits"}
+        self.totals: dict[str, float] = {}
+        self.flops: dict[str, float] = {}
+        self._saved: dict = {}
+
+    def _label_flops(self, name, args, kw):
+        if name.startswith("linear_"):
+            w = args[1] if name == "linear_forward" else args[2]
+            f_in, f_out = w.shape
+            rows = int(np.prod(args[0].shape)) // (f_in if name == "linear_forward" else f_out)
+            n_mm = 1 if name == "linear_forward" else (kw.get("need_input", True) + kw.get("need_weight", True))
+            label = f"{name}[{self.shape_names.get(tuple(w.shape), tuple(w.shape))}]"
+            return label, 2.0 * rows * f_in * f_out * n_mm
+        if name == "matmul_into":
+            out, a = args[0], args[1]
+            return "tied logits dW_tok = Δ12ᵀ a11 (matmul_into)", 2.0 * np.prod(out.shape) * a.shape[-1]
+        return name, 0.0
+
+    def __enter__(self):
+        import pedestrian.model as pm
+
+        for name, fn in list(vars(pm).items()):
+            layer_fn = (callable(fn) and getattr(fn, "__module__", "").startswith("pedestrian.layers")
+                        and name.endswith(("_forward", "_backward")))
+            if layer_fn or name == "matmul_into":
+                self._saved[name] = fn
+
+                def wrapped(*args, __fn=fn, __name=name, **kw):
+                    t0 = time.perf_counter()
+                    out = __fn(*args, **kw)
+                    dt = time.perf_counter() - t0
+                    label, flops = self._label_flops(__name, args, kw)
+                    self.totals[label] = self.totals.get(label, 0.0) + dt
+                    self.flops[label] = self.flops.get(label, 0.0) + flops
+                    return out
+
+                setattr(pm, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        import pedestrian.model as pm
+
+        for name, fn in self._saved.items():
+            setattr(pm, name, fn)
+
+
+def layer_breakdown(model, opt, batches, steps: int = 3) -> dict:
+    """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
+    function inside, and the GFLOP/s of the matrix products."""
+    phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    with LayerTimer(model.config) as timer:
+        for i in range(steps):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            model.loss(x, y)
+            t1 = time.perf_counter()
+            model.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            phases["forward"] += t1 - t0
+            phases["backward"] += t2 - t1
+            phases["optimizer"] += t3 - t2
+    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}}
+    layers = {k: round(1e3 * v / steps, 2) for k, v in sorted(timer.totals.items(),
+                                                               key=lambda kv: -kv[1])}
+    fwd = sum(v for k, v in layers.items() if "_forward" in k)
+    bwd = sum(v for k, v in layers.items() if "_forward" not in k)
+    layers["(forward glue: residual adds, validation, …)"] = round(out["phases_ms"]["forward"] - fwd, 2)
+    layers["(backward glue: skips, LoRA, …)"] = round(out["phases_ms"]["backward"] - bwd, 2)
+    out["layers_ms"] = layers
+    out["matmul_gflops"] = {k: round(timer.flops[k] / timer.totals[k] / 1e9, 1)
+                            for k in layers if timer.flops.get(k)}
+    out["matmul_ms"] = round(sum(v for k, v in layers.items() if timer.flops.get(k)), 2)
+    return out
+
+
+# ---------------------------------------------------------------------------------- running
+def make_batches(config, B, T, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        seq = rng.integers(0, config.vocab_size, size=(B, T + 1))
+        out.append((seq[:, :-1].astype(np.int64), seq[:, 1:].astype(np.int64)))
+    return out
+
+
+def pick_torch_attention(tmodel, topt_step, batches, reps: int) -> tuple[str, dict]:
+    """Time forward+backward with SDPA and with manual attention; keep the faster."""
+    import torch
+
+    times = {}
+    for mode in ("sdpa", "manual", "sdpa", "manual"):        # twice, interleaved
+        tmodel.attention = mode
+        x, y = batches[0]
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            loss = tmodel(x, y)
+            loss.backward()
+            times.setdefault(mode, []).append(time.perf_counter() - t0)
+        tmodel.zero_grad(set_to_none=True)
+    med = {k: round(common.median_ms(v[1:]), 2) for k, v in times.items()}
+    best = min(med, key=med.get)
+    tmodel.attention = best
+    del torch
+    return best, med
+
+
+def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
+               breakdown: bool, profile: bool) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    from pedestrian.model import GPT
+
+    config, B, T = make_config(name)
+    model = GPT(config, seed=0, backend=backend)
+    opt, opt_name = make_optimizer(model)
+    batches_np = make_batches(config, B, T)
+    if backend == "torch":
+        batches_ped = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
+    else:
+        batches_ped = batches_np
+    batches_t = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
+
+    tmodel = build_torch_model(config, "sdpa")
+    copy_weights_to_torch(model.params, tmodel, config)
+    topt, topt_kind = make_torch_optimizer(tmodel)
+    attention, attention_ms = pick_torch_attention(tmodel, None, batches_t, reps=2 if name != "gpt2-124M" else 1)
+
+    per_round, lead_in = ROUNDS[name]
+    times: tuple[list, list] = ([], [])
+    losses: tuple[list, list] = ([], [])
+
+    def one_step(side: int) -> float:
+        k = len(losses[side])                               # both sides see the same batches
+        if side == 0:
+            loss = float(pedestrian_step(model, opt, *batches_ped[k % len(batches_ped)]))
+        else:
+            loss = torch_step(tmodel, topt, *batches_t[k % len(batches_t)])
+        losses[side].append(loss)
+        return loss
+
+    for _ in range(warmup):
+        one_step(0)
+        one_step(1)
+    rounds = max(1, -(-steps // per_round))
+    for r in range(rounds):
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):      # ABBA: neither side always goes first
+            time.sleep(SETTLE_S)                            # the other side's threads go idle
+            for j in range(lead_in + per_round):
+                t0 = time.perf_counter()
+                one_step(side)
+                if j >= lead_in:
+                    times[side].append(time.perf_counter() - t0)
+    ped_t, tor_t = times
+    ped_loss, tor_loss = losses
+    steps = len(ped_t)
+    ped_ms, tor_ms = common.median_ms(ped_t), common.median_ms(tor_t)
+    tokens = B * T
+    flops = common.training_flops(config, B, T)["step"]
+    result = {
+        "config": name, "backend": backend, "batch_size": B, "seq_len": T,
+        "n_params": model.num_params(), "steps_timed": steps, "warmup": warmup,
+        "pedestrian_ms": round(ped_ms, 2), "torch_ms": round(tor_ms, 2),
+        "pedestrian_ms_iqr": [round(1e3 * q, 2) for q in statistics.quantiles(ped_t, n=4)[::2]],
+        "torch_ms_iqr": [round(1e3 * q, 2) for q in statistics.quantiles(tor_t, n=4)[::2]],
+        "ratio": round(ped_ms / tor_ms, 3),
+        "pedestrian_tokens_per_s": round(tokens / ped_ms * 1e3, 1),
+        "torch_tokens_per_s": round(tokens / tor_ms * 1e3, 1),
+        "step_gflop": round(flops / 1e9, 2),
+        "pedestrian_gflops": round(flops / ped_ms / 1e6, 1),
+        "torch_gflops": round(flops / tor_ms / 1e6, 1),
+        "pedestrian_optimizer": opt_name,
+        "torch_optimizer": f"torch.optim.AdamW({topt_kind})",
+        "torch_attention": attention, "torch_attention_fwd_bwd_ms": attention_ms,
+        "max_loss_difference": float(f"{max(abs(a - b) for a, b in zip(ped_loss, tor_loss)):.3g}"),
+        "losses_first_last": [round(ped_loss[0], 4), round(ped_loss[-1], 4)],
+    }
+    if breakdown:
+        result["pedestrian_breakdown"] = layer_breakdown(model, opt, batches_ped)
+    if profile:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for i in range(3):
+            pedestrian_step(model, opt, *batches_ped[i % len(batches_ped)])
+        pr.disable()
+        pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    del model, opt, tmodel, topt
+    if memory:
+        for side in ("pedestrian", "torch"):
+            result[f"{side}_peak_rss_mib"] = common.child_json(
+                [__file__, "--child-memory", side, "--config", name, "--backend", backend,
+                 "--torch-attention", attention])
+    return result
+
+
+def child_memory(side: str, name: str, backend: str, attention: str) -> dict:
+    """Peak RSS of 3 training steps of one side alone (this runs in its own process)."""
+    base = common.peak_rss_mib()
+    config, B, T = make_config(name)
+    batches = make_batches(config, B, T, n=3)
+    if side == "pedestrian":
+        from pedestrian.model import GPT
+
+        model = GPT(config, seed=0, backend=backend)
+        opt, _ = make_optimizer(model)
+        if backend == "torch":
+            import torch
+
+            batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+        for x, y in batches:
+            pedestrian_step(model, opt, x, y)
+    else:
+        import torch
+
+        tmodel = build_torch_model(config, attention)   # its own init: values do not change memory
+        topt, _ = make_torch_optimizer(tmodel)
+        for x, y in batches:
+            torch_step(tmodel, topt, torch.from_numpy(x), torch.from_numpy(y))
+    return {"peak_rss_mib": round(common.peak_rss_mib(), 1), "rss_before_model_mib": round(base, 1)}
+
+
+# ---------------------------------------------------------------------------------- report
+def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
+    peak = peaks["numpy" if backend == "numpy" else "torch"]["square"]
+    lines = [f"### Training step, `backend=\"{backend}\"`", "", common.machine_line(info), "",
+             f"Matmul peak measured in this run (float32, {peaks['numpy']['square_n']}² square, best of the start and the end): "
+             f"NumPy {peaks['numpy']['square']} GFLOP/s, PyTorch {peaks['torch']['square']} GFLOP/s; "
+             f"batched 48×64×64 (the attention shape): NumPy {peaks['numpy']['batched_48x64']}, "
+             f"PyTorch {peaks['torch']['batched_48x64']} GFLOP/s. MFU = achieved matmul GFLOP/s "
+             f"÷ the square peak of the side's own library.", "",
+             "| config | B×T | pedestrian ms | PyTorch ms | ratio | tokens/s (ped / torch) "
+             "| GFLOP/s (ped / torch) | MFU (ped / torch) | peak RSS MiB (ped / torch) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        tpeak = peaks["torch"]["square"]
+        mem = (f"{r['pedestrian_peak_rss_mib']['peak_rss_mib']:.0f} / "
+               f"{r['torch_peak_rss_mib']['peak_rss_mib']:.0f}"
+               if "torch_peak_rss_mib" in r else "not measured")
+        lines.append(
+            f"| {r['config']} | {r['batch_size']}×{r['seq_len']} | {r['pedestrian_ms']:.1f} "
+            f"| {r['torch_ms']:.1f} | **{r['ratio']:.2f}** | {r['pedestrian_tokens_per_s']:.0f} / "
+            f"{r['torch_tokens_per_s']:.0f} | {r['pedestrian_gflops']:.0f} / {r['torch_gflops']:.0f} "
+            f"| {100 * r['pedestrian_gflops'] / peak:.0f}% / {100 * r['torch_gflops'] / tpeak:.0f}% "
+            f"| {mem} |")
+    lines += ["", "PyTorch side: " + ", ".join(
+        f"{r['config']}: {r['torch_optimizer']}, attention `{r['torch_attention']}` "
+        f"(fwd+bwd ms {r['torch_attention_fwd_bwd_ms']})" for r in results) + ".",
+        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + ". Largest |loss difference| "
+        "between the two sides over the run: " + ", ".join(
+            f"{r['config']} {r['max_loss_difference']:.1e}" for r in results) + "."]
+    for r in results:
+        bd = r.get("pedestrian_breakdown")
+        if not bd:
+            continue
+        ph = bd["phases_ms"]
+        lines += ["", f"Per-layer time of one pedestrian step, {r['config']} (ms; forward "
+                  f"{ph['forward']:.1f}, backward {ph['backward']:.1f}, optimizer {ph['optimizer']:.1f}):",
+                  "", "| layer function | ms/step | GFLOP/s |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.2f} | {bd['matmul_gflops'].get(k, '')} |" for k, v in bd["layers_ms"].items()]
+        total = ph["forward"] + ph["backward"] + ph["optimizer"]
+        lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} ms of {total:.1f} ms "
+                  f"({100 * bd['matmul_ms'] / total:.0f}%); the rest is elementwise work, attention's "
+                  "small batched products and softmax, Python overhead and the optimizer."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="all", choices=["all", *CONFIGS])
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default per config)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile 3 pedestrian steps to stderr")
+    ap.add_argument("--no-save", action="store_true", help="print only; write no result files")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="run both sides with this many threads (re-executes with OPENBLAS_NUM_THREADS, "
+                         "OMP_NUM_THREADS and PEDESTRIAN_NUM_THREADS set; default: as the machine has it)")
+    ap.add_argument("--child-memory", choices=["pedestrian", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--torch-attention", default="sdpa", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        common.reexec_with_threads(args.threads)
+
+    if args.child_memory:
+        config_name = args.config
+        print(json.dumps(child_memory(args.child_memory, config_name, args.backend,
+                                      args.torch_attention)))
+        return 0
+
+    info = common.machine_info()
+    peaks = {"numpy": common.matmul_peak_gflops("numpy"), "torch": common.matmul_peak_gflops("torch")}
+    print(json.dumps({"machine": info, "matmul_peak": peaks}), file=sys.stderr)
+    names = list(CONFIGS) if args.config == "all" else [args.config]
+    results = []
+    for name in names:
+        w, s = DEFAULT_STEPS[name]
+        r = run_config(name, args.backend, args.warmup if args.warmup is not None else w,
+                       args.steps or s, not args.no_memory, not args.no_breakdown, args.profile)
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "pedestrian_breakdown"}), file=sys.stderr)
+    # the peak again at the end: the larger of the two is the less disturbed measurement
+    for lib in peaks:
+        again = common.matmul_peak_gflops(lib)
+        for k in ("square", "batched_48x64"):
+            peaks[lib][k] = max(peaks[lib][k], again[k])
+    backend_peak = peaks["numpy" if args.backend == "numpy" else "torch"]["square"]
+    for r in results:
+        r["pedestrian_mfu"] = round(r["pedestrian_gflops"] / backend_peak, 3)
+        r["torch_mfu"] = round(r["torch_gflops"] / peaks["torch"]["square"], 3)
+    text = markdown(results, info, peaks, args.backend)
+    print(text)
+    if not args.no_save:
+        tag = f"train_{args.backend}" + ("" if args.config == "all" else f"_{args.config}") \
+            + ("" if args.threads is None else f"_{args.threads}thread")
+        common.write_json(tag, {"machine": info, "matmul_peak": peaks, "hparams": HPARAMS,
+                                "results": results})
+        common.write_markdown(tag, text)
+        if args.config == "all" and args.threads is None:
+            common.update_doc_section(tag, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
