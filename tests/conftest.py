@@ -82,3 +82,15 @@ def build_model():
 def token_batch():
     """Factory: ``token_batch(cfg, B, T, seed=..., n_ignored=..., repeats=...)`` -> (tokens, targets)."""
     return _token_batch
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run a test with one torch intra-op thread: its tensors are tiny, and torch's threads only add
+    overhead (a lot of it on a busy machine). The previous setting is restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

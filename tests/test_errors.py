@@ -149,3 +149,15 @@ def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(model, lora):
     for name, d in model.deltas().items():
         d = np.asarray(d.cpu() if isinstance(d, torch.Tensor) else d)
         assert np.all(d == 0.0), name
+
+
+def test_state_dict_returns_copies_not_views():
+    """The docstring promises copies: changing one must not change the model."""
+    from pedestrian import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1))
+    state = model.state_dict()
+    before = model.params["pos_emb.weight"].copy()
+    for v in state.values():
+        v[...] = 123.0
+    assert (model.params["pos_emb.weight"] == before).all()

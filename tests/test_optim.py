@@ -13,14 +13,7 @@ from pedestrian.model import GPT
 from pedestrian.optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm, param_groups
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The tensors here are tiny: torch's intra-op threads only add overhead (a lot of it on a
-    busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

@@ -21,14 +21,7 @@ from torch_reference import reference_forward, reference_loss
 TINY = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_blocks=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The tensors here are tiny: torch's intra-op threads only add overhead (a lot of it on a
-    busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_fifty_steps_match_torch_adamw_end_to_end():

@@ -188,8 +188,7 @@ class GPT:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Contiguous NumPy copies of every parameter (base and LoRA), by name."""
-        out = {k: np.ascontiguousarray(to_numpy(v)) for k, v in self.params.items()}
-        return out
+        return {k: np.array(to_numpy(v), copy=True, order="C") for k, v in self.params.items()}
 
     def load_state_dict(self, state: Mapping[str, object], *, strict: bool = True) -> None:
         """Copy arrays into the parameters, by name; all-or-nothing.
