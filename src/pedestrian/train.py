@@ -787,15 +787,9 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         say(f"interrupted ({stop_signal[0] if stop_signal else 'stop'}) after step {step}: checkpoint "
             f"saved in {latest}")
         return TrainResult(step=step, train_loss=last_loss, val_loss=val_loss, best_val_loss=best_val,
-                           seconds=time.perf_counter() - t_start, tokens_per_second=tps,
+                           seconds=seconds, tokens_per_second=tps,
                            stop_reason=stop_reason, out=out, model=model, tokenizer=tokenizer)
     val_text = f"{val_loss:.4f}" if math.isfinite(val_loss) else "-"
-    seconds = time.perf_counter() - t_start
-    tps = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
-    if settings.plot:
-        plot_loss_curve(read_log(log_path), out / "loss_curve.png",
-                        title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
-                              f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
     say(f"done ({stop_reason}): step {step}, train loss {last_loss:.4f}, val loss {val_text} "
         f"(best {best_val:.4f}), {seconds / 60:.1f} min, {tps:,.0f} tokens/s; checkpoints in {out}")
     return TrainResult(step=step, train_loss=last_loss, val_loss=val_loss, best_val_loss=best_val,
