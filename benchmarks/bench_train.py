@@ -338,24 +338,24 @@ def make_batches(config, B, T, n=4, seed=0):
     return out
 
 
-def pick_torch_attention(tmodel, topt_step, batches, reps: int) -> tuple[str, dict]:
-    """Time forward+backward with SDPA and with manual attention; keep the faster."""
-    import torch
+def pick_torch_attention(tmodel, batches, reps: int) -> tuple[str, dict]:
+    """Time forward+backward with SDPA and with manual attention; keep the faster.
 
-    times = {}
-    for mode in ("sdpa", "manual", "sdpa", "manual"):        # twice, interleaved
+    Two interleaved rounds per mode, each with one untimed call first.
+    """
+    times: dict = {}
+    for mode in ("sdpa", "manual", "sdpa", "manual"):
         tmodel.attention = mode
         x, y = batches[0]
-        for _ in range(reps + 1):
+        for j in range(reps + 1):
             t0 = time.perf_counter()
-            loss = tmodel(x, y)
-            loss.backward()
-            times.setdefault(mode, []).append(time.perf_counter() - t0)
+            tmodel(x, y).backward()
+            if j:
+                times.setdefault(mode, []).append(time.perf_counter() - t0)
         tmodel.zero_grad(set_to_none=True)
-    med = {k: round(common.median_ms(v[1:]), 2) for k, v in times.items()}
+    med = {k: round(common.median_ms(v), 2) for k, v in times.items()}
     best = min(med, key=med.get)
     tmodel.attention = best
-    del torch
     return best, med
 
 
@@ -379,7 +379,7 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
     tmodel = build_torch_model(config, "sdpa")
     copy_weights_to_torch(model.params, tmodel, config)
     topt, topt_kind = make_torch_optimizer(tmodel)
-    attention, attention_ms = pick_torch_attention(tmodel, None, batches_t, reps=2 if name != "gpt2-124M" else 1)
+    attention, attention_ms = pick_torch_attention(tmodel, batches_t, reps=2 if name != "gpt2-124M" else 1)
 
     per_round, lead_in = ROUNDS[name]
     times: tuple[list, list] = ([], [])
