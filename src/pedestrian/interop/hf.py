@@ -112,6 +112,15 @@ def read_hf_config(hf_dir) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{d} is not a Hugging Face model directory: it has no config.json "
                                 "(a GPT-2 saved with transformers' save_pretrained has one)")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """Parse a JSON file that must hold an object.
+
+    Raises:
+        ValueError: not UTF-8, not valid JSON, or not an object (the message names the file).
+    """
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
-from .hf import _listing, _SafetensorsFile, _torch_load, _json_writer, write_dir_atomically
+from .hf import _listing, _SafetensorsFile, _torch_load, _json_writer, read_json_object, write_dir_atomically
 
 __all__ = ["load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
            "lora_state_to_peft", "peft_module", "peft_scaling"]
@@ -106,12 +106,7 @@ def read_peft_adapter(adapter_dir) -> tuple[dict, dict[str, np.ndarray], dict]:
     cfg_path = d / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{d} is not a PEFT adapter: it has no {ADAPTER_CONFIG}")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path} does not hold a JSON object")
+    cfg = read_json_object(cfg_path)
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{cfg_path} has peft_type {cfg.get('peft_type')!r}; pedestrian reads only "
                          "LoRA adapters (peft_type 'LORA')")
