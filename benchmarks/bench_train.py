@@ -24,11 +24,13 @@ transpose of our ``(f_in, f_out)`` weights) with its fastest eager settings: fus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,11 +101,29 @@ def make_optimizer(model):
     return AdamW(model, **HPARAMS), "pedestrian.optim.AdamW"
 
 
-def pedestrian_step(model, opt, x, y) -> float:
-    loss = model.loss(x, y)
-    model.backward()
+def pedestrian_step(runner, opt, x, y) -> float:
+    """One step; ``runner`` is the model or a :class:`pedestrian.parallel.DataParallel`."""
+    loss = runner.loss(x, y)
+    runner.backward()
     opt.step()
     return loss
+
+
+def make_runner(model, parallel: str, batch_size: int):
+    """``(runner, context)``: the model and a null context, or a DataParallel and itself.
+
+    ``parallel``: ``"on"``, ``"off"`` or ``"auto"`` (pedestrian's own rule,
+    :func:`pedestrian.parallel.use_data_parallel`).
+    """
+    import contextlib
+
+    from pedestrian.parallel import DataParallel, use_data_parallel
+
+    on = parallel == "on" or (parallel == "auto" and use_data_parallel(model, batch_size))
+    if not on:
+        return model, contextlib.nullcontext()
+    dp = DataParallel(model)
+    return dp, dp
 
 
 # ---------------------------------------------------------------------------------- PyTorch
@@ -255,6 +275,7 @@ class LayerTimer:
         self.totals: dict[str, float] = {}
         self.flops: dict[str, float] = {}
         self._saved: dict = {}
+        self._lock = threading.Lock()
 
     def _label_flops(self, name, args, kw):
         if name.startswith("linear_"):
@@ -283,8 +304,9 @@ class LayerTimer:
                     out = __fn(*args, **kw)
                     dt = time.perf_counter() - t0
                     label, flops = self._label_flops(__name, args, kw)
-                    self.totals[label] = self.totals.get(label, 0.0) + dt
-                    self.flops[label] = self.flops.get(label, 0.0) + flops
+                    with self._lock:                    # DataParallel calls from several threads
+                        self.totals[label] = self.totals.get(label, 0.0) + dt
+                        self.flops[label] = self.flops.get(label, 0.0) + flops
                     return out
 
                 setattr(pm, name, wrapped)
@@ -297,30 +319,36 @@ class LayerTimer:
             setattr(pm, name, fn)
 
 
-def layer_breakdown(model, opt, batches, steps: int = 3) -> dict:
+def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
     """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
-    function inside, and the GFLOP/s of the matrix products."""
+    function inside, and the GFLOP/s of the matrix products.
+
+    With a :class:`~pedestrian.parallel.DataParallel` runner the layer times are *summed over
+    its threads* (each ran its slice of the batch at the same time as the others), so they add
+    up to more than the wall-clock phases; the glue rows are then left out."""
+    threads = getattr(runner, "threads", 1) if runner is not model else 1
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     with LayerTimer(model.config) as timer:
         for i in range(steps):
             x, y = batches[i % len(batches)]
             t0 = time.perf_counter()
-            model.loss(x, y)
+            runner.loss(x, y)
             t1 = time.perf_counter()
-            model.backward()
+            runner.backward()
             t2 = time.perf_counter()
             opt.step()
             t3 = time.perf_counter()
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
             phases["optimizer"] += t3 - t2
-    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}}
+    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}, "threads": threads}
     layers = {k: round(1e3 * v / steps, 2) for k, v in sorted(timer.totals.items(),
                                                                key=lambda kv: -kv[1])}
     fwd = sum(v for k, v in layers.items() if "_forward" in k)
     bwd = sum(v for k, v in layers.items() if "_forward" not in k)
-    layers["(forward glue: residual adds, validation, …)"] = round(out["phases_ms"]["forward"] - fwd, 2)
-    layers["(backward glue: skips, LoRA, …)"] = round(out["phases_ms"]["backward"] - bwd, 2)
+    if threads == 1:
+        layers["(forward glue: residual adds, validation, …)"] = round(out["phases_ms"]["forward"] - fwd, 2)
+        layers["(backward glue: skips, LoRA, …)"] = round(out["phases_ms"]["backward"] - bwd, 2)
     out["layers_ms"] = layers
     out["matmul_gflops"] = {k: round(timer.flops[k] / timer.totals[k] / 1e9, 1)
                             for k in layers if timer.flops.get(k)}
@@ -360,7 +388,7 @@ def pick_torch_attention(tmodel, batches, reps: int) -> tuple[str, dict]:
 
 
 def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
-               breakdown: bool, profile: bool) -> dict:
+               breakdown: bool, profile: bool, parallel: str = "auto") -> dict:
     import torch
 
     torch.manual_seed(0)
@@ -369,6 +397,7 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
     config, B, T = make_config(name)
     model = GPT(config, seed=0, backend=backend)
     opt, opt_name = make_optimizer(model)
+    runner, ped_context = make_runner(model, parallel, B)
     batches_np = make_batches(config, B, T)
     if backend == "torch":
         batches_ped = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
@@ -388,24 +417,26 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
     def one_step(side: int) -> float:
         k = len(losses[side])                               # both sides see the same batches
         if side == 0:
-            loss = float(pedestrian_step(model, opt, *batches_ped[k % len(batches_ped)]))
+            loss = float(pedestrian_step(runner, opt, *batches_ped[k % len(batches_ped)]))
         else:
             loss = torch_step(tmodel, topt, *batches_t[k % len(batches_t)])
         losses[side].append(loss)
         return loss
 
     for _ in range(warmup):
-        one_step(0)
+        with ped_context:
+            one_step(0)
         one_step(1)
     rounds = max(1, -(-steps // per_round))
     for r in range(rounds):
         for side in ((0, 1) if r % 2 == 0 else (1, 0)):      # ABBA: neither side always goes first
             time.sleep(SETTLE_S)                            # the other side's threads go idle
-            for j in range(lead_in + per_round):
-                t0 = time.perf_counter()
-                one_step(side)
-                if j >= lead_in:
-                    times[side].append(time.perf_counter() - t0)
+            with ped_context if side == 0 else contextlib.nullcontext():
+                for j in range(lead_in + per_round):
+                    t0 = time.perf_counter()
+                    one_step(side)
+                    if j >= lead_in:
+                        times[side].append(time.perf_counter() - t0)
     ped_t, tor_t = times
     ped_loss, tor_loss = losses
     steps = len(ped_t)
@@ -425,33 +456,36 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
         "pedestrian_gflops": round(flops / ped_ms / 1e6, 1),
         "torch_gflops": round(flops / tor_ms / 1e6, 1),
         "pedestrian_optimizer": opt_name,
+        "pedestrian_data_parallel_threads": getattr(runner, "threads", 1),
         "torch_optimizer": f"torch.optim.AdamW({topt_kind})",
         "torch_attention": attention, "torch_attention_fwd_bwd_ms": attention_ms,
         "max_loss_difference": float(f"{max(abs(a - b) for a, b in zip(ped_loss, tor_loss)):.3g}"),
         "losses_first_last": [round(ped_loss[0], 4), round(ped_loss[-1], 4)],
     }
     if breakdown:
-        result["pedestrian_breakdown"] = layer_breakdown(model, opt, batches_ped)
+        with ped_context:
+            result["pedestrian_breakdown"] = layer_breakdown(model, runner, opt, batches_ped)
     if profile:
         import cProfile
         import pstats
 
         pr = cProfile.Profile()
         pr.enable()
-        for i in range(3):
-            pedestrian_step(model, opt, *batches_ped[i % len(batches_ped)])
+        with ped_context:
+            for i in range(3):
+                pedestrian_step(runner, opt, *batches_ped[i % len(batches_ped)])
         pr.disable()
         pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    del model, opt, tmodel, topt
+    del model, opt, tmodel, topt, runner, ped_context
     if memory:
         for side in ("pedestrian", "torch"):
             result[f"{side}_peak_rss_mib"] = common.child_json(
                 [__file__, "--child-memory", side, "--config", name, "--backend", backend,
-                 "--torch-attention", attention])
+                 "--torch-attention", attention, "--parallel", parallel])
     return result
 
 
-def child_memory(side: str, name: str, backend: str, attention: str) -> dict:
+def child_memory(side: str, name: str, backend: str, attention: str, parallel: str = "auto") -> dict:
     """Peak RSS of 3 training steps of one side alone (this runs in its own process)."""
     base = common.peak_rss_mib()
     config, B, T = make_config(name)
@@ -461,12 +495,14 @@ def child_memory(side: str, name: str, backend: str, attention: str) -> dict:
 
         model = GPT(config, seed=0, backend=backend)
         opt, _ = make_optimizer(model)
+        runner, context = make_runner(model, parallel, B)
         if backend == "torch":
             import torch
 
             batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-        for x, y in batches:
-            pedestrian_step(model, opt, x, y)
+        with context:
+            for x, y in batches:
+                pedestrian_step(runner, opt, x, y)
     else:
         import torch
 
@@ -503,7 +539,10 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
     lines += ["", "PyTorch side: " + ", ".join(
         f"{r['config']}: {r['torch_optimizer']}, attention `{r['torch_attention']}` "
         f"(fwd+bwd ms {r['torch_attention_fwd_bwd_ms']})" for r in results) + ".",
-        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + ". Largest |loss difference| "
+        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + "; data-parallel threads "
+        "(`pedestrian.parallel.DataParallel`, one slice of the batch each, single-threaded BLAS): " + ", ".join(
+            f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}" for r in results)
+        + " (1 = the plain model, BLAS threading its own products). Largest |loss difference| "
         "between the two sides over the run: " + ", ".join(
             f"{r['config']} {r['max_loss_difference']:.1e}" for r in results) + "."]
     for r in results:
@@ -511,14 +550,24 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
         if not bd:
             continue
         ph = bd["phases_ms"]
-        lines += ["", f"Per-layer time of one pedestrian step, {r['config']} (ms; forward "
-                  f"{ph['forward']:.1f}, backward {ph['backward']:.1f}, optimizer {ph['optimizer']:.1f}):",
+        threads = bd.get("threads", 1)
+        summed = (f" Layer times are summed over the {threads} data-parallel threads, each running "
+                  f"{r['batch_size'] // threads}-{-(-r['batch_size'] // threads)} of the {r['batch_size']} "
+                  "sequences at the same time, so they add up to more than the wall-clock phases."
+                  if threads > 1 else "")
+        lines += ["", f"Per-layer time of one pedestrian step, {r['config']} (wall-clock ms: forward "
+                  f"{ph['forward']:.1f}, backward {ph['backward']:.1f}, optimizer {ph['optimizer']:.1f}).{summed}",
                   "", "| layer function | ms/step | GFLOP/s |", "|---|---|---|"]
         lines += [f"| {k} | {v:.2f} | {bd['matmul_gflops'].get(k, '')} |" for k, v in bd["layers_ms"].items()]
         total = ph["forward"] + ph["backward"] + ph["optimizer"]
-        lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} ms of {total:.1f} ms "
-                  f"({100 * bd['matmul_ms'] / total:.0f}%); the rest is elementwise work, attention's "
-                  "small batched products and softmax, Python overhead and the optimizer."]
+        if threads == 1:
+            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} ms of {total:.1f} ms "
+                      f"({100 * bd['matmul_ms'] / total:.0f}%); the rest is elementwise work, attention's "
+                      "small batched products and softmax, Python overhead and the optimizer."]
+        else:
+            work = sum(bd["layers_ms"].values())
+            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} thread-ms spent in "
+                      f"layer functions ({100 * bd['matmul_ms'] / work:.0f}%), in a step of {total:.1f} ms."]
     return "\n".join(lines) + "\n"
 
 
@@ -535,6 +584,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="run both sides with this many threads (re-executes with OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS and PEDESTRIAN_NUM_THREADS set; default: as the machine has it)")
+    ap.add_argument("--parallel", default="auto", choices=["auto", "on", "off"],
+                    help="pedestrian's data-parallel threads (pedestrian.parallel.DataParallel): "
+                         "auto = the library's own rule (small models only), on, off")
     ap.add_argument("--child-memory", choices=["pedestrian", "torch"], help=argparse.SUPPRESS)
     ap.add_argument("--torch-attention", default="sdpa", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -544,7 +596,7 @@ def main(argv=None) -> int:
     if args.child_memory:
         config_name = args.config
         print(json.dumps(child_memory(args.child_memory, config_name, args.backend,
-                                      args.torch_attention)))
+                                      args.torch_attention, args.parallel)))
         return 0
 
     info = common.machine_info()
@@ -555,7 +607,8 @@ def main(argv=None) -> int:
     for name in names:
         w, s = DEFAULT_STEPS[name]
         r = run_config(name, args.backend, args.warmup if args.warmup is not None else w,
-                       args.steps or s, not args.no_memory, not args.no_breakdown, args.profile)
+                       args.steps or s, not args.no_memory, not args.no_breakdown, args.profile,
+                       args.parallel)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "pedestrian_breakdown"}), file=sys.stderr)
     # the peak again at the end: the larger of the two is the less disturbed measurement

@@ -35,7 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from array_api_compat import array_namespace, is_numpy_array, is_torch_array
+from array_api_compat import array_namespace
+from array_api_compat import is_numpy_array as _compat_is_numpy_array
+from array_api_compat import is_torch_array as _compat_is_torch_array
 
 __all__ = [
     "array_namespace",
@@ -56,9 +58,23 @@ __all__ = [
     "rowdot",
     "for_row_blocks",
     "num_threads",
+    "single_threaded_blas",
+    "in_worker_thread",
+    "get_pool",
 ]
 
 BACKENDS = ("numpy", "torch")
+
+
+def is_numpy_array(x) -> bool:
+    """``array_api_compat.is_numpy_array``, answered at once for a plain ``np.ndarray``
+    (called several hundred times per training step)."""
+    return type(x) is np.ndarray or _compat_is_numpy_array(x)
+
+
+def is_torch_array(x) -> bool:
+    """``array_api_compat.is_torch_array``, answered at once for a plain ``np.ndarray``."""
+    return type(x) is not np.ndarray and _compat_is_torch_array(x)
 DTYPES = ("float32", "float64")
 
 
@@ -384,10 +400,15 @@ BLOCK_ELEMENTS = 1 << 18
 #: gets a core -- longer than a GELU or a layer norm of a small model takes on one thread. Only
 #: jobs of several milliseconds (the optimizer, gpt2's logits) gain from the second thread.
 PARALLEL_MIN_ELEMENTS = 1 << 22
+#: the same threshold while :func:`single_threaded_blas` is active: no BLAS worker is spinning,
+#: so a second thread starts at once and jobs from a fraction of a millisecond gain from it
+QUIET_PARALLEL_MIN_ELEMENTS = 1 << 17
 
 _pool: ThreadPoolExecutor | None = None
 _pool_owner: tuple[int, int] | None = None        # (pid, threads): a forked child makes its own
 _in_worker = threading.local()
+_quiet_blas = 0                                    # depth of active single_threaded_blas() contexts
+_blas_controller = None                            # threadpoolctl controller, made on first use
 
 
 def num_threads() -> int:
@@ -419,8 +440,68 @@ def _get_pool(threads: int) -> ThreadPoolExecutor:
     return _pool
 
 
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """Hold the BLAS library and PyTorch's intra-op pool to one thread inside the block.
+
+    For code that runs its own threads (:class:`pedestrian.parallel.DataParallel`: one
+    thread per slice of the batch, each calling single-threaded BLAS), so that no BLAS worker
+    competes with them for the cores. Inside the block :func:`for_row_blocks` also shares
+    smaller jobs (:data:`QUIET_PARALLEL_MIN_ELEMENTS`) over its threads, since no BLAS worker
+    is left spinning after a product. Nested blocks are free; the previous thread counts
+    come back on exit. Process-wide, like the libraries' own settings: enter it from one
+    thread at a time.
+
+    Uses ``threadpoolctl`` (``openblas_set_num_threads`` and friends) and
+    ``torch.set_num_threads`` (only if torch is already imported).
+    """
+    global _quiet_blas, _blas_controller
+    if _quiet_blas:
+        _quiet_blas += 1
+        try:
+            yield
+        finally:
+            _quiet_blas -= 1
+        return
+    from threadpoolctl import ThreadpoolController
+
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController().select(user_api="blas")
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    with _blas_controller.limit(limits=1):
+        if torch is not None:
+            torch.set_num_threads(1)
+        _quiet_blas = 1
+        try:
+            yield
+        finally:
+            _quiet_blas = 0
+            if torch is not None:
+                torch.set_num_threads(torch_threads)
+
+
+def in_worker_thread() -> contextlib.AbstractContextManager:
+    """Mark the calling thread as one of a parallel team: :func:`for_row_blocks` runs serially."""
+    return _WorkerMark()
+
+
+class _WorkerMark:
+    def __enter__(self):
+        self._before = getattr(_in_worker, "active", False)
+        _in_worker.active = True
+
+    def __exit__(self, *exc):
+        _in_worker.active = self._before
+
+
+def get_pool() -> ThreadPoolExecutor:
+    """The shared thread pool: ``num_threads() - 1`` workers (the caller is the first thread)."""
+    return _get_pool(num_threads())
+
+
 def for_row_blocks(like, kernel: Callable[[int, int], None], n_rows: int, row_len: int, *,
-                   parallel_min: int = PARALLEL_MIN_ELEMENTS, block: int = BLOCK_ELEMENTS) -> None:
+                   parallel_min: int | None = None, block: int = BLOCK_ELEMENTS) -> None:
     """Call ``kernel(lo, hi)`` on consecutive blocks of rows that together cover ``0 … n_rows``.
 
     The kernel must only touch rows ``lo:hi`` of its arrays (so blocks are independent).
@@ -437,12 +518,16 @@ def for_row_blocks(like, kernel: Callable[[int, int], None], n_rows: int, row_le
         kernel: ``kernel(lo, hi) -> None``.
         n_rows, row_len: the job is ``n_rows`` rows of ``row_len`` elements.
         parallel_min: smallest job worth a second thread (a kernel of many cheap passes hands
-            the GIL back and forth once per pass, so it needs a larger job to gain).
+            the GIL back and forth once per pass, so it needs a larger job to gain); default
+            :data:`PARALLEL_MIN_ELEMENTS`, or :data:`QUIET_PARALLEL_MIN_ELEMENTS` inside
+            :func:`single_threaded_blas`.
         block: elements per block (a kernel of small matrix products wants larger blocks).
     """
     if not is_numpy_array(like):
         kernel(0, n_rows)
         return
+    if parallel_min is None:
+        parallel_min = QUIET_PARALLEL_MIN_ELEMENTS if _quiet_blas else PARALLEL_MIN_ELEMENTS
     step = max(1, block // max(row_len, 1))
     starts = range(0, n_rows, step)                        # the same blocks for any thread count
     threads = 1
@@ -465,7 +550,7 @@ def for_row_blocks(like, kernel: Callable[[int, int], None], n_rows: int, row_le
             _in_worker.active = False
 
     bounds = [len(starts) * i // threads for i in range(threads + 1)]
-    pool = _get_pool(threads)
+    pool = _get_pool(num_threads())                        # one pool, whatever this job's share
     futures = [pool.submit(worker, bounds[i], bounds[i + 1]) for i in range(1, threads)]
     try:
         worker(bounds[0], bounds[1])

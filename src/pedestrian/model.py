@@ -137,7 +137,8 @@ class GPT:
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
         self._base = FlatParams(self.xp, self.dtype, _base_regions(config))
-        self.params: dict = {s.name: self._base.views[s.name] for s in param_specs(config)}
+        self._base_names = [s.name for s in param_specs(config)]
+        self.params: dict = {name: self._base.views[name] for name in self._base_names}
         self._grad_base: FlatParams | None = None
         self._lora: FlatParams | None = None
         self._grad_lora: FlatParams | None = None
@@ -149,6 +150,7 @@ class GPT:
         self._cache: dict | None = None
         self._deltas: dict = {}
         self._workspace = Workspace()             # last step's arrays, reused by the next
+        self._loss_n_total: int | None = None     # set on a batch slice (pedestrian.parallel)
         self._init_weights(seed)
 
     # ------------------------------------------------------------------ parameters
@@ -407,7 +409,7 @@ class GPT:
         a12 = self._fc_forward("logits", a11, cache["lora"])
         cache.update(a11=a11, a12=a12)
         if targets is not None:
-            loss, cache["loss"] = cross_entropy_forward(a12, targets)
+            loss, cache["loss"] = cross_entropy_forward(a12, targets, n_total=self._loss_n_total)
             cache["loss_value"] = loss
             cache["targets"] = targets
         self._cache = cache
@@ -443,7 +445,7 @@ class GPT:
         self._grad_buffers()
         out = {}
         if not self.freeze_base:
-            out.update({s.name: self._grad_base.views[s.name] for s in param_specs(self.config)})
+            out.update({name: self._grad_base.views[name] for name in self._base_names})
         if self._grad_lora is not None:
             out.update(self._grad_lora.views)
         return out

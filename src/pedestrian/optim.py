@@ -43,6 +43,10 @@ __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad
 
 #: default chunk length (elements): 2^16 float32 = 256 KiB per array, five arrays in L2/L3
 NUMPY_CHUNK = 1 << 16
+#: chunk length for buffers under 2^22 elements: fewer, larger calls (per-call overhead and,
+#: with several threads, GIL hand-overs matter more than cache misses there). Measured on
+#: char-small (810k parameters, 2 threads): 2.9 ms per update with 2^16, 2.2 ms with 2^18
+SMALL_NUMPY_CHUNK = 1 << 18
 #: torch ops carry more per-call overhead and are multi-threaded inside: use larger chunks
 TORCH_CHUNK = 1 << 20
 
@@ -234,7 +238,9 @@ class AdamW:
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         torch_backend = is_torch_array(self.groups[0].params)
-        self.chunk_size = int(chunk_size or (TORCH_CHUNK if torch_backend else NUMPY_CHUNK))
+        n_max = max(int(g.params.shape[0]) for g in self.groups)
+        numpy_chunk = SMALL_NUMPY_CHUNK if n_max < 1 << 22 else NUMPY_CHUNK
+        self.chunk_size = int(chunk_size or (TORCH_CHUNK if torch_backend else numpy_chunk))
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.step_count = 0
@@ -244,7 +250,6 @@ class AdamW:
             zeros_like = g.params.new_zeros if torch_backend else None
             self.m.append(zeros_like(g.params.shape) if torch_backend else np.zeros_like(g.params))
             self.v.append(zeros_like(g.params.shape) if torch_backend else np.zeros_like(g.params))
-        n_max = max(int(g.params.shape[0]) for g in self.groups)
         self._tmp_len = min(self.chunk_size, n_max)
 
     def _temporaries(self):

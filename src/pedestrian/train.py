@@ -65,7 +65,7 @@ DEFAULT_MODEL: dict = dict(context_length=64, d_model=128, n_heads=4, n_blocks=4
                            causal=True, dropout=0.0)
 
 #: settings of one invocation: on resume they come from the command, not the checkpoint
-PER_RUN_SETTINGS = frozenset({"stop_step", "max_minutes", "progress", "plot", "out"})
+PER_RUN_SETTINGS = frozenset({"stop_step", "max_minutes", "progress", "plot", "out", "data_parallel"})
 #: settings that may differ from the checkpoint's when resuming (they do not change what the
 #: first N steps computed): given explicitly they win, otherwise the checkpoint's are kept.
 #: Any other explicitly given setting must match the checkpoint.
@@ -99,7 +99,12 @@ class TrainSettings:
         (steps between checkpoints; 0 = at every validation), max_minutes (wall-clock budget
         for the whole run: training stops early, then validates, saves and plots), stop_step
         (stop after this step as if interrupted; the schedule still spans max_steps), out
-        (run folder; default ``runs/<corpus>_<tokenizer>``), progress (tqdm bar), plot.
+        (run folder; default ``runs/<corpus>_<tokenizer>``), progress (tqdm bar), plot,
+        data_parallel (``"auto"``, ``"on"``, ``"off"``: split each batch over threads with
+        :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
+        :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more
+        threads, see :func:`pedestrian.parallel.use_data_parallel`). Resuming reproduces a
+        run bit for bit when the thread count (and so the split) is the same.
     """
 
     data: str | None = None
@@ -129,6 +134,7 @@ class TrainSettings:
     out: str | None = None
     progress: bool = True
     plot: bool = True
+    data_parallel: str = "auto"
 
     def validate(self) -> None:
         """Raise :class:`TrainingError` naming the first bad setting and its valid range."""
@@ -172,6 +178,8 @@ class TrainSettings:
             raise TrainingError(f"--dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if self.backend not in ("numpy", "torch"):
             raise TrainingError(f"--backend must be 'numpy' or 'torch', got {self.backend!r}")
+        if self.data_parallel not in ("auto", "on", "off"):
+            raise TrainingError(f"--data-parallel must be 'auto', 'on' or 'off', got {self.data_parallel!r}")
         if "vocab_size" in self.model:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         try:
@@ -343,6 +351,20 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     norm = clip_grad_norm(groups, grad_clip) if grad_clip > 0 else global_grad_norm([g.grads for g in groups])
     optimizer.step(lr)
     return total / k, norm
+
+
+def _make_runner(model, data_parallel: str, batch_size: int):
+    """``(runner, context)`` for the loop: the model and a null context, or a
+    :class:`~pedestrian.parallel.DataParallel` and itself (its context holds BLAS to one thread)."""
+    import contextlib
+
+    from .parallel import DataParallel, use_data_parallel
+
+    if data_parallel == "on" or (data_parallel == "auto" and use_data_parallel(model, batch_size)):
+        dp = DataParallel(model)
+        if dp.threads > 1:
+            return dp, dp
+    return model, contextlib.nullcontext()
 
 
 def _empty_like(a):
@@ -647,6 +669,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                                 f"{optimizer.step_count} != step {step}")
     schedule = CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr)
     accum = [_empty_like(g.grads) for g in optimizer.groups] if k > 1 else None
+    runner, parallel_context = _make_runner(model, settings.data_parallel, B)
 
     out.mkdir(parents=True, exist_ok=True)
     pending_log = out / "log.jsonl.new"       # a new run's log while an old run is still on disk
@@ -698,7 +721,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
 
     def validate() -> float:
         nonlocal last_eval
-        loss = estimate_loss(model, val_batches)
+        with parallel_context:
+            loss = estimate_loss(runner, val_batches)
         log_file.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
         log_file.flush()
         last_eval = step
@@ -731,7 +755,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             t0 = time.perf_counter()
             lr = schedule(step)
             batches = [train_ds.get_batch(data_rng, B, T) for _ in range(k)]
-            last_loss, norm = train_step(model, optimizer, batches, lr, settings.grad_clip, accum)
+            with parallel_context:
+                last_loss, norm = train_step(runner, optimizer, batches, lr, settings.grad_clip, accum)
             step += 1
             steps_this_run += 1
             dt = time.perf_counter() - t0

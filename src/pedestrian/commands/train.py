@@ -42,7 +42,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 _TRAIN_FIELDS = ("data", "tokenizer", "bpe_vocab_size", "val_fraction", "dtype", "backend", "batch_size",
                  "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
                  "eps", "grad_clip", "seed", "eval_interval", "eval_batches", "checkpoint_interval",
-                 "max_minutes", "stop_step", "out", "progress", "plot")
+                 "max_minutes", "stop_step", "out", "progress", "plot", "data_parallel")
 _MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
 _TABLES = ("data", "model", "optim", "train")
 #: the type every TOML value must have (that of its flag); floats also accept integers
@@ -52,7 +52,7 @@ _INT_KEYS = {"bpe_vocab_size", "batch_size", "grad_accum", "max_steps", "warmup_
 _FLOAT_KEYS = {"val_fraction", "lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
                "max_minutes", "dropout", "ln_eps"}
 _BOOL_KEYS = {"bias", "tie_weights", "causal", "progress", "plot"}
-_STR_KEYS = {"data", "tokenizer", "dtype", "backend", "out", "activation", "preset"}
+_STR_KEYS = {"data", "tokenizer", "dtype", "backend", "out", "activation", "preset", "data_parallel"}
 
 
 def _check_toml_type(path, key: str, value):
@@ -121,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no progress bar")
     t.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="no loss_curve.png")
+    t.add_argument("--data-parallel", choices=["auto", "on", "off"],
+                   help="split each batch over threads, one slice each with single-threaded BLAS "
+                        "(auto: for models under 20M parameters; threads: PEDESTRIAN_NUM_THREADS or the cores)")
     t.add_argument("--no-sample", dest="sample", action="store_false", default=True,
                    help="do not print samples of the trained model at the end")
 

@@ -9,7 +9,7 @@ from ..backend import array_namespace, elementwise_lib, empty_array, for_row_blo
 IGNORE_INDEX = -100  # PyTorch's default ignore_index
 
 
-def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX):
+def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, n_total: int | None = None):
     """Mean of ``−log softmax(logits)[target]`` over the targets that count.
 
     Computed with log-sum-exp (max subtracted first), so logits of magnitude ``1e4`` stay
@@ -20,6 +20,10 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX):
         logits: ``(B, T, V)`` float array (``a12``).
         targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index`` (validated by the
             caller, see ``GPT.forward``).
+        n_total: divide by this many counted targets instead of the number counted here: for
+            one slice of a larger batch (:class:`pedestrian.parallel.DataParallel`) the loss
+            and its gradient are then this slice's share of the whole batch's mean, and the
+            slices' losses and gradients simply add up.
 
     Returns:
         ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted
@@ -31,7 +35,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX):
     z = logits.reshape(-1, V)
     t = targets.reshape(-1)
     counted = t != ignore_index
-    n_counted = int(counted.sum())
+    n_counted = int(counted.sum()) if n_total is None else int(n_total)
     safe_t = xp.where(counted, t, xp.zeros_like(t))
     y_pred = empty_array(z.shape, z)
     log_z = empty_array((z.shape[0],), z)                  # log Σ exp(z − max), per row
