@@ -15,6 +15,9 @@ counting from 1, learning rate ``lr`` and weight decay ``λ``::
     v ← β2 · v + (1 − β2) · g²
     θ ← θ − lr / (1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)      ε added after the square root
 
+computed as ``θ − (lr √(1 − β2ᵗ) / (1 − β1ᵗ)) · m / (√v + ε √(1 − β2ᵗ))``, the same number
+(numerator and denominator times ``√(1 − β2ᵗ)``) with one pass less over the buffers.
+
 (Loshchilov & Hutter, "Decoupled weight decay regularization", ICLR 2019, Algorithm 2; Kingma &
 Ba, "Adam", ICLR 2015, with the bias corrections folded in as PyTorch does.)
 
@@ -313,9 +316,9 @@ class AdamW:
             v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
             import torch
 
-            torch.sqrt(v, out=t2)
-            t2.div_(bc2_sqrt).add_(self.eps)
-            p.addcdiv_(m, t2, value=-step_size)
+            torch.sqrt(v, out=t2)                     # denominator rescaled by √(1 − β2ᵗ): one op less
+            t2.add_(self.eps * bc2_sqrt)
+            p.addcdiv_(m, t2, value=-step_size * bc2_sqrt)
             return
         mul, sub, add, div, sqrt, _ = _ops(p)
         if decay is not None and decay != 1.0:
@@ -327,11 +330,10 @@ class AdamW:
         mul(g, g, out=t1)
         mul(t1, 1.0 - b2, out=t1)
         add(v, t1, out=v)
-        sqrt(v, out=t2)                               # denom = √v / √(1 − β2ᵗ) + ε
-        div(t2, bc2_sqrt, out=t2)
-        add(t2, self.eps, out=t2)
+        sqrt(v, out=t2)                               # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
+        add(t2, self.eps * bc2_sqrt, out=t2)
         div(m, t2, out=t1)                            # θ ← θ − lr/(1 − β1ᵗ) · m / denom
-        mul(t1, -step_size, out=t1)
+        mul(t1, -step_size * bc2_sqrt, out=t1)
         add(p, t1, out=p)
 
     # ------------------------------------------------------------------ state

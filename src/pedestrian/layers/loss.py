@@ -27,7 +27,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
 
     Returns:
         ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted
-        token); ``cache`` holds the probabilities ``y_pred`` and the targets for the backward.
+        token); ``cache`` holds ``exp(z − max)``, its row sums and the targets for the backward.
     """
     xp = array_namespace(logits)
     lib = elementwise_lib(logits)
@@ -37,43 +37,48 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     counted = t != ignore_index
     n_counted = int(counted.sum()) if n_total is None else int(n_total)
     safe_t = xp.where(counted, t, xp.zeros_like(t))
-    y_pred = empty_array(z.shape, z)
+    e = empty_array(z.shape, z)                            # exp(z − max): softmax before its division
+    sum_e = empty_array((z.shape[0], 1), z)                # Σ exp(z − max), per row
     log_z = empty_array((z.shape[0],), z)                  # log Σ exp(z − max), per row
     target_shifted = empty_array((z.shape[0],), z)         # z[target] − max, per row
 
     def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
-        eb = y_pred[lo:hi]
+        eb = e[lo:hi]
         lib.subtract(z[lo:hi], lib.amax(z[lo:hi], axis=-1, keepdims=True), out=eb)
         target_shifted[lo:hi] = xp.take_along_axis(eb, safe_t[lo:hi, None], axis=-1)[:, 0]
         lib.exp(eb, out=eb)
-        sum_e = lib.sum(eb, axis=-1, keepdims=True)
-        lib.log(sum_e[:, 0], out=log_z[lo:hi])
-        lib.divide(eb, sum_e, out=eb)                      # y_pred
+        lib.sum(eb, axis=-1, keepdims=True, out=sum_e[lo:hi])
+        lib.log(sum_e[lo:hi, 0], out=log_z[lo:hi])
 
     for_row_blocks(z, kernel, z.shape[0], V)
     nll = (log_z - target_shifted) * xp.astype(counted, z.dtype)
     loss = xp.sum(nll) / max(n_counted, 1)
-    return loss, (y_pred, safe_t, counted, n_counted, logits.shape)
+    return loss, (e, sum_e, safe_t, counted, n_counted, logits.shape)
 
 
 def cross_entropy_backward(cache):
     """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows.
 
+    ``y_pred = e / Σe`` (softmax) is never stored: the forward keeps ``e = exp(z − max)`` and
+    ``Σe``, and the division is folded into the per-row scale here (one pass over the
+    ``(B·T, V)`` logits instead of two).
+
     Returns:
         ``(B, T, V)`` error signal at the logits. The one-hot matrix is never built: one
         entry per row is decremented.
     """
-    y_pred, safe_t, counted, n_counted, shape = cache
-    xp = array_namespace(y_pred)
-    lib = elementwise_lib(y_pred)
-    scale = xp.astype(counted, y_pred.dtype) * (1.0 / max(n_counted, 1))
-    delta = empty_array(y_pred.shape, y_pred)
-    V = y_pred.shape[-1]
+    e, sum_e, safe_t, counted, n_counted, shape = cache
+    xp = array_namespace(e)
+    lib = elementwise_lib(e)
+    scale = xp.astype(counted, e.dtype) * (1.0 / max(n_counted, 1))
+    row_scale = scale[:, None] / sum_e                     # counted / (N Σe), per row
+    delta = empty_array(e.shape, e)
+    V = e.shape[-1]
 
     def kernel(lo: int, hi: int) -> None:
-        lib.multiply(y_pred[lo:hi], scale[lo:hi, None], out=delta[lo:hi])
+        lib.multiply(e[lo:hi], row_scale[lo:hi], out=delta[lo:hi])
 
-    for_row_blocks(y_pred, kernel, y_pred.shape[0], V)
+    for_row_blocks(e, kernel, e.shape[0], V)
     rows = xp.arange(delta.shape[0], device=device(delta))
     delta[rows, safe_t] -= scale
     return xp.reshape(delta, shape)
