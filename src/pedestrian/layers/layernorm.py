@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import elementwise_lib, empty_array, for_row_blocks, is_torch_array, rowdot, scratch
+from ..backend import colsum, elementwise_lib, empty_array, for_row_blocks, is_torch_array, rowdot, scratch
 
 
 def layernorm_forward(x, weight, bias, eps: float):
@@ -86,7 +86,7 @@ def layernorm_backward(delta, cache, *, need_params=True):
         t = scratch(hb.shape, hb, "layernorm.t")
         if need_params:
             lib.multiply(hb, db, out=t)
-            partial_w[lo] = lib.sum(t, axis=0)
+            partial_w[lo] = colsum(t)
         lib.multiply(db, weight, out=ob)                   # g = Δ ∘ w
         mean_g = lib.sum(ob, axis=-1, keepdims=True)
         lib.multiply(mean_g, inv_d, out=mean_g)
@@ -100,8 +100,8 @@ def layernorm_backward(delta, cache, *, need_params=True):
     for_row_blocks(delta, kernel, delta2.shape[0], d)
     d_weight = d_bias = None
     if need_params:
-        d_weight = partial_w.pop(0) if partial_w else lib.sum(xhat2 * delta2, axis=0)
+        d_weight = partial_w.pop(0) if partial_w else colsum(xhat2 * delta2)
         for lo in sorted(partial_w):                       # fixed order: same sum every run
             d_weight += partial_w[lo]
-        d_bias = lib.sum(delta2, axis=0)
+        d_bias = colsum(delta2)
     return delta_in, d_weight, d_bias

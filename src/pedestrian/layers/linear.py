@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import elementwise_lib, empty_array, matmul_into
+from ..backend import colsum, empty_array, matmul_into
 
 
 def linear_forward(x, weight, bias=None):
@@ -55,12 +55,7 @@ def linear_backward(delta, x, weight, *, need_input=True, need_weight=True, need
             matmul_into(weight_out, x2.mT, d2)
             d_weight = weight_out
     if need_bias:
-        lib = elementwise_lib(d2)
-        if bias_out is None:
-            d_bias = lib.sum(d2, axis=0)
-        else:
-            lib.sum(d2, axis=0, out=bias_out)
-            d_bias = bias_out
+        d_bias = colsum(d2, out=bias_out)
     if need_input:
         delta_in = empty_array((d2.shape[0], f_in), d2)
         matmul_into(delta_in, d2, weight.mT)
