@@ -71,8 +71,17 @@ def test_reuse_does_not_change_results_and_memory_stays_bounded():
     assert len(warm._workspace) <= steady
 
 
+def _ask(ws, *arrays_like):
+    """One 'step' that asks the workspace for arrays shaped like these (as the model does)."""
+    with ws.active():
+        for a in arrays_like:
+            backend.empty_array(a.shape, a)
+    ws.new_step()
+
+
 def test_workspace_keeps_only_unreferenced_float_arrays():
     ws = backend.Workspace()
+    _ask(ws, np.ones((2, 3), dtype=np.float32), np.ones((4, 5)), np.ones(6), np.ones(7))
     kept_by_caller = np.ones(7)
     base = np.ones((2, 3), dtype=np.float32)
     holder = [{"a": np.ones((4, 5)), "view": base[0], "ints": np.arange(3),
@@ -80,15 +89,41 @@ def test_workspace_keeps_only_unreferenced_float_arrays():
     del base
     ws.recycle(holder)
     assert holder == []
-    assert sorted(k[0] for k in ws._free) == [(2, 3), (4, 5), (6,)]
+    assert sorted(k[0] for k, v in ws._free.items() if v) == [(2, 3), (4, 5), (6,)]
     with ws.active():
         a = backend.empty_array((4, 5), np.zeros(1))
         assert a.shape == (4, 5) and a.dtype == np.float64
     assert len(ws) == 2
     assert backend.empty_array((4, 5), np.zeros(1)) is not None       # inactive: plain np.empty
-    for _ in range(3):
-        ws.new_step()
-    assert len(ws) == 0                                     # unused for three steps: dropped
+    ws.new_step()
+    assert len(ws) == 0                                     # not asked for in the last step: dropped
+
+
+def test_workspace_keeps_no_more_than_a_step_asks_for():
+    ws = backend.Workspace()
+    _ask(ws, np.ones(5), np.ones(5))                        # a step uses two (5,) arrays
+    ws.recycle([np.ones(5) for _ in range(6)])              # six come back
+    assert len(ws) == 2
+
+
+def test_workspace_reuses_torch_tensors_only_when_nothing_shares_them():
+    torch = pytest.importorskip("torch")
+    ws = backend.Workspace()
+    like = torch.zeros(1)
+    _ask(ws, *[torch.zeros(4, 3)] * 3)
+    shared = torch.ones(4, 3)
+    view_kept = shared[1:]                                  # a view the caller still holds
+    free = torch.ones(4, 3)
+    free_id = id(free)
+    holder = [shared.reshape(12), free.reshape(2, 6)]      # views: recycle finds their bases
+    del shared, free
+    ws.recycle(holder)
+    assert len(ws) == 1
+    with ws.active():
+        again = backend.empty_array((4, 3), like)
+    assert id(again) == free_id
+    again.fill_(5.0)
+    assert bool((view_kept == 1.0).all())                   # the shared storage was never handed out
 
 
 @pytest.fixture

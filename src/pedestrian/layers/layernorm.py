@@ -28,10 +28,14 @@ def layernorm_forward(x, weight, bias, eps: float):
         import torch
 
         var, mean = torch.var_mean(x, dim=-1, correction=0, keepdim=True)
-        rstd = torch.rsqrt(var + eps)
-        xhat = x - mean
-        xhat *= rstd
-        y = xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
+        rstd = torch.rsqrt(var.add_(eps))
+        xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
+        torch.sub(x, mean, out=xhat)
+        xhat.mul_(rstd)
+        if bias is None:
+            torch.mul(xhat, weight, out=y)
+        else:
+            torch.addcmul(bias, xhat, weight, out=y)
         return y, (xhat, rstd, weight)
     lib = elementwise_lib(x)
     d = x.shape[-1]
