@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace as _compat_array_namespace
 from array_api_compat import is_numpy_array as _compat_is_numpy_array
 from array_api_compat import is_torch_array as _compat_is_torch_array
 
@@ -65,6 +65,20 @@ __all__ = [
 ]
 
 BACKENDS = ("numpy", "torch")
+
+
+_NUMPY_NAMESPACE = None                            # array_api_compat.numpy, on first use
+
+
+def array_namespace(*xs, **kwargs):
+    """``array_api_compat.array_namespace``, answered at once for one plain ``np.ndarray``
+    (every layer function asks, hundreds of times per training step)."""
+    global _NUMPY_NAMESPACE
+    if len(xs) == 1 and not kwargs and type(xs[0]) is np.ndarray:
+        if _NUMPY_NAMESPACE is None:
+            _NUMPY_NAMESPACE = _compat_array_namespace(xs[0])
+        return _NUMPY_NAMESPACE
+    return _compat_array_namespace(*xs, **kwargs)
 
 
 def is_numpy_array(x) -> bool:
@@ -356,14 +370,11 @@ class Workspace:
         """Bytes held for reuse."""
         return sum(a.nbytes for v in self._free.values() for a in v)
 
-    def _key(self, shape, dtype, device=None) -> tuple:
-        # np.dtype / torch.dtype objects hash and compare by value; tensors also key on device
-        return (tuple(shape), dtype) if device is None else (tuple(shape), dtype, str(device))
-
     def take(self, shape, dtype, device=None):
         """A kept array of this shape and dtype (and device, for tensors), or ``None``."""
-        key = self._key(shape, dtype, device)
-        self._asked[key] = self._asked.get(key, 0) + 1
+        key = (tuple(shape), dtype) if device is None else (tuple(shape), dtype, str(device))
+        asked = self._asked
+        asked[key] = asked.get(key, 0) + 1
         arrays = self._free.get(key)
         if not arrays:
             return None
@@ -414,18 +425,24 @@ class Workspace:
         holder.clear()                                     # the containers go
         owners = _owners(found)                            # views count through their base
         found.clear()                                      # drop our references to views
+        free, wanted, asked = self._free, self._wanted, self._asked
         for key in list(owners):
             a = owners.pop(key)
             if sys.getrefcount(a) == 2:                    # `a` and getrefcount's argument
                 if type(a) is np.ndarray:
-                    k = self._key(a.shape, a.dtype)
+                    k = (a.shape, a.dtype)
                 elif _sole_storage_owner(a):
-                    k = self._key(a.shape, a.dtype, a.device)
+                    k = (tuple(a.shape), a.dtype, str(a.device))
                 else:
                     k = None
-                kept = self._free.setdefault(k, []) if k is not None else None
-                if kept is not None and len(kept) < max(self._wanted.get(k, 0), self._asked.get(k, 0)):
-                    kept.append(a)
+                if k is not None:
+                    cap = wanted.get(k, 0)                 # no more than a step asks for
+                    now = asked.get(k, 0)
+                    kept = free.get(k)
+                    if kept is None:
+                        kept = free[k] = []
+                    if len(kept) < (cap if cap > now else now):
+                        kept.append(a)
             del a
 
 
@@ -454,15 +471,38 @@ def _sole_storage_owner(t) -> bool:
         and t.untyped_storage().nbytes() == t.nbytes
 
 
-def _collect_arrays(obj, out: list, depth: int) -> None:
-    if isinstance(obj, np.ndarray) or (type(obj).__module__ == "torch" and is_torch_array(obj)):
-        out.append(obj)
-    elif depth < 6:
-        if isinstance(obj, dict):
-            obj = list(obj.values())
-        if isinstance(obj, (list, tuple)):
-            for item in obj:
-                _collect_arrays(item, out, depth + 1)
+def _collect_arrays(obj, out: list, depth: int = 0) -> None:
+    """Append every array / tensor found in ``obj`` (nested dicts, lists, tuples) to ``out``."""
+    stack = [(obj, depth)]
+    while stack:
+        o, d = stack.pop()
+        t = type(o)
+        if t is np.ndarray:
+            out.append(o)
+        elif t is dict or t is list or t is tuple:
+            if d < 6:
+                stack.extend((item, d + 1) for item in (o.values() if t is dict else o))
+        elif t.__module__ == "torch" and is_torch_array(o):
+            out.append(o)
+
+
+class _NumpyElementwise:
+    """NumPy's functions, with ``sum`` / ``amax`` bound straight to the ufunc reductions
+    (``np.add.reduce``, ``np.maximum.reduce``: the same results, without ``np.sum``'s Python
+    wrapper -- a few microseconds that every one of a step's hundreds of calls would pay).
+
+    Kernels always pass ``axis`` (the ufunc reductions default to ``axis=0``, not ``None``)."""
+
+    sum = staticmethod(np.add.reduce)
+    amax = staticmethod(np.maximum.reduce)
+    add, subtract, multiply, divide = np.add, np.subtract, np.multiply, np.divide
+    exp, log, sqrt, reciprocal, tanh = np.exp, np.log, np.sqrt, np.reciprocal, np.tanh
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+_NUMPY_LIB = _NumpyElementwise()
 
 
 def elementwise_lib(x):
@@ -470,13 +510,17 @@ def elementwise_lib(x):
 
     ``multiply, add, subtract, divide, exp, log, tanh, sqrt, sum, amax`` have the same names
     and ``out=`` / ``axis=`` / ``keepdims=`` arguments in both, so a kernel written as
-    ``lib.tanh(u, out=u)`` runs in place on either.
+    ``lib.tanh(u, out=u)`` runs in place on either. (For NumPy a thin stand-in for the module,
+    :class:`_NumpyElementwise`, whose reductions skip NumPy's Python wrappers; kernels pass
+    ``axis`` explicitly.)
     """
+    if type(x) is np.ndarray:
+        return _NUMPY_LIB
     if is_torch_array(x):
         import torch
 
         return torch
-    return np
+    return _NUMPY_LIB
 
 
 # ------------------------------------------------------------------ row blocks and threads
@@ -616,9 +660,12 @@ def for_row_blocks(like, kernel: Callable[[int, int], None], n_rows: int, row_le
     if not is_numpy_array(like):
         kernel(0, n_rows)
         return
+    step = max(1, block // max(row_len, 1))
+    if step >= n_rows:                                     # one block: no pool, no bookkeeping
+        kernel(0, n_rows)
+        return
     if parallel_min is None:
         parallel_min = QUIET_PARALLEL_MIN_ELEMENTS if _quiet_blas else PARALLEL_MIN_ELEMENTS
-    step = max(1, block // max(row_len, 1))
     starts = range(0, n_rows, step)                        # the same blocks for any thread count
     threads = 1
     if n_rows * row_len >= parallel_min and not getattr(_in_worker, "active", False):
