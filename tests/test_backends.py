@@ -159,3 +159,16 @@ def test_every_layer_function_runs_on_torch_tensors(max_rel_err):
     loss_t, ct = cross_entropy_forward(*_torch(logits, targets))
     assert abs(float(loss_t) - float(loss)) <= RTOL * abs(float(loss))
     same(cross_entropy_backward(c), cross_entropy_backward(ct), "cross-entropy bwd")
+
+
+def test_large_product_with_transposed_right_operand_in_blocks():
+    """matmul_into's torch path for big ``a @ Wᵀ`` (tied logits) computes it in row blocks of W."""
+    torch = pytest.importorskip("torch")
+    from pedestrian.backend import matmul_into
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 32, generator=gen, dtype=torch.float64)
+    w = torch.randn(70_001, 32, generator=gen, dtype=torch.float64)   # 4.5M outputs: the blocked path
+    out = torch.empty(64, 70_001, dtype=torch.float64)
+    matmul_into(out, a, w.mT)
+    torch.testing.assert_close(out, a @ w.mT, rtol=1e-12, atol=1e-12)

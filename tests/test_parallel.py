@@ -175,3 +175,5 @@ def test_use_data_parallel_rule():
     assert use_data_parallel(small, batch_size=8, threads=2)
     assert not use_data_parallel(small, batch_size=1, threads=2)
     assert not use_data_parallel(small, batch_size=8, threads=1)
+    pytest.importorskip("torch")
+    assert not use_data_parallel(GPT(CFG, backend="torch"), batch_size=8, threads=2)

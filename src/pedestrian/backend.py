@@ -211,11 +211,17 @@ def matmul_into(out, a, b, *, bias=None) -> None:
         if (bias is None and out.ndim == 2 and out.is_contiguous() and b.ndim == 2
                 and b.stride(0) == 1 and b.stride(1) != 1 and out.numel() >= 1 << 22):
             # a large product with a transposed right operand (the tied logits a11 W_tokᵀ):
-            # MKL computes (b.mT a.mT) and a transposing copy ~1.5x faster (measured); the
-            # transposed product goes into a reused array (see Workspace)
-            tmp = empty_array((out.shape[1], out.shape[0]), out)
-            torch.matmul(b.mT, a.mT, out=tmp)
-            out.copy_(tmp.mT)
+            # MKL computes (W a.mT), W = b.mT, plus a transposing copy faster, best in blocks
+            # of 2048 rows of W (measured on (256, 768) @ (768, 50257): 64-69 GFLOP/s as
+            # a @ b, 76-91 in one piece, 105-114 in blocks); the block goes into a reused array
+            w, at = b.mT, a.mT
+            n = w.shape[0]
+            block = min(n, 2048)
+            tmp = empty_array((block, out.shape[0]), out)
+            for lo in range(0, n, block):
+                hi = min(lo + block, n)
+                torch.matmul(w[lo:hi], at, out=tmp[:hi - lo])
+                out[:, lo:hi].copy_(tmp[:hi - lo].mT)
             done = [tmp]
             del tmp
             release(done)
