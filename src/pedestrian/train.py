@@ -58,8 +58,8 @@ __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "tr
 #: The default model of ``pedestrian train`` (vocab_size comes from the tokenizer): 812,288
 #: parameters with the 84-character Shakespeare vocabulary. With the default TrainSettings
 #: (3,000 steps of 16 x 64 tokens, lr 2e-3 -> 2e-4) it reached 1.68 nats per character on the
-#: whole held-out split, in 8.7 minutes on a 2-core machine shared with other jobs (about
-#: 8,500 tokens/s, so about 6 minutes, when idle); max_minutes = 9 bounds a slower machine.
+#: whole held-out split in 4.7 minutes on an idle 2-core machine (11,100 tokens/s, batch split
+#: over both cores by DataParallel); max_minutes = 9 bounds a slower machine.
 DEFAULT_MODEL: dict = dict(context_length=64, d_model=128, n_heads=4, n_blocks=4, mlp_ratio=4,
                            activation="gelu_tanh", ln_eps=1e-5, bias=True, tie_weights=True,
                            causal=True, dropout=0.0)
