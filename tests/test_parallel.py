@@ -170,6 +170,22 @@ def test_single_threaded_blas_restores_thread_counts():
     assert torch.get_num_threads() == torch_before
 
 
+def test_nested_context_restores_threads():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas_threads()
+    dp = DataParallel(GPT(CFG), threads=2)
+    with dp:
+        with dp:
+            dp.loss(*_batch(4))
+            dp.backward()
+        assert set(blas_threads()) == {1}
+    assert blas_threads() == before
+
+
 def test_use_data_parallel_rule():
     small = GPT(CFG)
     assert use_data_parallel(small, batch_size=8, threads=2)

@@ -17,6 +17,9 @@ does not offer lives here:
 - :func:`for_row_blocks` -- runs a row-wise kernel over cache-sized blocks of rows, split
   across a small thread pool for NumPy (whose elementwise functions are single-threaded but
   release the GIL); PyTorch threads its own operations, so there it is one call.
+- :func:`single_threaded_blas` -- one BLAS thread (``threadpoolctl``) while
+  :class:`pedestrian.parallel.DataParallel` runs its own threads; :func:`colsum` -- column
+  sums as one BLAS product.
 - :class:`Workspace` -- arrays of the previous training step kept for reuse: freeing and
   re-allocating tens of megabytes every step makes the C library hand the memory back to the
   operating system and fault it in again, page by page, which can cost as much as the
@@ -90,6 +93,8 @@ def is_numpy_array(x) -> bool:
 def is_torch_array(x) -> bool:
     """``array_api_compat.is_torch_array``, answered at once for a plain ``np.ndarray``."""
     return type(x) is not np.ndarray and _compat_is_torch_array(x)
+
+
 DTYPES = ("float32", "float64")
 
 
@@ -473,8 +478,10 @@ def _sole_storage_owner(t) -> bool:
     """Whether no tensor but ``t`` uses ``t``'s storage (the temporary storage object counts 1)."""
     import torch
 
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2 \
-        and t.untyped_storage().nbytes() == t.nbytes
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:                                  # a PyTorch without it: never reuse
+        return False
+    return use_count(t.untyped_storage()._cdata) == 2 and t.untyped_storage().nbytes() == t.nbytes
 
 
 def _collect_arrays(obj, out: list, depth: int = 0) -> None:

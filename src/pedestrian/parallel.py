@@ -99,7 +99,7 @@ class DataParallel:
         self.threads = threads
         self._slices: list = []
         self._n_used = 0                        # slices used by the last loss(); 0 = none yet
-        self._context = None
+        self._contexts: list = []
 
     # ---------------------------------------------------------------- the model's interface
     @property
@@ -115,13 +115,13 @@ class DataParallel:
         """Hold BLAS (and torch) to one thread per worker until exit (see
         :func:`pedestrian.backend.single_threaded_blas`); also makes the optimizer's
         elementwise work share the cores."""
-        self._context = single_threaded_blas()
-        self._context.__enter__()
+        context = single_threaded_blas()
+        context.__enter__()
+        self._contexts.append(context)          # a stack: `with dp:` may nest
         return self
 
     def __exit__(self, *exc) -> None:
-        context, self._context = self._context, None
-        context.__exit__(*exc)
+        self._contexts.pop().__exit__(*exc)
 
     def loss(self, tokens, targets) -> float:
         """Forward of every slice; returns the whole batch's mean loss (nats per counted target).
