@@ -137,8 +137,9 @@ def test_one_row_or_one_thread_goes_straight_to_the_model():
 
 def test_errors():
     model = GPT(CFG)
-    with pytest.raises(ValueError, match="threads must be >= 1"):
-        DataParallel(model, threads=0)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+            DataParallel(model, threads=bad)
     dp = DataParallel(model, threads=2)
     with pytest.raises(ValueError, match="before loss"):
         dp.backward()

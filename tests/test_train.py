@@ -160,6 +160,28 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
     assert ca.model.dropout_rng.bit_generator.state == cb.model.dropout_rng.bit_generator.state
 
 
+def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch, capsys):
+    """With DataParallel (2 threads) N + N steps still equal 2N bit for bit; resuming with
+    another thread count works but says that the result will differ slightly."""
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
+    common = dict(model=model, checkpoint_interval=3, data_parallel="on")
+    train(_settings(corpus, tmp_path / "one", **common), echo=lambda s: None)
+    train(_settings(corpus, tmp_path / "two", stop_step=3, **common), echo=lambda s: None)
+    train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"}, echo=lambda s: None)
+    assert _train_losses(tmp_path / "one") == _train_losses(tmp_path / "two")
+    assert "warning" not in capsys.readouterr().err
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
+    train(_settings(corpus, tmp_path / "three", stop_step=3, **common), echo=lambda s: None)
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    r = train(_settings(corpus, tmp_path / "three", **common), resume=True, explicit={"out"}, echo=lambda s: None)
+    assert r.step == 6
+    err = capsys.readouterr().err
+    assert "split each batch over 1 thread(s), this run over 2" in err
+    assert "--data-parallel off" in err
+
+
 def _signal_at(monkeypatch, n: int, sig):
     """Make the n-th call of train_step deliver ``sig`` to this process while it runs (a real
     Ctrl-C / SIGTERM arriving mid-step)."""

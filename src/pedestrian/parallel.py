@@ -88,13 +88,15 @@ class DataParallel:
     big products well on its own.
 
     Raises:
-        ValueError: ``threads < 1``.
+        ValueError: ``threads`` not an integer >= 1.
     """
 
     def __init__(self, model, threads: int | None = None):
-        threads = num_threads() if threads is None else int(threads)
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+        if threads is None:
+            threads = num_threads()
+        elif isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        threads = int(threads)
         self.model = model
         self.threads = threads
         self._slices: list = []

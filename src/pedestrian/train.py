@@ -670,6 +670,14 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     schedule = CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr)
     accum = [_empty_like(g.grads) for g in optimizer.groups] if k > 1 else None
     runner, parallel_context = _make_runner(model, settings.data_parallel, B)
+    split = runner.threads if runner is not model else 1
+    was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
+    if was_split is not None and was_split != split:
+        print(f"warning: the checkpoint's steps split each batch over {was_split} thread(s), this run over "
+              f"{split}: the continuation is valid but will differ slightly from an uninterrupted run "
+              f"(summation order, dropout masks); to reproduce it bit for bit use "
+              + ("--data-parallel off" if was_split == 1 else f"PEDESTRIAN_NUM_THREADS={was_split}"),
+              file=sys.stderr)
 
     out.mkdir(parents=True, exist_ok=True)
     pending_log = out / "log.jsonl.new"       # a new run's log while an old run is still on disk
@@ -692,6 +700,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     say(f"steps {step} -> {end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
         f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
         f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
+    say(f"threads: batch split over {split} (data-parallel {settings.data_parallel})" if split > 1 else
+        f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
     if settings.warmup_steps >= settings.max_steps:
         print(f"warning: --warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
               f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps",
@@ -704,7 +714,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             best_val = val_loss
         meta = {"settings": settings.to_dict(), "data_rng": _rng_state(data_rng),
                 "val_loss": _finite_or_none(val_loss), "train_loss": _finite_or_none(train_loss),
-                "best_val_loss": _finite_or_none(best_val), "tokens_seen": step * tokens_per_step}
+                "best_val_loss": _finite_or_none(best_val), "tokens_seen": step * tokens_per_step,
+                "data_parallel_threads": split}
         save_checkpoint(latest, model, optimizer, tokenizer, step, meta)
         if replacing:                         # the new run is committed: its log replaces the old
             log_file.close()

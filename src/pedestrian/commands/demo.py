@@ -9,6 +9,11 @@ parameter tensor, a few gradient entries with central finite differences
 if any entry fails. The relative error |numeric − analytic| / |numeric| is shown only where
 |numeric| >= atol ('-' otherwise: a gradient that is exactly zero, e.g. that of the attention
 key bias, which softmax's shift invariance cancels, has no meaningful relative error).
+
+Examples:
+  pedestrian demo
+  pedestrian demo --entries 10 --seed 3
+  pedestrian demo --data my_text.txt --step 1e-6
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="no loss_curve.png")
     t.add_argument("--data-parallel", choices=["auto", "on", "off"],
                    help="split each batch over threads, one slice each with single-threaded BLAS "
-                        "(auto: for models under 20M parameters; threads: PEDESTRIAN_NUM_THREADS or the cores)")
+                        "(default auto: NumPy models under 20M parameters; threads: PEDESTRIAN_NUM_THREADS "
+                        "or the cores)")
     t.add_argument("--no-sample", dest="sample", action="store_false", default=True,
                    help="do not print samples of the trained model at the end")
 
