@@ -12,6 +12,10 @@ Run (about 2 minutes per backend on 2 cores)::
     python3 benchmarks/bench_train.py --config all --backend torch   # torch tensors as plain arrays
     python3 benchmarks/bench_train.py --config char-small --steps 10 --no-memory   # quick look
     python3 benchmarks/bench_train.py --config all --threads 1       # single-threaded, both sides
+    python3 benchmarks/bench_train.py --config char-small --parallel off   # without DataParallel
+
+The pedestrian side runs as ``pedestrian train`` does: small NumPy models with
+:class:`pedestrian.parallel.DataParallel` (``--parallel auto``, the library's own rule).
 
 Writes ``benchmarks/results/train_<backend>.json`` and ``.md`` and refreshes the matching table
 in ``docs/performance.md``.
