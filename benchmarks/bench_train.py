@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 import threading
@@ -111,23 +110,6 @@ def pedestrian_step(runner, opt, x, y) -> float:
     runner.backward()
     opt.step()
     return loss
-
-
-def make_runner(model, parallel: str, batch_size: int):
-    """``(runner, context)``: the model and a null context, or a DataParallel and itself.
-
-    ``parallel``: ``"on"``, ``"off"`` or ``"auto"`` (pedestrian's own rule,
-    :func:`pedestrian.parallel.use_data_parallel`).
-    """
-    import contextlib
-
-    from pedestrian.parallel import DataParallel, use_data_parallel
-
-    on = parallel == "on" or (parallel == "auto" and use_data_parallel(model, batch_size))
-    if not on:
-        return model, contextlib.nullcontext()
-    dp = DataParallel(model)
-    return dp, dp
 
 
 # ---------------------------------------------------------------------------------- PyTorch
@@ -397,11 +379,12 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
 
     torch.manual_seed(0)
     from pedestrian.model import GPT
+    from pedestrian.parallel import runner_for
 
     config, B, T = make_config(name)
     model = GPT(config, seed=0, backend=backend)
     opt, opt_name = make_optimizer(model)
-    runner, ped_context = make_runner(model, parallel, B)
+    runner, ped_context = runner_for(model, parallel, B)
     batches_np = make_batches(config, B, T)
     if backend == "torch":
         batches_ped = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
@@ -496,10 +479,11 @@ def child_memory(side: str, name: str, backend: str, attention: str, parallel: s
     batches = make_batches(config, B, T, n=3)
     if side == "pedestrian":
         from pedestrian.model import GPT
+        from pedestrian.parallel import runner_for
 
         model = GPT(config, seed=0, backend=backend)
         opt, _ = make_optimizer(model)
-        runner, context = make_runner(model, parallel, B)
+        runner, context = runner_for(model, parallel, B)
         if backend == "torch":
             import torch
 

@@ -693,14 +693,11 @@ def for_row_blocks(like, kernel: Callable[[int, int], None], n_rows: int, row_le
         return
 
     def worker(first: int, last: int) -> None:             # a kernel's own blocks run serially
-        _in_worker.active = True
-        try:
+        with in_worker_thread():
             part(first, last)
-        finally:
-            _in_worker.active = False
 
     bounds = [len(starts) * i // threads for i in range(threads + 1)]
-    pool = _get_pool(num_threads())                        # one pool, whatever this job's share
+    pool = get_pool()                                      # one pool, whatever this job's share
     futures = [pool.submit(worker, bounds[i], bounds[i + 1]) for i in range(1, threads)]
     try:
         worker(bounds[0], bounds[1])

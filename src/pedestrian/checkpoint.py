@@ -21,6 +21,7 @@ reported as one clear :class:`CheckpointError`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -203,11 +204,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
     text = json.dumps(state)  # fail early (TypeError) if meta is not serialisable
 
-    final = Path(directory).expanduser()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _recover(final)
-    tmp = _make_tmp_dir(final)
-    try:
+    with _atomic_dir(directory) as (tmp, final):
         save_file({k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()},
                   str(tmp / MODEL_FILE), metadata={"format": FORMAT})
         files = [MODEL_FILE]
@@ -218,33 +215,36 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
             state["files"][name] = _file_record(tmp / name)
         text = json.dumps(state, indent=1)
         _write_synced(tmp / STATE_FILE, text.encode("utf-8"))
-        _fsync_dir(tmp)
-        _swap_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 
 def copy_checkpoint(src, dst) -> Path:
     """Copy checkpoint folder ``src`` to ``dst`` atomically (e.g. ``latest`` -> ``best``)."""
     src = resolve_checkpoint_dir(src)
-    final = Path(dst).expanduser()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _recover(final)
-    tmp = _make_tmp_dir(final)
-    try:
+    with _atomic_dir(dst) as (tmp, final):
         for f in src.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
                 with open(tmp / f.name, "rb") as fh:
                     os.fsync(fh.fileno())
+    return final
+
+
+@contextlib.contextmanager
+def _atomic_dir(directory) -> Iterator[tuple[Path, Path]]:
+    """``(tmp, final)``: fill ``tmp``; on success it replaces ``final`` (fsynced, one rename),
+    on any error it is removed and ``final`` is left as it was."""
+    final = Path(directory).expanduser()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _recover(final)
+    tmp = _make_tmp_dir(final)
+    try:
+        yield tmp, final
         _fsync_dir(tmp)
         _swap_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
 
 
 def _umask() -> int:

@@ -34,6 +34,7 @@ Use::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -42,7 +43,7 @@ from .backend import (Workspace, for_row_blocks, get_pool, in_worker_thread, is_
                       single_threaded_blas, to_numpy, QUIET_PARALLEL_MIN_ELEMENTS)
 from .layers.loss import IGNORE_INDEX
 
-__all__ = ["DataParallel", "use_data_parallel", "SMALL_MODEL_PARAMS"]
+__all__ = ["DataParallel", "use_data_parallel", "runner_for", "SMALL_MODEL_PARAMS"]
 
 #: :func:`use_data_parallel` picks threads over the batch below this many trainable
 #: parameters. Measured on 2 cores (``benchmarks/bench_train.py``): char-small (0.8M) is bound
@@ -68,6 +69,20 @@ def use_data_parallel(model, batch_size: int, threads: int | None = None) -> boo
     threads = num_threads() if threads is None else threads
     return (model.backend == "numpy" and threads >= 2 and batch_size >= 2
             and model.num_params(trainable_only=True) < SMALL_MODEL_PARAMS)
+
+
+def runner_for(model, data_parallel: str, batch_size: int):
+    """``(runner, context)`` for a training loop: a :class:`DataParallel` and itself (its
+    context holds BLAS to one thread per worker), or the model and a null context.
+
+    Args:
+        data_parallel: ``"on"``, ``"off"`` or ``"auto"`` (:func:`use_data_parallel`).
+    """
+    if data_parallel == "on" or (data_parallel == "auto" and use_data_parallel(model, batch_size)):
+        dp = DataParallel(model)
+        if dp.threads > 1:
+            return dp, dp
+    return model, contextlib.nullcontext()
 
 
 class DataParallel:
@@ -134,8 +149,7 @@ class DataParallel:
         Raises:
             TypeError, ValueError: as :meth:`GPT.forward` (bad ids, shapes, dtypes).
         """
-        tokens_np = np.asarray(to_numpy(tokens)) if not isinstance(tokens, (list, tuple)) else np.asarray(tokens)
-        targets_np = np.asarray(to_numpy(targets)) if not isinstance(targets, (list, tuple)) else np.asarray(targets)
+        tokens_np, targets_np = to_numpy(tokens), to_numpy(targets)        # lists too
         n = min(self.threads, tokens_np.shape[0]) if tokens_np.ndim == 2 else 1
         if n <= 1 or targets_np.shape != tokens_np.shape:
             self._n_used = 1                    # one slice, or let the model report the error

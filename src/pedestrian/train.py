@@ -50,6 +50,7 @@ from .config import GPTConfig
 from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, load_corpus, \
     split_train_val
 from .optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm
+from .parallel import runner_for
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
@@ -351,20 +352,6 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     norm = clip_grad_norm(groups, grad_clip) if grad_clip > 0 else global_grad_norm([g.grads for g in groups])
     optimizer.step(lr)
     return total / k, norm
-
-
-def _make_runner(model, data_parallel: str, batch_size: int):
-    """``(runner, context)`` for the loop: the model and a null context, or a
-    :class:`~pedestrian.parallel.DataParallel` and itself (its context holds BLAS to one thread)."""
-    import contextlib
-
-    from .parallel import DataParallel, use_data_parallel
-
-    if data_parallel == "on" or (data_parallel == "auto" and use_data_parallel(model, batch_size)):
-        dp = DataParallel(model)
-        if dp.threads > 1:
-            return dp, dp
-    return model, contextlib.nullcontext()
 
 
 def _empty_like(a):
@@ -669,7 +656,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                                 f"{optimizer.step_count} != step {step}")
     schedule = CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr)
     accum = [_empty_like(g.grads) for g in optimizer.groups] if k > 1 else None
-    runner, parallel_context = _make_runner(model, settings.data_parallel, B)
+    runner, parallel_context = runner_for(model, settings.data_parallel, B)
     split = runner.threads if runner is not model else 1
     was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
     if was_split is not None and was_split != split:
