@@ -24,13 +24,15 @@ def layernorm_forward(x, weight, bias, eps: float):
         raise ValueError(f"layer norm eps must be >= 0, got {eps}")
     if is_torch_array(x):
         # the same formulas in fewer operations (torch's per-operation cost dominates small
-        # inputs, e.g. one token while generating): var_mean gives both statistics at once
+        # inputs, e.g. one token while generating). Not torch.var_mean: its last-axis
+        # reduction is ~7x slower than mean + square + mean ((12, 64, 128): 600 vs 86 µs)
         import torch
 
-        var, mean = torch.var_mean(x, dim=-1, correction=0, keepdim=True)
-        rstd = torch.rsqrt(var.add_(eps))
         xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
-        torch.sub(x, mean, out=xhat)
+        torch.sub(x, x.mean(-1, keepdim=True), out=xhat)                    # x − μ
+        sq = scratch(x.shape, x, "layernorm.sq")
+        torch.mul(xhat, xhat, out=sq)
+        rstd = sq.mean(-1, keepdim=True).add_(eps).rsqrt_()                 # 1/σ
         xhat.mul_(rstd)
         if bias is None:
             torch.mul(xhat, weight, out=y)
