@@ -13,6 +13,7 @@ Run (about 2 minutes per backend on 2 cores)::
     python3 benchmarks/bench_train.py --config char-small --steps 10 --no-memory   # quick look
     python3 benchmarks/bench_train.py --config all --threads 1       # single-threaded, both sides
     python3 benchmarks/bench_train.py --config char-small --parallel off   # without DataParallel
+    python3 benchmarks/bench_train.py --config char-small --parallel threads   # slices on threads
 
 The pedestrian side runs as ``pedestrian train`` does: small NumPy models with
 :class:`pedestrian.parallel.DataParallel` (``--parallel auto``, the library's own rule).
@@ -309,10 +310,13 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
     """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
     function inside, and the GFLOP/s of the matrix products.
 
-    With a :class:`~pedestrian.parallel.DataParallel` runner the layer times are *summed over
-    its threads* (each ran its slice of the batch at the same time as the others), so they add
-    up to more than the wall-clock phases; the glue rows are then left out."""
+    With a :class:`~pedestrian.parallel.DataParallel` runner on threads the layer times are
+    *summed over its threads* (each ran its slice of the batch at the same time as the others),
+    so they add up to more than the wall-clock phases; with worker processes they are slice 0's
+    (the calling thread's; the workers' layer calls happen in other processes). The glue rows
+    are then left out."""
     threads = getattr(runner, "threads", 1) if runner is not model else 1
+    processes = threads > 1 and getattr(runner, "processes", False)
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     with LayerTimer(model.config) as timer:
         for i in range(steps):
@@ -327,7 +331,8 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
             phases["optimizer"] += t3 - t2
-    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}, "threads": threads}
+    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}, "threads": threads,
+           "processes": processes}
     layers = {k: round(1e3 * v / steps, 2) for k, v in sorted(timer.totals.items(),
                                                                key=lambda kv: -kv[1])}
     fwd = sum(v for k, v in layers.items() if "_forward" in k)
@@ -444,6 +449,8 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
         "torch_gflops": round(flops / tor_ms / 1e6, 1),
         "pedestrian_optimizer": opt_name,
         "pedestrian_data_parallel_threads": getattr(runner, "threads", 1),
+        "pedestrian_data_parallel_kind": ("worker processes" if getattr(runner, "processes", False)
+                                          else "threads"),
         "torch_optimizer": f"torch.optim.AdamW({topt_kind})",
         "torch_attention": attention, "torch_attention_fwd_bwd_ms": attention_ms,
         "max_loss_difference": float(f"{max(abs(a - b) for a, b in zip(ped_loss, tor_loss)):.3g}"),
@@ -491,6 +498,14 @@ def child_memory(side: str, name: str, backend: str, attention: str, parallel: s
         with context:
             for x, y in batches:
                 pedestrian_step(runner, opt, x, y)
+        # DataParallel's worker processes hold their own activations: their peaks count too
+        # (a forked worker's VmHWM includes pages it still shares with this process, so the
+        # sum overstates the memory used)
+        workers = [common.peak_rss_mib(w._process.pid) for w in getattr(runner, "_workers", [])]
+        if workers:
+            return {"peak_rss_mib": round(common.peak_rss_mib() + sum(workers), 1),
+                    "of_which_workers_mib": [round(w, 1) for w in workers],
+                    "rss_before_model_mib": round(base, 1)}
     else:
         import torch
 
@@ -527,9 +542,11 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
     lines += ["", "PyTorch side: " + ", ".join(
         f"{r['config']}: {r['torch_optimizer']}, attention `{r['torch_attention']}` "
         f"(fwd+bwd ms {r['torch_attention_fwd_bwd_ms']})" for r in results) + ".",
-        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + "; data-parallel threads "
-        "(`pedestrian.parallel.DataParallel`, one slice of the batch each, single-threaded BLAS): " + ", ".join(
-            f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}" for r in results)
+        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + "; data-parallel slices "
+        "(`pedestrian.parallel.DataParallel`, one slice of the batch per core, single-threaded BLAS): " + ", ".join(
+            f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}"
+            + (f" ({r['pedestrian_data_parallel_kind']})" if r.get("pedestrian_data_parallel_threads", 1) > 1 else "")
+            for r in results)
         + " (1 = the plain model, BLAS threading its own products). Largest |loss difference| "
         "between the two sides over the run: " + ", ".join(
             f"{r['config']} {r['max_loss_difference']:.1e}" for r in results) + "."]
@@ -539,10 +556,15 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
             continue
         ph = bd["phases_ms"]
         threads = bd.get("threads", 1)
-        summed = (f" Layer times are summed over the {threads} data-parallel threads, each running "
-                  f"{r['batch_size'] // threads}-{-(-r['batch_size'] // threads)} of the {r['batch_size']} "
-                  "sequences at the same time, so they add up to more than the wall-clock phases."
-                  if threads > 1 else "")
+        rows = f"{r['batch_size'] // threads}-{-(-r['batch_size'] // threads)} of the {r['batch_size']} sequences"
+        if threads > 1 and bd.get("processes"):
+            summed = (f" Layer times are those of slice 0 ({rows}, run on the calling thread while "
+                      f"{threads - 1} worker process(es) run the other slices at the same time).")
+        elif threads > 1:
+            summed = (f" Layer times are summed over the {threads} data-parallel threads, each running "
+                      f"{rows} at the same time, so they add up to more than the wall-clock phases.")
+        else:
+            summed = ""
         lines += ["", f"Per-layer time of one pedestrian step, {r['config']} (wall-clock ms: forward "
                   f"{ph['forward']:.1f}, backward {ph['backward']:.1f}, optimizer {ph['optimizer']:.1f}).{summed}",
                   "", "| layer function | ms/step | GFLOP/s |", "|---|---|---|"]
@@ -554,7 +576,8 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
                       "small batched products and softmax, Python overhead and the optimizer."]
         else:
             work = sum(bd["layers_ms"].values())
-            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} thread-ms spent in "
+            who = "slice 0's" if bd.get("processes") else "thread-"
+            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} {who}ms spent in "
                       f"layer functions ({100 * bd['matmul_ms'] / work:.0f}%), in a step of {total:.1f} ms."]
     return "\n".join(lines) + "\n"
 
@@ -572,9 +595,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="run both sides with this many threads (re-executes with OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS and PEDESTRIAN_NUM_THREADS set; default: as the machine has it)")
-    ap.add_argument("--parallel", default="auto", choices=["auto", "on", "off"],
-                    help="pedestrian's data-parallel threads (pedestrian.parallel.DataParallel): "
-                         "auto = the library's own rule (small models only), on, off")
+    ap.add_argument("--parallel", default="auto",
+                    choices=["auto", "on", "off", "threads", "processes"],
+                    help="pedestrian's data-parallel slices (pedestrian.parallel.DataParallel): "
+                         "auto = the library's own rule (small models only), on, off; threads or "
+                         "processes: split, running the slices after the first that way")
     ap.add_argument("--child-memory", choices=["pedestrian", "torch"], help=argparse.SUPPRESS)
     ap.add_argument("--torch-attention", default="sdpa", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -31,15 +31,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "performance.md"
 
 
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far, in MiB.
+def peak_rss_mib(pid: int | str = "self") -> float:
+    """Peak resident set size of this process (or of process ``pid``) so far, in MiB.
 
-    Linux: ``VmHWM`` of ``/proc/self/status`` (the high-water mark of this address space).
+    Linux: ``VmHWM`` of ``/proc/<pid>/status`` (the high-water mark of that address space).
     ``ru_maxrss`` is not used there: it survives fork + exec, so a child would report its
     parent's peak if that was higher.
     """
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024.0
     except OSError:

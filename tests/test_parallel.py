@@ -1,4 +1,5 @@
-"""DataParallel: a batch split over threads gives the unsplit step's loss and gradients."""
+"""DataParallel: a batch split over threads or worker processes gives the unsplit step's loss
+and gradients."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pedestrian.backend import single_threaded_blas, to_numpy
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
 from pedestrian.optim import AdamW
-from pedestrian.parallel import DataParallel, use_data_parallel
+from pedestrian.parallel import DataParallel, processes_available, use_data_parallel
 from pedestrian.train import train_step
 
 CFG = GPTConfig(vocab_size=23, context_length=12, d_model=16, n_heads=2, n_blocks=2)
+#: both ways of running the slices after the first (worker processes only where fork exists)
+MODES = [False, pytest.param(True, marks=pytest.mark.skipif(not processes_available(), reason="no fork"))]
 
 
 def _batch(B: int, T: int = 12, *, seed: int = 0, ignored_rows: tuple = ()):
@@ -37,11 +40,13 @@ def _assert_close(got: dict, want: dict, rtol: float = 1e-12, atol: float = 1e-1
         assert float(np.max(np.abs(got[k] - want[k]))) <= rtol * scale + atol, k
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("backend,processes", [("numpy", False), ("numpy", True), ("torch", False)])
 @pytest.mark.parametrize("B,threads", [(4, 2), (5, 2), (3, 3), (7, 4)])
-def test_split_batch_equals_whole_batch(backend, B, threads):
+def test_split_batch_equals_whole_batch(backend, processes, B, threads):
     if backend == "torch":
         pytest.importorskip("torch")
+    if processes and not processes_available():
+        pytest.skip("no fork")
     tokens, targets = _batch(B, ignored_rows=(0,))
     whole = GPT(CFG, seed=3, dtype="float64", backend=backend)
     loss = whole.loss(tokens, targets)
@@ -49,7 +54,8 @@ def test_split_batch_equals_whole_batch(backend, B, threads):
     want = _grads(whole)
 
     model = GPT(CFG, seed=3, dtype="float64", backend=backend)
-    dp = DataParallel(model, threads=threads)
+    dp = DataParallel(model, threads=threads, processes=processes)
+    assert dp.processes == processes
     got_loss = dp.loss(tokens, targets)
     grads = dp.backward()
     assert abs(got_loss - loss) <= 1e-12 * abs(loss)
@@ -57,25 +63,28 @@ def test_split_batch_equals_whole_batch(backend, B, threads):
     _assert_close(_grads(model), want)
 
 
-def test_all_targets_of_one_slice_ignored():
+@pytest.mark.parametrize("processes", MODES)
+def test_all_targets_of_one_slice_ignored(processes):
     tokens, targets = _batch(4)
     targets[:2] = -100                            # slice 0 counts nothing
     whole = GPT(CFG, seed=1, dtype="float64")
     loss = whole.loss(tokens, targets)
     whole.backward()
     model = GPT(CFG, seed=1, dtype="float64")
-    dp = DataParallel(model, threads=2)
+    dp = DataParallel(model, threads=2, processes=processes)
     assert abs(dp.loss(tokens, targets) - loss) <= 1e-12 * abs(loss)
     dp.backward()
     _assert_close(_grads(model), _grads(whole))
 
 
-def test_lora_frozen_base_and_adapters_changed_between_steps():
+@pytest.mark.parametrize("processes", MODES)
+def test_lora_frozen_base_and_adapters_changed_between_steps(processes):
     tokens, targets = _batch(4, seed=2)
     model = GPT(CFG, seed=0, dtype="float64")
-    dp = DataParallel(model, threads=2)
+    dp = DataParallel(model, threads=2, processes=processes)
     dp.loss(tokens, targets)
     dp.backward()                                 # slices now hold base-gradient buffers
+    first_workers = [w._process for w in dp._workers]
     model.add_lora(["blocks.0.attn.q", "blocks.1.mlp_expand"], rank=2, alpha=0.5, seed=1)
     for name in model.params:
         if name.endswith("lora_U"):                 # non-zero U: the adapters change the output
@@ -89,16 +98,21 @@ def test_lora_frozen_base_and_adapters_changed_between_steps():
     grads = dp.backward()
     assert all(".lora_" in k for k in grads)      # the frozen base gets no gradient
     _assert_close(_grads(model), _grads(ref))
+    if processes:                                 # a new structure: the worker was forked again
+        assert len(first_workers) == 1 and not first_workers[0].is_alive()
+        assert dp._workers[0]._process is not first_workers[0]
+    dp.close()
 
 
-def test_train_step_with_data_parallel_matches_plain_training():
+@pytest.mark.parametrize("processes", MODES)
+def test_train_step_with_data_parallel_matches_plain_training(processes):
     batches = [_batch(6, seed=s) for s in range(3)]
     losses = {}
     params = {}
-    for name in ("plain", "parallel"):
+    for name in ("plain", "parallel"):            # the workers must see every update
         model = GPT(CFG, seed=4, dtype="float64")
         opt = AdamW(model, lr=1e-2, weight_decay=0.1)
-        runner = DataParallel(model, threads=3) if name == "parallel" else model
+        runner = DataParallel(model, threads=3, processes=processes) if name == "parallel" else model
         losses[name] = [train_step(runner, opt, [b], 1e-2, grad_clip=1.0)[0] for b in batches]
         params[name] = model.state_dict()
     np.testing.assert_allclose(losses["parallel"], losses["plain"], rtol=1e-12)
@@ -111,17 +125,46 @@ def test_dropout_is_reproducible_and_differs_per_slice():
     tokens[2:] = tokens[:2]                       # the two slices see identical rows
     targets[2:] = targets[:2]
     results = []
-    for _ in range(2):
+    for processes in (False, False) + ((True,) if processes_available() else ()):
         model = GPT(cfg, seed=9, dtype="float64")
-        dp = DataParallel(model, threads=2)
+        dp = DataParallel(model, threads=2, processes=processes)
         loss = dp.loss(tokens, targets)
         dp.backward()
         results.append((loss, _grads(model)))
-        parts = dp._slices
-        a, b = parts[0]._cache["a12"], parts[1]._cache["a12"]
-        assert not np.allclose(a, b)              # different dropout masks per slice
-    assert results[0][0] == results[1][0]
-    _assert_close(results[1][1], results[0][1], rtol=0.0, atol=0.0)
+        if not processes:
+            parts = dp._slices
+            a, b = parts[0]._cache["a12"], parts[1]._cache["a12"]
+            assert not np.allclose(a, b)          # different dropout masks per slice
+        dp.close()
+    for loss, grads in results[1:]:              # again, and in a worker process: the same bits
+        assert loss == results[0][0]
+        _assert_close(grads, results[0][1], rtol=0.0, atol=0.0)
+
+
+@pytest.mark.skipif(not processes_available(), reason="no fork")
+def test_processes_give_the_bits_of_threads_and_survive_a_killed_worker():
+    batches = [_batch(5, seed=s, ignored_rows=(1,)) for s in range(3)]
+    runs = {}
+    for processes in (False, True):
+        model = GPT(CFG, seed=2)                  # float32: any difference in the arithmetic shows
+        opt = AdamW(model, lr=1e-2)
+        dp = DataParallel(model, threads=2, processes=processes)
+        runs[processes] = ([train_step(dp, opt, [b], 1e-2)[0] for b in batches], model.state_dict())
+    assert runs[True][0] == runs[False][0]
+    _assert_close(runs[True][1], runs[False][1], rtol=0.0, atol=0.0)
+
+    dp.loss(*batches[0])
+    dp._workers[0]._process.kill()
+    dp._workers[0]._process.join()
+    with pytest.raises(RuntimeError, match="worker process .* exited unexpectedly.*processes=False"):
+        dp.backward()
+    assert dp._workers == []                      # dropped; the next loss() forks a new one
+    loss = dp.loss(*batches[0])
+    assert dp._workers[0]._process.is_alive()
+    assert loss == pytest.approx(model.loss(*batches[0]), rel=1e-6)
+    process = dp._workers[0]._process
+    dp.close()
+    assert not process.is_alive() and dp._workers == []
 
 
 def test_one_row_or_one_thread_goes_straight_to_the_model():
@@ -135,12 +178,13 @@ def test_one_row_or_one_thread_goes_straight_to_the_model():
     assert model.activations()["a12"].shape == (1, 12, CFG.vocab_size)
 
 
-def test_errors():
+@pytest.mark.parametrize("processes", MODES)
+def test_errors(processes):
     model = GPT(CFG)
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(ValueError, match="threads must be an integer >= 1"):
             DataParallel(model, threads=bad)
-    dp = DataParallel(model, threads=2)
+    dp = DataParallel(model, threads=2, processes=processes)
     with pytest.raises(ValueError, match="before loss"):
         dp.backward()
     tokens, targets = _batch(4)
@@ -151,6 +195,17 @@ def test_errors():
         dp.backward()                             # the failed loss() left nothing to differentiate
     with pytest.raises(ValueError, match="must equal tokens shape"):
         dp.loss(tokens, targets[:3])
+    targets[3, 0] = 0
+    assert np.isfinite(dp.loss(tokens, targets))  # an error in a worker does not break it
+    dp.backward()
+    dp.close()
+
+
+def test_processes_refused_where_they_cannot_work():
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="needs the NumPy backend.*processes=False"):
+        DataParallel(GPT(CFG, backend="torch"), threads=2, processes=True)
+    assert not DataParallel(GPT(CFG, backend="torch"), threads=2).processes
 
 
 def test_single_threaded_blas_restores_thread_counts():

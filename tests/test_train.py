@@ -14,7 +14,7 @@ from pedestrian.checkpoint import load_checkpoint
 from pedestrian.config import GPTConfig, param_specs
 from pedestrian.model import GPT
 from pedestrian.optim import AdamW, CosineSchedule
-from pedestrian.train import (TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
+from pedestrian.train import (TrainingError, TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
                               train_step)
 from torch_reference import reference_forward, reference_loss
 
@@ -161,12 +161,14 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
 
 
 def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch, capsys):
-    """With DataParallel (2 threads) N + N steps still equal 2N bit for bit; resuming with
-    another thread count works but says that the result will differ slightly."""
+    """With DataParallel (2 slices) N + N steps still equal 2N bit for bit, whether the second
+    slice runs in a thread or a worker process; resuming with another slice count works but
+    says that the result will differ slightly."""
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
-    common = dict(model=model, checkpoint_interval=3, data_parallel="on")
-    train(_settings(corpus, tmp_path / "one", **common), echo=lambda s: None)
+    common = dict(model=model, checkpoint_interval=3)
+    train(_settings(corpus, tmp_path / "one", data_parallel="threads", **common), echo=lambda s: None)
+    common["data_parallel"] = "on"                # worker processes where fork exists
     train(_settings(corpus, tmp_path / "two", stop_step=3, **common), echo=lambda s: None)
     train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"}, echo=lambda s: None)
     assert _train_losses(tmp_path / "one") == _train_losses(tmp_path / "two")
@@ -178,8 +180,16 @@ def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch,
     r = train(_settings(corpus, tmp_path / "three", **common), resume=True, explicit={"out"}, echo=lambda s: None)
     assert r.step == 6
     err = capsys.readouterr().err
-    assert "split each batch over 1 thread(s), this run over 2" in err
+    assert "split each batch into 1 slice(s), this run into 2" in err
     assert "--data-parallel off" in err
+
+
+def test_data_parallel_modes_checked(corpus, tmp_path):
+    with pytest.raises(TrainingError, match="--data-parallel must be one of auto, on, off, threads, processes"):
+        _settings(corpus, tmp_path / "a", data_parallel="yes").validate()
+    with pytest.raises(TrainingError, match="--data-parallel processes: .*needs the NumPy backend.*processes=False"):
+        train(_settings(corpus, tmp_path / "b", backend="torch", data_parallel="processes"), echo=lambda s: None)
+    assert not (tmp_path / "b" / "latest").exists()
 
 
 def _signal_at(monkeypatch, n: int, sig):

@@ -7,7 +7,11 @@ core). :class:`DataParallel` instead gives every thread whole rows of the batch:
 the model's ordinary hand-written forward and backward (:meth:`GPT.forward`,
 :meth:`GPT.backward`) on its slice with a single-threaded BLAS, writing its own gradient
 buffer, and the buffers are summed at the end. NumPy and the BLAS release the GIL inside
-their loops, so the threads really do run at the same time.
+their loops, so the threads really do run at the same time -- except for the Python between
+the calls, which holds the GIL. On the NumPy backend the slices after the first therefore run
+in forked worker processes by default (``processes=True``): each has its own interpreter and
+GIL, reads the parameters from shared memory at every step and writes its gradient back into
+shared memory (measured on 2 cores, char-small: 72 -> 63 ms for forward and backward).
 
 The arithmetic is the unsplit step's. With ``N`` counted targets in the whole batch and
 ``ℓ_r`` the loss of row ``r``::
@@ -23,7 +27,7 @@ seeded by ``model.dropout_rng``, so a run is reproducible for a given thread cou
 
 Use::
 
-    dp = DataParallel(model)                # threads: PEDESTRIAN_NUM_THREADS or the cores
+    dp = DataParallel(model)                # slices: PEDESTRIAN_NUM_THREADS or the cores
     with dp:                                # one BLAS thread per worker while inside
         loss = dp.loss(tokens, targets)     # (B, T) ints; slices of rows, one per thread
         grads = dp.backward()               # = model.grads, the sum over the slices
@@ -36,6 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import mmap
+import multiprocessing
+import pickle
+import signal
+import warnings
+import weakref
 
 import numpy as np
 
@@ -43,7 +53,8 @@ from .backend import (Workspace, for_row_blocks, get_pool, in_worker_thread, is_
                       single_threaded_blas, to_numpy, QUIET_PARALLEL_MIN_ELEMENTS)
 from .layers.loss import IGNORE_INDEX
 
-__all__ = ["DataParallel", "use_data_parallel", "runner_for", "SMALL_MODEL_PARAMS"]
+__all__ = ["DataParallel", "use_data_parallel", "runner_for", "processes_available", "DATA_PARALLEL_MODES",
+           "SMALL_MODEL_PARAMS"]
 
 #: :func:`use_data_parallel` picks threads over the batch below this many trainable
 #: parameters. Measured on 2 cores (``benchmarks/bench_train.py``): char-small (0.8M) is bound
@@ -71,15 +82,27 @@ def use_data_parallel(model, batch_size: int, threads: int | None = None) -> boo
             and model.num_params(trainable_only=True) < SMALL_MODEL_PARAMS)
 
 
+#: the ``data_parallel`` choices of :func:`runner_for` (``pedestrian train --data-parallel``)
+DATA_PARALLEL_MODES = ("auto", "on", "off", "threads", "processes")
+
+
 def runner_for(model, data_parallel: str, batch_size: int):
     """``(runner, context)`` for a training loop: a :class:`DataParallel` and itself (its
     context holds BLAS to one thread per worker), or the model and a null context.
 
     Args:
-        data_parallel: ``"on"``, ``"off"`` or ``"auto"`` (:func:`use_data_parallel`).
+        data_parallel: ``"auto"`` (:func:`use_data_parallel`), ``"on"`` (split, worker
+            processes where :class:`DataParallel` picks them), ``"threads"`` or
+            ``"processes"`` (split, that way), ``"off"``.
+
+    Raises:
+        ValueError: an unknown mode; ``"processes"`` where they cannot work.
     """
-    if data_parallel == "on" or (data_parallel == "auto" and use_data_parallel(model, batch_size)):
-        dp = DataParallel(model)
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {data_parallel!r}")
+    if data_parallel in ("on", "threads", "processes") or (
+            data_parallel == "auto" and use_data_parallel(model, batch_size)):
+        dp = DataParallel(model, processes={"threads": False, "processes": True}.get(data_parallel))
         if dp.threads > 1:
             return dp, dp
     return model, contextlib.nullcontext()
@@ -92,31 +115,54 @@ class DataParallel:
         model: a :class:`~pedestrian.model.GPT` (NumPy or torch backend, any dtype, with or
             without LoRA adapters). It is not copied: the slices share its parameters, and
             the summed gradients land in the model's own gradient buffers.
-        threads: number of slices / threads; default :func:`pedestrian.backend.num_threads`
-            (``PEDESTRIAN_NUM_THREADS`` or the usable cores). A batch of ``B`` rows uses
-            ``min(threads, B)`` of them; with one, the calls go straight to the model.
+        threads: number of slices, each run by its own thread (or worker process); default
+            :func:`pedestrian.backend.num_threads` (``PEDESTRIAN_NUM_THREADS`` or the usable
+            cores). A batch of ``B`` rows uses ``min(threads, B)`` of them; with one, the calls
+            go straight to the model.
+        processes: run slices 1, 2, … in forked worker processes instead of threads (slice 0
+            always runs on the calling thread). Default: yes on the NumPy backend where the
+            ``fork`` start method exists (Linux), so that the slices do not share a GIL. A
+            worker starts on the first :meth:`loss`, gets the parameters' current values at
+            every step through shared memory, and is restarted when the model's structure
+            changes (LoRA adapters added or removed, base frozen or not); :meth:`close` (or
+            the end of the program) stops it. The results are bit for bit those of threads.
 
-    Memory: one extra gradient buffer (the size of the trainable parameters) per thread
-    beyond the first, plus each thread's activations for its rows (together about what the
-    whole batch needs). Worth it for small models, where the step is bound by per-operation
-    overhead (measured: ``benchmarks/bench_train.py``); for large ones the BLAS threads its
-    big products well on its own.
+    Memory: one extra gradient buffer (the size of the trainable parameters) per slice
+    beyond the first, plus each slice's activations for its rows (together about what the
+    whole batch needs); with processes also a copy of the parameters per worker and one
+    shared. Worth it for small models, where the step is bound by per-operation overhead
+    (measured: ``benchmarks/bench_train.py``); for large ones the BLAS threads its big
+    products well on its own.
 
     Raises:
-        ValueError: ``threads`` not an integer >= 1.
+        ValueError: ``threads`` not an integer >= 1; ``processes=True`` on the torch backend
+            (PyTorch's OpenMP runtime does not survive a fork) or where ``fork`` is missing.
     """
 
-    def __init__(self, model, threads: int | None = None):
+    def __init__(self, model, threads: int | None = None, *, processes: bool | None = None):
         if threads is None:
             threads = num_threads()
         elif isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         threads = int(threads)
+        if processes is None:
+            processes = model.backend == "numpy" and processes_available()
+        elif processes and model.backend != "numpy":
+            raise ValueError("DataParallel(processes=True) needs the NumPy backend: PyTorch's OpenMP "
+                             "runtime cannot be used in a forked child; use processes=False")
+        elif processes and not processes_available():
+            raise ValueError("DataParallel(processes=True) needs the 'fork' start method, which this "
+                             "platform lacks; use processes=False (threads)")
         self.model = model
         self.threads = threads
+        self.processes = bool(processes)
         self._slices: list = []
         self._n_used = 0                        # slices used by the last loss(); 0 = none yet
         self._contexts: list = []
+        self._workers: list[_Worker] = []       # slices 1, 2, … when processes
+        self._shared_params = None              # the parameters, written here, read by the workers
+        self._signature = None                  # the model structure the workers were forked with
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     # ---------------------------------------------------------------- the model's interface
     @property
@@ -170,7 +216,15 @@ class DataParallel:
             return self._slices[s].loss(_rows(tokens, lo, hi), _rows(targets, lo, hi))
 
         self._n_used = 0                        # until every slice has its forward
-        losses = self._run(n, job)
+        if self.processes:
+            self._start_workers(n)
+            training = self.model.training
+            messages = [("loss", _rows(tokens_np, bounds[s], bounds[s + 1]),
+                         _rows(targets_np, bounds[s], bounds[s + 1]), n_total,
+                         None if seeds is None else int(seeds[s]), training) for s in range(1, n)]
+            losses = self._run_with_workers(n, lambda: job(0), messages)
+        else:
+            losses = self._run(n, job)
         self._n_used = n
         return float(sum(losses))
 
@@ -188,13 +242,23 @@ class DataParallel:
         if self._n_used == 1:
             return self.model.backward()
         n = self._n_used
-        self._run(n, lambda s: self._slices[s].backward())
         trained = ([] if self.model.freeze_base else ["_grad_base"]) \
             + ([] if self.model._lora is None else ["_grad_lora"])
+        if self.processes:
+            self._run_with_workers(n, self._slices[0].backward, [("backward",)] * (n - 1))
+            for name in trained:                # each worker's sum lies in its shared memory
+                _sum_into(getattr(self.model, name).flat, [w.grads[name] for w in self._workers[:n - 1]])
+            return self.model.grads
+        self._run(n, lambda s: self._slices[s].backward())
         for name in trained:                    # slice 0 wrote the model's own buffers
             others = [getattr(part, name).flat for part in self._slices[1:n]]
             _sum_into(getattr(self.model, name).flat, others)
         return self.model.grads
+
+    def close(self) -> None:
+        """Stop the worker processes (if any); a later :meth:`loss` starts new ones."""
+        _stop_workers(self._workers)
+        self._shared_params = self._signature = None
 
     # ---------------------------------------------------------------- internals
     def _sync(self, n: int) -> None:
@@ -219,6 +283,52 @@ class DataParallel:
             if part._grad_lora_for is not model._lora:      # adapters added, removed or replaced
                 part._grad_lora, part._grad_lora_for = None, model._lora
             part._grad_buffers()
+
+    def _start_workers(self, n: int) -> None:
+        """Fork workers for slices 1 … n−1 if they are missing or were forked from a model of
+        another structure, and copy the parameters' current values into shared memory."""
+        model = self.model
+        signature = (model._base, model._lora, model.freeze_base, tuple(model.lora_targets),
+                     getattr(model, "lora_rank", None), model.lora_alpha, model.config, model.dtype)
+        if self._signature is not None and self._signature != signature:
+            self.close()
+        flats = [model._base.flat] + ([] if model._lora is None else [model._lora.flat])
+        if self._shared_params is None:
+            self._shared_params = _shared_array(sum(f.shape[0] for f in flats), model.dtype)
+            self._signature = signature
+        offset = 0
+        for f in flats:                         # this step's parameters, for every worker
+            np.copyto(self._shared_params[offset:offset + f.shape[0]], f)
+            offset += f.shape[0]
+        while len(self._workers) < n - 1:
+            self._workers.append(_Worker(self._slices[len(self._workers) + 1], self._shared_params))
+
+    def _run_with_workers(self, n: int, local_job, messages: list) -> list:
+        """Send ``messages[s−1]`` to worker ``s``, run ``local_job()`` (slice 0) here meanwhile,
+        then collect the workers' answers; the first error (here or in a worker) is raised."""
+        workers = self._workers[:n - 1]
+        error = None
+        for w, message in zip(workers, messages):
+            try:
+                w.send(message)
+            except BaseException as exc:        # noqa: BLE001 -- a dead worker: raised below
+                error = error or exc
+        results = [None] * n
+        with single_threaded_blas(), in_worker_thread():
+            try:
+                results[0] = local_job()
+            except BaseException as exc:        # noqa: BLE001 -- re-raised below, after the others
+                error = error or exc
+        for s, w in enumerate(workers, start=1):
+            try:
+                results[s] = w.receive()
+            except BaseException as exc:        # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            if any(not w.alive for w in workers):
+                self.close()                    # the next loss() forks new workers
+            raise error
+        return results
 
     def _run(self, n: int, job) -> list:
         """``job(s)`` for ``s < n``: slice 0 on the calling thread, the rest on the pool."""
@@ -248,6 +358,145 @@ class DataParallel:
         if error is not None:
             raise error
         return results
+
+
+def processes_available() -> bool:
+    """Whether worker processes can be forked here (the ``fork`` start method, i.e. Linux)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _shared_array(n: int, dtype) -> np.ndarray:
+    """``(n,)`` zeros in anonymous shared memory: a forked child sees the same pages."""
+    dtype = np.dtype(dtype)
+    buffer = mmap.mmap(-1, max(1, n * dtype.itemsize))      # MAP_SHARED | MAP_ANONYMOUS
+    return np.frombuffer(buffer, dtype=dtype, count=n)
+
+
+class _Worker:
+    """One slice of the batch in a forked child process (:class:`DataParallel` with processes).
+
+    The child is a fork of this process holding ``part``, a slice made by
+    :meth:`DataParallel._sync`. It answers two messages over a pipe:
+
+    - ``("loss", tokens, targets, n_total, dropout_seed, training)``: copy the parameters out
+      of ``shared_params``, run ``part.loss`` on the rows; answer the loss.
+    - ``("backward",)``: run ``part.backward()`` and copy its gradients into :attr:`grads`
+      (shared memory); answer ``None``.
+
+    An exception in the child is sent back and raised here; ``None`` (or this process going
+    away: the pipe closes) ends the child.
+    """
+
+    def __init__(self, part, shared_params):
+        self.grads = {}
+        sizes = {}
+        if not part.freeze_base:
+            sizes["_grad_base"] = part._base.flat.shape[0]
+        if part._lora is not None:
+            sizes["_grad_lora"] = part._lora.flat.shape[0]
+        shared = _shared_array(sum(sizes.values()), part.dtype)
+        offset = 0
+        for name, size in sizes.items():
+            self.grads[name] = shared[offset:offset + size]
+            offset += size
+        context = multiprocessing.get_context("fork")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_worker_main, name="pedestrian-data-parallel", daemon=True,
+                                        args=(part, child_conn, self._conn, shared_params, self.grads))
+        with warnings.catch_warnings():         # Python >= 3.12 warns on any fork of a threaded
+            warnings.simplefilter("ignore", DeprecationWarning)   # process; the child only runs
+            self._process.start()               # NumPy and single-threaded BLAS on its own data
+        child_conn.close()
+        self.alive = True
+        self._pending = False                   # a message sent, its answer not yet read
+
+    def send(self, message) -> None:
+        if self._pending:                       # the caller was interrupted (Ctrl-C) last time:
+            with contextlib.suppress(Exception):  # that answer is stale
+                self.receive()
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            self._died()
+        self._pending = True
+
+    def receive(self):
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            self._died()
+        finally:
+            self._pending = False
+        if status == "error":
+            raise value
+        return value
+
+    def _died(self):
+        self.alive = False
+        self._process.join(timeout=1.0)
+        raise RuntimeError(
+            f"a DataParallel worker process (pid {self._process.pid}) exited unexpectedly with code "
+            f"{self._process.exitcode} (killed, or out of memory?); the next step starts a new one. "
+            "To avoid worker processes use DataParallel(processes=False) or `--data-parallel off`")
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self._conn.send(None)
+            self._process.join(timeout=2.0)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=2.0)
+        self._conn.close()
+        self.alive = False
+
+
+def _stop_workers(workers: list) -> None:
+    while workers:
+        workers.pop().stop()
+
+
+def _worker_main(part, conn, parent_end, shared_params, grads) -> None:
+    """The forked child's loop (see :class:`_Worker`)."""
+    parent_end.close()                          # so that the pipe closes when the parent dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    flats = [part._base.flat] + ([] if part._lora is None else [part._lora.flat])
+    from threadpoolctl import threadpool_limits   # not single_threaded_blas(): its state (and
+                                                  # torch's, if imported) is the parent's
+    with threadpool_limits(limits=1, user_api="blas"), in_worker_thread():
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            try:
+                if message[0] == "loss":
+                    _, tokens, targets, n_total, seed, training = message
+                    offset = 0
+                    for f in flats:
+                        np.copyto(f, shared_params[offset:offset + f.shape[0]])
+                        offset += f.shape[0]
+                    part.training = training
+                    part._loss_n_total = n_total
+                    part.dropout_rng = None if seed is None else np.random.default_rng(seed)
+                    answer = ("ok", part.loss(tokens, targets))
+                else:
+                    part.backward()
+                    for name, out in grads.items():
+                        np.copyto(out, getattr(part, name).flat)
+                    answer = ("ok", None)
+            except BaseException as exc:        # noqa: BLE001 -- sent to the parent, raised there
+                try:
+                    pickle.dumps(exc)
+                except Exception:               # noqa: BLE001 -- an exception that cannot travel
+                    exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+                answer = ("error", exc)
+            try:
+                conn.send(answer)
+            except (BrokenPipeError, OSError):
+                return
 
 
 def _rows(a, lo: int, hi: int):

@@ -50,7 +50,7 @@ from .config import GPTConfig
 from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, load_corpus, \
     split_train_val
 from .optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm
-from .parallel import runner_for
+from .parallel import DATA_PARALLEL_MODES, runner_for
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
@@ -101,11 +101,14 @@ class TrainSettings:
         for the whole run: training stops early, then validates, saves and plots), stop_step
         (stop after this step as if interrupted; the schedule still spans max_steps), out
         (run folder; default ``runs/<corpus>_<tokenizer>``), progress (tqdm bar), plot,
-        data_parallel (``"auto"``, ``"on"``, ``"off"``: split each batch over threads with
+        data_parallel (``"auto"``, ``"on"``, ``"off"``, ``"threads"``, ``"processes"``:
+        split each batch over threads or worker processes with
         :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
         :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more
-        threads, see :func:`pedestrian.parallel.use_data_parallel`). Resuming reproduces a
-        run bit for bit when the thread count (and so the split) is the same.
+        cores, see :func:`pedestrian.parallel.use_data_parallel`; ``"on"`` uses worker
+        processes on the NumPy backend where ``fork`` exists, threads otherwise). Resuming
+        reproduces a run bit for bit when the number of slices is the same (threads and
+        processes give the same bits).
     """
 
     data: str | None = None
@@ -179,8 +182,9 @@ class TrainSettings:
             raise TrainingError(f"--dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if self.backend not in ("numpy", "torch"):
             raise TrainingError(f"--backend must be 'numpy' or 'torch', got {self.backend!r}")
-        if self.data_parallel not in ("auto", "on", "off"):
-            raise TrainingError(f"--data-parallel must be 'auto', 'on' or 'off', got {self.data_parallel!r}")
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise TrainingError(f"--data-parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
+                                f"got {self.data_parallel!r}")
         if "vocab_size" in self.model:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         try:
@@ -656,11 +660,15 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                                 f"{optimizer.step_count} != step {step}")
     schedule = CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr)
     accum = [_empty_like(g.grads) for g in optimizer.groups] if k > 1 else None
-    runner, parallel_context = runner_for(model, settings.data_parallel, B)
+    try:
+        runner, parallel_context = runner_for(model, settings.data_parallel, B)
+    except ValueError as exc:                 # e.g. processes on the torch backend
+        raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
     split = runner.threads if runner is not model else 1
+    split_by = "worker processes" if getattr(runner, "processes", False) else "threads"
     was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
     if was_split is not None and was_split != split:
-        print(f"warning: the checkpoint's steps split each batch over {was_split} thread(s), this run over "
+        print(f"warning: the checkpoint's steps split each batch into {was_split} slice(s), this run into "
               f"{split}: the continuation is valid but will differ slightly from an uninterrupted run "
               f"(summation order, dropout masks); to reproduce it bit for bit use "
               + ("--data-parallel off" if was_split == 1 else f"PEDESTRIAN_NUM_THREADS={was_split}"),
@@ -687,7 +695,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     say(f"steps {step} -> {end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
         f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
         f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
-    say(f"threads: batch split over {split} (data-parallel {settings.data_parallel})" if split > 1 else
+    say(f"threads: batch split over {split} {split_by} (data-parallel {settings.data_parallel})" if split > 1 else
         f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
     if settings.warmup_steps >= settings.max_steps:
         print(f"warning: --warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
@@ -798,6 +806,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         _restore_handlers(old_handlers)
         bar.close()
         log_file.close()
+        if runner is not model:
+            runner.close()                    # its worker processes, if any
         if replacing and pending_log.exists():
             pending_log.unlink()               # never committed: the old run stays as it was
     seconds = time.perf_counter() - t_start

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from ..config import PRESETS
+from ..parallel import DATA_PARALLEL_MODES
 from .params import CONFIG_FIELDS, add_config_arguments
 
 try:  # Python 3.11+
@@ -121,10 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no progress bar")
     t.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="no loss_curve.png")
-    t.add_argument("--data-parallel", choices=["auto", "on", "off"],
-                   help="split each batch over threads, one slice each with single-threaded BLAS "
-                        "(default auto: NumPy models under 20M parameters; threads: PEDESTRIAN_NUM_THREADS "
-                        "or the cores)")
+    t.add_argument("--data-parallel", choices=list(DATA_PARALLEL_MODES),
+                   help="split each batch into slices, one per core, each run with single-threaded BLAS "
+                        "(default auto: NumPy models under 20M parameters; slices: PEDESTRIAN_NUM_THREADS "
+                        "or the cores). The slices after the first run in worker processes (on, and "
+                        "auto, on Linux with the NumPy backend) or threads; 'threads' and 'processes' "
+                        "force one way")
     t.add_argument("--no-sample", dest="sample", action="store_false", default=True,
                    help="do not print samples of the trained model at the end")
 
