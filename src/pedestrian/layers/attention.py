@@ -13,8 +13,8 @@ import math
 
 from array_api_compat import device
 
-from ..backend import (array_namespace, elementwise_lib, empty_array, for_row_blocks, matmul_into, rowdot,
-                       scratch)
+from ..backend import (array_namespace, elementwise_lib, empty_array, for_row_blocks, is_torch_array,
+                       matmul_into, rowdot, scratch)
 from .linear import linear_backward, linear_forward
 
 _MASKS: dict = {}
@@ -146,6 +146,10 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         return qkv[..., lo:lo + n_heads * width].reshape(B, T, n_heads, width).swapaxes(1, 2)
 
     q_raw, k, v = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
+    if is_torch_array(qkv):
+        # torch's batched matmul copies a head-interleaved operand on every use (it needs one
+        # stride over (B, H)); one copy each here also serves the backward's three uses
+        k, v = k.contiguous(), v.contiguous()
     q = empty_array((B, n_heads, T, d_qk), qkv)              # q / √d_qk (the scale folded in)
     p = empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
@@ -192,6 +196,8 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         return delta_qkv[..., lo:lo + H * width].reshape(B, T, H, width).swapaxes(1, 2)
 
     d_out = delta.reshape(B, T, H, d_head).swapaxes(1, 2)     # head h's columns of Δ
+    if is_torch_array(p):
+        d_out = d_out.contiguous()                            # used twice (see the forward)
     dq_all, dk_all, dv_all = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
 
     def kernel(lo: int, hi: int) -> None:                     # batch rows lo:hi
