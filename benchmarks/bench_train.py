@@ -576,8 +576,8 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
                       "small batched products and softmax, Python overhead and the optimizer."]
         else:
             work = sum(bd["layers_ms"].values())
-            who = "slice 0's" if bd.get("processes") else "thread-"
-            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} {who}ms spent in "
+            who = "ms slice 0 spent" if bd.get("processes") else "thread-ms spent"
+            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} {who} in "
                       f"layer functions ({100 * bd['matmul_ms'] / work:.0f}%), in a step of {total:.1f} ms."]
     return "\n".join(lines) + "\n"
 
