@@ -1,4 +1,4 @@
-"""Data parallelism inside one process: the batch split over threads, the gradients summed.
+"""Data parallelism on one machine: a batch split over threads or processes, gradients summed.
 
 A small model's training step is hundreds of small operations. NumPy runs its elementwise
 operations on one thread, and OpenBLAS's second thread helps the matrix products only a
@@ -38,14 +38,19 @@ Use::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import mmap
-import multiprocessing
+import os
 import pickle
 import signal
+import sys
+import time
+import traceback
 import warnings
 import weakref
+from multiprocessing.connection import Pipe
 
 import numpy as np
 
@@ -120,8 +125,8 @@ class DataParallel:
             cores). A batch of ``B`` rows uses ``min(threads, B)`` of them; with one, the calls
             go straight to the model.
         processes: run slices 1, 2, … in forked worker processes instead of threads (slice 0
-            always runs on the calling thread). Default: yes on the NumPy backend where the
-            ``fork`` start method exists (Linux), so that the slices do not share a GIL. A
+            always runs on the calling thread). Default: yes on the NumPy backend where
+            ``os.fork`` exists (not Windows), so that the slices do not share a GIL. A
             worker starts on the first :meth:`loss`, gets the parameters' current values at
             every step through shared memory, and is restarted when the model's structure
             changes (LoRA adapters added or removed, base frozen or not); :meth:`close` (or
@@ -136,7 +141,7 @@ class DataParallel:
 
     Raises:
         ValueError: ``threads`` not an integer >= 1; ``processes=True`` on the torch backend
-            (PyTorch's OpenMP runtime does not survive a fork) or where ``fork`` is missing.
+            (PyTorch's OpenMP runtime does not survive a fork) or where ``os.fork`` is missing.
     """
 
     def __init__(self, model, threads: int | None = None, *, processes: bool | None = None):
@@ -151,8 +156,8 @@ class DataParallel:
             raise ValueError("DataParallel(processes=True) needs the NumPy backend: PyTorch's OpenMP "
                              "runtime cannot be used in a forked child; use processes=False")
         elif processes and not processes_available():
-            raise ValueError("DataParallel(processes=True) needs the 'fork' start method, which this "
-                             "platform lacks; use processes=False (threads)")
+            raise ValueError("DataParallel(processes=True) needs os.fork, which this platform lacks; "
+                             "use processes=False (threads)")
         self.model = model
         self.threads = threads
         self.processes = bool(processes)
@@ -361,8 +366,8 @@ class DataParallel:
 
 
 def processes_available() -> bool:
-    """Whether worker processes can be forked here (the ``fork`` start method, i.e. Linux)."""
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Whether worker processes can be forked here (``os.fork``: Linux, macOS, BSDs)."""
+    return hasattr(os, "fork")
 
 
 def _shared_array(n: int, dtype) -> np.ndarray:
@@ -370,6 +375,73 @@ def _shared_array(n: int, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     buffer = mmap.mmap(-1, max(1, n * dtype.itemsize))      # MAP_SHARED | MAP_ANONYMOUS
     return np.frombuffer(buffer, dtype=dtype, count=n)
+
+
+class _Child:
+    """A forked child process running ``target(*args)``, then ``os._exit``.
+
+    Plain ``os.fork`` rather than :mod:`multiprocessing`: at interpreter exit multiprocessing
+    terminates its children with SIGTERM and then waits for them without a time limit, and our
+    workers ignore SIGTERM (see :func:`_worker_main`); this module stops its own children.
+    """
+
+    def __init__(self, target, args):
+        self.exitcode: int | None = None
+        with warnings.catch_warnings():         # Python >= 3.12 warns on any fork of a threaded
+            warnings.simplefilter("ignore", DeprecationWarning)   # process; the child only runs
+            pid = os.fork()                     # NumPy and single-threaded BLAS on its own data
+        if pid == 0:                            # the child: never returns into the caller's code
+            code = 1
+            try:
+                target(*args)
+                code = 0
+            except BaseException:               # noqa: BLE001 -- reported, then the child ends
+                with contextlib.suppress(BaseException):
+                    traceback.print_exc()
+                    sys.stderr.flush()
+            finally:
+                os._exit(code)
+        self.pid = pid
+        self.owner = os.getpid()
+
+    def _poll(self, block: bool = False) -> int | None:
+        if self.exitcode is None:
+            try:
+                pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+            except ChildProcessError:           # already reaped
+                self.exitcode = -1
+                return self.exitcode
+            if pid:
+                self.exitcode = os.waitstatus_to_exitcode(status)
+        return self.exitcode
+
+    def is_alive(self) -> bool:
+        return self._poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the child to end (at most ``timeout`` seconds) and reap it."""
+        if timeout is None:
+            self._poll(block=True)
+            return
+        deadline = time.monotonic() + timeout
+        while self._poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+#: workers not yet stopped; stopped at interpreter exit (a weak set: a worker whose
+#: DataParallel was garbage-collected has been stopped by its finalizer already)
+_live_workers: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_workers() -> None:
+    for w in list(_live_workers):
+        w.stop()
 
 
 class _Worker:
@@ -399,16 +471,12 @@ class _Worker:
         for name, size in sizes.items():
             self.grads[name] = shared[offset:offset + size]
             offset += size
-        context = multiprocessing.get_context("fork")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_worker_main, name="pedestrian-data-parallel", daemon=True,
-                                        args=(part, child_conn, self._conn, shared_params, self.grads))
-        with warnings.catch_warnings():         # Python >= 3.12 warns on any fork of a threaded
-            warnings.simplefilter("ignore", DeprecationWarning)   # process; the child only runs
-            self._process.start()               # NumPy and single-threaded BLAS on its own data
+        self._conn, child_conn = Pipe()
+        self._process = _Child(_worker_main, (part, child_conn, self._conn, shared_params, self.grads))
         child_conn.close()
         self.alive = True
         self._pending = False                   # a message sent, its answer not yet read
+        _live_workers.add(self)
 
     def send(self, message) -> None:
         if self._pending:                       # the caller was interrupted (Ctrl-C) last time:
@@ -437,11 +505,15 @@ class _Worker:
         raise RuntimeError(
             f"a DataParallel worker process (pid {self._process.pid}) exited unexpectedly with code "
             f"{self._process.exitcode} (killed, or out of memory?); the next step starts a new one. "
-            "To avoid worker processes use DataParallel(processes=False) or `--data-parallel off`")
+            "To avoid worker processes use DataParallel(processes=False) or `--data-parallel threads`")
 
     def stop(self) -> None:
+        """End the child: ask it to (``None``), after 2 s kill it; reap it; close the pipe."""
+        if self._process.owner != os.getpid():  # a copy of this object inside another worker
+            return
+        _live_workers.discard(self)
         if self._process.is_alive():
-            with contextlib.suppress(OSError, BrokenPipeError):
+            with contextlib.suppress(OSError):
                 self._conn.send(None)
             self._process.join(timeout=2.0)
             if self._process.is_alive():
@@ -459,7 +531,9 @@ def _stop_workers(workers: list) -> None:
 def _worker_main(part, conn, parent_end, shared_params, grads) -> None:
     """The forked child's loop (see :class:`_Worker`)."""
     parent_end.close()                          # so that the pipe closes when the parent dies
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a stop sent to the process group is
+        signal.signal(sig, signal.SIG_IGN)        # the parent's to handle (pedestrian train ends
+                                                  # its step and saves); the child ends with the pipe
     flats = [part._base.flat] + ([] if part._lora is None else [part._lora.flat])
     from threadpoolctl import threadpool_limits   # not single_threaded_blas(): its state (and
                                                   # torch's, if imported) is the parent's

@@ -665,7 +665,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     except ValueError as exc:                 # e.g. processes on the torch backend
         raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
     split = runner.threads if runner is not model else 1
-    split_by = "worker processes" if getattr(runner, "processes", False) else "threads"
+    others = "worker process(es)" if getattr(runner, "processes", False) else "other thread(s)"
     was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
     if was_split is not None and was_split != split:
         print(f"warning: the checkpoint's steps split each batch into {was_split} slice(s), this run into "
@@ -695,7 +695,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     say(f"steps {step} -> {end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
         f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
         f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
-    say(f"threads: batch split over {split} {split_by} (data-parallel {settings.data_parallel})" if split > 1 else
+    say(f"threads: each batch split into {split} slices, one on this thread and {split - 1} in {others} "
+        f"(data-parallel {settings.data_parallel})" if split > 1 else
         f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
     if settings.warmup_steps >= settings.max_steps:
         print(f"warning: --warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
