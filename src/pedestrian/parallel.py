@@ -318,17 +318,9 @@ class DataParallel:
                 w.send(message)
             except BaseException as exc:        # noqa: BLE001 -- a dead worker: raised below
                 error = error or exc
-        results = [None] * n
         with single_threaded_blas(), in_worker_thread():
-            try:
-                results[0] = local_job()
-            except BaseException as exc:        # noqa: BLE001 -- re-raised below, after the others
-                error = error or exc
-        for s, w in enumerate(workers, start=1):
-            try:
-                results[s] = w.receive()
-            except BaseException as exc:        # noqa: BLE001
-                error = error or exc
+            results, local_error = _gather(local_job, [w.receive for w in workers])
+        error = error or local_error
         if error is not None:
             if any(not w.alive for w in workers):
                 self.close()                    # the next loss() forks new workers
@@ -350,19 +342,26 @@ class DataParallel:
         with single_threaded_blas():
             pool = get_pool()
             futures = [pool.submit(work, s) for s in range(1, n)]
-            results, error = [None] * n, None
-            try:
-                results[0] = work(0)
-            except BaseException as exc:        # noqa: BLE001 -- re-raised below, after the others
-                error = exc
-            for s, f in enumerate(futures, start=1):
-                try:
-                    results[s] = f.result()
-                except BaseException as exc:    # noqa: BLE001
-                    error = error or exc
+            results, error = _gather(lambda: work(0), [f.result for f in futures])
         if error is not None:
             raise error
         return results
+
+
+def _gather(local_job, waits: list) -> tuple[list, BaseException | None]:
+    """``[local_job(), *(wait() for wait in waits)]`` and the first exception raised, if any:
+    every ``wait`` runs even after an error, so no slice is left running unattended."""
+    results, error = [None] * (1 + len(waits)), None
+    try:
+        results[0] = local_job()
+    except BaseException as exc:                # noqa: BLE001 -- returned, raised by the caller
+        error = exc
+    for s, wait in enumerate(waits, start=1):
+        try:
+            results[s] = wait()
+        except BaseException as exc:            # noqa: BLE001
+            error = error or exc
+    return results, error
 
 
 def processes_available() -> bool:
