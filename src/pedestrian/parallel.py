@@ -61,10 +61,10 @@ from .layers.loss import IGNORE_INDEX
 __all__ = ["DataParallel", "use_data_parallel", "runner_for", "processes_available", "DATA_PARALLEL_MODES",
            "SMALL_MODEL_PARAMS"]
 
-#: :func:`use_data_parallel` picks threads over the batch below this many trainable
-#: parameters. Measured on 2 cores (``benchmarks/bench_train.py``): char-small (0.8M) is bound
-#: by per-operation overhead and gains ~1.4x; gpt2-124M is 70% large matrix products, which
-#: the BLAS threads well by itself, and an extra gradient buffer per thread would cost 0.5 GB.
+#: :func:`use_data_parallel` splits the batch below this many trainable parameters. Measured
+#: on 2 cores (``benchmarks/bench_train.py``): char-small (0.8M) is bound by per-operation
+#: overhead and gains ~1.4x; gpt2-124M is 70% large matrix products, which the BLAS threads
+#: well by itself, and an extra gradient buffer per slice would cost 0.5 GB.
 SMALL_MODEL_PARAMS = 20_000_000
 
 #: attributes each slice keeps for itself; everything else (parameters, config, LoRA
