@@ -187,9 +187,55 @@ def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch,
 def test_data_parallel_modes_checked(corpus, tmp_path):
     with pytest.raises(TrainingError, match="--data-parallel must be one of auto, on, off, threads, processes"):
         _settings(corpus, tmp_path / "a", data_parallel="yes").validate()
-    with pytest.raises(TrainingError, match="--data-parallel processes: .*needs the NumPy backend.*processes=False"):
+    with pytest.raises(TrainingError, match="--data-parallel processes needs the NumPy backend.*use "
+                                            "--data-parallel threads or off"):
         train(_settings(corpus, tmp_path / "b", backend="torch", data_parallel="processes"), echo=lambda s: None)
-    assert not (tmp_path / "b" / "latest").exists()
+    assert not (tmp_path / "b").exists()
+
+
+def test_checkpoint_records_the_slices_actually_used(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "3")
+    lines = []
+    r = train(_settings(corpus, tmp_path / "a", batch_size=2, max_steps=2, data_parallel="on"), echo=lines.append)
+    assert load_checkpoint(r.out / "latest").meta["data_parallel_threads"] == 2      # min(3 slices, 2 rows)
+    assert any("split into 2 slices" in line for line in lines)
+
+
+def test_a_worker_that_keeps_dying_ends_the_run_with_the_checkpoint_kept(corpus, tmp_path, monkeypatch):
+    import pedestrian.parallel as parallel
+
+    real_loss, calls = parallel.DataParallel.loss, [0]
+
+    def loss(self, tokens, targets):
+        calls[0] += 1
+        if calls[0] == 5:                        # step 5 (after the checkpoint of step 4)
+            raise parallel.WorkerDied("a DataParallel worker process (pid 1) exited unexpectedly")
+        return real_loss(self, tokens, targets)
+
+    monkeypatch.setattr(parallel.DataParallel, "loss", loss)
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    settings = _settings(corpus, tmp_path / "a", eval_interval=100, checkpoint_interval=4, data_parallel="on")
+    with pytest.raises(TrainingError, match=r"exited unexpectedly; step 5 was not taken, the checkpoint of "
+                                            r"step 4 in .* is kept\. Continue with: pedestrian train --out .* "
+                                            r"--resume \(add --data-parallel threads"):
+        train(settings, echo=lambda s: None)
+    assert load_checkpoint(tmp_path / "a" / "latest").step == 4
+
+
+def test_a_closed_stdout_stops_the_run_like_ctrl_c(corpus, tmp_path, monkeypatch):
+    """`pedestrian train | head`: the first message that cannot be written stops the run between
+    steps, with a checkpoint, as an interrupt would."""
+    silenced = []
+    monkeypatch.setattr("pedestrian.train._silence_stdout", lambda: silenced.append(True))
+
+    def echo(text):
+        if text.startswith("step 2"):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    r = train(_settings(corpus, tmp_path / "a"), echo=echo)
+    assert r.stop_reason == "interrupted" and r.step == 2
+    assert load_checkpoint(tmp_path / "a" / "latest").step == 2
+    assert silenced == []                         # a caller's own echo: fd 1 is left alone
 
 
 def _signal_at(monkeypatch, n: int, sig):

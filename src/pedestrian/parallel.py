@@ -58,8 +58,8 @@ from .backend import (Workspace, for_row_blocks, get_pool, in_worker_thread, is_
                       single_threaded_blas, to_numpy, QUIET_PARALLEL_MIN_ELEMENTS)
 from .layers.loss import IGNORE_INDEX
 
-__all__ = ["DataParallel", "use_data_parallel", "runner_for", "processes_available", "DATA_PARALLEL_MODES",
-           "SMALL_MODEL_PARAMS"]
+__all__ = ["DataParallel", "WorkerDied", "use_data_parallel", "runner_for", "processes_available",
+           "DATA_PARALLEL_MODES", "SMALL_MODEL_PARAMS"]
 
 #: :func:`use_data_parallel` splits the batch below this many trainable parameters. Measured
 #: on 2 cores (``benchmarks/bench_train.py``): char-small (0.8M) is bound by per-operation
@@ -167,6 +167,7 @@ class DataParallel:
         self._workers: list[_Worker] = []       # slices 1, 2, … when processes
         self._shared_params = None              # the parameters, written here, read by the workers
         self._signature = None                  # the model structure the workers were forked with
+        self._messages: list = []               # the last loss() messages (to redo a dead worker's)
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     # ---------------------------------------------------------------- the model's interface
@@ -199,6 +200,8 @@ class DataParallel:
 
         Raises:
             TypeError, ValueError: as :meth:`GPT.forward` (bad ids, shapes, dtypes).
+            WorkerDied: a worker process died, and its replacement too (one death is
+                repaired: a ``RuntimeWarning``, and the step's result is unchanged).
         """
         tokens_np, targets_np = to_numpy(tokens), to_numpy(targets)        # lists too
         n = min(self.threads, tokens_np.shape[0]) if tokens_np.ndim == 2 else 1
@@ -211,23 +214,28 @@ class DataParallel:
         seeds = None
         if self.model.training and self.model.config.dropout > 0:
             seeds = self.model.dropout_rng.integers(0, 2**63 - 1, size=n)
-        for s, part in enumerate(self._slices[:n]):
+        for part in self._slices[:n]:
             part._loss_n_total = n_total
-            if seeds is not None:
-                part.dropout_rng = np.random.default_rng(int(seeds[s]))
 
         def job(s: int) -> float:
             lo, hi = bounds[s], bounds[s + 1]
+            if seeds is not None:               # set here: a repeated forward draws the same masks
+                self._slices[s].dropout_rng = np.random.default_rng(int(seeds[s]))
             return self._slices[s].loss(_rows(tokens, lo, hi), _rows(targets, lo, hi))
 
         self._n_used = 0                        # until every slice has its forward
         if self.processes:
-            self._start_workers(n)
             training = self.model.training
-            messages = [("loss", _rows(tokens_np, bounds[s], bounds[s + 1]),
-                         _rows(targets_np, bounds[s], bounds[s + 1]), n_total,
-                         None if seeds is None else int(seeds[s]), training) for s in range(1, n)]
-            losses = self._run_with_workers(n, lambda: job(0), messages)
+            self._messages = [("loss", _rows(tokens_np, bounds[s], bounds[s + 1]),
+                               _rows(targets_np, bounds[s], bounds[s + 1]), n_total,
+                               None if seeds is None else int(seeds[s]), training) for s in range(1, n)]
+            try:
+                self._start_workers(n)
+                losses = self._run_with_workers(n, lambda: job(0), self._messages)
+            except WorkerDied as exc:           # once: a new worker, the whole forward again
+                self._restarted(exc)
+                self._start_workers(n)
+                losses = self._run_with_workers(n, lambda: job(0), self._messages)
         else:
             losses = self._run(n, job)
         self._n_used = n
@@ -241,6 +249,7 @@ class DataParallel:
 
         Raises:
             ValueError: no :meth:`loss` since the last backward-able forward.
+            WorkerDied: as for :meth:`loss`.
         """
         if self._n_used == 0:
             raise ValueError("backward() called before loss(); call dp.loss(tokens, targets) first")
@@ -250,7 +259,13 @@ class DataParallel:
         trained = ([] if self.model.freeze_base else ["_grad_base"]) \
             + ([] if self.model._lora is None else ["_grad_lora"])
         if self.processes:
-            self._run_with_workers(n, self._slices[0].backward, [("backward",)] * (n - 1))
+            try:
+                self._run_with_workers(n, self._slices[0].backward, [("backward",)] * (n - 1))
+            except WorkerDied as exc:           # slice 0's gradient is in place: new workers
+                self._restarted(exc)            # redo their slices' forward and backward
+                self._start_workers(n)
+                self._run_with_workers(n, lambda: None, self._messages)
+                self._run_with_workers(n, lambda: None, [("backward",)] * (n - 1))
             for name in trained:                # each worker's sum lies in its shared memory
                 _sum_into(getattr(self.model, name).flat, [w.grads[name] for w in self._workers[:n - 1]])
             return self.model.grads
@@ -264,6 +279,11 @@ class DataParallel:
         """Stop the worker processes (if any); a later :meth:`loss` starts new ones."""
         _stop_workers(self._workers)
         self._shared_params = self._signature = None
+
+    def _restarted(self, exc: "WorkerDied") -> None:
+        self.close()
+        warnings.warn(f"{exc}; started a new worker and repeated its slice of this step (same "
+                      "dropout masks: the result is unchanged)", RuntimeWarning, stacklevel=3)
 
     # ---------------------------------------------------------------- internals
     def _sync(self, n: int) -> None:
@@ -320,7 +340,8 @@ class DataParallel:
                 error = error or exc
         with single_threaded_blas(), in_worker_thread():
             results, local_error = _gather(local_job, [w.receive for w in workers])
-        error = error or local_error
+        if error is None or (local_error is not None and not isinstance(local_error, WorkerDied)):
+            error = local_error                 # a real error in a slice before a dead worker
         if error is not None:
             if any(not w.alive for w in workers):
                 self.close()                    # the next loss() forks new workers
@@ -351,17 +372,25 @@ class DataParallel:
 def _gather(local_job, waits: list) -> tuple[list, BaseException | None]:
     """``[local_job(), *(wait() for wait in waits)]`` and the first exception raised, if any:
     every ``wait`` runs even after an error, so no slice is left running unattended."""
-    results, error = [None] * (1 + len(waits)), None
+    results, errors = [None] * (1 + len(waits)), []
     try:
         results[0] = local_job()
     except BaseException as exc:                # noqa: BLE001 -- returned, raised by the caller
-        error = exc
+        errors.append(exc)
     for s, wait in enumerate(waits, start=1):
         try:
             results[s] = wait()
         except BaseException as exc:            # noqa: BLE001
-            error = error or exc
-    return results, error
+            errors.append(exc)
+    real = [e for e in errors if not isinstance(e, WorkerDied)]   # a dead worker's slice can be redone
+    return results, (real or errors or [None])[0]
+
+
+class WorkerDied(RuntimeError):
+    """A :class:`DataParallel` worker process ended without answering (killed, out of memory).
+
+    :meth:`DataParallel.loss` and :meth:`~DataParallel.backward` start a new worker and redo
+    its slice once (with a ``RuntimeWarning``); this is raised when that one dies too."""
 
 
 def processes_available() -> bool:
@@ -501,10 +530,10 @@ class _Worker:
     def _died(self):
         self.alive = False
         self._process.join(timeout=1.0)
-        raise RuntimeError(
+        raise WorkerDied(
             f"a DataParallel worker process (pid {self._process.pid}) exited unexpectedly with code "
-            f"{self._process.exitcode} (killed, or out of memory?); the next step starts a new one. "
-            "To avoid worker processes use DataParallel(processes=False) or `--data-parallel threads`")
+            f"{self._process.exitcode} (killed, or out of memory?); to run without worker processes "
+            "use DataParallel(processes=False) (pedestrian train --data-parallel threads)")
 
     def stop(self) -> None:
         """End the child: ask it to (``None``), after 2 s kill it; reap it; close the pipe."""

@@ -50,7 +50,7 @@ from .config import GPTConfig
 from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, load_corpus, \
     split_train_val
 from .optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm
-from .parallel import DATA_PARALLEL_MODES, runner_for
+from .parallel import DATA_PARALLEL_MODES, WorkerDied, runner_for
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
@@ -185,6 +185,9 @@ class TrainSettings:
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise TrainingError(f"--data-parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
                                 f"got {self.data_parallel!r}")
+        if self.data_parallel == "processes" and self.backend == "torch":
+            raise TrainingError("--data-parallel processes needs the NumPy backend (PyTorch's OpenMP runtime "
+                                "cannot be used in a forked worker); use --data-parallel threads or off")
         if "vocab_size" in self.model:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         try:
@@ -536,6 +539,17 @@ def _install_stop_handlers(flag: list) -> dict:
     return old
 
 
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at ``/dev/null`` (its reader went away: later writes, including
+    the interpreter's final flush, must not raise ``BrokenPipeError``)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - no real stdout
+        pass
+
+
 def _restore_handlers(old: dict) -> None:
     for sig, h in old.items():
         if h is not None:
@@ -573,7 +587,18 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    say = echo or (lambda s: tqdm.write(s, file=sys.stdout))
+    stop_signal: list[str] = []         # set by SIGINT / SIGTERM or a closed stdout, checked between steps
+    write = echo or (lambda s: tqdm.write(s, file=sys.stdout))
+
+    def say(text: str) -> None:
+        try:
+            write(text)
+        except BrokenPipeError:         # stdout closed (`pedestrian train | head`): stop between
+            if echo is None:            # steps and save, as for Ctrl-C; print nothing more there
+                _silence_stdout()
+            if "stdout closed" not in stop_signal:
+                stop_signal.append("stdout closed")
+
     settings.validate()
     out = settings.run_dir()
     latest = out / "latest"
@@ -664,15 +689,18 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         runner, parallel_context = runner_for(model, settings.data_parallel, B)
     except ValueError as exc:                 # e.g. processes on the torch backend
         raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
-    split = runner.threads if runner is not model else 1
+    split = min(runner.threads, B) if runner is not model else 1      # DataParallel's own rule
     others = "worker process(es)" if getattr(runner, "processes", False) else "other thread(s)"
     was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
     if was_split is not None and was_split != split:
+        if was_split == 1:
+            advice = "--data-parallel off"
+        else:
+            advice = f"PEDESTRIAN_NUM_THREADS={was_split}" + (
+                " without --data-parallel off" if settings.data_parallel == "off" else "")
         print(f"warning: the checkpoint's steps split each batch into {was_split} slice(s), this run into "
               f"{split}: the continuation is valid but will differ slightly from an uninterrupted run "
-              f"(summation order, dropout masks); to reproduce it bit for bit use "
-              + ("--data-parallel off" if was_split == 1 else f"PEDESTRIAN_NUM_THREADS={was_split}"),
-              file=sys.stderr)
+              f"(summation order, dropout masks); to reproduce it bit for bit use {advice}", file=sys.stderr)
 
     out.mkdir(parents=True, exist_ok=True)
     pending_log = out / "log.jsonl.new"       # a new run's log while an old run is still on disk
@@ -726,10 +754,26 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             copy_checkpoint(latest, out / "best")
         last_save = step
 
+    def kept() -> str:                        # what is on disk when the run fails
+        if last_save >= 0:
+            return f"the checkpoint of step {last_save} in {latest} is kept"
+        if has_ckpt:
+            return f"nothing was saved (the previous run in {out} is left as it was)"
+        return "no checkpoint was written"
+
+    def worker_died(exc: WorkerDied, what: str) -> TrainingError:
+        return TrainingError(f"{exc}; {what}, {kept()}. "
+                             + (f"Continue with: pedestrian train --out {out} --resume"
+                                if last_save >= 0 else "Start again")
+                             + " (add --data-parallel threads to run without worker processes)")
+
     def validate() -> float:
         nonlocal last_eval
-        with parallel_context:
-            loss = estimate_loss(runner, val_batches)
+        try:
+            with parallel_context:
+                loss = estimate_loss(runner, val_batches)
+        except WorkerDied as exc:
+            raise worker_died(exc, f"the validation at step {step} failed") from None
         log_file.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
         log_file.flush()
         last_eval = step
@@ -748,7 +792,6 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     reserve = 0.0                       # seconds the final validation + checkpoint will take
     t_loop = time.perf_counter()
     steps_this_run = 0
-    stop_signal: list[str] = []         # set by SIGINT / SIGTERM, checked between steps
     old_handlers = _install_stop_handlers(stop_signal)
     try:
         while step < end:
@@ -762,19 +805,16 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             t0 = time.perf_counter()
             lr = schedule(step)
             batches = [train_ds.get_batch(data_rng, B, T) for _ in range(k)]
-            with parallel_context:
-                last_loss, norm = train_step(runner, optimizer, batches, lr, settings.grad_clip, accum)
+            try:
+                with parallel_context:
+                    last_loss, norm = train_step(runner, optimizer, batches, lr, settings.grad_clip, accum)
+            except WorkerDied as exc:         # twice in one step (once is repaired by DataParallel)
+                raise worker_died(exc, f"step {step + 1} was not taken") from None
             step += 1
             steps_this_run += 1
             dt = time.perf_counter() - t0
             if not math.isfinite(last_loss):
-                if last_save >= 0:
-                    kept = f"the checkpoint of step {last_save} in {latest} is kept"
-                elif has_ckpt:
-                    kept = f"nothing was saved (the previous run in {out} is left as it was)"
-                else:
-                    kept = "no checkpoint was written"
-                raise TrainingError(f"the training loss became {last_loss} at step {step}; {kept}. "
+                raise TrainingError(f"the training loss became {last_loss} at step {step}; {kept()}. "
                                     "Lower --lr or --grad-clip and "
                                     + ("resume or restart" if last_save >= 0 else "start again"))
             log_file.write(json.dumps({
