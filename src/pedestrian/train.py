@@ -571,18 +571,21 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
             ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
             checkpoint; the new log goes to ``log.jsonl.new`` until then).
-        echo: where to print progress messages (default: stdout via tqdm.write).
+        echo: where to print progress messages (default: stdout via tqdm.write; if that
+            pipe closes, e.g. ``pedestrian train | head``, the run stops as on SIGINT).
 
     Returns:
         a :class:`TrainResult`; ``stop_reason`` is ``"max_steps"``, ``"stop_step"``,
-        ``"max_minutes"``, or ``"interrupted"`` (SIGINT / SIGTERM: a checkpoint of the last
-        finished step was saved; see the module docstring).
+        ``"max_minutes"``, or ``"interrupted"`` (SIGINT / SIGTERM / a closed stdout: a
+        checkpoint of the last finished step was saved; see the module docstring).
 
     Raises:
         KeyboardInterrupt: a second ``Ctrl-C`` while stopping (the last checkpoint is kept).
         TrainingError / ValueError / FileNotFoundError: bad settings or data, an existing run
             without ``resume``/``overwrite``, a checkpoint that does not match the settings,
-            a non-finite loss. Nothing on disk is changed before the inputs are validated.
+            a non-finite loss, a data-parallel worker process that died twice in one step
+            (the last checkpoint is kept). Nothing on disk is changed before the inputs are
+            validated.
     """
     from tqdm import tqdm
 
