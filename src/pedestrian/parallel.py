@@ -125,8 +125,8 @@ class DataParallel:
             cores). A batch of ``B`` rows uses ``min(threads, B)`` of them; with one, the calls
             go straight to the model.
         processes: run slices 1, 2, … in forked worker processes instead of threads (slice 0
-            always runs on the calling thread). Default: yes on the NumPy backend where
-            ``os.fork`` exists (not Windows), so that the slices do not share a GIL. A
+            always runs on the calling thread). Default: yes on the NumPy backend on Linux
+            (:func:`processes_available`), so that the slices do not share a GIL. A
             worker starts on the first :meth:`loss`, gets the parameters' current values at
             every step through shared memory, and is restarted when the model's structure
             changes (LoRA adapters added or removed, base frozen or not); :meth:`close` (or
@@ -141,7 +141,7 @@ class DataParallel:
 
     Raises:
         ValueError: ``threads`` not an integer >= 1; ``processes=True`` on the torch backend
-            (PyTorch's OpenMP runtime does not survive a fork) or where ``os.fork`` is missing.
+            (PyTorch's OpenMP runtime does not survive a fork) or off Linux.
     """
 
     def __init__(self, model, threads: int | None = None, *, processes: bool | None = None):
@@ -156,8 +156,8 @@ class DataParallel:
             raise ValueError("DataParallel(processes=True) needs the NumPy backend: PyTorch's OpenMP "
                              "runtime cannot be used in a forked child; use processes=False")
         elif processes and not processes_available():
-            raise ValueError("DataParallel(processes=True) needs os.fork, which this platform lacks; "
-                             "use processes=False (threads)")
+            raise ValueError("DataParallel(processes=True) forks worker processes, which pedestrian does "
+                             "only on Linux; use processes=False (threads)")
         self.model = model
         self.threads = threads
         self.processes = bool(processes)
@@ -394,8 +394,9 @@ class WorkerDied(RuntimeError):
 
 
 def processes_available() -> bool:
-    """Whether worker processes can be forked here (``os.fork``: Linux, macOS, BSDs)."""
-    return hasattr(os, "fork")
+    """Whether :class:`DataParallel` forks worker processes here: Linux only (macOS has
+    ``os.fork``, but its system libraries are not safe to use in a forked child)."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
 
 
 def _shared_array(n: int, dtype) -> np.ndarray:

@@ -106,7 +106,7 @@ class TrainSettings:
         :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
         :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more
         cores, see :func:`pedestrian.parallel.use_data_parallel`; ``"on"`` uses worker
-        processes on the NumPy backend where ``fork`` exists, threads otherwise). Resuming
+        processes on the NumPy backend on Linux, threads otherwise). Resuming
         reproduces a run bit for bit when the number of slices is the same (threads and
         processes give the same bits).
     """
