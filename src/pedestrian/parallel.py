@@ -534,7 +534,7 @@ class _Worker:
         raise WorkerDied(
             f"a DataParallel worker process (pid {self._process.pid}) exited unexpectedly with code "
             f"{self._process.exitcode} (killed, or out of memory?); to run without worker processes "
-            "use DataParallel(processes=False) (pedestrian train --data-parallel threads)")
+            "use pedestrian train --data-parallel threads (in Python: DataParallel(processes=False))")
 
     def stop(self) -> None:
         """End the child: ask it to (``None``), after 2 s kill it; reap it; close the pipe."""
