@@ -120,11 +120,12 @@ def test_every_layer_function_runs_on_torch_tensors(max_rel_err):
         same(activation_backward(x, c, name), activation_backward(*_torch(x), ct, name), name + " bwd")
 
     w = 1 + 0.1 * rng.standard_normal(6)
-    for eps in (0.0, 1e-5):
-        y, c = layernorm_forward(x, w, b[:1].repeat(6), eps)
-        yt, ct = layernorm_forward(*_torch(x, w, b[:1].repeat(6)), eps)
+    x_rows = rng.standard_normal((3, 5, 6))          # > 8 rows: the torch path's other statistics
+    for xs, eps in ((x, 0.0), (x, 1e-5), (x_rows, 1e-5)):
+        y, c = layernorm_forward(xs, w, b[:1].repeat(6), eps)
+        yt, ct = layernorm_forward(*_torch(xs, w, b[:1].repeat(6)), eps)
         same(y, yt, "layernorm")
-        for a, at in zip(layernorm_backward(x, c), layernorm_backward(*_torch(x), ct)):
+        for a, at in zip(layernorm_backward(xs, c), layernorm_backward(*_torch(xs), ct)):
             same(a, at, "layernorm bwd")
 
     D, U = rng.standard_normal((6, 2)), rng.standard_normal((2, 5))
