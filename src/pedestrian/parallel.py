@@ -114,7 +114,7 @@ def runner_for(model, data_parallel: str, batch_size: int):
 
 
 class DataParallel:
-    """Run a training step's forward and backward on row slices of the batch, one per thread.
+    """Run a training step's forward and backward on row slices of the batch, one per core.
 
     Args:
         model: a :class:`~pedestrian.model.GPT` (NumPy or torch backend, any dtype, with or
