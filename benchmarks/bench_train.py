@@ -595,8 +595,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="run both sides with this many threads (re-executes with OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS and PEDESTRIAN_NUM_THREADS set; default: as the machine has it)")
-    ap.add_argument("--parallel", default="auto",
-                    choices=["auto", "on", "off", "threads", "processes"],
+    from pedestrian.parallel import DATA_PARALLEL_MODES
+
+    ap.add_argument("--parallel", default="auto", choices=DATA_PARALLEL_MODES,
                     help="pedestrian's data-parallel slices (pedestrian.parallel.DataParallel): "
                          "auto = the library's own rule (small models only), on, off; threads or "
                          "processes: split, running the slices after the first that way")

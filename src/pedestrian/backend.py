@@ -452,7 +452,7 @@ class Workspace:
                     kept = free.get(k)
                     if kept is None:
                         kept = free[k] = []
-                    if len(kept) < (cap if cap > now else now):
+                    if len(kept) < max(cap, now):
                         kept.append(a)
             del a
 

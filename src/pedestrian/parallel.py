@@ -204,7 +204,7 @@ class DataParallel:
                 repaired: a ``RuntimeWarning``, and the step's result is unchanged).
         """
         tokens_np, targets_np = to_numpy(tokens), to_numpy(targets)        # lists too
-        n = min(self.threads, tokens_np.shape[0]) if tokens_np.ndim == 2 else 1
+        n = self.slices_for(tokens_np.shape[0]) if tokens_np.ndim == 2 else 1
         if n <= 1 or targets_np.shape != tokens_np.shape:
             self._n_used = 1                    # one slice, or let the model report the error
             return self.model.loss(tokens, targets)
@@ -256,8 +256,7 @@ class DataParallel:
         if self._n_used == 1:
             return self.model.backward()
         n = self._n_used
-        trained = ([] if self.model.freeze_base else ["_grad_base"]) \
-            + ([] if self.model._lora is None else ["_grad_lora"])
+        trained = _trained_buffers(self.model)
         if self.processes:
             try:
                 self._run_with_workers(n, self._slices[0].backward, [("backward",)] * (n - 1))
@@ -274,6 +273,11 @@ class DataParallel:
             others = [getattr(part, name).flat for part in self._slices[1:n]]
             _sum_into(getattr(self.model, name).flat, others)
         return self.model.grads
+
+    def slices_for(self, batch_size: int) -> int:
+        """How many slices a batch of ``batch_size`` rows is split into: ``min(threads, B)``
+        (1: the model's own forward and backward, unsplit)."""
+        return max(1, min(self.threads, batch_size))
 
     def close(self) -> None:
         """Stop the worker processes (if any); a later :meth:`loss` starts new ones."""
@@ -307,7 +311,7 @@ class DataParallel:
                 part._grad_base = None
             if part._grad_lora_for is not model._lora:      # adapters added, removed or replaced
                 part._grad_lora, part._grad_lora_for = None, model._lora
-            part._grad_buffers()
+            # its gradient buffers come with its first backward (in a worker process, there)
 
     def _start_workers(self, n: int) -> None:
         """Fork workers for slices 1 … n−1 if they are missing or were forked from a model of
@@ -317,14 +321,11 @@ class DataParallel:
                      getattr(model, "lora_rank", None), model.lora_alpha, model.config, model.dtype)
         if self._signature is not None and self._signature != signature:
             self.close()
-        flats = [model._base.flat] + ([] if model._lora is None else [model._lora.flat])
+        flats = _param_flats(model)
         if self._shared_params is None:
             self._shared_params = _shared_array(sum(f.shape[0] for f in flats), model.dtype)
             self._signature = signature
-        offset = 0
-        for f in flats:                         # this step's parameters, for every worker
-            np.copyto(self._shared_params[offset:offset + f.shape[0]], f)
-            offset += f.shape[0]
+        _copy_flats(flats, self._shared_params, into_shared=True)   # this step's, for every worker
         while len(self._workers) < n - 1:
             self._workers.append(_Worker(self._slices[len(self._workers) + 1], self._shared_params))
 
@@ -490,11 +491,8 @@ class _Worker:
 
     def __init__(self, part, shared_params):
         self.grads = {}
-        sizes = {}
-        if not part.freeze_base:
-            sizes["_grad_base"] = part._base.flat.shape[0]
-        if part._lora is not None:
-            sizes["_grad_lora"] = part._lora.flat.shape[0]
+        sizes = {name: (part._base if name == "_grad_base" else part._lora).flat.shape[0]
+                 for name in _trained_buffers(part)}
         shared = _shared_array(sum(sizes.values()), part.dtype)
         offset = 0
         for name, size in sizes.items():
@@ -563,7 +561,7 @@ def _worker_main(part, conn, parent_end, shared_params, grads) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a stop sent to the process group is
         signal.signal(sig, signal.SIG_IGN)        # the parent's to handle (pedestrian train ends
                                                   # its step and saves); the child ends with the pipe
-    flats = [part._base.flat] + ([] if part._lora is None else [part._lora.flat])
+    flats = _param_flats(part)
     from threadpoolctl import threadpool_limits   # not single_threaded_blas(): its state (and
                                                   # torch's, if imported) is the parent's
     with threadpool_limits(limits=1, user_api="blas"), in_worker_thread():
@@ -577,10 +575,7 @@ def _worker_main(part, conn, parent_end, shared_params, grads) -> None:
             try:
                 if message[0] == "loss":
                     _, tokens, targets, n_total, seed, training = message
-                    offset = 0
-                    for f in flats:
-                        np.copyto(f, shared_params[offset:offset + f.shape[0]])
-                        offset += f.shape[0]
+                    _copy_flats(flats, shared_params, into_shared=False)
                     part.training = training
                     part._loss_n_total = n_total
                     part.dropout_rng = None if seed is None else np.random.default_rng(seed)
@@ -600,6 +595,29 @@ def _worker_main(part, conn, parent_end, shared_params, grads) -> None:
                 conn.send(answer)
             except (BrokenPipeError, OSError):
                 return
+
+
+def _trained_buffers(model) -> list[str]:
+    """The model's gradient buffers that a backward fills: ``_grad_base`` unless the base is
+    frozen, ``_grad_lora`` when it has adapters."""
+    return ([] if model.freeze_base else ["_grad_base"]) + ([] if model._lora is None else ["_grad_lora"])
+
+
+def _param_flats(model) -> list:
+    """The model's flat parameter buffers: the base, then the LoRA adapters if any."""
+    return [model._base.flat] + ([] if model._lora is None else [model._lora.flat])
+
+
+def _copy_flats(flats: list, shared: np.ndarray, *, into_shared: bool) -> None:
+    """Copy ``flats`` one after another into ``shared`` (or back out of it)."""
+    offset = 0
+    for f in flats:
+        region = shared[offset:offset + f.shape[0]]
+        if into_shared:
+            np.copyto(region, f)
+        else:
+            np.copyto(f, region)
+        offset += f.shape[0]
 
 
 def _rows(a, lo: int, hi: int):

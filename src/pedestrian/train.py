@@ -692,7 +692,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         runner, parallel_context = runner_for(model, settings.data_parallel, B)
     except ValueError as exc:                 # e.g. processes on the torch backend
         raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
-    split = min(runner.threads, B) if runner is not model else 1      # DataParallel's own rule
+    split = runner.slices_for(B) if runner is not model else 1
     others = "worker process(es)" if getattr(runner, "processes", False) else "other thread(s)"
     was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
     if was_split is not None and was_split != split:
