@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from pedestrian.generate import check_sampling, filter_logits, sample_next
+from pedestrian.sampling import check_sampling, filter_logits, sample_next
 
 ALPHA = 1e-3        # significance of the chi-square goodness-of-fit tests (seeded: deterministic)
 

@@ -127,7 +127,8 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
         ValueError: bad sampling settings, an empty prompt without ``<|endoftext|>``, an
             unknown character for a char tokenizer, a multi-token ``--stop``.
     """
-    from ..generate import check_sampling, generate
+    from ..generate import generate
+    from ..sampling import check_sampling
     from ..tokenizer import StreamDecoder
 
     import warnings
