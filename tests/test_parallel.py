@@ -1,21 +1,19 @@
-"""DataParallel: a batch split over threads or worker processes gives the unsplit step's loss
-and gradients."""
+"""DataParallel: a batch split over threads gives the unsplit step's loss and gradients."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pedestrian.backend import single_threaded_blas, to_numpy
+from pedestrian.backend import to_numpy
+from pedestrian.kernels.threads import single_threaded_blas
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
 from pedestrian.optim import AdamW
-from pedestrian.parallel import DataParallel, WorkerDied, processes_available, use_data_parallel
+from pedestrian.parallel import DataParallel, use_data_parallel
 from pedestrian.train import train_step
 
 CFG = GPTConfig(vocab_size=23, context_length=12, d_model=16, n_heads=2, n_blocks=2)
-#: both ways of running the slices after the first (worker processes only where fork exists)
-MODES = [False, pytest.param(True, marks=pytest.mark.skipif(not processes_available(), reason="no fork"))]
 
 
 def _batch(B: int, T: int = 12, *, seed: int = 0, ignored_rows: tuple = ()):
@@ -40,13 +38,11 @@ def _assert_close(got: dict, want: dict, rtol: float = 1e-12, atol: float = 1e-1
         assert float(np.max(np.abs(got[k] - want[k]))) <= rtol * scale + atol, k
 
 
-@pytest.mark.parametrize("backend,processes", [("numpy", False), ("numpy", True), ("torch", False)])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("B,threads", [(4, 2), (5, 2), (3, 3), (7, 4)])
-def test_split_batch_equals_whole_batch(backend, processes, B, threads):
+def test_split_batch_equals_whole_batch(backend, B, threads):
     if backend == "torch":
         pytest.importorskip("torch")
-    if processes and not processes_available():
-        pytest.skip("no fork")
     tokens, targets = _batch(B, ignored_rows=(0,))
     whole = GPT(CFG, seed=3, dtype="float64", backend=backend)
     loss = whole.loss(tokens, targets)
@@ -54,8 +50,7 @@ def test_split_batch_equals_whole_batch(backend, processes, B, threads):
     want = _grads(whole)
 
     model = GPT(CFG, seed=3, dtype="float64", backend=backend)
-    dp = DataParallel(model, threads=threads, processes=processes)
-    assert dp.processes == processes
+    dp = DataParallel(model, threads=threads)
     got_loss = dp.loss(tokens, targets)
     grads = dp.backward()
     assert abs(got_loss - loss) <= 1e-12 * abs(loss)
@@ -63,28 +58,25 @@ def test_split_batch_equals_whole_batch(backend, processes, B, threads):
     _assert_close(_grads(model), want)
 
 
-@pytest.mark.parametrize("processes", MODES)
-def test_all_targets_of_one_slice_ignored(processes):
+def test_all_targets_of_one_slice_ignored():
     tokens, targets = _batch(4)
     targets[:2] = -100                            # slice 0 counts nothing
     whole = GPT(CFG, seed=1, dtype="float64")
     loss = whole.loss(tokens, targets)
     whole.backward()
     model = GPT(CFG, seed=1, dtype="float64")
-    dp = DataParallel(model, threads=2, processes=processes)
+    dp = DataParallel(model, threads=2)
     assert abs(dp.loss(tokens, targets) - loss) <= 1e-12 * abs(loss)
     dp.backward()
     _assert_close(_grads(model), _grads(whole))
 
 
-@pytest.mark.parametrize("processes", MODES)
-def test_lora_frozen_base_and_adapters_changed_between_steps(processes):
+def test_lora_frozen_base_and_adapters_changed_between_steps():
     tokens, targets = _batch(4, seed=2)
     model = GPT(CFG, seed=0, dtype="float64")
-    dp = DataParallel(model, threads=2, processes=processes)
+    dp = DataParallel(model, threads=2)
     dp.loss(tokens, targets)
     dp.backward()                                 # slices now hold base-gradient buffers
-    first_workers = [w._process for w in dp._workers]
     model.add_lora(["blocks.0.attn.q", "blocks.1.mlp_expand"], rank=2, alpha=0.5, seed=1)
     for name in model.params:
         if name.endswith("lora_U"):                 # non-zero U: the adapters change the output
@@ -98,21 +90,17 @@ def test_lora_frozen_base_and_adapters_changed_between_steps(processes):
     grads = dp.backward()
     assert all(".lora_" in k for k in grads)      # the frozen base gets no gradient
     _assert_close(_grads(model), _grads(ref))
-    if processes:                                 # a new structure: the worker was forked again
-        assert len(first_workers) == 1 and not first_workers[0].is_alive()
-        assert dp._workers[0]._process is not first_workers[0]
     dp.close()
 
 
-@pytest.mark.parametrize("processes", MODES)
-def test_train_step_with_data_parallel_matches_plain_training(processes):
+def test_train_step_with_data_parallel_matches_plain_training():
     batches = [_batch(6, seed=s) for s in range(3)]
     losses = {}
     params = {}
-    for name in ("plain", "parallel"):            # the workers must see every update
+    for name in ("plain", "parallel"):            # the slices must see every update
         model = GPT(CFG, seed=4, dtype="float64")
         opt = AdamW(model, lr=1e-2, weight_decay=0.1)
-        runner = DataParallel(model, threads=3, processes=processes) if name == "parallel" else model
+        runner = DataParallel(model, threads=3) if name == "parallel" else model
         losses[name] = [train_step(runner, opt, [b], 1e-2, grad_clip=1.0)[0] for b in batches]
         params[name] = model.state_dict()
     np.testing.assert_allclose(losses["parallel"], losses["plain"], rtol=1e-12)
@@ -125,80 +113,18 @@ def test_dropout_is_reproducible_and_differs_per_slice():
     tokens[2:] = tokens[:2]                       # the two slices see identical rows
     targets[2:] = targets[:2]
     results = []
-    for processes in (False, False) + ((True,) if processes_available() else ()):
+    for _ in range(2):
         model = GPT(cfg, seed=9, dtype="float64")
-        dp = DataParallel(model, threads=2, processes=processes)
+        dp = DataParallel(model, threads=2)
         loss = dp.loss(tokens, targets)
         dp.backward()
         results.append((loss, _grads(model)))
-        if not processes:
-            parts = dp._slices
-            a, b = parts[0]._cache["a12"], parts[1]._cache["a12"]
-            assert not np.allclose(a, b)          # different dropout masks per slice
+        logits = [model.activations()["a12"], dp._slices(2)[1].activations()["a12"]]
+        assert not np.allclose(*logits)           # different dropout masks per slice
         dp.close()
-    for loss, grads in results[1:]:              # again, and in a worker process: the same bits
-        assert loss == results[0][0]
-        _assert_close(grads, results[0][1], rtol=0.0, atol=0.0)
-
-
-@pytest.mark.skipif(not processes_available(), reason="no fork")
-def test_processes_give_the_bits_of_threads():
-    batches = [_batch(5, seed=s, ignored_rows=(1,)) for s in range(3)]
-    runs = {}
-    for processes in (False, True):
-        model = GPT(CFG, seed=2)                  # float32: any difference in the arithmetic shows
-        opt = AdamW(model, lr=1e-2)
-        dp = DataParallel(model, threads=2, processes=processes)
-        runs[processes] = ([train_step(dp, opt, [b], 1e-2)[0] for b in batches], model.state_dict())
-        dp.close()
-    assert runs[True][0] == runs[False][0]
-    _assert_close(runs[True][1], runs[False][1], rtol=0.0, atol=0.0)
-
-
-@pytest.mark.skipif(not processes_available(), reason="no fork")
-def test_a_killed_worker_is_replaced_and_its_slice_redone(monkeypatch):
-    import pedestrian.parallel as parallel
-
-    cfg = GPTConfig(**{**CFG.to_dict(), "dropout": 0.3})    # a redone slice must draw the same masks
-    batch = _batch(5, seed=1, ignored_rows=(1,))
-    ref = GPT(cfg, seed=2)
-    ref_dp = DataParallel(ref, threads=2, processes=False)
-    ref_dp.loss(*batch)
-    ref_dp.backward()
-    want_loss = ref_dp.loss(*batch)
-    ref_dp.backward()
-    want = _grads(ref)
-
-    model = GPT(cfg, seed=2)
-    dp = DataParallel(model, threads=2, processes=True)
-    dp.loss(*batch)
-    dp.backward()                                 # a worker exists now
-    dp._workers[0]._process.kill()                # killed between two steps
-    dp._workers[0]._process.join()
-    with pytest.warns(RuntimeWarning, match="worker process .* exited unexpectedly.*repeated its slice"):
-        assert dp.loss(*batch) == want_loss
-    dp._workers[0]._process.kill()                # killed between forward and backward
-    dp._workers[0]._process.join()
-    with pytest.warns(RuntimeWarning, match="repeated its slice"):
-        dp.backward()
-    _assert_close(_grads(model), want, rtol=0.0, atol=0.0)   # the bits of the threads
-    assert dp._workers[0]._process.is_alive()
-
-    real_send = parallel._Worker.send
-
-    def dying_send(worker, message):              # every worker dies before it answers
-        worker._process.kill()
-        worker._process.join()
-        real_send(worker, message)
-
-    monkeypatch.setattr(parallel._Worker, "send", dying_send)
-    with pytest.warns(RuntimeWarning), pytest.raises(WorkerDied, match="exited unexpectedly.*processes=False"):
-        dp.loss(*batch)
-    monkeypatch.undo()
-    assert np.isfinite(dp.loss(*batch))           # and the next call starts afresh
-    process = dp._workers[0]._process
-    dp.close()
-    assert not process.is_alive() and dp._workers == []
+    assert results[1][0] == results[0][0]          # the same seed: the same bits
+    for k in results[0][1]:
+        np.testing.assert_array_equal(results[1][1][k], results[0][1][k])
 
 
 def test_one_row_or_one_thread_goes_straight_to_the_model():
@@ -208,17 +134,16 @@ def test_one_row_or_one_thread_goes_straight_to_the_model():
     loss = dp.loss(tokens, targets)
     dp.backward()
     assert loss == GPT(CFG, seed=0, dtype="float64").loss(tokens, targets)
-    assert dp._slices == []
+    assert dp._replicas == []
     assert model.activations()["a12"].shape == (1, 12, CFG.vocab_size)
 
 
-@pytest.mark.parametrize("processes", MODES)
-def test_errors(processes):
+def test_errors():
     model = GPT(CFG)
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(ValueError, match="threads must be an integer >= 1"):
             DataParallel(model, threads=bad)
-    dp = DataParallel(model, threads=2, processes=processes)
+    dp = DataParallel(model, threads=2)
     with pytest.raises(ValueError, match="before loss"):
         dp.backward()
     tokens, targets = _batch(4)
@@ -230,16 +155,9 @@ def test_errors(processes):
     with pytest.raises(ValueError, match="must equal tokens shape"):
         dp.loss(tokens, targets[:3])
     targets[3, 0] = 0
-    assert np.isfinite(dp.loss(tokens, targets))  # an error in a worker does not break it
+    assert np.isfinite(dp.loss(tokens, targets))  # an error in a slice does not break it
     dp.backward()
     dp.close()
-
-
-def test_processes_refused_where_they_cannot_work():
-    pytest.importorskip("torch")
-    with pytest.raises(ValueError, match="needs the NumPy backend.*processes=False"):
-        DataParallel(GPT(CFG, backend="torch"), threads=2, processes=True)
-    assert not DataParallel(GPT(CFG, backend="torch"), threads=2).processes
 
 
 def test_single_threaded_blas_restores_thread_counts():

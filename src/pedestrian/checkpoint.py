@@ -176,7 +176,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         if not tensors:
             raise ValueError("params='lora' but the model has no LoRA adapters")
     lora = None
-    if model._lora is not None:
+    if model.lora_targets:
         lora = {"targets": list(model.lora_targets), "rank": int(model.lora_rank),
                 "alpha": float(model.lora_alpha), "freeze_base": bool(model.freeze_base)}
     state = {

@@ -1,18 +1,10 @@
-"""Text generation: a KV cache, a cached forward pass, sampling, and the generation loop.
+"""Text generation: the generation loop over the KV cache (paper section 3, side note).
 
-KV cache (paper section 3, side note; EQUATIONS.md "KV cache"): the keys and values of a token
-never change once computed -- each is a per-token fully connected map of that token's input to
-the block. During generation :class:`KVCache` keeps, per block and head, the ``k`` and ``v`` rows
-of every token seen so far in arrays preallocated to the context length::
-
-    cache.keys[i]   (B, n_heads, context_length, d_qk)      block i
-    cache.values[i] (B, n_heads, context_length, d_head)
-
-A new token computes only its own ``q, k, v`` (one fused matmul; its position index is the
-number of tokens already cached), writes ``k, v`` into the next free row, and takes one softmax
-row against the cached keys: O(current length) work per token instead of the O(length²) of a
-full forward pass. The logits equal those of a full forward pass over the same prefix (tested to
-1e-10 relative in float64, 1e-5 in float32).
+Each step is ``model.forward(new_tokens, kv_cache=cache)``: the same layer forwards as training,
+with every block's attention reading and extending the cache (:mod:`pedestrian.kv_cache`). A
+new token computes only its own ``q, k, v`` and takes one softmax row against the cached keys:
+O(current length) work per token instead of the O(length²) of a full forward pass, with the
+same logits (tested to 1e-10 relative in float64).
 
 At the context length (learned positions are absolute: there is no position ``context_length``)
 generation goes on by *sliding the window*: when appending a token would make the window hold
@@ -45,9 +37,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .backend import is_torch_array, to_numpy
+from .kv_cache import KVCache
 from .sampling import _sample, check_sampling, filter_logits, sample_next  # noqa: F401 (re-exported)
-from .layers.activations import activation_forward
-from .layers.layernorm import layernorm_forward
 
 __all__ = [
     "KVCache",
@@ -60,257 +51,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# The cache and the cached forward pass
+# One step against the cache
 # --------------------------------------------------------------------------------------------
-
-
-class _Plan:
-    """The model's parameters gathered once for the cached forward (references, not copies).
-
-    Built from the model's *current* adapters: a cache made before ``add_lora`` /
-    ``merge_lora`` / ``remove_lora`` does not see the change (make a new :class:`KVCache`).
-    """
-
-    def __init__(self, model) -> None:
-        c = model.config
-        P = model.params
-        self.xp = model.xp
-        self.dtype = model.dtype
-        self.torch = model.backend == "torch"
-        self.n_heads, self.d_qk, self.d_head = c.n_heads, c.d_qk, c.d_head
-        self.hq, self.hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
-        self.eps = c.ln_eps
-        self.activation = c.activation
-        self.scale = 1.0 / math.sqrt(c.d_qk)
-        self.inv_d = 1.0 / c.d_model
-        self.alpha = model.lora_alpha
-        lora = set(model.lora_targets)
-
-        def adapter(fc):
-            return (P[f"{fc}.lora_D"], P[f"{fc}.lora_U"]) if fc in lora else None
-
-        self.tok_emb = P["tok_emb.weight"]
-        self.pos_emb = P["pos_emb.weight"]
-        self.blocks = []
-        for i in range(c.n_blocks):
-            p = f"blocks.{i}"
-            qkv_lora = [(lo, hi, adapter(f"{p}.attn.{part}")) for part, lo, hi in
-                        (("q", 0, self.hq), ("k", self.hq, 2 * self.hq),
-                         ("v", 2 * self.hq, 2 * self.hq + self.hv)) if f"{p}.attn.{part}" in lora]
-            self.blocks.append((
-                P[f"{p}.ln1.weight"], P.get(f"{p}.ln1.bias"),
-                model._base.regions[f"{p}.attn.qkv.weight"], model._base.regions.get(f"{p}.attn.qkv.bias"),
-                qkv_lora,
-                P[f"{p}.attn_proj.weight"], P.get(f"{p}.attn_proj.bias"), adapter(f"{p}.attn_proj"),
-                P[f"{p}.ln2.weight"], P.get(f"{p}.ln2.bias"),
-                P[f"{p}.mlp_expand.weight"], P.get(f"{p}.mlp_expand.bias"), adapter(f"{p}.mlp_expand"),
-                P[f"{p}.mlp_contract.weight"], P.get(f"{p}.mlp_contract.bias"), adapter(f"{p}.mlp_contract"),
-            ))
-        self.lnf = (P["ln_final.weight"], P.get("ln_final.bias"))
-        self.w_logits = model._base_weight("logits")
-        self.b_logits = P.get("logits.bias")
-        self.lora_logits = adapter("logits")
-
-
-class KVCache:
-    """Keys and values of every token seen so far, per block and head, for ``B`` sequences.
-
-    Args:
-        model: a causal :class:`~pedestrian.model.GPT` (the cache takes its dtype and backend).
-        batch_size: ``B``, the number of sequences generated together.
-
-    Attributes:
-        keys: list over blocks of ``(B, n_heads, context_length, d_qk)`` arrays.
-        values: list over blocks of ``(B, n_heads, context_length, d_head)`` arrays.
-        length: number of tokens cached so far (= the position index of the next token).
-        context_length: capacity (the model's ``context_length``).
-
-    Memory: ``B · n_blocks · n_heads · context_length · (d_qk + d_head)`` numbers, i.e.
-    ``2 · n_blocks · context_length · d_model`` per sequence when ``d_qk = d_head = d/n_heads``
-    (EQUATIONS.md). Allocated once, here; generation allocates nothing of that size afterwards.
-
-    Raises:
-        ValueError: a non-causal model (a token's keys would depend on later tokens, so nothing
-            can be cached -- use ``generate(..., use_cache=False)``), or ``batch_size < 1``.
-    """
-
-    def __init__(self, model, batch_size: int = 1) -> None:
-        c = model.config
-        if not c.causal:
-            raise ValueError("a KV cache needs a causal model (config.causal=True): in a "
-                             "bidirectional model earlier tokens' keys change when a token is "
-                             "added; generate with use_cache=False instead")
-        if not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        xp = model.xp
-        self.batch_size = int(batch_size)
-        self.context_length = c.context_length
-        self.keys = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_qk), dtype=model.dtype)
-                     for _ in range(c.n_blocks)]
-        self.values = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_head), dtype=model.dtype)
-                       for _ in range(c.n_blocks)]
-        self.length = 0
-        self.model = model
-        self.plan = _Plan(model)
-
-    def reset(self) -> None:
-        """Forget every cached token (the arrays are kept and overwritten; no allocation)."""
-        self.length = 0
-
-    def __repr__(self) -> str:
-        return (f"KVCache(batch_size={self.batch_size}, length={self.length}, "
-                f"context_length={self.context_length}, n_blocks={len(self.keys)})")
-
-
-def _fc(x, weight, bias, adapter, alpha):
-    """``y = x W + b (+ α (x D) U)`` on ``(N, f_in)`` rows (EQUATIONS.md FC and LoRA)."""
-    y = x @ weight
-    if bias is not None:
-        y += bias
-    if adapter is not None:
-        y += (alpha * (x @ adapter[0])) @ adapter[1]
-    return y
-
-
-def _cached_forward(plan: _Plan, cache: KVCache, tokens, all_logits: bool):
-    """The cached forward, no validation: ``tokens`` ``(B, T)`` in the model's backend.
-
-    Same list ``a0 … a12`` as ``GPT.forward`` (model.py), with the attention of each block
-    computed against the cached keys and values. Activations are kept as ``(B·T, ·)`` rows.
-    """
-    xp = plan.xp
-    B, T = tokens.shape
-    L0 = cache.length
-    L = L0 + T
-    H, d_qk, d_head, hq = plan.n_heads, plan.d_qk, plan.d_head, plan.hq
-    alpha = plan.alpha
-    # a1 = W_tok[a0] + W_pos[L0 : L0+T]: the new tokens' positions continue the cached ones
-    x = plan.tok_emb[tokens] + plan.pos_emb[L0:L]                      # (B, T, d)
-    d = x.shape[-1]
-    x = xp.reshape(x, (B * T, d))
-    mask = None
-    if T > 1:                                                          # causal among the new tokens
-        key_pos = xp.arange(L)
-        query_pos = xp.arange(L0, L)
-        zeros = xp.zeros((T, L), dtype=plan.dtype)
-        mask = xp.where(key_pos[None, :] > query_pos[:, None], xp.full_like(zeros, -math.inf), zeros)
-    for i, (ln1_w, ln1_b, w_qkv, b_qkv, qkv_lora, w_proj, b_proj, lora_proj, ln2_w, ln2_b,
-            w_exp, b_exp, lora_exp, w_con, b_con, lora_con) in enumerate(plan.blocks):
-        a2, _ = layernorm_forward(x, ln1_w, ln1_b, plan.eps)
-        qkv = a2 @ w_qkv                                               # one fused matmul for q, k, v
-        if b_qkv is not None:
-            qkv += b_qkv
-        for lo, hi, (lora_D, lora_U) in qkv_lora:
-            qkv[:, lo:hi] += (alpha * (a2 @ lora_D)) @ lora_U
-        qkv = xp.reshape(qkv, (B, T, -1))
-        q = xp.permute_dims(xp.reshape(qkv[..., :hq], (B, T, H, d_qk)), (0, 2, 1, 3)) * plan.scale
-        keys, values = cache.keys[i], cache.values[i]
-        keys[:, :, L0:L, :] = xp.permute_dims(xp.reshape(qkv[..., hq:2 * hq], (B, T, H, d_qk)), (0, 2, 1, 3))
-        values[:, :, L0:L, :] = xp.permute_dims(xp.reshape(qkv[..., 2 * hq:], (B, T, H, d_head)),
-                                                (0, 2, 1, 3))
-        scores = q @ xp.matrix_transpose(keys[:, :, :L, :])           # (B, H, T, L)
-        if mask is not None:
-            scores += mask
-        p = xp.exp(scores - xp.max(scores, axis=-1, keepdims=True))
-        p /= xp.sum(p, axis=-1, keepdims=True)
-        a3 = p @ values[:, :, :L, :]                                   # (B, H, T, d_head)
-        a3 = xp.reshape(xp.permute_dims(a3, (0, 2, 1, 3)), (B * T, plan.hv))
-        a5 = x + _fc(a3, w_proj, b_proj, lora_proj, alpha)             # a4 = FC_attProj(a3)
-        a6, _ = layernorm_forward(a5, ln2_w, ln2_b, plan.eps)
-        a8, _ = activation_forward(_fc(a6, w_exp, b_exp, lora_exp, alpha), plan.activation)
-        x = a5 + _fc(a8, w_con, b_con, lora_con, alpha)                # a10 = a5 + a9
-    cache.length = L
-    if not all_logits:                                                 # only the last token's logits
-        x = xp.reshape(x, (B, T, d))[:, T - 1, :]
-    a11, _ = layernorm_forward(x, plan.lnf[0], plan.lnf[1], plan.eps)
-    logits = _fc(a11, plan.w_logits, plan.b_logits, plan.lora_logits, alpha)
-    return xp.reshape(logits, (B, T, -1)) if all_logits else logits
-
-
-_GELU_A = math.sqrt(2.0 / math.pi)
-_GELU_B = 0.044715 * _GELU_A
-
-
-def _layernorm_rows(x, weight, bias, eps, inv_d):
-    """NumPy layer norm of ``(N, d)`` rows (EQUATIONS.md section 5), few ufunc calls, no cache."""
-    mean = np.add.reduce(x, axis=-1, keepdims=True)
-    mean *= inv_d
-    xc = x - mean
-    var = np.add.reduce(xc * xc, axis=-1, keepdims=True)
-    var *= inv_d
-    var += eps
-    np.sqrt(var, out=var)
-    xc /= var
-    xc *= weight
-    if bias is not None:
-        xc += bias
-    return xc
-
-
-def _activation_rows(x, name):
-    """NumPy activation, in place on ``x`` where possible (EQUATIONS.md activations)."""
-    if name == "gelu_tanh":                      # ½x(1 + tanh(√(2/π)(x + 0.044715x³)))
-        u = x * x
-        u *= _GELU_B
-        u += _GELU_A
-        u *= x
-        np.tanh(u, out=u)
-        u += 1.0
-        u *= x
-        u *= 0.5
-        return u
-    return activation_forward(x, name)[0]
-
-
-def _decode_numpy(plan: _Plan, cache: KVCache, ids: np.ndarray):
-    """One new token per row, NumPy backend: the lean per-token path of the generation loop.
-
-    Same computation as :func:`_cached_forward` with ``T = 1`` (so no mask), written with
-    ``(B, ·)`` rows and in-place ufuncs to keep the per-token Python and allocation overhead
-    small. ``ids``: ``(B,)`` int64, already validated. Returns ``(B, V)`` logits.
-    """
-    B = ids.shape[0]
-    L0 = cache.length
-    L = L0 + 1
-    H, d_qk, d_head, hq = plan.n_heads, plan.d_qk, plan.d_head, plan.hq
-    alpha, eps, inv_d = plan.alpha, plan.eps, plan.inv_d
-    x = plan.tok_emb[ids]                                              # a1, (B, d)
-    x += plan.pos_emb[L0]                                              # position index = cached count
-    for i, (ln1_w, ln1_b, w_qkv, b_qkv, qkv_lora, w_proj, b_proj, lora_proj, ln2_w, ln2_b,
-            w_exp, b_exp, lora_exp, w_con, b_con, lora_con) in enumerate(plan.blocks):
-        a2 = _layernorm_rows(x, ln1_w, ln1_b, eps, inv_d)
-        qkv = a2 @ w_qkv                                               # fused q, k, v of the new token
-        if b_qkv is not None:
-            qkv += b_qkv
-        for lo, hi, (lora_D, lora_U) in qkv_lora:
-            qkv[:, lo:hi] += (alpha * (a2 @ lora_D)) @ lora_U
-        keys, values = cache.keys[i], cache.values[i]
-        keys[:, :, L0, :] = qkv[:, hq:2 * hq].reshape(B, H, d_qk)
-        values[:, :, L0, :] = qkv[:, 2 * hq:].reshape(B, H, d_head)
-        q = qkv[:, :hq].reshape(B, H, 1, d_qk)
-        q *= plan.scale
-        s = q @ keys[:, :, :L, :].transpose(0, 1, 3, 2)                # one score row, (B, H, 1, L)
-        s -= np.maximum.reduce(s, axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= np.add.reduce(s, axis=-1, keepdims=True)
-        a3 = (s @ values[:, :, :L, :]).reshape(B, plan.hv)             # heads concatenated
-        a5 = _fc(a3, w_proj, b_proj, lora_proj, alpha)
-        a5 += x                                                        # a5 = x + a4
-        a6 = _layernorm_rows(a5, ln2_w, ln2_b, eps, inv_d)
-        a8 = _activation_rows(_fc(a6, w_exp, b_exp, lora_exp, alpha), plan.activation)
-        x = _fc(a8, w_con, b_con, lora_con, alpha)
-        x += a5                                                        # a10 = a5 + a9
-    cache.length = L
-    a11 = _layernorm_rows(x, plan.lnf[0], plan.lnf[1], eps, inv_d)
-    return _fc(a11, plan.w_logits, plan.b_logits, plan.lora_logits, alpha)
-
-
-def _as_backend_tokens(plan: _Plan, tokens: np.ndarray):
-    if plan.torch:
-        import torch
-
-        return torch.as_tensor(tokens)
-    return tokens
 
 
 def model_step(model, cache: KVCache, tokens_new, *, all_logits: bool = False):
@@ -358,11 +100,8 @@ def model_step(model, cache: KVCache, tokens_new, *, all_logits: bool = False):
             f"context_length={cache.context_length} (learned positions are absolute, there is no "
             f"position {cache.context_length}); reset the cache and feed at most the last "
             f"{cache.context_length} tokens (generate() slides the window for you)")
-    tokens = tokens.astype(np.int64)
-    if tokens.shape[1] == 1 and not cache.plan.torch:
-        logits = _decode_numpy(cache.plan, cache, tokens[:, 0])
-        return logits[:, None, :] if all_logits else logits
-    return _cached_forward(cache.plan, cache, _as_backend_tokens(cache.plan, tokens), all_logits)
+    logits = model.forward(tokens.astype(np.int64), kv_cache=cache)
+    return logits if all_logits else logits[:, -1, :]
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,15 +207,12 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
 
     if use_cache:
         cache = KVCache(model, B)
-        plan = cache.plan
 
         def window_logits(rebuild: bool):
-            if rebuild:
+            if rebuild:                                # the whole window, from an empty cache
                 cache.reset()
-                return _cached_forward(plan, cache, _as_backend_tokens(plan, seq[:, start:n]), False)
-            if not plan.torch:
-                return _decode_numpy(plan, cache, seq[:, n - 1])
-            return _cached_forward(plan, cache, _as_backend_tokens(plan, seq[:, n - 1:n]), False)
+                return model.forward(seq[:, start:n], kv_cache=cache)[:, -1, :]
+            return model.forward(seq[:, n - 1:n], kv_cache=cache)[:, -1, :]
     else:
         def window_logits(rebuild: bool):
             return model.forward(seq[:, start:n])[:, -1, :]

@@ -1,6 +1,6 @@
-"""The GPT: parameters, forward as a flat list ``a0 … a12``, backward as the same list reversed.
+"""The GPT: parameters, the forward as the list ``a0 … a12``, the backward as that list reversed.
 
-Paper conclusion ("minimalistic transformer"), restated in EQUATIONS.md::
+Paper conclusion ("minimalistic transformer"), restated in docs/EQUATIONS.md::
 
     a0 (B,T) ints
     a1 = tok-emb + pos-emb                                  (B,T,d)
@@ -8,6 +8,10 @@ Paper conclusion ("minimalistic transformer"), restated in EQUATIONS.md::
       a2 = LN1(x);  a3 = MHA(a2);  a4 = FC_attProj(a3);  a5 = x + a4
       a6 = LN2(a5); a7 = FC_expand(a6);  a8 = g(a7);  a9 = FC_contract(a8);  a10 = a5 + a9
     a11 = LN_final(a10);  a12 = logits = FC_logits(a11)     (B,T,V)
+
+Each step is one call of a layer function. Which functions -- the paper's reference layers
+(:mod:`pedestrian.layers`) or the fast kernels (:mod:`pedestrian.kernels`), same names and
+signatures -- is chosen once, by ``GPT(..., kernels=...)``.
 
 Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
 
@@ -25,29 +29,77 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
 
 Storage: all base parameters live in one flat buffer (``GPT.flat``; decayed 2-D weights first,
 then the 1-D ones) and ``GPT.params`` holds views into it; the q, k, v weights of a block are
-column slices of one fused ``(d, 2·n_heads·d_qk + n_heads·d_head)`` matrix so the forward does
-one matmul for all three. Gradients mirror this in ``GPT.grad_flat`` / ``GPT.grads``. An
-optimizer can therefore update everything with a few vectorised operations on flat arrays.
+column slices of one fused ``(d, 2·n_heads·d_qk + n_heads·d_head)`` matrix, the block's
+``attn.qkv`` layer (three FC layers of the same input are one FC layer with their columns side
+by side). Gradients mirror this in flat gradient buffers, so an optimizer updates everything
+with a few vectorised operations (:meth:`GPT.trainable_buffers`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from types import SimpleNamespace
+from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from .backend import (Workspace, array_namespace, asarray_like, elementwise_lib, empty_array, matmul_into,
-                      namespace_for, resolve_dtype, to_numpy)
+from .backend import array_namespace, namespace_for, resolve_dtype, to_numpy
 from .config import GPTConfig, fc_layers, lora_specs, param_specs
-from .layers.activations import activation_backward, activation_forward
-from .layers.attention import multi_head_attention_backward, multi_head_attention_forward
-from .layers.dropout import dropout_backward, dropout_forward
-from .layers.embedding import check_tokens, embedding_backward, embedding_forward
-from .layers.layernorm import layernorm_backward, layernorm_forward
-from .layers.linear import linear_backward, linear_forward
-from .layers.lora import lora_backward, lora_forward
-from .layers.loss import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
+from .kernels import kernels_for
+from .kernels.workspace import Workspace
+from .kv_cache import KVCache
+from .layers.loss import IGNORE_INDEX
+
+__all__ = ["GPT", "GPTConfig", "FlatBuffer", "check_tokens"]
+
+
+class FlatBuffer(NamedTuple):
+    """One flat parameter buffer and its gradient buffer (what an optimizer updates).
+
+    Attributes:
+        name: ``"base"`` or ``"lora"``.
+        params: ``(n,)`` float array, the parameters (``GPT.params`` are views into it).
+        grads: ``(n,)`` array of the same dtype: the last backward's gradient.
+        n_decay: the first ``n_decay`` entries are 2-D weights (weight decay applies to them).
+    """
+
+    name: str
+    params: object
+    grads: object
+    n_decay: int
+
+
+def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "token ids") -> None:
+    """Validate a ``(B, T)`` integer token batch.
+
+    Raises:
+        TypeError: not an integer array.
+        ValueError: not 2-D, empty, ``T > context_length``, or an id outside ``[0, vocab_size)``.
+    """
+    xp = array_namespace(tokens)
+    if not xp.isdtype(tokens.dtype, "integral"):
+        raise TypeError(
+            f"{what} must be an integer array, got dtype {tokens.dtype}; "
+            "encode text with the tokenizer first (e.g. np.asarray(ids, dtype=np.int64))"
+        )
+    if tokens.ndim != 2:
+        raise ValueError(f"{what} must have shape (B, T), got shape {tuple(tokens.shape)}; "
+                         "add a batch axis with tokens[None, :]")
+    B, T = tokens.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"{what} must not be empty, got shape {(B, T)}")
+    if T > context_length:
+        raise ValueError(
+            f"sequence length T={T} exceeds the model's context_length={context_length}; "
+            f"feed at most the last {context_length} tokens"
+        )
+    lo, hi = int(xp.min(tokens)), int(xp.max(tokens))
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"{what} contain {bad}, outside [0, vocab_size={vocab_size}); "
+            "the tokenizer and the model config do not match"
+        )
 
 
 class FlatParams:
@@ -106,6 +158,7 @@ def _base_regions(config: GPTConfig):
     return regions
 
 
+
 class GPT:
     """A GPT whose backward is written by hand (no autograd anywhere).
 
@@ -115,7 +168,10 @@ class GPT:
             projections ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1). Also
             seeds the dropout generator.
         dtype: ``"float32"`` (default) or ``"float64"``.
-        backend: ``"numpy"`` (default) or ``"torch"`` (CPU tensors used as plain arrays).
+        backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays).
+        kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
+            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Both compute
+            the same numbers (to rounding; tested to 1e-12 in float64).
 
     Use::
 
@@ -124,11 +180,12 @@ class GPT:
         grads = model.backward()               # name -> gradient, same shapes as model.params
 
     Raises:
-        ValueError: bad dtype / backend names.
+        TypeError: ``config`` is not a :class:`GPTConfig`.
+        ValueError: bad dtype, backend or kernels names.
     """
 
     def __init__(self, config: GPTConfig, *, seed: int = 0, dtype: str = "float32",
-                 backend: str = "numpy"):
+                 backend: str = "numpy", kernels: str | None = None):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
@@ -136,6 +193,7 @@ class GPT:
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
+        self.kernels = kernels_for(kernels)
         self._base = FlatParams(self.xp, self.dtype, _base_regions(config))
         self._base_names = [s.name for s in param_specs(config)]
         self.params: dict = {name: self._base.views[name] for name in self._base_names}
@@ -143,15 +201,20 @@ class GPT:
         self._lora: FlatParams | None = None
         self._grad_lora: FlatParams | None = None
         self.lora_alpha: float = 1.0
+        self.lora_rank: int | None = None
         self.lora_targets: list[str] = []
         self.freeze_base = False
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
-        self._cache: dict | None = None
+        self._acts: SimpleNamespace | None = None          # what the last forward kept
         self._deltas: dict = {}
-        self._workspace = Workspace()             # last step's arrays, reused by the next
-        self._loss_n_total: int | None = None     # set on a batch slice (pedestrian.parallel)
+        self._workspace = Workspace()                      # the fast kernels' memory pool
         self._init_weights(seed)
+
+    @property
+    def kernels_name(self) -> str:
+        """``"fast"`` or ``"reference"``: which layer functions this model runs."""
+        return "reference" if self.kernels.__name__.endswith(".layers") else "fast"
 
     # ------------------------------------------------------------------ parameters
     def _init_weights(self, seed: int) -> None:
@@ -249,11 +312,6 @@ class GPT:
         self.freeze_base = freeze_base
         self._grad_lora = None
 
-    def _base_weight(self, fc: str):
-        if fc == "logits" and self.config.tie_weights:
-            return self.xp.matrix_transpose(self.params["tok_emb.weight"])
-        return self.params[f"{fc}.weight"]
-
     def merge_lora(self) -> None:
         """``W ← W + α D U`` for every adapter, then drop the adapters (outputs unchanged).
 
@@ -311,6 +369,13 @@ class GPT:
         array_namespace(tokens)  # raises TypeError for unsupported types
         return tokens if self.backend == "torch" else xp.asarray(tokens)
 
+    def _as_signal(self, delta, shape):
+        """An upstream error signal as an array of this model's backend and dtype."""
+        if tuple(np.shape(delta)) != tuple(shape):
+            raise ValueError(f"delta_logits must have the logits' shape {tuple(shape)}, got "
+                             f"{tuple(np.shape(delta))}")
+        return self._to_xp(to_numpy(delta))
+
     def _check_targets(self, targets, tokens) -> None:
         xp = self.xp
         if not xp.isdtype(targets.dtype, "integral"):
@@ -324,115 +389,22 @@ class GPT:
             raise ValueError(f"target id {value} is outside [0, vocab_size={self.config.vocab_size}) "
                              f"and is not the ignore index {IGNORE_INDEX}")
 
-    # ------------------------------------------------------------------ forward
-    def _fc_forward(self, fc: str, x, cache: dict):
-        """``y = x W + b (+ α x D U)``; the LoRA cache goes to ``cache[fc]``."""
-        bias = self.params.get(f"{fc}.bias")
-        y, _ = linear_forward(x, self._base_weight(fc), bias)
-        if fc in self._lora_set:
-            y_lora, cache[fc] = lora_forward(x, self.params[f"{fc}.lora_D"], self.params[f"{fc}.lora_U"],
-                                             self.lora_alpha)
-            y += y_lora
-        return y
+    # ------------------------------------------------------------------ buffers
+    def trainable_buffers(self) -> list[FlatBuffer]:
+        """The flat buffers an optimizer updates: the base (unless frozen), then the LoRA adapters.
 
-    def _dropout(self, x, cache: dict, key: str):
-        p = self.config.dropout if self.training else 0.0
-        y, cache[key] = dropout_forward(x, p, self.dropout_rng)
-        return y
-
-    def forward(self, tokens, targets=None):
-        """Run ``a0 → a12`` and keep what the backward needs.
-
-        Args:
-            tokens: ``(B, T)`` integer ids in ``[0, vocab_size)``, ``T <= context_length``
-                (NumPy array, list, or -- on the torch backend -- a tensor).
-            targets: optional ``(B, T)`` ids (``tokens`` shifted by one) or ``-100`` to ignore;
-                when given the mean loss is computed and :meth:`backward` may be called.
-
-        Returns:
-            logits ``(B, T, vocab_size)`` in the model's dtype and backend. Arrays of an
-            earlier step (logits, activations, error signals) are reused for this one only when
-            nothing outside the model refers to them any more, so arrays the caller kept never
-            change (:class:`pedestrian.backend.Workspace`).
-
-        Raises:
-            TypeError: non-integer tokens or targets.
-            ValueError: ids out of range, ``T > context_length``, shape mismatch.
+        Gradient buffers are created on first use. Call again after :meth:`add_lora` /
+        :meth:`remove_lora` or a change of :attr:`freeze_base`: the buffers change.
         """
-        c = self.config
-        tokens = self._as_tokens(tokens, "token ids")
-        check_tokens(tokens, c.vocab_size, c.context_length)
-        if targets is not None:
-            targets = self._as_tokens(targets, "targets")
-            self._check_targets(targets, tokens)
-        self._lora_set = set(self.lora_targets)
-        # the last step's activations and signals go first (peak memory), into the workspace
-        # unless the caller still holds them (see Workspace.recycle)
-        self._workspace.new_step()
-        done = [self._cache, self._deltas]
-        self._cache, self._deltas = None, {}
-        self._workspace.recycle(done)
-        with self._workspace.active():
-            return self._forward(tokens, targets)
-
-    def _forward(self, tokens, targets):
-        c, P = self.config, self.params
-        hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
-        cache: dict = {"a0": tokens, "blocks": [], "lora": {}, "drop": {}}
-        a1, _ = embedding_forward(tokens, P["tok_emb.weight"], P["pos_emb.weight"])
-        a1 = self._dropout(a1, cache["drop"], "a1")
-        cache["a1"] = x = a1
-        for i in range(c.n_blocks):
-            p, bc = f"blocks.{i}", {}
-            w_qkv = self._base.regions[f"{p}.attn.qkv.weight"]
-            b_qkv = self._base.regions.get(f"{p}.attn.qkv.bias")
-            a2, bc["ln1"] = layernorm_forward(x, P[f"{p}.ln1.weight"], P.get(f"{p}.ln1.bias"), c.ln_eps)
-            qkv, _ = linear_forward(a2, w_qkv, b_qkv)
-            for part, lo, hi in (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, 2 * hq + hv)):
-                fc = f"{p}.attn.{part}"
-                if fc in self._lora_set:
-                    y_lora, cache["lora"][fc] = lora_forward(
-                        a2, P[f"{fc}.lora_D"], P[f"{fc}.lora_U"], self.lora_alpha)
-                    qkv[..., lo:hi] += y_lora
-            a3, bc["attn"] = multi_head_attention_forward(qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal)
-            a4 = self._dropout(self._fc_forward(f"{p}.attn_proj", a3, cache["lora"]), bc, "drop_a4")
-            a5 = self._add(x, a4)
-            a6, bc["ln2"] = layernorm_forward(a5, P[f"{p}.ln2.weight"], P.get(f"{p}.ln2.bias"), c.ln_eps)
-            a7 = self._fc_forward(f"{p}.mlp_expand", a6, cache["lora"])
-            a8, bc["act"] = activation_forward(a7, c.activation)
-            a9 = self._dropout(self._fc_forward(f"{p}.mlp_contract", a8, cache["lora"]), bc, "drop_a9")
-            a10 = self._add(a5, a9)
-            bc.update(a2=a2, a3=a3, a4=a4, a5=a5, a6=a6, a7=a7, a8=a8, a9=a9, a10=a10)
-            cache["blocks"].append(bc)
-            x = a10
-        a11, cache["ln_final"] = layernorm_forward(x, P["ln_final.weight"], P.get("ln_final.bias"), c.ln_eps)
-        a12 = self._fc_forward("logits", a11, cache["lora"])
-        cache.update(a11=a11, a12=a12)
-        if targets is not None:
-            loss, cache["loss"] = cross_entropy_forward(a12, targets, n_total=self._loss_n_total)
-            cache["loss_value"] = loss
-            cache["targets"] = targets
-        self._cache = cache
-        return a12
-
-    @staticmethod
-    def _add(a, b):
-        """``a + b`` into a (possibly reused) new array."""
-        out = empty_array(a.shape, a)
-        elementwise_lib(a).add(a, b, out=out)
+        self._grad_buffers()
+        out = []
+        if not self.freeze_base:
+            out.append(FlatBuffer("base", self._base.flat, self._grad_base.flat, self._base.n_decay))
+        if self._lora is not None:
+            out.append(FlatBuffer("lora", self._lora.flat, self._grad_lora.flat, self._lora.n_decay))
         return out
 
-    def loss(self, tokens, targets) -> float:
-        """Forward with targets; returns the mean next-token cross-entropy (nats per token).
-
-        If every target is the ignore index ``-100`` the loss is ``0.0`` and the gradients
-        are zero (documented convention; no NaN).
-        """
-        self.forward(tokens, targets)
-        return float(self._cache["loss_value"])
-
-    # ------------------------------------------------------------------ backward
-    def _grad_buffers(self):
+    def _grad_buffers(self) -> None:
         if not self.freeze_base and self._grad_base is None:
             self._grad_base = FlatParams(self.xp, self.dtype, _base_regions(self.config))
         if self._lora is not None and self._grad_lora is None:
@@ -450,128 +422,231 @@ class GPT:
             out.update(self._grad_lora.views)
         return out
 
-    def _fc_backward(self, fc: str, delta, x, lora_cache: dict, need_input: bool = True):
-        """Backward of :meth:`_fc_forward`: fills the gradient buffers, returns ``Δ_in``."""
-        train_base = not self.freeze_base
-        has_bias = f"{fc}.bias" in self.params
-        g = self._grad_base.views if train_base else {}
-        tied_logits = fc == "logits" and self.config.tie_weights
-        delta_in, _, _ = linear_backward(
-            delta, x, self._base_weight(fc), need_input=need_input,
-            need_weight=train_base and not tied_logits, need_bias=train_base and has_bias,
-            weight_out=g.get(f"{fc}.weight"), bias_out=g.get(f"{fc}.bias"))
-        if train_base and tied_logits:               # d(W_tok) from the logits layer: Δ12ᵀ a11
-            V, d = self.params["tok_emb.weight"].shape
-            matmul_into(g["tok_emb.weight"], delta.reshape(-1, V).mT, x.reshape(-1, d))
-        if fc in self._lora_set:
-            d_lora, d_D, d_U = lora_backward(delta, lora_cache[fc], self.params[f"{fc}.lora_D"],
-                                             self.params[f"{fc}.lora_U"], self.lora_alpha,
-                                             need_input=need_input)
-            self._grad_lora.views[f"{fc}.lora_D"][...] = d_D
-            self._grad_lora.views[f"{fc}.lora_U"][...] = d_U
-            if need_input:
-                delta_in += d_lora
-        return delta_in
+    def replica(self) -> "GPT":
+        """A model that shares this one's parameter arrays but has its own activations, gradient
+        buffers and memory pool: one slice of a batch split over threads
+        (:class:`pedestrian.parallel.DataParallel`). Adapters added or removed later are not
+        seen by an existing replica (make a new one).
+        """
+        r = object.__new__(GPT)
+        r.__dict__.update({k: v for k, v in self.__dict__.items()
+                           if k not in ("_grad_base", "_grad_lora", "_acts", "_deltas", "_workspace", "params")})
+        r.params = dict(self.params)
+        r._grad_base = r._grad_lora = r._acts = None
+        r._deltas = {}
+        r._workspace = Workspace()
+        return r
 
-    def backward(self, *, keep_deltas: bool = False) -> dict:
+    def _layer_params(self, grads: bool) -> dict:
+        """``name -> array`` of every weight and bias the forward (or backward) uses, with the
+        fused ``blocks.{i}.attn.qkv`` layers and, for tied logits, ``logits.weight = W_tokᵀ``.
+        For gradients, only the trainable ones (a frozen parameter is absent)."""
+        xp = self.xp
+        if grads:
+            self._grad_buffers()
+            if self.freeze_base:
+                return dict(self._grad_lora.views)
+            base = self._grad_base
+            out = {**base.views, **base.regions, **(self._grad_lora.views if self._grad_lora else {})}
+        else:
+            out = {**self.params, **self._base.regions}
+        if self.config.tie_weights:
+            out["logits.weight"] = xp.matrix_transpose(out["tok_emb.weight"])
+        return out
+
+    def _adapters(self, fc: str) -> list:
+        """``(adapter, lo, hi)`` for each LoRA on layer ``fc`` (the fused qkv has up to three,
+        one per column block q, k, v)."""
+        if fc.endswith(".qkv"):
+            c = self.config
+            hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
+            stem = fc[:-len("qkv")]
+            parts = (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, 2 * hq + hv))
+            return [(stem + part, lo, hi) for part, lo, hi in parts if stem + part in self._lora_set]
+        return [(fc, 0, None)] if fc in self._lora_set else []
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens, targets=None, *, kv_cache: KVCache | None = None, n_total: int | None = None):
+        """Run ``a0 → a12`` and keep what the backward needs.
+
+        Args:
+            tokens: ``(B, T)`` integer ids in ``[0, vocab_size)``, ``T <= context_length``
+                (NumPy array, list, or -- on the torch backend -- a tensor).
+            targets: optional ``(B, T)`` ids (``tokens`` shifted by one) or ``-100`` to ignore;
+                when given the mean loss is computed (:meth:`loss`).
+            kv_cache: a :class:`~pedestrian.kv_cache.KVCache`: the tokens continue the cached
+                ones (positions from ``kv_cache.length``), their keys and values are appended,
+                and ``kv_cache.length`` grows by ``T`` (generation; no backward follows).
+            n_total: divide the loss by this many targets instead of the number counted here
+                (one slice of a larger batch: the slices' losses and gradients then add up).
+
+        Returns:
+            logits ``(B, T, vocab_size)`` in the model's dtype and backend. Arrays of an earlier
+            step are reused only when nothing outside the model refers to them any more, so
+            arrays the caller kept never change.
+
+        Raises:
+            TypeError: non-integer tokens or targets.
+            ValueError: ids out of range, ``T > context_length`` (or more than the cache has
+                room for), shape mismatch, a cache made for another model or batch size.
+        """
+        c = self.config
+        tokens = self._as_tokens(tokens, "token ids")
+        room = c.context_length
+        if kv_cache is not None:
+            if kv_cache.model is not self:
+                raise ValueError("this KVCache was made for a different model; make one with KVCache(model, B)")
+            if tokens.ndim == 2 and tokens.shape[0] != kv_cache.batch_size:
+                raise ValueError(f"tokens have batch size {tokens.shape[0]} but the cache was made for "
+                                 f"{kv_cache.batch_size}")
+            room = c.context_length - kv_cache.length
+            if tokens.ndim == 2 and tokens.shape[1] > room:
+                raise ValueError(
+                    f"the cache holds {kv_cache.length} tokens and {tokens.shape[1]} more would exceed "
+                    f"context_length={c.context_length} (learned positions are absolute, there is no "
+                    f"position {c.context_length}); reset the cache and feed at most the last "
+                    f"{c.context_length} tokens (generate() slides the window for you)")
+        check_tokens(tokens, c.vocab_size, c.context_length)
+        if targets is not None:
+            targets = self._as_tokens(targets, "targets")
+            self._check_targets(targets, tokens)
+        self._lora_set = set(self.lora_targets)
+        self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
+        self._workspace.new_step()
+        with self._workspace.active():
+            logits = self._forward(tokens, targets, kv_cache, n_total)
+        if kv_cache is not None:
+            kv_cache.length += tokens.shape[1]
+        return logits
+
+    def _forward(self, tokens, targets, kv_cache, n_total):
+        c, K, W = self.config, self.kernels, self._layer_params(grads=False)
+        positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])
+        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None)
+        a1, f.emb = K.embedding_forward(tokens, W["tok_emb.weight"], W.get("pos_emb.weight"), positions)
+        f.a1, f.drop1 = self._dropout(a1)                                        # (B, T, d)
+        x = f.a1
+        for i in range(c.n_blocks):
+            p, b = f"blocks.{i}", SimpleNamespace()
+            b.a2, b.ln1 = K.layernorm_forward(x, W[f"{p}.ln1.weight"], W.get(f"{p}.ln1.bias"), c.ln_eps)
+            qkv = self._fc_forward(f"{p}.attn.qkv", b.a2, W, f.lora)            # (B, T, H·(2d_qk+d_head))
+            b.a3, b.attn = K.multi_head_attention_forward(                       # (B, T, H·d_head)
+                qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal,
+                kv_cache=None if kv_cache is None else kv_cache.block(i))
+            b.a4, b.drop4 = self._dropout(self._fc_forward(f"{p}.attn_proj", b.a3, W, f.lora))  # (B, T, d)
+            b.a5 = K.add(x, b.a4)                                                # skip
+            b.a6, b.ln2 = K.layernorm_forward(b.a5, W[f"{p}.ln2.weight"], W.get(f"{p}.ln2.bias"), c.ln_eps)
+            b.a7 = self._fc_forward(f"{p}.mlp_expand", b.a6, W, f.lora)         # (B, T, d_mlp)
+            b.a8, b.act = K.activation_forward(b.a7, c.activation)
+            b.a9, b.drop9 = self._dropout(self._fc_forward(f"{p}.mlp_contract", b.a8, W, f.lora))  # (B, T, d)
+            b.a10 = x = K.add(b.a5, b.a9)                                        # skip
+            f.blocks.append(b)
+        f.a11, f.ln_final = K.layernorm_forward(x, W["ln_final.weight"], W.get("ln_final.bias"), c.ln_eps)
+        f.a12 = self._fc_forward("logits", f.a11, W, f.lora)                    # (B, T, V)
+        if targets is not None:
+            f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
+        self._acts = f
+        return f.a12
+
+    def _fc_forward(self, fc: str, x, W: dict, lora_caches: dict):
+        """``y = x W + b``, plus ``α x D U`` on the columns of each LoRA adapter of ``fc``."""
+        y, _ = self.kernels.linear_forward(x, W[f"{fc}.weight"], W.get(f"{fc}.bias"))
+        for name, lo, hi in self._adapters(fc):
+            y_lora, lora_caches[name] = self.kernels.lora_forward(
+                x, W[f"{name}.lora_D"], W[f"{name}.lora_U"], self.lora_alpha)
+            y[..., lo:hi] += y_lora
+        return y
+
+    def _dropout(self, x):
+        return self.kernels.dropout_forward(x, self.config.dropout if self.training else 0.0, self.dropout_rng)
+
+    def loss(self, tokens, targets, *, n_total: int | None = None) -> float:
+        """Forward with targets; returns the mean next-token cross-entropy (nats per token).
+
+        If every target is the ignore index ``-100`` the loss is ``0.0`` and the gradients
+        are zero (documented convention; no NaN). ``n_total``: see :meth:`forward`.
+        """
+        self.forward(tokens, targets, n_total=n_total)
+        return float(self._acts.loss_value)
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, delta_logits=None, *, keep_deltas: bool = False) -> dict:
         """Hand-derived backward from ``Δ12`` down to ``Δ1`` and the embedding tables.
 
         Args:
-            keep_deltas: keep every error signal ``Δ1 … Δ12`` (and each block's
-                ``Δcausal``) for :meth:`deltas`.
+            delta_logits: the upstream signal ``Δ12 = dL/dlogits`` ``(B, T, vocab_size)`` of a
+                loss of your own (the forward then needs no targets); ``None`` (default) takes
+                the cross-entropy's ``Δ12`` from the last :meth:`loss`.
+            keep_deltas: keep every error signal ``Δ1 … Δ12`` (and each block's ``Δcausal``)
+                for :meth:`deltas`.
 
         Returns:
-            :attr:`grads`: ``name -> gradient of the mean loss``, same shapes as
-            :attr:`params`, for the trainable parameters (all of them, or only the LoRA
-            adapters when the base is frozen).
+            :attr:`grads`: ``name -> gradient``, same shapes as :attr:`params`, for the
+            trainable parameters (all of them, or only the LoRA adapters when the base is frozen).
 
         Raises:
-            ValueError: no forward with targets since the last parameter change.
+            ValueError: no forward since the last backward's inputs changed; no targets and no
+                ``delta_logits``; a ``delta_logits`` of the wrong shape; a forward that ran
+                against a KV cache.
         """
-        cache = self._cache
-        if cache is None or "loss" not in cache:
-            raise ValueError("backward() called before a forward with targets; "
-                             "call model.loss(tokens, targets) or model.forward(tokens, targets) first")
-        done = [self._deltas]
+        f = self._acts
+        if f is None or (delta_logits is None and f.loss is None):
+            raise ValueError("backward() called before a forward with targets; call "
+                             "model.loss(tokens, targets) first, or pass delta_logits=")
+        if delta_logits is not None:
+            delta_logits = self._as_signal(delta_logits, f.a12.shape)
         self._deltas = {}
-        self._workspace.recycle(done)
         with self._workspace.active():
-            self._deltas = self._backward(cache, keep_deltas)
+            d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
+            self._deltas = self._backward(f, d12, keep_deltas)
         return self.grads
 
-    def _backward(self, cache: dict, keep_deltas: bool) -> dict:
-        c, P = self.config, self.params
-        self._grad_buffers()
-        train_base = not self.freeze_base
-        g = self._grad_base.views if train_base else {}
-        keep: dict = {}
-        hq = c.n_heads * c.d_qk
-        lc = cache["lora"]
-
-        d12 = cross_entropy_backward(cache["loss"])
-        d11 = self._fc_backward("logits", d12, cache["a11"], lc)
-        d10, dw, db = layernorm_backward(d11, cache["ln_final"], need_params=train_base)
-        self._put(g, "ln_final", dw, db)
-        if keep_deltas:
-            keep.update({"Δ12": d12, "Δ11": d11})
+    def _backward(self, f, d12, keep_deltas: bool) -> dict:
+        c, K, W = self.config, self.kernels, self._layer_params(grads=False)
+        G = self._layer_params(grads=True)                 # absent = frozen: no gradient
+        if "tok_emb.weight" in G and not c.tie_weights:
+            G["tok_emb.weight"][...] = 0                   # the embedding backward adds into them
+        if "pos_emb.weight" in G:
+            G["pos_emb.weight"][...] = 0
+        keep = {"Δ12": d12} if keep_deltas else None
+        d11 = self._fc_backward("logits", d12, f.a11, W, G, f.lora)                       # Δ11
+        d10 = K.layernorm_backward(d11, f.ln_final, dweight=G.get("ln_final.weight"), dbias=G.get("ln_final.bias"))
         for i in reversed(range(c.n_blocks)):
-            p, bc = f"blocks.{i}", cache["blocks"][i]
-            x = cache["a1"] if i == 0 else cache["blocks"][i - 1]["a10"]
+            p, b = f"blocks.{i}", f.blocks[i]
+            d9 = K.dropout_backward(d10, b.drop9)                                          # Δ9
+            d8 = self._fc_backward(f"{p}.mlp_contract", d9, b.a8, W, G, f.lora)            # Δ8
+            d7 = K.activation_backward(d8, b.act, c.activation)                             # Δ7
+            d6 = self._fc_backward(f"{p}.mlp_expand", d7, b.a6, W, G, f.lora)              # Δ6
+            d5 = K.add(d10, K.layernorm_backward(                                          # Δ5: skip + LN2
+                d6, b.ln2, dweight=G.get(f"{p}.ln2.weight"), dbias=G.get(f"{p}.ln2.bias")))
+            d4 = K.dropout_backward(d5, b.drop4)                                           # Δ4
+            d3 = self._fc_backward(f"{p}.attn_proj", d4, b.a3, W, G, f.lora)               # Δ3
+            d_qkv, d_causal = K.multi_head_attention_backward(d3, b.attn, keep_delta_causal=keep_deltas)
+            d2 = self._fc_backward(f"{p}.attn.qkv", d_qkv, b.a2, W, G, f.lora)             # Δ2 = Σ_h (...)
+            d1 = K.add(d5, K.layernorm_backward(                                           # block input: skip + LN1
+                d2, b.ln1, dweight=G.get(f"{p}.ln1.weight"), dbias=G.get(f"{p}.ln1.bias")))
             if keep_deltas:
-                keep[f"{p}.Δ10"] = d10
-            d9 = dropout_backward(d10, bc["drop_a9"])
-            d8 = self._fc_backward(f"{p}.mlp_contract", d9, bc["a8"], lc)
-            d7 = activation_backward(d8, bc["act"], c.activation)
-            d6 = self._fc_backward(f"{p}.mlp_expand", d7, bc["a6"], lc)
-            d5_ln, dw, db = layernorm_backward(d6, bc["ln2"], need_params=train_base)
-            self._put(g, f"{p}.ln2", dw, db)
-            d5_ln += d10                                       # skip: Δ10 reaches a5 unchanged
-            d5 = d5_ln
-            d4 = dropout_backward(d5, bc["drop_a4"])
-            d3 = self._fc_backward(f"{p}.attn_proj", d4, bc["a3"], lc)
-            d_qkv, d_causal = multi_head_attention_backward(d3, bc["attn"], keep_delta_causal=keep_deltas)
-            d2, _, _ = linear_backward(
-                d_qkv, bc["a2"], self._base.regions[f"{p}.attn.qkv.weight"],
-                need_weight=train_base, need_bias=train_base and c.bias,
-                weight_out=self._grad_base.regions[f"{p}.attn.qkv.weight"] if train_base else None,
-                bias_out=self._grad_base.regions.get(f"{p}.attn.qkv.bias") if train_base else None)
-            for part, lo, hi in (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, d_qkv.shape[-1])):
-                fc = f"{p}.attn.{part}"
-                if fc in self._lora_set:
-                    d_lora, d_D, d_U = lora_backward(d_qkv[..., lo:hi], lc[fc], P[f"{fc}.lora_D"],
-                                                     P[f"{fc}.lora_U"], self.lora_alpha)
-                    self._grad_lora.views[f"{fc}.lora_D"][...] = d_D
-                    self._grad_lora.views[f"{fc}.lora_U"][...] = d_U
-                    d2 += d_lora
-            d1_ln, dw, db = layernorm_backward(d2, bc["ln1"], need_params=train_base)
-            self._put(g, f"{p}.ln1", dw, db)
-            d1_ln += d5                                        # skip: Δ5 reaches the block input
-            if keep_deltas:
-                keep.update({f"{p}.Δ9": d9, f"{p}.Δ8": d8, f"{p}.Δ7": d7, f"{p}.Δ6": d6,
-                             f"{p}.Δ5": d5, f"{p}.Δ4": d4, f"{p}.Δ3": d3, f"{p}.Δ2": d2,
-                             f"{p}.Δcausal": d_causal})
-            # this block's signals are done: the next block's backward reuses their arrays
-            done = [d10, d9, d8, d7, d6, d5, d4, d3, d_qkv, d2]
-            d10 = d1_ln
-            del d9, d8, d7, d6, d5, d5_ln, d4, d3, d_qkv, d_causal, d2, d1_ln
-            self._workspace.recycle(done)
-        d1 = dropout_backward(d10, cache["drop"]["a1"])
-        if train_base:
-            embedding_backward(d1, cache["a0"], g["tok_emb.weight"], g["pos_emb.weight"],
-                               accumulate_tok=c.tie_weights)
+                keep.update({f"{p}.Δ{n}": d for n, d in ((10, d10), (9, d9), (8, d8), (7, d7), (6, d6),
+                                                          (5, d5), (4, d4), (3, d3), (2, d2))})
+                keep[f"{p}.Δcausal"] = d_causal
+            d10 = d1                                        # the previous block's Δ10
+        d1 = K.dropout_backward(d10, f.drop1)                                              # Δ1
+        K.embedding_backward(d1, f.emb, dtok=G.get("tok_emb.weight"), dpos=G.get("pos_emb.weight"))
         if keep_deltas:
-            keep["Δ1"] = d1
-        done = [d12, d11, d10, d1]
-        del d12, d11, d10, d1
-        self._workspace.recycle(done)
-        return keep
+            keep.update({"Δ11": d11, "Δ1": d1})
+        return keep or {}
 
-    @staticmethod
-    def _put(g: dict, layer: str, dw, db) -> None:
-        if dw is not None and f"{layer}.weight" in g:
-            g[f"{layer}.weight"][...] = dw
-        if db is not None and f"{layer}.bias" in g:
-            g[f"{layer}.bias"][...] = db
+    def _fc_backward(self, fc: str, delta, x, W: dict, G: dict, lora_caches: dict):
+        """Backward of :meth:`_fc_forward`: writes ``dW``, ``db`` (and the adapters' ``dD``,
+        ``dU``) into the gradient buffers; returns ``Δ_in = Δ Wᵀ (+ α (Δ Uᵀ) Dᵀ)``."""
+        K = self.kernels
+        delta_in = K.linear_backward(delta, x, W[f"{fc}.weight"], dweight=G.get(f"{fc}.weight"),
+                                     dbias=G.get(f"{fc}.bias"))
+        for name, lo, hi in self._adapters(fc):
+            delta_in += K.lora_backward(delta[..., lo:hi], lora_caches[name], W[f"{name}.lora_D"],
+                                        W[f"{name}.lora_U"], self.lora_alpha,
+                                        dD=G[f"{name}.lora_D"], dU=G[f"{name}.lora_U"])
+        return delta_in
 
     # ------------------------------------------------------------------ inspection
     def activations(self) -> dict:
@@ -579,21 +654,35 @@ class GPT:
 
         Keys: ``"a0"`` (tokens), ``"a1"``, ``"blocks.{i}.a2"`` … ``"blocks.{i}.a10"``,
         ``"a11"``, ``"a12"`` (logits), plus ``"blocks.{i}.P"`` (attention probabilities,
-        ``(B, n_heads, T, T)``).
+        ``(B, n_heads, T, L)``; ``L = T`` without a KV cache, the cached length with one).
 
         Raises:
             ValueError: no forward has been run.
         """
-        if self._cache is None:
-            raise ValueError("no forward pass has been run yet")
-        cache = self._cache
-        out = {"a0": cache["a0"], "a1": cache["a1"]}
-        for i, bc in enumerate(cache["blocks"]):
+        f = self._require_forward()
+        out = {"a0": f.a0, "a1": f.a1}
+        for i, b in enumerate(f.blocks):
             for n in range(2, 11):
-                out[f"blocks.{i}.a{n}"] = bc[f"a{n}"]
-            out[f"blocks.{i}.P"] = bc["attn"]["p"]
-        out.update(a11=cache["a11"], a12=cache["a12"])
+                out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
+            out[f"blocks.{i}.P"] = self.kernels.attention_weights(b.attn)
+        out.update(a11=f.a11, a12=f.a12)
         return out
+
+    def attention_weights(self) -> list:
+        """``P`` of every block of the last forward (a KV-cache step included): a list over
+        blocks of ``(B, n_heads, T, L)`` arrays, row ``α`` of head ``h`` being the softmax weights
+        query ``α`` gave every key.
+
+        Raises:
+            ValueError: no forward has been run.
+        """
+        f = self._require_forward()
+        return [self.kernels.attention_weights(b.attn) for b in f.blocks]
+
+    def _require_forward(self):
+        if self._acts is None:
+            raise ValueError("no forward pass has been run yet")
+        return self._acts
 
     def deltas(self) -> dict:
         """Every error signal of the last ``backward(keep_deltas=True)``.

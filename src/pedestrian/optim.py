@@ -1,8 +1,7 @@
 """The optimizer, written by hand: AdamW, its learning-rate schedule and gradient clipping.
 
-Everything works on the model's *flat* buffers (``model._base.flat`` and its gradient
-``model._grad_base.flat``; ``model._lora`` / ``model._grad_lora`` when LoRA adapters exist),
-so one update is a handful of vectorised in-place operations instead of one loop per tensor.
+Everything works on the model's *flat* buffers (:meth:`pedestrian.model.GPT.trainable_buffers`:
+the base parameters and their gradient, and the LoRA adapters' when they exist), so one update is a handful of vectorised in-place operations instead of one loop per tensor.
 The first ``n_decay`` entries of each buffer are the 2-D weight matrices (embeddings
 included) and get weight decay; the rest -- biases and layer-norm weights and biases -- do
 not (the usual GPT-2 / nanoGPT choice; see :func:`pedestrian.config.param_specs`).
@@ -39,7 +38,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .backend import for_row_blocks, is_torch_array, to_numpy
+from .backend import is_torch_array, to_numpy
+from .kernels.threads import for_row_blocks
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
            "clip_grad_norm"]
@@ -84,12 +84,7 @@ def param_groups(model) -> list[ParamGroup]:
     Returns:
         list of :class:`ParamGroup` (gradient buffers are created here if they did not exist).
     """
-    model.grads  # noqa: B018 -- creates the flat gradient buffers on first use
-    groups = []
-    if not model.freeze_base:
-        groups.append(ParamGroup("base", model._base.flat, model._grad_base.flat, model._base.n_decay))
-    if model._lora is not None:
-        groups.append(ParamGroup("lora", model._lora.flat, model._grad_lora.flat, model._lora.n_decay))
+    groups = [ParamGroup(b.name, b.params, b.grads, b.n_decay) for b in model.trainable_buffers()]
     if not groups:
         raise ValueError("the model has nothing to train: its base is frozen and it has no LoRA adapters")
     return groups

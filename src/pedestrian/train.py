@@ -50,7 +50,7 @@ from .config import GPTConfig
 from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, load_corpus, \
     split_train_val
 from .optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm
-from .parallel import DATA_PARALLEL_MODES, WorkerDied, runner_for
+from .parallel import DATA_PARALLEL_MODES, runner_for
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
@@ -101,14 +101,11 @@ class TrainSettings:
         for the whole run: training stops early, then validates, saves and plots), stop_step
         (stop after this step as if interrupted; the schedule still spans max_steps), out
         (run folder; default ``runs/<corpus>_<tokenizer>``), progress (tqdm bar), plot,
-        data_parallel (``"auto"``, ``"on"``, ``"off"``, ``"threads"``, ``"processes"``:
-        split each batch over threads or worker processes with
+        data_parallel (``"auto"``, ``"on"``, ``"off"``: split each batch over threads with
         :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
         :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more
-        cores, see :func:`pedestrian.parallel.use_data_parallel`; ``"on"`` uses worker
-        processes on the NumPy backend on Linux, threads otherwise). Resuming
-        reproduces a run bit for bit when the number of slices is the same (threads and
-        processes give the same bits).
+        cores, see :func:`pedestrian.parallel.use_data_parallel`). Resuming reproduces a run
+        bit for bit when the number of slices is the same.
     """
 
     data: str | None = None
@@ -185,9 +182,6 @@ class TrainSettings:
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise TrainingError(f"--data-parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
                                 f"got {self.data_parallel!r}")
-        if self.data_parallel == "processes" and self.backend == "torch":
-            raise TrainingError("--data-parallel processes needs the NumPy backend (PyTorch's OpenMP runtime "
-                                "cannot be used in a forked worker); use --data-parallel threads or off")
         if "vocab_size" in self.model:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         try:
@@ -583,8 +577,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         KeyboardInterrupt: a second ``Ctrl-C`` while stopping (the last checkpoint is kept).
         TrainingError / ValueError / FileNotFoundError: bad settings or data, an existing run
             without ``resume``/``overwrite``, a checkpoint that does not match the settings,
-            a non-finite loss, a data-parallel worker process that died twice in one step
-            (the last checkpoint is kept). Nothing on disk is changed before the inputs are
+            a non-finite loss (the last checkpoint is kept). Nothing on disk is changed before the inputs are
             validated.
     """
     from tqdm import tqdm
@@ -693,7 +686,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     except ValueError as exc:                 # e.g. processes on the torch backend
         raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
     split = runner.slices_for(B) if runner is not model else 1
-    others = "worker process(es)" if getattr(runner, "processes", False) else "other thread(s)"
+    others = "other thread(s)"
     was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
     if was_split is not None and was_split != split:
         if was_split == 1:
@@ -764,19 +757,10 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             return f"nothing was saved (the previous run in {out} is left as it was)"
         return "no checkpoint was written"
 
-    def worker_died(exc: WorkerDied, what: str) -> TrainingError:
-        return TrainingError(f"{exc}; {what}, {kept()}. "
-                             + (f"Continue with: pedestrian train --out {out} --resume"
-                                if last_save >= 0 else "Start again")
-                             + " (add --data-parallel threads to run without worker processes)")
-
     def validate() -> float:
         nonlocal last_eval
-        try:
-            with parallel_context:
-                loss = estimate_loss(runner, val_batches)
-        except WorkerDied as exc:
-            raise worker_died(exc, f"the validation at step {step} failed") from None
+        with parallel_context:
+            loss = estimate_loss(runner, val_batches)
         log_file.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
         log_file.flush()
         last_eval = step
@@ -808,11 +792,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             t0 = time.perf_counter()
             lr = schedule(step)
             batches = [train_ds.get_batch(data_rng, B, T) for _ in range(k)]
-            try:
-                with parallel_context:
-                    last_loss, norm = train_step(runner, optimizer, batches, lr, settings.grad_clip, accum)
-            except WorkerDied as exc:         # twice in one step (once is repaired by DataParallel)
-                raise worker_died(exc, f"step {step + 1} was not taken") from None
+            with parallel_context:
+                last_loss, norm = train_step(runner, optimizer, batches, lr, settings.grad_clip, accum)
             step += 1
             steps_this_run += 1
             dt = time.perf_counter() - t0
@@ -851,7 +832,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         bar.close()
         log_file.close()
         if runner is not model:
-            runner.close()                    # its worker processes, if any
+            runner.close()
         if replacing and pending_log.exists():
             pending_log.unlink()               # never committed: the old run stays as it was
     seconds = time.perf_counter() - t_start

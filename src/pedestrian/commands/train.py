@@ -125,9 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--data-parallel", choices=list(DATA_PARALLEL_MODES),
                    help="split each batch into slices, one per core, each run with single-threaded BLAS "
                         "(default auto: NumPy models under 20M parameters; slices: PEDESTRIAN_NUM_THREADS "
-                        "or the cores). The slices after the first run in worker processes (on, and "
-                        "auto, on Linux with the NumPy backend) or threads; 'threads' and 'processes' "
-                        "force one way")
+                        "or the cores), each slice on its own thread")
     t.add_argument("--no-sample", dest="sample", action="store_false", default=True,
                    help="do not print samples of the trained model at the end")
 

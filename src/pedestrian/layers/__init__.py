@@ -1,20 +1,30 @@
-"""One module per layer kind; each holds a ``*_forward`` / ``*_backward`` pair of pure functions.
+"""The reference layers: the paper's math, one module per layer, forward and backward side by side.
 
-Every backward is derived by hand (paper sections in each docstring; formulas restated in
-EQUATIONS.md). Forward functions return ``(output, cache)`` where ``cache`` holds exactly what
-the backward needs; backward functions take the incoming error signal ``Δ`` (same shape as
-the forward output) and return the signal for the input plus the parameter gradients.
+Every function is written against the array API standard (``xp = array_namespace(x)``), writing
+into no preallocated output and with no backend branches, so a reader can hold the paper (and
+``docs/EQUATIONS.md``) beside each one. Forward functions return ``(output, cache)`` where
+``cache`` holds what the backward needs; backward functions take the incoming error signal
+``Δ`` (same shape as the forward output) and return the signal for the input, writing parameter
+gradients into the arrays they are given (``dweight=``, ``dbias=``; ``None`` = no gradient).
+
+:mod:`pedestrian.kernels` holds the fast path: the same function names and signatures, tuned
+for speed (memory reuse, row blocks, threads, fused operations). A model picks one of the two
+with ``GPT(..., kernels="reference" | "fast")`` (``docs/kernels.md``).
 """
 
-from .activations import activation_backward, activation_forward
+from .activations import ACTIVATIONS, activation_backward, activation_forward
 from .attention import (
+    KVBlock,
     attention_head_backward,
     attention_head_forward,
-    causal_mask,
+    attention_mask,
+    attention_weights,
     multi_head_attention_backward,
     multi_head_attention_forward,
+    scaled_dot_product_attention_backward,
+    scaled_dot_product_attention_forward,
     softmax_backward,
-    softmax_rows,
+    softmax_forward,
 )
 from .dropout import dropout_backward, dropout_forward
 from .embedding import embedding_backward, embedding_forward
@@ -22,28 +32,25 @@ from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward
 from .loss import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
+from .residual import add
+
+#: the functions a model calls; :mod:`pedestrian.kernels` defines each with the same signature
+MODEL_FUNCTIONS = (
+    "embedding_forward", "embedding_backward", "linear_forward", "linear_backward",
+    "layernorm_forward", "layernorm_backward", "activation_forward", "activation_backward",
+    "dropout_forward", "dropout_backward", "lora_forward", "lora_backward",
+    "multi_head_attention_forward", "multi_head_attention_backward", "attention_weights",
+    "cross_entropy_forward", "cross_entropy_backward", "add",
+)
 
 __all__ = [
-    "IGNORE_INDEX",
-    "activation_backward",
-    "activation_forward",
-    "attention_head_backward",
-    "attention_head_forward",
-    "causal_mask",
-    "cross_entropy_backward",
-    "cross_entropy_forward",
-    "dropout_backward",
-    "dropout_forward",
-    "embedding_backward",
-    "embedding_forward",
-    "layernorm_backward",
-    "layernorm_forward",
-    "linear_backward",
-    "linear_forward",
-    "lora_backward",
-    "lora_forward",
-    "multi_head_attention_backward",
-    "multi_head_attention_forward",
-    "softmax_backward",
-    "softmax_rows",
+    "ACTIVATIONS", "IGNORE_INDEX", "KVBlock", "MODEL_FUNCTIONS",
+    "activation_backward", "activation_forward", "add",
+    "attention_head_backward", "attention_head_forward", "attention_mask", "attention_weights",
+    "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
+    "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
+    "linear_backward", "linear_forward", "lora_backward", "lora_forward",
+    "multi_head_attention_backward", "multi_head_attention_forward",
+    "scaled_dot_product_attention_backward", "scaled_dot_product_attention_forward",
+    "softmax_backward", "softmax_forward",
 ]

@@ -5,42 +5,61 @@ Shapes follow EQUATIONS.md: a head maps ``x (B, T, d)`` to ``q, k (B, T, d_qk)``
 mask sets future scores (key position β > query position α) to ``−∞`` before the softmax, so
 they get probability exactly 0 -- the paper writes a Hadamard product with a 0/1 matrix, which
 taken literally is wrong (``exp(0) = 1``); its own check code uses ``−∞``.
+
+Multi-head attention is the section-3 head batched over heads by a reshape: the fused
+projection ``qkv = x [Wq | Wk | Wv] + [bq | bk | bv]`` is cut into ``n_heads`` column blocks of
+each part, the heads run side by side on a ``(B, n_heads, T, ·)`` axis, and their outputs are
+concatenated. In the backward the heads' signals at ``q``, ``k``, ``v`` are concatenated the same
+way, so that the caller's ``Δ_{i-1} = d_qkv [Wq | Wk | Wv]ᵀ`` *is* the section-4 sum over heads
+``Σ_h (dq_h Wq_hᵀ + dk_h Wk_hᵀ + dv_h Wv_hᵀ)``.
+
+Reference implementation: the paper's math only, written against the array API standard.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from array_api_compat import device
-
-from ..backend import (array_namespace, elementwise_lib, empty_array, for_row_blocks, is_torch_array,
-                       matmul_into, rowdot, scratch)
+from ..backend import array_namespace
 from .linear import linear_backward, linear_forward
 
-_MASKS: dict = {}
-#: elements of (B, H, T, T) per block: batched matmuls of small matrices want few, large calls
-_BLOCK = 1 << 20
+
+class KVBlock(NamedTuple):
+    """One block's slice of a KV cache, as the attention layers see it (paper section 3 side note).
+
+    Attributes:
+        keys: ``(B, n_heads, capacity, d_qk)``; values: ``(B, n_heads, capacity, d_head)``.
+        length: tokens cached before this call; the new ones are written at ``length …``.
+        key_start: ``(B,)`` integer array, the first real key of each row (left padding before
+            it is never attended to), or ``None`` when no row is padded.
+    """
+
+    keys: object
+    values: object
+    length: int
+    key_start: object = None
 
 
-def causal_mask(T: int, like):
-    """Additive ``(T, T)`` mask: ``0`` on and below the diagonal, ``−∞`` above.
+def attention_mask(T: int, L: int, *, causal: bool, key_start=None, like=None):
+    """Boolean ``(T, L)`` (or ``(B, 1, T, L)`` with ``key_start``) of the scores a query may use.
 
-    Built once per ``(T, dtype, backend, device)`` and reused (no per-step allocation).
+    Query ``α`` sits at position ``L − T + α`` (the last ``T`` of ``L`` tokens, so a KV-cache step
+    continues the cached ones); with ``causal`` it may use keys ``β <= L − T + α``. Keys before
+    ``key_start[b]`` are row ``b``'s left padding: no query uses them, except a padding query
+    its own key (so every row of scores keeps one finite entry).
     """
     xp = array_namespace(like)
-    dev = device(like)
-    key = (T, str(like.dtype), type(like).__module__, str(dev))
-    mask = _MASKS.get(key)
-    if mask is None:
-        pos = xp.arange(T, device=dev)
-        future = pos[None, :] > pos[:, None]
-        zeros = xp.zeros((T, T), dtype=like.dtype, device=dev)
-        mask = xp.where(future, xp.full_like(zeros, -math.inf), zeros)
-        _MASKS[key] = mask
-    return mask
+    query_pos = xp.arange(L - T, L)[:, None]                                 # (T, 1)
+    key_pos = xp.arange(L)[None, :]                                          # (1, L)
+    allowed = key_pos <= query_pos if causal else xp.ones((T, L), dtype=xp.bool)
+    if key_start is None:
+        return allowed                                                       # (T, L)
+    start = xp.reshape(key_start, (-1, 1, 1, 1))                             # (B, 1, 1, 1)
+    return allowed & ((key_pos >= start) | (key_pos == query_pos))           # (B, 1, T, L)
 
 
-def softmax_rows(scores):
+def softmax_forward(scores):
     """Row-wise softmax over the last axis; ``−∞`` entries get exactly 0.
 
     The row max is subtracted first, so scores of magnitude ``1e4`` stay finite. Every row
@@ -48,31 +67,59 @@ def softmax_rows(scores):
     """
     xp = array_namespace(scores)
     e = xp.exp(scores - xp.max(scores, axis=-1, keepdims=True))
-    e /= xp.sum(e, axis=-1, keepdims=True)
-    return e
+    return e / xp.sum(e, axis=-1, keepdims=True)
 
 
-def softmax_backward(delta_p, p, *, out=None):
-    """``Δ_S = P ∘ (dP − rowsum(dP ∘ P))`` (EQUATIONS.md; the paper's Δcausal).
+def softmax_backward(delta_p, p):
+    """``Δcausal = P ∘ (dP − rowsum(dP ∘ P))`` (EQUATIONS.md; the paper's Δcausal).
 
-    Each row of the result sums to zero because each row of ``P`` sums to one. Masked
-    entries come out exactly 0 because ``P`` is 0 there.
+    Each row sums to zero because each row of ``P`` sums to one; masked entries are exactly 0
+    because ``P`` is 0 there.
+    """
+    xp = array_namespace(p)
+    return p * (delta_p - xp.sum(delta_p * p, axis=-1, keepdims=True))
+
+
+def scaled_dot_product_attention_forward(q, k, v, allowed=None):
+    """``out = softmax(q kᵀ / √d_qk, masked) v`` over any leading axes (section 3).
 
     Args:
-        delta_p: ``dP``, any shape ``(..., T)``; p: the softmax output, same shape.
-        out: array to write the result into (may be ``delta_p`` itself); default a new one.
+        q: ``(..., T, d_qk)``; k: ``(..., L, d_qk)``; v: ``(..., L, d_head)``.
+        allowed: boolean mask broadcastable to ``(..., T, L)`` (``False`` -> score ``−∞``), or ``None``.
+
+    Returns:
+        ``(out, cache)``: ``out`` ``(..., T, d_head)``; ``cache`` holds ``q, k, v`` and ``p`` (= ``P``).
     """
-    lib = elementwise_lib(p)
-    if out is None:
-        out = empty_array(p.shape, p)
-    rowsum = rowdot(delta_p, p)                            # Σ_β dP_αβ P_αβ, no temporary
-    lib.subtract(delta_p, rowsum, out=out)
-    lib.multiply(out, p, out=out)
-    return out
+    xp = array_namespace(q)
+    scores = q @ xp.matrix_transpose(k) / math.sqrt(q.shape[-1])            # S (..., T, L)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, xp.full_like(scores, -math.inf))
+    p = softmax_forward(scores)                                              # P (..., T, L)
+    return p @ v, dict(q=q, k=k, v=v, p=p)                                   # (..., T, d_head)
+
+
+def scaled_dot_product_attention_backward(delta, cache):
+    """Section 3's backward of :func:`scaled_dot_product_attention_forward` (EQUATIONS.md).
+
+    ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``Δraw = Δcausal/√d_qk``,
+    ``dq = Δraw k``, ``dk = Δrawᵀ q``.
+
+    Returns:
+        ``(dq, dk, dv, delta_causal)``, shaped like ``q, k, v`` and ``P``.
+    """
+    xp = array_namespace(delta)
+    q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
+    dv = xp.matrix_transpose(p) @ delta                                      # (..., L, d_head)
+    dp = delta @ xp.matrix_transpose(v)                                      # (..., T, L)
+    delta_causal = softmax_backward(dp, p)                                   # (..., T, L)
+    delta_raw = delta_causal / math.sqrt(q.shape[-1])
+    dq = delta_raw @ k                                                       # (..., T, d_qk)
+    dk = xp.matrix_transpose(delta_raw) @ q                                  # (..., L, d_qk)
+    return dq, dk, dv, delta_causal
 
 
 def attention_head_forward(x, wq, bq, wk, bk, wv, bv, *, causal: bool = True):
-    """One attention head, written exactly as the paper's section 3 (for reading and testing).
+    """One attention head with its projections, exactly as the paper's section 3.
 
     Args:
         x: ``(B, T, d)`` input ``a_{i-1}``.
@@ -80,19 +127,16 @@ def attention_head_forward(x, wq, bq, wk, bk, wv, bv, *, causal: bool = True):
         causal: apply the causal mask.
 
     Returns:
-        ``(out, cache)``: ``out = P v`` of shape ``(B, T, d_head)``; the cache holds
-        ``x, q, k, v, P`` (``P`` is ``(B, T, T)``).
+        ``(out, cache)``: ``out = P v`` ``(B, T, d_head)``; the cache holds ``x``, the weights and
+        the attention cache (``q, k, v, P``; ``P`` is ``(B, T, T)``).
     """
-    xp = array_namespace(x)
-    q, _ = linear_forward(x, wq, bq)
-    k, _ = linear_forward(x, wk, bk)
-    v, _ = linear_forward(x, wv, bv)
-    d_qk = wq.shape[1]
-    scores = (q @ xp.matrix_transpose(k)) / math.sqrt(d_qk)
-    if causal:
-        scores = scores + causal_mask(x.shape[1], x)
-    p = softmax_rows(scores)
-    return p @ v, dict(x=x, q=q, k=k, v=v, p=p, d_qk=d_qk, weights=(wq, wk, wv))
+    q, _ = linear_forward(x, wq, bq)                                         # (B, T, d_qk)
+    k, _ = linear_forward(x, wk, bk)                                         # (B, T, d_qk)
+    v, _ = linear_forward(x, wv, bv)                                         # (B, T, d_head)
+    T = x.shape[1]
+    allowed = attention_mask(T, T, causal=True, like=x) if causal else None
+    out, attn = scaled_dot_product_attention_forward(q, k, v, allowed)      # (B, T, d_head)
+    return out, dict(x=x, weights=(wq, wk, wv), attn=attn, p=attn["p"])
 
 
 def attention_head_backward(delta, cache):
@@ -104,112 +148,94 @@ def attention_head_backward(delta, cache):
 
     Returns:
         ``(delta_in, grads, delta_causal)``: ``delta_in`` ``(B, T, d)`` (the head's share of
-        ``Δ_{i-1}``); ``grads`` maps ``wq, bq, wk, bk, wv, bv`` to their gradients
-        (``bk``'s is identically zero); ``delta_causal`` is ``(B, T, T)`` with rows summing to 0.
+        ``Δ_{i-1}``: ``dq Wqᵀ + dk Wkᵀ + dv Wvᵀ``); ``grads`` maps ``wq, bq, wk, bk, wv, bv`` to their
+        gradients (``bk``'s is identically zero); ``delta_causal`` ``(B, T, T)``, rows summing to 0.
     """
     xp = array_namespace(delta)
-    x, q, k, v, p = cache["x"], cache["q"], cache["k"], cache["v"], cache["p"]
-    wq, wk, wv = cache["weights"]
-    dv = xp.matrix_transpose(p) @ delta                     # Pᵀ Δ
-    dp = delta @ xp.matrix_transpose(v)                     # Δ vᵀ
-    delta_causal = softmax_backward(dp, p)
-    delta_raw = delta_causal / math.sqrt(cache["d_qk"])
-    dq = delta_raw @ k
-    dk = xp.matrix_transpose(delta_raw) @ q
-    grads = {}
-    delta_in = None
-    for name, d_out, w in (("q", dq, wq), ("k", dk, wk), ("v", dv, wv)):
-        d_in, grads["w" + name], grads["b" + name] = linear_backward(d_out, x, w)
+    x = cache["x"]
+    dq, dk, dv, delta_causal = scaled_dot_product_attention_backward(delta, cache["attn"])
+    grads, delta_in = {}, None
+    for name, d_out, w in (("q", dq, cache["weights"][0]), ("k", dk, cache["weights"][1]),
+                           ("v", dv, cache["weights"][2])):
+        grads["w" + name] = xp.zeros_like(w)
+        grads["b" + name] = xp.zeros_like(w[0])
+        d_in = linear_backward(d_out, x, w, dweight=grads["w" + name], dbias=grads["b" + name])
         delta_in = d_in if delta_in is None else delta_in + d_in
     return delta_in, grads, delta_causal
 
 
-def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True):
-    """All heads at once, as batched matmuls over ``(B, n_heads)``.
+def _split_heads(a, n_heads: int):
+    """``(B, T, n_heads·w)`` -> ``(B, n_heads, T, w)``: head ``h`` owns columns ``h·w … (h+1)·w``."""
+    xp = array_namespace(a)
+    B, T, width = a.shape
+    return xp.permute_dims(xp.reshape(a, (B, T, n_heads, width // n_heads)), (0, 2, 1, 3))
 
-    The q/k/v projections of every head are one fused fully connected layer computed by the
-    caller: ``qkv = x [Wq | Wk | Wv] + [bq | bk | bv]``, with head ``h`` owning columns
-    ``h·d_qk … (h+1)·d_qk`` of the q and k parts and ``h·d_head …`` of the v part.
+
+def _merge_heads(a):
+    """``(B, n_heads, T, w)`` -> ``(B, T, n_heads·w)``: the heads side by side (section 4's concat)."""
+    xp = array_namespace(a)
+    B, H, T, w = a.shape
+    return xp.reshape(xp.permute_dims(a, (0, 2, 1, 3)), (B, T, H * w))
+
+
+def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
+                                 kv_cache: KVBlock | None = None):
+    """All heads at once: the section-3 head batched over ``(B, n_heads)`` (section 4).
 
     Args:
-        qkv: ``(B, T, n_heads·(2·d_qk + d_head))``.
+        qkv: ``(B, T, n_heads·(2·d_qk + d_head))``, the fused projection ``x [Wq | Wk | Wv] + b``
+            (head ``h`` owns columns ``h·d_qk …`` of the q and k parts, ``h·d_head …`` of v).
+        n_heads, d_qk, d_head: the head layout.
+        causal: mask future keys.
+        kv_cache: a :class:`KVBlock`: the new keys and values are written into it at
+            ``length …`` and the queries attend to every cached token (generation); ``None``
+            for a plain forward.
 
     Returns:
-        ``(out, cache)``: ``out`` ``(B, T, n_heads·d_head)`` is the concatenation of the heads'
-        ``P v`` (the paper's ``a3``); the cache holds ``q`` (pre-scaled by ``1/√d_qk``), ``k``,
-        ``v`` as ``(B, n_heads, T, ·)`` and ``P`` as ``(B, n_heads, T, T)``.
+        ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` concatenated; the
+        cache holds ``q, k, v`` ``(B, n_heads, ·, ·)`` and ``p`` (``P``, ``(B, n_heads, T, L)``).
     """
-    B, T, _ = qkv.shape
-    hq, hv = n_heads * d_qk, n_heads * d_head
-
-    def heads(lo, width):                                    # (B, T, H·w) -> (B, H, T, w) view
-        return qkv[..., lo:lo + n_heads * width].reshape(B, T, n_heads, width).swapaxes(1, 2)
-
-    q_raw, k, v = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
-    if is_torch_array(qkv):
-        # torch's batched matmul copies a head-interleaved operand on every use (it needs one
-        # stride over (B, H)); one copy each here also serves the backward's three uses
-        k, v = k.contiguous(), v.contiguous()
-    q = empty_array((B, n_heads, T, d_qk), qkv)              # q / √d_qk (the scale folded in)
-    p = empty_array((B, n_heads, T, T), qkv)
-    out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
-    out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
-    mask = causal_mask(T, qkv) if causal else None
-    lib = elementwise_lib(qkv)
-
-    def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
-        qb, sb = q[lo:hi], p[lo:hi]
-        lib.multiply(q_raw[lo:hi], 1.0 / math.sqrt(d_qk), out=qb)
-        matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T)
-        if mask is not None:
-            lib.add(sb, mask, out=sb)
-        lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)    # softmax_rows, in place
-        lib.exp(sb, out=sb)
-        lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
-        matmul_into(out_heads[lo:hi], sb, v[lo:hi])          # P v
-
-    for_row_blocks(qkv, kernel, B, n_heads * T * T, block=_BLOCK)
-    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk)
+    hq = n_heads * d_qk
+    q = _split_heads(qkv[..., :hq], n_heads)                                 # (B, H, T, d_qk)
+    k = _split_heads(qkv[..., hq:2 * hq], n_heads)                           # (B, H, T, d_qk)
+    v = _split_heads(qkv[..., 2 * hq:], n_heads)                             # (B, H, T, d_head)
+    T = qkv.shape[1]
+    key_start = None
+    if kv_cache is not None:                                                 # append, attend to all
+        L0, L = kv_cache.length, kv_cache.length + T
+        kv_cache.keys[:, :, L0:L, :] = k
+        kv_cache.values[:, :, L0:L, :] = v
+        k, v, key_start = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :], kv_cache.key_start
+    L = k.shape[2]
+    allowed = attention_mask(T, L, causal=causal, key_start=key_start, like=qkv) \
+        if causal or key_start is not None else None
+    out, cache = scaled_dot_product_attention_forward(q, k, v, allowed)     # (B, H, T, d_head)
+    return _merge_heads(out), cache                                          # (B, T, H·d_head)
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     """Backward of :func:`multi_head_attention_forward` down to the fused ``qkv``.
 
-    The incoming ``Δ`` ``(B, T, n_heads·d_head)`` is sliced column-wise into one block per
-    head; every head runs the section-3 backward (batched); the result is the signal at the
-    fused ``qkv`` output. The caller's fused linear backward then forms ``Δ_{i-1} = dq Wqᵀ +
-    dk Wkᵀ + dv Wvᵀ``, which *is* the sum over heads of each head's ``Δ_{i-1}^h``.
+    ``Δ3`` ``(B, T, n_heads·d_head)`` is cut into one column block per head, every head runs
+    the section-3 backward (batched), and the heads' ``dq, dk, dv`` are concatenated into the
+    signal at ``qkv`` (the caller's fused linear backward then sums over heads, module docstring).
 
     Returns:
         ``(delta_qkv, delta_causal)``: ``(B, T, n_heads·(2·d_qk + d_head))`` and, if asked,
         ``Δcausal`` ``(B, n_heads, T, T)`` (else ``None``).
+
+    Raises:
+        ValueError: the forward ran against a KV cache (generation has no backward).
     """
-    q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
-    B, H, T, d_head = v.shape
-    d_qk = cache["d_qk"]
-    hq, hv = H * d_qk, H * d_head
-    delta_qkv = empty_array((B, T, 2 * hq + hv), p)
-    kept = empty_array(p.shape, p) if keep_delta_causal else None
-    lib = elementwise_lib(p)
+    xp = array_namespace(delta)
+    if cache["k"].shape[2] != delta.shape[1]:
+        raise ValueError("no backward through a KV-cache forward; run model.forward without a cache")
+    n_heads = cache["q"].shape[1]
+    dq, dk, dv, delta_causal = scaled_dot_product_attention_backward(_split_heads(delta, n_heads), cache)
+    delta_qkv = xp.concat([_merge_heads(dq), _merge_heads(dk), _merge_heads(dv)], axis=-1)
+    return delta_qkv, (delta_causal if keep_delta_causal else None)
 
-    def heads(lo, width):                                     # column block as (B, H, T, w) view
-        return delta_qkv[..., lo:lo + H * width].reshape(B, T, H, width).swapaxes(1, 2)
 
-    d_out = delta.reshape(B, T, H, d_head).swapaxes(1, 2)     # head h's columns of Δ
-    if is_torch_array(p):
-        d_out = d_out.contiguous()                            # used twice (see the forward)
-    dq_all, dk_all, dv_all = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
-
-    def kernel(lo: int, hi: int) -> None:                     # batch rows lo:hi
-        pb, db = p[lo:hi], d_out[lo:hi]
-        matmul_into(dv_all[lo:hi], pb.mT, db)                 # dv = Pᵀ Δ
-        delta_causal = kept[lo:hi] if kept is not None else scratch(pb.shape, pb, "attention.dP")
-        matmul_into(delta_causal, db, v[lo:hi].mT)            # dP = Δ vᵀ
-        softmax_backward(delta_causal, pb, out=delta_causal)  # Δcausal; masked entries stay 0
-        dq = dq_all[lo:hi]
-        matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
-        lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
-        matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])  # dk = Δrawᵀ q (q carries 1/√d_qk)
-
-    for_row_blocks(p, kernel, B, H * T * T, block=_BLOCK)
-    return delta_qkv, kept
+def attention_weights(cache):
+    """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache."""
+    return cache["p"]

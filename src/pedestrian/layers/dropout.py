@@ -27,8 +27,8 @@ def dropout_forward(x, p: float, rng: np.random.Generator):
     if p == 0.0:
         return x, None
     xp = array_namespace(x)
-    keep = rng.random(tuple(x.shape)) >= p
-    mask = xp.astype(asarray_like(keep, x), x.dtype) * (1.0 / (1.0 - p))
+    keep = rng.random(tuple(x.shape)) >= p                                   # NumPy bools
+    mask = xp.astype(asarray_like(keep, x), x.dtype) * (1.0 / (1.0 - p))    # kept / (1 - p)
     return x * mask, mask
 
 

@@ -3,6 +3,8 @@
 Convention: the adapter adds ``α · x D U`` with a plain scalar ``α`` (the paper's). Hugging
 Face PEFT writes the same thing as ``(lora_alpha / r) · x Aᵀ Bᵀ``; convert with
 ``α = lora_alpha / r``, ``D = Aᵀ``, ``U = Bᵀ``.
+
+Reference implementation: the paper's math only, written against the array API standard.
 """
 
 from __future__ import annotations
@@ -21,29 +23,32 @@ def lora_forward(x, lora_D, lora_U, alpha: float):
     Returns:
         ``(y_lora, cache)``: ``(..., f_out)``; ``cache = (x, x D)``. ``D U`` is never formed.
     """
-    xp = array_namespace(x)
-    f_in, r = lora_D.shape
-    h = xp.reshape(x, (-1, f_in)) @ lora_D                       # (N, r)
-    y = xp.reshape((alpha * h) @ lora_U, (*x.shape[:-1], lora_U.shape[1]))
-    return y, (x, h)
+    h = x @ lora_D                                          # (..., r)
+    return alpha * (h @ lora_U), (x, h)                     # (..., f_out)
 
 
-def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, need_input=True):
+def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=None, need_input=True):
     """``dD = α xᵀ (Δ Uᵀ)``, ``dU = α (x D)ᵀ Δ``, input signal ``α (Δ Uᵀ) Dᵀ``.
 
     ``Δ Uᵀ`` is computed once. The frozen base layer's ``Δ Wᵀ`` is added by the caller.
 
+    Args:
+        delta: ``(..., f_out)``; cache: from :func:`lora_forward`.
+        dD, dU: ``(f_in, r)`` / ``(r, f_out)`` arrays the gradients are written into (or ``None``).
+        need_input: compute the adapter's share of ``Δ_in``.
+
     Returns:
-        ``(delta_in_lora, d_D, d_U)``; ``delta_in_lora`` is ``None`` when not needed.
+        the adapter's share of ``Δ_in`` ``(..., f_in)``, or ``None`` when not asked for.
     """
     xp = array_namespace(delta)
     x, h = cache
     f_in, r = lora_D.shape
-    d2 = xp.reshape(delta, (-1, lora_U.shape[1]))
-    g = d2 @ xp.matrix_transpose(lora_U)                        # (N, r) = Δ Uᵀ
-    d_U = alpha * (xp.matrix_transpose(h) @ d2)
-    d_D = alpha * (xp.matrix_transpose(xp.reshape(x, (-1, f_in))) @ g)
-    delta_in = None
-    if need_input:
-        delta_in = xp.reshape(alpha * (g @ xp.matrix_transpose(lora_D)), (*delta.shape[:-1], f_in))
-    return delta_in, d_D, d_U
+    delta_rows = xp.reshape(delta, (-1, lora_U.shape[1]))                    # (N, f_out)
+    g = delta_rows @ xp.matrix_transpose(lora_U)                             # (N, r) = Δ Uᵀ
+    if dU is not None:
+        dU[...] = alpha * (xp.matrix_transpose(xp.reshape(h, (-1, r))) @ delta_rows)     # (r, f_out)
+    if dD is not None:
+        dD[...] = alpha * (xp.matrix_transpose(xp.reshape(x, (-1, f_in))) @ g)          # (f_in, r)
+    if not need_input:
+        return None
+    return xp.reshape(alpha * (g @ xp.matrix_transpose(lora_D)), (*delta.shape[:-1], f_in))

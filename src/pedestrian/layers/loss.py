@@ -1,10 +1,11 @@
-"""Softmax cross-entropy for next-token prediction (paper section 1; EQUATIONS.md "Next-token loss")."""
+"""Softmax cross-entropy for next-token prediction (paper section 1; EQUATIONS.md "Next-token loss").
+
+Reference implementation: the paper's math only, written against the array API standard.
+"""
 
 from __future__ import annotations
 
-from array_api_compat import device
-
-from ..backend import array_namespace, elementwise_lib, empty_array, for_row_blocks
+from ..backend import array_namespace
 
 IGNORE_INDEX = -100  # PyTorch's default ignore_index
 
@@ -13,72 +14,44 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     """Mean of ``−log softmax(logits)[target]`` over the targets that count.
 
     Computed with log-sum-exp (max subtracted first), so logits of magnitude ``1e4`` stay
-    finite. A target equal to ``ignore_index`` does not count. If *no* target counts the
-    loss is defined as ``0.0`` and the backward gives zero gradients (no ``0/0`` NaN).
+    finite. A target equal to ``ignore_index`` does not count. If *no* target counts the loss
+    is defined as ``0.0`` and the backward gives zero gradients (no ``0/0`` NaN).
 
     Args:
         logits: ``(B, T, V)`` float array (``a12``).
-        targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index`` (validated by the
-            caller, see ``GPT.forward``).
-        n_total: divide by this many counted targets instead of the number counted here: for
-            one slice of a larger batch (:class:`pedestrian.parallel.DataParallel`) the loss
-            and its gradient are then this slice's share of the whole batch's mean, and the
-            slices' losses and gradients simply add up.
+        targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index`` (validated by the model).
+        n_total: divide by this many counted targets instead of the number counted here: for one
+            slice of a larger batch (:class:`pedestrian.parallel.DataParallel`, or one rank of a
+            distributed batch) the loss and gradient are then this slice's share of the whole
+            batch's mean, and the slices' losses and gradients simply add up.
 
     Returns:
-        ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted
-        token); ``cache`` holds ``exp(z − max)``, its row sums and the targets for the backward.
+        ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted token);
+        ``cache`` holds ``y_pred`` (the softmax), the one-hot targets and the count.
     """
     xp = array_namespace(logits)
-    lib = elementwise_lib(logits)
     V = logits.shape[-1]
-    z = logits.reshape(-1, V)
-    t = targets.reshape(-1)
-    counted = t != ignore_index
-    n_counted = int(counted.sum()) if n_total is None else int(n_total)
-    safe_t = xp.where(counted, t, xp.zeros_like(t))
-    e = empty_array(z.shape, z)                            # exp(z − max): softmax before its division
-    sum_e = empty_array((z.shape[0], 1), z)                # Σ exp(z − max), per row
-    log_z = empty_array((z.shape[0],), z)                  # log Σ exp(z − max), per row
-    target_shifted = empty_array((z.shape[0],), z)         # z[target] − max, per row
-
-    def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
-        eb = e[lo:hi]
-        lib.subtract(z[lo:hi], lib.amax(z[lo:hi], axis=-1, keepdims=True), out=eb)
-        target_shifted[lo:hi] = xp.take_along_axis(eb, safe_t[lo:hi, None], axis=-1)[:, 0]
-        lib.exp(eb, out=eb)
-        lib.sum(eb, axis=-1, keepdims=True, out=sum_e[lo:hi])
-        lib.log(sum_e[lo:hi, 0], out=log_z[lo:hi])
-
-    for_row_blocks(z, kernel, z.shape[0], V)
-    nll = (log_z - target_shifted) * xp.astype(counted, z.dtype)
+    z = xp.reshape(logits, (-1, V))                                          # (N, V)
+    t = xp.reshape(targets, (-1,))                                           # (N,)
+    counted = t != ignore_index                                              # (N,) bool
+    n_counted = int(xp.sum(xp.astype(counted, xp.int64))) if n_total is None else int(n_total)
+    y_gt = xp.astype(xp.arange(V)[None, :] == xp.where(counted, t, xp.zeros_like(t))[:, None], z.dtype)
+    y_gt = y_gt * xp.astype(counted, z.dtype)[:, None]                       # one-hot, 0 rows ignored
+    z_max = xp.max(z, axis=-1, keepdims=True)                                # (N, 1)
+    log_sum_exp = xp.log(xp.sum(xp.exp(z - z_max), axis=-1, keepdims=True)) + z_max
+    y_pred = xp.exp(z - log_sum_exp)                                         # softmax (N, V)
+    nll = xp.sum(y_gt * (log_sum_exp - z), axis=-1)                          # −log y_pred[target]
     loss = xp.sum(nll) / max(n_counted, 1)
-    return loss, (e, sum_e, safe_t, counted, n_counted, logits.shape)
+    return loss, (y_pred, y_gt, counted, n_counted, logits.shape)
 
 
 def cross_entropy_backward(cache):
     """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows.
 
-    ``y_pred = e / Σe`` (softmax) is never stored: the forward keeps ``e = exp(z − max)`` and
-    ``Σe``, and the division is folded into the per-row scale here (one pass over the
-    ``(B·T, V)`` logits instead of two).
-
     Returns:
-        ``(B, T, V)`` error signal at the logits. The one-hot matrix is never built: one
-        entry per row is decremented.
+        ``(B, T, V)`` error signal at the logits.
     """
-    e, sum_e, safe_t, counted, n_counted, shape = cache
-    xp = array_namespace(e)
-    lib = elementwise_lib(e)
-    scale = xp.astype(counted, e.dtype) * (1.0 / max(n_counted, 1))
-    row_scale = scale[:, None] / sum_e                     # counted / (N Σe), per row
-    delta = empty_array(e.shape, e)
-    V = e.shape[-1]
-
-    def kernel(lo: int, hi: int) -> None:
-        lib.multiply(e[lo:hi], row_scale[lo:hi], out=delta[lo:hi])
-
-    for_row_blocks(e, kernel, e.shape[0], V)
-    rows = xp.arange(delta.shape[0], device=device(delta))
-    delta[rows, safe_t] -= scale
+    xp = array_namespace(cache[0])
+    y_pred, y_gt, counted, n_counted, shape = cache
+    delta = (y_pred * xp.astype(counted, y_pred.dtype)[:, None] - y_gt) / max(n_counted, 1)
     return xp.reshape(delta, shape)

@@ -1,0 +1,69 @@
+"""The fast path: the reference layers' functions, same names and signatures, tuned for speed.
+
+:mod:`pedestrian.layers` is the paper's math, one screen per layer. This package computes the
+same things faster, and every difference from the reference earns its lines by a measurement
+(``docs/kernels.md`` lists each one and what it buys):
+
+- :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
+  them, so memory is not returned to the OS and faulted in again every step;
+- :mod:`.threads` -- NumPy's elementwise work shared over a small thread pool in row blocks,
+  and BLAS held to one thread while a caller runs its own threads;
+- :mod:`.blas` -- products and reductions written into preallocated arrays;
+- :mod:`.layernorm`, :mod:`.activations`, :mod:`.attention`, :mod:`.loss`, :mod:`.linear`,
+  :mod:`.embedding` -- the layers, with ``out=`` chains, folded constants and in-place softmax.
+
+Dropout and LoRA gain nothing measurable from a second version: the reference ones are used.
+A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
+name to the module.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..layers import IGNORE_INDEX, KVBlock
+from ..layers.dropout import dropout_backward, dropout_forward
+from ..layers.lora import lora_backward, lora_forward
+from .activations import activation_backward, activation_forward
+from .attention import attention_weights, multi_head_attention_backward, multi_head_attention_forward
+from .embedding import embedding_backward, embedding_forward
+from .layernorm import layernorm_backward, layernorm_forward
+from .linear import add, linear_backward, linear_forward
+from .loss import cross_entropy_backward, cross_entropy_forward
+
+#: the two implementations a model can run
+KERNELS = ("fast", "reference")
+
+__all__ = [
+    "IGNORE_INDEX", "KERNELS", "KVBlock", "kernels_for", "default_kernels",
+    "activation_backward", "activation_forward", "add", "attention_weights",
+    "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
+    "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
+    "linear_backward", "linear_forward", "lora_backward", "lora_forward",
+    "multi_head_attention_backward", "multi_head_attention_forward",
+]
+
+
+def default_kernels() -> str:
+    """``PEDESTRIAN_KERNELS`` if set (``fast`` or ``reference``), else ``"fast"``."""
+    return os.environ.get("PEDESTRIAN_KERNELS", "fast")
+
+
+def kernels_for(name: str | None = None):
+    """The module whose functions a model calls: :mod:`pedestrian.kernels` for ``"fast"``,
+    :mod:`pedestrian.layers` for ``"reference"`` (``None``: :func:`default_kernels`).
+
+    Raises:
+        ValueError: any other name (also a bad ``PEDESTRIAN_KERNELS``).
+    """
+    import sys
+
+    name = default_kernels() if name is None else name
+    if name == "fast":
+        return sys.modules[__name__]
+    if name == "reference":
+        from .. import layers
+
+        return layers
+    raise ValueError(f"unknown kernels {name!r}; choose one of {KERNELS} "
+                     "(PEDESTRIAN_KERNELS or GPT(..., kernels=...))")

@@ -1,0 +1,149 @@
+"""Fast kernels for multi-head attention (reference: :mod:`pedestrian.layers.attention`, sections 3-4).
+
+The same formulas as the reference, arranged for speed: the scale ``1/√d_qk`` is folded into
+``q`` once, the scores are overwritten in place by the softmax (one ``(B, H, T, T)`` array per
+block instead of three), ``dP`` becomes ``Δcausal`` in place, heads are written straight into
+their column blocks of ``a3`` and of the signal at ``qkv`` (no concatenation copies), and the
+batch rows are shared over threads in blocks (:func:`pedestrian.kernels.threads.for_row_blocks`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from array_api_compat import device
+
+from ..backend import array_namespace, is_torch_array
+from ..layers.attention import KVBlock, attention_mask
+from .blas import elementwise_lib, matmul_into, rowdot
+from .threads import for_row_blocks
+from .workspace import empty_array, scratch
+
+_MASKS: dict = {}
+#: elements of (B, H, T, T) per block: batched matmuls of small matrices want few, large calls
+_BLOCK = 1 << 20
+
+
+def causal_mask(T: int, like):
+    """Additive ``(T, T)`` mask: ``0`` on and below the diagonal, ``−∞`` above; built once per
+    ``(T, dtype, backend, device)`` and reused (no per-step allocation)."""
+    xp = array_namespace(like)
+    dev = device(like)
+    key = (T, str(like.dtype), type(like).__module__, str(dev))
+    mask = _MASKS.get(key)
+    if mask is None:
+        pos = xp.arange(T, device=dev)
+        zeros = xp.zeros((T, T), dtype=like.dtype, device=dev)
+        mask = xp.where(pos[None, :] > pos[:, None], xp.full_like(zeros, -math.inf), zeros)
+        _MASKS[key] = mask
+    return mask
+
+
+def softmax_backward_into(delta_p, p, out) -> None:
+    """``out = P ∘ (dP − rowsum(dP ∘ P))`` (``out`` may be ``delta_p`` itself)."""
+    lib = elementwise_lib(p)
+    rowsum = rowdot(delta_p, p)                            # Σ_β dP_αβ P_αβ, no temporary
+    lib.subtract(delta_p, rowsum, out=out)
+    lib.multiply(out, p, out=out)
+
+
+def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
+                                 kv_cache: KVBlock | None = None):
+    """Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
+    results; the cache's ``q`` carries the ``1/√d_qk`` scale)."""
+    if kv_cache is not None:
+        return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache)
+    B, T, _ = qkv.shape
+    hq, hv = n_heads * d_qk, n_heads * d_head
+
+    def heads(lo, width):                                    # (B, T, H·w) -> (B, H, T, w) view
+        return qkv[..., lo:lo + n_heads * width].reshape(B, T, n_heads, width).swapaxes(1, 2)
+
+    q_raw, k, v = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
+    if is_torch_array(qkv):
+        # torch's batched matmul copies a head-interleaved operand on every use (it needs one
+        # stride over (B, H)); one copy each here also serves the backward's three uses
+        k, v = k.contiguous(), v.contiguous()
+    q = empty_array((B, n_heads, T, d_qk), qkv)              # q / √d_qk (the scale folded in)
+    p = empty_array((B, n_heads, T, T), qkv)
+    out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
+    out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
+    mask = causal_mask(T, qkv) if causal else None
+    lib = elementwise_lib(qkv)
+
+    def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
+        qb, sb = q[lo:hi], p[lo:hi]
+        lib.multiply(q_raw[lo:hi], 1.0 / math.sqrt(d_qk), out=qb)
+        matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T)
+        if mask is not None:
+            lib.add(sb, mask, out=sb)
+        lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)    # softmax, in place
+        lib.exp(sb, out=sb)
+        lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
+        matmul_into(out_heads[lo:hi], sb, v[lo:hi])          # P v
+
+    for_row_blocks(qkv, kernel, B, n_heads * T * T, block=_BLOCK)
+    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk)
+
+
+def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
+    """Attention of ``T`` new tokens against every cached one; writes their keys and values."""
+    B, T, _ = qkv.shape
+    hq, hv = n_heads * d_qk, n_heads * d_head
+    L0, L = kv_cache.length, kv_cache.length + T
+    keys, values = kv_cache.keys, kv_cache.values
+    keys[:, :, L0:L, :] = qkv[..., hq:2 * hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2)
+    values[:, :, L0:L, :] = qkv[..., 2 * hq:].reshape(B, T, n_heads, d_head).swapaxes(1, 2)
+    q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (1.0 / math.sqrt(d_qk))
+    k, v = keys[:, :, :L, :], values[:, :, :L, :]
+    s = q @ k.mT                                             # (B, H, T, L)
+    lib = elementwise_lib(s)
+    if (causal and T > 1) or kv_cache.key_start is not None:
+        allowed = attention_mask(T, L, causal=causal, key_start=kv_cache.key_start, like=qkv)
+        xp = array_namespace(s)
+        s = xp.where(allowed, s, xp.full_like(s, -math.inf))
+    lib.subtract(s, lib.amax(s, axis=-1, keepdims=True), out=s)
+    lib.exp(s, out=s)
+    lib.divide(s, lib.sum(s, axis=-1, keepdims=True), out=s)
+    out = (s @ v).swapaxes(1, 2).reshape(B, T, hv)           # (B, T, H·d_head)
+    return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, kv_cache=True)
+
+
+def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
+    """Fast :func:`pedestrian.layers.attention.multi_head_attention_backward`."""
+    if cache.get("kv_cache"):
+        raise ValueError("no backward through a KV-cache forward; run model.forward without a cache")
+    q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
+    B, H, T, d_head = v.shape
+    d_qk = cache["d_qk"]
+    hq, hv = H * d_qk, H * d_head
+    delta_qkv = empty_array((B, T, 2 * hq + hv), p)
+    kept = empty_array(p.shape, p) if keep_delta_causal else None
+    lib = elementwise_lib(p)
+
+    def heads(lo, width):                                     # column block as (B, H, T, w) view
+        return delta_qkv[..., lo:lo + H * width].reshape(B, T, H, width).swapaxes(1, 2)
+
+    d_out = delta.reshape(B, T, H, d_head).swapaxes(1, 2)     # head h's columns of Δ
+    if is_torch_array(p):
+        d_out = d_out.contiguous()                            # used twice (see the forward)
+    dq_all, dk_all, dv_all = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
+
+    def kernel(lo: int, hi: int) -> None:                     # batch rows lo:hi
+        pb, db = p[lo:hi], d_out[lo:hi]
+        matmul_into(dv_all[lo:hi], pb.mT, db)                 # dv = Pᵀ Δ
+        delta_causal = kept[lo:hi] if kept is not None else scratch(pb.shape, pb, "attention.dP")
+        matmul_into(delta_causal, db, v[lo:hi].mT)            # dP = Δ vᵀ
+        softmax_backward_into(delta_causal, pb, delta_causal)  # Δcausal; masked entries stay 0
+        dq = dq_all[lo:hi]
+        matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
+        lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
+        matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])  # dk = Δrawᵀ q (q carries 1/√d_qk)
+
+    for_row_blocks(p, kernel, B, H * T * T, block=_BLOCK)
+    return delta_qkv, kept
+
+
+def attention_weights(cache):
+    """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache."""
+    return cache["p"]

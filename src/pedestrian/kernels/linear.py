@@ -1,0 +1,57 @@
+"""Fast kernels for the fully connected layer and the skip addition (reference:
+:mod:`pedestrian.layers.linear`, :mod:`pedestrian.layers.residual`).
+
+Products go straight into preallocated arrays (the model's gradient buffer for ``dW``, ``db``;
+pooled arrays for outputs), bias sums are one BLAS product with a row of ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blas import colsum, elementwise_lib, matmul_into
+from .workspace import empty_array
+
+
+def linear_forward(x, weight, bias=None):
+    """Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
+    f_in, f_out = weight.shape
+    x2 = x.reshape(-1, f_in)
+    y = empty_array((x2.shape[0], f_out), x2)
+    matmul_into(y, x2, weight, bias=bias)
+    return y.reshape(*x.shape[:-1], f_out), x
+
+
+def _transposed_contiguous(a) -> bool:
+    """A 2-D view that is the transpose of a C-contiguous array (a tied weight's gradient)."""
+    if type(a) is np.ndarray:
+        return not a.flags.c_contiguous and a.T.flags.c_contiguous
+    return not a.is_contiguous() and a.mT.is_contiguous()
+
+
+def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_input=True):
+    """Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
+    straight into ``dweight`` / ``dbias`` (for a transposed ``dweight`` -- the tied logits'
+    share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows)."""
+    f_in, f_out = weight.shape
+    d2 = delta.reshape(-1, f_out)
+    if dweight is not None:
+        x2 = cache.reshape(-1, f_in)
+        if _transposed_contiguous(dweight):
+            matmul_into(dweight.mT, d2.mT, x2)
+        else:
+            matmul_into(dweight, x2.mT, d2)
+    if dbias is not None:
+        colsum(d2, out=dbias)
+    if not need_input:
+        return None
+    delta_in = empty_array((d2.shape[0], f_in), d2)
+    matmul_into(delta_in, d2, weight.mT)
+    return delta_in.reshape(*delta.shape[:-1], f_in)
+
+
+def add(a, b):
+    """Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
+    out = empty_array(a.shape, a)
+    elementwise_lib(a).add(a, b, out=out)
+    return out

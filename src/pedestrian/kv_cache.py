@@ -1,0 +1,106 @@
+"""The KV cache (paper section 3, side note; EQUATIONS.md "KV cache").
+
+The keys and values of a token never change once computed -- each is a per-token fully connected
+map of that token's input to the block. During generation a :class:`KVCache` keeps, per block
+and head, the ``k`` and ``v`` rows of every token seen so far in arrays preallocated to the
+context length::
+
+    cache.keys[i]   (B, n_heads, context_length, d_qk)      block i
+    cache.values[i] (B, n_heads, context_length, d_head)
+
+``model.forward(new_tokens, kv_cache=cache)`` runs the same layer forwards as training; each
+block's attention writes the new tokens' keys and values at ``cache.length …`` and takes one
+softmax row per new token against every cached key: O(current length) work per token instead of
+the O(length²) of a full forward pass. Its logits equal those of a full forward pass over the
+same prefix (tested to 1e-10 relative in float64).
+
+Rows of different lengths (a batch of prompts) are left-padded: ``key_start[b]`` is the first
+real token of row ``b``; no query attends to the padding, and row ``b``'s positions count from
+its first real token, so each row computes what it would compute alone.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .backend import asarray_like
+from .layers.attention import KVBlock
+
+__all__ = ["KVCache", "KVBlock"]
+
+
+class KVCache:
+    """Keys and values of every token seen so far, per block and head, for ``B`` sequences.
+
+    Args:
+        model: a causal :class:`~pedestrian.model.GPT` (the cache takes its dtype and backend).
+        batch_size: ``B``, the number of sequences generated together.
+        key_start: optional ``(B,)`` ints: the number of left-padding tokens of each row (its
+            first real token); ``None`` when no row is padded.
+
+    Attributes:
+        keys: list over blocks of ``(B, n_heads, context_length, d_qk)`` arrays.
+        values: list over blocks of ``(B, n_heads, context_length, d_head)`` arrays.
+        length: number of tokens (padding included) cached so far.
+        context_length: capacity (the model's ``context_length``).
+
+    Memory: ``B · n_blocks · n_heads · context_length · (d_qk + d_head)`` numbers, i.e.
+    ``2 · n_blocks · context_length · d_model`` per sequence when ``d_qk = d_head = d/n_heads``
+    (EQUATIONS.md). Allocated once, here.
+
+    Raises:
+        ValueError: a non-causal model (a token's keys would depend on later tokens, so nothing
+            can be cached -- use ``generate(..., use_cache=False)``), ``batch_size < 1``, or a
+            ``key_start`` of the wrong shape.
+    """
+
+    def __init__(self, model, batch_size: int = 1, key_start=None) -> None:
+        c = model.config
+        if not c.causal:
+            raise ValueError("a KV cache needs a causal model (config.causal=True): in a "
+                             "bidirectional model earlier tokens' keys change when a token is "
+                             "added; generate with use_cache=False instead")
+        if not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        xp = model.xp
+        self.model = model
+        self.batch_size = int(batch_size)
+        self.context_length = c.context_length
+        self.keys = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_qk), dtype=model.dtype)
+                     for _ in range(c.n_blocks)]
+        self.values = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_head), dtype=model.dtype)
+                       for _ in range(c.n_blocks)]
+        self.length = 0
+        self.key_start = None
+        if key_start is not None:
+            start = np.asarray(key_start, dtype=np.int64)
+            if start.shape != (batch_size,) or start.min() < 0:
+                raise ValueError(f"key_start must hold {batch_size} counts >= 0, got {key_start!r}")
+            if start.any():
+                self.key_start = asarray_like(start, self.keys[0])
+
+    def reset(self, key_start=None) -> None:
+        """Forget every cached token (the arrays are kept and overwritten; no allocation)."""
+        self.length = 0
+        self.key_start = None
+        if key_start is not None and np.any(key_start):
+            self.key_start = asarray_like(np.asarray(key_start, dtype=np.int64), self.keys[0])
+
+    def block(self, i: int) -> KVBlock:
+        """Block ``i``'s arrays and the current length, as the attention layers take them."""
+        return KVBlock(self.keys[i], self.values[i], self.length, self.key_start)
+
+    def positions(self, T: int):
+        """Position index of ``T`` new tokens: ``length + t``, counted from each row's first real
+        token (``(T,)``, or ``(B, T)`` with left padding; padding gets position 0)."""
+        xp = self.model.xp
+        pos = xp.arange(self.length, self.length + T)
+        if self.key_start is None:
+            return pos
+        return xp.clip(pos[None, :] - self.key_start[:, None], 0, None)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, length={self.length}, "
+                f"context_length={self.context_length}, n_blocks={len(self.keys)})")
