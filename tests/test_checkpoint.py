@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from pedestrian import atomic
 from pedestrian import checkpoint as ck
 from pedestrian.checkpoint import CheckpointError, copy_checkpoint, load_checkpoint, save_checkpoint
 from pedestrian.config import GPTConfig
@@ -105,10 +106,10 @@ def test_replace_keeps_one_loadable_checkpoint_at_every_moment(tmp_path, monkeyp
             raise Killed()
         return real_rename(src, dst)
 
-    monkeypatch.setattr(ck.os, "rename", dying_rename)
+    monkeypatch.setattr(atomic.os, "rename", dying_rename)
     with pytest.raises(Killed):
         save_checkpoint(final, m2, o2, None, step=2)
-    monkeypatch.setattr(ck.os, "rename", real_rename)
+    monkeypatch.setattr(atomic.os, "rename", real_rename)
     assert not final.exists()
     c = load_checkpoint(final)                           # found at .latest.old
     assert c.step == 1
