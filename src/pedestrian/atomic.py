@@ -83,8 +83,12 @@ class WriteError(OSError):
         self.then = then or "run the command again"
 
     def advise(self, kept: str | None = None, then: str | None = None) -> "WriteError":
-        """A copy with one more ``kept`` phrase and/or another ``then`` (how to go on)."""
-        return WriteError(self.path, self.what, self.cause, self.kept + ([kept] if kept else []),
+        """A copy with one more ``kept`` phrase and/or another ``then`` (how to go on). A
+        phrase that names :attr:`path` itself replaces the generic one about it."""
+        old = self.kept
+        if kept and str(self.path) in kept:
+            old = [k for k in old if k not in _GENERIC_KEPT]
+        return WriteError(self.path, self.what, self.cause, old + ([kept] if kept else []),
                           then or self.then)
 
     def __str__(self) -> str:
@@ -113,14 +117,19 @@ def _os_error_of(exc: BaseException) -> OSError | None:
     return None
 
 
+_GENERIC_KEPT = ("the previous one there is unchanged", "nothing was left there")
+
+
 def _kept_phrase(existed: bool) -> str:
-    return "the previous one there is unchanged" if existed else "nothing was left there"
+    return _GENERIC_KEPT[0] if existed else _GENERIC_KEPT[1]
 
 
 @contextlib.contextmanager
 def reporting(path, what: str, then: str | None = None, kept: str | None = None) -> Iterator[None]:
     """Turn an ``OSError`` (or safetensors' I/O ``SafetensorError``) raised inside the block
-    into a :class:`WriteError` about ``path``; other exceptions pass through unchanged.
+    into a :class:`WriteError` about ``path``; other exceptions pass through unchanged. A
+    :class:`WriteError` about another path (a file written inside the folder being written) is
+    reported as one about ``path``.
 
     Args:
         path: the file or folder being written. what: how to name it (``"the token cache"``).
@@ -132,8 +141,11 @@ def reporting(path, what: str, then: str | None = None, kept: str | None = None)
         kept = _kept_phrase(os.path.lexists(path))
     try:
         yield
-    except WriteError:
-        raise
+    except WriteError as exc:
+        if exc.path == path:
+            raise
+        # a writer nested inside this one (a file of a folder being written): report ours
+        raise WriteError(path, what, exc.cause, [kept], then) from exc
     except BaseException as exc:
         cause = _os_error_of(exc)
         if cause is None:
