@@ -46,7 +46,7 @@ Content = Union[bytes, str, Iterable[bytes], Callable[[Path], None]]
 _ADVICE = {
     errno.ENOSPC: ("no space left on the device (ENOSPC)",
                    "Free some disk space (or choose a folder on another disk)"),
-    errno.EDQUOT: ("the disk quota is exceeded (EDQUOT)",
+    getattr(errno, "EDQUOT", -1): ("the disk quota is exceeded (EDQUOT)",
                    "Free some space within your quota (or choose another folder)"),
     errno.EFBIG: ("the file is too large for this file system (EFBIG)",
                   "Choose a folder on a file system that allows larger files (FAT32 stops at 4 GiB)"),

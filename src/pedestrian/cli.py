@@ -38,8 +38,8 @@ COMMANDS = {
 
 
 #: errno of an OSError that is the environment's doing (reported in one line, never a traceback)
-_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
-                           errno.EROFS})
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG, errno.EACCES,
+                           errno.EPERM, errno.EROFS})
 
 
 class UserError(Exception):

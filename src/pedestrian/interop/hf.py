@@ -739,6 +739,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
             :func:`pedestrian.interop.peft.save_peft_adapter`), a config GPT-2 cannot express,
             a tokenizer with more ids than ``vocab_size``, or an output problem.
+        WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
+            permission, read-only); ``out_dir`` is left as it was.
     """
     from safetensors.numpy import save_file
 
