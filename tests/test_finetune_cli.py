@@ -243,3 +243,35 @@ def test_sample_and_eval_accept_a_finetune_run(run_all, tmp_path, capsys):
         code, _, err = main(capsys, *argv)
         one_error_line(code, err, "pass --hf-dir BASE_DIR")
         assert len(err) < 300 and "base_model=" not in err
+
+
+def test_a_full_disk_while_saving_names_the_last_adapter_checkpoint(run, tmp_path, monkeypatch, capsys):
+    import os
+
+    import safetensors.numpy as stn
+    from safetensors import SafetensorError
+
+    _, base, _ = run
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT * 3, encoding="utf-8")
+    out = tmp_path / "ft"
+    real = stn.save_file
+    seen = {"saves": 0, "at_failure": None}
+
+    def save_file(tensors, filename, *a, **k):
+        if ".adapter.tmp-" in filename and filename.endswith("model.safetensors"):
+            seen["saves"] += 1
+            if seen["saves"] == 2:
+                seen["at_failure"] = {p.name: p.read_bytes() for p in (out / "adapter").iterdir()}
+                raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(28)} (os error 28)")
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(stn, "save_file", save_file)
+    code, _, err = main(capsys, "finetune", "--hf-dir", base, "--data", data, "--lora-rank", "2",
+                        "--max-steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--context-length",
+                        "16", "--batch-size", "2", "--out", out, "--no-progress", "--no-plot")
+    err = err.strip()
+    assert code == 2 and err.startswith("error: could not write the checkpoint") and "\n" not in err
+    assert "ENOSPC" in err and f"the adapter checkpoint of step 2 in {out / 'adapter'} is kept" in err
+    assert "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in (out / "adapter").iterdir()} == seen["at_failure"]

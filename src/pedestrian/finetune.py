@@ -243,8 +243,12 @@ def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None =
         ValueError / FileNotFoundError: bad settings, a base that is not GPT-2, a corpus too
             short for one window, an existing run in ``out`` without ``overwrite``, a
             non-finite loss. Nothing is written before the inputs are validated.
+        WriteError (an ``OSError``): a file of the run cannot be written (no space, no
+            permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
     from tqdm import tqdm
+
+    from .atomic import AppendLog, WriteError, make_dirs
 
     from .checkpoint import save_checkpoint
     from .data import TokenDataset, encode_to_token_file
@@ -288,9 +292,15 @@ def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None =
     say(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
         f"tokens; batch {B}x{k}x{T}; {settings.max_steps} steps; out: {out}")
 
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out, "the run folder")
     log_path = out / "log.jsonl"
-    log = open(log_path, "w", encoding="utf-8")
+    log = AppendLog(log_path, "the fine-tuning log", truncate=True)
+    saved = [None]                             # the step of the last adapter checkpoint
+
+    def advice(exc: WriteError) -> WriteError:
+        kept = (f"the adapter checkpoint of step {saved[0]} in {out / 'adapter'} is kept"
+                if saved[0] is not None else "no adapter checkpoint was saved")
+        return exc.advise(kept, "run the fine-tuning again with --overwrite")
 
     def evaluate(step: int) -> float:
         loss = estimate_loss(model, val_batches)
@@ -302,6 +312,7 @@ def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None =
         meta = {"finetune": settings.to_dict(), "val_loss": val_loss if math.isfinite(val_loss) else None,
                 "train_loss": train_loss if math.isfinite(train_loss) else None}
         save_checkpoint(out / "adapter", model, optimizer, tokenizer, step, meta, params="lora", base=base)
+        saved[0] = step
 
     model.training = True
     step, loss = 0, math.nan
@@ -325,12 +336,17 @@ def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None =
                     val_loss = evaluate(step)
                     say(f"step {step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
                     save(step, val_loss, loss)
+    except WriteError as exc:
+        raise advice(exc) from exc
     finally:
         log.close()
-    save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
-    if settings.plot:
-        plot_loss_curve(read_log(log_path), out / "loss_curve.png",
-                        title=f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+    try:
+        save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
+        if settings.plot:
+            plot_loss_curve(read_log(log_path), out / "loss_curve.png",
+                            title=f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+    except WriteError as exc:
+        raise advice(exc) from exc
     seconds = time.perf_counter() - t_start
     say(f"done: step {step}, train loss {loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}, "
         f"{seconds / 60:.1f} min; adapters in {out / 'adapter'} and {out / 'peft'}")

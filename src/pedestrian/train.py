@@ -32,6 +32,7 @@ commits its first checkpoint; until then the new log is written to ``log.jsonl.n
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -45,10 +46,11 @@ from typing import Any, Callable
 import numpy as np
 
 from .backend import is_torch_array
-from .checkpoint import (Checkpoint, copy_checkpoint, load_checkpoint, read_state, save_checkpoint)
+from .atomic import AppendLog, WriteError, make_dirs, write_file
+from .checkpoint import (Checkpoint, NonFiniteError, copy_checkpoint, load_checkpoint, read_state,
+                         save_checkpoint)
 from .config import GPTConfig
-from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, load_corpus, \
-    split_train_val
+from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, iter_train_pieces
 from .optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm
 from .parallel import DATA_PARALLEL_MODES, runner_for
 
@@ -227,7 +229,8 @@ def build_tokenizer(settings: TrainSettings, corpus: Path):
 
     ``char``: the sorted set of characters of the whole corpus (train and validation, so the
     validation text never holds an unknown character), read piece by piece. ``bpe``: byte-level
-    BPE of ``bpe_vocab_size`` ids trained on the training split only.
+    BPE of ``bpe_vocab_size`` ids trained on the training split only, streamed piece by piece
+    (:func:`pedestrian.data.iter_train_pieces`).
     """
     from .tokenizer import BPETokenizer, CharTokenizer
 
@@ -236,8 +239,8 @@ def build_tokenizer(settings: TrainSettings, corpus: Path):
         for piece in iter_corpus_pieces(corpus):
             chars.update(piece)
         return CharTokenizer(sorted(chars))
-    train_text, _ = split_train_val(load_corpus(corpus), settings.val_fraction)
-    return BPETokenizer.train(train_text, vocab_size=settings.bpe_vocab_size)
+    return BPETokenizer.train(iter_train_pieces(corpus, settings.val_fraction),
+                              vocab_size=settings.bpe_vocab_size)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -437,9 +440,7 @@ def read_log(path) -> list[dict]:
 
 
 def _rewrite_log(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    write_file(path, "".join(json.dumps(r) + "\n" for r in records), what="the training log")
 
 
 def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
@@ -448,6 +449,9 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     Args:
         records: ``log.jsonl`` records (``{"step", "loss"}`` and ``{"step", "val_loss"}``).
         path: the PNG to write (matplotlib, Agg backend; written atomically).
+
+    Raises:
+        WriteError (an ``OSError``): the PNG cannot be written; a previous one is left as it was.
     """
     import matplotlib
 
@@ -475,12 +479,10 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     if train or val:
         ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return write_file(path, png.getvalue(), what="the loss curve")
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -698,17 +700,17 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
               f"{split}: the continuation is valid but will differ slightly from an uninterrupted run "
               f"(summation order, dropout masks); to reproduce it bit for bit use {advice}", file=sys.stderr)
 
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out, "the run folder")
     pending_log = out / "log.jsonl.new"       # a new run's log while an old run is still on disk
     if pending_log.exists():
         pending_log.unlink()                  # left by an overwrite that never saved: not ours
     records = [r for r in read_log(log_path) if r.get("step", 0) <= step] if ckpt else []
     replacing = ckpt is None and has_ckpt      # --overwrite: keep the old run until our first save
     if replacing:
-        log_file = open(pending_log, "w", encoding="utf-8")
+        log_file = AppendLog(pending_log, "the training log", truncate=True)
     else:
         _rewrite_log(log_path, records)      # drop steps after the checkpoint (or an old run's)
-        log_file = open(log_path, "a", encoding="utf-8")
+        log_file = AppendLog(log_path, "the training log")
 
     end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
     ckpt_every = settings.checkpoint_interval or settings.eval_interval
@@ -737,10 +739,11 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                 "best_val_loss": _finite_or_none(best_val), "tokens_seen": step * tokens_per_step,
                 "data_parallel_threads": split}
         save_checkpoint(latest, model, optimizer, tokenizer, step, meta)
+        last_save = step
         if replacing:                         # the new run is committed: its log replaces the old
             log_file.close()
             os.replace(pending_log, log_path)
-            log_file = open(log_path, "a", encoding="utf-8")
+            log_file = AppendLog(log_path, "the training log")
             replacing = False
             if not is_best:
                 import shutil
@@ -748,7 +751,6 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                 shutil.rmtree(out / "best", ignore_errors=True)     # the old run's best
         if is_best:
             copy_checkpoint(latest, out / "best")
-        last_save = step
 
     def kept() -> str:                        # what is on disk when the run fails
         if last_save >= 0:
@@ -827,6 +829,13 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                 bar.set_postfix_str(postfix(), refresh=True)
             if last_save != step:
                 save(val_loss, last_loss)
+    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
+        raise exc.advise(kept(), f"continue with: pedestrian train --out {out} --resume"
+                         if last_save >= 0 else "start again") from exc
+    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf
+        raise TrainingError(f"{exc}; {kept()}; " + (f"continue from it with: pedestrian train --out {out} "
+                            "--resume, or start again with a lower --lr" if last_save >= 0 else
+                            "start again with a lower --lr")) from exc
     finally:
         _restore_handlers(old_handlers)
         bar.close()
@@ -838,9 +847,14 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     seconds = time.perf_counter() - t_start
     tps = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
     if settings.plot:
-        plot_loss_curve(read_log(log_path), out / "loss_curve.png",
-                        title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
-                              f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
+        try:
+            plot_loss_curve(read_log(log_path), out / "loss_curve.png",
+                            title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
+                                  f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
+        except WriteError as exc:
+            raise exc.advise(f"the run itself is saved ({kept()})",
+                             f"draw it from the log with: python -c \"from pedestrian.train import *; "
+                             f"plot_loss_curve(read_log('{log_path}'), '{out / 'loss_curve.png'}')\"") from exc
     if stop_reason == "interrupted":
         say(f"interrupted ({stop_signal[0] if stop_signal else 'stop'}) after step {step}: checkpoint "
             f"saved in {latest}")

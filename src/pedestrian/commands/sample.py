@@ -133,7 +133,7 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
 
     import warnings
 
-    from ..tokenizer import UnknownCharacterError
+    from ..tokenizer import UnknownCharacterError, check_text
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -154,6 +154,7 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
+    check_text(args.prompt, "the --prompt")             # bytes that are not UTF-8 on the command line
     try:
         prompt_ids = tokenizer.encode(args.prompt)       # a char tokenizer raises on unknown chars
     except UnknownCharacterError as exc:

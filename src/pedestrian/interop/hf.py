@@ -45,14 +45,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import struct
-import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
 
+from ..atomic import atomic_dir
 from ..config import GPTConfig, param_specs
 
 __all__ = [
@@ -69,6 +67,12 @@ __all__ = [
     "state_to_hf",
     "read_hf_config",
     "open_hf_weights",
+    "SafetensorsFile",
+    "write_dir_atomically",
+    "json_writer",
+    "read_json_object",
+    "listing",
+    "torch_load",
 ]
 
 #: HF ``activation_function`` -> pedestrian ``activation``.
@@ -91,7 +95,8 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _LIST_MAX = 20
 
 
-def _listing(items, limit: int = _LIST_MAX) -> str:
+def listing(items, limit: int = _LIST_MAX) -> str:
+    """``"a, b, ... (N more)"``: the first ``limit`` items of a list for an error message."""
     items = list(items)
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
@@ -307,11 +312,11 @@ def _check_hf_shapes(shapes: Mapping[str, tuple], config: GPTConfig, source: str
         if got != (config.vocab_size, config.d_model):
             wrong.append(f"lm_head.weight {got} (config.json implies {(config.vocab_size, config.d_model)})")
     if missing:
-        problems.append(f"{len(missing)} missing: {_listing(missing)}")
+        problems.append(f"{len(missing)} missing: {listing(missing)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
+        problems.append(f"{len(unexpected)} unexpected: {listing(unexpected)}")
     if wrong:
-        problems.append(f"{len(wrong)} with the wrong shape: {_listing(wrong)}")
+        problems.append(f"{len(wrong)} with the wrong shape: {listing(wrong)}")
     if problems:
         raise ValueError(
             f"{source} does not hold the GPT-2 that its config.json describes ("
@@ -383,7 +388,7 @@ def state_to_hf(state: Mapping[str, object], config: GPTConfig) -> dict[str, np.
         raise ValueError("this model cannot be written as a Hugging Face GPT-2: " + "; ".join(problems))
     missing = [s.name for s in param_specs(config) if s.name not in state]
     if missing:
-        raise ValueError(f"the state lacks parameters {_listing(missing)}")
+        raise ValueError(f"the state lacks parameters {listing(missing)}")
     from ..backend import to_numpy
 
     s = {k: np.asarray(to_numpy(v)) for k, v in state.items() if ".lora_" not in k}
@@ -409,38 +414,65 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 
-class _SafetensorsFile:
-    """Names, shapes and dtypes of one ``.safetensors`` file (from its header), tensors on demand."""
+#: bytes per element of the safetensors dtypes (the format's table), to locate a BF16 tensor
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "U16": 2, "I16": 2, "F16": 2,
+                "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+class SafetensorsFile:
+    """Names, shapes, dtypes and metadata of one ``.safetensors`` file, tensors read on demand,
+    all through ``safetensors.safe_open`` (which validates the header: offsets in bounds,
+    no overlaps, no holes).
+
+    Attributes:
+        path: the file. names: tensor names, in file (offset) order. shapes: name -> shape
+        tuple. dtypes: name -> safetensors dtype code (``"F32"``, ``"BF16"``, ...).
+        metadata: the ``__metadata__`` string dict (``{}`` if none).
+
+    Raises:
+        ValueError: the file cannot be opened or is not a valid safetensors file.
+    """
 
     def __init__(self, path: Path):
-        self.path = path
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
         try:
-            with open(path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(n))
-        except (OSError, struct.error, ValueError) as exc:
+            with safe_open(str(path), framework="numpy") as f:
+                self.names = list(f.offset_keys())
+                self.metadata = dict(f.metadata() or {})
+                slices = {k: f.get_slice(k) for k in self.names}
+                self.shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+                self.dtypes = {k: v.get_dtype() for k, v in slices.items()}
+        except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(f"{path} is not a safetensors file ({exc})") from None
-        self.data_start = 8 + n
-        header.pop("__metadata__", None)
-        self.entries = header                      # name -> {"dtype", "shape", "data_offsets"}
-
-    def shapes(self) -> dict[str, tuple]:
-        return {k: tuple(v["shape"]) for k, v in self.entries.items()}
-
-    def dtypes(self) -> dict[str, str]:
-        return {k: v["dtype"] for k, v in self.entries.items()}
 
     def get(self, name: str) -> np.ndarray:
-        e = self.entries[name]
-        if e["dtype"] == "BF16":                    # NumPy has no bfloat16: widen the raw bits
-            start, end = e["data_offsets"]
-            raw = np.fromfile(self.path, dtype="<u2", count=(end - start) // 2,
-                              offset=self.data_start + start)
-            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(e["shape"])
+        """The tensor ``name`` as a NumPy array (BF16, which NumPy lacks, widened to float32)."""
+        if self.dtypes[name] == "BF16":
+            return self._bf16_as_float32(name)
         from safetensors import safe_open
 
         with safe_open(str(self.path), framework="numpy") as f:
             return f.get_tensor(name)
+
+    def _bf16_as_float32(self, name: str) -> np.ndarray:
+        # safe_open(framework="numpy") cannot build a bfloat16 array, so read the raw bits. The
+        # format stores the tensors back to back in offset order, without holes, up to the end
+        # of the file (safe_open has checked that), which places each one.
+        sizes = {}
+        for k in self.names:
+            if self.dtypes[k] not in _ST_ITEMSIZE:
+                raise ValueError(f"{self.path}: cannot read the BF16 tensor {name} beside a tensor of "
+                                 f"dtype {self.dtypes[k]}")
+            sizes[k] = _ST_ITEMSIZE[self.dtypes[k]] * int(np.prod(self.shapes[k], dtype=np.int64))
+        start = self.path.stat().st_size - sum(sizes.values())
+        for k in self.names:
+            if k == name:
+                break
+            start += sizes[k]
+        raw = np.fromfile(self.path, dtype="<u2", count=sizes[name] // 2, offset=start)
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(self.shapes[name])
 
 
 class HFWeights:
@@ -458,7 +490,12 @@ class HFWeights:
         return self._get(name)
 
 
-def _torch_load(path: Path) -> dict[str, np.ndarray]:
+def torch_load(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a PyTorch pickle (``pytorch_model.bin``), as NumPy arrays (BF16 widened).
+
+    Raises:
+        ValueError: PyTorch is not installed, or the file cannot be read.
+    """
     try:
         import torch
     except ImportError:
@@ -489,19 +526,19 @@ def open_hf_weights(hf_dir) -> HFWeights:
     d = Path(hf_dir).expanduser()
     st = d / "model.safetensors"
     if st.is_file():
-        f = _SafetensorsFile(st)
-        return HFWeights(str(st), f.shapes(), f.dtypes(), f.get)
+        f = SafetensorsFile(st)
+        return HFWeights(str(st), f.shapes, f.dtypes, f.get)
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files, where = _read_index(index)
-        shards = {name: _SafetensorsFile(d / name) for name in files}
+        shards = {name: SafetensorsFile(d / name) for name in files}
         shapes, dtypes = {}, {}
         for tensor, name in where.items():
             shard = shards[name]
-            if tensor not in shard.entries:
+            if tensor not in shard.shapes:
                 raise ValueError(f"{index} places {tensor} in {name}, which does not hold it")
-            shapes[tensor] = tuple(shard.entries[tensor]["shape"])
-            dtypes[tensor] = shard.entries[tensor]["dtype"]
+            shapes[tensor] = shard.shapes[tensor]
+            dtypes[tensor] = shard.dtypes[tensor]
         return HFWeights(str(index), shapes, dtypes, lambda t: shards[where[t]].get(t))
     for name in ("pytorch_model.bin", "pytorch_model.bin.index.json"):
         p = d / name
@@ -510,9 +547,9 @@ def open_hf_weights(hf_dir) -> HFWeights:
                 files, _ = _read_index(p)
                 state = {}
                 for shard in files:
-                    state.update(_torch_load(d / shard))
+                    state.update(torch_load(d / shard))
             else:
-                state = _torch_load(p)
+                state = torch_load(p)
             codes = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
             return HFWeights(str(p), {k: v.shape for k, v in state.items()},
                              {k: codes.get(v.dtype, str(v.dtype)) for k, v in state.items()},
@@ -558,7 +595,7 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
     canon = _check_hf_shapes(weights.shapes, config, weights.source)
     bad = [f"{k} ({weights.dtypes[k]})" for k in canon if weights.dtypes[k] not in _FLOAT_CODES]
     if bad:
-        raise ValueError(f"{weights.source}: tensors that are not floating point: {_listing(bad)}")
+        raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
     tensors = {full: weights[name] for name, full in canon.items()}
     state = _convert_from_hf(tensors, config, weights.source)
     model = GPT(config, dtype=dtype, backend=backend)
@@ -609,21 +646,26 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 # ------------------------------------------------------------------------------------ saving
 def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]], *,
-                         overwrite: bool = False, conflicts=()) -> Path:
+                         overwrite: bool = False, conflicts=(), what: str = "the model directory") -> Path:
     """Write files into ``out_dir`` so that a failure leaves nothing half-written.
 
-    Every file is first written into a temporary folder next to ``out_dir``; a new ``out_dir``
-    is then renamed into place in one step, an existing one gets each file by ``os.replace``.
+    Every file is first written into a temporary folder next to ``out_dir``
+    (:func:`pedestrian.atomic.atomic_dir` with ``merge=True``); a new ``out_dir`` is then
+    renamed into place in one step, an existing one gets each file by ``os.replace`` (its other
+    files stay).
 
     Args:
         writers: file name -> function writing that file to the path it is given.
         overwrite: allow an existing non-empty ``out_dir`` (only the files written are replaced).
         conflicts: file names that must not remain beside the new files (e.g. other weight
             files that would shadow them); their presence is an error.
+        what: how to name the folder in an error message.
 
     Raises:
         ValueError: ``out_dir`` is non-empty and ``overwrite`` is false, or holds a conflict.
         NotADirectoryError: ``out_dir`` is a file.
+        WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
+            permission, read-only); ``out_dir`` is left as it was.
     """
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
@@ -636,28 +678,14 @@ def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]],
         if stale:
             raise ValueError(f"{out} holds {stale}, which would be mixed with the new files; "
                              "remove them or choose another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o777 & ~umask)               # mkdtemp makes it private (0700)
+    with atomic_dir(out, what=what, merge=True) as tmp:
         for name, write in writers.items():
             write(tmp / name)
-            os.chmod(tmp / name, 0o666 & ~umask)    # safetensors creates its files 0600
-        if not out.exists():
-            os.rename(tmp, out)
-        else:
-            for name in writers:
-                os.replace(tmp / name, out / name)
-            tmp.rmdir()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
-def _json_writer(obj) -> Callable[[Path], None]:
+def json_writer(obj) -> Callable[[Path], None]:
+    """A writer for :func:`write_dir_atomically`: ``obj`` as indented JSON."""
     return lambda p: p.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
@@ -676,10 +704,12 @@ def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Pat
         return {"pedestrian_tokenizer.json": tokenizer.save}
 
     def vocab_merges(name):
-        def write(p: Path):
-            with tempfile.TemporaryDirectory() as t:
-                tokenizer.hf.model.save(t)
-                shutil.copyfile(Path(t) / name, p)
+        def write(p: Path):                  # the model saves both files: keep the one asked for
+            for f in map(Path, tokenizer.hf.model.save(str(p.parent), f".{name}")):
+                if f.name.endswith(f"-{name}"):
+                    os.replace(f, p)
+                else:
+                    f.unlink()
         return write
 
     special = tokenizer.special_tokens
@@ -688,7 +718,7 @@ def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Pat
                   "add_prefix_space": False, "bos_token": eot, "eos_token": eot, "unk_token": eot}
     return {"tokenizer.json": lambda p: tokenizer.hf.save(str(p)),
             "vocab.json": vocab_merges("vocab.json"), "merges.txt": vocab_merges("merges.txt"),
-            "tokenizer_config.json": _json_writer(tok_config)}
+            "tokenizer_config.json": json_writer(tok_config)}
 
 
 def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) -> Path:
@@ -709,6 +739,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
             :func:`pedestrian.interop.peft.save_peft_adapter`), a config GPT-2 cannot express,
             a tokenizer with more ids than ``vocab_size``, or an output problem.
+        WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
+            permission, read-only); ``out_dir`` is left as it was.
     """
     from safetensors.numpy import save_file
 
@@ -724,7 +756,7 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         eos = getattr(tokenizer, "special_tokens", {}).get("<|endoftext|>")
     hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
     tensors = state_to_hf(model.state_dict(), config)
-    writers = {"config.json": _json_writer(hf_config),
+    writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
                **tokenizer_writers(tokenizer, config.context_length)}
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
-from .hf import _listing, _SafetensorsFile, _torch_load, _json_writer, read_json_object, write_dir_atomically
+from .hf import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 
 __all__ = ["load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
            "lora_state_to_peft", "peft_module", "peft_scaling"]
@@ -112,15 +112,10 @@ def read_peft_adapter(adapter_dir) -> tuple[dict, dict[str, np.ndarray], dict]:
                          "LoRA adapters (peft_type 'LORA')")
     st = d / ADAPTER_WEIGHTS
     if st.is_file():
-        f = _SafetensorsFile(st)
-        tensors = {k: f.get(k) for k in f.entries}
-        from safetensors import safe_open
-
-        with safe_open(str(st), framework="numpy") as h:
-            metadata = h.metadata() or {}
-        return cfg, tensors, metadata
+        f = SafetensorsFile(st)
+        return cfg, {k: f.get(k) for k in f.names}, f.metadata
     if (d / "adapter_model.bin").is_file():
-        return cfg, _torch_load(d / "adapter_model.bin"), {}
+        return cfg, torch_load(d / "adapter_model.bin"), {}
     raise FileNotFoundError(f"{d} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} (or adapter_model.bin)")
 
 
@@ -183,7 +178,7 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
             continue
         unexpected.append(key)
     if unexpected:
-        problems.append(f"unsupported tensors {_listing(unexpected)}")
+        problems.append(f"unsupported tensors {listing(unexpected)}")
     if base_mismatch:
         problems.append(f"the adapter's copy of {base_mismatch} differs from this model's weights "
                         "(the adapter was trained on a different base model)")
@@ -375,10 +370,12 @@ def save_peft_adapter(model, out_dir, *, base_model_name_or_path: str | None = N
 
     Raises:
         ValueError: see :func:`lora_state_to_peft`; output problems (non-empty directory).
+        WriteError (an ``OSError``): the OS refused the write; ``out_dir`` is left as it was.
     """
     from safetensors.numpy import save_file
 
     config, tensors, meta = lora_state_to_peft(model, base_model_name_or_path=base_model_name_or_path)
-    writers = {ADAPTER_CONFIG: _json_writer(config),
+    writers = {ADAPTER_CONFIG: json_writer(config),
                ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata=meta)}
-    return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=("adapter_model.bin",))
+    return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=("adapter_model.bin",),
+                                what="the PEFT adapter directory")
