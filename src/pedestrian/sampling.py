@@ -186,9 +186,11 @@ def _prepare(logits, repetition_penalty, seen_mask, vocab_limit):
 
 def _divide(x: np.ndarray, temperature: float) -> np.ndarray:
     """``x / temperature``; a row where that overflows a finite logit is shifted by its max first."""
+    if temperature == 1.0:
+        return x
     with np.errstate(over="ignore"):
         y = x / temperature
-    if temperature < 1.0:
+    if temperature < 1.0 and not np.isfinite(y).all():
         bad = (np.isinf(y) & np.isfinite(x)).any(axis=-1)
         if bad.any():
             shifted = x[bad] - x[bad].max(axis=-1, keepdims=True)
