@@ -148,8 +148,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
              seed: int | np.random.Generator | None = None,
              stop_tokens: int | Iterable[int] | None = None, use_cache: bool = True,
-             on_token: Callable[[np.ndarray], None] | None = None, *, window_shift: int = 1,
-             return_logits: bool = False):
+             on_token: Callable[[np.ndarray], object] | None = None, *, window_shift: int = 1,
+             return_logits: bool = False, min_p: float | None = None,
+             repetition_penalty: float | None = None, vocab_limit: int | None = None):
     """Autoregressive generation for ``B`` prompts of the same length.
 
     Args:
@@ -161,14 +162,27 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             ``context_length`` tokens only, with a ``UserWarning``; the returned array still
             starts with the whole prompt.
         max_new_tokens: ``>= 0`` tokens to generate per row.
-        temperature, top_k, top_p: see :func:`sample_next` (``temperature=0``: greedy).
+        temperature, top_k, top_p, min_p: see :func:`~pedestrian.sampling.sample_next`
+            (``temperature=0``: greedy); applied in Hugging Face's order (see
+            :mod:`pedestrian.sampling`).
+        repetition_penalty: ``None`` / ``1``: none; ``r > 0``: each row's seen tokens -- its
+            whole prompt (also the part beyond the context) and every token generated so far,
+            each counted once -- have a positive logit divided by ``r``, a negative one
+            multiplied by it (HF ``repetition_penalty``); applied in greedy decoding too.
+        vocab_limit: ``None`` or ``1 <= n <= vocab_size``: only ids ``< n`` are ever generated
+            (the others are masked to ``-inf`` before any penalty or filter) -- pass the
+            tokenizer's size for a model whose vocabulary is padded (GPT-2's 50,304).
         seed: seed or ``numpy.random.Generator``; the same seed gives the same tokens.
         stop_tokens: id or ids; a row that emits one is finished (the stop token is kept in the
             output, and the row is padded with it afterwards); generation ends early when
             every row is finished.
         use_cache: ``True``: KV cache (:func:`model_step`); ``False``: a full
             ``model.forward`` over the window at every step (the reference; same tokens).
-        on_token: called after each step with the ``(B,)`` int64 ids just chosen (streaming).
+        on_token: called after each step with the ``(B,)`` int64 ids just chosen (streaming;
+            finished rows show their padding). It may return ``None`` or a ``(B,)`` bool
+            array-like: ``True`` marks a row as finished (e.g. its text now holds a stop
+            string), which is then treated like a row that emitted a stop token -- padded with
+            the token that finished it -- and generation ends once every row is finished.
         window_shift: past the context, how many of the oldest tokens to drop when the window
             overflows (``1 <= window_shift <= context_length``; see the module docstring).
         return_logits: also return the float64 logits each token was drawn from.
@@ -181,7 +195,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     Raises:
         ValueError / TypeError: empty or non-integer prompt, ids outside the vocabulary,
             ``max_new_tokens < 0``, bad sampling settings (see :func:`check_sampling`), bad
-            ``window_shift``, a non-causal model with ``use_cache=True``.
+            ``window_shift``, ``vocab_limit > vocab_size``, a non-causal model with
+            ``use_cache=True``, an ``on_token`` result that is not ``(B,)``.
+            NonFiniteLogitsError (a ValueError): the model produced NaN logits.
     """
     c = model.config
     C, V = c.context_length, c.vocab_size
@@ -189,7 +205,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     prompt = _check_prompt(prompt_ids, V)
     if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, vocab_limit)
+    if vocab_limit is not None and vocab_limit > V:
+        raise ValueError(f"vocab_limit={vocab_limit} is larger than the model's vocab_size={V}")
     if not isinstance(window_shift, numbers.Integral) or not 1 <= window_shift <= C:
         raise ValueError(f"window_shift must be an integer in [1, context_length={C}], got {window_shift!r}")
     stops = _stop_set(stop_tokens, V)
@@ -204,6 +222,11 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     finished = np.zeros(B, dtype=bool)
     pad = np.zeros(B, dtype=np.int64)
     kept_logits = []
+    rows = np.arange(B)
+    seen = None                                        # (B, V): the tokens each row has seen
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        seen = np.zeros((B, V), dtype=bool)
+        seen[rows[:, None], prompt] = True
 
     if use_cache:
         cache = KVCache(model, B)
@@ -224,17 +247,28 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         for step in range(max_new_tokens):
             if return_logits:
                 kept_logits.append(np.asarray(to_numpy(logits), dtype=np.float64))
-            ids = _sample(logits, rng, temperature, top_k, top_p)
+            ids = _sample(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, seen,
+                          vocab_limit)
+            ids = np.where(finished, pad, ids)
             if stops is not None:
-                ids = np.where(finished, pad, ids)
                 newly = ~finished & np.isin(ids, stops)
                 pad = np.where(newly, ids, pad)
                 finished |= newly
             seq[:, n] = ids
             n += 1
+            if seen is not None:
+                seen[rows, ids] = True
             if on_token is not None:
-                on_token(ids)
-            if step == max_new_tokens - 1 or (stops is not None and finished.all()):
+                done = on_token(ids)
+                if done is not None:                   # rows the caller ended (e.g. a stop string)
+                    done = np.asarray(done, dtype=bool)
+                    if done.shape != (B,):
+                        raise ValueError(f"on_token must return None or a (B,) = ({B},) bool array "
+                                         f"of finished rows, got shape {done.shape}")
+                    newly = done & ~finished
+                    pad = np.where(newly, ids, pad)
+                    finished |= newly
+            if step == max_new_tokens - 1 or finished.all():
                 break
             rebuild = n - start > C
             if rebuild:                                # slide: positions are absolute, never reuse one
