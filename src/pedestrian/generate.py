@@ -109,6 +109,28 @@ def model_step(model, cache: KVCache, tokens_new, *, all_logits: bool = False):
 # --------------------------------------------------------------------------------------------
 
 
+def _ragged(prompt_ids) -> list | None:
+    """The rows of a list of prompts of different lengths (``None``: not such a list)."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        return None
+    rows = [np.asarray(to_numpy(p) if is_torch_array(p) else p) for p in prompt_ids]
+    if any(r.ndim != 1 for r in rows) or len({r.shape[0] for r in rows}) == 1:
+        return None
+    return rows
+
+
+def _left_pad(rows: list, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(B, T0)`` prompts right-aligned (padding id 0 on the left) and each row's padding."""
+    for r in rows:
+        _check_prompt(r, vocab_size)
+    T0 = max(r.shape[0] for r in rows)
+    padding = np.array([T0 - r.shape[0] for r in rows], dtype=np.int64)
+    prompt = np.zeros((len(rows), T0), dtype=np.int64)
+    for b, r in enumerate(rows):
+        prompt[b, padding[b]:] = r
+    return prompt, padding
+
+
 def _check_prompt(prompt_ids, vocab_size: int) -> np.ndarray:
     prompt = np.asarray(to_numpy(prompt_ids) if is_torch_array(prompt_ids) else prompt_ids)
     if prompt.ndim == 1:
@@ -151,12 +173,16 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
              on_token: Callable[[np.ndarray], object] | None = None, *, window_shift: int = 1,
              return_logits: bool = False, min_p: float | None = None,
              repetition_penalty: float | None = None, vocab_limit: int | None = None):
-    """Autoregressive generation for ``B`` prompts of the same length.
+    """Autoregressive generation for ``B`` prompts.
 
     Args:
         model: a :class:`~pedestrian.model.GPT` (any dtype/backend, with or without unmerged
             LoRA adapters). Dropout is never applied during generation.
-        prompt_ids: ``(B, T0)`` (or ``(T0,)``) integer ids, ``T0 >= 1``. An empty prompt is an
+        prompt_ids: ``(B, T0)`` (or ``(T0,)``) integer ids, ``T0 >= 1``; or a list of ``B``
+            1-D prompts of different lengths, generated together: they are left-padded, the
+            padding is never attended to and each row's positions count from its own first
+            token, so every row gets the tokens and logits it would get alone (to rounding).
+            An empty prompt is an
             error (there is nothing to condition on; start GPT-2 from ``<|endoftext|>``).
             A prompt longer than ``context_length`` is conditioned on its last
             ``context_length`` tokens only, with a ``UserWarning``; the returned array still
@@ -188,7 +214,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         return_logits: also return the float64 logits each token was drawn from.
 
     Returns:
-        ``(B, T0 + n)`` int64 NumPy array (``(T0 + n,)`` for a 1-D prompt), ``n <= max_new_tokens``
+        ``(B, T0 + n)`` int64 NumPy array (``(T0 + n,)`` for a 1-D prompt; for prompts of
+        different lengths a list of ``B`` 1-D arrays, each its own prompt and ``n`` new tokens),
+        ``n <= max_new_tokens``
         (smaller only when every row stopped); with ``return_logits`` a tuple
         ``(tokens, logits)`` with ``logits`` ``(n, B, V)`` float64.
 
@@ -201,8 +229,14 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     """
     c = model.config
     C, V = c.context_length, c.vocab_size
-    squeeze = np.ndim(to_numpy(prompt_ids) if is_torch_array(prompt_ids) else prompt_ids) == 1
-    prompt = _check_prompt(prompt_ids, V)
+    ragged = _ragged(prompt_ids)
+    if ragged is None:
+        squeeze = np.ndim(to_numpy(prompt_ids) if is_torch_array(prompt_ids) else prompt_ids) == 1
+        prompt = _check_prompt(prompt_ids, V)
+        padding = np.zeros(prompt.shape[0], dtype=np.int64)
+    else:
+        squeeze = False
+        prompt, padding = _left_pad(ragged, V)
     if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, vocab_limit)
@@ -213,8 +247,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     stops = _stop_set(stop_tokens, V)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     B, T0 = prompt.shape
-    if T0 > C:
-        warnings.warn(f"the prompt has {T0} tokens but the model's context_length is {C}: only the "
+    if T0 - padding.min() > C:
+        warnings.warn(f"the prompt has {T0 - padding.min()} tokens but the model's context_length is {C}: only the "
                       f"last {C} tokens are used to condition the generation", UserWarning, stacklevel=2)
     seq = np.empty((B, T0 + max_new_tokens), dtype=np.int64)
     seq[:, :T0] = prompt
@@ -227,18 +261,25 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     if repetition_penalty is not None and repetition_penalty != 1.0:
         seen = np.zeros((B, V), dtype=bool)
         seen[rows[:, None], prompt] = True
+        for b in np.flatnonzero(padding):              # the padding id is no token of the row
+            seen[b] = False
+            seen[b, prompt[b, padding[b]:]] = True
 
     if use_cache:
         cache = KVCache(model, B)
 
         def window_logits(rebuild: bool):
             if rebuild:                                # the whole window, from an empty cache
-                cache.reset()
+                cache.reset(key_start=np.maximum(padding - start, 0))
                 return model.forward(seq[:, start:n], kv_cache=cache)[:, -1, :]
             return model.forward(seq[:, n - 1:n], kv_cache=cache)[:, -1, :]
-    else:
+    elif not padding.any():
         def window_logits(rebuild: bool):
             return model.forward(seq[:, start:n])[:, -1, :]
+    else:                                              # the reference: each row alone
+        def window_logits(rebuild: bool):
+            return model.xp.concat([model.forward(seq[b:b + 1, max(start, int(padding[b])):n])[:, -1, :]
+                                    for b in range(B)], axis=0)
 
     was_training = model.training
     model.training = False
@@ -277,7 +318,10 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     finally:
         model.training = was_training
     out = seq[:, :n]
-    out = out[0] if squeeze else out
+    if ragged is not None:
+        out = [out[b, padding[b]:] for b in range(B)]
+    else:
+        out = out[0] if squeeze else out
     if return_logits:
         return out, (np.stack(kept_logits) if kept_logits else np.zeros((0, B, V)))
     return out

@@ -9,8 +9,14 @@ Examples:
       --min-p 0.05 --temperature 0.9        # penalise repeats, drop tokens < 5% of the top one
   pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --stop $'\\n\\n' \\
       --stop "JULIET:"                     # end at a blank line or at "JULIET:", unprinted
+  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --prompt "First Citizen:" \\
+      --temperature 0                      # two prompts of different lengths, one batch
+  pedestrian sample --checkpoint runs/char/ckpt --prompts-file prompts.txt   # one per line
 
 Behaviour:
+  - Several prompts (--prompt repeated, or --prompts-file) are generated together, left-padded,
+    each row computing what it would alone; each continuation is printed when all are done,
+    under a "--- prompt N ---" line (with --num-samples: "--- prompt N, sample M ---").
   - The prompt is echoed, then each new token is printed as soon as its text is complete: with
     byte-level BPE a token that ends inside a multi-byte UTF-8 character is held back until the
     character is complete (an incomplete character left at the very end prints as U+FFFD).
@@ -55,7 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "`pedestrian finetune` run folder (or its adapter/ checkpoint)")
     src.add_argument("--hf-dir", help="a Hugging Face GPT-2 directory (config.json + weights); with a "
                      "fine-tune --checkpoint: its base model (default: the one recorded in it)")
-    parser.add_argument("--prompt", default="", help="text to continue (default: empty, see above)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="text to continue (default: empty, see above); repeatable: several prompts "
+                        "are generated together as one batch and printed one after the other, labelled")
+    parser.add_argument("--prompts-file", metavar="FILE",
+                        help="a UTF-8 text file with one prompt per line (empty lines skipped), "
+                        "generated together like several --prompt")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
@@ -187,6 +198,48 @@ class StopText:
         return best
 
 
+def _prompt_texts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``--prompt`` (repeatable) and ``--prompts-file`` (one per line), in that order;
+    ``[""]`` when none is given."""
+    texts = [args.prompt] if isinstance(args.prompt, str) else list(args.prompt or [])
+    if getattr(args, "prompts_file", None):
+        from pathlib import Path
+
+        path = Path(args.prompts_file)
+        try:
+            lines = path.read_text(encoding="utf-8-sig").splitlines()
+        except FileNotFoundError:
+            raise ValueError(f"--prompts-file {path}: no such file") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompts-file {path} is not UTF-8 text (byte {exc.start}); save it as "
+                             "UTF-8") from None
+        texts += [line for line in lines if line.strip()]
+        if not any(line.strip() for line in lines):
+            raise ValueError(f"--prompts-file {path} holds no prompt (every line is empty)")
+    return texts or [""]
+
+
+def _encode_prompt(tokenizer, text: str, what: str) -> list[int]:
+    """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` when there is one."""
+    from ..tokenizer import UnknownCharacterError, check_text
+
+    check_text(text, what)                              # bytes that are not UTF-8 on the command line
+    try:
+        ids = tokenizer.encode(text)                    # a char tokenizer raises on unknown chars
+    except UnknownCharacterError as exc:
+        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
+        raise ValueError(f"{what} has {len(exc.unknown)} character(s) this model's character vocabulary "
+                         f"lacks ({shown}); use only characters that occur in its training text, or "
+                         "train with --tokenizer bpe (which encodes any text)") from None
+    if not ids:
+        eot = _special_id(tokenizer, EOT)
+        if eot is None:
+            raise ValueError(f"{what} is empty and this tokenizer has no <|endoftext|> token to "
+                             "start from; give at least one character")
+        ids = [eot]
+    return ids
+
+
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
                err: TextIO | None = None) -> int:
     """The body of ``pedestrian sample`` once the model and tokenizer are loaded.
@@ -209,8 +262,6 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     from ..sampling import check_sampling
 
     import warnings
-
-    from ..tokenizer import UnknownCharacterError, check_text
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -240,32 +291,25 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
-    check_text(args.prompt, "the --prompt")             # bytes that are not UTF-8 on the command line
-    try:
-        prompt_ids = tokenizer.encode(args.prompt)       # a char tokenizer raises on unknown chars
-    except UnknownCharacterError as exc:
-        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
-        raise ValueError(f"the prompt has {len(exc.unknown)} character(s) this model's character vocabulary "
-                         f"lacks ({shown}); use only characters that occur in its training text, or "
-                         "train with --tokenizer bpe (which encodes any text)") from None
-    if not prompt_ids:
-        eot = _special_id(tokenizer, EOT)
-        if eot is None:
-            raise ValueError("the prompt is empty and this tokenizer has no <|endoftext|> token to "
-                             "start from; pass --prompt with at least one character")
-        prompt_ids = [eot]
+    prompts = _prompt_texts(args)
+    prompt_ids = [_encode_prompt(tokenizer, text, "the --prompt" if len(prompts) == 1 else f"--prompt {i + 1}")
+                  for i, text in enumerate(prompts)]
     stops = _stop_ids(tokenizer, args)
     V = model.config.vocab_size
     bad = [i for i in args.stop_id if not 0 <= i < V]
     if bad:
         raise ValueError(f"--stop-id {bad[0]} is not a token id of this model: ids are 0 ... {V - 1}")
     stop_set = set(stops)
-    if len(prompt_ids) > C:
-        err.write(f"warning: the prompt has {len(prompt_ids)} tokens but the model's context is {C}: "
-                  f"only the last {C} condition the generation\n")
-        err.flush()
-    B = args.num_samples
-    prompt = np.tile(np.asarray(prompt_ids, dtype=np.int64), (B, 1))
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) > C:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+            err.write(f"warning: {which} has {len(ids)} tokens but the model's context is {C}: "
+                      f"only the last {C} condition the generation\n")
+            err.flush()
+    row_prompts = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
+    B = len(row_prompts)
+    row_ids = [np.asarray(prompt_ids[i], dtype=np.int64) for i, _ in row_prompts]
+    prompt = row_ids if len({len(r) for r in row_ids}) > 1 else np.stack(row_ids)
 
     streaming = B == 1
     rows = [StopText(tokenizer, list(args.stop)) for _ in range(B)]
@@ -293,7 +337,7 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
         return done.copy()
 
     if streaming:
-        out.write(args.prompt)
+        out.write(prompts[0])
         out.flush()
     t0 = time.perf_counter()
     with warnings.catch_warnings():                     # already said above, in one line
@@ -309,13 +353,15 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     if streaming:
         out.write("\n")
     else:
-        for i in range(B):
-            out.write(f"--- sample {i + 1} ---\n{args.prompt}{''.join(texts[i])}\n")
+        for b, (i, j) in enumerate(row_prompts):
+            label = (f"sample {j + 1}" if len(prompts) == 1 else
+                     f"prompt {i + 1}" if args.num_samples == 1 else f"prompt {i + 1}, sample {j + 1}")
+            out.write(f"--- {label} ---\n{prompts[i]}{''.join(texts[b])}\n")
     out.flush()
     if args.stats:
-        n_new = tokens.shape[1] - len(prompt_ids)
-        err.write(f"[{n_new} new tokens x {args.num_samples} in {seconds:.3f} s: "
-                  f"{n_new * args.num_samples / max(seconds, 1e-12):.1f} tokens/s, "
+        n_new = len(tokens[0]) - len(row_ids[0])
+        err.write(f"[{n_new} new tokens x {B} in {seconds:.3f} s: "
+                  f"{n_new * B / max(seconds, 1e-12):.1f} tokens/s, "
                   f"{'uncached' if args.no_cache else 'KV cache'}]\n")
     return 0
 
