@@ -275,6 +275,26 @@ def test_merge_and_unmerge_with_per_layer_alphas():
         GPT(cfg).unmerge_lora(adapters, {"logits": 1.0})
 
 
+def test_export_merge_uses_each_layers_alpha():
+    """``merged_for_export`` (what ``pedestrian export-hf`` writes) folds each layer's own α in,
+    tied-logits adapter included (the copy is untied)."""
+    from pedestrian.interop.hf import merged_for_export
+
+    cfg = GPTConfig(vocab_size=40, context_length=8, d_model=12, n_heads=3, n_blocks=2)
+    model = GPT(cfg, dtype="float64", seed=2)
+    model.add_lora("all", rank=2, alpha=0.5, rank_pattern={"mlp_contract": 3},
+                   alpha_pattern={"q": 2.0, "logits": -1.5, "blocks.1.attn_proj": 0.125}, dropout=0.3)
+    rng = np.random.default_rng(0)
+    for k in model.lora_state_dict():
+        model.params[k][...] = rng.normal(0, 0.3, model.params[k].shape)
+    model.training = False
+    x = rng.integers(0, 40, (2, 8))
+    merged = merged_for_export(model)
+    assert not merged.lora_targets and merged.config.tie_weights is False
+    # W + α D U formed first: the same products in another order, a few ulps
+    assert rel(merged.forward(x), model.forward(x)) <= 1e-12
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 def test_checkpoint_keeps_per_layer_settings_and_old_records_still_load(tmp_path):
     cfg = GPTConfig(vocab_size=40, context_length=8, d_model=12, n_heads=3, n_blocks=2)

@@ -325,7 +325,7 @@ class GPT:
             if isinstance(a, bool) or not isinstance(a, (int, float, np.floating)) or not math.isfinite(a):
                 where = "" if name == "alpha" else f" (alpha_pattern, layer {name})"
                 raise ValueError(f"LoRA alpha must be a finite number, got {a!r}{where}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be a probability in [0, 1), got {dropout!r}")
         self._lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
         rng = np.random.default_rng(seed)

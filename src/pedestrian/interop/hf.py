@@ -738,8 +738,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
 def merged_for_export(model):
     """A copy of ``model`` with its LoRA adapters merged, ready for :func:`save_pretrained`.
 
-    ``W ← W + α D U`` for every adapted layer, with its own ``α`` (paper section 6; ``model`` itself is not
-    changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
+    ``W ← W + α D U`` for every adapted layer, each with its own ``α`` (paper section 6;
+    ``model`` itself is not changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
     into ``tok_emb.weight`` without changing the embedding lookup too, so the copy is
     **untied** instead: ``tie_weights=False`` (HF ``tie_word_embeddings=false``), the token
     embedding unchanged, and ``logits.weight = W_tokᵀ + α D U`` of shape ``(d_model, V)``
@@ -766,8 +766,8 @@ def merged_for_export(model):
         config = dataclasses.replace(config, tie_weights=False, logits_bias=False)
         state["logits.weight"] = state["tok_emb.weight"].T.copy()
     for fc in targets:
-        state[f"{fc}.weight"] = state[f"{fc}.weight"] + model.lora_alphas[fc] * (state.pop(f"{fc}.lora_D")
-                                                                 @ state.pop(f"{fc}.lora_U"))
+        state[f"{fc}.weight"] = state[f"{fc}.weight"] + model.lora_alphas[fc] * (
+            state.pop(f"{fc}.lora_D") @ state.pop(f"{fc}.lora_U"))
     out = GPT(config, dtype=model.dtype_name)
     out.load_state_dict(state, strict=True)
     return out
