@@ -213,7 +213,8 @@ def test_lora_adapter_only_checkpoint(tmp_path):
     assert state["params"] == "lora" and state["base"]["source"] == "test base, seed 4"
     assert state["base"]["config"] == CFG.to_dict()
     assert state["lora"] == {"targets": ["blocks.0.attn.q", "blocks.0.attn.v"], "rank": 2, "alpha": 2.0,
-                             "freeze_base": True}
+                             "freeze_base": True, "ranks": {"blocks.0.attn.q": 2, "blocks.0.attn.v": 2},
+                             "alphas": {"blocks.0.attn.q": 2.0, "blocks.0.attn.v": 2.0}, "dropout": 0.0}
     from safetensors.numpy import load_file
 
     assert sorted(load_file(str(folder / "model.safetensors"))) == sorted(model.lora_state_dict())

@@ -218,7 +218,10 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
     lora = None
     if model.lora_targets:
         lora = {"targets": list(model.lora_targets), "rank": int(model.lora_rank),
-                "alpha": float(model.lora_alpha), "freeze_base": bool(model.freeze_base)}
+                "alpha": float(model.lora_alpha), "freeze_base": bool(model.freeze_base),
+                "ranks": {k: int(v) for k, v in model.lora_ranks.items()},
+                "alphas": {k: float(v) for k, v in model.lora_alphas.items()},
+                "dropout": float(model.lora_dropout)}
     state = {
         "format": FORMAT,
         "version": VERSION,
@@ -388,7 +391,11 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
         model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend)
     try:
         if lora is not None:
-            model.add_lora(lora["targets"], lora["rank"], lora["alpha"], freeze_base=lora["freeze_base"])
+            # "ranks", "alphas", "dropout": per-layer settings; checkpoints older than them have
+            # one rank and one alpha for every adapter and no adapter dropout
+            model.add_lora(lora["targets"], lora["rank"], lora["alpha"], rank_pattern=lora.get("ranks"),
+                           alpha_pattern=lora.get("alphas"), dropout=lora.get("dropout", 0.0),
+                           freeze_base=lora["freeze_base"])
         if params == "lora":
             missing = [k for k in model.params if ".lora_" in k and k not in tensors]
             if missing:

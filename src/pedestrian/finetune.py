@@ -50,6 +50,8 @@ class FinetuneSettings:
         lora_rank: ``r``. lora_alpha: the paper's scalar ``α`` (PEFT's ``lora_alpha / r``).
         lora_targets: layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``)
             or full layer names.
+        lora_dropout: dropout probability on the adapters' input while training (PEFT's
+            ``lora_dropout``; :meth:`pedestrian.model.GPT.add_lora`).
         context_length: training window (default ``min(256, the model's context_length)``).
         batch_size, grad_accum, max_steps, lr, min_lr, warmup_steps, weight_decay, beta1,
         beta2, grad_clip: as in :class:`pedestrian.train.TrainSettings`.
@@ -88,6 +90,7 @@ class FinetuneSettings:
     overwrite: bool = False
     progress: bool = True
     plot: bool = True
+    lora_dropout: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting and its valid range."""
@@ -101,6 +104,9 @@ class FinetuneSettings:
         if not (isinstance(self.lora_alpha, (int, float)) and math.isfinite(self.lora_alpha)
                 and self.lora_alpha != 0):
             raise ValueError(f"--lora-alpha must be a finite non-zero number, got {self.lora_alpha!r}")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be a probability in [0, 1), got {self.lora_dropout!r}")
         if not 0.0 < float(self.val_fraction) < 1.0:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         if not (math.isfinite(self.lr) and self.lr > 0) or not 0 <= self.min_lr <= self.lr:
@@ -276,7 +282,7 @@ def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None =
                              f"the {name} split, but one window needs {T + 1}; use more text or a "
                              "smaller --context-length")
     model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
-                   freeze_base=True)
+                   dropout=settings.lora_dropout, freeze_base=True)
     base = base_fingerprint(settings.hf_dir)
     train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
     B, k = settings.batch_size, settings.grad_accum

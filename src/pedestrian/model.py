@@ -25,7 +25,7 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     blocks.{i}.mlp_expand.weight (d, d_mlp)  .bias     blocks.{i}.mlp_contract.weight (d_mlp, d) .bias
     ln_final.weight / .bias
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
-    X.lora_D (f_in, r), X.lora_U (r, f_out)          -- LoRA on FC layer X (see add_lora)
+    X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (see add_lora)
 
 Storage: all base parameters live in one flat buffer (``GPT.flat``; decayed 2-D weights first,
 then the 1-D ones) and ``GPT.params`` holds views into it; the q, k, v weights of a block are
@@ -44,7 +44,7 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from .backend import array_namespace, namespace_for, resolve_dtype, to_numpy
-from .config import GPTConfig, fc_layers, lora_specs, param_specs
+from .config import GPTConfig, fc_layers, lora_layer_values, lora_specs, param_specs
 from .kernels import kernels_for
 from .kernels.workspace import Workspace
 from .kv_cache import KVCache
@@ -217,9 +217,12 @@ class GPT:
         self._grad_base: FlatParams | None = None
         self._lora: FlatParams | None = None
         self._grad_lora: FlatParams | None = None
-        self.lora_alpha: float = 1.0
+        self.lora_alpha: float = 1.0                       # add_lora's defaults (PEFT's r, lora_alpha / r)
         self.lora_rank: int | None = None
         self.lora_targets: list[str] = []
+        self.lora_ranks: dict[str, int] = {}               # per adapted layer
+        self.lora_alphas: dict[str, float] = {}
+        self.lora_dropout: float = 0.0
         self.freeze_base = False
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
@@ -299,34 +302,61 @@ class GPT:
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, targets: str | Iterable[str] = "all", rank: int = 8, alpha: float = 1.0,
-                 *, seed: int = 0, freeze_base: bool = True) -> None:
-        """Put a LoRA adapter ``α · x D U`` on fully connected layers (paper section 6).
+                 *, rank_pattern: Mapping[str, int] | None = None,
+                 alpha_pattern: Mapping[str, float] | None = None, dropout: float = 0.0,
+                 seed: int = 0, freeze_base: bool = True) -> None:
+        """Put a LoRA adapter ``α_X · dropout(x) D_X U_X`` on fully connected layers ``X``
+        (paper section 6; the dropout and the per-layer settings are PEFT's).
 
         Args:
             targets: kinds ``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``, ``"mlp_expand"``,
                 ``"mlp_contract"``, ``"logits"`` (every block), ``"all"``, or full layer
                 names like ``"blocks.0.attn.q"``.
-            rank: ``r``.
-            alpha: the paper's plain scalar ``α`` (PEFT's ``lora_alpha / r``).
+            rank: ``r`` of every adapter that ``rank_pattern`` does not name.
+            alpha: the paper's plain scalar ``α`` (PEFT's ``lora_alpha / r``) of every adapter
+                that ``alpha_pattern`` does not name.
+            rank_pattern, alpha_pattern: ``{kind or full layer name: value}``, per-layer ranks
+                and scales (a full name wins over a kind; every key must name an adapted
+                layer). ``α`` stays a plain scale: a layer's ``α`` does not change with its rank.
+            dropout: PEFT's ``lora_dropout``: inverted dropout with this probability on each
+                adapter's input (never on the frozen ``x W + b``), only while
+                :attr:`training`. One mask per adapted layer input, drawn from
+                :attr:`dropout_rng` in forward order; the q, k, v adapters of a block share the
+                mask of their common input (as PEFT's one ``c_attn`` module does).
             seed: ``D ~ N(0, 1/f_in)``; ``U = 0``, so a new adapter starts as a no-op.
             freeze_base: base weights get no gradients at all (their matmuls are skipped).
 
+        Afterwards :attr:`lora_targets`, :attr:`lora_ranks`, :attr:`lora_alphas` (per layer),
+        :attr:`lora_rank`, :attr:`lora_alpha` (the defaults) and :attr:`lora_dropout` describe
+        the adapters.
+
         Raises:
-            ValueError: adapters already present, ``rank < 1``, unknown targets.
+            ValueError: adapters already present, a rank that is not a positive integer, an
+                ``α`` that is not a finite number, ``dropout`` outside ``[0, 1)``, unknown
+                targets or pattern keys; the model is unchanged then.
         """
         if self._lora is not None:
             raise ValueError("this model already has LoRA adapters; merge_lora() or remove_lora() first")
-        specs = lora_specs(self.config, targets, rank)
+        specs = lora_specs(self.config, targets, rank, rank_pattern)
+        alphas = lora_layer_values(self.config, targets, alpha, alpha_pattern, what="alpha_pattern")
+        for name, a in {"alpha": alpha, **alphas}.items():
+            if isinstance(a, bool) or not isinstance(a, (int, float, np.floating)) or not math.isfinite(a):
+                where = "" if name == "alpha" else f" (alpha_pattern, layer {name})"
+                raise ValueError(f"LoRA alpha must be a finite number, got {a!r}{where}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be a probability in [0, 1), got {dropout!r}")
         self._lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
         rng = np.random.default_rng(seed)
         for s in specs:
             if s.name.endswith("lora_D"):
                 self._lora.views[s.name][...] = self._to_xp(rng.normal(0, 1 / math.sqrt(s.shape[0]), s.shape))
             self.params[s.name] = self._lora.views[s.name]
-        self.lora_targets = sorted({s.name.rsplit(".", 1)[0] for s in specs},
-                                   key=[n for n, _, _ in fc_layers(self.config)].index)
+        self.lora_targets = list(alphas)                   # layer order
+        self.lora_ranks = {s.name.rsplit(".", 1)[0]: s.shape[1] for s in specs if s.name.endswith("lora_D")}
+        self.lora_alphas = {name: float(a) for name, a in alphas.items()}
         self.lora_alpha = float(alpha)
         self.lora_rank = rank
+        self.lora_dropout = float(dropout)
         self.freeze_base = freeze_base
         self._grad_lora = None
         self._weights_cache = None
@@ -343,11 +373,25 @@ class GPT:
         self._apply_lora_delta(+1.0)
         self.remove_lora()
 
-    def unmerge_lora(self, lora_state: Mapping[str, object], alpha: float) -> None:
-        """Undo :meth:`merge_lora`: ``W ← W − α D U`` for the given adapters, then re-attach them."""
-        names = sorted({k.rsplit(".", 1)[0] for k in lora_state})
-        rank = int(np.shape(to_numpy(lora_state[f"{names[0]}.lora_D"]))[1])
-        self.add_lora(names, rank, alpha, freeze_base=self.freeze_base)
+    def unmerge_lora(self, lora_state: Mapping[str, object], alpha: float | Mapping[str, float]) -> None:
+        """Undo :meth:`merge_lora`: ``W ← W − α D U`` for the given adapters, then re-attach them.
+
+        Args:
+            lora_state: the adapters (``X.lora_D``, ``X.lora_U``); each layer's rank is read
+                from its arrays.
+            alpha: the ``α`` they were merged with: one number, or ``{layer: α}`` (as
+                :attr:`lora_alphas` was before the merge).
+
+        Raises:
+            ValueError: an ``alpha`` mapping that does not name exactly the given layers.
+        """
+        names = sorted({k.rsplit(".", 1)[0] for k in lora_state}, key=[n for n, _, _ in fc_layers(self.config)].index)
+        ranks = {fc: int(np.shape(to_numpy(lora_state[f"{fc}.lora_D"]))[1]) for fc in names}
+        alphas = dict(alpha) if isinstance(alpha, Mapping) else {fc: alpha for fc in names}
+        if set(alphas) != set(names):
+            raise ValueError(f"alpha must give the α of exactly the adapted layers {names}, got {sorted(alphas)}")
+        self.add_lora(names, ranks[names[0]], alphas[names[0]], rank_pattern=ranks, alpha_pattern=alphas,
+                      freeze_base=self.freeze_base)
         self.load_state_dict(lora_state, strict=False)
         self._apply_lora_delta(-1.0)
 
@@ -358,7 +402,7 @@ class GPT:
             raise ValueError("cannot merge a LoRA on tied logits into tok_emb.weight (it would also "
                              "change the embedding); keep the adapter unmerged or untie the weights")
         for fc in self.lora_targets:
-            delta_w = sign * self.lora_alpha * (self.params[f"{fc}.lora_D"] @ self.params[f"{fc}.lora_U"])
+            delta_w = sign * self.lora_alphas[fc] * (self.params[f"{fc}.lora_D"] @ self.params[f"{fc}.lora_U"])
             self.params[f"{fc}.weight"][...] += delta_w
 
     def remove_lora(self) -> None:
@@ -367,7 +411,8 @@ class GPT:
             if ".lora_" in name:
                 del self.params[name]
         self._lora = self._grad_lora = None
-        self.lora_targets = []
+        self.lora_targets, self.lora_ranks, self.lora_alphas = [], {}, {}
+        self.lora_dropout = 0.0
         self.freeze_base = False
         self._weights_cache = None
 
@@ -430,7 +475,7 @@ class GPT:
         if not self.freeze_base and self._grad_base is None:
             self._grad_base = FlatParams(self.xp, self.dtype, _base_regions(self.config))
         if self._lora is not None and self._grad_lora is None:
-            specs = lora_specs(self.config, self.lora_targets, self.lora_rank)
+            specs = lora_specs(self.config, self.lora_targets, self.lora_rank, self.lora_ranks)
             self._grad_lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
 
     @property
@@ -585,12 +630,20 @@ class GPT:
         return f.a12
 
     def _fc_forward(self, fc: "FC", x, lora_caches: dict):
-        """``y = x W + b``, plus ``α x D U`` on the columns of each LoRA adapter of the layer."""
+        """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
+        layer (one dropout mask for the layer's input, shared by its adapters)."""
         y, _ = self.kernels.linear_forward(x, fc.weight, fc.bias)
+        mask = self._lora_mask(x) if fc.adapters else None
         for name, lora_D, lora_U, lo, hi in fc.adapters:
-            y_lora, lora_caches[name] = self.kernels.lora_forward(x, lora_D, lora_U, self.lora_alpha)
+            y_lora, lora_caches[name] = self.kernels.lora_forward(x, lora_D, lora_U, self.lora_alphas[name], mask)
             y[..., lo:hi] += y_lora
         return y
+
+    def _lora_mask(self, x):
+        """The adapters' input dropout mask (``None``: no dropout, or not training)."""
+        if not self.training or self.lora_dropout == 0.0:
+            return None
+        return self.kernels.dropout_forward(x, self.lora_dropout, self.dropout_rng)[1]
 
     def _dropout(self, x):
         p = self.config.dropout if self.training else 0.0
@@ -673,12 +726,12 @@ class GPT:
 
     def _fc_backward(self, fc: "FC", grad: "FC", delta, x, lora_caches: dict):
         """Backward of :meth:`_fc_forward`: writes ``dW``, ``db`` (and the adapters' ``dD``,
-        ``dU``) into the gradient arrays of ``grad``; returns ``Δ_in = Δ Wᵀ (+ α (Δ Uᵀ) Dᵀ)``."""
+        ``dU``) into the gradient arrays of ``grad``; returns ``Δ_in = Δ Wᵀ (+ (α (Δ Uᵀ) Dᵀ) ∘ mask)``."""
         K = self.kernels
         delta_in = K.linear_backward(delta, x, fc.weight, dweight=grad.weight, dbias=grad.bias)
         for (name, lora_D, lora_U, lo, hi), (_, dD, dU, _, _) in zip(fc.adapters, grad.adapters):
-            delta_in += K.lora_backward(delta[..., lo:hi], lora_caches[name], lora_D, lora_U, self.lora_alpha,
-                                        dD=dD, dU=dU)
+            delta_in += K.lora_backward(delta[..., lo:hi], lora_caches[name], lora_D, lora_U,
+                                        self.lora_alphas[name], dD=dD, dU=dU)
         return delta_in
 
     # ------------------------------------------------------------------ inspection

@@ -21,7 +21,7 @@ from ..config import LORA_LAYER_KINDS
 _FIELDS = ("hf_dir", "data", "lora_rank", "lora_alpha", "lora_targets", "context_length", "batch_size",
            "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
            "grad_clip", "val_fraction", "eval_interval", "eval_batches", "seed", "dtype", "backend", "out",
-           "overwrite", "progress", "plot")
+           "overwrite", "progress", "plot", "lora_dropout")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-targets", nargs="+", default=["q", "v"], metavar="KIND",
                    help=f"layers that get adapters: {' '.join(LORA_LAYER_KINDS)}, all, or full names "
                         "like blocks.0.attn.q (default: q v)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
+                   help="dropout on the adapters' input while training (PEFT's lora_dropout; default 0)")
     o = parser.add_argument_group("optimisation")
     o.add_argument("--context-length", type=int, metavar="T",
                    help="training window (default: min(256, the model's context))")

@@ -9,7 +9,7 @@ a pickle that only PyTorch can read, so it needs ``torch`` installed.
 Config (``GPT2Config`` field -> :class:`~pedestrian.config.GPTConfig` field)::
 
     vocab_size -> vocab_size        n_positions -> context_length     n_embd -> d_model
-    n_head -> n_heads               n_layer -> n_blocks               n_inner (None: 4 n_embd) -> mlp_ratio
+    n_head -> n_heads               n_layer -> n_blocks               n_inner (None: 4 n_embd) -> d_mlp
     layer_norm_epsilon -> ln_eps    tie_word_embeddings -> tie_weights (untied lm_head: no bias)
     activation_function: "gelu_new" / "gelu_pytorch_tanh" -> "gelu_tanh" (the tanh GELU of
         EQUATIONS.md), "gelu" -> "gelu" (exact), "relu" -> "relu"; others are refused.
@@ -168,9 +168,9 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
     if d % c["n_head"]:
         problems.append(f"n_embd={d} is not divisible by n_head={c['n_head']}")
     n_inner = c["n_inner"]
-    if n_inner is not None and (not isinstance(n_inner, int) or n_inner < 1 or n_inner % d):
-        problems.append(f"n_inner={n_inner!r} is not a positive multiple of n_embd={d} "
-                        "(pedestrian's MLP width is mlp_ratio · d_model with an integer mlp_ratio)")
+    if n_inner is not None and (not isinstance(n_inner, int) or isinstance(n_inner, bool) or n_inner < 1):
+        problems.append(f"n_inner={n_inner!r} is not a positive integer (the MLP width; null means "
+                        "4 · n_embd)")
     if not c["scale_attn_weights"]:
         problems.append("scale_attn_weights=false (pedestrian always scales scores by 1/sqrt(d_head))")
     if c["scale_attn_by_inverse_layer_idx"]:
@@ -187,7 +187,9 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
     tied = bool(c["tie_word_embeddings"])
     return GPTConfig(vocab_size=c["vocab_size"], context_length=c["n_positions"], d_model=d,
                      n_heads=c["n_head"], n_blocks=c["n_layer"],
-                     mlp_ratio=4 if n_inner is None else n_inner // d,
+                     # mlp_ratio as well when it is a whole number, so a round trip gives the same config
+                     mlp_ratio=4 if n_inner is None or n_inner % d else n_inner // d,
+                     d_mlp=4 * d if n_inner is None else n_inner,
                      activation=HF_TO_ACTIVATION[act], ln_eps=float(eps), bias=True,
                      tie_weights=tied, logits_bias=False, dropout=0.0)
 
@@ -195,13 +197,16 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
 def export_problems(config: GPTConfig) -> list[str]:
     """Why ``config`` cannot be written as a Hugging Face ``GPT2LMHeadModel`` (empty: it can).
 
-    GPT-2 has biases everywhere except ``lm_head``, ``d_qk = d_head = d_model / n_heads``,
-    causal attention, and one of the activations of :data:`ACTIVATION_TO_HF`.
+    GPT-2 has biases everywhere except ``lm_head`` (q, k, v included: ``c_attn.bias``),
+    ``d_qk = d_head = d_model / n_heads``, causal attention, and one of the activations of
+    :data:`ACTIVATION_TO_HF`; its MLP width ``n_inner`` may be anything.
     """
     c = config
     problems = []
     if not c.bias:
         problems.append("bias=False (GPT-2 has biases on every layer)")
+    if not c.qkv_bias:
+        problems.append("qkv_bias=False (GPT-2 has q, k, v biases: attn.c_attn.bias)")
     if c.n_heads * c.d_head != c.d_model or c.d_qk != c.d_head:
         problems.append(f"d_qk={c.d_qk}, d_head={c.d_head}, n_heads={c.n_heads}, d_model={c.d_model} "
                         "(GPT-2 needs d_qk = d_head = d_model / n_heads)")
@@ -237,7 +242,7 @@ def config_to_hf(config: GPTConfig, *, dtype: str = "float32", eos_token_id: int
         "n_embd": c.d_model,
         "n_layer": c.n_blocks,
         "n_head": c.n_heads,
-        "n_inner": None if c.mlp_ratio == 4 else c.d_mlp,
+        "n_inner": None if c.d_mlp == 4 * c.d_model else c.d_mlp,
         "activation_function": ACTIVATION_TO_HF[c.activation],
         "layer_norm_epsilon": c.ln_eps,
         "tie_word_embeddings": c.tie_weights,
@@ -765,8 +770,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
 def merged_for_export(model):
     """A copy of ``model`` with its LoRA adapters merged, ready for :func:`save_pretrained`.
 
-    ``W ← W + α D U`` for every adapted layer (paper section 6; ``model`` itself is not
-    changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
+    ``W ← W + α D U`` for every adapted layer, each with its own ``α`` (paper section 6;
+    ``model`` itself is not changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
     into ``tok_emb.weight`` without changing the embedding lookup too, so the copy is
     **untied** instead: ``tie_weights=False`` (HF ``tie_word_embeddings=false``), the token
     embedding unchanged, and ``logits.weight = W_tokᵀ + α D U`` of shape ``(d_model, V)``
@@ -789,13 +794,12 @@ def merged_for_export(model):
     state = {k: np.asarray(v, dtype=np.float64) for k, v in model.state_dict().items()}
     config = model.config
     targets = list(model.lora_targets or [])
-    alpha = float(model.lora_alpha) if targets else 0.0
     if "logits" in targets and config.tie_weights:
         config = dataclasses.replace(config, tie_weights=False, logits_bias=False)
         state["logits.weight"] = state["tok_emb.weight"].T.copy()
     for fc in targets:
-        state[f"{fc}.weight"] = state[f"{fc}.weight"] + alpha * (state.pop(f"{fc}.lora_D")
-                                                                 @ state.pop(f"{fc}.lora_U"))
+        state[f"{fc}.weight"] = state[f"{fc}.weight"] + model.lora_alphas[fc] * (
+            state.pop(f"{fc}.lora_D") @ state.pop(f"{fc}.lora_U"))
     out = GPT(config, dtype=model.dtype_name)
     out.load_state_dict(state, strict=True)
     return out
