@@ -8,8 +8,15 @@ features every gradient test should see: repeated token ids and ignored targets 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+# the oracles (tests/oracles/: torch_reference, hf_fixtures, gradcheck) are imported by their
+# plain names from every test folder
+sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
 
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
