@@ -1,65 +1,27 @@
-"""Every layer's hand-derived backward against central finite differences, one layer at a time.
-
-Each layer gets its own tiny float64 problem and the scalar objective ``f = Σ out ∘ R`` with a
-fixed random ``R`` (so ``Δ = R`` is the error signal fed to the backward). Every entry of every
-input and parameter is perturbed by ``±h``: ``(f(θ+h) − f(θ−h)) / 2h``. Truncation error is
-``O(h²) ≈ 1e-12`` and rounding ``≈ 1e-16·|f|/h ≈ 1e-9`` (observed: <= 4e-9), so agreement to a
-relative 1e-7 (per tensor, ``max|a−b| / max|b|``) is a real check while leaving room for rounding.
-A final test spot-checks the whole model's gradients the same way.
+"""Paper section 2 (EQUATIONS.md "Fully connected, activations, residual"): the MLP's pieces --
+the fully connected layer ``y = x W + b`` (``dW = xᵀ Δ``, ``db = Σ_tokens Δ``, ``Δ_in = Δ Wᵀ``),
+ReLU / exact GELU / GELU-tanh, inverted dropout with a fixed mask, and the skip addition --
+for both kernel modules, against torch autograd (float64; ``torch.nn.functional``'s own ReLU and
+GELUs are the oracle), finite differences, and each piece's properties.
+Tolerances: tests/oracles/gradcheck.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
-from pedestrian.layers import (
-    activation_backward,
-    activation_forward,
-    attention_head_backward,
-    attention_head_forward,
-    cross_entropy_backward,
-    cross_entropy_forward,
-    dropout_backward,
-    dropout_forward,
-    embedding_backward,
-    embedding_forward,
-    layernorm_backward,
-    layernorm_forward,
-    linear_backward,
-    linear_forward,
-    lora_backward,
-    lora_forward,
-    multi_head_attention_backward,
-    multi_head_attention_forward,
+from gradcheck import (
+    as_np,
+    assert_autograd_close,
+    assert_fd_close,
+    autograd,
+    kernels_param,
+    numerical_grad,
+    projection,
 )
-from torch_reference import default_cfg, expand_lora_targets, random_params
-
-H_STEP = 1e-6
-RTOL_FD = 1e-7
-
-
-def numerical_grad(f, arr: np.ndarray, h: float = H_STEP) -> np.ndarray:
-    """Central differences of the scalar ``f()`` w.r.t. every entry of ``arr`` (perturbed in place)."""
-    grad = np.zeros_like(arr)
-    for idx in np.ndindex(arr.shape):
-        old = arr[idx]
-        arr[idx] = old + h
-        f_plus = f()
-        arr[idx] = old - h
-        f_minus = f()
-        arr[idx] = old
-        grad[idx] = (f_plus - f_minus) / (2 * h)
-    return grad
-
-
-def assert_fd_close(analytic, numeric, name: str, rtol: float = RTOL_FD) -> None:
-    analytic = np.asarray(analytic)
-    assert analytic.shape == numeric.shape, name
-    scale = np.max(np.abs(numeric))
-    assert scale > 1e-3, f"{name}: the finite-difference gradient is ~0, the check would prove nothing"
-    err = np.max(np.abs(analytic - numeric)) / scale
-    assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
 
 
 @pytest.fixture
@@ -67,209 +29,175 @@ def rng():
     return np.random.default_rng(1234)
 
 
-# --------------------------------------------------------------------------- fully connected
-def test_linear(rng):
+# =========================================================================== fully connected
+def linear_case(rng, bias=True):
     x = rng.standard_normal((2, 3, 4))
-    W = rng.standard_normal((4, 5))
-    b = rng.standard_normal(5)
-    R = rng.standard_normal((2, 3, 5))
+    W = 0.5 * rng.standard_normal((4, 5))
+    b = 0.5 * rng.standard_normal(5) if bias else None
+    return x, W, b, 0.5 * rng.standard_normal((2, 3, 5))
+
+
+def linear_backward(K, R, x, W, with_bias=True):
+    dW, db = np.full_like(W, np.nan), np.full(W.shape[1], np.nan)      # must be overwritten
+    d_x = K.linear_backward(R, x, W, dweight=dW, dbias=db if with_bias else None)
+    return d_x, dW, db
+
+
+@kernels_param()
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_linear_matches_autograd(K, bias, rng):
+    x, W, b, R = linear_case(rng, bias)
+    y, cache = K.linear_forward(x, W, b)
+    d_x, dW, db = linear_backward(K, R, cache, W, bias)
+    inputs = {"x": x, "W": W} | ({"b": b} if bias else {})
+    out, grads = autograd(lambda x, W, b=None: x @ W + (0 if b is None else b), inputs, upstream=R)
+    assert_autograd_close(y, out, "y")
+    assert_autograd_close(d_x, grads["x"], "Δ_in")
+    assert_autograd_close(dW, grads["W"], "∂L/∂W")
+    if bias:
+        assert_autograd_close(db, grads["b"], "∂L/∂b")
+    else:
+        assert np.all(np.isnan(db))                            # dbias=None: nothing written
+
+
+@kernels_param()
+def test_linear_matches_finite_differences(K, rng):
+    x, W, b, R = linear_case(rng)
 
     def f():
-        return float(np.sum(linear_forward(x, W, b)[0] * R))
+        return projection(K.linear_forward(x, W, b)[0], R)
 
-    y, cache = linear_forward(x, W, b)
-    d_x, d_W, d_b = linear_backward(R, cache, W)
-    for name, analytic, arr in (("W", d_W, W), ("b", d_b, b), ("x", d_x, x)):
+    d_x, dW, db = linear_backward(K, R, K.linear_forward(x, W, b)[1], W)
+    for name, analytic, arr in (("W", dW, W), ("b", db, b), ("x", d_x, x)):
         assert_fd_close(analytic, numerical_grad(f, arr), f"linear.{name}")
 
 
-# --------------------------------------------------------------------------- activations
-@pytest.mark.parametrize("name", ["relu", "gelu", "gelu_tanh"])
-def test_activation(name, rng):
-    x = rng.standard_normal((2, 3, 4)) * 2.0
-    x = np.where(np.abs(x) < 0.05, 0.5, x)  # keep ReLU's kink farther than h from every point
+@kernels_param()
+def test_linear_backward_writes_only_what_is_asked_for(K, rng):
+    x, W, b, R = linear_case(rng)
+    assert K.linear_backward(R, x, W, need_input=False) is None          # first layer of a chain
+    dW = np.full_like(W, np.nan)
+    assert K.linear_backward(R, x, W, dweight=dW, need_input=False) is None
+    assert np.all(np.isfinite(dW))
+
+
+@kernels_param()
+def test_linear_gradient_into_a_transposed_view(K, rng):
+    """Tied logits: ``FC_logits`` uses ``W_tokᵀ``, so its weight gradient is written into the
+    transpose of the ``(V, d)`` token-table gradient (a non-contiguous view)."""
+    x, W, _, R = linear_case(rng)
+    table_grad = np.full((W.shape[1], W.shape[0]), np.nan)      # (f_out, f_in), like dW_tok
+    K.linear_backward(R, x, table_grad.T, dweight=table_grad.T, need_input=False)
+    _, grads = autograd(lambda x, W: x @ W, {"x": x, "W": W}, upstream=R)
+    assert_autograd_close(table_grad.T, grads["W"], "∂L/∂W into a transposed view")
+
+
+# =========================================================================== activations
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": lambda x: F.gelu(x, approximate="none"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation_input(rng, scale=2.0):
+    x = scale * rng.standard_normal((2, 3, 4))
+    return np.where(np.abs(x) < 0.05, 0.5, x)     # keep ReLU's kink farther than h from every point
+
+
+@kernels_param()
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activation_matches_autograd(K, name, rng):
+    x = activation_input(rng)
     R = rng.standard_normal(x.shape)
+    y, cache = K.activation_forward(x, name)
+    out, grads = autograd(lambda x: ACTIVATIONS[name](x), {"x": x}, upstream=R)
+    assert_autograd_close(y, out, f"{name}(x)")
+    assert_autograd_close(K.activation_backward(R, cache, name), grads["x"], f"{name}'")
+
+
+@kernels_param()
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activation_matches_finite_differences(K, name, rng):
+    x = activation_input(rng)
+    R = 0.5 * rng.standard_normal(x.shape)
 
     def f():
-        return float(np.sum(activation_forward(x, name)[0] * R))
+        return projection(K.activation_forward(x, name)[0], R)
 
-    y, cache = activation_forward(x, name)
-    assert_fd_close(activation_backward(R, cache, name), numerical_grad(f, x), name)
+    _, cache = K.activation_forward(x, name)
+    assert_fd_close(K.activation_backward(R, cache, name), numerical_grad(f, x), name)
 
 
-# --------------------------------------------------------------------------- dropout
-def test_dropout_with_fixed_mask(rng):
+@kernels_param()
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activation_of_large_inputs_is_finite_and_exact(K, name):
+    """|x| up to 1e3: the GELUs saturate (x or 0) without overflow -- the fast GELU-tanh goes
+    through exp(−2u), which overflows to inf for very negative x and must still give 0."""
+    x = np.array([-1e3, -60.0, -10.0, 10.0, 60.0, 1e3])
+    R = np.ones_like(x)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):    # underflow to 0 is right
+        y, cache = K.activation_forward(x, name)
+        d = K.activation_backward(R, cache, name)
+    out, grads = autograd(lambda x: ACTIVATIONS[name](x), {"x": x}, upstream=R)
+    assert np.all(np.isfinite(as_np(y))) and np.all(np.isfinite(as_np(d)))
+    assert_autograd_close(y, out, f"{name}(±1e3)")
+    assert_autograd_close(d, grads["x"], f"{name}'(±1e3)")
+
+
+def test_unknown_activation_is_refused():
+    import pedestrian.kernels as fast
+    import pedestrian.layers as reference
+
+    for K in (reference, fast):
+        with pytest.raises(ValueError, match="unknown activation 'swish'.*relu"):
+            K.activation_forward(np.ones(3), "swish")
+
+
+# =========================================================================== dropout
+@kernels_param()
+def test_dropout_mask_and_gradient(K, rng):
     x = rng.standard_normal((2, 3, 8))
-    R = rng.standard_normal(x.shape)
+    R = 0.3 * rng.standard_normal(x.shape)
     p = 0.3
 
     def f():  # the same seed each time: the same mask
-        return float(np.sum(dropout_forward(x, p, np.random.default_rng(5))[0] * R))
+        return projection(K.dropout_forward(x, p, np.random.default_rng(5))[0], R)
 
-    y, mask = dropout_forward(x, p, np.random.default_rng(5))
-    assert np.any(mask == 0.0) and np.any(mask > 0.0)
-    np.testing.assert_allclose(mask[mask > 0], 1.0 / (1.0 - p))
-    assert_fd_close(dropout_backward(R, mask), numerical_grad(f, x), "dropout.x")
-
-
-# --------------------------------------------------------------------------- layer norm
-@pytest.mark.parametrize("eps", [0.0, 1e-5])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_layernorm(eps, with_bias, rng):
-    x = rng.standard_normal((2, 3, 6)) * 1.5 + 0.3
-    w = 1.0 + 0.3 * rng.standard_normal(6)
-    b = 0.2 * rng.standard_normal(6) if with_bias else None
-    R = rng.standard_normal(x.shape)
-
-    def f():
-        return float(np.sum(layernorm_forward(x, w, b, eps)[0] * R))
-
-    y, cache = layernorm_forward(x, w, b, eps)
-    d_x, d_w, d_b = layernorm_backward(R, cache)
-    checks = [("w", d_w, w), ("x", d_x, x)] + ([("b", d_b, b)] if with_bias else [])
-    for name, analytic, arr in checks:
-        assert_fd_close(analytic, numerical_grad(f, arr), f"layernorm(eps={eps}).{name}")
+    y, mask = K.dropout_forward(x, p, np.random.default_rng(5))
+    kept = mask > 0
+    assert np.any(~kept) and np.any(kept)
+    assert np.all(mask[kept] == 1.0 / (1.0 - p))          # one division, the same for every entry
+    np.testing.assert_array_equal(y, x * mask)
+    d_x = K.dropout_backward(R, mask)
+    out, grads = autograd(lambda x: x * torch.as_tensor(mask), {"x": x}, upstream=R)
+    assert_autograd_close(d_x, grads["x"], "dropout Δ_in")
+    assert_fd_close(d_x, numerical_grad(f, x), "dropout.x")
 
 
-# --------------------------------------------------------------------------- one attention head
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
-def test_attention_head(causal, rng):
-    B, T, d, d_qk, d_head = 2, 4, 5, 3, 2  # d_qk != d_head
-    x = rng.standard_normal((B, T, d))
-    wq, wk, wv = (rng.standard_normal((d, w)) * 0.7 for w in (d_qk, d_qk, d_head))
-    bq, bk, bv = (rng.standard_normal(w) * 0.5 for w in (d_qk, d_qk, d_head))
-    R = rng.standard_normal((B, T, d_head))
-
-    def f():
-        return float(np.sum(attention_head_forward(x, wq, bq, wk, bk, wv, bv, causal=causal)[0] * R))
-
-    out, cache = attention_head_forward(x, wq, bq, wk, bk, wv, bv, causal=causal)
-    d_x, grads, _ = attention_head_backward(R, cache)
-    for name, arr in (("wq", wq), ("bq", bq), ("wk", wk), ("wv", wv), ("bv", bv)):
-        assert_fd_close(grads[name], numerical_grad(f, arr), f"head.{name}")
-    assert_fd_close(d_x, numerical_grad(f, x), "head.x")
-    # the key bias: its true gradient is 0 (paper section 3); FD sees only rounding noise
-    assert np.max(np.abs(grads["bk"])) <= 1e-12
-    assert np.max(np.abs(numerical_grad(f, bk))) <= 1e-8
+@kernels_param()
+def test_dropout_off_is_the_identity_and_bad_p_is_refused(K, rng):
+    x = rng.standard_normal((2, 3))
+    y, mask = K.dropout_forward(x, 0.0, rng)
+    assert y is x and mask is None and K.dropout_backward(x, None) is x
+    for p in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\)"):
+            K.dropout_forward(x, p, rng)
 
 
-# --------------------------------------------------------------------------- multi-head attention
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
-def test_multi_head_attention(causal, rng):
-    B, T, n_heads, d_qk, d_head = 2, 4, 2, 3, 2
-    qkv = rng.standard_normal((B, T, n_heads * (2 * d_qk + d_head)))
-    R = rng.standard_normal((B, T, n_heads * d_head))
-
-    def f():
-        return float(np.sum(multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal)[0] * R))
-
-    out, cache = multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal)
-    d_qkv, _ = multi_head_attention_backward(R, cache)
-    assert_fd_close(d_qkv, numerical_grad(f, qkv), "mha.qkv")
-
-
-# --------------------------------------------------------------------------- embedding
-def test_embedding_with_repeated_ids(rng):
-    V, ctx, d = 6, 7, 3
-    tokens = np.array([[1, 4, 1, 1, 0], [4, 4, 2, 1, 5]])  # ids 1 and 4 repeat, 3 is unused
-    tok = rng.standard_normal((V, d))
-    pos = rng.standard_normal((ctx, d))
-    R = rng.standard_normal((2, 5, d))
-
-    def f():
-        return float(np.sum(embedding_forward(tokens, tok, pos)[0] * R))
-
-    a1, cache = embedding_forward(tokens, tok, pos)
-    d_tok, d_pos = np.full_like(tok, np.nan), np.full_like(pos, np.nan)  # must be overwritten
-    embedding_backward(R, cache, d_tok, d_pos)
-    assert_fd_close(d_tok, numerical_grad(f, tok), "embedding.tok")
-    assert_fd_close(d_pos, numerical_grad(f, pos), "embedding.pos")
-    assert np.all(d_tok[3] == 0.0) and np.all(d_pos[5:] == 0.0)  # unused rows get exactly 0
-
-
-# --------------------------------------------------------------------------- LoRA
-def test_lora(rng):
+# =========================================================================== skip addition
+@kernels_param()
+def test_skip_addition_and_its_backward(K, rng):
+    """``y = x + f(x)`` with ``f`` an FC layer: the forward is one IEEE addition per entry (so
+    equal to NumPy's ``x + f(x)`` bit for bit), and the signal at ``x`` is ``Δ + Δ Wᵀ`` -- the
+    incoming ``Δ`` goes unchanged down the skip and is added to what comes back through ``f``."""
     x = rng.standard_normal((2, 3, 4))
-    D = rng.standard_normal((4, 2))
-    U = rng.standard_normal((2, 5))  # nonzero, unlike a fresh adapter, so every path matters
-    alpha = 0.7
-    R = rng.standard_normal((2, 3, 5))
-
-    def f():
-        return float(np.sum(lora_forward(x, D, U, alpha)[0] * R))
-
-    y, cache = lora_forward(x, D, U, alpha)
-    d_x, d_D, d_U = lora_backward(R, cache, D, U, alpha)
-    for name, analytic, arr in (("D", d_D, D), ("U", d_U, U), ("x", d_x, x)):
-        assert_fd_close(analytic, numerical_grad(f, arr), f"lora.{name}")
-
-
-# --------------------------------------------------------------------------- cross-entropy
-def test_cross_entropy_with_ignore_index(rng):
-    logits = rng.standard_normal((2, 4, 5)) * 2.0
-    targets = np.array([[0, 3, -100, 4], [-100, 1, 1, 2]])
-
-    def f():
-        return float(cross_entropy_forward(logits, targets)[0])
-
-    loss, cache = cross_entropy_forward(logits, targets)
-    delta = cross_entropy_backward(cache)
-    assert_fd_close(delta, numerical_grad(f, logits), "cross_entropy.logits")
-    assert np.all(delta[targets == -100] == 0.0)  # ignored rows get no signal
-
-
-# --------------------------------------------------------------------------- whole model
-def spot_check(model, tokens, targets, n_per_tensor: int = 3, h: float = 1e-5, dropout_seed=None) -> None:
-    """FD on ``n_per_tensor`` random entries of every parameter tensor of ``model``.
-
-    With ``dropout_seed`` the dropout generator is reset before every loss, so every
-    evaluation draws the same masks (a fixed mask, as in :func:`test_dropout_with_fixed_mask`).
-    """
-    def loss():
-        if dropout_seed is not None:
-            model.dropout_rng = np.random.default_rng(dropout_seed)
-        return model.loss(tokens, targets)
-
-    loss()
-    grads = {k: np.array(v) for k, v in model.backward().items()}
-    assert set(grads) == set(model.params)
-    assert max(float(np.max(np.abs(g))) for g in grads.values()) > 1e-2
-    pick = np.random.default_rng(0)
-    for name, value in model.params.items():
-        for _ in range(n_per_tensor):
-            idx = tuple(int(pick.integers(0, n)) for n in value.shape)
-            old = value[idx]
-            value[idx] = old + h
-            f_plus = loss()
-            value[idx] = old - h
-            f_minus = loss()
-            value[idx] = old
-            fd = (f_plus - f_minus) / (2 * h)
-            assert abs(grads[name][idx] - fd) <= 1e-8 + 1e-6 * abs(fd), (name, idx, grads[name][idx], fd)
-
-
-SMALL = dict(vocab_size=7, context_length=5, d_model=6, n_heads=2, n_blocks=2, d_qk=2, d_head=3)
-
-
-def test_whole_model_spot_check(build_model, token_batch):
-    """FD on a few entries of every parameter tensor (LoRA adapters included) of a 2-block GPT."""
-    cfg = default_cfg(**SMALL)
-    lora = {"targets": expand_lora_targets(cfg, ["blocks.1.attn.q", "mlp_expand", "logits"]), "rank": 2}
-    params = random_params(cfg, seed=3, lora=lora)
-    model = build_model(cfg, params, dtype="float64", lora=lora, lora_alpha=0.7)
-    tokens, targets = token_batch(cfg, 2, 5, seed=3, n_ignored=2)
-    spot_check(model, tokens, targets)
-
-
-def test_whole_model_spot_check_with_dropout(build_model, token_batch):
-    """Dropout after the embedding, the attention projection and the MLP, with fixed masks."""
-    cfg = default_cfg(**SMALL, tie_weights=True, activation="gelu")
-    model = build_model(cfg, random_params(cfg, seed=4), dtype="float64", dropout=0.3)
-    assert model.training
-    tokens, targets = token_batch(cfg, 2, 5, seed=4, n_ignored=1)
-    model.dropout_rng = np.random.default_rng(9)
-    masked = model.loss(tokens, targets)
-    model.training = False
-    assert abs(model.loss(tokens, targets) - masked) > 1e-6  # dropout really is on in training
-    model.training = True
-    spot_check(model, tokens, targets, dropout_seed=9)
+    W, b = 0.5 * rng.standard_normal((4, 4)), 0.5 * rng.standard_normal(4)
+    R = rng.standard_normal(x.shape)
+    fx, cache = K.linear_forward(x, W, b)
+    y = K.add(x, fx)
+    np.testing.assert_array_equal(y, x + fx)                    # correctly rounded on any machine
+    d_x = K.add(R, K.linear_backward(R, cache, W))
+    out, grads = autograd(lambda x: x + (x @ torch.as_tensor(W) + torch.as_tensor(b)), {"x": x}, upstream=R)
+    assert_autograd_close(y, out, "x + f(x)")
+    assert_autograd_close(d_x, grads["x"], "Δ at the skip's input")
