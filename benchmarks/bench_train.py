@@ -77,16 +77,15 @@ class PlaceholderAdamW:
 
     def __init__(self, model, lr, betas, eps, weight_decay):
         self.model, self.lr, self.betas, self.eps, self.wd = model, lr, betas, eps, weight_decay
-        model.grads  # allocate the gradient buffers
-        p = model._base.flat
+        p = model.trainable_buffers()[0].params         # (allocates the gradient buffers)
         self.m, self.v = p * 0, p * 0
         self.t = 0
 
     def step(self):
         self.t += 1
         b1, b2 = self.betas
-        p, g = self.model._base.flat, self.model._grad_base.flat
-        nd = self.model._base.n_decay
+        buf = self.model.trainable_buffers()[0]
+        p, g, nd = buf.params, buf.grads, buf.n_decay
         p[:nd] *= 1.0 - self.lr * self.wd
         self.m *= b1
         self.m += (1 - b1) * g
@@ -498,14 +497,6 @@ def child_memory(side: str, name: str, backend: str, attention: str, parallel: s
         with context:
             for x, y in batches:
                 pedestrian_step(runner, opt, x, y)
-        # DataParallel's worker processes hold their own activations: their peaks count too
-        # (a forked worker's VmHWM includes pages it still shares with this process, so the
-        # sum overstates the memory used)
-        workers = [common.peak_rss_mib(w._process.pid) for w in getattr(runner, "_workers", [])]
-        if workers:
-            return {"peak_rss_mib": round(common.peak_rss_mib() + sum(workers), 1),
-                    "of_which_workers_mib": [round(w, 1) for w in workers],
-                    "rss_before_model_mib": round(base, 1)}
     else:
         import torch
 

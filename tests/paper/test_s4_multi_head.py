@@ -241,3 +241,24 @@ def test_kv_cache_with_left_padding_ignores_the_padding(K):
     assert np.all(P[1, :, 2:, :2] == 0.0)                              # exp(−∞) = 0, exactly
     full, _ = K.multi_head_attention_forward(qkv[:1], H, d_qk, d_head, causal=True)
     assert_rounding_close(out[:1], full, out_scale, "unpadded row")
+
+
+@kernels_param()
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_scores_of_magnitude_1e4_in_every_head(K, dtype):
+    """The fused path (the fast one folds 1/√d_qk into q) keeps scores of magnitude 1e4 finite in
+    every head, future weights exactly 0 and the backward finite, in float32 too."""
+    rng = np.random.default_rng(8)
+    B, T, H, d_qk, d_head = 2, 5, 2, 4, 3
+    qkv = (1e3 * rng.standard_normal((B, T, H * (2 * d_qk + d_head)))).astype(dtype)
+    hq = H * d_qk
+    q = qkv[..., :hq].astype(np.float64).reshape(B, T, H, d_qk).transpose(0, 2, 1, 3)
+    k = qkv[..., hq:2 * hq].astype(np.float64).reshape(B, T, H, d_qk).transpose(0, 2, 1, 3)
+    assert np.max(np.abs(q @ np.swapaxes(k, -1, -2))) / 2.0 > 1e4
+    out, cache = K.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=True)
+    P = as_np(K.attention_weights(cache))
+    future = np.triu(np.ones((T, T), dtype=bool), 1)
+    assert np.all(P[..., future] == 0.0)
+    assert np.all(np.isfinite(as_np(out))) and np.all(np.isfinite(P))
+    d_qkv, dc = K.multi_head_attention_backward(np.ones_like(out), cache, keep_delta_causal=True)
+    assert np.all(np.isfinite(as_np(d_qkv))) and np.all(as_np(dc)[..., future] == 0.0)

@@ -1,22 +1,27 @@
-"""The speed machinery of pedestrian.backend must never change a result or a caller's array.
+"""The fast kernels' machinery must never change a result or a caller's array.
 
-- ``Workspace``: arrays of the previous step are reused by the next only when nothing outside
-  the model refers to them; logits, activations and error signals the caller kept stay intact.
-- ``for_row_blocks``: the thread count does not change any result (not even a rounding).
-- ``scatter_add_rows``: the sort + segment-sum path equals ``np.add.at``.
+- ``kernels.workspace.Workspace``: an array is handed out again only once nothing outside the pool
+  refers to it (no variable, view, list or dict; for torch, no tensor sharing its storage); the
+  model's logits, activations and error signals the caller kept stay intact; results with reuse
+  equal those without; memory stays bounded step after step and when shapes change.
+- ``kernels.threads.for_row_blocks``: the thread count does not change any result (not even a
+  rounding: the blocks, hence every operation, are the same for any number of threads).
+- ``backend.scatter_add_rows``: the sort + segment-sum path equals ``np.add.at``.
 """
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import numpy as np
 import pytest
 
-import pedestrian.backend as backend
+import pedestrian.kernels as fast
+from pedestrian.backend import scatter_add_rows
 from pedestrian.config import GPTConfig
-from pedestrian.layers.activations import activation_backward, activation_forward
-from pedestrian.layers.attention import multi_head_attention_backward, multi_head_attention_forward
-from pedestrian.layers.layernorm import layernorm_backward, layernorm_forward
-from pedestrian.layers.loss import cross_entropy_backward, cross_entropy_forward
+from pedestrian.kernels import threads
+from pedestrian.kernels.workspace import MAX_PER_SHAPE, Workspace, empty_array
 from pedestrian.model import GPT
 from pedestrian.optim import AdamW
 
@@ -50,94 +55,163 @@ def test_arrays_the_caller_keeps_are_never_reused():
     np.testing.assert_array_equal(view, view_copy)
 
 
-def test_reuse_does_not_change_results_and_memory_stays_bounded():
-    """Step after step on a reused workspace gives the same numbers as a fresh model."""
-    warm = GPT(CFG, dtype="float64", seed=5)
+@pytest.mark.parametrize("kernels", ["fast", "reference"])
+def test_reuse_does_not_change_results(kernels):
+    """Step after step on a reused workspace gives the same numbers as a fresh model (the same
+    operations on the same inputs, on the same machine: bit for bit)."""
+    warm = GPT(CFG, dtype="float64", seed=5, kernels=kernels)
     for seed in range(6):
         x, y = _batch(seed)
         loss = warm.loss(x, y)
         grads = {k: v.copy() for k, v in warm.backward().items()}
-        fresh = GPT(CFG, dtype="float64", seed=5)
+        fresh = GPT(CFG, dtype="float64", seed=5, kernels=kernels)
         fresh.load_state_dict(warm.state_dict())
         assert fresh.loss(x, y) == loss
         for k, v in fresh.backward().items():
             np.testing.assert_array_equal(v, grads[k], err_msg=k)
-    steady = len(warm._workspace)
-    assert steady < 40                                      # kept arrays do not pile up
-    for T in (3, 5, 7, 4, 6, 6, 6):                         # shapes change: old ones are dropped
-        warm.loss(*_batch(T, T=T))
-        warm.backward()
-        assert len(warm._workspace) < 100                   # at most about two steps' arrays
-    assert len(warm._workspace) <= steady
+
+
+def _traced_bytes_after(model, steps) -> list[int]:
+    """Bytes NumPy holds (tracemalloc sees its data allocations) after each (x, y) step."""
+    out = []
+    for x, y in steps:
+        model.loss(x, y)
+        model.backward()
+        gc.collect()
+        out.append(tracemalloc.get_traced_memory()[0])
+    return out
+
+
+def test_memory_stays_bounded_over_many_steps_and_shape_changes():
+    """The pool hands the same arrays out again, so step after step no new array memory is
+    taken; when the shapes change, arrays of shapes no longer asked for are dropped. (What
+    tracemalloc sees besides arrays -- Python's free lists and caches of small objects -- grows
+    by up to ~35 KiB over the first hundreds of steps and then stops; one (B, T, d) array kept per
+    step would add 3 KiB per step, 120 KiB over the 40 steps measured.)"""
+    model = GPT(CFG, dtype="float64", seed=5)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        one_step = _traced_bytes_after(model, [_batch(0)])[0] - base     # the pool and the gradients
+        warm = _traced_bytes_after(model, [_batch(s) for s in range(1, 10)])[-1]
+        later = _traced_bytes_after(model, [_batch(s) for s in range(10, 50)])
+        activation = 3 * 8 * 16 * 8                         # bytes of one (B, T, d) float64 array
+        assert max(later) - warm < 20 * activation, (warm, max(later))
+        shifting = _traced_bytes_after(model, [_batch(T, T=T) for T in (3, 5, 7, 4, 6, 6, 6)])
+        assert max(shifting) <= base + 2.5 * one_step, (base, one_step, max(shifting))
+    finally:
+        tracemalloc.stop()
+    assert one_step > 20 * activation                       # the measurement sees the arrays
 
 
 def _ask(ws, *arrays_like):
-    """One 'step' that asks the workspace for arrays shaped like these (as the model does)."""
+    """One 'step' that asks the workspace for arrays shaped like these (as a model does) and
+    returns them (the caller decides which to keep)."""
     with ws.active():
-        for a in arrays_like:
-            backend.empty_array(a.shape, a)
-    ws.new_step()
+        got = [empty_array(a.shape, a) for a in arrays_like]
+    return got
 
 
-def test_workspace_keeps_only_unreferenced_float_arrays():
-    ws = backend.Workspace()
-    _ask(ws, np.ones((2, 3), dtype=np.float32), np.ones((4, 5)), np.ones(6), np.ones(7))
-    kept_by_caller = np.ones(7)
-    base = np.ones((2, 3), dtype=np.float32)
-    holder = [{"a": np.ones((4, 5)), "view": base[0], "ints": np.arange(3),
-               "nested": (kept_by_caller, [np.zeros(6)])}]
-    del base
-    ws.recycle(holder)
-    assert holder == []
-    assert sorted(k[0] for k, v in ws._free.items() if v) == [(2, 3), (4, 5), (6,)]
+def test_an_array_nobody_holds_is_handed_out_again():
+    ws = Workspace()
+    like = np.zeros(1)
+    a, = _ask(ws, np.ones((4, 5)))
+    a_id = id(a)
+    del a
+    b, = _ask(ws, np.ones((4, 5)))
+    assert id(b) == a_id and len(ws) == 1
+    c, = _ask(ws, np.ones((4, 5)))                          # b is still held: a second array
+    assert c is not b and len(ws) == 2
+    assert ws.nbytes() == 2 * 4 * 5 * 8
     with ws.active():
-        a = backend.empty_array((4, 5), np.zeros(1))
-        assert a.shape == (4, 5) and a.dtype == np.float64
+        f32 = empty_array((4, 5), np.zeros(1, dtype=np.float32))
+    assert f32.dtype == np.float32 and f32 is not b and f32 is not c      # keyed by dtype too
+    assert empty_array((4, 5), like) is not None and len(ws) == 3        # inactive: plain np.empty
+
+
+@pytest.mark.parametrize("holder", ["variable", "view", "list", "dict", "nested"])
+def test_an_array_the_caller_still_holds_is_never_handed_out_again(holder):
+    ws = Workspace()
+    a, = _ask(ws, np.ones((3, 4)))
+    a[...] = 7.0
+    kept = {"variable": lambda: a, "view": lambda: a[1:, ::2], "list": lambda: [a],
+            "dict": lambda: {"a": a}, "nested": lambda: ({"x": [a.T]},)}[holder]()
+    del a
+    for _ in range(3):
+        b, = _ask(ws, np.ones((3, 4)))
+        b[...] = -1.0                                       # whoever gets an array overwrites it
+    flat = kept
+    while not isinstance(flat, np.ndarray):
+        flat = flat["a"] if isinstance(flat, dict) and "a" in flat else \
+            flat[0] if isinstance(flat, (list, tuple)) else flat["x"]
+    assert np.all(flat == 7.0), holder
+
+
+def test_shapes_not_asked_for_in_a_step_are_dropped():
+    ws = Workspace()
+    kept = _ask(ws, np.ones(5), np.ones(5), np.ones((2, 2)))
+    del kept
+    ws.new_step()                                           # (5,) and (2, 2) asked for this step
+    assert len(ws) == 3
+    _ask(ws, np.ones(5))
+    ws.new_step()                                           # only (5,) asked for: (2, 2) dropped
     assert len(ws) == 2
-    assert backend.empty_array((4, 5), np.zeros(1)) is not None       # inactive: plain np.empty
-    ws.new_step()
-    assert len(ws) == 0                                     # not asked for in the last step: dropped
+    ws.new_step()                                           # nothing asked for: everything dropped
+    assert len(ws) == 0
 
 
-def test_workspace_keeps_no_more_than_a_step_asks_for():
-    ws = backend.Workspace()
-    _ask(ws, np.ones(5), np.ones(5))                        # a step uses two (5,) arrays
-    ws.recycle([np.ones(5) for _ in range(6)])              # six come back
-    assert len(ws) == 2
+def test_the_pool_holds_at_most_max_per_shape_arrays_of_one_shape():
+    ws = Workspace()
+    kept = _ask(ws, *[np.ones(2)] * (MAX_PER_SHAPE + 5))    # all held at once
+    assert len(kept) == MAX_PER_SHAPE + 5 and len({id(a) for a in kept}) == MAX_PER_SHAPE + 5
+    assert len(ws) == MAX_PER_SHAPE
 
 
-def test_workspace_reuses_torch_tensors_only_when_nothing_shares_them():
+def test_torch_tensors_are_reused_only_when_nothing_shares_their_storage():
     torch = pytest.importorskip("torch")
-    ws = backend.Workspace()
-    like = torch.zeros(1)
-    _ask(ws, *[torch.zeros(4, 3)] * 3)
-    shared = torch.ones(4, 3)
+    ws = Workspace()
+    like = torch.zeros(1, dtype=torch.float64)
+    shared, free = _ask(ws, *[like.new_zeros(4, 3)] * 2)
+    shared.fill_(1.0)
     view_kept = shared[1:]                                  # a view the caller still holds
-    free = torch.ones(4, 3)
+    storage_kept = torch.empty(0, dtype=torch.float64).set_(shared.untyped_storage())  # shares storage
     free_id = id(free)
-    holder = [shared.reshape(12), free.reshape(2, 6)]      # views: recycle finds their bases
     del shared, free
-    ws.recycle(holder)
-    assert len(ws) == 1
-    with ws.active():
-        again = backend.empty_array((4, 3), like)
-    assert id(again) == free_id
+    again, = _ask(ws, like.new_zeros(4, 3))
+    assert id(again) == free_id                             # the free one, not the shared one
+    another, = _ask(ws, like.new_zeros(4, 3))
+    assert id(another) != free_id and len(ws) == 3          # the shared one is still not free
     again.fill_(5.0)
-    assert bool((view_kept == 1.0).all())                   # the shared storage was never handed out
+    another.fill_(5.0)
+    assert bool((view_kept == 1.0).all()) and bool((storage_kept == 1.0).all())
+
+
+def test_arrays_of_a_kv_cache_step_are_not_overwritten_by_the_next():
+    """Generation: each step's logits the caller keeps stay intact while later steps run."""
+    from pedestrian.kv_cache import KVCache
+
+    model = GPT(CFG, dtype="float64", seed=2)
+    cache = KVCache(model, 1)
+    kept = []
+    for t in range(CFG.context_length):
+        logits = model.forward(np.array([[t % CFG.vocab_size]]), kv_cache=cache)
+        kept.append((logits, logits.copy()))
+    for logits, copy in kept:
+        np.testing.assert_array_equal(logits, copy)
 
 
 @pytest.fixture
 def two_threads_for_everything(monkeypatch):
     """Force the thread pool on for small jobs (normally only jobs of >= 4M elements use it)."""
-    defaults = dict(backend.for_row_blocks.__kwdefaults__)
+    defaults = dict(threads.for_row_blocks.__kwdefaults__)
 
-    def run(threads: int, block: int):
-        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", str(threads))
-        monkeypatch.setitem(backend.for_row_blocks.__kwdefaults__, "parallel_min", 1)
-        monkeypatch.setitem(backend.for_row_blocks.__kwdefaults__, "block", block)
+    def run(n_threads: int, block: int):
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", str(n_threads))
+        monkeypatch.setitem(threads.for_row_blocks.__kwdefaults__, "parallel_min", 1)
+        monkeypatch.setitem(threads.for_row_blocks.__kwdefaults__, "block", block)
 
     yield run
-    backend.for_row_blocks.__kwdefaults__.update(defaults)
+    threads.for_row_blocks.__kwdefaults__.update(defaults)
 
 
 def test_thread_count_does_not_change_any_result(two_threads_for_everything):
@@ -149,15 +223,16 @@ def test_thread_count_does_not_change_any_result(two_threads_for_everything):
     logits, targets = rng.standard_normal((6, 10, 13)), rng.integers(0, 13, (6, 10))
 
     def everything():
-        y, c = layernorm_forward(x, w, b, 1e-5)
-        out = [y, *layernorm_backward(d, c)]
-        a, c = activation_forward(x, "gelu_tanh")
-        out += [a, activation_backward(d, c, "gelu_tanh")]
-        o, c = multi_head_attention_forward(qkv, 2, 8, 8)
-        out += [o, multi_head_attention_backward(d, c)[0]]
-        loss, c = cross_entropy_forward(logits, targets)
-        out += [loss, cross_entropy_backward(c)]
-        model = GPT(CFG, dtype="float64", seed=3)
+        y, c = fast.layernorm_forward(x, w, b, 1e-5)
+        dw, db = np.zeros(16), np.zeros(16)
+        out = [y, fast.layernorm_backward(d, c, dweight=dw, dbias=db), dw, db]
+        a, c = fast.activation_forward(x, "gelu_tanh")
+        out += [a, fast.activation_backward(d, c, "gelu_tanh")]
+        o, c = fast.multi_head_attention_forward(qkv, 2, 8, 8)
+        out += [o, fast.multi_head_attention_backward(d, c)[0]]
+        loss, c = fast.cross_entropy_forward(logits, targets)
+        out += [loss, fast.cross_entropy_backward(c)]
+        model = GPT(CFG, dtype="float64", seed=3, kernels="fast")
         opt = AdamW(model, lr=0.1, chunk_size=64)
         model.loss(*_batch(9))
         model.backward()
@@ -168,7 +243,7 @@ def test_thread_count_does_not_change_any_result(two_threads_for_everything):
     one = everything()
     two_threads_for_everything(2, 64)
     two = everything()
-    for a, b_ in zip(one, two):
+    for a, b_ in zip(one, two):      # the same blocks, the same operations: bit for bit
         np.testing.assert_array_equal(a, b_)
 
 
@@ -179,5 +254,9 @@ def test_scatter_add_rows_matches_add_at():
         index, rows = rng.integers(0, V, N), rng.standard_normal((N, 3))
         expect = target.copy()
         np.add.at(expect, index, rows)
-        backend.scatter_add_rows(target, index, rows)
-        np.testing.assert_allclose(target, expect, rtol=1e-14, atol=1e-15)
+        scatter_add_rows(target, index, rows)
+        # the same terms per row in another order: Higham's bound on the absolute terms
+        abs_sum = np.abs(target - target)
+        np.add.at(abs_sum, index, np.abs(rows))
+        n = max(N, 1) + 1
+        assert np.all(np.abs(target - expect) <= 2 * n * np.finfo(np.float64).eps * (abs_sum + np.abs(expect)))
