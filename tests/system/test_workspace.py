@@ -11,9 +11,6 @@
 
 from __future__ import annotations
 
-import gc
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -71,8 +68,21 @@ def test_reuse_does_not_change_results(kernels):
             np.testing.assert_array_equal(v, grads[k], err_msg=k)
 
 
-def _traced_bytes_after(model, steps) -> list[int]:
-    """Bytes NumPy holds (tracemalloc sees its data allocations) after each (x, y) step."""
+MEMORY_SCRIPT = """
+import gc, json, tracemalloc
+import numpy as np
+from pedestrian.config import GPTConfig
+from pedestrian.model import GPT
+
+CFG = GPTConfig(vocab_size=13, context_length=8, d_model=16, n_heads=2, n_blocks=2)
+
+
+def batch(seed, B=3, T=8):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 13, (B, T)), rng.integers(0, 13, (B, T))
+
+
+def traced_after(model, steps):
     out = []
     for x, y in steps:
         model.loss(x, y)
@@ -82,26 +92,38 @@ def _traced_bytes_after(model, steps) -> list[int]:
     return out
 
 
+model = GPT(CFG, dtype="float64", seed=5)
+tracemalloc.start()
+base = tracemalloc.get_traced_memory()[0]
+one_step = traced_after(model, [batch(0)])[0] - base
+warm = traced_after(model, [batch(s) for s in range(1, 10)])[-1]
+later = traced_after(model, [batch(s) for s in range(10, 50)])
+shifting = traced_after(model, [batch(T, T=T) for T in (3, 5, 7, 4, 6, 6, 6)])
+print(json.dumps(dict(base=base, one_step=one_step, warm=warm, later=max(later), shifting=max(shifting))))
+"""
+
+
 def test_memory_stays_bounded_over_many_steps_and_shape_changes():
     """The pool hands the same arrays out again, so step after step no new array memory is
-    taken; when the shapes change, arrays of shapes no longer asked for are dropped. (What
-    tracemalloc sees besides arrays -- Python's free lists and caches of small objects -- grows
-    by up to ~35 KiB over the first hundreds of steps and then stops; one (B, T, d) array kept per
-    step would add 3 KiB per step, 120 KiB over the 40 steps measured.)"""
-    model = GPT(CFG, dtype="float64", seed=5)
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        one_step = _traced_bytes_after(model, [_batch(0)])[0] - base     # the pool and the gradients
-        warm = _traced_bytes_after(model, [_batch(s) for s in range(1, 10)])[-1]
-        later = _traced_bytes_after(model, [_batch(s) for s in range(10, 50)])
-        activation = 3 * 8 * 16 * 8                         # bytes of one (B, T, d) float64 array
-        assert max(later) - warm < 20 * activation, (warm, max(later))
-        shifting = _traced_bytes_after(model, [_batch(T, T=T) for T in (3, 5, 7, 4, 6, 6, 6)])
-        assert max(shifting) <= base + 2.5 * one_step, (base, one_step, max(shifting))
-    finally:
-        tracemalloc.stop()
-    assert one_step > 20 * activation                       # the measurement sees the arrays
+    taken; when the shapes change, arrays of shapes no longer asked for are dropped.
+
+    Measured with tracemalloc (NumPy reports its data allocations to it) in a fresh interpreter:
+    what it sees besides arrays -- Python's free lists and caches of small objects -- then grows
+    by up to ~35 KiB over the first hundreds of steps and stops, while one (B, T, d) array kept
+    per step would add 3 KiB per step, 120 KiB over the 40 steps measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True,
+                          env=os.environ.copy(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    m = json.loads(done.stdout)
+    activation = 3 * 8 * 16 * 8                             # bytes of one (B, T, d) float64 array
+    assert m["one_step"] > 20 * activation                  # the measurement sees the arrays
+    assert m["later"] - m["warm"] < 20 * activation, m
+    assert m["shifting"] <= m["base"] + 2.5 * m["one_step"], m
 
 
 def _ask(ws, *arrays_like):
