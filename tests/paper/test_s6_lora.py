@@ -14,10 +14,8 @@ import torch
 from torch_reference import default_cfg, fc_layer_names, random_params, reference_loss_and_grads
 
 from gradcheck import (
-    as_np,
     assert_autograd_close,
     assert_fd_close,
-    assert_rounding_close,
     autograd,
     kernels_name,
     kernels_param,
