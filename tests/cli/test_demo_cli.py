@@ -73,3 +73,23 @@ def test_demo_fails_on_a_wrong_gradient(check, capsys, monkeypatch):
     failing = [r for r in lines_of(out) if r.split()[-1] not in ("-", "rounding")
                and float(r.split()[-1]) > (1e-9 if check == "autograd" else 1e-6)]
     assert failing and all(r.startswith(("∂L/∂w_LN", "∂L/∂w_LNfinal")) for r in failing), failing
+
+
+def test_demo_without_pytorch_falls_back_to_finite_differences(capsys, monkeypatch):
+    """``--check auto`` without PyTorch uses finite differences; ``--check autograd`` says what
+    is missing and how to go on, in one line."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("No module named 'torch'", name="torch")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert main(["demo", "--entries", "1"]) == 0
+    assert "central finite differences" in capsys.readouterr().out
+    assert main(["demo", "--check", "autograd"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --check autograd needs PyTorch") and "--check fd" in err[0]

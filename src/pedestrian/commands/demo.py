@@ -11,7 +11,7 @@ its largest entry and how well it agrees with an independent check:
   autograd  (--check autograd, the default when PyTorch is installed): the same model written
             directly in PyTorch, differentiated by autograd in float64; the column is the
             largest relative error over the whole tensor, max|ours - autograd| / max|autograd|.
-            An entry passes at <= --rtol (default 1e-9; the two differ by rounding only).
+            A gradient passes at <= --rtol (default 1e-9; the two differ by rounding only).
   finite differences  (--check fd, the default without PyTorch): for --entries entries of
             every parameter, (L(θ+h) - L(θ-h)) / 2h with h = --step; the column is the largest
             |numeric - analytic| / |numeric| over entries with |numeric| >= --atol ('-' where
@@ -88,11 +88,14 @@ def _check_flags(args: argparse.Namespace) -> str:
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{name} must be a finite number >= 0, got {v}")
-    if args.check != "auto":
-        return args.check
+    if args.check == "fd":
+        return "fd"
     try:
         import torch  # noqa: F401
     except ImportError:
+        if args.check == "autograd":
+            raise ValueError('--check autograd needs PyTorch (pip install -e ".[torch]"); '
+                             "or check by finite differences: --check fd") from None
         return "fd"
     return "autograd"
 
