@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-# the oracles (tests/oracles/: torch_reference, hf_fixtures, gradcheck) are imported by their
-# plain names from every test folder
+# the oracles (tests/oracles/: torch_reference, hf_fixtures, gradcheck) and the shared test
+# helpers (tests/helpers/: sample_helpers, lora_masks) are imported by their plain names from
+# every test folder
 sys.path.insert(0, str(Path(__file__).resolve().parent / "oracles"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from gradcheck import build_model as _build_model  # noqa: E402
 from gradcheck import max_rel_err as _max_rel_err  # noqa: E402
