@@ -3,7 +3,7 @@
 NumPy and PyTorch share the names and ``out=`` signatures of their elementwise functions
 (``np.multiply(a, b, out=c)`` / ``torch.mul``...), so :func:`elementwise_lib` lets one kernel run
 in place on either. The rest are the few operations where a BLAS call or an ``out=`` argument
-saves a pass over memory: :func:`matmul_into`, :func:`colsum`, :func:`rowdot`, :func:`take_rows`.
+saves a pass over memory: :func:`matmul_into`, :func:`colsum`, :func:`rowdot`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 from ..backend import is_numpy_array, is_torch_array
 from .workspace import empty_array
 
-__all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "take_rows"]
+__all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot"]
 
 
 class _NumpyElementwise:
@@ -130,17 +130,3 @@ def rowdot(a, b):
 
         return torch.linalg.vecdot(a, b).unsqueeze(-1)
     return np.vecdot(a, b)[..., None]
-
-
-def take_rows(table, index, *, out) -> None:
-    """``out[n, :] = table[index[n], :]`` (the embedding gather), written into ``out``.
-
-    Args:
-        table: ``(V, d)``; index: ``(N,)`` integer ids in ``[0, V)``; out: ``(N, d)``.
-    """
-    if is_torch_array(table):
-        import torch
-
-        torch.index_select(table, 0, index, out=out)
-    else:
-        np.take(table, index, axis=0, out=out)
