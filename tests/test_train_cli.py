@@ -236,10 +236,10 @@ def test_end_of_run_prints_samples_and_where_things_are(corpus, tmp_path, capsys
 
 
 def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, capsys, monkeypatch):
-    import pedestrian.train as train_module
+    import pedestrian.loop as loop_module
 
     before = _snapshot(run)
-    real, calls = train_module.train_step, [0]
+    real, calls = loop_module.train_step, [0]
 
     def crash_at_step_2(*args, **kwargs):
         calls[0] += 1
@@ -248,7 +248,7 @@ def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, cap
         return real(*args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(train_module, "train_step", crash_at_step_2)
+        m.setattr(loop_module, "train_step", crash_at_step_2)
         with pytest.raises(RuntimeError):
             main(["train", "--data", str(corpus), "--out", str(run), "--overwrite", "--max-steps", "6", *TINY])
     assert _snapshot(run) == before                  # old log and checkpoints untouched, no .new left
@@ -268,9 +268,9 @@ def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypat
     import os
     import signal
 
-    import pedestrian.train as train_module
+    import pedestrian.loop as loop_module
 
-    real, calls = train_module.train_step, [0]
+    real, calls = loop_module.train_step, [0]
 
     def step(*args, **kwargs):
         calls[0] += 1
@@ -278,7 +278,7 @@ def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypat
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "train_step", step)
+    monkeypatch.setattr(loop_module, "train_step", step)
     out = tmp_path / "run"
     assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "6", *TINY]) == 130
     err = capsys.readouterr().err
@@ -306,7 +306,7 @@ def test_progress_bar_never_shows_val_nan(corpus, tmp_path, capsys):
     (["--lr", "0"], "--lr must be a finite number > 0"),
     (["--min-lr", "inf"], "--min-lr must be in [0, lr="),
     (["--grad-clip", "inf"], "--grad-clip must be a finite number >= 0"),
-    (["--max-minutes", "nan"], "--max-minutes must be > 0"),
+    (["--max-minutes", "nan"], "--max-minutes must be a finite number > 0"),
 ])
 def test_non_finite_float_flags(corpus, tmp_path, capsys, flags, expect):
     _bad(capsys, ["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY, *flags], expect)
