@@ -105,7 +105,8 @@ def _dot(a) -> float:
         import torch
 
         return float(torch.dot(a, a))
-    return float(np.dot(a, a))
+    with np.errstate(over="ignore", invalid="ignore"):     # an overflow is detected by the caller
+        return float(np.dot(a, a))
 
 
 #: elements per float64 chunk of the overflow-safe sum of squares (2 MiB)
