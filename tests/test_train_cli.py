@@ -356,3 +356,27 @@ def test_missing_torch_and_out_of_memory_are_one_line_errors(corpus, tmp_path, c
     monkeypatch.setenv("PEDESTRIAN_DEBUG", "1")
     with pytest.raises(MemoryError):
         main(["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY])
+
+
+def test_pipe_into_head_stops_like_ctrl_c(corpus, tmp_path):
+    """`pedestrian train | head -n 1` for real: once the reader is gone the run stops at its next
+    step boundary, saves a checkpoint, exits 130 and prints no traceback (messages go through
+    logging; the console handler turns the broken pipe into a stop request)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "pedestrian", "train", "--data", str(corpus), "--out", str(out), *TINY,
+            "--max-steps", "100000", "--eval-interval", "1", "--max-minutes", "2", "--no-sample"]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()                                    # what `head -n 1` does after one line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 130, err
+    assert first.startswith(b"pedestrian train: ")
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert f"checkpoint of step" in err and f"pedestrian train --out {out} --resume" in err
+    step = json.loads((out / "latest" / "state.json").read_text())["step"]
+    assert step < 100000
