@@ -1,10 +1,11 @@
 """LoRA fine-tuning of a Hugging Face GPT-2 on a text file (paper section 6).
 
 The base weights are frozen (``model.add_lora(..., freeze_base=True)``: their gradients are
-never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the same
-pieces ``pedestrian train`` uses: :func:`pedestrian.train.train_step` (hand-derived backward,
-gradient accumulation, clipping) and :class:`pedestrian.optim.AdamW` over the flat adapter
-buffer, with a :class:`~pedestrian.optim.CosineSchedule`.
+never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the loop
+``pedestrian train`` runs (:class:`pedestrian.loop.Trainer`: hand-derived backward, gradient
+accumulation, clipping, the non-finite rule, validation, checkpoints, Ctrl-C) with
+:class:`pedestrian.optim.AdamW` over the flat adapter buffer and a
+:class:`~pedestrian.optim.CosineSchedule`.
 
 A run folder (``--out``) receives::
 
@@ -13,7 +14,8 @@ A run folder (``--out``) receives::
                   directory and the SHA-256 of its weight file)
     peft/         the same adapters as a PEFT directory (adapter_config.json +
                   adapter_model.safetensors), for transformers + peft
-    log.jsonl     one record per step ({"step", "loss", "lr", "grad_norm"}) and per evaluation
+    log.jsonl     one record per step ({"step", "loss", "lr", "grad_norm", "time_s",
+                  "tokens_per_s"}, "skipped": true for a skipped step) and per evaluation
                   ({"step", "val_loss"})
     loss_curve.png
 """

@@ -14,6 +14,8 @@ seed 0; --no-sample to skip) and where the checkpoints, log and loss curve are.
 Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and says how to resume
 (--resume continues exactly); a second Ctrl-C stops at once.
 --warmup-steps >= --max-steps is allowed but warned about: the peak lr is never reached.
+A step whose loss or gradient is NaN or inf is skipped (no update) with a warning; after
+--max-skipped-steps of them in a row the run stops, naming the last good checkpoint.
 
 Examples:
   pedestrian train
