@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import math
 import statistics
 import sys
@@ -68,40 +69,10 @@ def make_config(name: str):
     return preset(preset_name, **overrides), B, T
 
 
-class PlaceholderAdamW:
-    """AdamW over the model's flat buffers (bench-only stand-in until ``pedestrian.optim`` exists).
-
-    Decoupled weight decay on the decayed region (``flat[:n_decay]``), PyTorch's update:
-    ``p ← p(1 − lr·wd) − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)``.
-    """
-
-    def __init__(self, model, lr, betas, eps, weight_decay):
-        self.model, self.lr, self.betas, self.eps, self.wd = model, lr, betas, eps, weight_decay
-        model.grads  # allocate the gradient buffers
-        p = model._base.flat
-        self.m, self.v = p * 0, p * 0
-        self.t = 0
-
-    def step(self):
-        self.t += 1
-        b1, b2 = self.betas
-        p, g = self.model._base.flat, self.model._grad_base.flat
-        nd = self.model._base.n_decay
-        p[:nd] *= 1.0 - self.lr * self.wd
-        self.m *= b1
-        self.m += (1 - b1) * g
-        self.v *= b2
-        self.v += (1 - b2) * g * g
-        denom = (self.v ** 0.5) * (1.0 / math.sqrt(1 - b2 ** self.t)) + self.eps
-        p -= (self.lr / (1 - b1 ** self.t)) * self.m / denom
-
-
 def make_optimizer(model):
-    """pedestrian.optim.AdamW when it exists (same hyper-parameters), else the placeholder."""
-    try:
-        from pedestrian.optim import AdamW
-    except ImportError:
-        return PlaceholderAdamW(model, **HPARAMS), "placeholder (bench_train.PlaceholderAdamW)"
+    """pedestrian.optim.AdamW with the benchmark's hyper-parameters."""
+    from pedestrian.optim import AdamW
+
     return AdamW(model, **HPARAMS), "pedestrian.optim.AdamW"
 
 
@@ -245,15 +216,17 @@ def torch_step(tmodel, topt, x, y) -> float:
 
 # ---------------------------------------------------------------------------------- per-layer
 class LayerTimer:
-    """Time every layer function the model calls (wrappers put into ``pedestrian.model``).
+    """Time every layer function the model calls (wrappers put into the model's kernels module,
+    ``model.kernels``: :mod:`pedestrian.kernels` or :mod:`pedestrian.layers`).
 
     Linear layers are labelled by their weight's shape (qkv, attn_proj, mlp_expand,
-    mlp_contract, logits) and their matrix-product FLOPs are counted, as are those of the tied
-    logits layer's ``dW_tok = Δ12ᵀ a11`` (``matmul_into`` called by the model). Only functions
-    called from ``pedestrian.model`` are wrapped, so a layer calling another is not counted twice.
+    mlp_contract, logits) and their matrix-product FLOPs are counted (the tied logits layer's
+    ``dW_tok = Δ12ᵀ a11`` included). Only the functions the model calls are wrapped, so a layer
+    calling another is not counted twice.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, kernels):
+        self.kernels = kernels
         c = config
         hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
         self.shape_names = {(c.d_model, 2 * hq + hv): "qkv", (hv, c.d_model): "attn_proj",
@@ -269,21 +242,18 @@ class LayerTimer:
             w = args[1] if name == "linear_forward" else args[2]
             f_in, f_out = w.shape
             rows = int(np.prod(args[0].shape)) // (f_in if name == "linear_forward" else f_out)
-            n_mm = 1 if name == "linear_forward" else (kw.get("need_input", True) + kw.get("need_weight", True))
+            n_mm = 1 if name == "linear_forward" else (kw.get("need_input", True) + (kw.get("dweight") is not None))
             label = f"{name}[{self.shape_names.get(tuple(w.shape), tuple(w.shape))}]"
             return label, 2.0 * rows * f_in * f_out * n_mm
-        if name == "matmul_into":
-            out, a = args[0], args[1]
-            return "tied logits dW_tok = Δ12ᵀ a11 (matmul_into)", 2.0 * np.prod(out.shape) * a.shape[-1]
         return name, 0.0
 
     def __enter__(self):
-        import pedestrian.model as pm
+        from pedestrian.layers import MODEL_FUNCTIONS
 
-        for name, fn in list(vars(pm).items()):
-            layer_fn = (callable(fn) and getattr(fn, "__module__", "").startswith("pedestrian.layers")
-                        and name.endswith(("_forward", "_backward")))
-            if layer_fn or name == "matmul_into":
+        pm = self.kernels
+        for name in MODEL_FUNCTIONS:
+            fn = getattr(pm, name)
+            if name != "attention_weights":
                 self._saved[name] = fn
 
                 def wrapped(*args, __fn=fn, __name=name, **kw):
@@ -300,10 +270,8 @@ class LayerTimer:
         return self
 
     def __exit__(self, *exc):
-        import pedestrian.model as pm
-
         for name, fn in self._saved.items():
-            setattr(pm, name, fn)
+            setattr(self.kernels, name, fn)
 
 
 def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
@@ -312,13 +280,10 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
 
     With a :class:`~pedestrian.parallel.DataParallel` runner on threads the layer times are
     *summed over its threads* (each ran its slice of the batch at the same time as the others),
-    so they add up to more than the wall-clock phases; with worker processes they are slice 0's
-    (the calling thread's; the workers' layer calls happen in other processes). The glue rows
-    are then left out."""
+    so they add up to more than the wall-clock phases. The glue rows are then left out."""
     threads = getattr(runner, "threads", 1) if runner is not model else 1
-    processes = threads > 1 and getattr(runner, "processes", False)
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-    with LayerTimer(model.config) as timer:
+    with LayerTimer(model.config, model.kernels) as timer:
         for i in range(steps):
             x, y = batches[i % len(batches)]
             t0 = time.perf_counter()
@@ -331,8 +296,7 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
             phases["optimizer"] += t3 - t2
-    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}, "threads": threads,
-           "processes": processes}
+    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}, "threads": threads}
     layers = {k: round(1e3 * v / steps, 2) for k, v in sorted(timer.totals.items(),
                                                                key=lambda kv: -kv[1])}
     fwd = sum(v for k, v in layers.items() if "_forward" in k)
@@ -436,7 +400,7 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
     tokens = B * T
     flops = common.training_flops(config, B, T)["step"]
     result = {
-        "config": name, "backend": backend, "batch_size": B, "seq_len": T,
+        "config": name, "backend": backend, "kernels": model.kernels_name, "batch_size": B, "seq_len": T,
         "n_params": model.num_params(), "steps_timed": steps, "warmup": warmup,
         "pedestrian_ms": round(ped_ms, 2), "torch_ms": round(tor_ms, 2),
         "pedestrian_ms_iqr": [round(1e3 * q, 2) for q in statistics.quantiles(ped_t, n=4)[::2]],
@@ -449,8 +413,6 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
         "torch_gflops": round(flops / tor_ms / 1e6, 1),
         "pedestrian_optimizer": opt_name,
         "pedestrian_data_parallel_threads": getattr(runner, "threads", 1),
-        "pedestrian_data_parallel_kind": ("worker processes" if getattr(runner, "processes", False)
-                                          else "threads"),
         "torch_optimizer": f"torch.optim.AdamW({topt_kind})",
         "torch_attention": attention, "torch_attention_fwd_bwd_ms": attention_ms,
         "max_loss_difference": float(f"{max(abs(a - b) for a, b in zip(ped_loss, tor_loss)):.3g}"),
@@ -498,14 +460,6 @@ def child_memory(side: str, name: str, backend: str, attention: str, parallel: s
         with context:
             for x, y in batches:
                 pedestrian_step(runner, opt, x, y)
-        # DataParallel's worker processes hold their own activations: their peaks count too
-        # (a forked worker's VmHWM includes pages it still shares with this process, so the
-        # sum overstates the memory used)
-        workers = [common.peak_rss_mib(w._process.pid) for w in getattr(runner, "_workers", [])]
-        if workers:
-            return {"peak_rss_mib": round(common.peak_rss_mib() + sum(workers), 1),
-                    "of_which_workers_mib": [round(w, 1) for w in workers],
-                    "rss_before_model_mib": round(base, 1)}
     else:
         import torch
 
@@ -544,9 +498,7 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
         f"(fwd+bwd ms {r['torch_attention_fwd_bwd_ms']})" for r in results) + ".",
         "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + "; data-parallel slices "
         "(`pedestrian.parallel.DataParallel`, one slice of the batch per core, single-threaded BLAS): " + ", ".join(
-            f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}"
-            + (f" ({r['pedestrian_data_parallel_kind']})" if r.get("pedestrian_data_parallel_threads", 1) > 1 else "")
-            for r in results)
+            f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}" for r in results)
         + " (1 = the plain model, BLAS threading its own products). Largest |loss difference| "
         "between the two sides over the run: " + ", ".join(
             f"{r['config']} {r['max_loss_difference']:.1e}" for r in results) + "."]
@@ -557,10 +509,7 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
         ph = bd["phases_ms"]
         threads = bd.get("threads", 1)
         rows = f"{r['batch_size'] // threads}-{-(-r['batch_size'] // threads)} of the {r['batch_size']} sequences"
-        if threads > 1 and bd.get("processes"):
-            summed = (f" Layer times are those of slice 0 ({rows}, run on the calling thread while "
-                      f"{threads - 1} worker process(es) run the other slices at the same time).")
-        elif threads > 1:
+        if threads > 1:
             summed = (f" Layer times are summed over the {threads} data-parallel threads, each running "
                       f"{rows} at the same time, so they add up to more than the wall-clock phases.")
         else:
@@ -576,8 +525,7 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
                       "small batched products and softmax, Python overhead and the optimizer."]
         else:
             work = sum(bd["layers_ms"].values())
-            who = "ms slice 0 spent" if bd.get("processes") else "thread-ms spent"
-            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} {who} in "
+            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} thread-ms spent in "
                       f"layer functions ({100 * bd['matmul_ms'] / work:.0f}%), in a step of {total:.1f} ms."]
     return "\n".join(lines) + "\n"
 
@@ -599,11 +547,13 @@ def main(argv=None) -> int:
 
     ap.add_argument("--parallel", default="auto", choices=DATA_PARALLEL_MODES,
                     help="pedestrian's data-parallel slices (pedestrian.parallel.DataParallel): "
-                         "auto = the library's own rule (small models only), on, off; threads or "
-                         "processes: split, running the slices after the first that way")
+                         "auto = the library's own rule (small models only), on, off")
+    ap.add_argument("--kernels", default="fast", choices=["fast", "reference"],
+                    help="pedestrian's layer functions: the fast kernels (default) or the reference layers")
     ap.add_argument("--child-memory", choices=["pedestrian", "torch"], help=argparse.SUPPRESS)
     ap.add_argument("--torch-attention", default="sdpa", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    os.environ["PEDESTRIAN_KERNELS"] = args.kernels       # GPT(kernels=None) reads it; children too
     if args.threads is not None:
         common.reexec_with_threads(args.threads)
 

@@ -3,12 +3,14 @@ damaged files detected, adapter-only (LoRA) checkpoints."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import numpy as np
 import pytest
 
+from pedestrian import atomic
 from pedestrian import checkpoint as ck
 from pedestrian.checkpoint import CheckpointError, copy_checkpoint, load_checkpoint, save_checkpoint
 from pedestrian.config import GPTConfig
@@ -105,10 +107,10 @@ def test_replace_keeps_one_loadable_checkpoint_at_every_moment(tmp_path, monkeyp
             raise Killed()
         return real_rename(src, dst)
 
-    monkeypatch.setattr(ck.os, "rename", dying_rename)
+    monkeypatch.setattr(atomic.os, "rename", dying_rename)
     with pytest.raises(Killed):
         save_checkpoint(final, m2, o2, None, step=2)
-    monkeypatch.setattr(ck.os, "rename", real_rename)
+    monkeypatch.setattr(atomic.os, "rename", real_rename)
     assert not final.exists()
     c = load_checkpoint(final)                           # found at .latest.old
     assert c.step == 1
@@ -211,7 +213,8 @@ def test_lora_adapter_only_checkpoint(tmp_path):
     assert state["params"] == "lora" and state["base"]["source"] == "test base, seed 4"
     assert state["base"]["config"] == CFG.to_dict()
     assert state["lora"] == {"targets": ["blocks.0.attn.q", "blocks.0.attn.v"], "rank": 2, "alpha": 2.0,
-                             "freeze_base": True}
+                             "freeze_base": True, "ranks": {"blocks.0.attn.q": 2, "blocks.0.attn.v": 2},
+                             "alphas": {"blocks.0.attn.q": 2.0, "blocks.0.attn.v": 2.0}, "dropout": 0.0}
     from safetensors.numpy import load_file
 
     assert sorted(load_file(str(folder / "model.safetensors"))) == sorted(model.lora_state_dict())
@@ -231,3 +234,97 @@ def test_meta_must_be_json(tmp_path):
     with pytest.raises(TypeError):
         save_checkpoint(tmp_path / "c", model, opt, None, meta={"x": object()})
     assert not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------------------------- no NaN / inf
+@pytest.mark.parametrize("where", ["parameter", "moment"])
+def test_save_refuses_non_finite_values_and_keeps_the_previous_checkpoint(tmp_path, where):
+    model, opt = _trained()
+    final = save_checkpoint(tmp_path / "latest", model, opt, None, step=2)
+    before = _files(final)
+    if where == "parameter":
+        model.params["blocks.0.attn.q.weight"][0, :3] = [np.nan, np.inf, np.nan]
+        name = "blocks.0.attn.q.weight (2 NaN, 1 inf of 64 values)"
+    else:
+        opt.v[0][5] = np.inf
+        name = "optimizer base.v (0 NaN, 1 inf of"
+    with pytest.raises(ck.NonFiniteError) as info:
+        save_checkpoint(final, model, opt, None, step=3)
+    msg = str(info.value)
+    assert name in msg and "nothing was written" in msg and "\n" not in msg
+    assert _files(final) == before and sorted(os.listdir(tmp_path)) == ["latest"]
+    assert isinstance(info.value, CheckpointError)
+
+
+def _poke(folder, name, value, index=0):
+    """Write ``value`` into tensor ``name`` of model.safetensors with safetensors' own writer and
+    record the new file in state.json, so that only the value itself is wrong."""
+    from safetensors.numpy import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors[name].reshape(-1)[index] = value
+    save_file(tensors, str(f), metadata={"format": ck.FORMAT})
+    s = folder / "state.json"
+    state = json.loads(s.read_text())
+    state["files"]["model.safetensors"] = {"bytes": f.stat().st_size,
+                                           "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    s.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("value", [np.nan, -np.inf])
+def test_load_refuses_non_finite_weights(tmp_path, value):
+    model, opt = _trained()
+    folder = save_checkpoint(tmp_path / "latest", model, opt, CharTokenizer(list("abcdefg")), step=2)
+    _poke(folder, "tok_emb.weight", value, index=9)
+    with pytest.raises(ck.NonFiniteError) as info:
+        load_checkpoint(folder)
+    msg = str(info.value)
+    kind = "1 NaN, 0 inf" if np.isnan(value) else "0 NaN, 1 inf"
+    assert f"tok_emb.weight ({kind} of 56 values)" in msg and str(folder) in msg and "\n" not in msg
+    assert info.value.counts == {"tok_emb.weight": (1, 0) if np.isnan(value) else (0, 1)}
+
+
+def test_sample_on_a_checkpoint_with_a_nan_is_one_error_line(tmp_path, capsys):
+    """Before: a NaN weight made `pedestrian sample` print a page of newlines (id 0), exit 0."""
+    from pedestrian.cli import main
+
+    model, opt = _trained()
+    folder = save_checkpoint(tmp_path / "ckpt", model, opt, CharTokenizer(list("abcdefg")), step=2)
+    _poke(folder, "blocks.0.ln1.weight", np.nan)
+    assert main(["sample", "--checkpoint", str(folder), "--prompt", "abc", "--max-new-tokens", "20"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    err = err.strip()
+    assert err.startswith("error: checkpoint file") and "blocks.0.ln1.weight (1 NaN" in err and "\n" not in err
+
+
+def test_train_whose_weights_turn_non_finite_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    """A weight that becomes NaN while the loss is still finite: the next save is refused, the
+    run ends with one line naming the tensor, the last good checkpoint and the resume command."""
+    from pedestrian import loop as train_module
+    from pedestrian.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"line {i}: the quick brown fox" for i in range(100)), encoding="utf-8")
+    real = train_module.train_step
+    steps = []
+
+    def step(model, optimizer, *a, **k):
+        out = real(model, optimizer, *a, **k)
+        steps.append(1)
+        if len(steps) == 6:                  # after the loss of step 6, before its save
+            model.params["ln_final.bias"][0] = np.nan
+        return out
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    out = tmp_path / "run"
+    code = main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "9", "--context-length", "8",
+                 "--d-model", "8", "--n-heads", "2", "--n-blocks", "1", "--batch-size", "2",
+                 "--eval-interval", "3", "--eval-batches", "1", "--warmup-steps", "1", "--no-progress",
+                 "--no-plot", "--data-parallel", "off"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith("error: refusing to save a checkpoint")
+    assert "ln_final.bias (1 NaN, 0 inf of 8 values)" in err
+    assert f"the checkpoint of step 3 in {out / 'latest'} is kept" in err and "--resume" in err
+    assert load_checkpoint(out).step == 3

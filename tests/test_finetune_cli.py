@@ -270,7 +270,39 @@ def test_finetune_stops_on_non_finite_steps_naming_the_last_good_adapter(run, tm
     lines = err.strip().splitlines()
     assert code == 2 and [line.split(":")[1] for line in lines[:3]] == [" step 3", " step 4", " step 5"]
     assert lines[3].startswith("error: the training loss is nan and 3 step(s) in a row were skipped (steps 3-5)")
-    assert f"the last good checkpoint, {out / 'adapter'} (step 4), is kept" in lines[3]
+    assert f"the adapter checkpoint of step 4 in {out / 'adapter'} is kept (the last good one)" in lines[3]
     ckpt = load_checkpoint(out / "adapter", base_model=load_pretrained(base)[0])
     assert ckpt.step == 4 and ckpt.meta["skipped_steps"] == 2 and ckpt.optimizer_state()["step"] == 2
     assert not (out / "peft").exists()
+
+
+def test_a_full_disk_while_saving_names_the_last_adapter_checkpoint(run, tmp_path, monkeypatch, capsys):
+    import os
+
+    import safetensors.numpy as stn
+    from safetensors import SafetensorError
+
+    _, base, _ = run
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT * 3, encoding="utf-8")
+    out = tmp_path / "ft"
+    real = stn.save_file
+    seen = {"saves": 0, "at_failure": None}
+
+    def save_file(tensors, filename, *a, **k):
+        if ".adapter.tmp-" in filename and filename.endswith("model.safetensors"):
+            seen["saves"] += 1
+            if seen["saves"] == 2:
+                seen["at_failure"] = {p.name: p.read_bytes() for p in (out / "adapter").iterdir()}
+                raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(28)} (os error 28)")
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(stn, "save_file", save_file)
+    code, _, err = main(capsys, "finetune", "--hf-dir", base, "--data", data, "--lora-rank", "2",
+                        "--max-steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--context-length",
+                        "16", "--batch-size", "2", "--out", out, "--no-progress", "--no-plot")
+    err = err.strip()
+    assert code == 2 and err.startswith("error: could not write the checkpoint") and "\n" not in err
+    assert "ENOSPC" in err and f"the adapter checkpoint of step 2 in {out / 'adapter'} is kept" in err
+    assert "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in (out / "adapter").iterdir()} == seen["at_failure"]

@@ -25,6 +25,8 @@ CONFIGS = {
                                            layer_norm_epsilon=1e-3),
     "gelu_pytorch_tanh-untied-4heads": dict(activation_function="gelu_pytorch_tanh", n_head=4,
                                             tie_word_embeddings=False),
+    # an MLP width that is no multiple of n_embd=16 (pedestrian's d_mlp)
+    "gelu_new-untied-n_inner37": dict(n_inner=37, tie_word_embeddings=False),
 }
 
 
@@ -264,9 +266,9 @@ def test_unsupported_settings_are_all_listed():
     with pytest.raises(ValueError) as info:
         config_from_hf({"model_type": "gpt2", "n_embd": 16, "n_head": 2, "n_layer": 1, "vocab_size": 9,
                         "n_positions": 8, "activation_function": "silu", "scale_attn_weights": False,
-                        "scale_attn_by_inverse_layer_idx": True, "n_inner": 20, "add_cross_attention": True})
+                        "scale_attn_by_inverse_layer_idx": True, "n_inner": 0, "add_cross_attention": True})
     msg = str(info.value)
-    for word in ("silu", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "n_inner=20",
+    for word in ("silu", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "n_inner=0",
                  "add_cross_attention"):
         assert word in msg
     # reorder_and_upcast_attn only changes HF's precision: accepted

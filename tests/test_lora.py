@@ -35,8 +35,9 @@ def test_lora_layer_gradients_and_input_signal_match_autograd():
     delta = rng.normal(size=(B, T, f_out))
     y_base, _ = linear_forward(x, W, b)
     y_lora, cache = lora_forward(x, D, U, ALPHA)
-    d_in_base, _, _ = linear_backward(delta, x, W, need_weight=False, need_bias=False)
-    d_in_lora, dD, dU = lora_backward(delta, cache, D, U, ALPHA)
+    d_in_base = linear_backward(delta, x, W)
+    dD, dU = np.empty_like(D), np.empty_like(U)
+    d_in_lora = lora_backward(delta, cache, D, U, ALPHA, dD=dD, dU=dU)
 
     xt, Dt, Ut = (torch.tensor(a, requires_grad=True) for a in (x, D, U))
     yt = xt @ torch.tensor(W) + torch.tensor(b) + ALPHA * (xt @ Dt) @ Ut
@@ -184,19 +185,19 @@ def test_frozen_base_skips_every_base_gradient(monkeypatch):
     """With a frozen base, no base weight or bias gradient is computed at all: the base gradient
     buffer is never allocated and every base fully connected backward is asked for its input
     signal only. (What that saves in time is measured by benchmarks/bench_lora.py, not here.)"""
-    import pedestrian.model as model_module
+    import pedestrian.kernels as kernels_module
 
     calls = []
-    real = model_module.linear_backward
+    real = kernels_module.linear_backward
 
     def spy(*args, **kwargs):
-        calls.append((kwargs.get("need_weight", True), kwargs.get("need_bias", True)))
+        calls.append((kwargs.get("dweight") is not None, kwargs.get("dbias") is not None))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model_module, "linear_backward", spy)
+    monkeypatch.setattr(kernels_module, "linear_backward", spy)
     cfg = GPTConfig(vocab_size=50, context_length=8, d_model=16, n_heads=2, n_blocks=2)
     x = np.random.default_rng(0).integers(0, 50, (2, 9))
-    full, lora = GPT(cfg), GPT(cfg)
+    full, lora = GPT(cfg, kernels="fast"), GPT(cfg, kernels="fast")
     lora.add_lora("all", rank=2)
     full.loss(x[:, :-1], x[:, 1:])
     full.backward()

@@ -3,7 +3,9 @@ logits either way, α = lora_alpha / r, exact round trips, and adapters that do 
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -206,3 +208,154 @@ def test_model_with_adapters_already_or_none_to_write(base_dir, tmp_path):
         save_peft_adapter(load_hf_model(base_dir), tmp_path / "b")
     with pytest.raises(ValueError, match="not empty"):
         save_peft_adapter(model, out)
+
+
+# ------------------------------------------------------------------------------------ per-layer settings, dropout
+PATTERNED = dict(targets=["q", "k", "v", "attn_proj", "mlp_expand", "logits"], rank=3, alpha=0.6,
+                 rank_pattern={"k": 2, "blocks.1.attn.q": 5, "mlp_expand": 4, "logits": 1},
+                 alpha_pattern={"v": 1.5, "blocks.0.attn_proj": -0.25, "logits": 2.0}, dropout=0.15)
+
+
+def patterned(base_dir, dtype="float64", seed=0):
+    """A pedestrian model with adapters of several ranks and α (the q, k, v of one block among
+    them) and adapter dropout, with random non-zero D and U."""
+    model = load_hf_model(base_dir, dtype=dtype)
+    kw = dict(PATTERNED)
+    model.add_lora(kw.pop("targets"), seed=seed, **kw)
+    rng = np.random.default_rng(seed)
+    for k in model.lora_state_dict():
+        model.params[k][...] = rng.normal(0, 0.3, model.params[k].shape)
+    return model
+
+
+def test_patterns_and_dropout_written_applied_by_peft_and_read_back(base_dir, tmp_path):
+    """rank_pattern, alpha_pattern and lora_dropout: PEFT applies the file with the logits of the
+    pedestrian model (float32 within 1e-6, float64 within 1e-12), and reading it back gives the
+    same ranks, α, dropout and adapters."""
+    model = patterned(base_dir)
+    model.training = False
+    out = save_peft_adapter(model, tmp_path / "a", base_model_name_or_path=str(base_dir))
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["lora_dropout"]) == (3, 0.6 * 3, 0.15)
+    # block 0's c_attn holds q (r 3, α 0.6), k (2, 0.6), v (3, 1.5): rank 8, scaling = q's α
+    assert cfg["rank_pattern"]["transformer.h.0.attn.c_attn"] == 8
+    assert cfg["alpha_pattern"]["transformer.h.0.attn.c_attn"] == 0.6 * 8
+    assert cfg["rank_pattern"]["transformer.h.1.attn.c_attn"] == 10
+    assert cfg["rank_pattern"]["transformer.h.0.mlp.c_fc"] == 4 and cfg["rank_pattern"]["lm_head"] == 1
+    assert cfg["alpha_pattern"]["transformer.h.0.attn.c_proj"] == -0.25 * 3
+    assert cfg["alpha_pattern"]["lm_head"] == 2.0
+    assert "transformer.h.1.attn.c_proj" not in cfg["rank_pattern"] | cfg["alpha_pattern"]   # defaults
+
+    peft_model = peft.PeftModel.from_pretrained(hf_base(base_dir), str(out)).eval()
+    assert peft_model.peft_config["default"].lora_dropout == 0.15
+    c_attn = peft_model.base_model.model.transformer.h[0].attn.c_attn
+    assert c_attn.r["default"] == 8 and c_attn.scaling["default"] == pytest.approx(0.6, rel=1e-15)
+    assert rel_err(model.forward(X), hf_logits(peft_model, X)) <= 1e-12
+    m32 = patterned(base_dir, dtype="float32")
+    m32.training = False
+    ref32 = peft_logits(base_dir, out, torch.float32)
+    # float32 logits of O(1-10): the two libraries round differently, a few ulps of the largest
+    assert rel_err(m32.forward(X), ref32) <= 1e-6
+
+    back = load_hf_model(base_dir, dtype="float64")
+    load_peft_adapter(back, out)
+    assert back.lora_targets == model.lora_targets
+    assert (back.lora_ranks, back.lora_alphas, back.lora_dropout) == (model.lora_ranks, model.lora_alphas, 0.15)
+    assert (back.lora_rank, back.lora_alpha) == (3, 0.6)
+    for k, v in model.lora_state_dict().items():
+        if k.endswith("attn.v.lora_U"):
+            # written as U·(1.5/0.6) in the c_attn block whose scaling is q's 0.6, read as
+            # ·(0.6/1.5): four roundings (two ratios, two products) of at most 2^-53 each
+            np.testing.assert_allclose(back.params[k], v, rtol=4.5e-16, atol=0)
+        else:
+            np.testing.assert_array_equal(back.params[k], v)
+
+
+PEFT_PATTERNED = dict(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=["c_attn", "c_proj", "c_fc", "lm_head"],
+                      rank_pattern={"h.1.attn.c_attn": 2, "mlp.c_proj": 6},
+                      alpha_pattern={r"h\.0\.attn\.c_proj": 3.0, "lm_head": 1.0, "c_fc": 12})
+
+
+def test_peft_file_with_patterns_and_dropout_loads_layer_by_layer(base_dir, tmp_path):
+    """PEFT's own file: every module gets its own rank (no padding) and α = lora_alpha / r from
+    the patterns, PEFT's key rule (regex, suffix); lora_dropout arrives; the logits equal PEFT's;
+    written again and applied by PEFT, the logits are the same still."""
+    ref = make_peft_adapter(base_dir, tmp_path / "a", **PEFT_PATTERNED)
+    model = load_hf_model(base_dir, dtype="float64")
+    load_peft_adapter(model, tmp_path / "a")
+    assert model.lora_dropout == 0.2 and (model.lora_rank, model.lora_alpha) == (4, 2.0)
+    assert model.lora_ranks["blocks.0.attn.q"] == 4 and model.lora_ranks["blocks.1.attn.k"] == 2
+    assert model.lora_ranks["blocks.0.mlp_contract"] == 6 and model.lora_ranks["blocks.1.attn_proj"] == 4
+    assert model.lora_alphas["blocks.1.attn.v"] == 8 / 2
+    assert model.lora_alphas["blocks.0.attn_proj"] == 3.0 / 4 and model.lora_alphas["blocks.1.attn_proj"] == 2.0
+    assert model.lora_alphas["blocks.1.mlp_contract"] == 8 / 6 and model.lora_alphas["logits"] == 1.0 / 4
+    assert model.lora_alphas["blocks.0.mlp_expand"] == 12 / 4
+    model.training = False
+    assert rel_err(model.forward(X), ref) <= 1e-12
+    again = save_peft_adapter(model, tmp_path / "again")
+    assert json.loads((again / "adapter_config.json").read_text())["lora_dropout"] == 0.2
+    assert rel_err(peft_logits(base_dir, again), ref) <= 1e-12
+
+
+def test_training_gradients_with_dropout_equal_peft_with_the_same_masks(base_dir, tmp_path):
+    """In training, with PEFT's dropout modules holding the masks pedestrian drew, the loss and
+    the gradient of every lora_A and lora_B equal PEFT's autograd (float64): the dropout sits on
+    the same input (one mask per module, c_attn's shared by q, k, v)."""
+    from lora_masks import replay_masks
+
+    make_peft_adapter(base_dir, tmp_path / "a", **PEFT_PATTERNED)
+    model = load_hf_model(base_dir, dtype="float64")
+    load_peft_adapter(model, tmp_path / "a")
+    y = np.roll(X, -1, axis=1)
+    masks = replay_masks(model, copy.deepcopy(model.dropout_rng), *X.shape)
+    loss = model.loss(X, y)
+    grads = model.backward()
+
+    class FixedMask(torch.nn.Module):
+        def __init__(self, mask):
+            super().__init__()
+            self.mask = torch.as_tensor(mask)
+
+        def forward(self, x):
+            return x * self.mask
+
+    ref = peft.PeftModel.from_pretrained(hf_base(base_dir), str(tmp_path / "a"), is_trainable=True).train()
+    replaced = 0
+    for name, module in ref.named_modules():
+        if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+            assert module.lora_dropout["default"].p == 0.2
+            module.lora_dropout["default"] = FixedMask(masks[_module_fc(name)])
+            replaced += 1
+    assert replaced == 4 * 2 + 1
+    logits = ref(torch.as_tensor(X)).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.as_tensor(y).reshape(-1))
+    ref_loss.backward()
+    # a sum of a few hundred rounded O(1) terms: relative error a few 1e-16
+    assert abs(loss - ref_loss.item()) <= 1e-12 * abs(ref_loss.item())
+    checked = 0
+    for name, p in ref.named_parameters():
+        if "lora_" not in name:
+            continue
+        module = name[len("base_model.model."):].rsplit(".lora_", 1)[0]
+        fc = _module_fc(module)
+        if "lora_A" in name:
+            ours = sum(grads[f"{fc[:-1]}{part}.lora_D"] for part in "qkv") if fc.endswith(".q") \
+                else grads[f"{fc}.lora_D"]
+            assert rel_err(ours.T, p.grad.numpy()) <= 1e-9, name
+        else:
+            ours = np.concatenate([grads[f"{fc[:-1]}{part}.lora_U"] for part in "qkv"], axis=1) \
+                if fc.endswith(".q") else grads[f"{fc}.lora_U"]
+            assert rel_err(ours.T, p.grad.numpy()) <= 1e-9, name
+        checked += 1
+    assert checked == 2 * (4 * 2 + 1)                       # A and B of 4 modules per block and lm_head
+
+
+def _module_fc(module: str) -> str:
+    """A PEFT module name (``base_model.model.transformer.h.0.attn.c_attn``) -> its pedestrian
+    layer (``c_attn``: the q layer; k and v share its input's mask)."""
+    module = module.removeprefix("base_model.model.")
+    if module == "lm_head":
+        return "logits"
+    i, kind = re.fullmatch(r"transformer\.h\.(\d+)\.(.*)", module).groups()
+    return {"attn.c_attn": f"blocks.{i}.attn.q", "attn.c_proj": f"blocks.{i}.attn_proj",
+            "mlp.c_fc": f"blocks.{i}.mlp_expand", "mlp.c_proj": f"blocks.{i}.mlp_contract"}[kind]

@@ -1,4 +1,6 @@
-"""`pedestrian sample`: streaming output, UTF-8 hold-back, stop tokens, bad input, the CLI wiring."""
+"""`pedestrian sample`: streaming output, UTF-8 hold-back, stop tokens, bad input, the CLI wiring.
+
+Stop strings as text: tests/test_stop_strings.py."""
 
 from __future__ import annotations
 
@@ -13,24 +15,9 @@ from pedestrian.config import GPTConfig
 from pedestrian.generate import generate
 from pedestrian.model import GPT
 from pedestrian.tokenizer import BPETokenizer, CharTokenizer, bytes_to_unicode
+from sample_helpers import Chunks, forced_model, parse
 
 TEXT = "hello world, the quick brown fox jumps over the lazy dog.\n" * 4
-
-
-class Chunks(io.StringIO):
-    """A text stream that also records every write (one write per streamed token)."""
-
-    def __init__(self):
-        super().__init__()
-        self.chunks: list[str] = []
-
-    def write(self, s):
-        self.chunks.append(s)
-        return super().write(s)
-
-
-def parse(*argv: str):
-    return cli.build_parser().parse_args(["sample", "--checkpoint", "unused", *argv])
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +26,6 @@ def char_setup():
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=32, d_model=16, n_heads=2,
                           n_blocks=1), seed=3)
     return model, tok
-
-
-def forced_model(tokenizer, chain: list[int], context_length: int = 32) -> GPT:
-    """A GPT that deterministically emits ``chain[i+1]`` after ``chain[i]`` (greedy).
-
-    All blocks are zeroed (the residual stream carries ``W_tok[x]``), each chain token gets its
-    own embedding axis, and the untied logits weight maps that axis to the successor.
-    """
-    V = tokenizer.vocab_size
-    d = len(chain) + 2
-    model = GPT(GPTConfig(vocab_size=V, context_length=context_length, d_model=d, n_heads=1,
-                          n_blocks=1, tie_weights=False), dtype="float64")
-    for name, p in model.params.items():
-        p[...] = 1.0 if ("ln" in name and name.endswith("weight")) else 0.0
-    for slot, token in enumerate(chain[:-1]):
-        model.params["tok_emb.weight"][token, slot] = 10.0
-        model.params["logits.weight"][slot, chain[slot + 1]] = 10.0
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +130,8 @@ def test_stop_text_and_stop_id(char_setup):
         sample_cmd.run_sample(model, tok, parse("--prompt", "o", "--max-new-tokens", "30",
                                                 "--temperature", "0", flag, value), out=out)
         assert out.getvalue() == "o" + body[:cut] + "\n"
-    with pytest.raises(ValueError, match="exactly one token"):
-        sample_cmd.run_sample(model, tok, parse("--prompt", "o", "--stop", "ab"), out=io.StringIO())
+    with pytest.raises(ValueError, match="--stop needs a non-empty text"):
+        sample_cmd.run_sample(model, tok, parse("--prompt", "o", "--stop", ""), out=io.StringIO())
 
 
 # ------------------------------------------------------------------ bad input
@@ -174,6 +143,12 @@ def test_stop_text_and_stop_id(char_setup):
     (("--prompt", "hi", "--max-new-tokens", "-2"), "max-new-tokens"),
     (("--prompt", "hi", "--num-samples", "0"), "num-samples"),
     (("--prompt", "hi", "--window-shift", "0"), "window_shift"),
+    (("--prompt", "hi", "--min-p", "1.5"), r"--min-p must be in \[0, 1\]"),
+    (("--prompt", "hi", "--min-p", "-0.1"), r"--min-p must be in \[0, 1\]"),
+    (("--prompt", "hi", "--repetition-penalty", "0"), "--repetition-penalty must be a finite number > 0"),
+    (("--prompt", "hi", "--repetition-penalty", "-1.2"), "--repetition-penalty"),
+    (("--prompt", "hi", "--repetition-penalty", "nan"), "--repetition-penalty"),
+    (("--prompt", "hi", "--repetition-penalty", "inf"), "--repetition-penalty"),
     (("--prompt", "héllo"), "characters that occur in its training text"),   # unknown character
     (("--prompt", ""), "prompt is empty"),                               # char model: no <|endoftext|>
 ])
@@ -227,3 +202,85 @@ def test_cli_needs_a_model_source(capsys):
     assert cli.main(["sample", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--checkpoint" in err and "--hf-dir" in err
+
+
+# ------------------------------------------------------------------ repetition penalty, min-p
+def test_penalty_and_min_p_reach_generate(char_setup):
+    model, tok = char_setup
+    # this random model's logits are small (near-uniform): strong settings, to change the text
+    for extra, kw in ((("--repetition-penalty", "20"), dict(repetition_penalty=20.0)),
+                      (("--min-p", "0.97"), dict(min_p=0.97)),
+                      (("--repetition-penalty", "0.05", "--min-p", "0.5", "--top-k", "9"),
+                       dict(repetition_penalty=0.05, min_p=0.5, top_k=9))):
+        out = io.StringIO()
+        sample_cmd.run_sample(model, tok, parse("--prompt", "the ", "--max-new-tokens", "40",
+                                                "--seed", "2", *extra), out=out)
+        ids = generate(model, np.array([tok.encode("the ")]), 40, seed=2, **kw)
+        assert out.getvalue() == "the " + tok.decode(ids[0, 4:]) + "\n"
+        plain = generate(model, np.array([tok.encode("the ")]), 40, seed=2)
+        assert not np.array_equal(ids, plain), extra               # the setting changed the text
+
+
+def test_help_shows_the_sampling_controls(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["sample", "--help"])
+    text = " ".join(capsys.readouterr().out.split())            # whatever the line breaks
+    for needle in ("--repetition-penalty 1.2", "--min-p 0.05", "--stop $'\\n\\n'",
+                   "repetition penalty -> temperature -> top-k -> top-p -> min-p",
+                   "neither the stop token nor the stop text is printed",
+                   "a model whose vocabulary is larger than its tokenizer's"):
+        assert needle in text, needle
+
+
+# ------------------------------------------------------------------ a padded vocabulary
+@pytest.fixture(scope="module")
+def padded_setup():
+    """A char model with 128 ids for a tokenizer of far fewer, whose padded ids are the most
+    likely (a checkpoint with vocab_size=128 and the Shakespeare tokenizer, issue 13)."""
+    tok = CharTokenizer.from_text(TEXT)
+    model = GPT(GPTConfig(vocab_size=128, context_length=32, d_model=16, n_heads=2, n_blocks=1,
+                          tie_weights=False), seed=4)
+    model.params["logits.bias"][tok.vocab_size:] += 5.0
+    free = generate(model, np.array([tok.encode("the")] * 8), 40, seed=0)
+    assert (free[:, 3:] >= tok.vocab_size).mean() > 0.5           # unmasked: mostly undecodable
+    return model, tok
+
+
+def test_padded_vocabulary_never_samples_undecodable_ids(padded_setup):
+    model, tok = padded_setup
+    out = io.StringIO()
+    code = sample_cmd.run_sample(model, tok, parse("--prompt", "the", "--max-new-tokens", "150",
+                                                   "--num-samples", "40", "--seed", "1"), out=out)
+    assert code == 0
+    bodies = out.getvalue().split("--- sample ")[1:]
+    assert len(bodies) == 40
+    assert sum(len(b.split("\n", 1)[1]) for b in bodies) > 40 * 150  # every sample ran in full
+    assert set(out.getvalue()) <= set(tok.chars) | set("-0123456789 \n")
+
+
+def test_padded_vocabulary_cli_end_to_end(padded_setup, tmp_path, capsys):
+    from pedestrian.checkpoint import save_checkpoint
+
+    model, tok = padded_setup
+    save_checkpoint(tmp_path / "ckpt", model, tokenizer=tok, step=1)
+    for extra in ((), ("--temperature", "0"), ("--top-p", "0.9", "--min-p", "0.02")):
+        code = cli.main(["sample", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "the",
+                         "--max-new-tokens", "200", "--seed", "3", *extra])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert captured.out.startswith("the") and len(captured.out) == 3 + 200 + 1
+        assert set(captured.out) <= set(tok.chars) | {"\n"}
+
+
+# ------------------------------------------------------------------ non-finite weights
+def test_nan_weights_are_one_error_line(char_setup, monkeypatch, capsys):
+    model, tok = char_setup
+    broken = GPT(model.config, seed=3)
+    broken.params["blocks.0.attn.q.weight"][0, 0] = np.nan
+    monkeypatch.setattr(sample_cmd, "_load_model", lambda args: (broken, tok))
+    code = cli.main(["sample", "--checkpoint", "unused", "--prompt", "the fox", "--max-new-tokens", "50"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.startswith("error: the logits hold NaN (row 0: ") and "non-finite weights" in captured.err
+    assert len(captured.err.splitlines()) == 1
+    assert "\n" not in captured.out.removeprefix("the fox")          # no page of id-0 characters

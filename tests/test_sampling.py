@@ -1,9 +1,12 @@
-"""Sampling: greedy, temperature, top-k, top-p, their combinations, edge values, bad input.
+"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, vocab_limit, their
+combinations, non-finite logits, edge values, bad input.
 
 Expected distributions are computed here independently of ``pedestrian.generate``, by the
 definitions: top-k keeps the k largest logits; the nucleus is the smallest set of the most
 likely tokens whose probabilities add up to at least p (Holtzman et al. 2020; HF
-``TopPLogitsWarper``); the order is temperature -> top-k -> top-p (HF logits warpers).
+``TopPLogitsWarper``); min-p keeps tokens at least min_p times as likely as the top one (HF
+``MinPLogitsWarper``); the order is penalty -> temperature -> top-k -> top-p -> min-p (HF logits
+processors). The same against transformers itself: tests/test_sampling_hf.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from pedestrian.sampling import check_sampling, filter_logits, sample_next
+from pedestrian.sampling import NonFiniteLogitsError, check_sampling, filter_logits, sample_next
 
 ALPHA = 1e-3        # significance of the chi-square goodness-of-fit tests (seeded: deterministic)
 
@@ -25,9 +28,15 @@ def softmax(x):
     return e / e.sum()
 
 
-def expected_probs(logits_row, temperature, top_k=None, top_p=None) -> np.ndarray:
-    """The filtered distribution, by the definitions, with a plain loop for the nucleus."""
-    x = np.asarray(logits_row, dtype=np.float64) / temperature
+def expected_probs(logits_row, temperature, top_k=None, top_p=None, min_p=None,
+                   penalty=None, seen=()) -> np.ndarray:
+    """The filtered distribution, by the definitions, with plain loops: repetition penalty
+    (CTRL / HF: positive logits of seen tokens divided, negative ones multiplied), temperature,
+    top-k, the nucleus, then min-p (the order of HF's logits processors)."""
+    x = np.asarray(logits_row, dtype=np.float64).copy()
+    for t in set(seen):
+        x[t] = x[t] / penalty if x[t] > 0 else x[t] * penalty
+    x = x / temperature
     V = x.size
     keep = np.ones(V, dtype=bool)
     if top_k is not None and top_k < V:
@@ -42,6 +51,9 @@ def expected_probs(logits_row, temperature, top_k=None, top_p=None) -> np.ndarra
             if mass >= top_p:
                 break
         keep &= nucleus
+    if min_p is not None:
+        p = softmax(np.where(keep, x, -np.inf))
+        keep &= p >= min_p * p.max()
     return softmax(np.where(keep, x, -np.inf))
 
 
@@ -173,6 +185,17 @@ def test_top_p_zero_is_an_error_not_greedy():
     (dict(top_p=-0.2), ValueError, "top_p"),
     (dict(top_p=1.5), ValueError, "top_p"),
     (dict(top_p=float("nan")), ValueError, "top_p"),
+    (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.5), ValueError, r"min_p must be in \[0, 1\]"),
+    (dict(min_p=float("nan")), ValueError, "min_p"),
+    (dict(min_p="low"), TypeError, "min_p"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=-1.2), ValueError, "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), ValueError, "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), ValueError, "repetition_penalty"),
+    (dict(repetition_penalty=True), TypeError, "repetition_penalty"),
+    (dict(vocab_limit=0), ValueError, "vocab_limit must be >= 1"),
+    (dict(vocab_limit=2.5), TypeError, "vocab_limit"),
 ])
 def test_bad_sampling_settings(kwargs, exc, match):
     settings_ = dict(temperature=1.0, top_k=None, top_p=None)
@@ -210,26 +233,36 @@ def test_float32_and_torch_logits():
 
 
 # ------------------------------------------------------------------ distribution (chi-square)
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, None, None),
-    (0.7, None, None),
-    (1.0, 5, None),
-    (1.3, None, 0.8),
-    (0.9, 8, 0.9),
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p, penalty", [
+    (1.0, None, None, None, None),
+    (0.7, None, None, None, None),
+    (1.0, 5, None, None, None),
+    (1.3, None, 0.8, None, None),
+    (0.9, 8, 0.9, None, None),
+    (1.0, None, None, 0.2, None),
+    (1.0, None, None, None, 1.8),
+    (0.8, None, None, None, 0.6),
+    (1.1, 9, 0.95, 0.1, 1.5),
 ])
-def test_frequencies_match_filtered_probabilities(temperature, top_k, top_p):
+def test_frequencies_match_filtered_probabilities(temperature, top_k, top_p, min_p, penalty):
     V, N = 12, 20_000
     logits = np.random.default_rng(11).normal(0, 1.5, size=V)
-    expected = expected_probs(logits, temperature, top_k, top_p)
+    seen = [1, 4, 4, 7, 9]                                       # a repeat counts once
+    expected = expected_probs(logits, temperature, top_k, top_p, min_p, penalty,
+                              seen if penalty else ())
     # N independent draws as one batch of N identical rows (the batched path), seeded
-    draws = sample_next(np.tile(logits, (N, 1)), np.random.default_rng(2024), temperature, top_k, top_p)
+    draws = sample_next(np.tile(logits, (N, 1)), np.random.default_rng(2024), temperature, top_k, top_p,
+                        min_p=min_p, repetition_penalty=penalty,
+                        seen=np.tile(seen, (N, 1)) if penalty else None)
     counts = np.bincount(draws, minlength=V)
     assert counts[expected == 0].sum() == 0                      # filtered tokens never drawn
     support = expected > 0
     result = stats.chisquare(counts[support], N * expected[support])
     assert result.pvalue > ALPHA, (counts, N * expected)
-    if top_k is not None or top_p is not None:
+    if top_k is not None or top_p is not None or min_p is not None:
         assert support.sum() < V                                 # the filter did remove tokens
+    if penalty is not None:                                      # the penalty did move mass
+        assert np.abs(expected - expected_probs(logits, temperature, top_k, top_p, min_p)).max() > 0.01
 
 
 def test_sequential_draws_match_probabilities():
@@ -238,3 +271,222 @@ def test_sequential_draws_match_probabilities():
     rng = np.random.default_rng(99)
     counts = np.bincount([int(sample_next(logits, rng, 1.0)[0]) for _ in range(N)], minlength=V)
     assert stats.chisquare(counts, N * softmax(logits[0])).pvalue > ALPHA
+
+
+# ------------------------------------------------------------------ repetition penalty
+def test_repetition_penalty_by_hand():
+    # the example of issue 15 / HF RepetitionPenaltyLogitsProcessor: tokens 0 and 1 seen
+    logits = np.array([2.0, -1.0, 0.5])
+    np.testing.assert_array_equal(filter_logits(logits, repetition_penalty=2.0, seen=[0, 1]),
+                                  [1.0, -2.0, 0.5])
+    # a token seen several times is penalised once
+    np.testing.assert_array_equal(filter_logits(logits, repetition_penalty=2.0, seen=[1, 0, 1, 1, 0]),
+                                  [1.0, -2.0, 0.5])
+    # r < 1 favours seen tokens; r = 1 and r = None change nothing; no seen token: nothing
+    np.testing.assert_array_equal(filter_logits(logits, repetition_penalty=0.5, seen=[0, 1]),
+                                  [4.0, -0.5, 0.5])
+    for r, seen in ((1.0, [0, 1]), (None, None), (3.0, np.zeros(0, dtype=np.int64))):
+        np.testing.assert_array_equal(filter_logits(logits, repetition_penalty=r, seen=seen), logits)
+    # the penalty scales, so it commutes with the temperature: (z / r) / T
+    np.testing.assert_array_equal(filter_logits(logits, 0.5, repetition_penalty=2.0, seen=[0, 1]),
+                                  [2.0, -4.0, 1.0])
+
+
+def test_repetition_penalty_rows_have_their_own_seen_tokens():
+    logits = np.array([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    ids = np.array([[0, 0, 1], [3, 2, 3]])
+    out = filter_logits(logits, repetition_penalty=2.0, seen=ids)
+    np.testing.assert_array_equal(out, [[1.0, -2.0, 0.5, 3.0], [2.0, -1.0, 0.25, 1.5]])
+    mask = np.zeros((2, 4), dtype=bool)
+    mask[[0, 0, 1, 1], [0, 1, 2, 3]] = True                      # the same as a (B, V) mask
+    np.testing.assert_array_equal(filter_logits(logits, repetition_penalty=2.0, seen=mask), out)
+    # greedy takes the argmax of the penalised logits: row 0 -> 3, row 1 -> 0
+    np.testing.assert_array_equal(sample_next(logits, 0, 0, repetition_penalty=2.0, seen=ids), [3, 0])
+    np.testing.assert_array_equal(sample_next(logits, 0, 0, repetition_penalty=2.0, seen=mask), [3, 0])
+
+
+def test_repetition_penalty_comes_before_top_k():
+    # HF order: the penalty first, so top-k ranks the penalised logits
+    logits = np.array([2.0, 1.5, 0.0])
+    kept = np.isfinite(filter_logits(logits, top_k=1, repetition_penalty=2.0, seen=[0]))
+    np.testing.assert_array_equal(kept, [False, True, False])    # top-k first would keep token 0
+
+
+def test_repetition_penalty_needs_valid_seen_tokens():
+    logits = np.zeros((2, 5))
+    with pytest.raises(ValueError, match="repetition_penalty needs the tokens seen so far"):
+        sample_next(logits, 0, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="outside"):
+        sample_next(logits, 0, repetition_penalty=1.3, seen=np.array([[0, 5], [1, 2]]))
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        sample_next(logits, 0, repetition_penalty=1.3, seen=np.array([[0, 1]]))        # B = 1 != 2
+    with pytest.raises(ValueError, match=r"\(B, V\)"):
+        sample_next(logits, 0, repetition_penalty=1.3, seen=np.zeros((2, 4), dtype=bool))
+
+
+def test_repetition_penalty_overflow_is_an_error():
+    with pytest.raises(ValueError, match="overflows float64"):
+        sample_next(np.array([[1e308, 1.0]]), 0, repetition_penalty=0.5, seen=[[0]])
+
+
+# ------------------------------------------------------------------ min-p
+def test_min_p_by_hand():
+    # probabilities 0.5, 0.3, 0.15, 0.05: kept = at least min_p * 0.5
+    logits = np.log(np.array([0.15, 0.5, 0.05, 0.3]))
+    kept = lambda **kw: set(np.flatnonzero(np.isfinite(filter_logits(logits, **kw))).tolist())
+    assert kept(min_p=0.0) == {0, 1, 2, 3}
+    assert kept(min_p=0.09) == {0, 1, 2, 3}                     # threshold 0.045
+    assert kept(min_p=0.2) == {0, 1, 3}                         # 0.1
+    assert kept(min_p=0.59) == {1, 3}                           # 0.295
+    assert kept(min_p=0.61) == {1}                              # 0.305
+    assert kept(min_p=1.0) == {1}
+    # min-p after top-p (HF order): the nucleus of 0.75 is {0.5, 0.3, 0.15}; min_p 0.3 (0.15)
+    # keeps all three. The other order would drop 0.05 first, renormalise, and the nucleus of
+    # 0.75 would then be {0.5, 0.3} only.
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    kept_both = np.isfinite(filter_logits(np.log(probs), top_p=0.75, min_p=0.3))
+    np.testing.assert_array_equal(kept_both, [True, True, True, False])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), V=st.integers(2, 60), temperature=st.floats(0.05, 5.0))
+def test_min_p_one_equals_greedy(seed, V, temperature):
+    logits = np.random.default_rng(seed).normal(0, 3, size=(4, V))
+    np.testing.assert_array_equal(sample_next(logits, seed, temperature, min_p=1.0), logits.argmax(-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), V=st.integers(2, 60), min_p=st.floats(0.0, 1.0),
+       temperature=st.floats(0.1, 3.0))
+def test_min_p_never_below_the_threshold(seed, V, min_p, temperature):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 2, size=(3, V))
+    draws = np.stack([sample_next(logits, rng, temperature, min_p=min_p) for _ in range(30)])
+    for b in range(3):
+        p = softmax(logits[b] / temperature)
+        allowed = set(np.flatnonzero(p >= min_p * p.max() * (1 - 1e-12)).tolist())  # rounding slack
+        assert set(draws[:, b].tolist()) <= allowed
+
+
+# ------------------------------------------------------------------ vocab_limit
+SETTINGS = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.3, top_k=1),
+            dict(temperature=1.0, top_k=3), dict(temperature=2.0, top_p=0.5),
+            dict(temperature=1.0, min_p=0.5), dict(temperature=0.7, top_k=4, top_p=0.9, min_p=0.1)]
+
+
+@pytest.mark.parametrize("kw", SETTINGS)
+def test_vocab_limit_ids_are_never_chosen(kw):
+    logits = np.random.default_rng(5).normal(size=(400, 10))
+    logits[:, 7:] += 20.0                                         # the masked ids would win
+    ids = sample_next(logits, 1, **kw, vocab_limit=7)
+    assert ids.max() < 7
+    if kw["temperature"] == 0:
+        np.testing.assert_array_equal(ids, logits[:, :7].argmax(-1))
+    assert sample_next(logits, 1, **kw).min() >= 7                # without the limit they would be
+    # masked before the filters: top_k=1 picks the best of the allowed ids, not an error
+    np.testing.assert_array_equal(sample_next(logits, 1, 1.0, top_k=1, vocab_limit=7),
+                                  logits[:, :7].argmax(-1))
+
+
+def test_vocab_limit_edge_values():
+    logits = np.random.default_rng(6).normal(size=(3, 9))
+    # vocab_limit = V: no mask, the very same draws
+    np.testing.assert_array_equal(sample_next(logits, 4, 1.0, vocab_limit=9), sample_next(logits, 4, 1.0))
+    np.testing.assert_array_equal(filter_logits(logits, vocab_limit=9), logits)
+    np.testing.assert_array_equal(sample_next(logits, 4, 1.0, vocab_limit=1), [0, 0, 0])
+    with pytest.raises(ValueError, match="vocab_limit=10 is larger than the logits' V=9"):
+        sample_next(logits, 0, vocab_limit=10)
+    with pytest.raises(ValueError, match="vocab_limit=10 is larger"):
+        filter_logits(logits, vocab_limit=10)
+    bad = logits.copy()
+    bad[1, :4] = -np.inf                                          # nothing left below the limit
+    with pytest.raises(NonFiniteLogitsError, match="row 1 .*no finite logit below vocab_limit=4"):
+        sample_next(bad, 0, vocab_limit=4)
+
+
+# ------------------------------------------------------------------ non-finite logits
+NONFINITE_SETTINGS = SETTINGS + [
+    dict(temperature=1e-300), dict(temperature=50.0),
+    dict(temperature=1.0, repetition_penalty=2.0, seen=[[2, 0]]),
+    dict(temperature=0, repetition_penalty=0.5, seen=[[2, 1]]),
+    dict(temperature=1.0, vocab_limit=4),
+]
+
+
+@pytest.mark.parametrize("kw", NONFINITE_SETTINGS)
+def test_posinf_logit_is_picked(kw):
+    # issue 13: this row gave token 0
+    logits = np.array([[1.0, 2.0, np.inf, 0.5]])
+    for seed in range(20):
+        assert sample_next(logits, seed, **kw)[0] == 2
+    if kw["temperature"] > 0:
+        out = filter_logits(logits[0], **{k: (v[0] if k == "seen" else v) for k, v in kw.items()})
+        np.testing.assert_array_equal(np.isfinite(out), [False, False, True, False])
+
+
+@pytest.mark.parametrize("kw", NONFINITE_SETTINGS)
+def test_several_posinf_logits_are_equally_likely(kw):
+    logits = np.array([np.inf, 3.0, np.inf, 9.0, np.inf, -np.inf])
+    N = 9000
+    seen = kw.get("seen")
+    kw = dict(kw, seen=None if seen is None else np.tile(seen, (N, 1)))
+    ids = sample_next(np.tile(logits, (N, 1)), np.random.default_rng(3), **kw)
+    if kw["temperature"] == 0:
+        assert (ids == 0).all()                                   # greedy: a tie -> the lowest id
+        return
+    counts = np.bincount(ids, minlength=6)
+    tied = [0, 2] if kw.get("vocab_limit") == 4 else [0, 2, 4]  # the limit masks id 4 first
+    assert counts.sum() == counts[tied].sum()
+    # the filters (top_k=1, a small top_p) would keep only some of the tied tokens: not applied
+    assert stats.chisquare(counts[tied]).pvalue > ALPHA, counts
+
+
+@pytest.mark.parametrize("kw", NONFINITE_SETTINGS)
+def test_nan_logits_are_an_error_naming_the_row(kw):
+    logits = np.array([[1.0, 2.0, 3.0, 0.5], [1.0, np.nan, 3.0, np.nan]])
+    seen = kw.get("seen")
+    kw = dict(kw, seen=None if seen is None else np.tile(seen, (2, 1)))
+    with pytest.raises(NonFiniteLogitsError, match=r"NaN \(row 1: 2 of 4\).*non-finite weights"):
+        sample_next(logits, 0, **kw)
+    if kw["temperature"] > 0:
+        with pytest.raises(NonFiniteLogitsError, match="row 1: 2 of 4"):
+            filter_logits(logits, **kw)
+    # a NaN next to +inf is still an error, not a pick
+    with pytest.raises(ValueError, match=r"row 0: 1 of 3"):
+        sample_next(np.array([[np.inf, np.nan, 1.0]]), 0, kw["temperature"])
+
+
+def test_all_neginf_row_is_an_error():
+    logits = np.array([[0.0, 1.0], [-np.inf, -np.inf]])
+    for kw in (dict(temperature=0), dict(temperature=1.0), dict(temperature=1.0, top_k=1)):
+        with pytest.raises(NonFiniteLogitsError, match="row 1 of the logits has no finite logit"):
+            sample_next(logits, 0, **kw)
+
+
+@pytest.mark.parametrize("kw", SETTINGS + [dict(temperature=1.0, repetition_penalty=3.0, seen=[[0, 2]])])
+def test_neginf_logits_are_never_drawn(kw):
+    logits = np.array([[-np.inf, 0.5, -np.inf, 0.1, 0.2, -np.inf]])
+    N = 2000
+    seen = kw.get("seen")
+    kw = dict(kw, seen=None if seen is None else np.tile(seen, (N, 1)))
+    ids = sample_next(np.tile(logits, (N, 1)), 0, **kw)
+    assert not np.isin(ids, [0, 2, 5]).any()
+
+
+def test_tiny_temperature_does_not_overflow_into_a_tie():
+    # finite / 1e-300 overflows: [2, 2.5] must not become a +inf tie, [-1, -2] not all -inf
+    logits = np.array([[2.0, 2.5, 1.0], [-1.0, -2.0, -3.0], [1e300, 0.0, -1e300]])
+    for seed in range(10):
+        np.testing.assert_array_equal(sample_next(logits, seed, 1e-300), [1, 0, 0])
+        np.testing.assert_array_equal(sample_next(logits, seed, 1e-300, top_p=0.9, min_p=0.1), [1, 0, 0])
+    out = filter_logits(logits, 1e-300)
+    assert np.isfinite(out.max(axis=-1)).all()
+    # rows that do not overflow are still exactly logits / T
+    np.testing.assert_array_equal(filter_logits(logits[:2], 1e-3), logits[:2] / 1e-3)
+
+
+def test_nonfinite_torch_logits():
+    torch = pytest.importorskip("torch")
+    assert sample_next(torch.tensor([[1.0, 2.0, float("inf"), 0.5]]), 0)[0] == 2
+    with pytest.raises(NonFiniteLogitsError, match="row 0: 1 of 4"):
+        sample_next(torch.tensor([[1.0, float("nan"), 3.0, 0.5]], dtype=torch.float32), 0, 0)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pedestrian.data import BUNDLED_CORPUS, load_corpus
+from pedestrian.data import BUNDLED_CORPUS, iter_corpus_pieces, load_corpus
 from pedestrian.tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -183,12 +183,24 @@ def test_bpe_train_rejects_tiny_vocab():
         BPETokenizer.train("hello", vocab_size=200)
 
 
-def test_bpe_train_from_path_equals_from_text(tmp_path, corpus_head):
+def test_bpe_train_streamed_pieces_equals_whole_text(tmp_path, corpus_head):
     f = tmp_path / "c.txt"
     f.write_text(corpus_head[:50_000], encoding="utf-8")
-    from_path = BPETokenizer.train(f, vocab_size=300)
+    pieces = list(iter_corpus_pieces(f, piece_chars=2_000))
+    assert len(pieces) > 20                               # really streamed in many pieces
+    streamed = BPETokenizer.train(iter(pieces), vocab_size=300)
     from_text = BPETokenizer.train(corpus_head[:50_000], vocab_size=300)
-    assert from_path == from_text
+    assert streamed == from_text
+
+
+def test_bpe_train_takes_texts_not_paths(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text("hello world\n" * 50, encoding="utf-8")
+    for wrong in (f, [f]):
+        with pytest.raises(TypeError, match="iter_corpus_pieces"):
+            BPETokenizer.train(wrong, vocab_size=300)
+    with pytest.raises(ValueError, match="no training text"):
+        BPETokenizer.train(iter([]), vocab_size=300)
 
 
 def test_bpe_save_load_equality(tmp_path, bpe):

@@ -9,6 +9,7 @@ Parameter names and shapes (``y = x @ W + b``, ``W`` is ``(f_in, f_out)``)::
     tok_emb.weight                  (V, d)
     pos_emb.weight                  (context_length, d)
     blocks.{i}.ln1.weight / .bias   (d,)                       bias only if cfg["bias"]
+                                                               (q, k, v: if cfg["qkv_bias"])
     blocks.{i}.attn.q.weight        (d, n_heads*d_qk)          .bias (n_heads*d_qk,)
     blocks.{i}.attn.k.weight        (d, n_heads*d_qk)          .bias (n_heads*d_qk,)
     blocks.{i}.attn.v.weight        (d, n_heads*d_head)        .bias (n_heads*d_head,)
@@ -19,19 +20,23 @@ Parameter names and shapes (``y = x @ W + b``, ``W`` is ``(f_in, f_out)``)::
     ln_final.weight / .bias         (d,)
     logits.weight                   (d, V)      only when not tie_weights
     logits.bias                     (V,)        only when not tie_weights and bias
-    X.lora_D (f_in, r), X.lora_U (r, f_out)     optional LoRA on FC layer X
+    X.lora_D (f_in, r_X), X.lora_U (r_X, f_out) optional LoRA on FC layer X (its own rank r_X)
 
 Conventions resolved here (see the summary at the bottom of this docstring):
 
-* LoRA uses the paper's plain scalar ``alpha``: ``y = x W + b + alpha * (x D) U`` (no ``/ r``).
+* LoRA uses the paper's plain scalar ``alpha``: ``y = x W + b + alpha * (x D) U`` (no ``/ r``);
+  ``lora_alpha`` is one number or ``{layer: alpha}``. Adapter dropout (PEFT's ``lora_dropout``)
+  is given as fixed masks ``{layer: m}`` (``m`` shaped like the layer input, holding 0 or
+  ``1/(1-p)``): ``y = x W + b + alpha * ((x * m) D) U``.
 * Tied logits: ``logits = a11 @ tok_emb.weight.T`` with no bias; a LoRA on ``logits`` then has
   ``D: (d, r)``, ``U: (r, V)``.
-* Layer norms have a bias iff ``cfg["bias"]`` (like GPT-2 / nanoGPT's ``bias`` flag).
+* Layer norms have a bias iff ``cfg["bias"]`` (like GPT-2 / nanoGPT's ``bias`` flag); the q, k,
+  v layers iff ``cfg["qkv_bias"]`` (``None`` or absent: ``cfg["bias"]``).
 * ``d_head`` / ``d_qk`` of ``None`` default to ``d_model // n_heads``;
-  ``d_mlp = int(round(mlp_ratio * d_model))``.
+  ``d_mlp`` of ``None`` (or absent) to ``int(round(mlp_ratio * d_model))``.
 * Loss = mean cross-entropy over targets != -100; if nothing counts the loss is exactly 0 and
   every gradient / delta is 0 (no NaN).
-* Dropout does not exist here (always 0).
+* Dropout does not exist here (always 0), except the LoRA input masks given as ``lora_masks``.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ def default_cfg(**overrides: Any) -> dict:
         bias=True,
         tie_weights=False,
         causal=True,
+        qkv_bias=None,
+        d_mlp=None,
     )
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -101,7 +108,7 @@ def derived_dims(cfg: dict) -> dict:
     d_qk = cfg.get("d_qk")
     d_head = d // h if d_head is None else int(d_head)
     d_qk = d // h if d_qk is None else int(d_qk)
-    d_mlp = int(round(float(cfg["mlp_ratio"]) * d))
+    d_mlp = int(round(float(cfg["mlp_ratio"]) * d)) if cfg.get("d_mlp") is None else int(cfg["d_mlp"])
     return dict(d_model=d, n_heads=h, d_head=d_head, d_qk=d_qk, d_mlp=d_mlp,
                 vocab_size=int(cfg["vocab_size"]), context_length=int(cfg["context_length"]),
                 n_blocks=int(cfg["n_blocks"]))
@@ -157,6 +164,7 @@ def param_shapes(cfg: dict, lora: dict | None = None) -> dict[str, tuple[int, ..
     dd = derived_dims(cfg)
     d, V = dd["d_model"], dd["vocab_size"]
     bias = bool(cfg["bias"])
+    qkv_bias = bias if cfg.get("qkv_bias") is None else bool(cfg["qkv_bias"])
     shapes: dict[str, tuple[int, ...]] = {
         "tok_emb.weight": (V, d),
         "pos_emb.weight": (dd["context_length"], d),
@@ -170,7 +178,7 @@ def param_shapes(cfg: dict, lora: dict | None = None) -> dict[str, tuple[int, ..
     def fc(name: str) -> None:
         f_in, f_out = fc_layer_shape(cfg, name)
         shapes[f"{name}.weight"] = (f_in, f_out)
-        if bias:
+        if (qkv_bias if ".attn." in name else bias):
             shapes[f"{name}.bias"] = (f_out,)
 
     for i in range(dd["n_blocks"]):
@@ -187,8 +195,8 @@ def param_shapes(cfg: dict, lora: dict | None = None) -> dict[str, tuple[int, ..
     if not cfg["tie_weights"]:
         fc("logits")
     if lora:
-        r = int(lora["rank"])
         for name in expand_lora_targets(cfg, lora["targets"]):
+            r = int(lora.get("ranks", {}).get(name, lora["rank"]))
             f_in, f_out = fc_layer_shape(cfg, name)
             shapes[f"{name}.lora_D"] = (f_in, r)
             shapes[f"{name}.lora_U"] = (r, f_out)
@@ -234,7 +242,8 @@ def random_params(cfg: dict, seed: int = 0, dtype=np.float64, lora: dict | None 
     * embeddings: N(0, 0.5²) (token) and N(0, 0.3²) (position);
     * FC weights: N(0, s²) with s = min(0.5, 1/sqrt(f_in)) so activations stay O(1);
     * biases: N(0, 0.1²) (nonzero); LN weights 1 + N(0, 0.1²);
-    * LoRA (``lora={"targets": [...], "rank": r}``): D ~ N(0, 1/f_in), U ~ N(0, 0.2²)
+    * LoRA (``lora={"targets": [...], "rank": r}``, optionally ``"ranks": {layer: r}``):
+      D ~ N(0, 1/f_in), U ~ N(0, 0.2²)
       (U nonzero on purpose, so every LoRA gradient path is exercised).
     """
     rng = np.random.default_rng(seed)
@@ -299,7 +308,7 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {kind!r}")
 
 
-def _fc(params: dict, name: str, x: torch.Tensor, alpha: float,
+def _fc(params: dict, name: str, x: torch.Tensor, alpha, masks: dict,
         weight: torch.Tensor | None = None, allow_bias: bool = True) -> torch.Tensor:
     W = params[f"{name}.weight"] if weight is None else weight
     y = x @ W
@@ -309,7 +318,10 @@ def _fc(params: dict, name: str, x: torch.Tensor, alpha: float,
     D = params.get(f"{name}.lora_D")
     if D is not None:
         U = params[f"{name}.lora_U"]
-        y = y + alpha * ((x @ D) @ U)
+        a = float(alpha[name]) if isinstance(alpha, dict) else float(alpha)
+        m = masks.get(name)
+        x_in = x if m is None else x * torch.as_tensor(np.asarray(m), dtype=x.dtype)
+        y = y + a * ((x_in @ D) @ U)
     return y
 
 
@@ -325,13 +337,15 @@ def _as_long(tokens: Any) -> torch.Tensor:
     return t
 
 
-def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_alpha: float = 1.0,
-                      return_activations: bool = False):
+def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_alpha: float | dict = 1.0,
+                      return_activations: bool = False, lora_masks: dict | None = None):
     """Logits ``(B, T, V)``; with ``return_activations=True`` returns ``(logits, acts)`` where
     ``acts`` maps "a1", "blocks.{i}.a2" .. "blocks.{i}.a10", "a11", "a12" to the activations,
     each ``retain_grad()``-ed when it requires grad (so ``acts[n].grad`` is Δ after backward).
 
     ``tokens`` may be a (B, T) or (T,) LongTensor / array; 1-D input is treated as B = 1.
+    ``lora_alpha``: one number or ``{layer: alpha}``; ``lora_masks``: ``{layer: fixed dropout
+    mask of the adapter input}`` (absent layers: no dropout).
     """
     check_params(params, cfg)
     dd = derived_dims(cfg)
@@ -343,7 +357,8 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
         raise ValueError("token id out of range [0, vocab_size)")
     H, dqk, dh = dd["n_heads"], dd["d_qk"], dd["d_head"]
     eps = float(cfg["ln_eps"])
-    alpha = float(lora_alpha)
+    alpha = dict(lora_alpha) if isinstance(lora_alpha, dict) else float(lora_alpha)
+    masks = dict(lora_masks or {})
     acts: dict[str, torch.Tensor] = {}
 
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -362,9 +377,9 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
     for i in range(dd["n_blocks"]):
         p = f"blocks.{i}"
         a2 = keep(f"{p}.a2", _layer_norm(x, params[f"{p}.ln1.weight"], params.get(f"{p}.ln1.bias"), eps))
-        q = _fc(params, f"{p}.attn.q", a2, alpha)
-        k = _fc(params, f"{p}.attn.k", a2, alpha)
-        v = _fc(params, f"{p}.attn.v", a2, alpha)
+        q = _fc(params, f"{p}.attn.q", a2, alpha, masks)
+        k = _fc(params, f"{p}.attn.k", a2, alpha, masks)
+        v = _fc(params, f"{p}.attn.v", a2, alpha, masks)
         heads = []
         for h in range(H):
             qh = q[..., h * dqk:(h + 1) * dqk]
@@ -376,19 +391,19 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
             P = torch.softmax(S, dim=-1)
             heads.append(P @ vh)
         a3 = keep(f"{p}.a3", torch.cat(heads, dim=-1))
-        a4 = keep(f"{p}.a4", _fc(params, f"{p}.attn_proj", a3, alpha))
+        a4 = keep(f"{p}.a4", _fc(params, f"{p}.attn_proj", a3, alpha, masks))
         a5 = keep(f"{p}.a5", x + a4)
         a6 = keep(f"{p}.a6", _layer_norm(a5, params[f"{p}.ln2.weight"], params.get(f"{p}.ln2.bias"), eps))
-        a7 = keep(f"{p}.a7", _fc(params, f"{p}.mlp_expand", a6, alpha))
+        a7 = keep(f"{p}.a7", _fc(params, f"{p}.mlp_expand", a6, alpha, masks))
         a8 = keep(f"{p}.a8", _activation(a7, cfg["activation"]))
-        a9 = keep(f"{p}.a9", _fc(params, f"{p}.mlp_contract", a8, alpha))
+        a9 = keep(f"{p}.a9", _fc(params, f"{p}.mlp_contract", a8, alpha, masks))
         a10 = keep(f"{p}.a10", a5 + a9)
         x = a10
     a11 = keep("a11", _layer_norm(x, params["ln_final.weight"], params.get("ln_final.bias"), eps))
     if cfg["tie_weights"]:
-        a12 = _fc(params, "logits", a11, alpha, weight=W_tok.transpose(0, 1), allow_bias=False)
+        a12 = _fc(params, "logits", a11, alpha, masks, weight=W_tok.transpose(0, 1), allow_bias=False)
     else:
-        a12 = _fc(params, "logits", a11, alpha)
+        a12 = _fc(params, "logits", a11, alpha, masks)
     a12 = keep("a12", a12)
     return (a12, acts) if return_activations else a12
 
@@ -418,7 +433,8 @@ def reference_loss(logits: torch.Tensor, targets) -> torch.Tensor:
 
 
 def reference_loss_and_grads(params_np: dict[str, np.ndarray], cfg: dict, tokens, targets,
-                             lora_alpha: float = 1.0, dtype: torch.dtype = torch.float64):
+                             lora_alpha: float | dict = 1.0, dtype: torch.dtype = torch.float64,
+                             lora_masks: dict | None = None):
     """Forward + loss + backward in torch.
 
     Returns ``(loss, logits, grads, deltas)``:
@@ -429,7 +445,8 @@ def reference_loss_and_grads(params_np: dict[str, np.ndarray], cfg: dict, tokens
         total gradient of the loss w.r.t. each activation (Δ1 includes both uses of a1).
     """
     params = {k: torch.tensor(np.asarray(v), dtype=dtype).requires_grad_(True) for k, v in params_np.items()}
-    logits, acts = reference_forward(params, cfg, tokens, lora_alpha=lora_alpha, return_activations=True)
+    logits, acts = reference_forward(params, cfg, tokens, lora_alpha=lora_alpha, return_activations=True,
+                                     lora_masks=lora_masks)
     loss = reference_loss(logits, targets)
     loss.backward()
     grads = {k: (np.zeros(tuple(p.shape), dtype=np.asarray(params_np[k]).dtype) if p.grad is None

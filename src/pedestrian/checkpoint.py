@@ -10,32 +10,36 @@ A checkpoint is a folder (``runs/NAME/latest``, ``runs/NAME/best``)::
                             SHA-256 of both .safetensors files, and a free-form "meta" dict
                             (the training loop keeps its settings, data RNG state, metrics there)
 
-Atomic writes: the new checkpoint is written and fsync-ed into a hidden sibling folder
-``.NAME.tmp-XXXX``; then ``NAME`` is renamed to ``.NAME.old``, the new folder renamed to
-``NAME``, and ``.NAME.old`` deleted. A kill at any moment leaves a complete checkpoint at
-``NAME`` or -- only between the two renames -- at ``.NAME.old``, which :func:`load_checkpoint`
-and the next :func:`save_checkpoint` pick up automatically. Truncated or corrupted files are
-detected by the sizes and hashes in ``state.json`` (and by safetensors' own checks) and
-reported as one clear :class:`CheckpointError`.
+Atomic writes (:func:`pedestrian.atomic.atomic_dir`): the new checkpoint is written and
+fsync-ed into a hidden sibling folder ``.NAME.tmp-XXXX``; then ``NAME`` is renamed to
+``.NAME.old``, the new folder renamed to ``NAME``, and ``.NAME.old`` deleted. A kill at any
+moment leaves a complete checkpoint at ``NAME`` or -- only between the two renames -- at
+``.NAME.old``, which :func:`load_checkpoint` and the next :func:`save_checkpoint` pick up
+automatically. An OS error while saving (no space, file too large, no permission, read-only)
+is one :class:`~pedestrian.atomic.WriteError` and leaves the previous checkpoint as it was.
+Truncated or corrupted files are detected by the sizes and hashes in ``state.json`` (and by
+safetensors' own checks) and reported as one clear :class:`CheckpointError`.
+
+No non-finite numbers: :func:`save_checkpoint` refuses (:class:`NonFiniteError`, before
+writing anything) a parameter or AdamW moment holding a NaN or an infinity, and
+:func:`load_checkpoint` refuses weights that hold one, so a checkpoint never carries them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_dir, interrupted_copy
 from .config import GPTConfig
 
-__all__ = ["Checkpoint", "CheckpointError", "save_checkpoint", "load_checkpoint",
+__all__ = ["Checkpoint", "CheckpointError", "NonFiniteError", "save_checkpoint", "load_checkpoint",
            "copy_checkpoint", "resolve_checkpoint_dir", "read_state", "FORMAT", "VERSION"]
 
 FORMAT = "pedestrian-checkpoint"
@@ -48,6 +52,36 @@ _HINT = "re-run training, or use another checkpoint (e.g. the run's best/ or lat
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read: truncated, corrupted, or of an unknown format."""
+
+
+class NonFiniteError(CheckpointError):
+    """A tensor to be saved, or a loaded weight, holds a NaN or an infinity.
+
+    Attributes:
+        counts: ``{tensor name: (number of NaN, number of +-inf)}`` for every such tensor.
+    """
+
+    def __init__(self, message: str, counts: dict[str, tuple[int, int]]):
+        super().__init__(message)
+        self.counts = counts
+
+
+def _non_finite(tensors: dict) -> dict[str, tuple[int, int]]:
+    """``{name: (n_nan, n_inf)}`` of the tensors that are not all finite (NumPy arrays)."""
+    bad = {}
+    for name, a in tensors.items():
+        a = np.asarray(a)
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            n_nan = int(np.count_nonzero(np.isnan(a)))
+            bad[name] = (n_nan, int(a.size - n_nan - np.count_nonzero(np.isfinite(a))))
+    return bad
+
+
+def _describe_non_finite(bad: dict[str, tuple[int, int]], sizes: dict[str, int]) -> str:
+    shown = [f"{name} ({n_nan} NaN, {n_inf} inf of {sizes[name]:,} values)"
+             for name, (n_nan, n_inf) in list(bad.items())[:5]]
+    more = f" and {len(bad) - 5} more tensor(s)" if len(bad) > 5 else ""
+    return ", ".join(shown) + more
 
 
 @dataclass
@@ -82,6 +116,7 @@ class Checkpoint:
 
         Raises:
             CheckpointError: no optimizer state was saved, or the file is damaged.
+            NonFiniteError (a ``CheckpointError``): a moment holds a NaN or an infinity.
         """
         if OPTIMIZER_FILE not in self.state.get("files", {}):
             raise CheckpointError(f"checkpoint {self.path} holds no optimizer state (it was saved "
@@ -107,7 +142,7 @@ def resolve_checkpoint_dir(path) -> Path:
     for candidate in (p, p / "latest"):
         if (candidate / STATE_FILE).is_file():
             return candidate
-        old = candidate.parent / f".{candidate.name}.old"
+        old = interrupted_copy(candidate)
         if not candidate.exists() and (old / STATE_FILE).is_file():
             return old
     raise FileNotFoundError(
@@ -162,7 +197,12 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
     Raises:
         ValueError: ``params`` unknown, or ``"lora"`` for a model without adapters.
         TypeError: ``meta`` not JSON-serialisable (nothing is written then).
-        OSError: the folder cannot be written (the previous checkpoint is left intact).
+        NonFiniteError (a ``CheckpointError``): a parameter or optimizer moment holds a NaN or
+            an infinity; the message names each such tensor with its counts. Nothing is
+            written, so the previous checkpoint stays.
+        WriteError (an ``OSError``, :mod:`pedestrian.atomic`): the OS refused the write (no
+            space, file too large, no permission, read-only); the previous checkpoint is left
+            intact.
     """
     from safetensors.numpy import save_file
 
@@ -178,7 +218,10 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
     lora = None
     if model.lora_targets:
         lora = {"targets": list(model.lora_targets), "rank": int(model.lora_rank),
-                "alpha": float(model.lora_alpha), "freeze_base": bool(model.freeze_base)}
+                "alpha": float(model.lora_alpha), "freeze_base": bool(model.freeze_base),
+                "ranks": {k: int(v) for k, v in model.lora_ranks.items()},
+                "alphas": {k: float(v) for k, v in model.lora_alphas.items()},
+                "dropout": float(model.lora_dropout)}
     state = {
         "format": FORMAT,
         "version": VERSION,
@@ -203,108 +246,48 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         if params == "lora":
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
     text = json.dumps(state)  # fail early (TypeError) if meta is not serialisable
+    tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()}
+    if opt_tensors is not None:
+        opt_tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in opt_tensors.items()}
+    everything = {**tensors, **{f"optimizer {k}": v for k, v in (opt_tensors or {}).items()}}
+    bad = _non_finite(everything)
+    if bad:
+        raise NonFiniteError(
+            f"refusing to save a checkpoint in {Path(directory).expanduser()}: "
+            f"{_describe_non_finite(bad, {k: v.size for k, v in everything.items()})}; nothing was "
+            "written (the previous checkpoint there, if any, is unchanged); the model or the "
+            "optimizer diverged (e.g. a learning rate too high for it)", bad)
 
-    with _atomic_dir(directory) as (tmp, final):
-        save_file({k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()},
-                  str(tmp / MODEL_FILE), metadata={"format": FORMAT})
+    final = Path(directory).expanduser()
+    with atomic_dir(final, what="the checkpoint") as tmp:
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": FORMAT})
         files = [MODEL_FILE]
         if opt_tensors is not None:
             save_file(opt_tensors, str(tmp / OPTIMIZER_FILE), metadata={"format": FORMAT})
             files.append(OPTIMIZER_FILE)
         for name in files:
             state["files"][name] = _file_record(tmp / name)
-        text = json.dumps(state, indent=1)
-        _write_synced(tmp / STATE_FILE, text.encode("utf-8"))
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
     return final
 
 
 def copy_checkpoint(src, dst) -> Path:
-    """Copy checkpoint folder ``src`` to ``dst`` atomically (e.g. ``latest`` -> ``best``)."""
+    """Copy checkpoint folder ``src`` to ``dst`` atomically (e.g. ``latest`` -> ``best``).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``src``.
+        WriteError (an ``OSError``): the OS refused the write; ``dst`` is left as it was.
+    """
     src = resolve_checkpoint_dir(src)
-    with _atomic_dir(dst) as (tmp, final):
+    final = Path(dst).expanduser()
+    with atomic_dir(final, what="the checkpoint") as tmp:
         for f in src.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
-                with open(tmp / f.name, "rb") as fh:
-                    os.fsync(fh.fileno())
     return final
 
 
-@contextlib.contextmanager
-def _atomic_dir(directory) -> Iterator[tuple[Path, Path]]:
-    """``(tmp, final)``: fill ``tmp``; on success it replaces ``final`` (fsynced, one rename),
-    on any error it is removed and ``final`` is left as it was."""
-    final = Path(directory).expanduser()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _recover(final)
-    tmp = _make_tmp_dir(final)
-    try:
-        yield tmp, final
-        _fsync_dir(tmp)
-        _swap_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _make_tmp_dir(final: Path) -> Path:
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    os.chmod(tmp, 0o777 & ~_umask())          # mkdtemp makes it private (0700)
-    return tmp
-
-
-def _recover(final: Path) -> None:
-    """Finish or clean up after a save that was killed (see the module docstring)."""
-    old = final.parent / f".{final.name}.old"
-    if old.exists():
-        if final.exists():
-            shutil.rmtree(old)                 # killed after the swap: old is stale
-        else:
-            os.rename(old, final)              # killed between the renames: put it back
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)   # killed while writing: incomplete
-
-
-def _swap_into_place(tmp: Path, final: Path) -> None:
-    old = final.parent / f".{final.name}.old"
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
 def _file_record(path: Path) -> dict:
-    os.chmod(path, 0o666 & ~_umask())         # safetensors creates its files 0600
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
@@ -343,9 +326,16 @@ def _read_safetensors(folder: Path, name: str, state: dict, verify: bool = True)
             raise CheckpointError(f"checkpoint file {file} is corrupted (its SHA-256 differs from the "
                                   f"one recorded in {STATE_FILE}); {_HINT}")
     try:
-        return load_file(str(file))
+        tensors = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {file} is truncated or corrupted ({exc}); {_HINT}") from None
+    bad = _non_finite(tensors)
+    if bad:
+        raise NonFiniteError(f"checkpoint file {file} holds non-finite values: "
+                             f"{_describe_non_finite(bad, {k: v.size for k, v in tensors.items()})}; "
+                             f"it cannot be used. Use an earlier checkpoint (e.g. the run's best/ "
+                             f"folder) or re-run training", bad)
+    return tensors
 
 
 def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, base_model=None,
@@ -371,6 +361,8 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
         CheckpointError (a ``ValueError``): truncated/corrupted files, an unknown format, tensors
             that do not match the recorded config, or an adapter-only checkpoint without (or
             with a mismatching) ``base_model``.
+        NonFiniteError (a ``CheckpointError``): a weight holds a NaN or an infinity (the
+            message names the tensors and counts).
     """
     from .model import GPT
     from .tokenizer import load_tokenizer
@@ -399,7 +391,11 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
         model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend)
     try:
         if lora is not None:
-            model.add_lora(lora["targets"], lora["rank"], lora["alpha"], freeze_base=lora["freeze_base"])
+            # "ranks", "alphas", "dropout": per-layer settings; checkpoints older than them have
+            # one rank and one alpha for every adapter and no adapter dropout
+            model.add_lora(lora["targets"], lora["rank"], lora["alpha"], rank_pattern=lora.get("ranks"),
+                           alpha_pattern=lora.get("alphas"), dropout=lora.get("dropout", 0.0),
+                           freeze_base=lora["freeze_base"])
         if params == "lora":
             missing = [k for k in model.params if ".lora_" in k and k not in tensors]
             if missing:

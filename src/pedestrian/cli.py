@@ -3,9 +3,12 @@
 Each subcommand lives in ``pedestrian/commands/<name>.py`` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``. Errors the user can fix (bad input, a
 missing file) end with a one-line ``error: ...`` message and exit status 2, never a traceback.
-The same holds for two environment problems: a missing optional dependency (``ImportError``,
-e.g. ``--backend torch`` without PyTorch: the message says ``pip install -e ".[torch]"``) and a
-model too large for memory (``MemoryError``: choose smaller widths). ``Ctrl-C`` / ``SIGTERM``
+The same holds for three environment problems: a missing optional dependency (``ImportError``,
+e.g. ``--backend torch`` without PyTorch: the message says ``pip install -e ".[torch]"``), a
+model too large for memory (``MemoryError``: choose smaller widths), and a write the OS refuses
+(:class:`pedestrian.atomic.WriteError`, or any ``OSError`` for no space, disk quota, file too
+large, no permission or a read-only file system: the message says what was kept and how to go
+on; nothing written before is damaged, see :mod:`pedestrian.atomic`). ``Ctrl-C`` / ``SIGTERM``
 end with exit status 130 (``pedestrian train`` first saves a checkpoint; see its help).
 
 The library's messages (the ``logging`` loggers ``pedestrian.*``) are printed as plain lines:
@@ -21,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import logging
 import os
 import sys
+
+from .atomic import WriteError
 
 #: subcommand -> (module under pedestrian.commands, one-line help)
 COMMANDS = {
@@ -36,6 +42,11 @@ COMMANDS = {
     "finetune": ("finetune", "LoRA fine-tuning of a Hugging Face GPT-2 directory"),
     "export-hf": ("export_hf", "write a checkpoint as a Hugging Face GPT-2 directory"),
 }
+
+
+#: errno of an OSError that is the environment's doing (reported in one line, never a traceback)
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG, errno.EACCES,
+                           errno.EPERM, errno.EROFS})
 
 
 class UserError(Exception):
@@ -144,8 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         with console_logging():
             return int(args._run(args) or 0)
     except (UserError, ValueError, TypeError, FileNotFoundError, IsADirectoryError,
-            NotADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+            NotADirectoryError, PermissionError, UnicodeDecodeError, WriteError) as exc:
         if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if debug or exc.errno not in _WRITE_ERRNOS:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2

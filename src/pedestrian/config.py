@@ -28,10 +28,11 @@ class GPTConfig:
         d_head: value width per head (default ``d_model // n_heads``; then ``d_model`` must be
             divisible by ``n_heads``).
         d_qk: query/key width per head, the paper's ``d_ρ`` (default ``d_head``).
-        mlp_ratio: ``d_mlp = mlp_ratio · d_model`` (4 in GPT-2).
+        mlp_ratio: ``d_mlp = mlp_ratio · d_model`` (4 in GPT-2) when ``d_mlp`` is not given.
         activation: ``"gelu_tanh"`` (GPT-2), ``"gelu"`` (exact) or ``"relu"``.
         ln_eps: layer-norm epsilon inside the square root, ``>= 0`` (paper 0, GPT-2 1e-5).
-        bias: biases on every fully connected layer and layer norm.
+        bias: biases on every fully connected layer and layer norm (the q, k, v biases follow
+            ``qkv_bias``).
         tie_weights: logits use ``W_tokᵀ`` and no bias (GPT-2); else a separate
             ``logits.weight`` (and ``logits.bias`` if ``logits_bias``).
         logits_bias: ``logits.bias`` exists (untied logits only); ``None`` (default) means
@@ -40,6 +41,12 @@ class GPTConfig:
         causal: causal attention mask (a GPT); ``False`` gives a bidirectional encoder.
         dropout: drop probability after the embedding, the attention projection and the MLP
             (0 = off, the default).
+        qkv_bias: biases on the query, key and value layers; ``None`` (default) means ``bias``.
+            Switched on its own because practitioners often drop them (paper section 3.1,
+            "Adjustable bias parameters": the key bias adds the same number to every score of a
+            query, so the softmax cancels it and its gradient is zero), or keep only them.
+        d_mlp: MLP width (``mlp_expand`` output, ``mlp_contract`` input), any positive integer;
+            ``None`` (default) means ``mlp_ratio · d_model``. Hugging Face GPT-2's ``n_inner``.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -60,6 +67,8 @@ class GPTConfig:
     causal: bool = True
     dropout: float = 0.0
     logits_bias: bool | None = None
+    qkv_bias: bool | None = None
+    d_mlp: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -75,9 +84,11 @@ class GPTConfig:
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
         if self.d_qk is None:
             object.__setattr__(self, "d_qk", self.d_head)
-        for name in ("d_head", "d_qk"):
+        if self.d_mlp is None:
+            object.__setattr__(self, "d_mlp", self.mlp_ratio * self.d_model)
+        for name in ("d_head", "d_qk", "d_mlp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
@@ -85,15 +96,15 @@ class GPTConfig:
             raise ValueError(f"ln_eps must be >= 0 (the paper uses 0, GPT-2 1e-5), got {self.ln_eps}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        elif not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"qkv_bias must be True, False or None (= bias), got {self.qkv_bias!r}")
         if self.logits_bias is None:
             object.__setattr__(self, "logits_bias", self.bias and not self.tie_weights)
         elif self.logits_bias and self.tie_weights:
             raise ValueError("logits_bias=True needs untied logits (tie_weights=False); tied logits "
                              "use W_tokᵀ and no bias")
-
-    @property
-    def d_mlp(self) -> int:
-        return self.mlp_ratio * self.d_model
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -206,7 +217,8 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     """Every base parameter in its documented, stable order.
 
     ``y = x W + b`` convention: ``W`` is ``(f_in, f_out)``. Decay: 2-D matrices (embeddings
-    included) are decayed; 1-D parameters (biases, layer-norm weights) are not.
+    included) are decayed; 1-D parameters (biases, layer-norm weights) are not. The q, k, v
+    biases exist when ``config.qkv_bias``, every other bias when ``config.bias``.
     """
     c = config
     d = c.d_model
@@ -225,7 +237,7 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
         for fc, f_in, f_out in fc_layers(c)[6 * i:6 * i + 6]:
             kind = "attention" if ".attn" in fc else "mlp"
             specs.append(ParamSpec(f"{fc}.weight", (f_in, f_out), kind, True))
-            if c.bias:
+            if (c.qkv_bias if ".attn." in fc else c.bias):
                 specs.append(ParamSpec(f"{fc}.bias", (f_out,), kind, False))
             if fc.endswith("attn_proj"):
                 specs += ln(f"{p}.ln2", "layernorm")
@@ -237,27 +249,87 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     return specs
 
 
-def lora_specs(config: GPTConfig, targets, rank: int) -> list[ParamSpec]:
-    """``X.lora_D (f_in, r)`` and ``X.lora_U (r, f_out)`` for each target FC layer ``X``.
+def lora_layer_values(config: GPTConfig, targets, default, pattern=None, *, what: str = "rank_pattern") -> dict:
+    """One value per adapted layer: ``pattern``'s value for the layer, else ``default``.
+
+    Args:
+        targets: as :func:`resolve_lora_targets`.
+        default: the value of layers no key of ``pattern`` names.
+        pattern: ``{key: value}``; a key is a layer kind (``"q"``, ``"mlp_expand"``, ...: every
+            block's layer of that kind) or a full layer name (``"blocks.0.attn.q"``). A full
+            name wins over a kind. This is PEFT's ``rank_pattern`` / ``alpha_pattern`` with
+            pedestrian's layer names instead of module-name regexes.
+        what: the pattern's name, for messages.
+
+    Returns:
+        ``{full layer name: value}`` over the resolved targets, in layer order.
 
     Raises:
-        ValueError: ``rank < 1`` or an unknown target.
+        ValueError: a key that is neither a kind nor a layer name, or that names no adapted layer
+            (a typo would otherwise be ignored silently).
     """
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"lora_rank must be a positive integer, got {rank!r}")
-    wanted = set(resolve_lora_targets(config, targets))
+    chosen = resolve_lora_targets(config, targets)
+    values = {name: default for name in chosen}
+    if not pattern:
+        return values
+    layers = [name for name, _, _ in fc_layers(config)]
+    by_kind, by_name = {}, {}
+    for key, value in dict(pattern).items():
+        if key in LORA_LAYER_KINDS:
+            by_kind[key] = value
+        elif key in layers:
+            by_name[key] = value
+        else:
+            raise ValueError(f"{what} key {key!r} is neither a layer kind {LORA_LAYER_KINDS} nor a "
+                             "layer name like 'blocks.0.attn.q'")
+    unused = [k for k in by_kind if not any(fc_kind(n) == k for n in chosen)]
+    unused += [k for k in by_name if k not in values]
+    if unused:
+        raise ValueError(f"{what} names {unused}, which carry no adapter (targets: {chosen}); "
+                         "add them to the targets or drop them from the pattern")
+    for name in chosen:
+        values[name] = by_name.get(name, by_kind.get(fc_kind(name), default))
+    return values
+
+
+def lora_ranks(config: GPTConfig, targets, rank: int, rank_pattern=None) -> dict[str, int]:
+    """``{layer: r}`` for each adapted layer (``rank``, or its ``rank_pattern`` value).
+
+    Raises:
+        ValueError: a rank that is not a positive integer, or a bad pattern key
+            (:func:`lora_layer_values`).
+    """
+    ranks = lora_layer_values(config, targets, rank, rank_pattern, what="rank_pattern")
+    for name, r in {"rank": rank, **ranks}.items():
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            where = "" if name == "rank" else f" (rank_pattern, layer {name})"
+            raise ValueError(f"lora_rank must be a positive integer, got {r!r}{where}")
+    return ranks
+
+
+def lora_specs(config: GPTConfig, targets, rank: int, rank_pattern=None) -> list[ParamSpec]:
+    """``X.lora_D (f_in, r_X)`` and ``X.lora_U (r_X, f_out)`` for each target FC layer ``X``.
+
+    ``r_X`` is ``rank``, or ``rank_pattern``'s value for ``X`` (see :func:`lora_layer_values`).
+
+    Raises:
+        ValueError: a rank that is not a positive integer, an unknown target or pattern key.
+    """
+    ranks = lora_ranks(config, targets, rank, rank_pattern)
     specs = []
     for name, f_in, f_out in fc_layers(config):
-        if name in wanted:
-            specs += [ParamSpec(f"{name}.lora_D", (f_in, rank), "lora", True),
-                      ParamSpec(f"{name}.lora_U", (rank, f_out), "lora", True)]
+        if name in ranks:
+            r = ranks[name]
+            specs += [ParamSpec(f"{name}.lora_D", (f_in, r), "lora", True),
+                      ParamSpec(f"{name}.lora_U", (r, f_out), "lora", True)]
     return specs
 
 
-def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = None) -> int:
+def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = None, *,
+                 lora_rank_pattern=None) -> int:
     """Total parameter count (base, or LoRA-only when ``lora_rank`` is given); no allocation."""
     if lora_rank is not None:
-        return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank))
+        return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank, lora_rank_pattern))
     return sum(s.size for s in param_specs(config))
 
 

@@ -7,10 +7,13 @@ The pipeline is::
     tokens = encode_to_token_file(path, tokenizer)  # 1-D uint16/uint32 np.memmap, cached
     x, y   = TokenDataset(tokens).get_batch(rng, B, T)   # int64 (B, T) each, y = x shifted
 
-Corpus rules (shared by :func:`load_corpus`, :func:`iter_corpus_pieces` and
-:func:`encode_to_token_file`):
+Corpus rules (shared by :func:`load_corpus`, :func:`iter_corpus_pieces`,
+:func:`iter_train_pieces` and :func:`encode_to_token_file`):
 
-- a *file* is read as strict UTF-8, byte for byte (no newline translation);
+- a *file* is read as strict UTF-8, byte for byte (no newline translation), except that a
+  UTF-8 byte-order mark (``EF BB BF``) at the very start of a file is dropped, as Python's
+  ``utf-8-sig`` codec does (per file: a folder of files saved by Windows Notepad gives no
+  U+FEFF characters); a U+FEFF anywhere else is kept as text;
 - a *folder* means all ``*.txt`` files directly inside it, sorted by file name, joined with
   a single ``"\\n"`` between consecutive files (sub-folders are not searched);
 - a corpus with no text (no characters, or only whitespace) is an error.
@@ -22,6 +25,7 @@ Gutenberg; see ``data/shakespeare/PROVENANCE.md`` in the repository.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -31,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
+
+from .atomic import reporting, write_all, write_file
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tokenizer import Tokenizer
@@ -42,6 +48,8 @@ __all__ = [
     "bundled_corpus",
     "load_corpus",
     "iter_corpus_pieces",
+    "iter_train_pieces",
+    "corpus_digest",
     "split_train_val",
     "default_cache_dir",
     "encode_to_token_file",
@@ -55,7 +63,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: (non-editable) install does not ship it -- use :func:`bundled_corpus` to get a clear error.
 BUNDLED_CORPUS: Path = Path(__file__).resolve().parents[2] / "data" / "shakespeare"
 
-_CACHE_FORMAT = 1  # bump when the token-file layout or the cache key changes
+_CACHE_FORMAT = 2  # bump when the token-file layout, the cache key or the corpus rules change
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark
 _READ_BLOCK = 1 << 22  # bytes read from a file at a time (4 MiB)
 _PIECE_CHARS = 1 << 18  # target characters per piece handed to the tokenizer (256 Ki)
 _PIECES_PER_BATCH = 8  # pieces encoded together (tokenizers runs a batch on all cores)
@@ -131,7 +140,8 @@ def _corpus_files(path: PathLike | None) -> tuple[Path, list[Path]]:
 
 
 def _iter_file_text(file: Path) -> Iterator[str]:
-    """Decode ``file`` as strict UTF-8 in blocks cut after a newline byte.
+    """Decode ``file`` as strict UTF-8 in blocks cut after a newline byte, without a leading
+    byte-order mark.
 
     Cutting after ``b"\\n"`` never splits a multi-byte character, so each block decodes on its
     own and a decoding error can be reported with its absolute byte offset.
@@ -139,6 +149,11 @@ def _iter_file_text(file: Path) -> Iterator[str]:
     offset = 0  # absolute byte offset of ``pending[0]``
     pending = b""
     with open(file, "rb") as fh:
+        head = fh.read(len(_BOM))
+        if head == _BOM:
+            offset = len(_BOM)
+        else:
+            pending = head
         while True:
             block = fh.read(_READ_BLOCK)
             data = pending + block
@@ -254,6 +269,30 @@ def load_corpus(path: PathLike | None = None) -> str:
     return "".join(iter_corpus_pieces(path))
 
 
+def iter_train_pieces(
+    path: PathLike | None, val_fraction: float, piece_chars: int = _PIECE_CHARS
+) -> Iterator[str]:
+    """Stream the training part of a corpus: ``"".join(iter_train_pieces(path, f)) ==
+    split_train_val(load_corpus(path), f)[0]``, without holding the corpus in memory.
+
+    Two passes over the files: one counts the characters (to place the split), the other
+    yields the pieces of :func:`iter_corpus_pieces` up to the split (the last one cut there).
+
+    Raises:
+        as :func:`iter_corpus_pieces` and :func:`split_train_val`.
+    """
+    n = sum(len(piece) for piece in iter_corpus_pieces(path, piece_chars))
+    n_train = _split_point(n, val_fraction)
+    seen = 0
+    for piece in iter_corpus_pieces(path, piece_chars):
+        if seen + len(piece) >= n_train:
+            if n_train > seen:
+                yield piece[: n_train - seen]
+            return
+        seen += len(piece)
+        yield piece
+
+
 def split_train_val(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
     """Split a text deterministically into (train, validation) by characters.
 
@@ -273,6 +312,12 @@ def split_train_val(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
         ValueError: ``val_fraction`` outside ``[0, 1)``, or a text too short for both parts to
             be non-empty (when ``val_fraction > 0``).
     """
+    cut = _split_point(len(text), val_fraction)
+    return text[:cut], text[cut:]
+
+
+def _split_point(n: int, val_fraction: float) -> int:
+    """Characters in the training part of a text of ``n`` characters (see split_train_val)."""
     val_fraction = float(val_fraction)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(
@@ -280,20 +325,45 @@ def split_train_val(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
             f"validation), got {val_fraction}"
         )
     if val_fraction == 0.0:
-        return text, ""
-    n_val = round(len(text) * val_fraction)
-    if n_val == 0 or n_val >= len(text):
+        return n
+    n_val = round(n * val_fraction)
+    if n_val == 0 or n_val >= n:
         raise ValueError(
-            f"text of {len(text)} characters is too short to hold out val_fraction="
+            f"text of {n} characters is too short to hold out val_fraction="
             f"{val_fraction}: one of train/validation would be empty. Use a longer corpus or "
             "val_fraction=0."
         )
-    return text[: len(text) - n_val], text[len(text) - n_val :]
+    return n - n_val
 
 
 # --------------------------------------------------------------------------------------------
 # Token files
 # --------------------------------------------------------------------------------------------
+
+
+def corpus_digest(path: PathLike | None = None) -> str:
+    """A hex SHA-256 of a corpus's content: of each file's bytes, in corpus order (see
+    :func:`load_corpus`), streamed in blocks. Two corpora with the same digest read as the same
+    text; names, sizes and modification times play no part. This is the corpus part of the
+    token-cache key of :func:`encode_to_token_file`.
+
+    Raises:
+        CorpusNotFoundError / CorpusError: as :func:`load_corpus` (a missing path, a folder
+            without ``*.txt``).
+    """
+    _, files = _corpus_files(path)
+    h = hashlib.sha256()
+    h.update(f"{len(files)} files\0".encode())
+    for f in files:
+        one = hashlib.sha256()
+        size = 0
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(_READ_BLOCK), b""):
+                one.update(block)
+                size += len(block)
+        h.update(f"{size}\0".encode())
+        h.update(one.digest())
+    return h.hexdigest()
 
 
 def default_cache_dir() -> Path:
@@ -341,13 +411,17 @@ def encode_to_token_file(
     written to disk as they come, then loaded with ``np.load(mmap_mode="r")``, so neither the
     text nor the ids have to fit in memory.
 
-    Cache: the file name carries a hash of (the corpus, the tokenizer's full JSON form, the
-    format version). For a path the corpus part is the resolved file paths with their sizes and
-    modification times (``st_mtime_ns``); for a string it is the SHA-256 of the text. A second
-    call with the same corpus and tokenizer opens the existing file without encoding; a changed
-    tokenizer or an edited/added/removed corpus file gives a new key and re-encodes (stale
-    files are left in place). Files are written to a temporary name and ``os.replace``-d into
-    place, so an interrupted run never leaves a truncated cache file.
+    Cache: the file name carries a hash of (the corpus content, the tokenizer's full JSON form,
+    the format version). For a path the corpus part is :func:`corpus_digest`: the SHA-256 of
+    every file's bytes, in corpus order -- the content, not the names, sizes or modification
+    times, so an edit that keeps a file's size and time still re-encodes, and a corpus folder
+    moved elsewhere (with its ``.pedestrian_cache``) keeps its cache (hashing reads the corpus once per call: about 5 ms for the bundled
+    5.1 MB, files in the page cache). For a string it is the SHA-256 of its UTF-8 bytes. A second call with the same
+    corpus and tokenizer opens the existing file without encoding; a changed tokenizer or an
+    edited/added/removed corpus file gives a new key and re-encodes (stale files are left in
+    place). The file is written atomically (:func:`pedestrian.atomic.write_file`), so an
+    interrupted run never leaves a truncated cache file, and an OS error (no space, ...) is one
+    :class:`~pedestrian.atomic.WriteError`.
 
     Where: ``cache_dir`` if given (created if needed); else ``.pedestrian_cache/`` beside the
     corpus (inside a corpus folder, or next to a corpus file); if that is not writable, or the
@@ -369,8 +443,10 @@ def encode_to_token_file(
     Raises:
         CorpusNotFoundError / CorpusError: as :func:`load_corpus` (for a path); CorpusError for
             an empty or whitespace-only string.
-        ValueError: from ``tokenizer.encode`` (e.g. a character the CharTokenizer does not know).
-        OSError: an explicit ``cache_dir`` that cannot be written.
+        ValueError: from ``tokenizer.encode`` (e.g. a character the CharTokenizer does not know);
+            ``LoneSurrogateError`` for a string holding a lone surrogate (names its index).
+        WriteError (an ``OSError``): the cache file or folder cannot be written (no space, no
+            permission, read-only, ...); nothing half-written is left.
     """
     vocab_size = int(tokenizer.vocab_size)
     dtype = _token_dtype(vocab_size)
@@ -384,17 +460,18 @@ def encode_to_token_file(
             raise CorpusError(
                 "the corpus text is empty or only whitespace; nothing to encode."
             )
+        from .tokenizer import check_text
+
+        check_text(text, "the corpus text")
         h.update(b"\0text\0")
-        h.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+        h.update(hashlib.sha256(text.encode("utf-8")).digest())
         stem = "text"
         beside = None
         pieces: Iterator[str] = _cut_pieces(iter([text]), _PIECE_CHARS)
     elif isinstance(text_or_path, os.PathLike):
         root, files = _corpus_files(text_or_path)
         h.update(b"\0files\0")
-        for f in files:
-            st = f.stat()
-            h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode("utf-8", "surrogateescape"))
+        h.update(corpus_digest(root).encode())
         stem = root.stem if root.is_file() else root.name
         beside = (root if root.is_dir() else root.parent) / ".pedestrian_cache"
         pieces = iter_corpus_pieces(root)
@@ -409,11 +486,11 @@ def encode_to_token_file(
 
     if cache_dir is not None:
         out_dir = Path(cache_dir).expanduser()
-        out_dir.mkdir(parents=True, exist_ok=True)
     elif beside is not None and _writable_dir(beside):
         out_dir = beside
     else:
         out_dir = default_cache_dir()
+    with reporting(out_dir, "the token cache folder"):
         out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / name
     if target.is_file():
@@ -443,46 +520,51 @@ def _encode_many(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
 def _write_token_file(
     pieces: Iterator[str], tokenizer: Tokenizer, vocab_size: int, dtype: np.dtype, target: Path
 ) -> None:
-    """Encode ``pieces`` into ``target`` (.npy, 1-D ``dtype``), atomically."""
-    out_dir = target.parent
-    raw_fd, raw_name = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".raw")
-    npy_name = None
-    try:
-        n = 0
-        with os.fdopen(raw_fd, "wb") as raw:
-            for batch in _batched(pieces, _PIECES_PER_BATCH):
-                for ids_list in _encode_many(tokenizer, batch):
-                    ids = np.asarray(ids_list, dtype=np.int64)
-                    if ids.size == 0:
-                        continue
-                    lo, hi = int(ids.min()), int(ids.max())
-                    if lo < 0 or hi >= vocab_size:
-                        raise ValueError(
-                            f"tokenizer produced id {hi if hi >= vocab_size else lo} outside "
-                            f"[0, vocab_size={vocab_size}); the tokenizer is inconsistent."
-                        )
-                    raw.write(ids.astype(dtype).tobytes())
-                    n += ids.size
-        if n == 0:
-            raise CorpusError("the corpus encoded to zero tokens; nothing to train on.")
-        npy_fd, npy_name = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".npy")
-        os.close(npy_fd)
-        out = np.lib.format.open_memmap(npy_name, mode="w+", dtype=dtype, shape=(n,))
-        step = _READ_BLOCK
-        for start in range(0, n, step):
-            count = min(step, n - start)
-            out[start : start + count] = np.fromfile(
-                raw_name, dtype=dtype, count=count, offset=start * dtype.itemsize
-            )
-        out.flush()
-        del out
-        os.chmod(npy_name, 0o644)  # mkstemp makes it 0600
-        os.replace(npy_name, target)
-        npy_name = None
-    finally:
-        os.unlink(raw_name)
-        if npy_name is not None and os.path.exists(npy_name):
-            os.unlink(npy_name)
+    """Encode ``pieces`` into ``target`` (.npy, 1-D ``dtype``), atomically.
+
+    The ids go to a scratch file beside ``target`` as they come (their number, which the
+    ``.npy`` header holds, is known only at the end); then header and ids are written to
+    ``target`` by :func:`pedestrian.atomic.write_file`. Plain ``os.write`` calls throughout (not a
+    memory map, whose writes to a full disk end the process with SIGBUS): a full disk is an
+    ``OSError``, reported as a :class:`~pedestrian.atomic.WriteError`.
+    """
+    with reporting(target, "the token cache"):
+        fd, raw_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-", suffix=".raw")
+        try:
+            n = 0
+            try:
+                for batch in _batched(pieces, _PIECES_PER_BATCH):
+                    for ids_list in _encode_many(tokenizer, batch):
+                        ids = np.asarray(ids_list, dtype=np.int64)
+                        if ids.size == 0:
+                            continue
+                        lo, hi = int(ids.min()), int(ids.max())
+                        if lo < 0 or hi >= vocab_size:
+                            raise ValueError(
+                                f"tokenizer produced id {hi if hi >= vocab_size else lo} outside "
+                                f"[0, vocab_size={vocab_size}); the tokenizer is inconsistent."
+                            )
+                        write_all(fd, ids.astype(dtype).tobytes())
+                        n += ids.size
+            finally:
+                os.close(fd)
+            if n == 0:
+                raise CorpusError("the corpus encoded to zero tokens; nothing to train on.")
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(
+                header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)})
+
+            def chunks() -> Iterator[bytes]:
+                yield header.getvalue()
+                with open(raw_name, "rb") as raw:
+                    yield from iter(lambda: raw.read(_READ_BLOCK), b"")
+
+            write_file(target, chunks(), what="the token cache")
+        finally:
+            try:
+                os.unlink(raw_name)
+            except OSError:
+                pass
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import LORA_LAYER_KINDS
 from .settings import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
-    POSITIVE_INT, at_most, check, setting
+    POSITIVE_INT, PROBABILITY, at_most, check, setting
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
            "adapter_checkpoint_dir",
@@ -68,6 +68,9 @@ class FinetuneSettings:
                                 "lora_alpha / r)", rule=NON_ZERO, metavar="ALPHA", group=_LORA)
     lora_targets: list = setting(list(DEFAULT_TARGETS), f"layers that get adapters: {' '.join(LORA_LAYER_KINDS)}, "
                                  "all, or full names like blocks.0.attn.q", metavar="KIND", group=_LORA)
+    lora_dropout: float = setting(0.0, "dropout on the adapters' input while training (PEFT's "
+                                  "lora_dropout)", rule=PROBABILITY, metavar="P",
+                                  group=_LORA)
     context_length: int | None = setting(None, "training window (default: min(256, the model's context))",
                                          kind=int, rule=POSITIVE_INT, metavar="T", group=_OPTIM)
     batch_size: int = setting(8, "windows per micro-batch", rule=POSITIVE_INT, metavar="B", group=_OPTIM)
@@ -236,7 +239,10 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
             the old run is kept until the first checkpoint), ``max_skipped_steps`` non-finite
             steps in a row (:class:`pedestrian.loop.TrainingError`, naming the last good
             checkpoint). Nothing is written before the inputs are validated.
+        WriteError (an ``OSError``): a file of the run cannot be written (no space, no
+            permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
+    from .atomic import WriteError
     from .data import TokenDataset, encode_to_token_file
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter
@@ -263,7 +269,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
                              f"the {name} split, but one window needs {T + 1}; use more text or a "
                              "smaller --context-length")
     model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
-                   freeze_base=True)
+                   dropout=settings.lora_dropout, freeze_base=True)
     base = base_fingerprint(settings.hf_dir)
     train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
     B, k = settings.batch_size, settings.grad_accum
@@ -288,12 +294,14 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
                                                                            ("train_loss", t.loss))}
         meta = {"finetune": settings.to_dict(), **finite, "skipped_steps": t.skipped_total}
         files.save_checkpoint("adapter", model, optimizer, tokenizer, t.step, meta, params="lora", base=base)
+        t.last_save = t.step
 
     progress = Progress(trainer, "finetune", settings.progress)
     evaluation = Evaluation(model, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
                             settings.eval_interval, files, progress)
-    checkpoints = Checkpoints(save, settings.eval_interval, out / "adapter",
-                              previous=f"the previous run in {out} is left as it was" if had_run else None)
+    checkpoints = Checkpoints(save, settings.eval_interval, out / "adapter", name="adapter checkpoint",
+                              previous=f"the previous run in {out} is left as it was" if had_run else None,
+                              model=model, go_on="run the fine-tuning again with a lower --lr and --overwrite")
     trainer.on("step_end", StepLog(files, t_start), progress, evaluation, checkpoints)
     trainer.on("stop", finish(evaluation, checkpoints))
     try:
@@ -301,14 +309,17 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         if math.isfinite(initial_val):
             log.info(f"step 0: val loss {initial_val:.4f}")
         reason = trainer.run()
+        if reason != "non_finite":
+            save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
+            if settings.plot:
+                files.plot(f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
+        raise exc.advise(checkpoints.kept(trainer), "run the fine-tuning again with --overwrite") from exc
     finally:
         progress.close()
         files.close()
     if reason == "non_finite":
-        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer)))
-    save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
-    if settings.plot:
-        files.plot(f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "

@@ -109,6 +109,28 @@ def model_step(model, cache: KVCache, tokens_new, *, all_logits: bool = False):
 # --------------------------------------------------------------------------------------------
 
 
+def _ragged(prompt_ids) -> list | None:
+    """The rows of a list of prompts of different lengths (``None``: not such a list)."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        return None
+    rows = [np.asarray(to_numpy(p) if is_torch_array(p) else p) for p in prompt_ids]
+    if any(r.ndim != 1 for r in rows) or len({r.shape[0] for r in rows}) == 1:
+        return None
+    return rows
+
+
+def _left_pad(rows: list, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(B, T0)`` prompts right-aligned (padding id 0 on the left) and each row's padding."""
+    for r in rows:
+        _check_prompt(r, vocab_size)
+    T0 = max(r.shape[0] for r in rows)
+    padding = np.array([T0 - r.shape[0] for r in rows], dtype=np.int64)
+    prompt = np.zeros((len(rows), T0), dtype=np.int64)
+    for b, r in enumerate(rows):
+        prompt[b, padding[b]:] = r
+    return prompt, padding
+
+
 def _check_prompt(prompt_ids, vocab_size: int) -> np.ndarray:
     prompt = np.asarray(to_numpy(prompt_ids) if is_torch_array(prompt_ids) else prompt_ids)
     if prompt.ndim == 1:
@@ -148,55 +170,85 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
              seed: int | np.random.Generator | None = None,
              stop_tokens: int | Iterable[int] | None = None, use_cache: bool = True,
-             on_token: Callable[[np.ndarray], None] | None = None, *, window_shift: int = 1,
-             return_logits: bool = False):
-    """Autoregressive generation for ``B`` prompts of the same length.
+             on_token: Callable[[np.ndarray], object] | None = None, *, window_shift: int = 1,
+             return_logits: bool = False, min_p: float | None = None,
+             repetition_penalty: float | None = None, vocab_limit: int | None = None):
+    """Autoregressive generation for ``B`` prompts.
 
     Args:
         model: a :class:`~pedestrian.model.GPT` (any dtype/backend, with or without unmerged
             LoRA adapters). Dropout is never applied during generation.
-        prompt_ids: ``(B, T0)`` (or ``(T0,)``) integer ids, ``T0 >= 1``. An empty prompt is an
+        prompt_ids: ``(B, T0)`` (or ``(T0,)``) integer ids, ``T0 >= 1``; or a list of ``B``
+            1-D prompts of different lengths, generated together: they are left-padded, the
+            padding is never attended to and each row's positions count from its own first
+            token, so every row gets the tokens and logits it would get alone (to rounding).
+            An empty prompt is an
             error (there is nothing to condition on; start GPT-2 from ``<|endoftext|>``).
             A prompt longer than ``context_length`` is conditioned on its last
             ``context_length`` tokens only, with a ``UserWarning``; the returned array still
             starts with the whole prompt.
         max_new_tokens: ``>= 0`` tokens to generate per row.
-        temperature, top_k, top_p: see :func:`sample_next` (``temperature=0``: greedy).
+        temperature, top_k, top_p, min_p: see :func:`~pedestrian.sampling.sample_next`
+            (``temperature=0``: greedy); applied in Hugging Face's order (see
+            :mod:`pedestrian.sampling`).
+        repetition_penalty: ``None`` / ``1``: none; ``r > 0``: each row's seen tokens -- its
+            whole prompt (also the part beyond the context) and every token generated so far,
+            each counted once -- have a positive logit divided by ``r``, a negative one
+            multiplied by it (HF ``repetition_penalty``); applied in greedy decoding too.
+        vocab_limit: ``None`` or ``1 <= n <= vocab_size``: only ids ``< n`` are ever generated
+            (the others are masked to ``-inf`` before any penalty or filter) -- pass the
+            tokenizer's size for a model whose vocabulary is padded (GPT-2's 50,304).
         seed: seed or ``numpy.random.Generator``; the same seed gives the same tokens.
         stop_tokens: id or ids; a row that emits one is finished (the stop token is kept in the
             output, and the row is padded with it afterwards); generation ends early when
             every row is finished.
         use_cache: ``True``: KV cache (:func:`model_step`); ``False``: a full
             ``model.forward`` over the window at every step (the reference; same tokens).
-        on_token: called after each step with the ``(B,)`` int64 ids just chosen (streaming).
+        on_token: called after each step with the ``(B,)`` int64 ids just chosen (streaming;
+            finished rows show their padding). It may return ``None`` or a ``(B,)`` bool
+            array-like: ``True`` marks a row as finished (e.g. its text now holds a stop
+            string), which is then treated like a row that emitted a stop token -- padded with
+            the token that finished it -- and generation ends once every row is finished.
         window_shift: past the context, how many of the oldest tokens to drop when the window
             overflows (``1 <= window_shift <= context_length``; see the module docstring).
         return_logits: also return the float64 logits each token was drawn from.
 
     Returns:
-        ``(B, T0 + n)`` int64 NumPy array (``(T0 + n,)`` for a 1-D prompt), ``n <= max_new_tokens``
+        ``(B, T0 + n)`` int64 NumPy array (``(T0 + n,)`` for a 1-D prompt; for prompts of
+        different lengths a list of ``B`` 1-D arrays, each its own prompt and ``n`` new tokens),
+        ``n <= max_new_tokens``
         (smaller only when every row stopped); with ``return_logits`` a tuple
         ``(tokens, logits)`` with ``logits`` ``(n, B, V)`` float64.
 
     Raises:
         ValueError / TypeError: empty or non-integer prompt, ids outside the vocabulary,
             ``max_new_tokens < 0``, bad sampling settings (see :func:`check_sampling`), bad
-            ``window_shift``, a non-causal model with ``use_cache=True``.
+            ``window_shift``, ``vocab_limit > vocab_size``, a non-causal model with
+            ``use_cache=True``, an ``on_token`` result that is not ``(B,)``.
+            NonFiniteLogitsError (a ValueError): the model produced NaN logits.
     """
     c = model.config
     C, V = c.context_length, c.vocab_size
-    squeeze = np.ndim(to_numpy(prompt_ids) if is_torch_array(prompt_ids) else prompt_ids) == 1
-    prompt = _check_prompt(prompt_ids, V)
+    ragged = _ragged(prompt_ids)
+    if ragged is None:
+        squeeze = np.ndim(to_numpy(prompt_ids) if is_torch_array(prompt_ids) else prompt_ids) == 1
+        prompt = _check_prompt(prompt_ids, V)
+        padding = np.zeros(prompt.shape[0], dtype=np.int64)
+    else:
+        squeeze = False
+        prompt, padding = _left_pad(ragged, V)
     if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, vocab_limit)
+    if vocab_limit is not None and vocab_limit > V:
+        raise ValueError(f"vocab_limit={vocab_limit} is larger than the model's vocab_size={V}")
     if not isinstance(window_shift, numbers.Integral) or not 1 <= window_shift <= C:
         raise ValueError(f"window_shift must be an integer in [1, context_length={C}], got {window_shift!r}")
     stops = _stop_set(stop_tokens, V)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     B, T0 = prompt.shape
-    if T0 > C:
-        warnings.warn(f"the prompt has {T0} tokens but the model's context_length is {C}: only the "
+    if T0 - padding.min() > C:
+        warnings.warn(f"the prompt has {T0 - padding.min()} tokens but the model's context_length is {C}: only the "
                       f"last {C} tokens are used to condition the generation", UserWarning, stacklevel=2)
     seq = np.empty((B, T0 + max_new_tokens), dtype=np.int64)
     seq[:, :T0] = prompt
@@ -204,18 +256,30 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     finished = np.zeros(B, dtype=bool)
     pad = np.zeros(B, dtype=np.int64)
     kept_logits = []
+    rows = np.arange(B)
+    seen = None                                        # (B, V): the tokens each row has seen
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        seen = np.zeros((B, V), dtype=bool)
+        seen[rows[:, None], prompt] = True
+        for b in np.flatnonzero(padding):              # the padding id is no token of the row
+            seen[b] = False
+            seen[b, prompt[b, padding[b]:]] = True
 
     if use_cache:
         cache = KVCache(model, B)
 
         def window_logits(rebuild: bool):
             if rebuild:                                # the whole window, from an empty cache
-                cache.reset()
+                cache.reset(key_start=np.maximum(padding - start, 0))
                 return model.forward(seq[:, start:n], kv_cache=cache)[:, -1, :]
             return model.forward(seq[:, n - 1:n], kv_cache=cache)[:, -1, :]
-    else:
+    elif not padding.any():
         def window_logits(rebuild: bool):
             return model.forward(seq[:, start:n])[:, -1, :]
+    else:                                              # the reference: each row alone
+        def window_logits(rebuild: bool):
+            return model.xp.concat([model.forward(seq[b:b + 1, max(start, int(padding[b])):n])[:, -1, :]
+                                    for b in range(B)], axis=0)
 
     was_training = model.training
     model.training = False
@@ -224,17 +288,28 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         for step in range(max_new_tokens):
             if return_logits:
                 kept_logits.append(np.asarray(to_numpy(logits), dtype=np.float64))
-            ids = _sample(logits, rng, temperature, top_k, top_p)
+            ids = _sample(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, seen,
+                          vocab_limit)
+            ids = np.where(finished, pad, ids)
             if stops is not None:
-                ids = np.where(finished, pad, ids)
                 newly = ~finished & np.isin(ids, stops)
                 pad = np.where(newly, ids, pad)
                 finished |= newly
             seq[:, n] = ids
             n += 1
+            if seen is not None:
+                seen[rows, ids] = True
             if on_token is not None:
-                on_token(ids)
-            if step == max_new_tokens - 1 or (stops is not None and finished.all()):
+                done = on_token(ids)
+                if done is not None:                   # rows the caller ended (e.g. a stop string)
+                    done = np.asarray(done, dtype=bool)
+                    if done.shape != (B,):
+                        raise ValueError(f"on_token must return None or a (B,) = ({B},) bool array "
+                                         f"of finished rows, got shape {done.shape}")
+                    newly = done & ~finished
+                    pad = np.where(newly, ids, pad)
+                    finished |= newly
+            if step == max_new_tokens - 1 or finished.all():
                 break
             rebuild = n - start > C
             if rebuild:                                # slide: positions are absolute, never reuse one
@@ -243,7 +318,10 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     finally:
         model.training = was_training
     out = seq[:, :n]
-    out = out[0] if squeeze else out
+    if ragged is not None:
+        out = [out[b, padding[b]:] for b in range(B)]
+    else:
+        out = out[0] if squeeze else out
     if return_logits:
         return out, (np.stack(kept_logits) if kept_logits else np.zeros((0, B, V)))
     return out

@@ -67,7 +67,8 @@ from .backend import is_torch_array
 from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
 
 __all__ = ["TrainingError", "Trainer", "train_step", "skip_reason", "estimate_loss", "request_stop",
-           "StepLog", "Progress", "Evaluation", "Checkpoints", "TimeGuard", "finish", "state_is_finite"]
+           "StepLog", "Progress", "Evaluation", "Checkpoints", "TimeGuard", "finish", "state_is_finite",
+           "non_finite_tensors"]
 
 log = logging.getLogger("pedestrian.train")
 
@@ -211,6 +212,25 @@ def state_is_finite(optimizer: AdamW) -> bool:
     return math.isfinite(global_grad_norm(buffers))
 
 
+def non_finite_tensors(model, optimizer: AdamW) -> str:
+    """``"ln_final.bias (1 NaN, 0 inf of 8 values), ..."``: the parameters and AdamW moments
+    that hold a NaN or an infinity (the first five; for messages, after
+    :func:`state_is_finite` said no)."""
+    from .backend import to_numpy
+
+    tensors = dict(model.params) if model is not None else {g.name: g.params for g in optimizer.groups}
+    for g, m, v in zip(optimizer.groups, optimizer.m, optimizer.v):
+        tensors.update({f"optimizer {g.name}.m": m, f"optimizer {g.name}.v": v})
+    bad = []
+    for name, a in tensors.items():
+        a = np.asarray(to_numpy(a))
+        finite = int(np.count_nonzero(np.isfinite(a)))
+        if finite < a.size:
+            n_nan = int(np.count_nonzero(np.isnan(a)))
+            bad.append(f"{name} ({n_nan} NaN, {a.size - finite - n_nan} inf of {a.size:,} values)")
+    return ", ".join(bad[:5]) + (f" and {len(bad) - 5} more tensor(s)" if len(bad) > 5 else "")
+
+
 # ---------------------------------------------------------------------------------------- the loop
 class Trainer:
     """Steps until a stop; logging, validation, checkpoints and the rest are callbacks.
@@ -332,7 +352,8 @@ class Trainer:
         return self.tokens_per_step * self.steps_this_run / max(time.perf_counter() - self.t_loop, 1e-9)
 
     def non_finite_message(self, kept: str) -> str:
-        """The error of a ``"non_finite"`` stop; ``kept`` says which checkpoint is the last good one."""
+        """The error of a ``"non_finite"`` stop; ``kept`` says which checkpoint is the last good
+        one (:meth:`Checkpoints.kept` with ``good=True``)."""
         first = self.step - self.skipped_in_a_row + 1
         steps = f"step {first}" if first == self.step else f"steps {first}-{self.step}"
         return (f"{self.skipped} and {self.skipped_in_a_row} step(s) in a row were skipped ({steps}), "
@@ -451,14 +472,20 @@ class Checkpoints:
     the last good checkpoint, and nothing is written).
 
     Args:
-        save: writes the checkpoint of the trainer's current step.
-        folder: where it goes (for messages).
+        save: writes the checkpoint of the trainer's current step (and may set
+            ``trainer.last_save`` as soon as the checkpoint proper is on disk).
+        folder: where it goes, and name: what it is (``"checkpoint"``), for messages.
         previous: a description of what was there before this run saved anything (``None``:
             nothing), e.g. ``"the previous run in runs/x is left as it was"``.
+        model: names the tensors in the message (else the flat buffers are named).
+        go_on: how to go on from a saved checkpoint (the end of the message).
     """
 
-    def __init__(self, save: Callable[[Trainer], None], interval: int, folder, previous: str | None = None):
+    def __init__(self, save: Callable[[Trainer], None], interval: int, folder, previous: str | None = None,
+                 name: str = "checkpoint", model=None,
+                 go_on: str = "start again with a lower --lr (--overwrite, or --out NEW_DIR)"):
         self.save, self.interval, self.folder, self.previous = save, interval, folder, previous
+        self.name, self.model, self.go_on = name, model, go_on
 
     def __call__(self, t: Trainer) -> None:
         if t.step % self.interval == 0:
@@ -466,19 +493,21 @@ class Checkpoints:
 
     def save_now(self, t: Trainer) -> None:
         if not state_is_finite(t.optimizer):
-            raise TrainingError(f"after step {t.step} a weight or an AdamW moment is not finite, so no "
-                                f"checkpoint was saved and the run stopped; {self.kept(t)}. Lower --lr and "
-                                "start again (--overwrite, or --out NEW_DIR)")
+            then = self.go_on if t.last_save >= 0 else "start again with a lower --lr"
+            raise TrainingError(f"refusing to save a checkpoint after step {t.step}, a weight or an AdamW "
+                                f"moment is not finite: {non_finite_tensors(self.model, t.optimizer)}; the run "
+                                f"stopped and {self.kept(t, good=True)}. To go on, {then}")
         self.save(t)
         t.last_save = t.step
 
-    def kept(self, t: Trainer) -> str:
-        """What is on disk when the run fails now."""
+    def kept(self, t: Trainer, good: bool = False) -> str:
+        """What is on disk when the run fails now (``good``: say that it is the last good one)."""
         if t.last_save >= 0:
-            return f"the last good checkpoint, {self.folder} (step {t.last_save}), is kept"
+            return f"the {self.name} of step {t.last_save} in {self.folder} is kept" + (
+                " (the last good one)" if good else "")
         if self.previous:
             return f"nothing was saved ({self.previous})"
-        return "no checkpoint was written"
+        return f"no {self.name} was written"
 
 
 class TimeGuard:

@@ -25,7 +25,7 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     blocks.{i}.mlp_expand.weight (d, d_mlp)  .bias     blocks.{i}.mlp_contract.weight (d_mlp, d) .bias
     ln_final.weight / .bias
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
-    X.lora_D (f_in, r), X.lora_U (r, f_out)          -- LoRA on FC layer X (see add_lora)
+    X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (see add_lora)
 
 Storage: all base parameters live in one flat buffer (``GPT.flat``; decayed 2-D weights first,
 then the 1-D ones) and ``GPT.params`` holds views into it; the q, k, v weights of a block are
@@ -44,13 +44,29 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from .backend import array_namespace, namespace_for, resolve_dtype, to_numpy
-from .config import GPTConfig, fc_layers, lora_specs, param_specs
+from .config import GPTConfig, fc_layers, lora_layer_values, lora_specs, param_specs
 from .kernels import kernels_for
 from .kernels.workspace import Workspace
 from .kv_cache import KVCache
 from .layers.loss import IGNORE_INDEX
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "check_tokens"]
+
+
+class Norm(NamedTuple):
+    """A layer norm's ``weight`` and ``bias`` (``None`` when absent), or their gradients."""
+
+    weight: object
+    bias: object
+
+
+class FC(NamedTuple):
+    """A fully connected layer's ``weight``, ``bias`` (``None`` when absent) and LoRA adapters
+    ``(name, D, U, lo, hi)`` on its output columns ``lo:hi`` -- or the gradients of all three."""
+
+    weight: object
+    bias: object
+    adapters: tuple
 
 
 class FlatBuffer(NamedTuple):
@@ -77,7 +93,8 @@ def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "toke
         ValueError: not 2-D, empty, ``T > context_length``, or an id outside ``[0, vocab_size)``.
     """
     xp = array_namespace(tokens)
-    if not xp.isdtype(tokens.dtype, "integral"):
+    integral = tokens.dtype.kind in "iu" if type(tokens) is np.ndarray else xp.isdtype(tokens.dtype, "integral")
+    if not integral:
         raise TypeError(
             f"{what} must be an integer array, got dtype {tokens.dtype}; "
             "encode text with the tokenizer first (e.g. np.asarray(ids, dtype=np.int64))"
@@ -93,7 +110,7 @@ def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "toke
             f"sequence length T={T} exceeds the model's context_length={context_length}; "
             f"feed at most the last {context_length} tokens"
         )
-    lo, hi = int(xp.min(tokens)), int(xp.max(tokens))
+    lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(
@@ -200,15 +217,19 @@ class GPT:
         self._grad_base: FlatParams | None = None
         self._lora: FlatParams | None = None
         self._grad_lora: FlatParams | None = None
-        self.lora_alpha: float = 1.0
+        self.lora_alpha: float = 1.0                       # add_lora's defaults (PEFT's r, lora_alpha / r)
         self.lora_rank: int | None = None
         self.lora_targets: list[str] = []
+        self.lora_ranks: dict[str, int] = {}               # per adapted layer
+        self.lora_alphas: dict[str, float] = {}
+        self.lora_dropout: float = 0.0
         self.freeze_base = False
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._acts: SimpleNamespace | None = None          # what the last forward kept
         self._deltas: dict = {}
         self._workspace = Workspace()                      # the fast kernels' memory pool
+        self._weights_cache: dict | None = None
         self._init_weights(seed)
 
     @property
@@ -281,36 +302,64 @@ class GPT:
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, targets: str | Iterable[str] = "all", rank: int = 8, alpha: float = 1.0,
-                 *, seed: int = 0, freeze_base: bool = True) -> None:
-        """Put a LoRA adapter ``α · x D U`` on fully connected layers (paper section 6).
+                 *, rank_pattern: Mapping[str, int] | None = None,
+                 alpha_pattern: Mapping[str, float] | None = None, dropout: float = 0.0,
+                 seed: int = 0, freeze_base: bool = True) -> None:
+        """Put a LoRA adapter ``α_X · dropout(x) D_X U_X`` on fully connected layers ``X``
+        (paper section 6; the dropout and the per-layer settings are PEFT's).
 
         Args:
             targets: kinds ``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``, ``"mlp_expand"``,
                 ``"mlp_contract"``, ``"logits"`` (every block), ``"all"``, or full layer
                 names like ``"blocks.0.attn.q"``.
-            rank: ``r``.
-            alpha: the paper's plain scalar ``α`` (PEFT's ``lora_alpha / r``).
+            rank: ``r`` of every adapter that ``rank_pattern`` does not name.
+            alpha: the paper's plain scalar ``α`` (PEFT's ``lora_alpha / r``) of every adapter
+                that ``alpha_pattern`` does not name.
+            rank_pattern, alpha_pattern: ``{kind or full layer name: value}``, per-layer ranks
+                and scales (a full name wins over a kind; every key must name an adapted
+                layer). ``α`` stays a plain scale: a layer's ``α`` does not change with its rank.
+            dropout: PEFT's ``lora_dropout``: inverted dropout with this probability on each
+                adapter's input (never on the frozen ``x W + b``), only while
+                :attr:`training`. One mask per adapted layer input, drawn from
+                :attr:`dropout_rng` in forward order; the q, k, v adapters of a block share the
+                mask of their common input (as PEFT's one ``c_attn`` module does).
             seed: ``D ~ N(0, 1/f_in)``; ``U = 0``, so a new adapter starts as a no-op.
             freeze_base: base weights get no gradients at all (their matmuls are skipped).
 
+        Afterwards :attr:`lora_targets`, :attr:`lora_ranks`, :attr:`lora_alphas` (per layer),
+        :attr:`lora_rank`, :attr:`lora_alpha` (the defaults) and :attr:`lora_dropout` describe
+        the adapters.
+
         Raises:
-            ValueError: adapters already present, ``rank < 1``, unknown targets.
+            ValueError: adapters already present, a rank that is not a positive integer, an
+                ``α`` that is not a finite number, ``dropout`` outside ``[0, 1)``, unknown
+                targets or pattern keys; the model is unchanged then.
         """
         if self._lora is not None:
             raise ValueError("this model already has LoRA adapters; merge_lora() or remove_lora() first")
-        specs = lora_specs(self.config, targets, rank)
+        specs = lora_specs(self.config, targets, rank, rank_pattern)
+        alphas = lora_layer_values(self.config, targets, alpha, alpha_pattern, what="alpha_pattern")
+        for name, a in {"alpha": alpha, **alphas}.items():
+            if isinstance(a, bool) or not isinstance(a, (int, float, np.floating)) or not math.isfinite(a):
+                where = "" if name == "alpha" else f" (alpha_pattern, layer {name})"
+                raise ValueError(f"LoRA alpha must be a finite number, got {a!r}{where}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be a probability in [0, 1), got {dropout!r}")
         self._lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
         rng = np.random.default_rng(seed)
         for s in specs:
             if s.name.endswith("lora_D"):
                 self._lora.views[s.name][...] = self._to_xp(rng.normal(0, 1 / math.sqrt(s.shape[0]), s.shape))
             self.params[s.name] = self._lora.views[s.name]
-        self.lora_targets = sorted({s.name.rsplit(".", 1)[0] for s in specs},
-                                   key=[n for n, _, _ in fc_layers(self.config)].index)
+        self.lora_targets = list(alphas)                   # layer order
+        self.lora_ranks = {s.name.rsplit(".", 1)[0]: s.shape[1] for s in specs if s.name.endswith("lora_D")}
+        self.lora_alphas = {name: float(a) for name, a in alphas.items()}
         self.lora_alpha = float(alpha)
         self.lora_rank = rank
+        self.lora_dropout = float(dropout)
         self.freeze_base = freeze_base
         self._grad_lora = None
+        self._weights_cache = None
 
     def merge_lora(self) -> None:
         """``W ← W + α D U`` for every adapter, then drop the adapters (outputs unchanged).
@@ -324,11 +373,25 @@ class GPT:
         self._apply_lora_delta(+1.0)
         self.remove_lora()
 
-    def unmerge_lora(self, lora_state: Mapping[str, object], alpha: float) -> None:
-        """Undo :meth:`merge_lora`: ``W ← W − α D U`` for the given adapters, then re-attach them."""
-        names = sorted({k.rsplit(".", 1)[0] for k in lora_state})
-        rank = int(np.shape(to_numpy(lora_state[f"{names[0]}.lora_D"]))[1])
-        self.add_lora(names, rank, alpha, freeze_base=self.freeze_base)
+    def unmerge_lora(self, lora_state: Mapping[str, object], alpha: float | Mapping[str, float]) -> None:
+        """Undo :meth:`merge_lora`: ``W ← W − α D U`` for the given adapters, then re-attach them.
+
+        Args:
+            lora_state: the adapters (``X.lora_D``, ``X.lora_U``); each layer's rank is read
+                from its arrays.
+            alpha: the ``α`` they were merged with: one number, or ``{layer: α}`` (as
+                :attr:`lora_alphas` was before the merge).
+
+        Raises:
+            ValueError: an ``alpha`` mapping that does not name exactly the given layers.
+        """
+        names = sorted({k.rsplit(".", 1)[0] for k in lora_state}, key=[n for n, _, _ in fc_layers(self.config)].index)
+        ranks = {fc: int(np.shape(to_numpy(lora_state[f"{fc}.lora_D"]))[1]) for fc in names}
+        alphas = dict(alpha) if isinstance(alpha, Mapping) else {fc: alpha for fc in names}
+        if set(alphas) != set(names):
+            raise ValueError(f"alpha must give the α of exactly the adapted layers {names}, got {sorted(alphas)}")
+        self.add_lora(names, ranks[names[0]], alphas[names[0]], rank_pattern=ranks, alpha_pattern=alphas,
+                      freeze_base=self.freeze_base)
         self.load_state_dict(lora_state, strict=False)
         self._apply_lora_delta(-1.0)
 
@@ -339,7 +402,7 @@ class GPT:
             raise ValueError("cannot merge a LoRA on tied logits into tok_emb.weight (it would also "
                              "change the embedding); keep the adapter unmerged or untie the weights")
         for fc in self.lora_targets:
-            delta_w = sign * self.lora_alpha * (self.params[f"{fc}.lora_D"] @ self.params[f"{fc}.lora_U"])
+            delta_w = sign * self.lora_alphas[fc] * (self.params[f"{fc}.lora_D"] @ self.params[f"{fc}.lora_U"])
             self.params[f"{fc}.weight"][...] += delta_w
 
     def remove_lora(self) -> None:
@@ -348,8 +411,10 @@ class GPT:
             if ".lora_" in name:
                 del self.params[name]
         self._lora = self._grad_lora = None
-        self.lora_targets = []
+        self.lora_targets, self.lora_ranks, self.lora_alphas = [], {}, {}
+        self.lora_dropout = 0.0
         self.freeze_base = False
+        self._weights_cache = None
 
     def lora_state_dict(self) -> dict[str, np.ndarray]:
         """NumPy copies of the adapter parameters only (``X.lora_D``, ``X.lora_U``)."""
@@ -366,6 +431,8 @@ class GPT:
             if not np.issubdtype(tokens.dtype, np.integer):
                 raise TypeError(f"{what} must be an integer array, got dtype {tokens.dtype}")
             tokens = torch.as_tensor(tokens.astype(np.int64, copy=False))
+        if type(tokens) is np.ndarray and self.backend == "numpy":
+            return tokens
         array_namespace(tokens)  # raises TypeError for unsupported types
         return tokens if self.backend == "torch" else xp.asarray(tokens)
 
@@ -408,7 +475,7 @@ class GPT:
         if not self.freeze_base and self._grad_base is None:
             self._grad_base = FlatParams(self.xp, self.dtype, _base_regions(self.config))
         if self._lora is not None and self._grad_lora is None:
-            specs = lora_specs(self.config, self.lora_targets, self.lora_rank)
+            specs = lora_specs(self.config, self.lora_targets, self.lora_rank, self.lora_ranks)
             self._grad_lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
 
     @property
@@ -437,33 +504,48 @@ class GPT:
         r._workspace = Workspace()
         return r
 
-    def _layer_params(self, grads: bool) -> dict:
-        """``name -> array`` of every weight and bias the forward (or backward) uses, with the
-        fused ``blocks.{i}.attn.qkv`` layers and, for tied logits, ``logits.weight = W_tokᵀ``.
-        For gradients, only the trainable ones (a frozen parameter is absent)."""
-        xp = self.xp
+    def _weights(self) -> SimpleNamespace:
+        """:meth:`_layer_table` of the parameters, built once per set of adapters (the views never
+        change: loading and optimizer steps write into them)."""
+        if self._weights_cache is None:
+            self._weights_cache = self._layer_table(grads=False)
+        return self._weights_cache
+
+    def _layer_table(self, grads: bool) -> SimpleNamespace:
+        """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
+        ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_expand`` / ``.mlp_contract``, ``ln_final``,
+        ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
+        fused ``qkv`` layer; tied logits use ``W_tokᵀ``). With ``grads``, the gradient arrays
+        instead, ``None`` where a parameter gets none (frozen or absent)."""
+        c = self.config
         if grads:
             self._grad_buffers()
-            if self.freeze_base:
-                return dict(self._grad_lora.views)
-            base = self._grad_base
-            out = {**base.views, **base.regions, **(self._grad_lora.views if self._grad_lora else {})}
+            base = {} if self.freeze_base else {**self._grad_base.views, **self._grad_base.regions}
+            P = {**base, **(self._grad_lora.views if self._grad_lora is not None else {})}
         else:
-            out = {**self.params, **self._base.regions}
-        if self.config.tie_weights:
-            out["logits.weight"] = xp.matrix_transpose(out["tok_emb.weight"])
-        return out
+            P = {**self.params, **self._base.regions}
+        if c.tie_weights and "tok_emb.weight" in P:
+            P["logits.weight"] = self.xp.matrix_transpose(P["tok_emb.weight"])
+        lora = set(self.lora_targets)
+        hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
 
-    def _adapters(self, fc: str) -> list:
-        """``(adapter, lo, hi)`` for each LoRA on layer ``fc`` (the fused qkv has up to three,
-        one per column block q, k, v)."""
-        if fc.endswith(".qkv"):
-            c = self.config
-            hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
-            stem = fc[:-len("qkv")]
-            parts = (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, 2 * hq + hv))
-            return [(stem + part, lo, hi) for part, lo, hi in parts if stem + part in self._lora_set]
-        return [(fc, 0, None)] if fc in self._lora_set else []
+        def norm(name):
+            return Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
+
+        def fc(name, parts=((None, 0, None),)):
+            adapters = tuple((a, P[f"{a}.lora_D"], P[f"{a}.lora_U"], lo, hi) for a, lo, hi in
+                             ((name if part is None else f"{name[:-3]}{part}", lo, hi) for part, lo, hi in parts)
+                             if a in lora)
+            return FC(P.get(f"{name}.weight"), P.get(f"{name}.bias"), adapters)
+
+        qkv_parts = (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, 2 * hq + hv))
+        blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"), qkv=fc(f"blocks.{i}.attn.qkv", qkv_parts),
+                                  attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2"),
+                                  mlp_expand=fc(f"blocks.{i}.mlp_expand"),
+                                  mlp_contract=fc(f"blocks.{i}.mlp_contract"))
+                  for i in range(c.n_blocks)]
+        return SimpleNamespace(tok_emb=P.get("tok_emb.weight"), pos_emb=P.get("pos_emb.weight"), blocks=blocks,
+                               ln_final=norm("ln_final"), logits=fc("logits"))
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens, targets=None, *, kv_cache: KVCache | None = None, n_total: int | None = None):
@@ -510,55 +592,62 @@ class GPT:
         if targets is not None:
             targets = self._as_tokens(targets, "targets")
             self._check_targets(targets, tokens)
-        self._lora_set = set(self.lora_targets)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
-        with self._workspace.active():
+        with self._workspace:
             logits = self._forward(tokens, targets, kv_cache, n_total)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
         return logits
 
     def _forward(self, tokens, targets, kv_cache, n_total):
-        c, K, W = self.config, self.kernels, self._layer_params(grads=False)
+        c, K, W = self.config, self.kernels, self._weights()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None)
-        a1, f.emb = K.embedding_forward(tokens, W["tok_emb.weight"], W.get("pos_emb.weight"), positions)
+        a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)
         f.a1, f.drop1 = self._dropout(a1)                                        # (B, T, d)
         x = f.a1
-        for i in range(c.n_blocks):
-            p, b = f"blocks.{i}", SimpleNamespace()
-            b.a2, b.ln1 = K.layernorm_forward(x, W[f"{p}.ln1.weight"], W.get(f"{p}.ln1.bias"), c.ln_eps)
-            qkv = self._fc_forward(f"{p}.attn.qkv", b.a2, W, f.lora)            # (B, T, H·(2d_qk+d_head))
-            b.a3, b.attn = K.multi_head_attention_forward(                       # (B, T, H·d_head)
+        for i, w in enumerate(W.blocks):
+            b = SimpleNamespace()
+            b.a2, b.ln1 = K.layernorm_forward(x, w.ln1.weight, w.ln1.bias, c.ln_eps)   # (B, T, d)
+            qkv = self._fc_forward(w.qkv, b.a2, f.lora)                              # (B, T, H·(2d_qk+d_head))
+            b.a3, b.attn = K.multi_head_attention_forward(                           # (B, T, H·d_head)
                 qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal,
                 kv_cache=None if kv_cache is None else kv_cache.block(i))
-            b.a4, b.drop4 = self._dropout(self._fc_forward(f"{p}.attn_proj", b.a3, W, f.lora))  # (B, T, d)
-            b.a5 = K.add(x, b.a4)                                                # skip
-            b.a6, b.ln2 = K.layernorm_forward(b.a5, W[f"{p}.ln2.weight"], W.get(f"{p}.ln2.bias"), c.ln_eps)
-            b.a7 = self._fc_forward(f"{p}.mlp_expand", b.a6, W, f.lora)         # (B, T, d_mlp)
+            b.a4, b.drop4 = self._dropout(self._fc_forward(w.attn_proj, b.a3, f.lora))  # (B, T, d)
+            b.a5 = K.add(x, b.a4)                                                    # skip
+            b.a6, b.ln2 = K.layernorm_forward(b.a5, w.ln2.weight, w.ln2.bias, c.ln_eps)
+            b.a7 = self._fc_forward(w.mlp_expand, b.a6, f.lora)                      # (B, T, d_mlp)
             b.a8, b.act = K.activation_forward(b.a7, c.activation)
-            b.a9, b.drop9 = self._dropout(self._fc_forward(f"{p}.mlp_contract", b.a8, W, f.lora))  # (B, T, d)
-            b.a10 = x = K.add(b.a5, b.a9)                                        # skip
+            b.a9, b.drop9 = self._dropout(self._fc_forward(w.mlp_contract, b.a8, f.lora))  # (B, T, d)
+            b.a10 = x = K.add(b.a5, b.a9)                                            # skip
             f.blocks.append(b)
-        f.a11, f.ln_final = K.layernorm_forward(x, W["ln_final.weight"], W.get("ln_final.bias"), c.ln_eps)
-        f.a12 = self._fc_forward("logits", f.a11, W, f.lora)                    # (B, T, V)
+        f.a11, f.ln_final = K.layernorm_forward(x, W.ln_final.weight, W.ln_final.bias, c.ln_eps)
+        f.a12 = self._fc_forward(W.logits, f.a11, f.lora)                            # (B, T, V)
         if targets is not None:
             f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
         self._acts = f
         return f.a12
 
-    def _fc_forward(self, fc: str, x, W: dict, lora_caches: dict):
-        """``y = x W + b``, plus ``α x D U`` on the columns of each LoRA adapter of ``fc``."""
-        y, _ = self.kernels.linear_forward(x, W[f"{fc}.weight"], W.get(f"{fc}.bias"))
-        for name, lo, hi in self._adapters(fc):
-            y_lora, lora_caches[name] = self.kernels.lora_forward(
-                x, W[f"{name}.lora_D"], W[f"{name}.lora_U"], self.lora_alpha)
+    def _fc_forward(self, fc: "FC", x, lora_caches: dict):
+        """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
+        layer (one dropout mask for the layer's input, shared by its adapters)."""
+        y, _ = self.kernels.linear_forward(x, fc.weight, fc.bias)
+        mask = self._lora_mask(x) if fc.adapters else None
+        for name, lora_D, lora_U, lo, hi in fc.adapters:
+            y_lora, lora_caches[name] = self.kernels.lora_forward(x, lora_D, lora_U, self.lora_alphas[name], mask)
             y[..., lo:hi] += y_lora
         return y
 
+    def _lora_mask(self, x):
+        """The adapters' input dropout mask (``None``: no dropout, or not training)."""
+        if not self.training or self.lora_dropout == 0.0:
+            return None
+        return self.kernels.dropout_forward(x, self.lora_dropout, self.dropout_rng)[1]
+
     def _dropout(self, x):
-        return self.kernels.dropout_forward(x, self.config.dropout if self.training else 0.0, self.dropout_rng)
+        p = self.config.dropout if self.training else 0.0
+        return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
     def loss(self, tokens, targets, *, n_total: int | None = None) -> float:
         """Forward with targets; returns the mean next-token cross-entropy (nats per token).
@@ -596,56 +685,53 @@ class GPT:
         if delta_logits is not None:
             delta_logits = self._as_signal(delta_logits, f.a12.shape)
         self._deltas = {}
-        with self._workspace.active():
+        with self._workspace:
             d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
             self._deltas = self._backward(f, d12, keep_deltas)
         return self.grads
 
     def _backward(self, f, d12, keep_deltas: bool) -> dict:
-        c, K, W = self.config, self.kernels, self._layer_params(grads=False)
-        G = self._layer_params(grads=True)                 # absent = frozen: no gradient
-        if "tok_emb.weight" in G and not c.tie_weights:
-            G["tok_emb.weight"][...] = 0                   # the embedding backward adds into them
-        if "pos_emb.weight" in G:
-            G["pos_emb.weight"][...] = 0
+        c, K, W = self.config, self.kernels, self._weights()
+        G = self._layer_table(grads=True)                  # None = frozen: no gradient
+        if G.tok_emb is not None and not c.tie_weights:
+            G.tok_emb[...] = 0                             # the embedding backward adds into them
+        if G.pos_emb is not None:
+            G.pos_emb[...] = 0
         keep = {"Δ12": d12} if keep_deltas else None
-        d11 = self._fc_backward("logits", d12, f.a11, W, G, f.lora)                       # Δ11
-        d10 = K.layernorm_backward(d11, f.ln_final, dweight=G.get("ln_final.weight"), dbias=G.get("ln_final.bias"))
+        d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                      # Δ11
+        d10 = K.layernorm_backward(d11, f.ln_final, dweight=G.ln_final.weight, dbias=G.ln_final.bias)
         for i in reversed(range(c.n_blocks)):
-            p, b = f"blocks.{i}", f.blocks[i]
-            d9 = K.dropout_backward(d10, b.drop9)                                          # Δ9
-            d8 = self._fc_backward(f"{p}.mlp_contract", d9, b.a8, W, G, f.lora)            # Δ8
-            d7 = K.activation_backward(d8, b.act, c.activation)                             # Δ7
-            d6 = self._fc_backward(f"{p}.mlp_expand", d7, b.a6, W, G, f.lora)              # Δ6
-            d5 = K.add(d10, K.layernorm_backward(                                          # Δ5: skip + LN2
-                d6, b.ln2, dweight=G.get(f"{p}.ln2.weight"), dbias=G.get(f"{p}.ln2.bias")))
-            d4 = K.dropout_backward(d5, b.drop4)                                           # Δ4
-            d3 = self._fc_backward(f"{p}.attn_proj", d4, b.a3, W, G, f.lora)               # Δ3
+            b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
+            d9 = K.dropout_backward(d10, b.drop9)                                            # Δ9
+            d8 = self._fc_backward(w.mlp_contract, g.mlp_contract, d9, b.a8, f.lora)         # Δ8
+            d7 = K.activation_backward(d8, b.act, c.activation)                               # Δ7
+            d6 = self._fc_backward(w.mlp_expand, g.mlp_expand, d7, b.a6, f.lora)             # Δ6
+            d5 = K.add(d10, K.layernorm_backward(d6, b.ln2, dweight=g.ln2.weight, dbias=g.ln2.bias))  # Δ5: skip + LN2
+            d4 = K.dropout_backward(d5, b.drop4)                                             # Δ4
+            d3 = self._fc_backward(w.attn_proj, g.attn_proj, d4, b.a3, f.lora)               # Δ3
             d_qkv, d_causal = K.multi_head_attention_backward(d3, b.attn, keep_delta_causal=keep_deltas)
-            d2 = self._fc_backward(f"{p}.attn.qkv", d_qkv, b.a2, W, G, f.lora)             # Δ2 = Σ_h (...)
-            d1 = K.add(d5, K.layernorm_backward(                                           # block input: skip + LN1
-                d2, b.ln1, dweight=G.get(f"{p}.ln1.weight"), dbias=G.get(f"{p}.ln1.bias")))
+            d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, f.lora)                        # Δ2 = Σ_h (...)
+            d1 = K.add(d5, K.layernorm_backward(d2, b.ln1, dweight=g.ln1.weight, dbias=g.ln1.bias))  # skip + LN1
             if keep_deltas:
+                p = f"blocks.{i}"
                 keep.update({f"{p}.Δ{n}": d for n, d in ((10, d10), (9, d9), (8, d8), (7, d7), (6, d6),
                                                           (5, d5), (4, d4), (3, d3), (2, d2))})
                 keep[f"{p}.Δcausal"] = d_causal
             d10 = d1                                        # the previous block's Δ10
-        d1 = K.dropout_backward(d10, f.drop1)                                              # Δ1
-        K.embedding_backward(d1, f.emb, dtok=G.get("tok_emb.weight"), dpos=G.get("pos_emb.weight"))
+        d1 = K.dropout_backward(d10, f.drop1)                                                # Δ1
+        K.embedding_backward(d1, f.emb, dtok=G.tok_emb, dpos=G.pos_emb)
         if keep_deltas:
             keep.update({"Δ11": d11, "Δ1": d1})
         return keep or {}
 
-    def _fc_backward(self, fc: str, delta, x, W: dict, G: dict, lora_caches: dict):
+    def _fc_backward(self, fc: "FC", grad: "FC", delta, x, lora_caches: dict):
         """Backward of :meth:`_fc_forward`: writes ``dW``, ``db`` (and the adapters' ``dD``,
-        ``dU``) into the gradient buffers; returns ``Δ_in = Δ Wᵀ (+ α (Δ Uᵀ) Dᵀ)``."""
+        ``dU``) into the gradient arrays of ``grad``; returns ``Δ_in = Δ Wᵀ (+ (α (Δ Uᵀ) Dᵀ) ∘ mask)``."""
         K = self.kernels
-        delta_in = K.linear_backward(delta, x, W[f"{fc}.weight"], dweight=G.get(f"{fc}.weight"),
-                                     dbias=G.get(f"{fc}.bias"))
-        for name, lo, hi in self._adapters(fc):
-            delta_in += K.lora_backward(delta[..., lo:hi], lora_caches[name], W[f"{name}.lora_D"],
-                                        W[f"{name}.lora_U"], self.lora_alpha,
-                                        dD=G[f"{name}.lora_D"], dU=G[f"{name}.lora_U"])
+        delta_in = K.linear_backward(delta, x, fc.weight, dweight=grad.weight, dbias=grad.bias)
+        for (name, lora_D, lora_U, lo, hi), (_, dD, dU, _, _) in zip(fc.adapters, grad.adapters):
+            delta_in += K.lora_backward(delta[..., lo:hi], lora_caches[name], lora_D, lora_U,
+                                        self.lora_alphas[name], dD=dD, dU=dU)
         return delta_in
 
     # ------------------------------------------------------------------ inspection

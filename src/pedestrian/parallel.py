@@ -159,7 +159,7 @@ class DataParallel:
         parts = self._slices(n)
         bounds = [tokens_np.shape[0] * s // n for s in range(n + 1)]
         n_total = int(np.count_nonzero(targets_np != IGNORE_INDEX))
-        if self.model.training and self.model.config.dropout > 0:
+        if self.model.training and (self.model.config.dropout > 0 or self.model.lora_dropout > 0):
             for part, seed in zip(parts, self.model.dropout_rng.integers(0, 2**63 - 1, size=n)):
                 part.dropout_rng = np.random.default_rng(int(seed))
         self._n_used = 0

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 __all__ = ["Rule", "Spec", "setting", "specs", "check", "add_flags", "config_value", "kind_of", "flag",
            "POSITIVE_INT", "NON_NEGATIVE_INT", "POSITIVE", "NON_NEGATIVE", "OPEN_UNIT", "HALF_OPEN_UNIT",
-           "NON_ZERO", "at_most"]
+           "NON_ZERO", "PROBABILITY", "at_most"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ NON_NEGATIVE = Rule(lambda v, s: v >= 0, "a finite number >= 0")
 OPEN_UNIT = Rule(lambda v, s: 0 < v < 1, "in (0, 1)")
 HALF_OPEN_UNIT = Rule(lambda v, s: 0 <= v < 1, "in [0, 1)")
 NON_ZERO = Rule(lambda v, s: v != 0, "a finite non-zero number")
+PROBABILITY = Rule(lambda v, s: 0 <= v < 1, "a probability in [0, 1)")
 
 
 def at_most(other: str) -> Rule:

@@ -12,7 +12,17 @@
 
 Both classes share the interface ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``vocab_size``, ``token_bytes(id) -> bytes``, ``to_dict()`` / ``from_dict()``, ``save(path)`` /
-``load(path)``. Saved files are JSON objects ``{"kind": "char" | "bpe", "version": 1, ...}``.
+``load(path)``. Saved files are JSON objects ``{"kind": "char" | "bpe", "version": 1, ...}``,
+written atomically (:func:`pedestrian.atomic.write_file`).
+
+Text must be Unicode: a lone surrogate (a code point U+D800 ... U+DFFF on its own, which is what
+bytes that are not UTF-8 become when decoded with ``errors="surrogateescape"`` -- as Python does
+for command-line arguments and file names) cannot be encoded as UTF-8. Both tokenizers refuse
+it, in training and in :meth:`encode`, with a :class:`LoneSurrogateError` that names its
+position and the fix.
+
+This module reads no files of a corpus: :meth:`BPETokenizer.train` takes an iterable of texts
+(stream a corpus into it with :func:`pedestrian.data.iter_corpus_pieces`).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -29,12 +40,17 @@ import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .atomic import write_file
+
 __all__ = [
     "CharTokenizer",
     "BPETokenizer",
     "StreamDecoder",
     "Tokenizer",
     "UnknownCharacterError",
+    "LoneSurrogateError",
+    "find_lone_surrogate",
+    "check_text",
     "load_tokenizer",
     "bytes_to_unicode",
 ]
@@ -53,6 +69,55 @@ class UnknownCharacterError(ValueError):
     def __init__(self, message: str, unknown: dict[str, int]) -> None:
         super().__init__(message)
         self.unknown = unknown
+
+
+class LoneSurrogateError(ValueError):
+    """Text holds a lone surrogate (U+D800 ... U+DFFF), which is not a Unicode character.
+
+    Attributes:
+        position: character index of the first one in the text that was checked.
+        char: that character.
+    """
+
+    def __init__(self, message: str, position: int, char: str) -> None:
+        super().__init__(message)
+        self.position = position
+        self.char = char
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate (U+D800 ... U+DFFF) in ``text``, or ``None``.
+
+    A Python ``str`` never holds a valid surrogate pair (those are combined into one code
+    point), so every surrogate in it stands alone.
+    """
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
+def check_text(text: str, what: str = "the text", offset: int = 0) -> None:
+    """Raise :class:`LoneSurrogateError` if ``text`` holds a lone surrogate.
+
+    Args:
+        text: the text. what: how to name it in the message (``"the prompt"``).
+        offset: added to the reported character index (``text`` is a piece of a longer text).
+
+    Raises:
+        LoneSurrogateError (a ``ValueError``): the message names the code point, its character
+            index and the fix.
+    """
+    i = find_lone_surrogate(text)
+    if i is not None:
+        c = text[i]
+        raise LoneSurrogateError(
+            f"{what} has a lone surrogate U+{ord(c):04X} at character {offset + i}: it is not a "
+            "Unicode character (it is what bytes that are not UTF-8 become when decoded with "
+            "errors='surrogateescape', e.g. a command-line argument or file in another encoding). "
+            "Fix the source's encoding (save or pass it as UTF-8), or drop such characters, e.g. "
+            "text.encode('utf-8', 'replace').decode('utf-8')", offset + i, c)
 
 
 def _check_ids(ids: Iterable[int] | np.ndarray, vocab_size: int) -> list[int]:
@@ -121,6 +186,7 @@ class CharTokenizer:
         if len(set(chars)) != len(chars):
             dup = sorted({c for c in chars if chars.count(c) > 1})
             raise ValueError(f"CharTokenizer vocabulary has duplicate characters: {dup!r}")
+        check_text("".join(chars), "the CharTokenizer vocabulary")
         self.chars: list[str] = chars
         self._stoi: dict[str, int] = {c: i for i, c in enumerate(chars)}
 
@@ -131,9 +197,11 @@ class CharTokenizer:
 
         Raises:
             ValueError: ``text`` is empty.
+            LoneSurrogateError (a ``ValueError``): ``text`` holds a lone surrogate.
         """
         if not text:
             raise ValueError("cannot build a CharTokenizer from an empty text.")
+        check_text(text, "the training text")
         return cls(sorted(set(text)))
 
     @property
@@ -156,6 +224,8 @@ class CharTokenizer:
             UnknownCharacterError (a ``ValueError``): with ``unknown="error"``, text contains
                 characters the training text did not; the message lists them (``repr`` and
                 ``U+XXXX``) with their first positions.
+            LoneSurrogateError (a ``ValueError``): ``text`` holds a lone surrogate (whatever
+                ``unknown`` says: it is not a character at all).
             ValueError: ``unknown`` is neither ``"error"`` nor ``"skip"``.
         """
         if unknown not in ("error", "skip"):
@@ -165,6 +235,7 @@ class CharTokenizer:
             return [stoi[c] for c in text]
         except KeyError:
             pass
+        check_text(text)                         # the vocabulary never holds a surrogate
         if unknown == "skip":
             return [stoi[c] for c in text if c in stoi]
         missing: dict[str, int] = {}
@@ -219,7 +290,12 @@ class CharTokenizer:
         return cls(d["chars"])
 
     def save(self, path: PathLike) -> None:
-        """Write :meth:`to_dict` as UTF-8 JSON to ``path`` (parent folders are created)."""
+        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
+        created).
+
+        Raises:
+            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
+        """
         _save_json(self.to_dict(), path)
 
     @classmethod
@@ -338,7 +414,7 @@ class BPETokenizer:
     @classmethod
     def train(
         cls,
-        texts_or_files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+        texts: str | Iterable[str],
         vocab_size: int,
         special_tokens: Sequence[str] = ("<|endoftext|>",),
         min_frequency: int = 2,
@@ -351,9 +427,10 @@ class BPETokenizer:
         :attr:`vocab_size` afterwards).
 
         Args:
-            texts_or_files: a ``str`` (one training text), an ``os.PathLike`` (a corpus file or
-                folder, read with :func:`pedestrian.data.iter_corpus_pieces`), or an iterable
-                mixing both. A plain ``str`` is always text, never a path.
+            texts: one training text (a ``str``), or an iterable of texts consumed once, piece by
+                piece, so a corpus never has to be in memory: e.g.
+                ``pedestrian.data.iter_corpus_pieces(path)`` (whose pieces end where byte-level
+                pre-tokenisation cuts anyway, so the result equals training on their join).
             vocab_size: target vocabulary size, ``>= 256 + len(special_tokens)``.
             special_tokens: tokens never split or merged, e.g. an end-of-text marker.
             min_frequency: a pair must occur this often to be merged.
@@ -363,7 +440,10 @@ class BPETokenizer:
 
         Raises:
             ValueError: ``vocab_size`` too small for the byte alphabet plus special tokens, or
-                nothing to train on. CorpusNotFoundError / CorpusError: a bad corpus path.
+                nothing to train on. LoneSurrogateError (a ``ValueError``): a text holds a lone
+                surrogate (the message gives its character index in the joined texts).
+            TypeError: a path (``os.PathLike``) or another non-``str`` item instead of text.
+            Whatever the iterable raises (e.g. ``CorpusError`` from a corpus reader).
         """
         special_tokens = list(special_tokens)
         minimum = 256 + len(special_tokens)
@@ -372,26 +452,27 @@ class BPETokenizer:
                 f"vocab_size={vocab_size} is too small for byte-level BPE: the 256 byte tokens "
                 f"plus {len(special_tokens)} special token(s) already need {minimum}."
             )
-        from .data import iter_corpus_pieces  # local import: data does not import us
+        if isinstance(texts, str):
+            texts = [texts]
+        elif isinstance(texts, os.PathLike):
+            raise TypeError(
+                f"BPETokenizer.train takes texts, not a path ({os.fspath(texts)!r}); stream a corpus "
+                "file or folder with BPETokenizer.train(pedestrian.data.iter_corpus_pieces(path), ...)"
+            )
+        seen = [0]  # characters handed to the trainer so far
 
-        if isinstance(texts_or_files, (str, os.PathLike)):
-            texts_or_files = [texts_or_files]
-        sources = list(texts_or_files)
-
-        def iterator():
-            for s in sources:
-                if isinstance(s, os.PathLike):
-                    yield from iter_corpus_pieces(s)
-                elif isinstance(s, str):
-                    yield s
-                else:
+        def checked() -> Iterable[str]:
+            for t in texts:
+                if not isinstance(t, str):
                     raise TypeError(
-                        f"training sources must be str (text) or os.PathLike (file/folder), got "
-                        f"{type(s).__name__}"
+                        f"BPETokenizer.train takes str texts, got {type(t).__name__}"
+                        + ("; stream a path with pedestrian.data.iter_corpus_pieces(path)"
+                           if isinstance(t, os.PathLike) else "")
                     )
+                check_text(t, "the training text", offset=seen[0])
+                seen[0] += len(t)
+                yield t
 
-        if not any(isinstance(s, os.PathLike) or (isinstance(s, str) and s) for s in sources):
-            raise ValueError("BPETokenizer.train got no training text.")
         tok = cls._empty()
         trainer = trainers.BpeTrainer(
             vocab_size=int(vocab_size),
@@ -400,7 +481,9 @@ class BPETokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tok.train_from_iterator(iterator(), trainer=trainer)
+        tok.train_from_iterator(checked(), trainer=trainer)
+        if seen[0] == 0:
+            raise ValueError("BPETokenizer.train got no training text.")
         return cls(tok)
 
     @classmethod
@@ -476,19 +559,38 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Encode text to ids (``list[int]``, each in ``[0, vocab_size)``). Never fails on
-        unseen characters: byte-level BPE falls back to byte tokens."""
+        unseen characters: byte-level BPE falls back to byte tokens.
+
+        Raises:
+            TypeError: ``text`` is not a ``str``.
+            LoneSurrogateError (a ``ValueError``): ``text`` holds a lone surrogate, which has
+                no UTF-8 bytes (the message names its position).
+        """
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        return self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except TypeError:                    # tokenizers' only word for a lone surrogate
+            check_text(text)
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[self.encode(t) for t in texts]``, computed in parallel by ``tokenizers``."""
+        """``[self.encode(t) for t in texts]``, computed in parallel by ``tokenizers``.
+
+        Raises:
+            TypeError / LoneSurrogateError: as :meth:`encode` (the message says which text).
+        """
         texts = list(texts)
         for t in texts:
             if not isinstance(t, str):
                 raise TypeError(f"encode_batch takes str items, got {type(t).__name__}")
         fast = getattr(self.hf, "encode_batch_fast", None)  # tokenizers >= 0.20: no offsets
-        enc = (fast or self.hf.encode_batch)(texts, add_special_tokens=False)
+        try:
+            enc = (fast or self.hf.encode_batch)(texts, add_special_tokens=False)
+        except TypeError:
+            for j, t in enumerate(texts):
+                check_text(t, f"text {j} of the batch")
+            raise
         return [e.ids for e in enc]
 
     def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
@@ -568,8 +670,12 @@ class BPETokenizer:
         return cls(tok)
 
     def save(self, path: PathLike) -> None:
-        """Write :meth:`to_dict` as UTF-8 JSON to ``path`` (parent folders are created). Use
-        ``self.hf.save(path)`` instead for a plain Hugging Face ``tokenizer.json``."""
+        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
+        created). Use ``self.hf.save(path)`` instead for a plain Hugging Face ``tokenizer.json``.
+
+        Raises:
+            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
+        """
         _save_json(self.to_dict(), path)
 
     @classmethod
@@ -661,9 +767,7 @@ def _check_kind(d: Any, kind: str) -> None:
 
 
 def _save_json(d: dict[str, Any], path: PathLike) -> None:
-    p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(d, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(d, ensure_ascii=False, indent=1) + "\n", what="the tokenizer file")
 
 
 def load_tokenizer(obj_or_path: Tokenizer | dict[str, Any] | PathLike) -> Tokenizer:

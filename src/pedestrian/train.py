@@ -31,6 +31,7 @@ logging.INFO)`` shows them in a program of your own.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -44,10 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, copy_checkpoint, load_checkpoint, read_state, save_checkpoint
+from .atomic import AppendLog, WriteError, make_dirs, write_file
+from .checkpoint import (Checkpoint, NonFiniteError, copy_checkpoint, load_checkpoint, read_state,
+                         save_checkpoint)
 from .config import GPTConfig
-from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, load_corpus, \
-    split_train_val
+from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, iter_train_pieces
 from .loop import (Checkpoints, Evaluation, Progress, StepLog, TimeGuard, Trainer, TrainingError, estimate_loss,
                    finish, train_step)
 from .optim import AdamW, CosineSchedule
@@ -200,7 +202,8 @@ def build_tokenizer(settings: TrainSettings, corpus: Path):
 
     ``char``: the sorted set of characters of the whole corpus (train and validation, so the
     validation text never holds an unknown character), read piece by piece. ``bpe``: byte-level
-    BPE of ``bpe_vocab_size`` ids trained on the training split only.
+    BPE of ``bpe_vocab_size`` ids trained on the training split only, streamed piece by piece
+    (:func:`pedestrian.data.iter_train_pieces`).
     """
     from .tokenizer import BPETokenizer, CharTokenizer
 
@@ -209,8 +212,8 @@ def build_tokenizer(settings: TrainSettings, corpus: Path):
         for piece in iter_corpus_pieces(corpus):
             chars.update(piece)
         return CharTokenizer(sorted(chars))
-    train_text, _ = split_train_val(load_corpus(corpus), settings.val_fraction)
-    return BPETokenizer.train(train_text, vocab_size=settings.bpe_vocab_size)
+    return BPETokenizer.train(iter_train_pieces(corpus, settings.val_fraction),
+                              vocab_size=settings.bpe_vocab_size)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -327,9 +330,7 @@ def read_log(path) -> list[dict]:
 
 
 def _rewrite_log(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    write_file(path, "".join(json.dumps(r) + "\n" for r in records), what="the training log")
 
 
 def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
@@ -338,6 +339,9 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     Args:
         records: ``log.jsonl`` records (``{"step", "loss"}`` and ``{"step", "val_loss"}``).
         path: the PNG to write (matplotlib, Agg backend; written atomically).
+
+    Raises:
+        WriteError (an ``OSError``): the PNG cannot be written; a previous one is left as it was.
     """
     import matplotlib
 
@@ -365,18 +369,20 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     if train or val:
         ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return write_file(path, png.getvalue(), what="the loss curve")
 
 
 # ---------------------------------------------------------------------------------------- files
 class RunFiles:
     """Every file a run writes in its folder, through one object: ``log.jsonl``, the checkpoint
     folders and ``loss_curve.png``.
+
+    Every write goes through :mod:`pedestrian.atomic`: an OS failure (no space, no permission,
+    ...) is a :class:`~pedestrian.atomic.WriteError` naming the file, and what was there before
+    is left intact.
 
     Args:
         out: the run folder (created).
@@ -393,21 +399,21 @@ class RunFiles:
         self.out = Path(out)
         self.path, self.pending = self.out / "log.jsonl", self.out / "log.jsonl.new"
         self.replacing, self.stale = replacing, tuple(stale)
-        self.out.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.out, "the run folder")
         if self.pending.exists():
             self.pending.unlink()             # left by an overwrite that never saved: not ours
         if replacing:
-            self._file = open(self.pending, "w", encoding="utf-8")
+            self._file = AppendLog(self.pending, "the training log", truncate=True)
         else:
             kept = ([r for r in read_log(self.path) if r.get("step", 0) <= keep_records_to]
                     if keep_records_to is not None else [])
             _rewrite_log(self.path, kept)      # drop steps after the checkpoint (or an old run's)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = AppendLog(self.path, "the training log")
 
     def log(self, record: dict) -> None:
-        """Append one record (a JSON line; non-finite numbers must already be ``None``)."""
+        """Append one record, one ``os.write`` (a JSON line; non-finite numbers must already be
+        ``None``)."""
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
 
     def save_checkpoint(self, name: str, model, optimizer, tokenizer, step: int, meta: dict, **kw) -> Path:
         """:func:`pedestrian.checkpoint.save_checkpoint` into ``out/name`` (atomic)."""
@@ -415,7 +421,7 @@ class RunFiles:
         if self.replacing:                    # the new run is committed: its log replaces the old
             self._file.close()
             os.replace(self.pending, self.path)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = AppendLog(self.path, "the training log")
             self.replacing = False
             for stale in self.stale:
                 shutil.rmtree(self.out / stale, ignore_errors=True)
@@ -609,6 +615,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                 "best_val_loss": _finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
                 "data_parallel_threads": split, "skipped_steps": t.skipped_total}
         files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
+        t.last_save = t.step                  # kept even if copying it to best/ fails
         if is_best:
             files.copy_checkpoint("latest", "best")
 
@@ -617,24 +624,37 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
                             settings.eval_interval, files, progress, context)
     checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
-                              previous=f"the previous run in {out} is left as it was" if had_run else None)
+                              previous=f"the previous run in {out} is left as it was" if had_run else None,
+                              model=model, go_on=f"continue from it with: pedestrian train --out {out} --resume "
+                              "(the same settings redo the same steps), or start again with a lower --lr "
+                              "(--overwrite, or --out NEW_DIR)")
     guard = TimeGuard(settings.max_minutes, t_start)
     trainer.stop_checks.append(guard)
     trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, checkpoints, guard.measure)
     trainer.on("stop", finish(evaluation, checkpoints))
     try:
         reason = trainer.run()
+    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
+        raise exc.advise(checkpoints.kept(trainer), f"continue with: pedestrian train --out {out} --resume"
+                         if trainer.last_save >= 0 else "start again") from exc
+    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
+        raise TrainingError(f"{exc}; {checkpoints.kept(trainer, good=True)}; start again with a lower --lr") from exc
     finally:
         progress.close()
         files.close()
         if runner is not model:
             runner.close()
     if reason == "non_finite":
-        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer)))
+        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     if settings.plot:
-        files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
-                   f"{model.num_params(trainable_only=True):,} params, d_model {config.d_model}, "
-                   f"{config.n_blocks} blocks")
+        try:
+            files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
+                       f"{model.num_params(trainable_only=True):,} params, d_model {config.d_model}, "
+                       f"{config.n_blocks} blocks")
+        except WriteError as exc:
+            raise exc.advise(f"the run itself is saved ({checkpoints.kept(trainer)})",
+                             f"draw it from the log with: python -c \"from pedestrian.train import *; "
+                             f"plot_loss_curve(read_log('{files.path}'), '{out / 'loss_curve.png'}')\"") from exc
     result = TrainResult(step=trainer.step, train_loss=trainer.loss, val_loss=trainer.val_loss,
                          best_val_loss=best_val, seconds=time.perf_counter() - t_start,
                          tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,

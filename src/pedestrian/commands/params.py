@@ -4,11 +4,13 @@ Examples:
   pedestrian params --preset gpt2
   pedestrian params --preset gpt2 --lora-rank 16 --lora-targets logits
   pedestrian params --vocab-size 65 --context-length 64 --d-model 128 --n-heads 4 --n-blocks 4
+  pedestrian params --preset gpt2 --d-mlp 3000 --no-qkv-bias
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..config import LORA_LAYER_KINDS, PRESETS, GPTConfig, lora_specs, param_specs, preset
 
@@ -60,6 +62,12 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> GPTC
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    g = parser.add_argument_group("model widths and biases (this command only)")
+    g.add_argument("--d-mlp", type=int, metavar="N", help="MLP width (default mlp_ratio · d_model)")
+    g.add_argument("--qkv-bias", dest="qkv_bias", action="store_true", default=None,
+                   help="q, k, v biases even with --no-bias")
+    g.add_argument("--no-qkv-bias", dest="qkv_bias", action="store_false",
+                   help="no q, k, v biases (the other biases follow --no-bias)")
     parser.add_argument("--lora-rank", type=int, help="also count LoRA adapters of this rank")
     parser.add_argument("--lora-targets", nargs="+", default=["all"],
                         help=f"LoRA layer kinds: {' '.join(LORA_LAYER_KINDS)} or all (default all)")
@@ -71,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.preset is None and args.vocab_size is None:
         args.preset = "gpt2"
     config = config_from_args(args)
+    extra = {f: getattr(args, f) for f in ("d_mlp", "qkv_bias") if getattr(args, f, None) is not None}
+    if extra:
+        config = dataclasses.replace(config, **extra)
     specs = param_specs(config)
     lora = None
     if args.lora_rank is not None:                      # validate before printing anything

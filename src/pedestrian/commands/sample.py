@@ -5,20 +5,41 @@ Examples:
       --temperature 0.8 --top-k 40 --seed 1
   pedestrian sample --hf-dir gpt2 --prompt "The meaning of life" --top-p 0.9 --seed 0
   pedestrian sample --checkpoint runs/finetune --prompt "Dear diary,"   # base + LoRA adapters
+  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --repetition-penalty 1.2 \\
+      --min-p 0.05 --temperature 0.9        # penalise repeats, drop tokens < 5% of the top one
+  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --stop $'\\n\\n' \\
+      --stop "JULIET:"                     # end at a blank line or at "JULIET:", unprinted
+  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --prompt "First Citizen:" \\
+      --temperature 0                      # two prompts of different lengths, one batch
+  pedestrian sample --checkpoint runs/char/ckpt --prompts-file prompts.txt   # one per line
 
 Behaviour:
+  - Several prompts (--prompt repeated, or --prompts-file) are generated together, left-padded,
+    each row computing what it would alone; each continuation is printed when all are done,
+    under a "--- prompt N ---" line (with --num-samples: "--- prompt N, sample M ---").
   - The prompt is echoed, then each new token is printed as soon as its text is complete: with
     byte-level BPE a token that ends inside a multi-byte UTF-8 character is held back until the
     character is complete (an incomplete character left at the very end prints as U+FFFD).
   - --temperature 0 is greedy decoding; --top-p must be in (0, 1] (0 is an error, not greedy);
     --top-k larger than the vocabulary means no top-k filter.
+  - Order, as Hugging Face transformers: repetition penalty -> temperature -> top-k -> top-p ->
+    min-p (greedy: the penalty, then argmax). --repetition-penalty R (> 0; 1 = none) divides
+    the positive logit of every token already in the prompt or the output by R and multiplies
+    a negative one by R; --min-p P (in [0, 1]) keeps the tokens at least P times as likely as
+    the most likely one.
+  - Only ids the tokenizer can decode are sampled: a model whose vocabulary is larger than its
+    tokenizer's (GPT-2 padded to 50,304) never produces the extra ids.
   - An empty prompt starts from <|endoftext|> when the tokenizer has it (GPT-2 convention) and
     is an error otherwise. A prompt longer than the context keeps its last context_length
     tokens (with a one-line warning on stderr).
   - Every setting is checked before anything is printed.
-  - Generation stops at <|endoftext|> (when the tokenizer has it; --ignore-eot to go on) or at
-    any --stop / --stop-id token; the stop token is not printed. Past the context length the
-    window slides (see pedestrian.generate).
+  - Generation stops at <|endoftext|> (when the tokenizer has it; --ignore-eot to go on), at a
+    --stop-id token, or when the generated text contains a --stop TEXT: stop strings are text,
+    matched on the decoded output however it is split into tokens (--stop $'\\n' also stops
+    inside a "\\n\\n" token; a stop may span several tokens), and only on the generated text,
+    not on the prompt. The output ends right before the first stop: neither the stop token nor
+    the stop text is printed (text that may still begin a stop string is held back until it
+    is decided). Past the context length the window slides (see pedestrian.generate).
 """
 
 from __future__ import annotations
@@ -40,17 +61,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "`pedestrian finetune` run folder (or its adapter/ checkpoint)")
     src.add_argument("--hf-dir", help="a Hugging Face GPT-2 directory (config.json + weights); with a "
                      "fine-tune --checkpoint: its base model (default: the one recorded in it)")
-    parser.add_argument("--prompt", default="", help="text to continue (default: empty, see above)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="text to continue (default: empty, see above); repeatable: several prompts "
+                        "are generated together as one batch and printed one after the other, labelled")
+    parser.add_argument("--prompts-file", metavar="FILE",
+                        help="a UTF-8 text file with one prompt per line (empty lines skipped), "
+                        "generated together like several --prompt")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     parser.add_argument("--top-p", type=float, default=None,
                         help="nucleus: keep the smallest set of tokens with probability >= p, in (0, 1]")
+    parser.add_argument("--min-p", type=float, default=None, metavar="P",
+                        help="keep tokens at least P times as likely as the most likely one, in [0, 1] "
+                        "(e.g. 0.05; applied after --top-p)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                        help="divide the positive logits of tokens already in the prompt or output by "
+                        "R, multiply the negative ones (R > 0; 1 = none; e.g. 1.2)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
     parser.add_argument("--num-samples", type=int, default=1,
                         help="generate this many samples of the prompt as one batch (default 1)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                        help="stop when this text (exactly one token) is generated; repeatable")
+                        help="stop when the generated text contains TEXT (any tokenization; TEXT is "
+                        "not printed); repeatable, the first one found ends the sample")
     parser.add_argument("--stop-id", action="append", type=int, default=[], metavar="ID",
                         help="stop at this token id; repeatable")
     parser.add_argument("--ignore-eot", action="store_true", help="do not stop at <|endoftext|>")
@@ -102,16 +135,109 @@ def _special_id(tokenizer, text: str) -> int | None:
 
 def _stop_ids(tokenizer, args) -> list[int]:
     stops = list(args.stop_id)
-    for text in args.stop:
-        ids = tokenizer.encode(text)
-        if len(ids) != 1:
-            raise ValueError(f"--stop {text!r} encodes to {len(ids)} tokens {ids}; a stop must be "
-                             "exactly one token (use --stop-id ID for a token id)")
-        stops += ids
     eot = _special_id(tokenizer, EOT)
     if eot is not None and not args.ignore_eot:
         stops.append(eot)
     return stops
+
+
+class StopText:
+    """The text of one generated row, cut right before the first stop string.
+
+    Stop strings are matched on the decoded text, whatever its split into tokens: the text ends
+    right before the stop string that is completed first, reading character by character (of
+    two completed at the same character, the longer). Text is released as soon as it is
+    decided: only the longest tail that is still the beginning of a stop string is held back,
+    so a match always starts in the held tail or in the new text.
+
+    Args:
+        tokenizer: a Char/BPE tokenizer (decoded with :class:`~pedestrian.tokenizer.StreamDecoder`,
+            special tokens skipped).
+        stops: non-empty stop strings (may be empty: then text passes straight through).
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        from ..tokenizer import StreamDecoder
+
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text now known to come before any stop string."""
+        return self._feed(self.decoder.push(token_id), final=False)
+
+    def finish(self) -> str:
+        """End of generation: the rest of the text (up to a stop string found in it)."""
+        return self._feed(self.decoder.flush(), final=True)
+
+    def _feed(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        pending = self.pending + text
+        # the match that ends first (ties: the longest), as if the text came one character at a
+        # time -- so the cut does not depend on how the text is split into tokens
+        found = [(i + len(s), -len(s)) for s, i in ((s, pending.find(s)) for s in self.stops) if i >= 0]
+        if found:
+            end, minus_len = min(found)
+            self.stopped, self.pending = True, ""
+            return pending[:end + minus_len]
+        held = 0 if final else self._held(pending)
+        self.pending = pending[len(pending) - held:]
+        return pending[:len(pending) - held]
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+def _prompt_texts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``--prompt`` (repeatable) and ``--prompts-file`` (one per line), in that order;
+    ``[""]`` when none is given."""
+    texts = [args.prompt] if isinstance(args.prompt, str) else list(args.prompt or [])
+    if getattr(args, "prompts_file", None):
+        from pathlib import Path
+
+        path = Path(args.prompts_file)
+        try:
+            lines = path.read_text(encoding="utf-8-sig").splitlines()
+        except FileNotFoundError:
+            raise ValueError(f"--prompts-file {path}: no such file") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompts-file {path} is not UTF-8 text (byte {exc.start}); save it as "
+                             "UTF-8") from None
+        texts += [line for line in lines if line.strip()]
+        if not any(line.strip() for line in lines):
+            raise ValueError(f"--prompts-file {path} holds no prompt (every line is empty)")
+    return texts or [""]
+
+
+def _encode_prompt(tokenizer, text: str, what: str) -> list[int]:
+    """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` when there is one."""
+    from ..tokenizer import UnknownCharacterError, check_text
+
+    check_text(text, what)                              # bytes that are not UTF-8 on the command line
+    try:
+        ids = tokenizer.encode(text)                    # a char tokenizer raises on unknown chars
+    except UnknownCharacterError as exc:
+        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
+        raise ValueError(f"{what} has {len(exc.unknown)} character(s) this model's character vocabulary "
+                         f"lacks ({shown}); use only characters that occur in its training text, or "
+                         "train with --tokenizer bpe (which encodes any text)") from None
+    if not ids:
+        eot = _special_id(tokenizer, EOT)
+        if eot is None:
+            raise ValueError(f"{what} is empty and this tokenizer has no <|endoftext|> token to "
+                             "start from; give at least one character")
+        ids = [eot]
+    return ids
 
 
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
@@ -123,17 +249,19 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
         args: parsed ``pedestrian sample`` arguments (the model-source flags are not used).
         out / err: text streams (default ``sys.stdout`` / ``sys.stderr``).
 
+    Only ids below ``tokenizer.vocab_size`` are sampled (``generate(vocab_limit=...)``), so a
+    model with a padded vocabulary never produces an id the tokenizer cannot decode. ``--stop``
+    strings are matched on the decoded text (:class:`StopText`).
+
     Raises:
         ValueError: bad sampling settings, an empty prompt without ``<|endoftext|>``, an
-            unknown character for a char tokenizer, a multi-token ``--stop``.
+            unknown character for a char tokenizer, an empty ``--stop``, a tokenizer larger
+            than the model; NaN logits while generating (see :mod:`pedestrian.sampling`).
     """
     from ..generate import generate
     from ..sampling import check_sampling
-    from ..tokenizer import StreamDecoder
 
     import warnings
-
-    from ..tokenizer import UnknownCharacterError
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -142,11 +270,20 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
                          "for greedy decoding use --temperature 0")
     if args.top_k is not None and args.top_k < 1:
         raise ValueError(f"--top-k must be a positive integer, got {args.top_k}")
-    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
+        raise ValueError(f"--min-p must be in [0, 1] (0 = no min-p filter), got {args.min_p:g}")
+    if args.repetition_penalty is not None and not (np.isfinite(args.repetition_penalty)
+                                                    and args.repetition_penalty > 0):
+        raise ValueError(f"--repetition-penalty must be a finite number > 0 (1 = none, e.g. 1.2), "
+                         f"got {args.repetition_penalty:g}")
+    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if any(text == "" for text in args.stop):
+        raise ValueError("--stop needs a non-empty text (an empty stop string would end every sample "
+                         "before its first token)")
     C = model.config.context_length
     if not 1 <= args.window_shift <= C:
         raise ValueError(f"--window-shift must be in [1, context_length={C}] (window_shift), "
@@ -154,75 +291,77 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
-    try:
-        prompt_ids = tokenizer.encode(args.prompt)       # a char tokenizer raises on unknown chars
-    except UnknownCharacterError as exc:
-        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
-        raise ValueError(f"the prompt has {len(exc.unknown)} character(s) this model's character vocabulary "
-                         f"lacks ({shown}); use only characters that occur in its training text, or "
-                         "train with --tokenizer bpe (which encodes any text)") from None
-    if not prompt_ids:
-        eot = _special_id(tokenizer, EOT)
-        if eot is None:
-            raise ValueError("the prompt is empty and this tokenizer has no <|endoftext|> token to "
-                             "start from; pass --prompt with at least one character")
-        prompt_ids = [eot]
+    prompts = _prompt_texts(args)
+    prompt_ids = [_encode_prompt(tokenizer, text, "the --prompt" if len(prompts) == 1 else f"--prompt {i + 1}")
+                  for i, text in enumerate(prompts)]
     stops = _stop_ids(tokenizer, args)
     V = model.config.vocab_size
     bad = [i for i in args.stop_id if not 0 <= i < V]
     if bad:
         raise ValueError(f"--stop-id {bad[0]} is not a token id of this model: ids are 0 ... {V - 1}")
     stop_set = set(stops)
-    if len(prompt_ids) > C:
-        err.write(f"warning: the prompt has {len(prompt_ids)} tokens but the model's context is {C}: "
-                  f"only the last {C} condition the generation\n")
-        err.flush()
-    prompt = np.tile(np.asarray(prompt_ids, dtype=np.int64), (args.num_samples, 1))
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) > C:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+            err.write(f"warning: {which} has {len(ids)} tokens but the model's context is {C}: "
+                      f"only the last {C} condition the generation\n")
+            err.flush()
+    row_prompts = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
+    B = len(row_prompts)
+    row_ids = [np.asarray(prompt_ids[i], dtype=np.int64) for i, _ in row_prompts]
+    prompt = row_ids if len({len(r) for r in row_ids}) > 1 else np.stack(row_ids)
 
-    streaming = args.num_samples == 1
-    decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
-    done = [False]
+    streaming = B == 1
+    rows = [StopText(tokenizer, list(args.stop)) for _ in range(B)]
+    texts: list[list[str]] = [[] for _ in range(B)]
+    done = np.zeros(B, dtype=bool)
 
-    def on_token(ids):
-        if done[0]:
+    def emit(i: int, text: str) -> None:
+        if not text:
             return
-        token = int(ids[0])
-        if token in stop_set:
-            done[0] = True
-            return
-        text = decoder.push(token)
-        if text:
+        if streaming:
             out.write(text)
             out.flush()
+        else:
+            texts[i].append(text)
+
+    def on_token(ids):
+        for i, token in enumerate(ids.tolist()):
+            if done[i]:
+                continue
+            if token in stop_set:                      # generate() ends the row too
+                done[i] = True
+                continue
+            emit(i, rows[i].push(token))
+            done[i] = rows[i].stopped
+        return done.copy()
 
     if streaming:
-        out.write(args.prompt)
+        out.write(prompts[0])
         out.flush()
     t0 = time.perf_counter()
     with warnings.catch_warnings():                     # already said above, in one line
         warnings.filterwarnings("ignore", message="the prompt has", category=UserWarning)
         tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=stops or None,
-                          use_cache=not args.no_cache, on_token=on_token if streaming else None,
-                          window_shift=args.window_shift)
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop_tokens=stops or None, use_cache=not args.no_cache, on_token=on_token,
+                          window_shift=args.window_shift, vocab_limit=tokenizer.vocab_size)
     seconds = time.perf_counter() - t0
+    for i in range(B):
+        emit(i, rows[i].finish())
     if streaming:
-        out.write(decoder.flush() + "\n")
+        out.write("\n")
     else:
-        for i, row in enumerate(tokens):
-            new = [int(t) for t in row[len(prompt_ids):]]
-            for j, t in enumerate(new):
-                if t in stop_set:
-                    new = new[:j]
-                    break
-            out.write(f"--- sample {i + 1} ---\n{args.prompt}")
-            decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
-            out.write("".join(decoder.push(t) for t in new) + decoder.flush() + "\n")
+        for b, (i, j) in enumerate(row_prompts):
+            label = (f"sample {j + 1}" if len(prompts) == 1 else
+                     f"prompt {i + 1}" if args.num_samples == 1 else f"prompt {i + 1}, sample {j + 1}")
+            out.write(f"--- {label} ---\n{prompts[i]}{''.join(texts[b])}\n")
     out.flush()
     if args.stats:
-        n_new = tokens.shape[1] - len(prompt_ids)
-        err.write(f"[{n_new} new tokens x {args.num_samples} in {seconds:.3f} s: "
-                  f"{n_new * args.num_samples / max(seconds, 1e-12):.1f} tokens/s, "
+        n_new = len(tokens[0]) - len(row_ids[0])
+        err.write(f"[{n_new} new tokens x {B} in {seconds:.3f} s: "
+                  f"{n_new * B / max(seconds, 1e-12):.1f} tokens/s, "
                   f"{'uncached' if args.no_cache else 'KV cache'}]\n")
     return 0
 

@@ -9,7 +9,7 @@ a pickle that only PyTorch can read, so it needs ``torch`` installed.
 Config (``GPT2Config`` field -> :class:`~pedestrian.config.GPTConfig` field)::
 
     vocab_size -> vocab_size        n_positions -> context_length     n_embd -> d_model
-    n_head -> n_heads               n_layer -> n_blocks               n_inner (None: 4 n_embd) -> mlp_ratio
+    n_head -> n_heads               n_layer -> n_blocks               n_inner (None: 4 n_embd) -> d_mlp
     layer_norm_epsilon -> ln_eps    tie_word_embeddings -> tie_weights (untied lm_head: no bias)
     activation_function: "gelu_new" / "gelu_pytorch_tanh" -> "gelu_tanh" (the tanh GELU of
         EQUATIONS.md), "gelu" -> "gelu" (exact), "relu" -> "relu"; others are refused.
@@ -45,14 +45,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import struct
-import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
 
+from ..atomic import atomic_dir
 from ..config import GPTConfig, param_specs
 
 __all__ = [
@@ -69,6 +67,12 @@ __all__ = [
     "state_to_hf",
     "read_hf_config",
     "open_hf_weights",
+    "SafetensorsFile",
+    "write_dir_atomically",
+    "json_writer",
+    "read_json_object",
+    "listing",
+    "torch_load",
 ]
 
 #: HF ``activation_function`` -> pedestrian ``activation``.
@@ -91,7 +95,8 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _LIST_MAX = 20
 
 
-def _listing(items, limit: int = _LIST_MAX) -> str:
+def listing(items, limit: int = _LIST_MAX) -> str:
+    """``"a, b, ... (N more)"``: the first ``limit`` items of a list for an error message."""
     items = list(items)
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
@@ -163,9 +168,9 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
     if d % c["n_head"]:
         problems.append(f"n_embd={d} is not divisible by n_head={c['n_head']}")
     n_inner = c["n_inner"]
-    if n_inner is not None and (not isinstance(n_inner, int) or n_inner < 1 or n_inner % d):
-        problems.append(f"n_inner={n_inner!r} is not a positive multiple of n_embd={d} "
-                        "(pedestrian's MLP width is mlp_ratio · d_model with an integer mlp_ratio)")
+    if n_inner is not None and (not isinstance(n_inner, int) or isinstance(n_inner, bool) or n_inner < 1):
+        problems.append(f"n_inner={n_inner!r} is not a positive integer (the MLP width; null means "
+                        "4 · n_embd)")
     if not c["scale_attn_weights"]:
         problems.append("scale_attn_weights=false (pedestrian always scales scores by 1/sqrt(d_head))")
     if c["scale_attn_by_inverse_layer_idx"]:
@@ -182,7 +187,9 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
     tied = bool(c["tie_word_embeddings"])
     return GPTConfig(vocab_size=c["vocab_size"], context_length=c["n_positions"], d_model=d,
                      n_heads=c["n_head"], n_blocks=c["n_layer"],
-                     mlp_ratio=4 if n_inner is None else n_inner // d,
+                     # mlp_ratio as well when it is a whole number, so a round trip gives the same config
+                     mlp_ratio=4 if n_inner is None or n_inner % d else n_inner // d,
+                     d_mlp=4 * d if n_inner is None else n_inner,
                      activation=HF_TO_ACTIVATION[act], ln_eps=float(eps), bias=True,
                      tie_weights=tied, logits_bias=False, dropout=0.0)
 
@@ -190,13 +197,16 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
 def export_problems(config: GPTConfig) -> list[str]:
     """Why ``config`` cannot be written as a Hugging Face ``GPT2LMHeadModel`` (empty: it can).
 
-    GPT-2 has biases everywhere except ``lm_head``, ``d_qk = d_head = d_model / n_heads``,
-    causal attention, and one of the activations of :data:`ACTIVATION_TO_HF`.
+    GPT-2 has biases everywhere except ``lm_head`` (q, k, v included: ``c_attn.bias``),
+    ``d_qk = d_head = d_model / n_heads``, causal attention, and one of the activations of
+    :data:`ACTIVATION_TO_HF`; its MLP width ``n_inner`` may be anything.
     """
     c = config
     problems = []
     if not c.bias:
         problems.append("bias=False (GPT-2 has biases on every layer)")
+    if not c.qkv_bias:
+        problems.append("qkv_bias=False (GPT-2 has q, k, v biases: attn.c_attn.bias)")
     if c.n_heads * c.d_head != c.d_model or c.d_qk != c.d_head:
         problems.append(f"d_qk={c.d_qk}, d_head={c.d_head}, n_heads={c.n_heads}, d_model={c.d_model} "
                         "(GPT-2 needs d_qk = d_head = d_model / n_heads)")
@@ -232,7 +242,7 @@ def config_to_hf(config: GPTConfig, *, dtype: str = "float32", eos_token_id: int
         "n_embd": c.d_model,
         "n_layer": c.n_blocks,
         "n_head": c.n_heads,
-        "n_inner": None if c.mlp_ratio == 4 else c.d_mlp,
+        "n_inner": None if c.d_mlp == 4 * c.d_model else c.d_mlp,
         "activation_function": ACTIVATION_TO_HF[c.activation],
         "layer_norm_epsilon": c.ln_eps,
         "tie_word_embeddings": c.tie_weights,
@@ -307,11 +317,11 @@ def _check_hf_shapes(shapes: Mapping[str, tuple], config: GPTConfig, source: str
         if got != (config.vocab_size, config.d_model):
             wrong.append(f"lm_head.weight {got} (config.json implies {(config.vocab_size, config.d_model)})")
     if missing:
-        problems.append(f"{len(missing)} missing: {_listing(missing)}")
+        problems.append(f"{len(missing)} missing: {listing(missing)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
+        problems.append(f"{len(unexpected)} unexpected: {listing(unexpected)}")
     if wrong:
-        problems.append(f"{len(wrong)} with the wrong shape: {_listing(wrong)}")
+        problems.append(f"{len(wrong)} with the wrong shape: {listing(wrong)}")
     if problems:
         raise ValueError(
             f"{source} does not hold the GPT-2 that its config.json describes ("
@@ -383,7 +393,7 @@ def state_to_hf(state: Mapping[str, object], config: GPTConfig) -> dict[str, np.
         raise ValueError("this model cannot be written as a Hugging Face GPT-2: " + "; ".join(problems))
     missing = [s.name for s in param_specs(config) if s.name not in state]
     if missing:
-        raise ValueError(f"the state lacks parameters {_listing(missing)}")
+        raise ValueError(f"the state lacks parameters {listing(missing)}")
     from ..backend import to_numpy
 
     s = {k: np.asarray(to_numpy(v)) for k, v in state.items() if ".lora_" not in k}
@@ -409,38 +419,65 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 
-class _SafetensorsFile:
-    """Names, shapes and dtypes of one ``.safetensors`` file (from its header), tensors on demand."""
+#: bytes per element of the safetensors dtypes (the format's table), to locate a BF16 tensor
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "U16": 2, "I16": 2, "F16": 2,
+                "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+class SafetensorsFile:
+    """Names, shapes, dtypes and metadata of one ``.safetensors`` file, tensors read on demand,
+    all through ``safetensors.safe_open`` (which validates the header: offsets in bounds,
+    no overlaps, no holes).
+
+    Attributes:
+        path: the file. names: tensor names, in file (offset) order. shapes: name -> shape
+        tuple. dtypes: name -> safetensors dtype code (``"F32"``, ``"BF16"``, ...).
+        metadata: the ``__metadata__`` string dict (``{}`` if none).
+
+    Raises:
+        ValueError: the file cannot be opened or is not a valid safetensors file.
+    """
 
     def __init__(self, path: Path):
-        self.path = path
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
         try:
-            with open(path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(n))
-        except (OSError, struct.error, ValueError) as exc:
+            with safe_open(str(path), framework="numpy") as f:
+                self.names = list(f.offset_keys())
+                self.metadata = dict(f.metadata() or {})
+                slices = {k: f.get_slice(k) for k in self.names}
+                self.shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+                self.dtypes = {k: v.get_dtype() for k, v in slices.items()}
+        except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(f"{path} is not a safetensors file ({exc})") from None
-        self.data_start = 8 + n
-        header.pop("__metadata__", None)
-        self.entries = header                      # name -> {"dtype", "shape", "data_offsets"}
-
-    def shapes(self) -> dict[str, tuple]:
-        return {k: tuple(v["shape"]) for k, v in self.entries.items()}
-
-    def dtypes(self) -> dict[str, str]:
-        return {k: v["dtype"] for k, v in self.entries.items()}
 
     def get(self, name: str) -> np.ndarray:
-        e = self.entries[name]
-        if e["dtype"] == "BF16":                    # NumPy has no bfloat16: widen the raw bits
-            start, end = e["data_offsets"]
-            raw = np.fromfile(self.path, dtype="<u2", count=(end - start) // 2,
-                              offset=self.data_start + start)
-            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(e["shape"])
+        """The tensor ``name`` as a NumPy array (BF16, which NumPy lacks, widened to float32)."""
+        if self.dtypes[name] == "BF16":
+            return self._bf16_as_float32(name)
         from safetensors import safe_open
 
         with safe_open(str(self.path), framework="numpy") as f:
             return f.get_tensor(name)
+
+    def _bf16_as_float32(self, name: str) -> np.ndarray:
+        # safe_open(framework="numpy") cannot build a bfloat16 array, so read the raw bits. The
+        # format stores the tensors back to back in offset order, without holes, up to the end
+        # of the file (safe_open has checked that), which places each one.
+        sizes = {}
+        for k in self.names:
+            if self.dtypes[k] not in _ST_ITEMSIZE:
+                raise ValueError(f"{self.path}: cannot read the BF16 tensor {name} beside a tensor of "
+                                 f"dtype {self.dtypes[k]}")
+            sizes[k] = _ST_ITEMSIZE[self.dtypes[k]] * int(np.prod(self.shapes[k], dtype=np.int64))
+        start = self.path.stat().st_size - sum(sizes.values())
+        for k in self.names:
+            if k == name:
+                break
+            start += sizes[k]
+        raw = np.fromfile(self.path, dtype="<u2", count=sizes[name] // 2, offset=start)
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(self.shapes[name])
 
 
 class HFWeights:
@@ -458,7 +495,12 @@ class HFWeights:
         return self._get(name)
 
 
-def _torch_load(path: Path) -> dict[str, np.ndarray]:
+def torch_load(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a PyTorch pickle (``pytorch_model.bin``), as NumPy arrays (BF16 widened).
+
+    Raises:
+        ValueError: PyTorch is not installed, or the file cannot be read.
+    """
     try:
         import torch
     except ImportError:
@@ -489,19 +531,19 @@ def open_hf_weights(hf_dir) -> HFWeights:
     d = Path(hf_dir).expanduser()
     st = d / "model.safetensors"
     if st.is_file():
-        f = _SafetensorsFile(st)
-        return HFWeights(str(st), f.shapes(), f.dtypes(), f.get)
+        f = SafetensorsFile(st)
+        return HFWeights(str(st), f.shapes, f.dtypes, f.get)
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files, where = _read_index(index)
-        shards = {name: _SafetensorsFile(d / name) for name in files}
+        shards = {name: SafetensorsFile(d / name) for name in files}
         shapes, dtypes = {}, {}
         for tensor, name in where.items():
             shard = shards[name]
-            if tensor not in shard.entries:
+            if tensor not in shard.shapes:
                 raise ValueError(f"{index} places {tensor} in {name}, which does not hold it")
-            shapes[tensor] = tuple(shard.entries[tensor]["shape"])
-            dtypes[tensor] = shard.entries[tensor]["dtype"]
+            shapes[tensor] = shard.shapes[tensor]
+            dtypes[tensor] = shard.dtypes[tensor]
         return HFWeights(str(index), shapes, dtypes, lambda t: shards[where[t]].get(t))
     for name in ("pytorch_model.bin", "pytorch_model.bin.index.json"):
         p = d / name
@@ -510,9 +552,9 @@ def open_hf_weights(hf_dir) -> HFWeights:
                 files, _ = _read_index(p)
                 state = {}
                 for shard in files:
-                    state.update(_torch_load(d / shard))
+                    state.update(torch_load(d / shard))
             else:
-                state = _torch_load(p)
+                state = torch_load(p)
             codes = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
             return HFWeights(str(p), {k: v.shape for k, v in state.items()},
                              {k: codes.get(v.dtype, str(v.dtype)) for k, v in state.items()},
@@ -558,7 +600,7 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
     canon = _check_hf_shapes(weights.shapes, config, weights.source)
     bad = [f"{k} ({weights.dtypes[k]})" for k in canon if weights.dtypes[k] not in _FLOAT_CODES]
     if bad:
-        raise ValueError(f"{weights.source}: tensors that are not floating point: {_listing(bad)}")
+        raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
     tensors = {full: weights[name] for name, full in canon.items()}
     state = _convert_from_hf(tensors, config, weights.source)
     model = GPT(config, dtype=dtype, backend=backend)
@@ -609,21 +651,26 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 # ------------------------------------------------------------------------------------ saving
 def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]], *,
-                         overwrite: bool = False, conflicts=()) -> Path:
+                         overwrite: bool = False, conflicts=(), what: str = "the model directory") -> Path:
     """Write files into ``out_dir`` so that a failure leaves nothing half-written.
 
-    Every file is first written into a temporary folder next to ``out_dir``; a new ``out_dir``
-    is then renamed into place in one step, an existing one gets each file by ``os.replace``.
+    Every file is first written into a temporary folder next to ``out_dir``
+    (:func:`pedestrian.atomic.atomic_dir` with ``merge=True``); a new ``out_dir`` is then
+    renamed into place in one step, an existing one gets each file by ``os.replace`` (its other
+    files stay).
 
     Args:
         writers: file name -> function writing that file to the path it is given.
         overwrite: allow an existing non-empty ``out_dir`` (only the files written are replaced).
         conflicts: file names that must not remain beside the new files (e.g. other weight
             files that would shadow them); their presence is an error.
+        what: how to name the folder in an error message.
 
     Raises:
         ValueError: ``out_dir`` is non-empty and ``overwrite`` is false, or holds a conflict.
         NotADirectoryError: ``out_dir`` is a file.
+        WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
+            permission, read-only); ``out_dir`` is left as it was.
     """
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
@@ -636,28 +683,14 @@ def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]],
         if stale:
             raise ValueError(f"{out} holds {stale}, which would be mixed with the new files; "
                              "remove them or choose another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o777 & ~umask)               # mkdtemp makes it private (0700)
+    with atomic_dir(out, what=what, merge=True) as tmp:
         for name, write in writers.items():
             write(tmp / name)
-            os.chmod(tmp / name, 0o666 & ~umask)    # safetensors creates its files 0600
-        if not out.exists():
-            os.rename(tmp, out)
-        else:
-            for name in writers:
-                os.replace(tmp / name, out / name)
-            tmp.rmdir()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
-def _json_writer(obj) -> Callable[[Path], None]:
+def json_writer(obj) -> Callable[[Path], None]:
+    """A writer for :func:`write_dir_atomically`: ``obj`` as indented JSON."""
     return lambda p: p.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
@@ -676,10 +709,12 @@ def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Pat
         return {"pedestrian_tokenizer.json": tokenizer.save}
 
     def vocab_merges(name):
-        def write(p: Path):
-            with tempfile.TemporaryDirectory() as t:
-                tokenizer.hf.model.save(t)
-                shutil.copyfile(Path(t) / name, p)
+        def write(p: Path):                  # the model saves both files: keep the one asked for
+            for f in map(Path, tokenizer.hf.model.save(str(p.parent), f".{name}")):
+                if f.name.endswith(f"-{name}"):
+                    os.replace(f, p)
+                else:
+                    f.unlink()
         return write
 
     special = tokenizer.special_tokens
@@ -688,7 +723,7 @@ def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Pat
                   "add_prefix_space": False, "bos_token": eot, "eos_token": eot, "unk_token": eot}
     return {"tokenizer.json": lambda p: tokenizer.hf.save(str(p)),
             "vocab.json": vocab_merges("vocab.json"), "merges.txt": vocab_merges("merges.txt"),
-            "tokenizer_config.json": _json_writer(tok_config)}
+            "tokenizer_config.json": json_writer(tok_config)}
 
 
 def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) -> Path:
@@ -709,6 +744,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
             :func:`pedestrian.interop.peft.save_peft_adapter`), a config GPT-2 cannot express,
             a tokenizer with more ids than ``vocab_size``, or an output problem.
+        WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
+            permission, read-only); ``out_dir`` is left as it was.
     """
     from safetensors.numpy import save_file
 
@@ -724,7 +761,7 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         eos = getattr(tokenizer, "special_tokens", {}).get("<|endoftext|>")
     hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
     tensors = state_to_hf(model.state_dict(), config)
-    writers = {"config.json": _json_writer(hf_config),
+    writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
                **tokenizer_writers(tokenizer, config.context_length)}
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)
@@ -733,8 +770,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
 def merged_for_export(model):
     """A copy of ``model`` with its LoRA adapters merged, ready for :func:`save_pretrained`.
 
-    ``W ← W + α D U`` for every adapted layer (paper section 6; ``model`` itself is not
-    changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
+    ``W ← W + α D U`` for every adapted layer, each with its own ``α`` (paper section 6;
+    ``model`` itself is not changed). A LoRA on *tied* logits (GPT-2 ties ``lm_head`` to ``wte``) cannot be merged
     into ``tok_emb.weight`` without changing the embedding lookup too, so the copy is
     **untied** instead: ``tie_weights=False`` (HF ``tie_word_embeddings=false``), the token
     embedding unchanged, and ``logits.weight = W_tokᵀ + α D U`` of shape ``(d_model, V)``
@@ -757,13 +794,12 @@ def merged_for_export(model):
     state = {k: np.asarray(v, dtype=np.float64) for k, v in model.state_dict().items()}
     config = model.config
     targets = list(model.lora_targets or [])
-    alpha = float(model.lora_alpha) if targets else 0.0
     if "logits" in targets and config.tie_weights:
         config = dataclasses.replace(config, tie_weights=False, logits_bias=False)
         state["logits.weight"] = state["tok_emb.weight"].T.copy()
     for fc in targets:
-        state[f"{fc}.weight"] = state[f"{fc}.weight"] + alpha * (state.pop(f"{fc}.lora_D")
-                                                                 @ state.pop(f"{fc}.lora_U"))
+        state[f"{fc}.weight"] = state[f"{fc}.weight"] + model.lora_alphas[fc] * (
+            state.pop(f"{fc}.lora_D") @ state.pop(f"{fc}.lora_U"))
     out = GPT(config, dtype=model.dtype_name)
     out.load_state_dict(state, strict=True)
     return out

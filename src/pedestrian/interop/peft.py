@@ -18,15 +18,23 @@ GPT-2 fuses q, k, v in one ``c_attn`` module, so a PEFT adapter on it is shared:
 
 - import: ``D_q = D_k = D_v = Aᵀ`` and ``U_q, U_k, U_v`` are the column blocks of ``Bᵀ`` (exact);
 - export: the adapters pedestrian has on some of q, k, v of a block become one ``c_attn`` adapter
-  of rank ``n·r`` (``n`` adapted parts): ``A`` stacks their ``Dᵀ``, ``B`` is block-diagonal in
-  their ``Uᵀ`` (exact); ``rank_pattern`` / ``alpha_pattern`` give that module ``n·r`` and
-  ``lora_alpha = α·n·r``. The file's metadata records the layout, so importing a file written
-  here gives back the very same adapters.
+  of rank ``R = Σ r_part``: ``A`` stacks their ``Dᵀ``, ``B`` is block-diagonal in their ``Uᵀ``;
+  its one scaling is the first part's ``α``, and a part with another ``α`` has the ratio folded
+  into its block of ``B`` (same outputs). The file's metadata records the layout and every
+  layer's ``α``, so importing a file written here gives back the very same adapters (bit for
+  bit, except the ``U`` of a part whose ``α`` differs from its block's first part: within a
+  rounding or two).
 
-pedestrian has one rank and one ``α`` for all adapters. On import, adapters of smaller rank are
-padded with zero columns of ``D`` and zero rows of ``U`` (the product is unchanged, and those
-entries get zero gradients, so they stay zero), and a module whose scaling differs from the
-first module's has the ratio folded into its ``U`` (same outputs).
+Per-layer settings (PEFT's convention, ``peft.tuners.lora.LoraModel._create_and_replace``): a
+module's rank is ``rank_pattern[key]`` and its ``lora_alpha`` is ``alpha_pattern[key]`` for the
+first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)`` (``peft.utils.other.get_pattern_key``),
+else ``r`` / ``lora_alpha``; its scaling is that ``lora_alpha / rank``. pedestrian keeps a rank and
+an ``α`` per layer (:attr:`GPT.lora_ranks`, :attr:`GPT.lora_alphas`), so every module is
+imported with its own rank and ``α = scaling``, exactly; on export ``r`` and ``lora_alpha`` are
+the model's defaults (``lora_rank``, ``lora_alpha · lora_rank``) and every module that differs
+gets a ``rank_pattern`` / ``alpha_pattern`` entry under its full module name.
+``lora_dropout`` is :attr:`GPT.lora_dropout` both ways (the same placement: the adapter's input,
+one mask per module, so q, k, v share the ``c_attn`` input's mask).
 """
 
 from __future__ import annotations
@@ -35,15 +43,15 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
-from .hf import _listing, _SafetensorsFile, _torch_load, _json_writer, read_json_object, write_dir_atomically
+from .hf import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 
-__all__ = ["load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
+__all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
            "lora_state_to_peft", "peft_module", "peft_scaling"]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -53,6 +61,28 @@ _META_KEY = "pedestrian_lora"
 _MODULE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$")
 _HF_TO_FC = {"attn.c_proj": "attn_proj", "mlp.c_fc": "mlp_expand", "mlp.c_proj": "mlp_contract"}
 _FC_TO_HF = {v: k for k, v in _HF_TO_FC.items()}
+_LAYOUT_VERSIONS = (1, 2)      # 1: one rank and one alpha for all adapters; 2: per layer
+
+
+class PeftLora(NamedTuple):
+    """A PEFT adapter in pedestrian's terms (what :meth:`GPT.add_lora` and
+    :meth:`GPT.load_state_dict` take).
+
+    Attributes:
+        state: ``X.lora_D (f_in, r_X)`` / ``X.lora_U (r_X, f_out)`` arrays (float64), by name.
+        ranks: ``{layer: r_X}``; alphas: ``{layer: α_X}`` (PEFT's per-module scaling).
+        rank, alpha: the file's defaults, ``r`` and its scaling (``lora_alpha / r``).
+        dropout: ``lora_dropout``.
+    """
+
+    state: dict
+    ranks: dict
+    alphas: dict
+    rank: int
+    alpha: float
+    dropout: float
+
+
 _UNSUPPORTED = {  # adapter_config.json option -> value pedestrian needs
     "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
     "target_parameters": None, "trainable_token_indices": None, "layer_replication": None,
@@ -112,15 +142,10 @@ def read_peft_adapter(adapter_dir) -> tuple[dict, dict[str, np.ndarray], dict]:
                          "LoRA adapters (peft_type 'LORA')")
     st = d / ADAPTER_WEIGHTS
     if st.is_file():
-        f = _SafetensorsFile(st)
-        tensors = {k: f.get(k) for k in f.entries}
-        from safetensors import safe_open
-
-        with safe_open(str(st), framework="numpy") as h:
-            metadata = h.metadata() or {}
-        return cfg, tensors, metadata
+        f = SafetensorsFile(st)
+        return cfg, {k: f.get(k) for k in f.names}, f.metadata
     if (d / "adapter_model.bin").is_file():
-        return cfg, _torch_load(d / "adapter_model.bin"), {}
+        return cfg, torch_load(d / "adapter_model.bin"), {}
     raise FileNotFoundError(f"{d} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} (or adapter_model.bin)")
 
 
@@ -137,8 +162,8 @@ def _base_weight_np(model, name: str) -> np.ndarray | None:
 
 def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray], config: GPTConfig, *,
                          metadata: Mapping | None = None, model=None,
-                         source: str = "the adapter") -> tuple[dict[str, np.ndarray], int, float]:
-    """PEFT tensors -> pedestrian adapters ``(lora_state, rank, alpha)``, fully validated.
+                         source: str = "the adapter") -> PeftLora:
+    """PEFT tensors -> pedestrian adapters, each layer with its own rank and ``α``, fully validated.
 
     Args:
         peft_config: the parsed ``adapter_config.json``.
@@ -150,19 +175,25 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
         source: how to name the adapter in messages.
 
     Returns:
-        ``X.lora_D (f_in, rank)`` / ``X.lora_U (rank, f_out)`` arrays (float64), the common
-        ``rank`` and ``α`` (see the module docstring for padding and folding).
+        a :class:`PeftLora`. A ``c_attn`` module of rank ``R`` becomes q, k and v adapters of
+        rank ``R`` sharing ``D = Aᵀ`` (or, for a file written by :func:`save_peft_adapter`, the
+        very adapters it was written from).
 
     Raises:
         ValueError: unsupported PEFT options, modules the base does not have, missing
-            ``lora_A``/``lora_B``, shapes that do not fit the base, base weights that differ,
-            anything else in the file -- every problem in one message.
+            ``lora_A``/``lora_B``, shapes that do not fit the base, a ``lora_dropout`` outside
+            ``[0, 1)``, base weights that differ, anything else in the file -- every problem in
+            one message.
     """
     problems = []
     for key, ok in _UNSUPPORTED.items():
         value = peft_config.get(key, ok)
         if value != ok and (ok or value):           # null / false / [] all mean "off"
             problems.append(f"{key}={value!r} (pedestrian supports only {key}={ok!r})")
+    dropout = peft_config.get("lora_dropout", 0.0)
+    dropout = 0.0 if dropout is None else dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        problems.append(f"lora_dropout={dropout!r} (a probability in [0, 1) is needed)")
     shapes = {name: (f_in, f_out) for name, f_in, f_out in fc_layers(config)}
     hq, hv = config.n_heads * config.d_qk, config.n_heads * config.d_head
     cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
@@ -183,11 +214,11 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
             continue
         unexpected.append(key)
     if unexpected:
-        problems.append(f"unsupported tensors {_listing(unexpected)}")
+        problems.append(f"unsupported tensors {listing(unexpected)}")
     if base_mismatch:
         problems.append(f"the adapter's copy of {base_mismatch} differs from this model's weights "
                         "(the adapter was trained on a different base model)")
-    per_fc: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}   # fc -> (D, U, scaling)
+    per_fc: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}   # fc -> (D, U, α)
     layout = _read_layout(metadata)
     for module, ab in modules.items():
         if "lora_A" not in ab or "lora_B" not in ab:
@@ -213,15 +244,23 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
             continue
         scaling = peft_scaling(peft_config, module, rank)
         if len(targets) == 1:
-            per_fc[targets[0]] = (A.T, B.T, scaling)
+            per_fc[targets[0]] = (A.T, B.T, _recorded_alpha(layout, targets[0], scaling))
             continue
-        parts = layout.get("c_attn_parts", {}).get(module)
-        r = layout.get("rank")
-        if parts and r and rank == len(parts) * r and _is_block_diagonal(B, parts, r, cols):
-            for j, part in enumerate(parts):
+        parts = _c_attn_parts(layout, module, targets[0].rsplit(".", 1)[0])
+        if parts and sum(r for _, r, _ in parts) == rank and _is_block_diagonal(B, parts, cols):
+            # the parts' α as written, if the module's scaling is still the first part's α (a file
+            # edited since: every part gets the module's scaling and its block of B as it is)
+            recorded = [(layout.get("alphas") or {}).get(fc, layout.get("alpha")) for fc, _, _ in parts]
+            if not (all(isinstance(a, (int, float)) and math.isfinite(a) and a != 0 for a in recorded)
+                    and math.isclose(recorded[0], scaling, rel_tol=1e-12)):
+                recorded = [scaling] * len(parts)
+            start = 0
+            for (fc, r, part), alpha in zip(parts, recorded):
                 lo, hi = cols[part]
-                per_fc[f"{targets[0].rsplit('.', 1)[0]}.{part}"] = (
-                    A[j * r:(j + 1) * r].T, B[lo:hi, j * r:(j + 1) * r].T, scaling)
+                U = B[lo:hi, start:start + r].T
+                per_fc[fc] = (A[start:start + r].T, U if alpha == recorded[0] else U * (recorded[0] / alpha),
+                              float(alpha))
+                start += r
         else:
             for fc in targets:
                 lo, hi = cols[fc.rsplit(".", 1)[1]]
@@ -234,33 +273,60 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
                          + ". Nothing was loaded.")
     order = [name for name, _, _ in fc_layers(config)]
     fcs = sorted(per_fc, key=order.index)
-    rank = max(per_fc[fc][0].shape[1] for fc in fcs)
-    alpha = float(layout["alpha"]) if "alpha" in layout else per_fc[fcs[0]][2]
     state = {}
     for fc in fcs:
-        D, U, scaling = per_fc[fc]
-        r = D.shape[1]
-        D_full = np.zeros((D.shape[0], rank))
-        U_full = np.zeros((rank, U.shape[1]))
-        D_full[:, :r] = D
-        U_full[:r] = U if math.isclose(scaling, alpha, rel_tol=1e-12) else U * (scaling / alpha)
-        state[f"{fc}.lora_D"], state[f"{fc}.lora_U"] = D_full, U_full
-    return state, rank, alpha
+        D, U, _ = per_fc[fc]
+        state[f"{fc}.lora_D"], state[f"{fc}.lora_U"] = np.asarray(D, np.float64), np.asarray(U, np.float64)
+    default_rank = peft_config.get("r", per_fc[fcs[0]][0].shape[1])
+    default_alpha = peft_scaling({**peft_config, "alpha_pattern": None}, "", default_rank)
+    if "alpha" in layout and math.isclose(float(layout["alpha"]), default_alpha, rel_tol=1e-12):
+        default_alpha = float(layout["alpha"])
+    return PeftLora(state=state, ranks={fc: int(per_fc[fc][0].shape[1]) for fc in fcs},
+                    alphas={fc: float(per_fc[fc][2]) for fc in fcs}, rank=int(default_rank),
+                    alpha=float(default_alpha), dropout=float(dropout))
 
 
 def _read_layout(metadata: Mapping | None) -> dict:
+    """The pedestrian layout record of a file written by :func:`save_peft_adapter` (``{}``: none)."""
     try:
         layout = json.loads((metadata or {}).get(_META_KEY, "{}"))
     except (TypeError, ValueError):
         return {}
-    return layout if isinstance(layout, dict) and layout.get("version") == 1 else {}
+    return layout if isinstance(layout, dict) and layout.get("version") in _LAYOUT_VERSIONS else {}
 
 
-def _is_block_diagonal(B: np.ndarray, parts, r: int, cols) -> bool:
+def _recorded_alpha(layout: dict, fc: str, scaling: float) -> float:
+    """The layer's ``α`` as pedestrian recorded it, if that is PEFT's ``scaling`` up to the
+    rounding of ``α·r / r`` (a file edited since is read by its config), else ``scaling``."""
+    recorded = (layout.get("alphas") or {}).get(fc, layout.get("alpha"))
+    if isinstance(recorded, (int, float)) and math.isclose(recorded, scaling, rel_tol=1e-12):
+        return float(recorded)
+    return scaling
+
+
+def _c_attn_parts(layout: dict, module: str, stem: str) -> list[tuple[str, int, str]]:
+    """``[(layer, rank, part)]`` of a ``c_attn`` module written by :func:`save_peft_adapter`."""
+    parts = (layout.get("c_attn_parts") or {}).get(module)
+    if not isinstance(parts, list) or not all(p in ("q", "k", "v") for p in parts):
+        return []
+    ranks = layout.get("ranks") or {}
+    out = []
+    for part in parts:
+        fc = f"{stem}.{part}"
+        r = ranks.get(fc, layout.get("rank"))
+        if not isinstance(r, int) or r < 1:
+            return []
+        out.append((fc, r, part))
+    return out
+
+
+def _is_block_diagonal(B: np.ndarray, parts, cols) -> bool:
     mask = np.ones(B.shape, dtype=bool)
-    for j, part in enumerate(parts):
+    start = 0
+    for fc, r, part in parts:
         lo, hi = cols[part]
-        mask[lo:hi, j * r:(j + 1) * r] = False
+        mask[lo:hi, start:start + r] = False
+        start += r
     return not np.any(B[mask])
 
 
@@ -285,7 +351,9 @@ def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
         adapter_dir: directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
         freeze_base: as in :meth:`~pedestrian.model.GPT.add_lora`.
 
-    Afterwards ``model``'s logits equal those of the HF model with the adapter applied by PEFT.
+    Afterwards ``model``'s logits equal those of the HF model with the adapter applied by PEFT;
+    each layer has the module's rank and scaling (``rank_pattern`` / ``alpha_pattern``
+    included), and :attr:`~pedestrian.model.GPT.lora_dropout` is the file's ``lora_dropout``.
 
     Raises:
         FileNotFoundError: missing files. ValueError: the model already has adapters, or the
@@ -293,13 +361,13 @@ def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
             left unchanged.
     """
     cfg, tensors, metadata = read_peft_adapter(adapter_dir)
-    state, rank, alpha = lora_state_from_peft(cfg, tensors, model.config, metadata=metadata, model=model,
-                                              source=f"the PEFT adapter {adapter_dir}")
+    lora = lora_state_from_peft(cfg, tensors, model.config, metadata=metadata, model=model,
+                                source=f"the PEFT adapter {adapter_dir}")
     if model.lora_targets:
         raise ValueError("the model already has LoRA adapters; merge_lora() or remove_lora() first")
-    targets = sorted({k.rsplit(".", 1)[0] for k in state}, key=[n for n, _, _ in fc_layers(model.config)].index)
-    model.add_lora(targets, rank, alpha, freeze_base=freeze_base)
-    model.load_state_dict(state, strict=False)
+    model.add_lora(list(lora.ranks), lora.rank, lora.alpha, rank_pattern=lora.ranks, alpha_pattern=lora.alphas,
+                   dropout=lora.dropout, freeze_base=freeze_base)
+    model.load_state_dict(lora.state, strict=False)
 
 
 # ------------------------------------------------------------------------------------ writing
@@ -307,8 +375,10 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
                        ) -> tuple[dict, dict[str, np.ndarray], dict[str, str]]:
     """``(adapter_config, tensors, metadata)`` of ``model``'s adapters in PEFT's format.
 
-    Non-fused layers: ``lora_A = Dᵀ``, ``lora_B = Uᵀ``, ``r`` = the model's rank,
-    ``lora_alpha = α·r``. ``c_attn``: see the module docstring.
+    Non-fused layers: ``lora_A = Dᵀ``, ``lora_B = Uᵀ``. ``r`` and ``lora_alpha`` are the
+    model's defaults (``lora_rank``, ``lora_alpha · lora_rank``); a module with another rank or
+    scaling gets ``rank_pattern`` / ``alpha_pattern`` entries (``lora_alpha = α·rank``).
+    ``c_attn``: see the module docstring. ``lora_dropout`` = :attr:`GPT.lora_dropout`.
 
     Raises:
         ValueError: the model has no adapters, or its base is not a Hugging Face GPT-2
@@ -322,7 +392,9 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     if problems:
         raise ValueError("PEFT adapters apply to a Hugging Face GPT-2, and this base is not one: "
                          + "; ".join(problems))
-    r, alpha = model.lora_rank, model.lora_alpha
+    r, alpha = int(model.lora_rank), float(model.lora_alpha)
+    ranks = {fc: int(v) for fc, v in model.lora_ranks.items()}
+    alphas = {fc: float(v) for fc, v in model.lora_alphas.items()}
     P = {k: np.asarray(to_numpy(v)) for k, v in model.params.items() if ".lora_" in k}
     hq, hv = model.config.n_heads * model.config.d_qk, model.config.n_heads * model.config.d_head
     cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
@@ -332,33 +404,38 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
         grouped.setdefault(module, []).append((fc, part))
     tensors, rank_pattern, alpha_pattern, parts_of = {}, {}, {}, {}
     for module, members in grouped.items():
+        first = members[0][0]
+        scaling, R = alphas[first], sum(ranks[fc] for fc, _ in members)
         if members[0][1] is None:
-            fc = members[0][0]
-            A, B = P[f"{fc}.lora_D"].T, P[f"{fc}.lora_U"].T
+            A, B = P[f"{first}.lora_D"].T, P[f"{first}.lora_U"].T
         else:
-            n = len(members)
             A = np.concatenate([P[f"{fc}.lora_D"].T for fc, _ in members], axis=0)
-            B = np.zeros((2 * hq + hv, n * r), dtype=A.dtype)
-            for j, (fc, part) in enumerate(members):
+            B = np.zeros((2 * hq + hv, R), dtype=A.dtype)
+            start = 0
+            for fc, part in members:
                 lo, hi = cols[part]
-                B[lo:hi, j * r:(j + 1) * r] = P[f"{fc}.lora_U"].T
+                U_T = P[f"{fc}.lora_U"].T
+                B[lo:hi, start:start + ranks[fc]] = U_T if alphas[fc] == scaling else U_T * (alphas[fc] / scaling)
+                start += ranks[fc]
             parts_of[module] = [part for _, part in members]
-            if n != 1:
-                rank_pattern[module], alpha_pattern[module] = n * r, alpha * n * r
+        if R != r:
+            rank_pattern[module] = R
+        if scaling * R != alpha * r:
+            alpha_pattern[module] = scaling * R
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(A)
         tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(B)
     conv1d = any(m != "lm_head" for m in grouped)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
-        "r": r, "lora_alpha": alpha * r, "lora_dropout": 0.0, "use_rslora": False, "use_dora": False,
-        "target_modules": list(grouped), "fan_in_fan_out": conv1d, "bias": "none",
+        "r": r, "lora_alpha": alpha * r, "lora_dropout": float(model.lora_dropout), "use_rslora": False,
+        "use_dora": False, "target_modules": list(grouped), "fan_in_fan_out": conv1d, "bias": "none",
         "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
         "layers_to_transform": None, "layers_pattern": None,
     }
-    meta = {"format": "pt", _META_KEY: json.dumps({"version": 1, "rank": r, "alpha": alpha,
-                                                   "c_attn_parts": parts_of})}
+    meta = {"format": "pt", _META_KEY: json.dumps({"version": 2, "rank": r, "alpha": alpha, "ranks": ranks,
+                                                   "alphas": alphas, "c_attn_parts": parts_of})}
     return config, tensors, meta
 
 
@@ -375,10 +452,12 @@ def save_peft_adapter(model, out_dir, *, base_model_name_or_path: str | None = N
 
     Raises:
         ValueError: see :func:`lora_state_to_peft`; output problems (non-empty directory).
+        WriteError (an ``OSError``): the OS refused the write; ``out_dir`` is left as it was.
     """
     from safetensors.numpy import save_file
 
     config, tensors, meta = lora_state_to_peft(model, base_model_name_or_path=base_model_name_or_path)
-    writers = {ADAPTER_CONFIG: _json_writer(config),
+    writers = {ADAPTER_CONFIG: json_writer(config),
                ADAPTER_WEIGHTS: lambda p: save_file(tensors, str(p), metadata=meta)}
-    return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=("adapter_model.bin",))
+    return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=("adapter_model.bin",),
+                                what="the PEFT adapter directory")

@@ -28,6 +28,10 @@ _MINUS_2K = -2.0 * _SQRT_2_OVER_PI                 # −2u = x(_MINUS_2K_C·x² 
 _MINUS_2K_C = -2.0 * _SQRT_2_OVER_PI * _GELU_C
 
 
+#: at most this many elements (a few tokens: generation) skip the row-block machinery
+SMALL_ELEMENTS = 1 << 13
+
+
 def activation_forward(x, name: str):
     """Apply ``g`` elementwise.
 
@@ -57,6 +61,15 @@ def activation_forward(x, name: str):
         s.mul_(x).sigmoid_()
         torch.mul(x, s, out=y)
         return y, (x, s)
+    if x.size <= SMALL_ELEMENTS:                       # a few tokens (generation): no row blocks
+        s = x * x
+        s *= _GELU_C * _SQRT_2_OVER_PI
+        s += _SQRT_2_OVER_PI
+        s *= x                                         # u = √(2/π)(x + 0.044715x³)
+        np.tanh(s, out=s)
+        s += 1.0
+        s *= 0.5                                       # s = ½(1 + tanh u)
+        return x * s, (x, s)
     lib = elementwise_lib(x)
     x2 = x.reshape(-1)
     y, s = empty_array(x.shape, x), empty_array(x.shape, x)

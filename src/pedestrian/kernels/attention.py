@@ -92,9 +92,15 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     hq, hv = n_heads * d_qk, n_heads * d_head
     L0, L = kv_cache.length, kv_cache.length + T
     keys, values = kv_cache.keys, kv_cache.values
-    keys[:, :, L0:L, :] = qkv[..., hq:2 * hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2)
-    values[:, :, L0:L, :] = qkv[..., 2 * hq:].reshape(B, T, n_heads, d_head).swapaxes(1, 2)
-    q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (1.0 / math.sqrt(d_qk))
+    if d_qk == d_head:                                       # q, k, v heads at once: (B, 3H, T, d)
+        heads = qkv.reshape(B, T, 3 * n_heads, d_qk).swapaxes(1, 2)
+        keys[:, :, L0:L, :] = heads[:, n_heads:2 * n_heads]
+        values[:, :, L0:L, :] = heads[:, 2 * n_heads:]
+        q = heads[:, :n_heads] * (1.0 / math.sqrt(d_qk))
+    else:
+        keys[:, :, L0:L, :] = qkv[..., hq:2 * hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2)
+        values[:, :, L0:L, :] = qkv[..., 2 * hq:].reshape(B, T, n_heads, d_head).swapaxes(1, 2)
+        q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (1.0 / math.sqrt(d_qk))
     k, v = keys[:, :, :L, :], values[:, :, :L, :]
     s = q @ k.mT                                             # (B, H, T, L)
     lib = elementwise_lib(s)

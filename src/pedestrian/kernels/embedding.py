@@ -9,9 +9,15 @@ from .blas import elementwise_lib, take_rows
 from .workspace import empty_array
 
 
+#: at most this many tokens (generation) are gathered with plain indexing, not into a pooled array
+SMALL_TOKENS = 16
+
+
 def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     """Fast :func:`pedestrian.layers.embedding.embedding_forward`."""
     B, T = tokens.shape
+    if B * T <= SMALL_TOKENS and pos_weight is not None and positions is not None:
+        return tok_weight[tokens] + pos_weight[positions], (tokens, positions)     # one generated token
     d = tok_weight.shape[1]
     a1 = empty_array((B, T, d), tok_weight)
     take_rows(tok_weight, tokens.reshape(-1), out=a1.reshape(B * T, d))

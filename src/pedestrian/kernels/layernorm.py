@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..backend import is_torch_array
 from ..layers.layernorm import check_eps
 from .blas import colsum, elementwise_lib, rowdot
@@ -9,21 +11,31 @@ from .threads import for_row_blocks
 from .workspace import empty_array, scratch
 
 
+#: at most this many elements (a few tokens: generation) go through :func:`_layernorm_few_rows`
+SMALL_ELEMENTS = 1 << 12
+
+
+def _layernorm_few_rows(x, weight, bias, eps: float, inv_d: float):
+    """The same formulas as the row-block kernel in nine NumPy calls (measured: the row-block
+    machinery costs more than the arithmetic of one token's row)."""
+    mean = np.add.reduce(x, axis=-1, keepdims=True)
+    mean *= inv_d
+    xhat = x - mean                                        # x − μ
+    sigma = np.vecdot(xhat, xhat)[..., None]
+    sigma *= inv_d
+    sigma += eps
+    np.sqrt(sigma, out=sigma)                              # σ
+    xhat /= sigma                                          # x̂
+    y = xhat * weight
+    if bias is not None:
+        y += bias
+    return y, (xhat, sigma, weight)
+
+
 def layernorm_forward(x, weight, bias, eps: float):
-    """Per token: ``x̂ = (x − μ)/σ``, ``σ = sqrt(var_f(x) + eps)`` (biased variance), ``y = x̂ ∘ w + b``.
-
-    Args:
-        x: ``(..., d)`` float array.
-        weight: ``(d,)``; bias: ``(d,)`` or ``None``.
-        eps: ``>= 0``. The paper uses 0 (a constant row then divides by zero: ``nan``);
-            PyTorch and GPT-2 use ``1e-5``.
-
-    Returns:
-        ``(y, cache)`` with ``cache = (x̂, 1/σ, weight)``; ``x̂`` is ``(..., d)``, ``1/σ`` is ``(..., 1)``.
-
-    Raises:
-        ValueError: ``eps < 0``.
-    """
+    """Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results),
+    written into pooled arrays in row blocks; the cache holds ``σ`` itself instead of ``1/σ``
+    (one division instead of a reciprocal and a multiplication)."""
     check_eps(eps)
     if is_torch_array(x):
         # the same formulas in fewer operations (torch's per-operation cost dominates small
@@ -35,69 +47,61 @@ def layernorm_forward(x, weight, bias, eps: float):
         xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
         if x.numel() <= 8 * x.shape[-1]:
             var, mean = torch.var_mean(x, dim=-1, correction=0, keepdim=True)
-            rstd = torch.rsqrt(var.add_(eps))
+            sigma = torch.sqrt(var.add_(eps))
             torch.sub(x, mean, out=xhat)
         else:
             torch.sub(x, x.mean(-1, keepdim=True), out=xhat)                # x − μ
             sq = scratch(x.shape, x, "layernorm.sq")
             torch.mul(xhat, xhat, out=sq)
-            rstd = sq.mean(-1, keepdim=True).add_(eps).rsqrt_()             # 1/σ
-        xhat.mul_(rstd)
+            sigma = sq.mean(-1, keepdim=True).add_(eps).sqrt_()             # σ
+        xhat.div_(sigma)
         if bias is None:
             torch.mul(xhat, weight, out=y)
         else:
             torch.addcmul(bias, xhat, weight, out=y)
-        return y, (xhat, rstd, weight)
-    lib = elementwise_lib(x)
+        return y, (xhat, sigma, weight)
     d = x.shape[-1]
+    if x.size <= SMALL_ELEMENTS:
+        return _layernorm_few_rows(x, weight, bias, eps, 1.0 / d)
+    lib = elementwise_lib(x)
     x2 = x.reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
-    rstd = empty_array((*x.shape[:-1], 1), x)
-    xhat2, y2, rstd2 = xhat.reshape(-1, d), y.reshape(-1, d), rstd.reshape(-1, 1)
+    sigma = empty_array((*x.shape[:-1], 1), x)
+    xhat2, y2, sigma2 = xhat.reshape(-1, d), y.reshape(-1, d), sigma.reshape(-1, 1)
     inv_d = 1.0 / d
 
     def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
-        xb, hb, yb, rb = x2[lo:hi], xhat2[lo:hi], y2[lo:hi], rstd2[lo:hi]
+        xb, hb, yb, rb = x2[lo:hi], xhat2[lo:hi], y2[lo:hi], sigma2[lo:hi]
         mean = lib.sum(xb, axis=-1, keepdims=True)
         lib.multiply(mean, inv_d, out=mean)
         lib.subtract(xb, mean, out=hb)                                     # x − μ
         lib.multiply(rowdot(hb, hb), inv_d, out=rb)                        # biased variance
         lib.add(rb, eps, out=rb)
-        lib.sqrt(rb, out=rb)
-        lib.reciprocal(rb, out=rb)                                         # 1/σ
-        lib.multiply(hb, rb, out=hb)                                       # x̂
+        lib.sqrt(rb, out=rb)                                               # σ
+        lib.divide(hb, rb, out=hb)                                         # x̂
         lib.multiply(hb, weight, out=yb)
         if bias is not None:
             lib.add(yb, bias, out=yb)
 
     for_row_blocks(x, kernel, x2.shape[0], d)
-    return y, (xhat, rstd, weight)
+    return y, (xhat, sigma, weight)
 
 
 def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
-    """``Δ_in = (1/σ)(g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂))`` with ``g = Δ ∘ w``.
-
-    Also ``dw = Σ_tokens x̂ ∘ Δ`` and ``db = Σ_tokens Δ``. Exact for any ``eps``.
-
-    Args:
-        delta: ``(..., d)`` error signal at the output.
-        cache: from :func:`layernorm_forward`.
-        dweight, dbias: ``(d,)`` arrays the gradients are written into, or ``None`` (frozen).
-
-    Returns:
-        ``Δ_in``.
-    """
-    xhat, rstd, weight = cache
+    """Fast :func:`pedestrian.layers.layernorm.layernorm_backward` (same arguments and result):
+    ``Δ_in = (g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂)) / σ``, ``g = Δ ∘ w``, in row blocks; ``dw`` as a
+    fixed-order sum of per-block partial sums (the same bits for any thread count)."""
+    xhat, sigma, weight = cache
     lib = elementwise_lib(delta)
     d = delta.shape[-1]
-    delta2, xhat2, rstd2 = delta.reshape(-1, d), xhat.reshape(-1, d), rstd.reshape(-1, 1)
+    delta2, xhat2, sigma2 = delta.reshape(-1, d), xhat.reshape(-1, d), sigma.reshape(-1, 1)
     delta_in = empty_array(delta.shape, delta)
     out2 = delta_in.reshape(-1, d)
     inv_d = 1.0 / d
     partial_w: dict = {}                                   # block start -> Σ_block x̂ ∘ Δ
 
     def kernel(lo: int, hi: int) -> None:
-        db, hb, rb, ob = delta2[lo:hi], xhat2[lo:hi], rstd2[lo:hi], out2[lo:hi]
+        db, hb, rb, ob = delta2[lo:hi], xhat2[lo:hi], sigma2[lo:hi], out2[lo:hi]
         t = scratch(hb.shape, hb, "layernorm.t")
         if dweight is not None:
             lib.multiply(hb, db, out=t)
@@ -110,7 +114,7 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
         lib.subtract(ob, mean_g, out=ob)
         lib.multiply(hb, mean_gx, out=t)
         lib.subtract(ob, t, out=ob)
-        lib.multiply(ob, rb, out=ob)
+        lib.divide(ob, rb, out=ob)
 
     for_row_blocks(delta, kernel, delta2.shape[0], d)
     if dweight is not None:

@@ -13,8 +13,17 @@ from .blas import colsum, elementwise_lib, matmul_into
 from .workspace import empty_array
 
 
+#: inputs of at most this many elements (a few tokens while generating) skip the memory pool
+SMALL_ELEMENTS = 1 << 12
+
+
 def linear_forward(x, weight, bias=None):
     """Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
+    if type(x) is np.ndarray and x.size <= SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
+        y = x @ weight
+        if bias is not None:
+            y += bias
+        return y, x
     f_in, f_out = weight.shape
     x2 = x.reshape(-1, f_in)
     y = empty_array((x2.shape[0], f_out), x2)
@@ -52,6 +61,8 @@ def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_inpu
 
 def add(a, b):
     """Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
+    if type(a) is np.ndarray and a.size <= SMALL_ELEMENTS:
+        return a + b
     out = empty_array(a.shape, a)
     elementwise_lib(a).add(a, b, out=out)
     return out

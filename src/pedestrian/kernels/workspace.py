@@ -14,12 +14,10 @@ This module is bookkeeping only; no formula lives here.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
+import math
 import sys
 import threading
-from typing import Iterator
-
 import numpy as np
 
 from ..backend import is_torch_array
@@ -27,9 +25,14 @@ from ..backend import is_torch_array
 __all__ = ["Workspace", "empty_array", "scratch"]
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pedestrian_workspace", default=None)
-#: sys.getrefcount of a pooled array nobody else holds: the pool's list, the loop variable and
-#: getrefcount's own argument
-_FREE_REFCOUNT = 3
+#: sys.getrefcount of a pooled array nobody else holds: the pool's list and getrefcount's own
+#: argument (the loop variable adds one more while searching)
+_FREE_REFCOUNT = 2
+#: smaller arrays are not pooled: malloc serves them from its free lists faster than any
+#: bookkeeping (one token's activations while generating are a few hundred bytes), and only
+#: large blocks are handed back to the OS and faulted in again (glibc's mmap threshold: 128 KiB
+#: and up)
+MIN_POOLED_BYTES = 1 << 16
 #: arrays pooled per shape at most (a caller that keeps every step's logits must not make each
 #: later request scan them all); gpt2-124M's backward has ~80 (B, T, d) arrays live at once
 MAX_PER_SHAPE = 256
@@ -47,7 +50,9 @@ class Workspace:
 
     def __init__(self) -> None:
         self._pool: dict[tuple, list] = {}
+        self._next: dict[tuple, int] = {}                  # where the next search starts
         self._asked: set = set()
+        self._tokens: list = []                            # contextvar tokens of nested `with`
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pool.values())
@@ -65,37 +70,49 @@ class Workspace:
         arrays = self._pool.get(key)
         if arrays is None:
             arrays = self._pool[key] = []
-        for a in arrays:
-            if sys.getrefcount(a) == _FREE_REFCOUNT and (not torch_like or _sole_storage_owner(a)):
+        n = len(arrays)
+        start = self._next.get(key, 0)
+        for i in range(n):                                 # a step takes them in the same order
+            j = (start + i) % n                            # as the last: start after the last one
+            a = arrays[j]
+            if sys.getrefcount(a) == _FREE_REFCOUNT + 1 and (not torch_like or _sole_storage_owner(a)):
+                self._next[key] = j + 1
                 return a
+            del a
         if torch_like:
             import torch
 
             a = torch.empty(shape, dtype=like.dtype, device=like.device)
         else:
             a = np.empty(shape, dtype=like.dtype)
-        if _POOLING and len(arrays) < MAX_PER_SHAPE:
+        if _POOLING and n < MAX_PER_SHAPE:
             arrays.append(a)
+            self._next[key] = n + 1
         return a
 
     def new_step(self) -> None:
         """Drop the shapes nobody asked for since the last call."""
         for key in [k for k in self._pool if k not in self._asked]:
             del self._pool[key]
+        self._next = {}
         self._asked = set()
 
     def clear(self) -> None:
         self._pool.clear()
+        self._next = {}
         self._asked = set()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator["Workspace"]:
-        """Make :func:`empty_array` use this workspace (in this thread / context only)."""
-        token = _ACTIVE.set(self)
-        try:
-            yield self
-        finally:
-            _ACTIVE.reset(token)
+    def active(self) -> "Workspace":
+        """``with workspace.active():`` (or ``with workspace:``) makes :func:`empty_array` use this
+        workspace, in this thread / context only; the blocks may nest."""
+        return self
+
+    def __enter__(self) -> "Workspace":
+        self._tokens.append(_ACTIVE.set(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.reset(self._tokens.pop())
 
 
 _POOLING = hasattr(sys, "getrefcount")
@@ -120,7 +137,7 @@ def empty_array(shape, like):
     """
     shape = tuple(shape)
     workspace = _ACTIVE.get()
-    if workspace is not None:
+    if workspace is not None and math.prod(shape) * like.dtype.itemsize >= MIN_POOLED_BYTES:
         return workspace.take(shape, like)
     if type(like) is not np.ndarray and is_torch_array(like):
         import torch

@@ -1,8 +1,10 @@
 """LoRA adapter on a fully connected layer (paper section 6; EQUATIONS.md "LoRA").
 
-Convention: the adapter adds ``α · x D U`` with a plain scalar ``α`` (the paper's). Hugging
-Face PEFT writes the same thing as ``(lora_alpha / r) · x Aᵀ Bᵀ``; convert with
-``α = lora_alpha / r``, ``D = Aᵀ``, ``U = Bᵀ``.
+Convention: the adapter adds ``α · dropout(x) D U`` with a plain scalar ``α`` (the paper's).
+Hugging Face PEFT writes the same thing as ``(lora_alpha / r) · dropout(x) Aᵀ Bᵀ``; convert
+with ``α = lora_alpha / r``, ``D = Aᵀ``, ``U = Bᵀ``. The dropout is PEFT's ``lora_dropout``: it
+acts on the adapter's input only (the frozen ``x W + b`` sees ``x`` itself), and only in
+training; the caller draws its mask.
 
 Reference implementation: the paper's math only, written against the array API standard.
 """
@@ -12,25 +14,32 @@ from __future__ import annotations
 from ..backend import array_namespace
 
 
-def lora_forward(x, lora_D, lora_U, alpha: float):
-    """The adapter's branch ``α · (x D) U``, added by the caller to the frozen ``x W + b``.
+def lora_forward(x, lora_D, lora_U, alpha: float, mask=None):
+    """The adapter's branch ``α · ((x ∘ m) D) U``, added by the caller to the frozen ``x W + b``.
 
     Args:
-        x: ``(..., f_in)``.
-        lora_D: ``(f_in, r)``; lora_U: ``(r, f_out)``.
-        alpha: scalar scale.
+        x: ``(..., f_in)`` float array.
+        lora_D: ``(f_in, r)``; lora_U: ``(r, f_out)``, same dtype.
+        alpha: scalar scale (PEFT's ``lora_alpha / r``).
+        mask: the inverted-dropout mask ``m`` of the adapter's input, shaped like ``x`` and
+            holding ``0`` or ``1/(1-p)`` (what :func:`pedestrian.layers.dropout.dropout_forward`
+            returns), or ``None`` for no dropout (evaluation, or ``p = 0``).
 
     Returns:
-        ``(y_lora, cache)``: ``(..., f_out)``; ``cache = (x, x D)``. ``D U`` is never formed.
+        ``(y_lora, cache)``: ``(..., f_out)``; ``cache = (x ∘ m, (x ∘ m) D, m)``. ``D U`` is
+        never formed.
     """
-    h = x @ lora_D                                          # (..., r)
-    return alpha * (h @ lora_U), (x, h)                     # (..., f_out)
+    x_in = x if mask is None else x * mask                  # (..., f_in)  dropout(x)
+    h = x_in @ lora_D                                       # (..., r)
+    return alpha * (h @ lora_U), (x_in, h, mask)            # (..., f_out)
 
 
 def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=None, need_input=True):
-    """``dD = α xᵀ (Δ Uᵀ)``, ``dU = α (x D)ᵀ Δ``, input signal ``α (Δ Uᵀ) Dᵀ``.
+    """``dD = α (x∘m)ᵀ (Δ Uᵀ)``, ``dU = α ((x∘m) D)ᵀ Δ``, input signal ``(α (Δ Uᵀ) Dᵀ) ∘ m``.
 
-    ``Δ Uᵀ`` is computed once. The frozen base layer's ``Δ Wᵀ`` is added by the caller.
+    ``Δ Uᵀ`` is computed once. The dropout mask ``m`` (kept in the cache) enters twice: the
+    gradients see the dropped input, and the input signal is masked like the forward input
+    (inverted dropout's backward). The frozen base layer's ``Δ Wᵀ`` is added by the caller.
 
     Args:
         delta: ``(..., f_out)``; cache: from :func:`lora_forward`.
@@ -41,14 +50,15 @@ def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=Non
         the adapter's share of ``Δ_in`` ``(..., f_in)``, or ``None`` when not asked for.
     """
     xp = array_namespace(delta)
-    x, h = cache
+    x_in, h, mask = cache
     f_in, r = lora_D.shape
     delta_rows = xp.reshape(delta, (-1, lora_U.shape[1]))                    # (N, f_out)
     g = delta_rows @ xp.matrix_transpose(lora_U)                             # (N, r) = Δ Uᵀ
     if dU is not None:
-        dU[...] = alpha * (xp.matrix_transpose(xp.reshape(h, (-1, r))) @ delta_rows)     # (r, f_out)
+        dU[...] = alpha * (xp.matrix_transpose(xp.reshape(h, (-1, r))) @ delta_rows)       # (r, f_out)
     if dD is not None:
-        dD[...] = alpha * (xp.matrix_transpose(xp.reshape(x, (-1, f_in))) @ g)          # (f_in, r)
+        dD[...] = alpha * (xp.matrix_transpose(xp.reshape(x_in, (-1, f_in))) @ g)         # (f_in, r)
     if not need_input:
         return None
-    return xp.reshape(alpha * (g @ xp.matrix_transpose(lora_D)), (*delta.shape[:-1], f_in))
+    delta_in = xp.reshape(alpha * (g @ xp.matrix_transpose(lora_D)), (*delta.shape[:-1], f_in))  # (..., f_in)
+    return delta_in if mask is None else delta_in * mask                     # (..., f_in)
