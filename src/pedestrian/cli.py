@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(run_command=mod.run)
     return parser
 
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("PEDESTRIAN_DEBUG", "") not in ("", "0")
     try:
         with console_logging():
-            return int(args._run(args) or 0)
+            return int(args.run_command(args) or 0)
     except (UserError, ValueError, TypeError, FileNotFoundError, IsADirectoryError,
             NotADirectoryError, PermissionError, UnicodeDecodeError, WriteError) as exc:
         if debug:

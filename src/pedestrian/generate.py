@@ -38,7 +38,7 @@ import numpy as np
 
 from .backend import is_torch_array, to_numpy
 from .kv_cache import KVCache
-from .sampling import _sample, check_sampling, filter_logits, sample_next  # noqa: F401 (re-exported)
+from .sampling import check_sampling, filter_logits, sample_next, sample_unchecked  # noqa: F401 (re-exported)
 
 __all__ = [
     "KVCache",
@@ -288,7 +288,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         for step in range(max_new_tokens):
             if return_logits:
                 kept_logits.append(np.asarray(to_numpy(logits), dtype=np.float64))
-            ids = _sample(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, seen,
+            ids = sample_unchecked(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, seen,
                           vocab_limit)
             ids = np.where(finished, pad, ids)
             if stops is not None:

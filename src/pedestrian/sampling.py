@@ -50,7 +50,7 @@ import numpy as np
 
 from .backend import is_torch_array, to_numpy
 
-__all__ = ["sample_next", "filter_logits", "check_sampling", "NonFiniteLogitsError"]
+__all__ = ["sample_next", "sample_unchecked", "filter_logits", "check_sampling", "NonFiniteLogitsError"]
 
 
 class NonFiniteLogitsError(ValueError):
@@ -243,8 +243,8 @@ def _draw(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.sum(cdf <= u[:, None], axis=-1).astype(np.int64)
 
 
-def _sample(logits, rng, temperature, top_k, top_p, min_p=None, repetition_penalty=None,
-            seen_mask=None, vocab_limit=None) -> np.ndarray:
+def sample_unchecked(logits, rng, temperature, top_k, top_p, min_p=None, repetition_penalty=None,
+                     seen_mask=None, vocab_limit=None) -> np.ndarray:
     """:func:`sample_next` without validation (the generation loop validates once);
     ``seen_mask`` is ``None`` or a ``(B, V)`` bool array."""
     x, certain = _prepare(logits, repetition_penalty, seen_mask, vocab_limit)
@@ -365,5 +365,5 @@ def sample_next(logits, rng: np.random.Generator | int | None = None, temperatur
     if not isinstance(rng, np.random.Generator):
         rng = np.random.default_rng(rng)
     mask = None if seen is None else _seen_mask(seen, *shape)
-    return _sample(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, mask,
+    return sample_unchecked(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, mask,
                    vocab_limit)

@@ -1,59 +1,228 @@
-"""Forward and backward on real text, then check every hand-derived gradient by finite differences.
+"""Forward and backward on real text, every gradient printed as the paper names it and checked.
 
 Takes a few windows of the bundled Shakespeare (or --data), a character tokenizer and a tiny
-float64 GPT, runs a0 -> a12 and back, prints the size of every error signal Δ12 ... Δ1 (how the
-gradient flows back through the paper's numbered activations), and compares, for every
-parameter tensor, a few gradient entries with central finite differences
-(L(θ+h) − L(θ−h)) / 2h. An entry passes when |numeric − analytic| <= atol + rtol·|numeric|
-(finite differences themselves are only good to about h² + ε/h ≈ 1e-10 absolute); exit status 1
-if any entry fails. The relative error |numeric − analytic| / |numeric| is shown only where
-|numeric| >= atol ('-' otherwise: a gradient that is exactly zero, e.g. that of the attention
-key bias, which softmax's shift invariance cancels, has no meaningful relative error).
+float64 GPT (larger random weights than the usual initialisation, so every path carries a
+visible signal), runs a0 -> a12 and back with the chosen kernels (--kernels: the paper's
+reference layers or the fast ones), and prints one line per gradient in the order the backward
+produces them: the error signals Δi = ∂L/∂ai (and Δcausal = ∂L/∂S, the softmax backward of each
+block) and the gradient of every parameter, ∂L/∂W_q of block 0 and so on, each with the size of
+its largest entry and how well it agrees with an independent check:
+
+  autograd  (--check autograd, the default when PyTorch is installed): the same model written
+            directly in PyTorch, differentiated by autograd in float64; the column is the
+            largest relative error over the whole tensor, max|ours - autograd| / max|autograd|.
+            A gradient passes at <= --rtol (default 1e-9; the two differ by rounding only).
+  finite differences  (--check fd, the default without PyTorch): for --entries entries of
+            every parameter, (L(θ+h) - L(θ-h)) / 2h with h = --step; the column is the largest
+            |numeric - analytic| / |numeric| over entries with |numeric| >= --atol ('-' where
+            none is: a relative error of a zero has no meaning). An entry passes when
+            |numeric - analytic| <= atol + rtol·|numeric| (default rtol 1e-6); finite
+            differences are only good to about h² + ε/h ≈ 1e-10 absolute. The error signals Δi
+            are not parameters: they are checked through the parameter gradients after them.
+
+The key bias gets no relative error either: its gradient is identically zero (paper section 3:
+every row of Δcausal sums to zero), so its line shows the largest entry, which must be rounding
+noise -- at most 1e-12 of the query bias's gradient. Exit status 1 if any check fails.
 
 Examples:
   pedestrian demo
-  pedestrian demo --entries 10 --seed 3
-  pedestrian demo --data my_text.txt --step 1e-6
+  pedestrian demo --kernels reference
+  pedestrian demo --check fd --entries 10 --seed 3
+  pedestrian demo --data my_text.txt --check fd --step 1e-6
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 
 from ..config import GPTConfig
 from ..data import TokenDataset, load_corpus
+from ..kernels import KERNELS
 from ..model import GPT
 from ..tokenizer import CharTokenizer
+
+#: key-bias gradient / query-bias gradient above which the "≡ 0" line fails (rounding is ~1e-16)
+KEY_BIAS_RATIO = 1e-12
+
+#: model parameter -> the paper's symbol (layer norms: w, b; fully connected layers: W, b)
+_SYMBOLS = {
+    "ln1.weight": "w_LN1", "ln1.bias": "b_LN1", "ln2.weight": "w_LN2", "ln2.bias": "b_LN2",
+    "attn.q.weight": "W_q", "attn.q.bias": "b_q", "attn.k.weight": "W_k", "attn.k.bias": "b_k",
+    "attn.v.weight": "W_v", "attn.v.bias": "b_v",
+    "attn_proj.weight": "W_attProj", "attn_proj.bias": "b_attProj",
+    "mlp_expand.weight": "W_expand", "mlp_expand.bias": "b_expand",
+    "mlp_contract.weight": "W_contract", "mlp_contract.bias": "b_contract",
+    "ln_final.weight": "w_LNfinal", "ln_final.bias": "b_LNfinal",
+    "logits.weight": "W_logits", "logits.bias": "b_logits",
+    "tok_emb.weight": "W_tok", "pos_emb.weight": "W_pos",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder (default: the bundled Shakespeare)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--entries", type=int, default=3, help="entries checked per parameter tensor (>= 1)")
+    parser.add_argument("--kernels", choices=KERNELS, default=None,
+                        help="the paper's reference layers or the fast kernels "
+                             "(default: PEDESTRIAN_KERNELS, else fast)")
+    parser.add_argument("--check", choices=["auto", "autograd", "fd"], default="auto",
+                        help="PyTorch autograd (needs torch) or finite differences; "
+                             "auto: autograd when PyTorch is installed")
+    parser.add_argument("--entries", type=int, default=3,
+                        help="finite differences: entries checked per parameter tensor (>= 1)")
     parser.add_argument("--step", type=float, default=1e-5, help="finite-difference step h (> 0)")
-    parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance")
-    parser.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="relative tolerance (default 1e-9 with autograd, 1e-6 with finite differences)")
+    parser.add_argument("--atol", type=float, default=1e-8, help="finite differences: absolute tolerance")
 
 
-def run(args: argparse.Namespace) -> int:
-    import math
-
+def _check_flags(args: argparse.Namespace) -> str:
+    """Validate the flags; returns the check to run (``"autograd"`` or ``"fd"``)."""
     if args.entries < 1:
         raise ValueError(f"--entries must be a positive integer, got {args.entries}")
     if not (math.isfinite(args.step) and args.step > 0):
         raise ValueError(f"--step must be a finite number > 0 (e.g. 1e-5), got {args.step}")
     for name in ("rtol", "atol"):
         v = getattr(args, name)
-        if not (math.isfinite(v) and v >= 0):
+        if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{name} must be a finite number >= 0, got {v}")
+    if args.check == "fd":
+        return "fd"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        if args.check == "autograd":
+            raise ValueError('--check autograd needs PyTorch (pip install -e ".[torch]"); '
+                             "or check by finite differences: --check fd") from None
+        return "fd"
+    return "autograd"
+
+
+def gradient_lines(model: GPT) -> list:
+    """``(label, kind, key)`` in the order the backward produces them, Δ12 first.
+
+    ``kind`` is ``"delta"`` (``key`` into :meth:`GPT.deltas`) or ``"param"`` (into the grads).
+    """
+    c, names = model.config, set(model.params)
+    out = []
+
+    def params(prefix, *suffixes, where=""):
+        for s in suffixes:
+            name = f"{prefix}{s}"
+            if name in names:
+                label = f"∂L/∂{_SYMBOLS[s]}"
+                if s == "attn.k.bias":
+                    label += " (≡ 0, §3)"
+                out.append((f"{label:<24}{where}", "param", name))
+
+    def delta(n, key, where=""):
+        out.append((f"{f'Δ{n} = ∂L/∂a{n}':<24}{where}", "delta", key))
+
+    delta(12, "Δ12", "(logits)")
+    params("", "logits.weight", "logits.bias")
+    delta(11, "Δ11")
+    params("", "ln_final.weight", "ln_final.bias")
+    for i in reversed(range(c.n_blocks)):
+        p, where = f"blocks.{i}.", f"block {i}"
+        delta(10, p + "Δ10", where)
+        delta(9, p + "Δ9", where)
+        params(p, "mlp_contract.weight", "mlp_contract.bias", where=where)
+        delta(8, p + "Δ8", where)
+        delta(7, p + "Δ7", where)
+        params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
+        delta(6, p + "Δ6", where)
+        params(p, "ln2.weight", "ln2.bias", where=where)
+        delta(5, p + "Δ5", where)
+        delta(4, p + "Δ4", where)
+        params(p, "attn_proj.weight", "attn_proj.bias", where=where)
+        delta(3, p + "Δ3", where)
+        out.append((f"{'Δcausal = ∂L/∂S':<24}{where}", "delta", p + "Δcausal"))
+        params(p, "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.v.weight",
+               "attn.v.bias", where=where)
+        delta(2, p + "Δ2", where)
+        params(p, "ln1.weight", "ln1.bias", where=where)
+    delta(1, "Δ1")
+    params("", "tok_emb.weight", "pos_emb.weight")
+    if c.tie_weights:                                      # W_tok's gradient sums both of its uses
+        out[-2] = (out[-2][0].rstrip() + "  (embedding + tied logits)", "param", "tok_emb.weight")
+    return out
+
+
+def autograd_gradients(model: GPT, tokens, targets) -> tuple[dict, dict]:
+    """``(param grads, error signals)`` of the same model written directly in PyTorch and
+    differentiated by autograd in float64 (an independent oracle: no pedestrian code runs)."""
+    import torch
+    import torch.nn.functional as F
+
+    c = model.config
+    P = {k: torch.tensor(np.asarray(v), dtype=torch.float64, requires_grad=True) for k, v in model.params.items()}
+    acts = {}
+
+    def keep(name, t):
+        t.retain_grad()
+        acts[name] = t
+        return t
+
+    def ln(x, name):
+        mu = x.mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + c.ln_eps) * P[f"{name}.weight"]
+        return y + P[f"{name}.bias"] if f"{name}.bias" in P else y
+
+    def fc(name, x, weight=None):
+        y = x @ (P[f"{name}.weight"] if weight is None else weight)
+        return y + P[f"{name}.bias"] if f"{name}.bias" in P else y
+
+    def g(x):
+        if c.activation == "relu":
+            return F.relu(x)
+        return F.gelu(x, approximate="tanh" if c.activation == "gelu_tanh" else "none")
+
+    tok = torch.as_tensor(np.asarray(tokens))
+    B, T = tok.shape
+    H, dqk, dh = c.n_heads, c.d_qk, c.d_head
+    x = keep("Δ1", P["tok_emb.weight"][tok] + P["pos_emb.weight"][:T])
+    for i in range(c.n_blocks):
+        p = f"blocks.{i}."
+        a2 = keep(p + "Δ2", ln(x, p + "ln1"))
+        q, k, v = (fc(f"{p}attn.{n}", a2).view(B, T, H, -1).transpose(1, 2) for n in "qkv")
+        S = q @ k.transpose(-1, -2) / math.sqrt(dqk)
+        if c.causal:
+            S = S.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        S = keep(p + "Δcausal", S)
+        a3 = keep(p + "Δ3", (torch.softmax(S, -1) @ v).transpose(1, 2).reshape(B, T, H * dh))
+        a4 = keep(p + "Δ4", fc(p + "attn_proj", a3))
+        a5 = keep(p + "Δ5", x + a4)
+        a6 = keep(p + "Δ6", ln(a5, p + "ln2"))
+        a7 = keep(p + "Δ7", fc(p + "mlp_expand", a6))
+        a8 = keep(p + "Δ8", g(a7))
+        a9 = keep(p + "Δ9", fc(p + "mlp_contract", a8))
+        x = keep(p + "Δ10", a5 + a9)
+    a11 = keep("Δ11", ln(x, "ln_final"))
+    tied = P["tok_emb.weight"].T if c.tie_weights else None
+    a12 = keep("Δ12", fc("logits", a11, tied))
+    loss = F.cross_entropy(a12.reshape(-1, c.vocab_size), torch.as_tensor(np.asarray(targets)).reshape(-1))
+    loss.backward()
+    return ({k: t.grad.numpy() for k, t in P.items()},
+            {k: t.grad.numpy() for k, t in acts.items()})
+
+
+def _rel(a, b) -> float:
+    """``max|a − b| / max|b|`` (0 when both are all zero, inf when only ``b`` is)."""
+    scale, diff = float(np.max(np.abs(b))), float(np.max(np.abs(a - b)))
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def run(args: argparse.Namespace) -> int:
+    check = _check_flags(args)
+    rtol = args.rtol if args.rtol is not None else (1e-9 if check == "autograd" else 1e-6)
     text = load_corpus(args.data)[:200_000]
     tokenizer = CharTokenizer.from_text(text)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=16, d_model=24, n_heads=3,
                        n_blocks=2, d_qk=6, d_head=8)
-    model = GPT(config, seed=args.seed, dtype="float64")
+    model = GPT(config, seed=args.seed, dtype="float64", kernels=args.kernels)
     rng = np.random.default_rng(args.seed)
     for name, p in model.params.items():          # larger random weights than the init, so every
         if name.endswith("bias"):                 # path carries a visible signal
@@ -61,38 +230,61 @@ def run(args: argparse.Namespace) -> int:
         elif p.ndim == 2:
             p[...] = rng.normal(0, 0.3, p.shape)
     x, y = TokenDataset(ids).get_batch(rng, 4, config.context_length)
-    print(f"text: {len(text):,} characters, vocabulary {tokenizer.vocab_size}; "
+    source = args.data or "the bundled Shakespeare"
+    print(f"text: {len(text):,} characters of {source}, vocabulary {tokenizer.vocab_size}; "
           f"batch {x.shape}, first window: {tokenizer.decode(x[0])!r}")
-    print(f"model: {config}")
+    print(f"model: {config}, float64, kernels: {model.kernels_name} ({model.kernels.__name__})")
     loss = model.loss(x, y)
-    grads = {k: v.copy() for k, v in model.backward(keep_deltas=True).items()}
-    print(f"loss a12 -> {loss:.6f} nats/char (uniform guess: {np.log(tokenizer.vocab_size):.4f})\n")
-    print("error signals (Δ_i = dL/da_i), root mean square:")
-    for name, delta in model.deltas().items():
-        if not name.endswith("Δcausal"):
-            print(f"  {name:<16} {tuple(delta.shape)!s:<14} {np.sqrt(np.mean(delta ** 2)):.3e}")
-    print(f"\n{'parameter':<30}{'entries':>8}{'max abs err':>14}{'max rel err':>14}")
+    grads = {k: np.array(v) for k, v in model.backward(keep_deltas=True).items()}
+    deltas = {k: np.array(v) for k, v in model.deltas().items()}
+    print(f"loss L = {loss:.6f} nats/char (uniform guess: ln {tokenizer.vocab_size} = "
+          f"{math.log(tokenizer.vocab_size):.4f})")
+    if check == "autograd":
+        ref_grads, ref_deltas = autograd_gradients(model, x, y)
+        print(f"check: PyTorch autograd of the same model (float64); the column is "
+              f"max|ours - autograd| / max|autograd| over the tensor, pass <= {rtol:g}\n")
+    else:
+        print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
+              f"pass |numeric - analytic| <= {args.atol:g} + {rtol:g}·|numeric|\n")
+    print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{'check':>11}")
     failed = 0
-    for name, p in model.params.items():
-        flat_index = rng.choice(p.size, size=min(args.entries, p.size), replace=False)
-        abs_errs, rel_errs = [], []
-        for fi in flat_index:
-            idx = np.unravel_index(fi, p.shape)
-            old = p[idx]
-            p[idx] = old + args.step
-            up = model.loss(x, y)
-            p[idx] = old - args.step
-            down = model.loss(x, y)
-            p[idx] = old
-            numeric = (up - down) / (2 * args.step)
-            analytic = grads[name][idx]
-            err = abs(numeric - analytic)
-            abs_errs.append(err)
-            if abs(numeric) >= args.atol and abs(numeric) > 0:
-                rel_errs.append(err / abs(numeric))
-            failed += err > args.atol + args.rtol * abs(numeric)
-        rel = f"{max(rel_errs):>14.2e}" if rel_errs else f"{'-':>14}"
-        print(f"{name:<30}{len(abs_errs):>8}{max(abs_errs):>14.2e}{rel}")
-    print(f"\n{failed} entries outside |numeric − analytic| <= {args.atol:g} + {args.rtol:g}·|numeric| "
-          f"-> {'OK' if not failed else 'FAILED'}")
+    kq = {i: float(np.max(np.abs(grads[f"blocks.{i}.attn.q.bias"])))
+          for i in range(config.n_blocks) if f"blocks.{i}.attn.q.bias" in grads}
+    for label, kind, key in gradient_lines(model):
+        value = deltas[key] if kind == "delta" else grads[key]
+        size = float(np.max(np.abs(value)))
+        if key.endswith("attn.k.bias"):                    # ≡ 0: only rounding noise may show
+            bad = size > KEY_BIAS_RATIO * kq[int(key.split(".")[1])]
+            shown = "rounding" if not bad else "NOT ZERO"
+        elif check == "autograd":
+            err = _rel(value, (ref_deltas if kind == "delta" else ref_grads)[key])
+            bad = not err <= rtol
+            shown = f"{err:.1e}"
+        elif kind == "delta":
+            bad, shown = False, "-"
+        else:
+            bad, shown = _finite_differences(model, key, grads[key], x, y, args, rtol, rng)
+        failed += bad
+        print(f"{label:<37}{str(tuple(value.shape)):<14}{size:>10.1e}{shown:>11}")
+    print(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
     return 0 if not failed else 1
+
+
+def _finite_differences(model, name, grad, x, y, args, rtol, rng) -> tuple[bool, str]:
+    """Central differences on ``--entries`` entries of parameter ``name``: (failed, column)."""
+    p = model.params[name]
+    rel_errs, failed = [], False
+    for fi in rng.choice(p.size, size=min(args.entries, p.size), replace=False):
+        idx = np.unravel_index(fi, p.shape)
+        old = p[idx]
+        p[idx] = old + args.step
+        up = model.loss(x, y)
+        p[idx] = old - args.step
+        down = model.loss(x, y)
+        p[idx] = old
+        numeric = (up - down) / (2 * args.step)
+        err = abs(numeric - grad[idx])
+        if abs(numeric) >= args.atol and abs(numeric) > 0:
+            rel_errs.append(err / abs(numeric))
+        failed |= bool(err > args.atol + rtol * abs(numeric))
+    return failed, (f"{max(rel_errs):.1e}" if rel_errs else "-")

@@ -42,7 +42,7 @@ def activation_forward(x, name: str):
         return xp.where(x > 0, x, xp.zeros_like(x)), x                      # max(x, 0)
     if name == "gelu":
         return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0))), x                 # x Φ(x)
-    u = _SQRT_2_OVER_PI * (x + _GELU_C * x ** 3)                            # u = √(2/π)(x + 0.044715x³)
+    u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)                          # u = √(2/π)(x + 0.044715x³)
     return 0.5 * x * (1.0 + xp.tanh(u)), x                                  # ½x(1 + tanh u)
 
 
@@ -67,6 +67,6 @@ def activation_backward(delta, cache, name: str):
         cdf = 0.5 * (1.0 + erf(x / math.sqrt(2.0)))                         # Φ(x)
         pdf = xp.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)               # φ(x)
         return delta * (cdf + x * pdf)
-    t = xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x ** 3))                   # tanh u
+    t = xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x))                 # tanh u
     du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
     return delta * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx)

@@ -38,8 +38,10 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     y_gt = xp.astype(xp.arange(V)[None, :] == xp.where(counted, t, xp.zeros_like(t))[:, None], z.dtype)
     y_gt = y_gt * xp.astype(counted, z.dtype)[:, None]                       # one-hot, 0 rows ignored
     z_max = xp.max(z, axis=-1, keepdims=True)                                # (N, 1)
-    log_sum_exp = xp.log(xp.sum(xp.exp(z - z_max), axis=-1, keepdims=True)) + z_max
-    y_pred = xp.exp(z - log_sum_exp)                                         # softmax (N, V)
+    e = xp.exp(z - z_max)                                                    # (N, V), max entry 1
+    sum_e = xp.sum(e, axis=-1, keepdims=True)                                # (N, 1)
+    y_pred = e / sum_e                                                       # softmax (N, V)
+    log_sum_exp = xp.log(sum_e) + z_max                                      # (N, 1)
     nll = xp.sum(y_gt * (log_sum_exp - z), axis=-1)                          # −log y_pred[target]
     loss = xp.sum(nll) / max(n_counted, 1)
     return loss, (y_pred, y_gt, counted, n_counted, logits.shape)

@@ -1,4 +1,4 @@
-"""Sanity checks of the torch autograd oracle (tests/torch_reference.py) against a second,
+"""Sanity checks of the torch autograd oracle (tests/oracles/torch_reference.py) against a second,
 independently written model built from torch.nn.functional building blocks
 (F.embedding, F.linear, F.layer_norm, F.scaled_dot_product_attention, F.gelu, F.cross_entropy),
 plus finite differences. Nothing here imports `pedestrian`."""
@@ -139,11 +139,15 @@ def test_activation_names_shapes_and_delta_identities():
     onehot = np.zeros_like(y)
     bi, ti = np.nonzero(counted)
     onehot[bi, ti, tg[bi, ti]] = 1
+    # entries <= 1/N; two softmax evaluations (max, exp, a sum of V = 11, a division) differ by
+    # <= (V + 4)·ε/N ~ 1e-16 on any IEEE-754 machine, 100× under this bound
     np.testing.assert_allclose(deltas["Δ12"], (y - onehot) * counted[..., None] / counted.sum(), atol=1e-14)
     acts = _acts(pnp, cfg, toks)
     # FC_logits backward, embeddings backward (repeated tokens accumulate)
     np.testing.assert_allclose(grads["logits.weight"], np.einsum("btd,btv->dv", acts["a11"], deltas["Δ12"]),
                                atol=1e-12)
+    # sums of B = 2 (and, for repeated ids, a few more) entries of Δ1 (|Δ1| < 0.1) in two orders:
+    # <= a few ε·0.1 ~ 1e-16 on any IEEE-754 machine
     np.testing.assert_allclose(grads["pos_emb.weight"][:T], deltas["Δ1"].sum(0), atol=1e-13)
     dtok = np.zeros_like(pnp["tok_emb.weight"])
     np.add.at(dtok, toks, deltas["Δ1"])
@@ -151,6 +155,7 @@ def test_activation_names_shapes_and_delta_identities():
     # residual + LN backward (sheet formula): Δ4 = Δ5, Δ5 = Δ10 + LN2-backward(Δ6), Δ8 = Δ9 Wcᵀ
     for i in range(2):
         p = f"blocks.{i}"
+        # autograd hands the skip's Δ5 unchanged to a4 (a5 = x + a4): the same numbers
         np.testing.assert_allclose(deltas[f"{p}.Δ4"], deltas[f"{p}.Δ5"], atol=1e-15)
         x = acts[f"{p}.a5"]
         xh = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + cfg["ln_eps"])
@@ -158,11 +163,15 @@ def test_activation_names_shapes_and_delta_identities():
         g = deltas[f"{p}.Δ6"] * pnp[f"{p}.ln2.weight"]
         ln_back = (g - g.mean(-1, keepdims=True) - xh * (g * xh).mean(-1, keepdims=True)) / sig
         np.testing.assert_allclose(deltas[f"{p}.Δ5"], deltas[f"{p}.Δ10"] + ln_back, atol=1e-12)
+        # the same 12-term dot products (|terms| < 0.03) in NumPy and torch: <= 2·12·ε·0.4 ~ 2e-15
+        # on any IEEE-754 machine, any BLAS
         np.testing.assert_allclose(deltas[f"{p}.Δ8"], deltas[f"{p}.Δ9"] @ pnp[f"{p}.mlp_contract.weight"].T,
                                    atol=1e-13)
     # key bias gradient is identically zero (paper section 3)
     for i in range(2):
-        assert np.abs(grads[f"blocks.{i}.attn.k.bias"]).max() < 1e-14
+        # ≡ 0; computed, the rounding of sums of B·T·T = 128 products of |Δcausal| < 0.1 and
+        # |q| < 4: <= (T + B·T)·ε·Σ|terms| <= 24·ε·51 = 2.7e-13 (observed 1e-17)
+        assert np.abs(grads[f"blocks.{i}.attn.k.bias"]).max() < 1e-12
 
 
 def _acts(pnp, cfg, toks):
@@ -226,6 +235,8 @@ def test_causal_mask_and_bk_invariance():
     t2 = toks.copy()
     t2[:, -1] = (t2[:, -1] + 1) % cfg["vocab_size"]
     out = reference_forward(_torch_params(pnp), cfg, torch.as_tensor(t2)).numpy()
+    # earlier rows run the same operations on the same numbers (the changed token is masked out):
+    # at most a few ulps of O(5) logits, ~1e-15, apart on any IEEE-754 machine
     np.testing.assert_allclose(out[:, :-1], base[:, :-1], atol=1e-13)
     assert np.abs(out[:, -1] - base[:, -1]).max() > 1e-6
     # changing the key bias changes nothing

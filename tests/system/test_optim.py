@@ -58,9 +58,10 @@ def test_weight_decay_only_on_the_decayed_region():
     model = GPT(GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1), dtype="float64")
     opt = AdamW(model, lr=0.01, weight_decay=0.5)
     before = model.flat.copy()
-    model._grad_base.flat[...] = 0.0
+    base = model.trainable_buffers()[0]
+    base.grads[...] = 0.0
     opt.step()
-    n = model._base.n_decay
+    n = base.n_decay
     np.testing.assert_array_equal(model.flat[:n], before[:n] * (1 - 0.01 * 0.5))
     np.testing.assert_array_equal(model.flat[n:], before[n:])
     # the decayed region is exactly the 2-D weights of param_specs (embeddings included)

@@ -13,7 +13,7 @@ from pedestrian.cli import build_parser, main
 from pedestrian.commands.train import settings_from_args
 from pedestrian.train import TrainSettings, read_log
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--context-length", "16", "--d-model", "16", "--n-heads", "2", "--n-blocks", "2", "--batch-size", "4",
         "--eval-interval", "3", "--eval-batches", "2", "--warmup-steps", "2", "--lr", "1e-2",
         "--max-minutes", "0", "--no-progress", "--no-plot"]

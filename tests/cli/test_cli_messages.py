@@ -32,17 +32,19 @@ def char_ckpt(tmp_path):
 def test_demo_validates_its_flags(capsys):
     assert main(["demo", "--step", "0"]) == 2
     _one_line_error(capsys, "--step must be a finite number > 0")
+    assert main(["demo", "--rtol", "-1"]) == 2
+    _one_line_error(capsys, "--rtol must be a finite number >= 0")
     for n in ("0", "-1"):
         assert main(["demo", "--entries", n]) == 2
         _one_line_error(capsys, "--entries must be a positive integer")
 
 
 def test_demo_shows_no_relative_error_for_a_zero_gradient(capsys):
-    assert main(["demo", "--entries", "2"]) == 0
+    assert main(["demo", "--check", "fd", "--entries", "2"]) == 0
     out = capsys.readouterr().out
-    k_bias = [line for line in out.splitlines() if line.startswith("blocks.0.attn.k.bias")][0]
-    assert k_bias.split()[-1] == "-", k_bias          # its gradient is exactly 0 (softmax shift)
-    assert "e+" not in out.split("max rel err")[1]    # no absurd 1e+283 anywhere
+    k_bias = [line for line in out.splitlines() if line.startswith("∂L/∂b_k") and "block 0" in line][0]
+    assert k_bias.split()[-1] == "rounding", k_bias   # its gradient is identically 0 (section 3)
+    assert "e+" not in out.split("check\n")[1]        # no absurd 1e+283 anywhere
     assert "-> OK" in out
 
 

@@ -1,0 +1,95 @@
+"""``pedestrian demo``: every gradient on one line in the paper's notation, with its check
+(PyTorch autograd or finite differences), for the kernels chosen by ``--kernels``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import pedestrian.kernels as fast
+from pedestrian.cli import main
+
+
+def lines_of(out: str) -> list[str]:
+    """The gradient lines: between the column header and the summary."""
+    body = out.split("check\n", 1)[1].split("\n\n", 1)[0]
+    return body.splitlines()
+
+
+@pytest.mark.parametrize("kernels", ["fast", "reference"])
+def test_demo_checks_every_gradient_against_autograd(kernels, capsys):
+    assert main(["demo", "--kernels", kernels]) == 0
+    out = capsys.readouterr().out
+    assert f"kernels: {kernels}" in out and "PyTorch autograd" in out
+    assert "the bundled Shakespeare" in out                 # real text
+    rows = lines_of(out)
+    labels = [r[:37].strip() for r in rows]
+    # one line per gradient, in backward order, named as the paper names them
+    assert labels[0] == "Δ12 = ∂L/∂a12           (logits)"
+    assert labels[-3:] == ["Δ1 = ∂L/∂a1", "∂L/∂W_tok  (embedding + tied logits)", "∂L/∂W_pos"]
+    for block in (0, 1):
+        for name in ("∂L/∂W_q", "∂L/∂b_q", "∂L/∂W_k", "∂L/∂W_v", "∂L/∂b_v", "∂L/∂W_attProj",
+                     "∂L/∂w_LN1", "∂L/∂W_expand", "∂L/∂W_contract", "Δcausal = ∂L/∂S",
+                     "Δ10 = ∂L/∂a10", "Δ2 = ∂L/∂a2"):
+            assert sum(1 for lab in labels if lab.startswith(name) and lab.endswith(f"block {block}")) == 1, \
+                (name, block)
+        k_bias = [r for r in rows if r.startswith("∂L/∂b_k (≡ 0, §3)") and f"block {block}" in r]
+        assert len(k_bias) == 1 and k_bias[0].split()[-1] == "rounding"
+    assert len(rows) == 2 * (10 + 16) + 7          # per block: Δ10…Δ2, Δcausal and 16 parameters
+    errors = [float(r.split()[-1]) for r in rows if re.fullmatch(r"\d\.\de-\d\d", r.split()[-1])]
+    assert len(errors) == len(rows) - 2                     # all but the two key-bias lines
+    assert max(errors) <= 1e-9                              # float64 rounding only
+    assert "0 gradients fail the check -> OK" in out
+
+
+def test_demo_with_finite_differences(capsys):
+    assert main(["demo", "--check", "fd", "--entries", "2", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "central finite differences, h = 1e-05, 2 entries per parameter" in out
+    rows = lines_of(out)
+    deltas = [r for r in rows if r.startswith("Δ")]
+    assert deltas and all(r.split()[-1] == "-" for r in deltas)   # Δ's are no parameters
+    params = [r for r in rows if r.startswith("∂L/∂") and "b_k" not in r]
+    assert all(float(r.split()[-1]) <= 1e-6 for r in params)
+    assert "-> OK" in out
+
+
+@pytest.mark.parametrize("check", ["autograd", "fd"])
+def test_demo_fails_on_a_wrong_gradient(check, capsys, monkeypatch):
+    """A layer-norm backward off by 0.1 %: the demo names the gradients it breaks and exits 1."""
+    real = fast.layernorm_backward
+
+    def wrong(delta, cache, *, dweight=None, dbias=None):
+        out = real(delta, cache, dweight=dweight, dbias=dbias)
+        if dweight is not None:
+            dweight *= 1.001
+        return out
+
+    monkeypatch.setattr(fast, "layernorm_backward", wrong)
+    assert main(["demo", "--kernels", "fast", "--check", check]) == 1
+    out = capsys.readouterr().out
+    assert "-> FAILED" in out
+    failing = [r for r in lines_of(out) if r.split()[-1] not in ("-", "rounding")
+               and float(r.split()[-1]) > (1e-9 if check == "autograd" else 1e-6)]
+    assert failing and all(r.startswith(("∂L/∂w_LN", "∂L/∂w_LNfinal")) for r in failing), failing
+
+
+def test_demo_without_pytorch_falls_back_to_finite_differences(capsys, monkeypatch):
+    """``--check auto`` without PyTorch uses finite differences; ``--check autograd`` says what
+    is missing and how to go on, in one line."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("No module named 'torch'", name="torch")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert main(["demo", "--entries", "1"]) == 0
+    assert "central finite differences" in capsys.readouterr().out
+    assert main(["demo", "--check", "autograd"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --check autograd needs PyTorch") and "--check fd" in err[0]

@@ -1,0 +1,210 @@
+"""The NumPy and the PyTorch-tensor backends run the same hand-written code (array API; the fast
+kernels add torch-specific fused operations) and must agree, for both kernel modules: same loss,
+logits, gradients and error signals in float64 to a relative 1e-12 per tensor (only the order of
+rounded operations differs: a few hundred operations along a chain, <= ~1e-13; see
+tests/paper/test_model.py), LoRA included. No autograd is involved on either side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradcheck import KERNEL_IDS, kernels_param, model_key_bias_bounds
+from pedestrian.backend import to_numpy
+from torch_reference import default_cfg, expand_lora_targets, random_params
+
+RTOL = 1e-12
+
+CASES = {
+    "untied-gelu_tanh": (dict(), None),
+    "tied-relu-nobias-dqk5-dhead3": (dict(tie_weights=True, activation="relu", bias=False, d_qk=5, d_head=3), None),
+    "noncausal-gelu-eps0": (dict(causal=False, activation="gelu", ln_eps=0.0), None),
+    "lora-frozen-tied": (dict(tie_weights=True), (["attn.q", "attn.v", "mlp_contract", "logits"], True)),
+    "lora-trained-untied": (dict(), (["attn.k", "attn_proj", "mlp_expand", "logits"], False)),
+}
+
+
+@pytest.mark.parametrize("kernels", KERNEL_IDS)
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_numpy_and_torch_backends_agree_float64(case_id, kernels, build_model, token_batch, max_rel_err):
+    overrides, lora_case = CASES[case_id]
+    cfg = default_cfg(**overrides)
+    lora = None if lora_case is None else {"targets": expand_lora_targets(cfg, lora_case[0]), "rank": 2}
+    params = random_params(cfg, seed=11, lora=lora)
+    tokens, targets = token_batch(cfg, 3, cfg["context_length"], seed=11, n_ignored=3)
+    kw = dict(dtype="float64", lora=lora, lora_alpha=0.7, freeze_base=bool(lora_case and lora_case[1]),
+              kernels=kernels)
+
+    results = {}
+    for backend in ("numpy", "torch"):
+        model = build_model(cfg, params, backend=backend, **kw)
+        loss = model.loss(tokens, targets)
+        grads = model.backward(keep_deltas=True)
+        if backend == "torch":
+            assert all(isinstance(g, torch.Tensor) and g.dtype == torch.float64 for g in grads.values())
+            assert isinstance(model.activations()["a12"], torch.Tensor)
+        results[backend] = (loss, to_numpy(model.activations()["a12"]),
+                            {k: to_numpy(v).copy() for k, v in grads.items()},
+                            {k: to_numpy(v).copy() for k, v in model.deltas().items()},
+                            model_key_bias_bounds(model))
+
+    (loss_np, logits_np, grads_np, deltas_np, bounds), (loss_t, logits_t, grads_t, deltas_t, _) = results.values()
+    assert abs(loss_t - loss_np) <= RTOL * abs(loss_np)
+    assert max_rel_err(logits_t, logits_np) <= RTOL
+    assert set(grads_t) == set(grads_np) and len(grads_np) > 0
+    for name in grads_np:
+        if name.endswith(".attn.k.bias"):   # identically 0 in exact arithmetic: rounding noise
+            i = int(name.split(".")[1])
+            assert np.all(np.abs(grads_t[name]) <= bounds[i]) and np.all(np.abs(grads_np[name]) <= bounds[i])
+        else:
+            assert max_rel_err(grads_t[name], grads_np[name]) <= RTOL, name
+    assert set(deltas_t) == set(deltas_np)
+    for name in deltas_np:
+        assert max_rel_err(deltas_t[name], deltas_np[name]) <= RTOL, name
+
+
+@pytest.mark.parametrize("kernels", KERNEL_IDS)
+def test_backends_agree_with_dropout_and_float32(kernels, build_model, token_batch, max_rel_err):
+    """Dropout masks are drawn in NumPy from the same seed on both backends; float32 agrees to 1e-5."""
+    cfg = default_cfg()
+    params = random_params(cfg, seed=12)
+    tokens, targets = token_batch(cfg, 2, 8, seed=12, n_ignored=1)
+    out = {}
+    for backend in ("numpy", "torch"):
+        model = build_model(cfg, params, backend=backend, dtype="float32", dropout=0.2, kernels=kernels)
+        model.training = True
+        loss = model.loss(tokens, targets)
+        grads = model.backward()
+        out[backend] = loss, {k: to_numpy(v).copy() for k, v in grads.items()}
+    (l_np, g_np), (l_t, g_t) = out.values()
+    assert abs(l_t - l_np) <= 1e-5 * abs(l_np)
+    for name in g_np:
+        if not name.endswith(".attn.k.bias"):
+            assert max_rel_err(g_t[name], g_np[name]) <= 1e-5, name
+
+
+def _torch(*arrays):
+    return [None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+@kernels_param()
+def test_every_layer_function_runs_on_torch_tensors(K, max_rel_err):
+    """Each layer's forward/backward on torch tensors equals the NumPy result (float64), for both
+    kernel modules (the fast ones have torch-specific branches: fused operations, var_mean for
+    a few rows, contiguous copies of heads)."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 4, 6))
+    W, b, R = rng.standard_normal((6, 5)), rng.standard_normal(5), rng.standard_normal((2, 4, 5))
+
+    def same(a_np, a_t, what):
+        assert isinstance(a_t, torch.Tensor), what
+        assert max_rel_err(to_numpy(a_t), np.asarray(a_np)) <= RTOL, what
+
+    def grads_of(backward, *args, shapes, **kwargs):
+        """Run a backward that writes gradients into given arrays; returns (Δ_in, *gradients)."""
+        names = list(shapes)
+        if isinstance(args[0], torch.Tensor):
+            out = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()}
+        else:
+            out = {n: np.zeros(s) for n, s in shapes.items()}
+        d_in = backward(*args, **kwargs, **out)
+        return [d_in] + [out[n] for n in names]
+
+    y, c = K.linear_forward(x, W, b)
+    yt, ct = K.linear_forward(*_torch(x, W, b))
+    same(y, yt, "linear fwd")
+    shapes = dict(dweight=W.shape, dbias=b.shape)
+    for a, at in zip(grads_of(K.linear_backward, R, c, W, shapes=shapes),
+                     grads_of(K.linear_backward, *_torch(R), ct, *_torch(W), shapes=shapes)):
+        same(a, at, "linear bwd")
+
+    for name in ("relu", "gelu", "gelu_tanh"):
+        y, c = K.activation_forward(x, name)
+        yt, ct = K.activation_forward(*_torch(x), name)
+        same(y, yt, name)
+        same(K.activation_backward(x, c, name), K.activation_backward(*_torch(x), ct, name), name + " bwd")
+
+    w = 1 + 0.1 * rng.standard_normal(6)
+    x_rows = rng.standard_normal((3, 5, 6))          # > 8 rows: the torch path's other statistics
+    shapes = dict(dweight=(6,), dbias=(6,))
+    for xs, eps in ((x, 0.0), (x, 1e-5), (x_rows, 1e-5)):
+        y, c = K.layernorm_forward(xs, w, b[:1].repeat(6), eps)
+        yt, ct = K.layernorm_forward(*_torch(xs, w, b[:1].repeat(6)), eps)
+        same(y, yt, "layernorm")
+        for a, at in zip(grads_of(K.layernorm_backward, xs, c, shapes=shapes),
+                         grads_of(K.layernorm_backward, *_torch(xs), ct, shapes=shapes)):
+            same(a, at, "layernorm bwd")
+
+    D, U = rng.standard_normal((6, 2)), rng.standard_normal((2, 5))
+    y, c = K.lora_forward(x, D, U, 0.7)
+    yt, ct = K.lora_forward(*_torch(x, D, U), 0.7)
+    same(y, yt, "lora")
+    shapes = dict(dD=D.shape, dU=U.shape)
+    for a, at in zip(grads_of(K.lora_backward, R, c, D, U, 0.7, shapes=shapes),
+                     grads_of(K.lora_backward, *_torch(R), ct, *_torch(D, U), 0.7, shapes=shapes)):
+        same(a, at, "lora bwd")
+
+    tokens = np.array([[1, 4, 1, 0], [4, 4, 2, 1]])
+    tok, pos = rng.standard_normal((5, 6)), rng.standard_normal((4, 6))
+    a1, c = K.embedding_forward(tokens, tok, pos)
+    a1t, ct = K.embedding_forward(*_torch(tokens, tok, pos))
+    same(a1, a1t, "embedding")
+    shapes = dict(dtok=tok.shape, dpos=pos.shape)
+    for a, at in zip(grads_of(K.embedding_backward, x, c, shapes=shapes)[1:],
+                     grads_of(K.embedding_backward, *_torch(x), ct, shapes=shapes)[1:]):
+        same(a, at, "embedding bwd")
+
+    for causal in (True, False):
+        qkv = rng.standard_normal((2, 4, 2 * (2 * 3 + 2)))
+        y, c = K.multi_head_attention_forward(qkv, 2, 3, 2, causal=causal)
+        yt, ct = K.multi_head_attention_forward(*_torch(qkv), 2, 3, 2, causal=causal)
+        same(y, yt, "mha")
+        same(K.attention_weights(c), K.attention_weights(ct), "P")
+        delta = rng.standard_normal(y.shape)
+        d, dc = K.multi_head_attention_backward(delta, c, keep_delta_causal=True)
+        dt, dct = K.multi_head_attention_backward(*_torch(delta), ct, keep_delta_causal=True)
+        same(d, dt, "mha bwd")
+        same(dc, dct, "mha Δcausal")
+
+    logits, targets = 3 * rng.standard_normal((2, 4, 5)), np.array([[0, -100, 4, 1], [2, 2, -100, 3]])
+    loss, c = K.cross_entropy_forward(logits, targets)
+    loss_t, ct = K.cross_entropy_forward(*_torch(logits, targets))
+    assert abs(float(loss_t) - float(loss)) <= RTOL * abs(float(loss))
+    same(K.cross_entropy_backward(c), K.cross_entropy_backward(ct), "cross-entropy bwd")
+    same(K.add(x, x), K.add(*_torch(x, x)), "add")
+
+
+def test_reference_head_runs_on_torch_tensors(max_rel_err):
+    """The section-3 head of the reference layers (no fast version) on torch tensors."""
+    import pedestrian.layers as reference
+
+    rng = np.random.default_rng(14)
+    x, R = rng.standard_normal((2, 4, 6)), rng.standard_normal((2, 4, 2))
+    head = [rng.standard_normal(s) for s in ((6, 3), (3,), (6, 3), (3,), (6, 2), (2,))]
+    for causal in (True, False):
+        y, c = reference.attention_head_forward(x, *head, causal=causal)
+        yt, ct = reference.attention_head_forward(*_torch(x, *head), causal=causal)
+        assert max_rel_err(to_numpy(yt), y) <= RTOL
+        d_in, g, dc = reference.attention_head_backward(R, c)
+        d_in_t, g_t, dc_t = reference.attention_head_backward(*_torch(R), ct)
+        assert max_rel_err(to_numpy(d_in_t), d_in) <= RTOL
+        assert max_rel_err(to_numpy(dc_t), dc) <= RTOL
+        for k in ("wq", "bq", "wk", "wv", "bv"):
+            assert max_rel_err(to_numpy(g_t[k]), g[k]) <= RTOL, k
+
+
+def test_large_product_with_transposed_right_operand_in_blocks():
+    """matmul_into's torch path for big ``a @ Wᵀ`` (tied logits) computes it in row blocks of W."""
+    from pedestrian.kernels.blas import matmul_into
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 32, generator=gen, dtype=torch.float64)
+    w = torch.randn(70_001, 32, generator=gen, dtype=torch.float64)   # 4.5M outputs: the blocked path
+    out = torch.empty(64, 70_001, dtype=torch.float64)
+    matmul_into(out, a, w.mT)
+    # the same 32-term dot products, possibly in another order: Higham's bound 2·32·ε of the
+    # absolute terms, which are <= 32·max|a|·max|w|
+    bound = 2 * 32 * torch.finfo(torch.float64).eps * (a.abs() @ w.abs().mT)
+    assert bool(((out - a @ w.mT).abs() <= bound).all())

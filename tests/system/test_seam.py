@@ -1,0 +1,128 @@
+"""The seam between the paper's reference layers (`pedestrian.layers`) and the fast kernels
+(`pedestrian.kernels`), checked on the code itself:
+
+- every function a model calls (``layers.MODEL_FUNCTIONS``) exists in both with the identical
+  signature, so ``GPT(kernels=...)`` can swap them;
+- the reference layers stay the paper's math: no ``out=`` argument, no torch branch
+  (``is_torch_array``), no ``import torch``, and nothing from the fast path (read from the source);
+- the switch itself: ``kernels_for``, ``PEDESTRIAN_KERNELS``, ``GPT(kernels=...)``.
+
+Whether the two compute the same numbers is tested in tests/paper/ (every section file runs
+both; tests/paper/test_model.py compares them on the whole gradient grid).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import pedestrian.kernels as fast
+import pedestrian.layers as reference
+from pedestrian.config import GPTConfig
+from pedestrian.kernels import KERNELS, kernels_for
+from pedestrian.model import GPT
+
+LAYERS_DIR = Path(reference.__file__).parent
+
+
+@pytest.mark.parametrize("name", reference.MODEL_FUNCTIONS)
+def test_every_model_function_has_a_fast_version_with_the_same_signature(name):
+    ref, kern = getattr(reference, name), getattr(fast, name)
+    assert callable(ref) and callable(kern)
+    assert inspect.signature(kern) == inspect.signature(ref), (name, inspect.signature(kern), inspect.signature(ref))
+    assert name in fast.__all__ and name in reference.__all__
+
+
+def test_model_functions_are_the_ones_the_model_calls():
+    """``MODEL_FUNCTIONS`` is complete: every ``K.<name>`` / ``self.kernels.<name>`` the model
+    calls is listed (so the signature test above covers the whole seam)."""
+    import pedestrian.model as model_module
+
+    tree = ast.parse(Path(model_module.__file__).read_text(encoding="utf-8"))
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            v = node.value
+            if (isinstance(v, ast.Name) and v.id == "K") or \
+                    (isinstance(v, ast.Attribute) and v.attr == "kernels"):
+                if not node.attr.startswith("__"):      # the module's own __name__
+                    called.add(node.attr)
+    assert called, "the model calls no kernel function? the scan is broken"
+    assert called <= set(reference.MODEL_FUNCTIONS), called - set(reference.MODEL_FUNCTIONS)
+
+
+def _reference_sources():
+    files = sorted(LAYERS_DIR.glob("*.py"))
+    assert len(files) >= 8, files
+    return [(f.name, f.read_text(encoding="utf-8")) for f in files]
+
+
+@pytest.mark.parametrize("filename,source", _reference_sources(), ids=[f for f, _ in _reference_sources()])
+def test_reference_layers_are_the_math_only(filename, source):
+    tree = ast.parse(source, filename=filename)
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            problems += [f"line {node.lineno}: out= argument" for kw in node.keywords if kw.arg == "out"]
+        if isinstance(node, ast.Name) and node.id == "is_torch_array":
+            problems.append(f"line {node.lineno}: is_torch_array (a backend branch)")
+        if isinstance(node, ast.Attribute) and node.attr == "is_torch_array":
+            problems.append(f"line {node.lineno}: is_torch_array (a backend branch)")
+        if isinstance(node, ast.Import):
+            problems += [f"line {node.lineno}: import {a.name}" for a in node.names
+                         if a.name.split(".")[0] == "torch"]
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.split(".")[0] == "torch":
+                problems.append(f"line {node.lineno}: from {module} import ...")
+            fast_path = module.startswith("pedestrian.kernels") or (node.level > 0 and (
+                module.split(".")[0] == "kernels" or (not module and any(a.name == "kernels" for a in node.names))))
+            if fast_path:
+                problems.append(f"line {node.lineno}: the reference imports the fast path")
+            problems += [f"line {node.lineno}: imports is_torch_array" for a in node.names
+                         if a.name == "is_torch_array"]
+    assert not problems, f"layers/{filename}: " + "; ".join(problems)
+
+
+def test_the_purity_check_can_fail():
+    """The scan above finds what it looks for (a check that cannot fail proves nothing)."""
+    bad = ("import torch\nfrom ..backend import is_torch_array\nfrom .. import kernels\n\n"
+           "def f(x, y):\n    np.add(x, y, out=x)\n")
+    with pytest.raises(AssertionError) as err:
+        test_reference_layers_are_the_math_only("bad.py", bad)
+    for what in ("import torch", "imports is_torch_array", "fast path", "out= argument"):
+        assert what in str(err.value), what
+
+
+def test_the_switch(monkeypatch):
+    assert KERNELS == ("fast", "reference")
+    assert kernels_for("fast") is fast and kernels_for("reference") is reference
+    monkeypatch.setenv("PEDESTRIAN_KERNELS", "reference")
+    assert kernels_for() is reference and kernels_for(None) is reference
+    monkeypatch.setenv("PEDESTRIAN_KERNELS", "fast")
+    assert kernels_for() is fast
+    monkeypatch.delenv("PEDESTRIAN_KERNELS")
+    assert kernels_for() is fast                            # the default
+    cfg = GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1)
+    for name, module in (("fast", fast), ("reference", reference)):
+        model = GPT(cfg, kernels=name)
+        assert model.kernels is module and model.kernels_name == name
+    with pytest.raises(ValueError, match=r"unknown kernels 'slow'; choose one of \('fast', 'reference'\)"):
+        GPT(cfg, kernels="slow")
+    monkeypatch.setenv("PEDESTRIAN_KERNELS", "turbo")
+    with pytest.raises(ValueError, match="unknown kernels 'turbo'.*PEDESTRIAN_KERNELS"):
+        GPT(cfg)
+
+
+def test_functions_without_a_fast_version_are_the_reference_ones():
+    """Dropout and LoRA have no second version (nothing measurable to gain): the fast module
+    re-exports the reference functions themselves."""
+    for name in reference.MODEL_FUNCTIONS:
+        if getattr(fast, name).__module__.startswith("pedestrian.layers"):
+            assert getattr(fast, name) is getattr(reference, name), name
+    assert fast.dropout_forward is reference.dropout_forward
+    assert fast.lora_backward is reference.lora_backward
+    assert fast.multi_head_attention_forward is not reference.multi_head_attention_forward
