@@ -601,7 +601,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                       skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0)
     if ckpt is not None:
         trainer.last_eval = trainer.last_save = ckpt.step
-    best_val = float(ckpt.meta.get("best_val_loss") or math.inf) if ckpt else math.inf
+    best_val = ckpt.meta.get("best_val_loss") if ckpt else None
+    best_val = math.inf if best_val is None else float(best_val)
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
                      stale=("best",))
 
