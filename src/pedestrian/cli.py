@@ -11,6 +11,11 @@ large, no permission or a read-only file system: the message says what was kept 
 on; nothing written before is damaged, see :mod:`pedestrian.atomic`). ``Ctrl-C`` / ``SIGTERM``
 end with exit status 130 (``pedestrian train`` first saves a checkpoint; see its help).
 
+The library's messages (the ``logging`` loggers ``pedestrian.*``) are printed as plain lines:
+information on stdout, warnings on stderr as ``warning: ...``, both through ``tqdm.write`` so a
+progress bar stays whole. If stdout closes (``pedestrian train | head``), later lines are
+dropped and a running training loop stops as on ``Ctrl-C`` (it saves a checkpoint first).
+
 Environment:
   PEDESTRIAN_DEBUG=1   re-raise those errors with their full traceback (for developers).
 """
@@ -18,8 +23,10 @@ Environment:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import logging
 import os
 import sys
 
@@ -78,6 +85,63 @@ def _import_error_message(exc: ImportError) -> str:
     return f"a required module is missing ({what}): reinstall pedestrian with pip install -e ."
 
 
+class ConsoleHandler(logging.Handler):
+    """Log records as plain lines: below WARNING to stdout, WARNING and above to stderr with a
+    ``warning: `` (``error: ``) prefix, through ``tqdm.write`` (a progress bar on stderr is
+    redrawn below them). A closed stdout (``BrokenPipeError``) points file descriptor 1 at
+    ``/dev/null`` and calls :func:`pedestrian.loop.request_stop`."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            text = record.getMessage()
+        except Exception:  # pragma: no cover - a malformed record
+            self.handleError(record)
+            return
+        if record.levelno >= logging.WARNING:
+            prefix = "error: " if record.levelno >= logging.ERROR else "warning: "
+            tqdm.write(prefix + text, file=sys.stderr)
+            return
+        try:
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+        except BrokenPipeError:             # its reader went away: stop between steps, as Ctrl-C
+            silence_stdout()
+            from .loop import request_stop
+
+            request_stop("stdout closed")
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at ``/dev/null`` (its reader went away: later writes, including
+    the interpreter's final flush, must not raise ``BrokenPipeError``)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - no real stdout
+        pass
+
+
+@contextlib.contextmanager
+def console_logging(level: int = logging.INFO):
+    """While inside, the ``pedestrian`` loggers print through a :class:`ConsoleHandler` (and do
+    not propagate further); the previous handlers, level and propagation come back after."""
+    logger = logging.getLogger("pedestrian")
+    handler = ConsoleHandler()
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pedestrian`` console script; returns the exit status.
 
@@ -88,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     debug = os.environ.get("PEDESTRIAN_DEBUG", "") not in ("", "0")
     try:
-        return int(args.run_command(args) or 0)
+        with console_logging():
+            return int(args.run_command(args) or 0)
     except (UserError, ValueError, TypeError, FileNotFoundError, IsADirectoryError,
             NotADirectoryError, PermissionError, UnicodeDecodeError, WriteError) as exc:
         if debug:

@@ -1,10 +1,11 @@
 """LoRA fine-tuning of a Hugging Face GPT-2 on a text file (paper section 6).
 
 The base weights are frozen (``model.add_lora(..., freeze_base=True)``: their gradients are
-never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the same
-pieces ``pedestrian train`` uses: :func:`pedestrian.train.train_step` (hand-derived backward,
-gradient accumulation, clipping) and :class:`pedestrian.optim.AdamW` over the flat adapter
-buffer, with a :class:`~pedestrian.optim.CosineSchedule`.
+never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the loop
+``pedestrian train`` runs (:class:`pedestrian.loop.Trainer`: hand-derived backward, gradient
+accumulation, clipping, the non-finite rule, validation, checkpoints, Ctrl-C) with
+:class:`pedestrian.optim.AdamW` over the flat adapter buffer and a
+:class:`~pedestrian.optim.CosineSchedule`.
 
 A run folder (``--out``) receives::
 
@@ -13,7 +14,8 @@ A run folder (``--out``) receives::
                   directory and the SHA-256 of its weight file)
     peft/         the same adapters as a PEFT directory (adapter_config.json +
                   adapter_model.safetensors), for transformers + peft
-    log.jsonl     one record per step ({"step", "loss", "lr", "grad_norm"}) and per evaluation
+    log.jsonl     one record per step ({"step", "loss", "lr", "grad_norm", "time_s",
+                  "tokens_per_s"}, "skipped": true for a skipped step) and per evaluation
                   ({"step", "val_loss"})
     loss_curve.png
 """
@@ -22,111 +24,90 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
+import logging
 import math
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
+
+from .config import LORA_LAYER_KINDS
+from .settings import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
+    POSITIVE_INT, PROBABILITY, at_most, check, setting
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
            "adapter_checkpoint_dir",
            "base_fingerprint", "DEFAULT_TARGETS"]
 
+log = logging.getLogger("pedestrian.finetune")
+
 #: Hu et al. (2021), LoRA, section 7.1: adapting W_q and W_v is the usual cheap choice.
 DEFAULT_TARGETS = ("q", "v")
+
+_LORA, _OPTIM, _LOOP = "LoRA", "optimisation", "loop"
 
 
 @dataclass
 class FinetuneSettings:
-    """Settings of a LoRA fine-tuning run (the ``pedestrian finetune`` flags).
+    """Settings of a LoRA fine-tuning run: the ``pedestrian finetune`` flags, each declared once
+    below (type, default, help, valid values; see :mod:`pedestrian.settings`).
 
-    Attributes:
-        hf_dir: the base model, a Hugging Face GPT-2 directory (with its tokenizer).
-        data: a UTF-8 text file (or folder of ``*.txt``), tokenized with the base's tokenizer.
-        lora_rank: ``r``. lora_alpha: the paper's scalar ``α`` (PEFT's ``lora_alpha / r``).
-        lora_targets: layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``)
-            or full layer names.
-        lora_dropout: dropout probability on the adapters' input while training (PEFT's
-            ``lora_dropout``; :meth:`pedestrian.model.GPT.add_lora`).
-        context_length: training window (default ``min(256, the model's context_length)``).
-        batch_size, grad_accum, max_steps, lr, min_lr, warmup_steps, weight_decay, beta1,
-        beta2, grad_clip: as in :class:`pedestrian.train.TrainSettings`.
-        val_fraction: the last fraction of the tokens is held out for validation.
-        eval_interval, eval_batches: validation every this many steps, on this many fixed
-            batches.
-        seed: adapter initialisation and batch sampling.
-        dtype, backend: compute precision and array library.
-        out: run folder. overwrite: replace an existing run there. progress, plot: tqdm bar,
-            loss_curve.png.
+    ``lora_alpha`` is the paper's scalar ``α`` (PEFT's ``lora_alpha / r``); ``lora_targets`` are
+    layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``) or full layer names.
+    The optimisation settings mean what they mean in :class:`pedestrian.train.TrainSettings`
+    (the same loop runs both, :mod:`pedestrian.loop`).
     """
 
-    hf_dir: str
-    data: str
-    lora_rank: int = 8
-    lora_alpha: float = 1.0
-    lora_targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    context_length: int | None = None
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int = 200
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    grad_clip: float = 1.0
-    val_fraction: float = 0.1
-    eval_interval: int = 50
-    eval_batches: int = 10
-    seed: int = 0
-    dtype: str = "float32"
-    backend: str = "numpy"
-    out: str = "runs/finetune"
-    overwrite: bool = False
-    progress: bool = True
-    plot: bool = True
-    lora_dropout: float = 0.0
+    hf_dir: str = setting(help="the base: a Hugging Face GPT-2 directory with its tokenizer", kind=str,
+                          metavar="DIR", required=True)
+    data: str = setting(help="UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer",
+                        kind=str, metavar="PATH", required=True)
+    lora_rank: int = setting(8, "adapter rank r", rule=POSITIVE_INT, metavar="R", group=_LORA, required=True)
+    lora_alpha: float = setting(1.0, "the paper's scalar alpha: the adapter adds alpha * x D U (PEFT's "
+                                "lora_alpha / r)", rule=NON_ZERO, metavar="ALPHA", group=_LORA)
+    lora_targets: list = setting(list(DEFAULT_TARGETS), f"layers that get adapters: {' '.join(LORA_LAYER_KINDS)}, "
+                                 "all, or full names like blocks.0.attn.q", metavar="KIND", group=_LORA)
+    lora_dropout: float = setting(0.0, "dropout on the adapters' input while training (PEFT's "
+                                  "lora_dropout)", rule=PROBABILITY, metavar="P",
+                                  group=_LORA)
+    context_length: int | None = setting(None, "training window (default: min(256, the model's context))",
+                                         kind=int, rule=POSITIVE_INT, metavar="T", group=_OPTIM)
+    batch_size: int = setting(8, "windows per micro-batch", rule=POSITIVE_INT, metavar="B", group=_OPTIM)
+    grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
+    max_steps: int = setting(200, "optimizer updates; the cosine schedule spans them", rule=POSITIVE_INT,
+                             metavar="N", group=_OPTIM)
+    lr: float = setting(1e-3, "peak learning rate", rule=POSITIVE, group=_OPTIM)
+    min_lr: float = setting(1e-4, "end of the cosine decay", rule=at_most("lr"), group=_OPTIM)
+    warmup_steps: int = setting(10, "linear warm-up updates", rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
+    weight_decay: float = setting(0.0, "decoupled weight decay of the adapters", rule=NON_NEGATIVE, group=_OPTIM)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    beta2: float = setting(0.999, "AdamW's second-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 = off", rule=NON_NEGATIVE, metavar="NORM",
+                               group=_OPTIM)
+    max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
+                                     "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
+                                     group=_OPTIM)
+    val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
+                                  metavar="F", group=_LOOP)
+    eval_interval: int = setting(50, "steps between validations (each saves the adapters)", rule=POSITIVE_INT,
+                                 metavar="N", group=_LOOP)
+    eval_batches: int = setting(10, "fixed validation batches", rule=POSITIVE_INT, metavar="N", group=_LOOP)
+    seed: int = setting(0, "adapter initialisation and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
+    dtype: str = setting("float32", "compute dtype", choices=("float32", "float64"), group=_LOOP)
+    backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_LOOP)
+    out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP)
+    overwrite: bool = setting(False, "replace an existing run in --out (kept until the first checkpoint)",
+                              group=_LOOP)
+    progress: bool = setting(True, "no progress bar", group=_LOOP)
+    plot: bool = setting(True, "no loss_curve.png", group=_LOOP)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting and its valid range."""
-        for name in ("lora_rank", "batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{_flag(name)} must be a positive integer, got {v!r}")
-        if self.context_length is not None and (not isinstance(self.context_length, int)
-                                                or self.context_length < 1):
-            raise ValueError(f"--context-length must be a positive integer, got {self.context_length!r}")
-        if not (isinstance(self.lora_alpha, (int, float)) and math.isfinite(self.lora_alpha)
-                and self.lora_alpha != 0):
-            raise ValueError(f"--lora-alpha must be a finite non-zero number, got {self.lora_alpha!r}")
-        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
-                or not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"--lora-dropout must be a probability in [0, 1), got {self.lora_dropout!r}")
-        if not 0.0 < float(self.val_fraction) < 1.0:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        if not (math.isfinite(self.lr) and self.lr > 0) or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need a finite --lr > 0 and 0 <= --min-lr <= --lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.warmup_steps < 0 or self.seed < 0:
-            raise ValueError("--warmup-steps and --seed must be >= 0")
-        for name in ("weight_decay", "grad_clip"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-                raise ValueError(f"--{_flag(name)} must be a finite number >= 0, got {v!r}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be in [0, 1), got {getattr(self, name)!r}")
+        """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values."""
+        check(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 @dataclass
@@ -143,6 +124,7 @@ class FinetuneResult:
     out: Path
     model: object = None
     tokenizer: object = None
+    stop_reason: str = "max_steps"
 
 
 def base_fingerprint(hf_dir) -> dict:
@@ -242,32 +224,37 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
     return ckpt.model, ckpt.tokenizer or tokenizer
 
 
-def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None = None) -> FinetuneResult:
-    """Run a LoRA fine-tuning job (see the module docstring for what it writes).
+def finetune(settings: FinetuneSettings) -> FinetuneResult:
+    """Run a LoRA fine-tuning job with the loop of ``pedestrian train`` (:mod:`pedestrian.loop`:
+    the same step, non-finite rule, validation, checkpoints and ``Ctrl-C`` handling); see the
+    module docstring for what it writes. Messages go to the ``pedestrian.finetune`` logger.
+
+    Returns:
+        a :class:`FinetuneResult`; ``stop_reason`` ``"max_steps"``, or ``"interrupted"`` (SIGINT
+        / SIGTERM: the adapters of the last finished step were saved, checkpoint and PEFT).
 
     Raises:
         ValueError / FileNotFoundError: bad settings, a base that is not GPT-2, a corpus too
-            short for one window, an existing run in ``out`` without ``overwrite``, a
-            non-finite loss. Nothing is written before the inputs are validated.
+            short for one window, an existing run in ``out`` without ``overwrite`` (with it,
+            the old run is kept until the first checkpoint), ``max_skipped_steps`` non-finite
+            steps in a row (:class:`pedestrian.loop.TrainingError`, naming the last good
+            checkpoint). Nothing is written before the inputs are validated.
         WriteError (an ``OSError``): a file of the run cannot be written (no space, no
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
-    from tqdm import tqdm
-
-    from .atomic import AppendLog, WriteError, make_dirs
-
-    from .checkpoint import save_checkpoint
+    from .atomic import WriteError
     from .data import TokenDataset, encode_to_token_file
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter
+    from .loop import Checkpoints, Evaluation, Progress, StepLog, Trainer, TrainingError, finish
     from .optim import AdamW, CosineSchedule
-    from .train import estimate_loss, plot_loss_curve, read_log, split_tokens, train_step
+    from .train import RunFiles, split_tokens
 
     t_start = time.perf_counter()
-    say = echo or (lambda s: tqdm.write(s, file=sys.stdout))
     settings.validate()
     out = Path(settings.out).expanduser()
-    if out.exists() and any(out.iterdir()) and not settings.overwrite:
+    had_run = out.exists() and any(out.iterdir())
+    if had_run and not settings.overwrite:
         raise ValueError(f"{out} already holds a run; choose another --out or pass --overwrite")
     model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
     C = model.config.context_length
@@ -286,76 +273,58 @@ def finetune(settings: FinetuneSettings, *, echo: Callable[[str], None] | None =
     base = base_fingerprint(settings.hf_dir)
     train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
     B, k = settings.batch_size, settings.grad_accum
-    val_batches = val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T)
     rng = np.random.default_rng(settings.seed)
     optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2),
                       weight_decay=settings.weight_decay)
-    schedule = CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr)
+    trainer = Trainer(model, optimizer,
+                      CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr),
+                      lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], step=0, end=settings.max_steps,
+                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
+                      tokens_per_step=B * T * k)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
-    say(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
-        f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
-        f"({100 * n_train / n_total:.2f}%); base frozen")
-    say(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
-        f"tokens; batch {B}x{k}x{T}; {settings.max_steps} steps; out: {out}")
+    log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
+             f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
+             f"({100 * n_train / n_total:.2f}%); base frozen")
+    log.info(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
+             f"tokens; batch {B}x{k}x{T}; {settings.max_steps} steps; out: {out}")
+    files = RunFiles(out, replacing=had_run, stale=("peft",))
 
-    make_dirs(out, "the run folder")
-    log_path = out / "log.jsonl"
-    log = AppendLog(log_path, "the fine-tuning log", truncate=True)
-    saved = [None]                             # the step of the last adapter checkpoint
+    def save(t: Trainer) -> None:
+        finite = {name: (x if math.isfinite(x) else None) for name, x in (("val_loss", t.val_loss),
+                                                                           ("train_loss", t.loss))}
+        meta = {"finetune": settings.to_dict(), **finite, "skipped_steps": t.skipped_total}
+        files.save_checkpoint("adapter", model, optimizer, tokenizer, t.step, meta, params="lora", base=base)
+        t.last_save = t.step
 
-    def advice(exc: WriteError) -> WriteError:
-        kept = (f"the adapter checkpoint of step {saved[0]} in {out / 'adapter'} is kept"
-                if saved[0] is not None else "no adapter checkpoint was saved")
-        return exc.advise(kept, "run the fine-tuning again with --overwrite")
-
-    def evaluate(step: int) -> float:
-        loss = estimate_loss(model, val_batches)
-        log.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
-        log.flush()
-        return loss
-
-    def save(step: int, val_loss: float, train_loss: float) -> None:
-        meta = {"finetune": settings.to_dict(), "val_loss": val_loss if math.isfinite(val_loss) else None,
-                "train_loss": train_loss if math.isfinite(train_loss) else None}
-        save_checkpoint(out / "adapter", model, optimizer, tokenizer, step, meta, params="lora", base=base)
-        saved[0] = step
-
-    model.training = True
-    step, loss = 0, math.nan
+    progress = Progress(trainer, "finetune", settings.progress)
+    evaluation = Evaluation(model, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                            settings.eval_interval, files, progress)
+    checkpoints = Checkpoints(save, settings.eval_interval, out / "adapter", name="adapter checkpoint",
+                              previous=f"the previous run in {out} is left as it was" if had_run else None,
+                              model=model, go_on="run the fine-tuning again with a lower --lr and --overwrite")
+    trainer.on("step_end", StepLog(files, t_start), progress, evaluation, checkpoints)
+    trainer.on("stop", finish(evaluation, checkpoints))
     try:
-        initial_val = val_loss = evaluate(0)
-        say(f"step 0: val loss {val_loss:.4f}")
-        bar = tqdm(total=settings.max_steps, desc="finetune", unit="step", disable=not settings.progress,
-                   file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-        with bar:
-            while step < settings.max_steps:
-                lr = schedule(step)
-                batches = [train_ds.get_batch(rng, B, T) for _ in range(k)]
-                loss, norm = train_step(model, optimizer, batches, lr, settings.grad_clip)
-                step += 1
-                if not math.isfinite(loss):
-                    raise ValueError(f"the training loss became {loss} at step {step}; lower --lr")
-                log.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": norm}) + "\n")
-                bar.update(1)
-                bar.set_postfix_str(f"loss {loss:.4f}, val {val_loss:.4f}", refresh=False)
-                if step % settings.eval_interval == 0 or step == settings.max_steps:
-                    val_loss = evaluate(step)
-                    say(f"step {step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
-                    save(step, val_loss, loss)
-    except WriteError as exc:
-        raise advice(exc) from exc
+        initial_val = evaluation.run(trainer)
+        if math.isfinite(initial_val):
+            log.info(f"step 0: val loss {initial_val:.4f}")
+        reason = trainer.run()
+        if reason != "non_finite":
+            save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
+            if settings.plot:
+                files.plot(f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
+        raise exc.advise(checkpoints.kept(trainer), "run the fine-tuning again with --overwrite") from exc
     finally:
-        log.close()
-    try:
-        save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
-        if settings.plot:
-            plot_loss_curve(read_log(log_path), out / "loss_curve.png",
-                            title=f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
-    except WriteError as exc:
-        raise advice(exc) from exc
+        progress.close()
+        files.close()
+    if reason == "non_finite":
+        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     seconds = time.perf_counter() - t_start
-    say(f"done: step {step}, train loss {loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}, "
-        f"{seconds / 60:.1f} min; adapters in {out / 'adapter'} and {out / 'peft'}")
-    return FinetuneResult(step=step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
+    loss, val_loss = trainer.loss, trainer.val_loss
+    log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "
+             f"{loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}, {seconds / 60:.1f} min; adapters in "
+             f"{out / 'adapter'} and {out / 'peft'}")
+    return FinetuneResult(step=trainer.step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
                           trainable_params=n_train, total_params=n_total, seconds=seconds, out=out,
-                          model=model, tokenizer=tokenizer)
+                          model=model, tokenizer=tokenizer, stop_reason=reason)

@@ -100,41 +100,91 @@ def _ops(array):
 
 
 def _dot(a) -> float:
-    """``Σ a²`` of a flat buffer, without a temporary (BLAS dot / torch.dot)."""
+    """``Σ a²`` of a flat buffer in its own dtype, without a temporary (BLAS dot / torch.dot)."""
     if is_torch_array(a):
         import torch
 
         return float(torch.dot(a, a))
-    return float(np.dot(a, a))
+    with np.errstate(over="ignore", invalid="ignore"):     # an overflow is detected by the caller
+        return float(np.dot(a, a))
+
+
+#: elements per float64 chunk of the overflow-safe sum of squares (2 MiB)
+_SAFE_CHUNK = 1 << 18
+
+
+def _scaled_sum_squares(g) -> tuple[float, float]:
+    """``(s, a)`` with ``Σ g² = a² · s``, where ``a`` is a power of two near ``max|g|`` and
+    ``s <= len(g)``: the squares of ``g / a`` are summed in float64 chunks, so nothing overflows or
+    underflows whatever the dtype. ``(nan, 1)`` / ``(inf, 1)`` when ``g`` holds a NaN / an inf."""
+    top = max(abs(float(g.max())), abs(float(g.min())))   # NaN propagates through max / min
+    if not math.isfinite(top):
+        return top, 1.0
+    if top == 0.0:
+        return 0.0, 1.0
+    exponent = math.frexp(top)[1]                       # top = f · 2^exponent, f in [0.5, 1)
+    scale = math.ldexp(1.0, -exponent)                  # a power of two: the scaling is exact
+    s = 0.0
+    for lo in range(0, int(g.shape[0]), _SAFE_CHUNK):
+        c = np.asarray(to_numpy(g[lo:lo + _SAFE_CHUNK]), dtype=np.float64) * scale
+        s += float(np.dot(c, c))
+    return s, math.ldexp(1.0, exponent)
 
 
 def global_grad_norm(grads) -> float:
     """The global L2 norm ``sqrt(Σ_buffers Σ_i g_i²)`` of one or several flat gradient buffers.
 
+    Overflow-safe: the fast path is one dot product per buffer in the buffer's dtype; when that
+    overflows (float32 gradients near 1e19 and above square past 3.4e38) or lands in the
+    subnormal range, the buffer's squares are summed again in float64 after scaling by a power
+    of two near ``max|g|``, so the result is finite whenever the true norm is (below 1.8e308).
+    ``torch.nn.utils.clip_grad_norm_`` does no such rescaling: in float32 it returns ``inf``
+    for gradients near 1e20.
+
     Args:
         grads: a flat array, or a list of them (NumPy or torch).
 
     Returns:
-        Python float. (``torch.nn.utils.clip_grad_norm_`` takes the norm of the per-tensor
-        norms, which is the same number up to rounding.)
+        Python float; ``nan`` if a gradient holds a NaN, ``inf`` if one holds an inf.
+        (``torch.nn.utils.clip_grad_norm_`` takes the norm of the per-tensor norms, which is
+        the same number up to rounding.)
     """
     if not isinstance(grads, (list, tuple)):
         grads = [grads]
-    return math.sqrt(sum(_dot(g) for g in grads))
+    parts = []                                          # (s, a): the buffer's Σ g² = a² s
+    for g in grads:
+        s = _dot(g)
+        tiny = float(np.finfo(np.float64 if "64" in str(g.dtype) else np.float32).tiny)
+        if not math.isfinite(s) or 0.0 < s < tiny * 2.0 ** 24:
+            parts.append(_scaled_sum_squares(g))        # overflow, NaN, or subnormal rounding
+        elif s == 0.0 and (g.max() != 0 or g.min() != 0):
+            parts.append(_scaled_sum_squares(g))        # every square underflowed to zero
+        else:
+            parts.append((s, 1.0))
+    if not parts:
+        return 0.0
+    if any(math.isnan(s) for s, _ in parts):
+        return math.nan
+    top = max(a for _, a in parts)
+    return top * math.sqrt(sum(s * (a / top) ** 2 for s, a in parts))
 
 
-def clip_grad_norm(grads, max_norm: float) -> float:
+def clip_grad_norm(grads, max_norm: float, norm: float | None = None) -> float:
     """Scale gradients in place so their global L2 norm is at most ``max_norm``.
 
     Convention of ``torch.nn.utils.clip_grad_norm_``: with ``N`` the global norm,
-    ``coef = max_norm / (N + 1e-6)``; if ``coef < 1`` every gradient is multiplied by it.
+    ``coef = max_norm / (N + 1e-6)``; if ``coef < 1`` every gradient is multiplied by it. ``N``
+    comes from :func:`global_grad_norm` (overflow-safe), and a ``coef`` below 2⁻⁶⁰ is applied
+    in exact power-of-two steps first, so float32 gradients of 1e20 or 1e38 are clipped to a
+    norm of ``max_norm`` rather than to inf or to zero. A non-finite ``N`` changes nothing.
 
     Args:
         grads: a flat gradient array, a list of them, or a list of :class:`ParamGroup`.
         max_norm: ``> 0``; ``math.inf`` only measures.
+        norm: the global norm if already known (saves a pass over the gradients).
 
     Returns:
-        The norm *before* clipping (Python float; may be ``inf``/``nan`` if a gradient is).
+        The norm *before* clipping (Python float; ``inf``/``nan`` if a gradient is).
 
     Raises:
         ValueError: ``max_norm <= 0``.
@@ -144,12 +194,19 @@ def clip_grad_norm(grads, max_norm: float) -> float:
     if not isinstance(grads, (list, tuple)):
         grads = [grads]
     grads = [g.grads if isinstance(g, ParamGroup) else g for g in grads]
-    norm = global_grad_norm(grads)
+    if norm is None:
+        norm = global_grad_norm(grads)
     coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
+    if coef < 1.0:                                      # False for a NaN norm too
+        factors = []
+        while coef < 2.0 ** -60:                        # keep each factor a normal float32
+            factors.append(2.0 ** -60)
+            coef *= 2.0 ** 60
+        factors.append(coef)
         for g in grads:
             mul = _ops(g)[0]
-            mul(g, coef, out=g)
+            for f in factors:
+                mul(g, f, out=g)
     return norm
 
 
@@ -205,7 +262,8 @@ class AdamW:
             :class:`ParamGroup`.
         lr: default learning rate (``step(lr=...)`` overrides it per update).
         betas: ``(β1, β2)``, each in ``[0, 1)``.
-        eps: added to ``√v̂`` (``> 0``... ``>= 0`` accepted).
+        eps: added to ``√v̂``, ``> 0`` (with 0, an entry whose gradient has always been 0 --
+            the embedding of a token no batch held -- would get ``0 / 0 = NaN``).
         weight_decay: ``λ >= 0``, applied as ``θ ← θ(1 − lr·λ)`` to the first ``n_decay``
             entries of each buffer only.
         chunk_size: elements per chunk (default 2^16 for NumPy, 2^20 for torch).
@@ -213,23 +271,33 @@ class AdamW:
     State: ``step`` (updates done) and, per group, the first and second moments ``m``, ``v``
     (flat, same dtype and backend as the parameters, zero-initialised as in PyTorch).
 
+    Finite in, finite out: :meth:`step` refuses a gradient whose global norm is not finite or
+    exceeds :attr:`max_grad_norm` (``√max / 2`` of the dtype: 9.2e18 in float32), changing
+    nothing. Below it every ``g_i² <= max/4``, so ``v`` (a convex combination of such squares)
+    and ``m`` (of such gradients) stay finite, and the denominator ``√v + ε√(1 − β2ᵗ)`` is
+    ``> 0`` since ``ε > 0``: the step is finite. For ``β1² < β2`` (the defaults) it is also small:
+    ``|m| <= (1 − β1) / (√(1 − β2) (1 − β1/√β2)) · √v`` (about 10.5 √v for 0.9 / 0.99), so a
+    parameter moves by at most about ``10 · lr`` per update, whatever the gradient.
+
     Raises:
-        ValueError: out-of-range hyper-parameters.
+        ValueError: out-of-range hyper-parameters (``lr`` not a finite number > 0, a beta
+            outside ``[0, 1)``, ``eps <= 0``, ``weight_decay`` not a finite number >= 0).
     """
 
     def __init__(self, groups, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, chunk_size: int | None = None):
         if not isinstance(groups, (list, tuple)):
             groups = param_groups(groups)
-        if not lr > 0:
-            raise ValueError(f"learning rate must be > 0, got {lr}")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"learning rate must be a finite number > 0, got {lr}")
         b1, b2 = (float(b) for b in betas)
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must each be in [0, 1), got {betas}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"eps must be a finite number > 0, got {eps} (with 0, an entry whose "
+                             "gradient is always 0 gets 0/0 = NaN)")
+        if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
         self.groups: list[ParamGroup] = list(groups)
         self.lr = float(lr)
         self.betas = (b1, b2)
@@ -249,6 +317,9 @@ class AdamW:
             self.m.append(zeros_like(g.params.shape) if torch_backend else np.zeros_like(g.params))
             self.v.append(zeros_like(g.params.shape) if torch_backend else np.zeros_like(g.params))
         self._tmp_len = min(self.chunk_size, n_max)
+        dtype = str(self.groups[0].params.dtype).replace("torch.", "")
+        #: the largest gradient norm :meth:`step` accepts: √(largest float of the dtype) / 2
+        self.max_grad_norm = math.sqrt(float(np.finfo(dtype).max)) / 2
 
     def _temporaries(self):
         """Two chunk-sized scratch arrays private to the calling thread (kept between steps)."""
@@ -266,14 +337,31 @@ class AdamW:
         return pair
 
     # ------------------------------------------------------------------ update
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, *, grad_norm: float | None = None) -> None:
         """One AdamW update of every group from its current gradient buffer.
 
         Args:
             lr: learning rate for this update (default :attr:`lr`), e.g. from a
                 :class:`CosineSchedule`.
+            grad_norm: the global norm of the gradients as they are now (after clipping), if
+                the caller knows it; else it is computed (one pass, :func:`global_grad_norm`).
+
+        Raises:
+            FloatingPointError: the gradient norm is NaN, inf or above :attr:`max_grad_norm`
+                (clip it first, see :func:`clip_grad_norm`). Nothing was changed: parameters,
+                moments and the step count are as before.
+            ValueError: ``lr`` not a finite number >= 0.
         """
         lr = self.lr if lr is None else float(lr)
+        if not (lr >= 0 and math.isfinite(lr)):
+            raise ValueError(f"learning rate must be a finite number >= 0, got {lr}")
+        if grad_norm is None:
+            grad_norm = global_grad_norm([g.grads for g in self.groups])
+        if not grad_norm <= self.max_grad_norm:
+            raise FloatingPointError(
+                f"AdamW: the gradient norm is {grad_norm:g}, not a finite number <= {self.max_grad_norm:.3g} "
+                "(the largest whose square the dtype holds); the update was not applied and the "
+                "parameters and moments are unchanged. Clip the gradient (clip_grad_norm) first")
         self.step_count += 1
         t = self.step_count
         b1, b2 = self.betas

@@ -1,24 +1,19 @@
-"""The training loop: data, AdamW steps, validation, logging, checkpoints, the loss curve.
+"""``pedestrian train``: the settings, the data, and :func:`train`, which wires the shared loop.
 
-One update (:func:`train_step`)::
-
-    for each of k micro-batches:  loss_i = model.loss(x_i, y_i); model.backward()   (hand-derived)
-    g = (1/k) Σ_i g_i                       gradient accumulation (see below)
-    g ← g · min(1, clip / (‖g‖ + 1e-6))     global-norm clipping (torch's convention)
-    θ ← AdamW(θ, g, lr = schedule(step))    optimizer.py
-
-Gradient accumulation convention: every micro-batch's gradient is that of its own *mean*
-loss, and the update uses their plain average. That equals the gradient of one batch ``k``
-times larger whenever every micro-batch counts the same number of targets -- always true for
-the fixed-size windows used here (no ignored targets). The backward overwrites the model's
-gradient buffers, so the running sum lives in a separate buffer.
-
-:func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG,
-logs every step to ``<out>/log.jsonl``, evaluates a fixed set of validation batches every
-``eval_interval`` steps, keeps ``<out>/latest`` and ``<out>/best`` checkpoints, and draws
+:func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG, and
+runs :class:`pedestrian.loop.Trainer` with callbacks that log every step to ``<out>/log.jsonl``,
+evaluate a fixed set of validation batches every ``eval_interval`` steps, keep ``<out>/latest``
+and ``<out>/best`` checkpoints and stop in time (``max_minutes``); it draws
 ``<out>/loss_curve.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
-steps bit for bit (NumPy backend; a test).
+steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
+AdamW) is :func:`pedestrian.loop.train_step`.
+
+Non-finite numbers (the rule of :mod:`pedestrian.loop`): a step whose loss or gradient norm is
+NaN or inf is skipped -- no update, weights and AdamW moments untouched -- with a warning naming
+the step; ``max_skipped_steps`` (default 5) skipped steps in a row stop the run with an error
+that names the last good checkpoint. A non-finite validation loss never makes a "best"
+checkpoint, and no checkpoint is ever written with a non-finite weight or moment.
 
 Interruptions: while :func:`train` runs in the main thread, ``Ctrl-C`` (SIGINT) and SIGTERM only
 set a flag; the step in progress finishes, then a checkpoint of that step is saved (atomically)
@@ -27,6 +22,10 @@ second ``Ctrl-C`` stops at once (``KeyboardInterrupt``), keeping the last saved 
 
 ``--overwrite``: the old run's ``log.jsonl`` and checkpoints are kept untouched until the new run
 commits its first checkpoint; until then the new log is written to ``log.jsonl.new``.
+
+Messages go to the logger ``pedestrian.train`` (INFO: what the run does; WARNING: skipped steps
+and settings worth a second look); ``pedestrian train`` prints them, ``logging.basicConfig(level=
+logging.INFO)`` shows them in a program of your own.
 """
 
 from __future__ import annotations
@@ -34,29 +33,35 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import math
 import os
-import signal
+import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .backend import is_torch_array
 from .atomic import AppendLog, WriteError, make_dirs, write_file
 from .checkpoint import (Checkpoint, NonFiniteError, copy_checkpoint, load_checkpoint, read_state,
                          save_checkpoint)
 from .config import GPTConfig
 from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, iter_train_pieces
-from .optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm
+from .loop import (Checkpoints, Evaluation, Progress, StepLog, TimeGuard, Trainer, TrainingError, estimate_loss,
+                   finish, train_step)
+from .optim import AdamW, CosineSchedule
 from .parallel import DATA_PARALLEL_MODES, runner_for
+from .settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
+                       check, setting, specs)
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
-           "read_log", "plot_loss_curve", "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS"]
+           "read_log", "plot_loss_curve", "RunFiles", "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS"]
+
+log = logging.getLogger("pedestrian.train")
 
 #: The default model of ``pedestrian train`` (vocab_size comes from the tokenizer): 812,288
 #: parameters with the 84-character Shakespeare vocabulary. With the default TrainSettings
@@ -67,123 +72,86 @@ DEFAULT_MODEL: dict = dict(context_length=64, d_model=128, n_heads=4, n_blocks=4
                            activation="gelu_tanh", ln_eps=1e-5, bias=True, tie_weights=True,
                            causal=True, dropout=0.0)
 
-#: settings of one invocation: on resume they come from the command, not the checkpoint
-PER_RUN_SETTINGS = frozenset({"stop_step", "max_minutes", "progress", "plot", "out", "data_parallel"})
-#: settings that may differ from the checkpoint's when resuming (they do not change what the
-#: first N steps computed): given explicitly they win, otherwise the checkpoint's are kept.
-#: Any other explicitly given setting must match the checkpoint.
-RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval"}
-
-
-class TrainingError(ValueError):
-    """Training cannot start or continue (bad settings, a non-finite loss, an existing run)."""
+#: tags of TrainSettings fields: "per_run" settings belong to one invocation (on resume they
+#: come from the command, not the checkpoint); "resumable" ones may differ from the
+#: checkpoint's when resuming (they do not change what the first N steps computed): given
+#: explicitly they win, otherwise the checkpoint's are kept.
+_PER_RUN, _RESUMABLE = {"per_run"}, {"resumable"}
+_DATA, _MODEL, _OPTIM, _LOOP = "data", "model", "optimisation", "loop"
 
 
 @dataclass
 class TrainSettings:
-    """Every setting of a training run (the ``pedestrian train`` flags / TOML keys).
+    """Every setting of a training run: the ``pedestrian train`` flags and TOML keys, each
+    declared once below (type, default, help, valid values; see :mod:`pedestrian.settings`).
 
-    Data:
-        data: corpus file or folder (``None`` = the bundled Shakespeare plays).
-        tokenizer: ``"char"`` or ``"bpe"`` (byte-level BPE trained on the training split).
-        bpe_vocab_size: vocabulary size of a new BPE tokenizer.
-        val_fraction: the last fraction of the tokens is the validation split.
-    Model:
-        model: :class:`GPTConfig` fields except ``vocab_size`` (set from the tokenizer).
-        dtype / backend: ``"float32"``/``"float64"``, ``"numpy"``/``"torch"``.
-    Optimisation:
-        batch_size (B windows of context_length + 1 tokens per micro-batch), grad_accum (k
-        micro-batches per update), max_steps (updates; the cosine schedule spans them), lr
-        (peak), min_lr (end of the cosine), warmup_steps, weight_decay, beta1, beta2, eps,
-        grad_clip (global-norm threshold; 0 = off).
-    Loop:
-        seed (model init, dropout and data RNG), eval_interval (steps between validations),
-        eval_batches (size of the fixed validation set, in batches), checkpoint_interval
-        (steps between checkpoints; 0 = at every validation), max_minutes (wall-clock budget
-        for the whole run: training stops early, then validates, saves and plots), stop_step
-        (stop after this step as if interrupted; the schedule still spans max_steps), out
-        (run folder; default ``runs/<corpus>_<tokenizer>``), progress (tqdm bar), plot,
-        data_parallel (``"auto"``, ``"on"``, ``"off"``: split each batch over threads with
-        :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
-        :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more
-        cores, see :func:`pedestrian.parallel.use_data_parallel`). Resuming reproduces a run
-        bit for bit when the number of slices is the same.
+    ``model`` holds the :class:`GPTConfig` fields except ``vocab_size`` (set from the
+    tokenizer). ``data_parallel`` (``"auto"``, ``"on"``, ``"off"``) splits each batch over
+    threads with :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
+    :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more cores
+    (:func:`pedestrian.parallel.use_data_parallel`). Resuming reproduces a run bit for bit when
+    the number of slices is the same.
     """
 
-    data: str | None = None
-    tokenizer: str = "char"
-    bpe_vocab_size: int = 1024
-    val_fraction: float = 0.1
-    model: dict = field(default_factory=lambda: dict(DEFAULT_MODEL))
-    dtype: str = "float32"
-    backend: str = "numpy"
-    batch_size: int = 16
-    grad_accum: int = 1
-    max_steps: int = 3000
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 1337
-    eval_interval: int = 250
-    eval_batches: int = 20
-    checkpoint_interval: int = 0
-    max_minutes: float | None = 9.0
-    stop_step: int | None = None
-    out: str | None = None
-    progress: bool = True
-    plot: bool = True
-    data_parallel: str = "auto"
+    data: str | None = setting(None, "UTF-8 text file or folder of *.txt files (default: the bundled "
+                               "Shakespeare plays)", kind=str, metavar="PATH", group=_DATA)
+    tokenizer: str = setting("char", "character-level or byte-level BPE", choices=("char", "bpe"), group=_DATA)
+    bpe_vocab_size: int = setting(1024, "vocabulary of a new BPE tokenizer", rule=POSITIVE_INT, metavar="N",
+                                  group=_DATA)
+    val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
+                                  metavar="F", group=_DATA)
+    model: dict = setting(DEFAULT_MODEL, "GPTConfig fields except vocab_size", kind=dict, flag=False)
+    dtype: str = setting("float32", "parameter dtype", choices=("float32", "float64"), group=_MODEL)
+    backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_MODEL)
+    batch_size: int = setting(16, "windows of context_length + 1 tokens per micro-batch", rule=POSITIVE_INT,
+                              metavar="B", group=_OPTIM)
+    grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
+    max_steps: int = setting(3000, "optimizer updates; the cosine schedule spans them", rule=POSITIVE_INT,
+                             metavar="N", group=_OPTIM, tags=_RESUMABLE)
+    lr: float = setting(2e-3, "peak learning rate, reached after the linear warm-up", rule=POSITIVE,
+                        group=_OPTIM)
+    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", rule=at_most("lr"),
+                            group=_OPTIM)
+    warmup_steps: int = setting(100, "linear warm-up updates", rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
+    weight_decay: float = setting(0.1, "decoupled weight decay of the 2-D weights, not of biases or layer norms",
+                                  rule=NON_NEGATIVE, group=_OPTIM)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    beta2: float = setting(0.99, "AdamW's second-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", rule=POSITIVE,
+                         group=_OPTIM)
+    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 = off", rule=NON_NEGATIVE, metavar="NORM",
+                               group=_OPTIM)
+    max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
+                                     "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
+                                     group=_OPTIM, tags=_RESUMABLE)
+    seed: int = setting(1337, "model init, dropout and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
+    eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
+                                 tags=_RESUMABLE)
+    eval_batches: int = setting(20, "fixed validation batches", rule=POSITIVE_INT, metavar="N", group=_LOOP)
+    checkpoint_interval: int = setting(0, "steps between checkpoints; 0 = at every validation",
+                                       rule=NON_NEGATIVE_INT, metavar="N", group=_LOOP, tags=_RESUMABLE)
+    max_minutes: float | None = setting(9.0, "wall-clock budget: stop early, validate, save and plot; 0 = none",
+                                        rule=POSITIVE, optional=True, none_means=0, metavar="M", group=_LOOP,
+                                        tags=_PER_RUN)
+    stop_step: int | None = setting(None, "stop after step N as if interrupted (the schedule still spans "
+                                    "--max-steps)", kind=int, rule=POSITIVE_INT, metavar="N", group=_LOOP,
+                                    tags=_PER_RUN)
+    out: str | None = setting(None, "run folder (default runs/<corpus>_<tokenizer>)", kind=str, metavar="DIR",
+                              group=_LOOP, tags=_PER_RUN)
+    progress: bool = setting(True, "no progress bar", group=_LOOP, tags=_PER_RUN)
+    plot: bool = setting(True, "no loss_curve.png", group=_LOOP, tags=_PER_RUN)
+    data_parallel: str = setting("auto", "split each batch into slices, one per core, each on its own thread "
+                                 "with single-threaded BLAS (auto: NumPy models under 20M parameters; slices: "
+                                 "PEDESTRIAN_NUM_THREADS or the cores)", choices=DATA_PARALLEL_MODES,
+                                 group=_LOOP, tags=_PER_RUN)
 
     def validate(self) -> None:
-        """Raise :class:`TrainingError` naming the first bad setting and its valid range."""
-        def positive_int(name):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise TrainingError(f"--{_flag(name)} must be a positive integer, got {v!r}")
-
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches"):
-            positive_int(name)
-        if self.tokenizer not in ("char", "bpe"):
-            raise TrainingError(f"--tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
-        if self.tokenizer == "bpe":
-            positive_int("bpe_vocab_size")
-        if not 0.0 < float(self.val_fraction) < 1.0:
-            raise TrainingError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        for name in ("warmup_steps", "checkpoint_interval", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise TrainingError(f"--{_flag(name)} must be an integer >= 0, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise TrainingError(f"--lr must be a finite number > 0, got {self.lr!r}")
-        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
-            raise TrainingError(f"--min-lr must be in [0, lr={self.lr:g}], got {self.min_lr!r}")
-        if not (isinstance(self.val_fraction, (int, float)) and not isinstance(self.val_fraction, bool)):
-            raise TrainingError(f"--val-fraction must be a number in (0, 1), got {self.val_fraction!r}")
-        for name in ("weight_decay", "eps", "grad_clip"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-                raise TrainingError(f"--{_flag(name)} must be a finite number >= 0, got {v!r}")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0 <= v < 1):
-                raise TrainingError(f"--{_flag(name)} must be in [0, 1), got {v!r}")
-        if self.max_minutes is not None and not (isinstance(self.max_minutes, (int, float))
-                                                 and self.max_minutes > 0):
-            raise TrainingError(f"--max-minutes must be > 0, got {self.max_minutes!r}")
-        if self.stop_step is not None and (not isinstance(self.stop_step, int) or self.stop_step < 1):
-            raise TrainingError(f"--stop-step must be a positive integer, got {self.stop_step!r}")
-        if self.dtype not in ("float32", "float64"):
-            raise TrainingError(f"--dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        if self.backend not in ("numpy", "torch"):
-            raise TrainingError(f"--backend must be 'numpy' or 'torch', got {self.backend!r}")
-        if self.data_parallel not in DATA_PARALLEL_MODES:
-            raise TrainingError(f"--data-parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
-                                f"got {self.data_parallel!r}")
+        """Raise :class:`TrainingError` naming the first bad setting (by its flag) and its valid
+        values (:func:`pedestrian.settings.check`), or a bad model setting."""
+        try:
+            check(self)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
         if "vocab_size" in self.model:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         try:
@@ -204,6 +172,7 @@ class TrainSettings:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainSettings":
+        """From :meth:`to_dict` (a checkpoint's); settings it lacks (added later) get their defaults."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -219,8 +188,12 @@ class TrainSettings:
         return Path("runs") / f"{stem or 'corpus'}_{self.tokenizer}"
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+#: settings of one invocation: on resume they come from the command, not the checkpoint
+PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tags & _PER_RUN)
+#: settings that may differ from the checkpoint's when resuming (they do not change what the
+#: first N steps computed): given explicitly they win, otherwise the checkpoint's are kept.
+#: Any other explicitly given setting must match the checkpoint.
+RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {n for n, s in specs(TrainSettings).items() if s.tags & _RESUMABLE}
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -292,90 +265,7 @@ def prepare_data(settings: TrainSettings, tokenizer=None):
     return tokenizer, train_tokens, val_tokens
 
 
-# ---------------------------------------------------------------------------------------- steps
-def _copy_into(dst, src) -> None:
-    if is_torch_array(dst):
-        dst.copy_(src)
-    else:
-        np.copyto(dst, src)
-
-
-def _add_into(dst, src) -> None:
-    if is_torch_array(dst):
-        dst.add_(src)
-    else:
-        np.add(dst, src, out=dst)
-
-
-def _scale(dst, factor: float) -> None:
-    if is_torch_array(dst):
-        dst.mul_(factor)
-    else:
-        np.multiply(dst, factor, out=dst)
-
-
-def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0.0,
-               accum_buffers: list | None = None) -> tuple[float, float]:
-    """One optimizer update from ``k = len(batches)`` micro-batches.
-
-    Args:
-        model: a :class:`~pedestrian.model.GPT` in training mode (or not: dropout follows
-            ``model.training``).
-        optimizer: an :class:`~pedestrian.optim.AdamW` over the model's flat buffers.
-        batches: list of ``(x, y)`` int arrays ``(B, T)``; every micro-batch must count the
-            same number of targets for the update to equal one big batch (module docstring).
-        lr: learning rate of this update.
-        grad_clip: global-norm threshold (``0`` = no clipping).
-        accum_buffers: optional preallocated arrays shaped like each group's gradients (saves
-            an allocation per step when ``k > 1``).
-
-    Returns:
-        ``(loss, grad_norm)``: the mean of the micro-batch losses (nats per token) and the
-        global gradient norm before clipping.
-    """
-    groups: list[ParamGroup] = optimizer.groups
-    k = len(batches)
-    if k < 1:
-        raise ValueError("train_step needs at least one micro-batch")
-    if k > 1 and accum_buffers is None:
-        accum_buffers = [_empty_like(g.grads) for g in groups]
-    total = 0.0
-    for i, (x, y) in enumerate(batches):
-        total += model.loss(x, y)
-        model.backward()
-        if k == 1:
-            break
-        for g, acc in zip(groups, accum_buffers):
-            if i == 0:
-                _copy_into(acc, g.grads)
-            elif i < k - 1:
-                _add_into(acc, g.grads)
-            else:                                   # last one: g ← (g + Σ previous) / k
-                _add_into(g.grads, acc)
-                _scale(g.grads, 1.0 / k)
-    norm = clip_grad_norm(groups, grad_clip) if grad_clip > 0 else global_grad_norm([g.grads for g in groups])
-    optimizer.step(lr)
-    return total / k, norm
-
-
-def _empty_like(a):
-    if is_torch_array(a):
-        import torch
-
-        return torch.empty_like(a)
-    return np.empty_like(a)
-
-
-def estimate_loss(model, batches) -> float:
-    """Mean loss over fixed ``(x, y)`` batches with dropout off (``model.training`` restored)."""
-    was_training = model.training
-    model.training = False
-    try:
-        return float(np.mean([model.loss(x, y) for x, y in batches]))
-    finally:
-        model.training = was_training
-
-
+# ---------------------------------------------------------------------------------------- evaluation, logs
 def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches: int | None = None,
                     progress: bool = False) -> tuple[float, int]:
     """Mean next-token loss over a whole token stream, every target counted once.
@@ -458,8 +348,8 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]      # skipped: null
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     if train:
         s, l = np.array(train).T
@@ -485,6 +375,73 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     return write_file(path, png.getvalue(), what="the loss curve")
 
 
+# ---------------------------------------------------------------------------------------- files
+class RunFiles:
+    """Every file a run writes in its folder, through one object: ``log.jsonl``, the checkpoint
+    folders and ``loss_curve.png``.
+
+    Every write goes through :mod:`pedestrian.atomic`: an OS failure (no space, no permission,
+    ...) is a :class:`~pedestrian.atomic.WriteError` naming the file, and what was there before
+    is left intact.
+
+    Args:
+        out: the run folder (created).
+        keep_records_to: a resumed run keeps the log records up to its checkpoint's step (the
+            ones written after that checkpoint are dropped); ``None``: a new log.
+        replacing: ``out`` holds an older run (``--overwrite``). Its files stay untouched until
+            this run saves its first checkpoint -- until then the log goes to ``log.jsonl.new``
+            -- and then the new log replaces the old one and the old run's ``stale`` folders
+            (``best``) are removed. A run that never saves leaves the old one as it was.
+        stale: see ``replacing``.
+    """
+
+    def __init__(self, out, *, keep_records_to: int | None = None, replacing: bool = False, stale=()):
+        self.out = Path(out)
+        self.path, self.pending = self.out / "log.jsonl", self.out / "log.jsonl.new"
+        self.replacing, self.stale = replacing, tuple(stale)
+        make_dirs(self.out, "the run folder")
+        if self.pending.exists():
+            self.pending.unlink()             # left by an overwrite that never saved: not ours
+        if replacing:
+            self._file = AppendLog(self.pending, "the training log", truncate=True)
+        else:
+            kept = ([r for r in read_log(self.path) if r.get("step", 0) <= keep_records_to]
+                    if keep_records_to is not None else [])
+            _rewrite_log(self.path, kept)      # drop steps after the checkpoint (or an old run's)
+            self._file = AppendLog(self.path, "the training log")
+
+    def log(self, record: dict) -> None:
+        """Append one record, one ``os.write`` (a JSON line; non-finite numbers must already be
+        ``None``)."""
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+
+    def save_checkpoint(self, name: str, model, optimizer, tokenizer, step: int, meta: dict, **kw) -> Path:
+        """:func:`pedestrian.checkpoint.save_checkpoint` into ``out/name`` (atomic)."""
+        folder = save_checkpoint(self.out / name, model, optimizer, tokenizer, step, meta, **kw)
+        if self.replacing:                    # the new run is committed: its log replaces the old
+            self._file.close()
+            os.replace(self.pending, self.path)
+            self._file = AppendLog(self.path, "the training log")
+            self.replacing = False
+            for stale in self.stale:
+                shutil.rmtree(self.out / stale, ignore_errors=True)
+        return folder
+
+    def copy_checkpoint(self, src: str, dst: str) -> None:
+        copy_checkpoint(self.out / src, self.out / dst)
+
+    def plot(self, title: str) -> Path | None:
+        """``loss_curve.png`` from the log (not while an older run is still the committed one)."""
+        if self.replacing:
+            return None
+        return plot_loss_curve(read_log(self.path), self.out / "loss_curve.png", title=title)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.replacing and self.pending.exists():
+            self.pending.unlink()              # never committed: the old run stays as it was
+
+
 # ---------------------------------------------------------------------------------------- train
 @dataclass
 class TrainResult:
@@ -506,55 +463,87 @@ def _finite_or_none(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _rng_state(rng: np.random.Generator) -> dict:
-    return rng.bit_generator.state
+def _resumed(settings: TrainSettings, explicit: set[str], out: Path) -> tuple[TrainSettings, Checkpoint]:
+    """The checkpoint in ``out/latest`` and the settings to go on with: the checkpoint's own,
+    with the :data:`RESUMABLE_SETTINGS` given explicitly and the :data:`PER_RUN_SETTINGS` of
+    this invocation. Any other explicit setting must match the checkpoint's."""
+    ckpt = load_checkpoint(out / "latest", backend=settings.backend)
+    saved = ckpt.meta.get("settings")
+    if saved is None:
+        raise TrainingError(f"checkpoint {ckpt.path} was not written by `pedestrian train` "
+                            "(no training settings in it); it cannot be resumed")
+    saved = TrainSettings.from_dict(saved)
+    conflicts = []
+    for name in sorted(explicit - RESUMABLE_SETTINGS):
+        keys = [f"model.{k}" for k in settings.model] if name == "model" else [name]   # "model": all given
+        for key in keys:
+            if key.startswith("model."):
+                k = key[len("model."):]
+                mine, theirs = settings.model.get(k), ckpt.config.to_dict().get(k)   # derived widths resolved
+            else:
+                k, mine, theirs = key, getattr(settings, key), getattr(saved, key)
+            if mine != theirs:
+                conflicts.append(f"{k}={theirs!r} (you gave {mine!r})")
+    if conflicts:
+        raise TrainingError(f"the checkpoint in {ckpt.path} was trained with a different config: "
+                            + "; ".join(conflicts) + ". Resume without those settings, or start a new run "
+                            "with --out NEW_DIR")
+    for name in RESUMABLE_SETTINGS:
+        if name in explicit or name in PER_RUN_SETTINGS:
+            setattr(saved, name, getattr(settings, name))
+    saved.validate()
+    if ckpt.state.get("optimizer") is None:
+        raise TrainingError(f"checkpoint {ckpt.path} holds no optimizer state; it cannot be resumed")
+    if ckpt.step >= saved.max_steps:
+        raise TrainingError(f"the run in {out} already finished all {saved.max_steps} steps "
+                            f"(checkpoint at step {ckpt.step}); pass a larger --max-steps to "
+                            "train on (the cosine schedule is stretched to it)")
+    return saved, ckpt
 
 
-def _install_stop_handlers(flag: list) -> dict:
-    """SIGINT / SIGTERM append their name to ``flag`` (the loop stops between steps); a second
-    SIGINT raises ``KeyboardInterrupt`` at once. Only possible in the main thread: elsewhere
-    nothing is installed (and a ``KeyboardInterrupt`` ends the run without a save)."""
-    import threading
+def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None):
+    """``(model, optimizer, data_rng)``: new, or as the checkpoint left them."""
+    if ckpt is None:
+        from .model import GPT
 
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum, frame):
-        if flag and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        flag.append(signal.Signals(signum).name)
-
-    old = {}
-    for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
-        if sig is None:
-            continue
-        try:
-            old[sig] = signal.signal(sig, handler)
-        except (ValueError, OSError):  # pragma: no cover - unusual embedding
-            pass
-    return old
+        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend)
+        data_rng = np.random.default_rng(settings.seed)
+    else:
+        model, data_rng = ckpt.model, np.random.default_rng()
+        data_rng.bit_generator.state = ckpt.meta["data_rng"]
+    model.training = True
+    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
+                      weight_decay=settings.weight_decay)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt.optimizer_state())
+        skipped = int(ckpt.meta.get("skipped_steps", 0))
+        if optimizer.step_count != ckpt.step - skipped:
+            raise TrainingError(f"checkpoint {ckpt.path} is inconsistent: optimizer step {optimizer.step_count} "
+                                f"!= step {ckpt.step} - {skipped} skipped")
+    return model, optimizer, data_rng
 
 
-def _silence_stdout() -> None:
-    """Point file descriptor 1 at ``/dev/null`` (its reader went away: later writes, including
-    the interpreter's final flush, must not raise ``BrokenPipeError``)."""
+def _runner(settings: TrainSettings, model, ckpt: Checkpoint | None):
+    """``(runner, context, slices)`` of :func:`pedestrian.parallel.runner_for`, with a warning when
+    a resumed run splits its batches differently from the checkpoint's steps."""
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # pragma: no cover - no real stdout
-        pass
-
-
-def _restore_handlers(old: dict) -> None:
-    for sig, h in old.items():
-        if h is not None:
-            signal.signal(sig, h)
+        runner, context = runner_for(model, settings.data_parallel, settings.batch_size)
+    except ValueError as exc:                 # e.g. an unknown mode
+        raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
+    split = runner.slices_for(settings.batch_size) if runner is not model else 1
+    was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
+    if was_split is not None and was_split != split:
+        advice = "--data-parallel off" if was_split == 1 else f"PEDESTRIAN_NUM_THREADS={was_split}" + (
+            " without --data-parallel off" if settings.data_parallel == "off" else "")
+        log.warning(f"the checkpoint's steps split each batch into {was_split} slice(s), this run into {split}: "
+                    "the continuation is valid but will differ slightly from an uninterrupted run (summation "
+                    f"order, dropout masks); to reproduce it bit for bit use {advice}")
+    return runner, context, split
 
 
 def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
-          overwrite: bool = False, echo: Callable[[str], None] | None = None) -> TrainResult:
-    """Run (or resume) a training job.
+          overwrite: bool = False) -> TrainResult:
+    """Run (or resume) a training job (module docstring; messages go to the ``pedestrian.train`` logger).
 
     Args:
         settings: all settings; on resume only :data:`RESUMABLE_SETTINGS` are taken from it,
@@ -567,303 +556,136 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
             ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
             checkpoint; the new log goes to ``log.jsonl.new`` until then).
-        echo: where to print progress messages (default: stdout via tqdm.write; if that
-            pipe closes, e.g. ``pedestrian train | head``, the run stops as on SIGINT).
 
     Returns:
         a :class:`TrainResult`; ``stop_reason`` is ``"max_steps"``, ``"stop_step"``,
-        ``"max_minutes"``, or ``"interrupted"`` (SIGINT / SIGTERM / a closed stdout: a
-        checkpoint of the last finished step was saved; see the module docstring).
+        ``"max_minutes"``, or ``"interrupted"`` (SIGINT / SIGTERM, or
+        :func:`pedestrian.loop.request_stop`, e.g. a closed stdout: a checkpoint of the last
+        finished step was saved; see the module docstring).
 
     Raises:
         KeyboardInterrupt: a second ``Ctrl-C`` while stopping (the last checkpoint is kept).
         TrainingError / ValueError / FileNotFoundError: bad settings or data, an existing run
             without ``resume``/``overwrite``, a checkpoint that does not match the settings,
-            a non-finite loss (the last checkpoint is kept). Nothing on disk is changed before the inputs are
-            validated.
+            ``max_skipped_steps`` non-finite steps in a row or a non-finite weight (the message
+            names the last good checkpoint, which is kept). Nothing on disk is changed before the
+            inputs are validated.
     """
-    from tqdm import tqdm
-
     t_start = time.perf_counter()
-    stop_signal: list[str] = []         # set by SIGINT / SIGTERM or a closed stdout, checked between steps
-    write = echo or (lambda s: tqdm.write(s, file=sys.stdout))
-
-    def say(text: str) -> None:
-        try:
-            write(text)
-        except BrokenPipeError:         # stdout closed (`pedestrian train | head`): stop between
-            if echo is None:            # steps and save, as for Ctrl-C; print nothing more there
-                _silence_stdout()
-            if "stdout closed" not in stop_signal:
-                stop_signal.append("stdout closed")
-
     settings.validate()
     out = settings.run_dir()
-    latest = out / "latest"
-    log_path = out / "log.jsonl"
-    has_ckpt = (latest / "state.json").is_file() or (out / ".latest.old" / "state.json").is_file()
-
-    ckpt: Checkpoint | None = None
+    had_run = (out / "latest" / "state.json").is_file() or (out / ".latest.old" / "state.json").is_file()
+    ckpt = None
     if resume:
-        ckpt = load_checkpoint(latest, backend=settings.backend)
-        saved = ckpt.meta.get("settings")
-        if saved is None:
-            raise TrainingError(f"checkpoint {ckpt.path} was not written by `pedestrian train` "
-                                "(no training settings in it); it cannot be resumed")
-        saved = TrainSettings.from_dict(saved)
-        conflicts = []
-        for name in sorted(explicit or ()):
-            if name in RESUMABLE_SETTINGS:
-                continue
-            if name == "model":                      # the whole model dict was given
-                keys = [f"model.{k}" for k in settings.model]
-            else:
-                keys = [name]
-            for key in keys:
-                if key.startswith("model."):
-                    k = key[len("model."):]
-                    mine = settings.model.get(k)
-                    theirs = ckpt.config.to_dict().get(k)     # derived widths resolved
-                else:
-                    k, mine, theirs = key, getattr(settings, key), getattr(saved, key)
-                if mine != theirs:
-                    conflicts.append(f"{k}={theirs!r} (you gave {mine!r})")
-        if conflicts:
-            raise TrainingError(
-                f"the checkpoint in {ckpt.path} was trained with a different config: "
-                + "; ".join(conflicts) + ". Resume without those settings, or start a new run "
-                "with --out NEW_DIR")
-        for name in RESUMABLE_SETTINGS:
-            if name in (explicit or ()) or name in PER_RUN_SETTINGS:
-                setattr(saved, name, getattr(settings, name))
-        settings = saved
-        settings.validate()
-        if ckpt.state.get("optimizer") is None:
-            raise TrainingError(f"checkpoint {ckpt.path} holds no optimizer state; it cannot be resumed")
-        if ckpt.step >= settings.max_steps:
-            raise TrainingError(f"the run in {out} already finished all {settings.max_steps} steps "
-                                f"(checkpoint at step {ckpt.step}); pass a larger --max-steps to "
-                                "train on (the cosine schedule is stretched to it)")
-    elif has_ckpt and not overwrite:
-        _, state = read_state(out)
-        raise TrainingError(
-            f"{out} already holds a checkpoint (step {state.get('step')}); pass --resume to continue "
-            "it, --out NEW_DIR for a new run, or --overwrite to replace it")
-
+        settings, ckpt = _resumed(settings, set(explicit or ()), out)
+    elif had_run and not overwrite:
+        raise TrainingError(f"{out} already holds a checkpoint (step {read_state(out)[1].get('step')}); pass "
+                            "--resume to continue it, --out NEW_DIR for a new run, or --overwrite to replace it")
     tokenizer, train_tokens, val_tokens = prepare_data(settings, ckpt.tokenizer if ckpt else None)
     config = settings.model_config(tokenizer.vocab_size)
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
-    tokens_per_step = B * T * k
     train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
-    val_batches = val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T)
-
-    if ckpt is None:
-        from .model import GPT
-
-        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend)
-        data_rng = np.random.default_rng(settings.seed)
-        step, best_val = 0, math.inf
-    else:
-        model = ckpt.model
-        data_rng = np.random.default_rng()
-        data_rng.bit_generator.state = ckpt.meta["data_rng"]
-        step = ckpt.step
-        best_val = ckpt.meta.get("best_val_loss")
-        best_val = math.inf if best_val is None else float(best_val)
-    model.training = True
-    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                      weight_decay=settings.weight_decay)
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt.optimizer_state())
-        if optimizer.step_count != step:
-            raise TrainingError(f"checkpoint {ckpt.path} is inconsistent: optimizer step "
-                                f"{optimizer.step_count} != step {step}")
-    schedule = CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr)
-    accum = [_empty_like(g.grads) for g in optimizer.groups] if k > 1 else None
-    try:
-        runner, parallel_context = runner_for(model, settings.data_parallel, B)
-    except ValueError as exc:                 # e.g. processes on the torch backend
-        raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
-    split = runner.slices_for(B) if runner is not model else 1
-    others = "other thread(s)"
-    was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
-    if was_split is not None and was_split != split:
-        if was_split == 1:
-            advice = "--data-parallel off"
-        else:
-            advice = f"PEDESTRIAN_NUM_THREADS={was_split}" + (
-                " without --data-parallel off" if settings.data_parallel == "off" else "")
-        print(f"warning: the checkpoint's steps split each batch into {was_split} slice(s), this run into "
-              f"{split}: the continuation is valid but will differ slightly from an uninterrupted run "
-              f"(summation order, dropout masks); to reproduce it bit for bit use {advice}", file=sys.stderr)
-
-    make_dirs(out, "the run folder")
-    pending_log = out / "log.jsonl.new"       # a new run's log while an old run is still on disk
-    if pending_log.exists():
-        pending_log.unlink()                  # left by an overwrite that never saved: not ours
-    records = [r for r in read_log(log_path) if r.get("step", 0) <= step] if ckpt else []
-    replacing = ckpt is None and has_ckpt      # --overwrite: keep the old run until our first save
-    if replacing:
-        log_file = AppendLog(pending_log, "the training log", truncate=True)
-    else:
-        _rewrite_log(log_path, records)      # drop steps after the checkpoint (or an old run's)
-        log_file = AppendLog(log_path, "the training log")
-
+    model, optimizer, data_rng = _start(settings, config, ckpt)
+    runner, context, split = _runner(settings, model, ckpt)
     end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
-    ckpt_every = settings.checkpoint_interval or settings.eval_interval
-    n_params = model.num_params(trainable_only=True)
-    say(f"pedestrian train: {n_params:,} parameters, {config}")
-    say(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
-        f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
-    say(f"steps {step} -> {end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
-        f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
-        f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
-    say(f"threads: each batch split into {split} slices, one on this thread and {split - 1} in {others} "
-        f"(data-parallel {settings.data_parallel})" if split > 1 else
-        f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
-    if settings.warmup_steps >= settings.max_steps:
-        print(f"warning: --warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
-              f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps",
-              file=sys.stderr)
+    trainer = Trainer(runner, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
+                                                        settings.min_lr),
+                      lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
+                      step=ckpt.step if ckpt else 0, end=end,
+                      end_reason="max_steps" if end == settings.max_steps else "stop_step",
+                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
+                      tokens_per_step=B * T * k, context=context,
+                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0)
+    if ckpt is not None:
+        trainer.last_eval = trainer.last_save = ckpt.step
+    best_val = ckpt.meta.get("best_val_loss") if ckpt else None
+    best_val = math.inf if best_val is None else float(best_val)
+    files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
+                     stale=("best",))
 
-    def save(val_loss: float, train_loss: float) -> None:
-        nonlocal best_val, last_save, replacing, log_file
-        is_best = math.isfinite(val_loss) and val_loss <= best_val
+    def save(t: Trainer) -> None:
+        nonlocal best_val
+        val = t.val_loss if t.last_eval == t.step else math.nan
+        is_best = math.isfinite(val) and val <= best_val
+        best_val = val if is_best else best_val
+        meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
+                "val_loss": _finite_or_none(val), "train_loss": _finite_or_none(t.loss),
+                "best_val_loss": _finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
+                "data_parallel_threads": split, "skipped_steps": t.skipped_total}
+        files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
+        t.last_save = t.step                  # kept even if copying it to best/ fails
         if is_best:
-            best_val = val_loss
-        meta = {"settings": settings.to_dict(), "data_rng": _rng_state(data_rng),
-                "val_loss": _finite_or_none(val_loss), "train_loss": _finite_or_none(train_loss),
-                "best_val_loss": _finite_or_none(best_val), "tokens_seen": step * tokens_per_step,
-                "data_parallel_threads": split}
-        save_checkpoint(latest, model, optimizer, tokenizer, step, meta)
-        last_save = step
-        if replacing:                         # the new run is committed: its log replaces the old
-            log_file.close()
-            os.replace(pending_log, log_path)
-            log_file = AppendLog(log_path, "the training log")
-            replacing = False
-            if not is_best:
-                import shutil
+            files.copy_checkpoint("latest", "best")
 
-                shutil.rmtree(out / "best", ignore_errors=True)     # the old run's best
-        if is_best:
-            copy_checkpoint(latest, out / "best")
-
-    def kept() -> str:                        # what is on disk when the run fails
-        if last_save >= 0:
-            return f"the checkpoint of step {last_save} in {latest} is kept"
-        if has_ckpt:
-            return f"nothing was saved (the previous run in {out} is left as it was)"
-        return "no checkpoint was written"
-
-    def validate() -> float:
-        nonlocal last_eval
-        with parallel_context:
-            loss = estimate_loss(runner, val_batches)
-        log_file.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
-        log_file.flush()
-        last_eval = step
-        return loss
-
-    def postfix() -> str:
-        rate = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
-        val = f"{val_loss:.4f}" if math.isfinite(val_loss) else "-"
-        return f"loss {last_loss:.4f}, val {val}, {rate:,.0f} tok/s"
-
-    bar = tqdm(total=end, initial=step, desc="train", unit="step", disable=not settings.progress,
-               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-    last_loss, val_loss = math.nan, math.nan
-    last_eval = last_save = step if ckpt is not None else -1
-    stop_reason = "max_steps" if end == settings.max_steps else "stop_step"
-    reserve = 0.0                       # seconds the final validation + checkpoint will take
-    t_loop = time.perf_counter()
-    steps_this_run = 0
-    old_handlers = _install_stop_handlers(stop_signal)
+    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out)
+    progress = Progress(trainer, "train", settings.progress)
+    evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                            settings.eval_interval, files, progress, context)
+    checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
+                              previous=f"the previous run in {out} is left as it was" if had_run else None,
+                              model=model, go_on=f"continue from it with: pedestrian train --out {out} --resume "
+                              "(the same settings redo the same steps), or start again with a lower --lr "
+                              "(--overwrite, or --out NEW_DIR)")
+    guard = TimeGuard(settings.max_minutes, t_start)
+    trainer.stop_checks.append(guard)
+    trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, checkpoints, guard.measure)
+    trainer.on("stop", finish(evaluation, checkpoints))
     try:
-        while step < end:
-            if stop_signal:
-                stop_reason = "interrupted"
-                break
-            if settings.max_minutes is not None:
-                if time.perf_counter() - t_start + reserve >= settings.max_minutes * 60:
-                    stop_reason = "max_minutes"
-                    break
-            t0 = time.perf_counter()
-            lr = schedule(step)
-            batches = [train_ds.get_batch(data_rng, B, T) for _ in range(k)]
-            with parallel_context:
-                last_loss, norm = train_step(runner, optimizer, batches, lr, settings.grad_clip, accum)
-            step += 1
-            steps_this_run += 1
-            dt = time.perf_counter() - t0
-            if not math.isfinite(last_loss):
-                raise TrainingError(f"the training loss became {last_loss} at step {step}; {kept()}. "
-                                    "Lower --lr or --grad-clip and "
-                                    + ("resume or restart" if last_save >= 0 else "start again"))
-            log_file.write(json.dumps({
-                "step": step, "loss": last_loss, "lr": lr, "grad_norm": norm,
-                "time_s": round(time.perf_counter() - t_start, 4),
-                "tokens_per_s": round(tokens_per_step / dt, 1)}) + "\n")
-            bar.update(1)
-            bar.set_postfix_str(postfix(), refresh=False)
-            t1 = time.perf_counter()
-            if step % settings.eval_interval == 0:
-                val_loss = validate()
-                bar.set_postfix_str(postfix(), refresh=False)
-                say(f"step {step}: train loss {last_loss:.4f}, val loss {val_loss:.4f}")
-            if step % ckpt_every == 0:
-                save(val_loss if last_eval == step else math.nan, last_loss)
-            if last_eval == step or last_save == step:
-                reserve = max(reserve, 1.5 * (time.perf_counter() - t1))
-        if stop_signal:
-            stop_reason = "interrupted"
-        if stop_reason == "interrupted":
-            if last_save != step:              # between steps: a consistent state to save
-                save(val_loss if last_eval == step else math.nan, last_loss)
-        else:
-            if last_eval != step or not math.isfinite(val_loss):
-                val_loss = validate()
-                bar.set_postfix_str(postfix(), refresh=True)
-            if last_save != step:
-                save(val_loss, last_loss)
+        reason = trainer.run()
     except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
-        raise exc.advise(kept(), f"continue with: pedestrian train --out {out} --resume"
-                         if last_save >= 0 else "start again") from exc
-    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf
-        raise TrainingError(f"{exc}; {kept()}; " + (f"continue from it with: pedestrian train --out {out} "
-                            "--resume, or start again with a lower --lr" if last_save >= 0 else
-                            "start again with a lower --lr")) from exc
+        raise exc.advise(checkpoints.kept(trainer), f"continue with: pedestrian train --out {out} --resume"
+                         if trainer.last_save >= 0 else "start again") from exc
+    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
+        raise TrainingError(f"{exc}; {checkpoints.kept(trainer, good=True)}; start again with a lower --lr") from exc
     finally:
-        _restore_handlers(old_handlers)
-        bar.close()
-        log_file.close()
+        progress.close()
+        files.close()
         if runner is not model:
             runner.close()
-        if replacing and pending_log.exists():
-            pending_log.unlink()               # never committed: the old run stays as it was
-    seconds = time.perf_counter() - t_start
-    tps = tokens_per_step * steps_this_run / max(time.perf_counter() - t_loop, 1e-9)
+    if reason == "non_finite":
+        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     if settings.plot:
         try:
-            plot_loss_curve(read_log(log_path), out / "loss_curve.png",
-                            title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
-                                  f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
+            files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
+                       f"{model.num_params(trainable_only=True):,} params, d_model {config.d_model}, "
+                       f"{config.n_blocks} blocks")
         except WriteError as exc:
-            raise exc.advise(f"the run itself is saved ({kept()})",
+            raise exc.advise(f"the run itself is saved ({checkpoints.kept(trainer)})",
                              f"draw it from the log with: python -c \"from pedestrian.train import *; "
-                             f"plot_loss_curve(read_log('{log_path}'), '{out / 'loss_curve.png'}')\"") from exc
-    if stop_reason == "interrupted":
-        say(f"interrupted ({stop_signal[0] if stop_signal else 'stop'}) after step {step}: checkpoint "
-            f"saved in {latest}")
-        return TrainResult(step=step, train_loss=last_loss, val_loss=val_loss, best_val_loss=best_val,
-                           seconds=seconds, tokens_per_second=tps,
-                           stop_reason=stop_reason, out=out, model=model, tokenizer=tokenizer)
-    val_text = f"{val_loss:.4f}" if math.isfinite(val_loss) else "-"
-    say(f"done ({stop_reason}): step {step}, train loss {last_loss:.4f}, val loss {val_text} "
-        f"(best {best_val:.4f}), {seconds / 60:.1f} min, {tps:,.0f} tokens/s; checkpoints in {out}")
-    return TrainResult(step=step, train_loss=last_loss, val_loss=val_loss, best_val_loss=best_val,
-                       seconds=seconds, tokens_per_second=tps, stop_reason=stop_reason, out=out,
-                       model=model, tokenizer=tokenizer)
+                             f"plot_loss_curve(read_log('{files.path}'), '{out / 'loss_curve.png'}')\"") from exc
+    result = TrainResult(step=trainer.step, train_loss=trainer.loss, val_loss=trainer.val_loss,
+                         best_val_loss=best_val, seconds=time.perf_counter() - t_start,
+                         tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,
+                         model=model, tokenizer=tokenizer)
+    if reason == "interrupted":
+        log.info(f"interrupted ({trainer.interrupted_by}) after step {result.step}: checkpoint saved in "
+                 f"{out / 'latest'}")
+    else:
+        log.info(f"done ({reason}): step {result.step}, train loss {_fmt(result.train_loss)}, val loss "
+                 f"{_fmt(result.val_loss)} (best {_fmt(best_val)}), {result.seconds / 60:.1f} min, "
+                 f"{result.tokens_per_second:,.0f} tokens/s; checkpoints in {out}")
+    return result
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else "-"
+
+
+def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out) -> None:
+    """The opening lines of a run: model, data, steps, threads (and a warm-up warning)."""
+    B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
+    log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
+    log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
+             f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
+    log.info(f"steps {trainer.step} -> {trainer.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
+             f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
+             f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
+    log.info(f"threads: each batch split into {split} slices, one on this thread and {split - 1} in other "
+             f"thread(s) (data-parallel {settings.data_parallel})" if split > 1 else
+             f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
+    if settings.warmup_steps >= settings.max_steps:
+        log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
+                    f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps")

@@ -245,6 +245,37 @@ def test_sample_and_eval_accept_a_finetune_run(run_all, tmp_path, capsys):
         assert len(err) < 300 and "base_model=" not in err
 
 
+def test_finetune_stops_on_non_finite_steps_naming_the_last_good_adapter(run, tmp_path, capsys, monkeypatch):
+    """The loop of `pedestrian train`, so its non-finite rule: the loss turns NaN at step 3;
+    steps 3-5 are skipped with a warning each, then (--max-skipped-steps 3) one error line names
+    the last adapter checkpoint, of step 4 (saved during the streak: its adapters are those of
+    step 2's update, finite), which is kept; no PEFT export is written."""
+    import math
+
+    import pedestrian.loop as loop_module
+    from pedestrian.checkpoint import load_checkpoint
+
+    tmp, base, _ = run
+    real, calls = loop_module.train_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        return (math.nan, math.nan) if calls[0] >= 3 else real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", step)
+    out = tmp_path / "ft"
+    code, _, err = main(capsys, "finetune", "--hf-dir", base, "--data", tmp / "data.txt", "--lora-rank", "2",
+                        "--max-steps", "20", "--context-length", "16", "--batch-size", "2", "--eval-interval", "2",
+                        "--eval-batches", "1", "--max-skipped-steps", "3", "--out", out, "--no-progress")
+    lines = err.strip().splitlines()
+    assert code == 2 and [line.split(":")[1] for line in lines[:3]] == [" step 3", " step 4", " step 5"]
+    assert lines[3].startswith("error: the training loss is nan and 3 step(s) in a row were skipped (steps 3-5)")
+    assert f"the adapter checkpoint of step 4 in {out / 'adapter'} is kept (the last good one)" in lines[3]
+    ckpt = load_checkpoint(out / "adapter", base_model=load_pretrained(base)[0])
+    assert ckpt.step == 4 and ckpt.meta["skipped_steps"] == 2 and ckpt.optimizer_state()["step"] == 2
+    assert not (out / "peft").exists()
+
+
 def test_a_full_disk_while_saving_names_the_last_adapter_checkpoint(run, tmp_path, monkeypatch, capsys):
     import os
 

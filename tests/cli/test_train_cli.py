@@ -236,10 +236,10 @@ def test_end_of_run_prints_samples_and_where_things_are(corpus, tmp_path, capsys
 
 
 def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, capsys, monkeypatch):
-    import pedestrian.train as train_module
+    import pedestrian.loop as loop_module
 
     before = _snapshot(run)
-    real, calls = train_module.train_step, [0]
+    real, calls = loop_module.train_step, [0]
 
     def crash_at_step_2(*args, **kwargs):
         calls[0] += 1
@@ -248,7 +248,7 @@ def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, cap
         return real(*args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(train_module, "train_step", crash_at_step_2)
+        m.setattr(loop_module, "train_step", crash_at_step_2)
         with pytest.raises(RuntimeError):
             main(["train", "--data", str(corpus), "--out", str(run), "--overwrite", "--max-steps", "6", *TINY])
     assert _snapshot(run) == before                  # old log and checkpoints untouched, no .new left
@@ -268,9 +268,9 @@ def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypat
     import os
     import signal
 
-    import pedestrian.train as train_module
+    import pedestrian.loop as loop_module
 
-    real, calls = train_module.train_step, [0]
+    real, calls = loop_module.train_step, [0]
 
     def step(*args, **kwargs):
         calls[0] += 1
@@ -278,7 +278,7 @@ def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypat
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "train_step", step)
+    monkeypatch.setattr(loop_module, "train_step", step)
     out = tmp_path / "run"
     assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "6", *TINY]) == 130
     err = capsys.readouterr().err
@@ -306,7 +306,7 @@ def test_progress_bar_never_shows_val_nan(corpus, tmp_path, capsys):
     (["--lr", "0"], "--lr must be a finite number > 0"),
     (["--min-lr", "inf"], "--min-lr must be in [0, lr="),
     (["--grad-clip", "inf"], "--grad-clip must be a finite number >= 0"),
-    (["--max-minutes", "nan"], "--max-minutes must be > 0"),
+    (["--max-minutes", "nan"], "--max-minutes must be a finite number > 0"),
 ])
 def test_non_finite_float_flags(corpus, tmp_path, capsys, flags, expect):
     _bad(capsys, ["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY, *flags], expect)
@@ -356,3 +356,27 @@ def test_missing_torch_and_out_of_memory_are_one_line_errors(corpus, tmp_path, c
     monkeypatch.setenv("PEDESTRIAN_DEBUG", "1")
     with pytest.raises(MemoryError):
         main(["train", "--data", str(corpus), "--out", str(tmp_path / "r"), *TINY])
+
+
+def test_pipe_into_head_stops_like_ctrl_c(corpus, tmp_path):
+    """`pedestrian train | head -n 1` for real: once the reader is gone the run stops at its next
+    step boundary, saves a checkpoint, exits 130 and prints no traceback (messages go through
+    logging; the console handler turns the broken pipe into a stop request)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "pedestrian", "train", "--data", str(corpus), "--out", str(out), *TINY,
+            "--max-steps", "100000", "--eval-interval", "1", "--max-minutes", "2", "--no-sample"]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()                                    # what `head -n 1` does after one line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 130, err
+    assert first.startswith(b"pedestrian train: ")
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert f"checkpoint of step" in err and f"pedestrian train --out {out} --resume" in err
+    step = json.loads((out / "latest" / "state.json").read_text())["step"]
+    assert step < 100000

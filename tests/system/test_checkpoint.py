@@ -302,7 +302,7 @@ def test_sample_on_a_checkpoint_with_a_nan_is_one_error_line(tmp_path, capsys):
 def test_train_whose_weights_turn_non_finite_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     """A weight that becomes NaN while the loss is still finite: the next save is refused, the
     run ends with one line naming the tensor, the last good checkpoint and the resume command."""
-    from pedestrian import train as train_module
+    from pedestrian import loop as train_module
     from pedestrian.cli import main
 
     corpus = tmp_path / "c.txt"

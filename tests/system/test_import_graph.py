@@ -34,11 +34,7 @@ THIRD_PARTY_PRIVATE = {
 }
 
 #: (module, accessed name) -> who removes it. Issue 11, item 6 and the helpers' own files.
-PENDING_PRIVATE = {
-    ("pedestrian.commands.train", "parser._action_groups"):
-        "train helper: issue 11 item 6 (each setting declared once) builds the argument groups; "
-        "argparse has no public way to find an existing group",
-}
+PENDING_PRIVATE: dict = {}
 
 #: import cycles (as sorted tuples of modules) -> who removes them
 PENDING_CYCLES = {

@@ -4,6 +4,7 @@ accumulation, evaluation, exact resume, the wall-clock budget, logs and the plot
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -141,12 +142,12 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
     model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
     common = dict(dtype=dtype, grad_accum=2, model=model, checkpoint_interval=4)
     one = _settings(corpus, tmp_path / "one", **common)
-    train(one, echo=lambda s: None)
+    train(one)
     two = _settings(corpus, tmp_path / "two", stop_step=3, **common)
-    r = train(two, echo=lambda s: None)
+    r = train(two)
     assert r.step == 3 and r.stop_reason == "stop_step"
     resumed = _settings(corpus, tmp_path / "two", **common)
-    r = train(resumed, resume=True, explicit={"out"}, echo=lambda s: None)
+    r = train(resumed, resume=True, explicit={"out"})
     assert r.step == 6
     a, b = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
     assert list(a) == list(b) == [1, 2, 3, 4, 5, 6]
@@ -160,27 +161,27 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
     assert ca.model.dropout_rng.bit_generator.state == cb.model.dropout_rng.bit_generator.state
 
 
-def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch, capsys):
+def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch, caplog):
     """With DataParallel (2 slices) N + N steps still equal 2N bit for bit; resuming with another
     slice count works but says that the result will differ slightly."""
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
     common = dict(model=model, checkpoint_interval=3)
     common["data_parallel"] = "on"
-    train(_settings(corpus, tmp_path / "one", **common), echo=lambda s: None)
-    train(_settings(corpus, tmp_path / "two", stop_step=3, **common), echo=lambda s: None)
-    train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"}, echo=lambda s: None)
+    train(_settings(corpus, tmp_path / "one", **common))
+    train(_settings(corpus, tmp_path / "two", stop_step=3, **common))
+    train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"})
     assert _train_losses(tmp_path / "one") == _train_losses(tmp_path / "two")
-    assert "warning" not in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
-    train(_settings(corpus, tmp_path / "three", stop_step=3, **common), echo=lambda s: None)
+    train(_settings(corpus, tmp_path / "three", stop_step=3, **common))
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
-    r = train(_settings(corpus, tmp_path / "three", **common), resume=True, explicit={"out"}, echo=lambda s: None)
+    r = train(_settings(corpus, tmp_path / "three", **common), resume=True, explicit={"out"})
     assert r.step == 6
-    err = capsys.readouterr().err
-    assert "split each batch into 1 slice(s), this run into 2" in err
-    assert "--data-parallel off" in err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "split each batch into 1 slice(s), this run into 2" in warnings[0]
+    assert "--data-parallel off" in warnings[0]
 
 
 def test_data_parallel_modes_checked(corpus, tmp_path):
@@ -189,28 +190,43 @@ def test_data_parallel_modes_checked(corpus, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-def test_checkpoint_records_the_slices_actually_used(corpus, tmp_path, monkeypatch):
+def test_checkpoint_records_the_slices_actually_used(corpus, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "3")
-    lines = []
-    r = train(_settings(corpus, tmp_path / "a", batch_size=2, max_steps=2, data_parallel="on"), echo=lines.append)
+    caplog.set_level(logging.INFO, logger="pedestrian")
+    r = train(_settings(corpus, tmp_path / "a", batch_size=2, max_steps=2, data_parallel="on"))
     assert load_checkpoint(r.out / "latest").meta["data_parallel_threads"] == 2      # min(3 slices, 2 rows)
-    assert any("split into 2 slices" in line for line in lines)
+    assert any("split into 2 slices" in r.getMessage() for r in caplog.records)
+    assert all(r.name == "pedestrian.train" for r in caplog.records)
 
 
 def test_a_closed_stdout_stops_the_run_like_ctrl_c(corpus, tmp_path, monkeypatch):
-    """`pedestrian train | head`: the first message that cannot be written stops the run between
-    steps, with a checkpoint, as an interrupt would."""
+    """`pedestrian train | head`: the first message that cannot be written (the CLI's console
+    handler gets BrokenPipeError) stops the run between steps, with a checkpoint, as an
+    interrupt would; stdout is pointed at /dev/null for the rest."""
+    import io
+
+    from pedestrian import cli
+
     silenced = []
-    monkeypatch.setattr("pedestrian.train._silence_stdout", lambda: silenced.append(True))
+    monkeypatch.setattr(cli, "silence_stdout", lambda: silenced.append(True))
 
-    def echo(text):
-        if text.startswith("step 2"):
-            raise BrokenPipeError(32, "Broken pipe")
+    class ClosingPipe(io.StringIO):          # a reader that has gone away when "step 2: ..." comes
+        def write(self, text):
+            if text.startswith("step 2:"):
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
 
-    r = train(_settings(corpus, tmp_path / "a"), echo=echo)
+    pipe = ClosingPipe()
+    monkeypatch.setattr("sys.stdout", pipe)
+    with cli.console_logging():
+        r = train(_settings(corpus, tmp_path / "a"))
     assert r.stop_reason == "interrupted" and r.step == 2
     assert load_checkpoint(tmp_path / "a" / "latest").step == 2
-    assert silenced == []                         # a caller's own echo: fd 1 is left alone
+    lines = pipe.getvalue().splitlines()               # (the fake pipe still takes later lines)
+    assert silenced == [True] and lines[-2].startswith("threads: ")
+    assert lines[-1].startswith("interrupted (stdout closed) after step 2: checkpoint saved")
+    r = train(_settings(corpus, tmp_path / "b"))          # the request ended with that run
+    assert r.stop_reason == "max_steps"
 
 
 def _signal_at(monkeypatch, n: int, sig):
@@ -218,9 +234,9 @@ def _signal_at(monkeypatch, n: int, sig):
     Ctrl-C / SIGTERM arriving mid-step)."""
     import os
 
-    import pedestrian.train as train_module
+    import pedestrian.loop as loop_module
 
-    real, calls = train_module.train_step, [0]
+    real, calls = loop_module.train_step, [0]
 
     def step(*args, **kwargs):
         calls[0] += 1
@@ -228,7 +244,7 @@ def _signal_at(monkeypatch, n: int, sig):
             os.kill(os.getpid(), sig)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "train_step", step)
+    monkeypatch.setattr(loop_module, "train_step", step)
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
@@ -239,15 +255,15 @@ def test_interrupt_saves_a_checkpoint_and_resume_is_exact(corpus, tmp_path, monk
 
     common = dict(max_steps=8, grad_accum=2, eval_interval=3,
                   model=dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1))
-    train(_settings(corpus, tmp_path / "one", **common), echo=lambda s: None)
+    train(_settings(corpus, tmp_path / "one", **common))
     before = signal.getsignal(signal.SIGINT)
     with monkeypatch.context() as m:
         _signal_at(m, 5, getattr(signal, sig))
-        r = train(_settings(corpus, tmp_path / "two", **common), echo=lambda s: None)
+        r = train(_settings(corpus, tmp_path / "two", **common))
     assert r.stop_reason == "interrupted" and r.step == 5
     assert signal.getsignal(signal.SIGINT) is before                 # handlers restored
     assert load_checkpoint(tmp_path / "two").step == 5
-    r = train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"}, echo=lambda s: None)
+    r = train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"})
     assert r.step == 8
     a, b = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
     assert list(a) == list(b) == list(range(1, 9)) and a == b
@@ -257,16 +273,18 @@ def test_interrupt_saves_a_checkpoint_and_resume_is_exact(corpus, tmp_path, monk
 
 
 def test_non_finite_loss_without_a_checkpoint_says_so(corpus, tmp_path, monkeypatch):
-    import pedestrian.train as train_module
+    import pedestrian.loop as loop_module
 
-    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: (float("nan"), 0.0))
-    with pytest.raises(ValueError, match="at step 1; no checkpoint was written"):
-        train(_settings(corpus, tmp_path / "run"), echo=lambda s: None)
+    monkeypatch.setattr(loop_module, "train_step", lambda *a, **k: (float("nan"), 0.0))
+    with pytest.raises(TrainingError, match=r"the training loss is nan and 5 step\(s\) in a row were skipped "
+                                            r"\(steps 1-5\), so the run stopped; no checkpoint was written"):
+        train(_settings(corpus, tmp_path / "run", max_steps=20, eval_interval=10))
+    assert not (tmp_path / "run" / "latest").exists()
 
 
 def test_run_writes_log_checkpoints_and_plot(corpus, tmp_path):
     s = _settings(corpus, tmp_path / "run", max_steps=40, plot=True, eval_interval=10, lr=3e-2)
-    r = train(s, echo=lambda s: None)
+    r = train(s)
     out = tmp_path / "run"
     records = read_log(out / "log.jsonl")
     steps = [x for x in records if "loss" in x]
@@ -285,7 +303,7 @@ def test_run_writes_log_checkpoints_and_plot(corpus, tmp_path):
 
 def test_max_minutes_stops_gracefully(corpus, tmp_path):
     s = _settings(corpus, tmp_path / "run", max_steps=10_000, max_minutes=0.02, plot=True, eval_interval=5)
-    r = train(s, echo=lambda s: None)
+    r = train(s)
     assert r.stop_reason == "max_minutes"
     assert 0 < r.step < 10_000
     ckpt = load_checkpoint(tmp_path / "run")
@@ -297,8 +315,8 @@ def test_max_minutes_stops_gracefully(corpus, tmp_path):
 def test_torch_backend_trains(corpus, tmp_path):
     s = _settings(corpus, tmp_path / "t", backend="torch", dtype="float64", max_steps=4)
     n = _settings(corpus, tmp_path / "n", dtype="float64", max_steps=4)
-    train(s, echo=lambda s: None)
-    train(n, echo=lambda s: None)
+    train(s)
+    train(n)
     a, b = _train_losses(tmp_path / "t"), _train_losses(tmp_path / "n")
     np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-10)
     assert json.loads((tmp_path / "t" / "latest" / "state.json").read_text())["step"] == 4

@@ -15,8 +15,9 @@ import dataclasses
 from ..config import LORA_LAYER_KINDS, PRESETS, GPTConfig, lora_specs, param_specs, preset
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model-shape flags shared by several commands (``--preset`` plus per-field overrides)."""
+def add_config_arguments(parser: argparse.ArgumentParser):
+    """Model-shape flags shared by several commands (``--preset`` plus per-field overrides).
+    Returns their argument group ("model"), for a command to add its own model flags to."""
     g = parser.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
     g.add_argument("--vocab-size", type=int)
@@ -32,6 +33,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-bias", dest="bias", action="store_false", default=None)
     g.add_argument("--untied", dest="tie_weights", action="store_false", default=None)
     g.add_argument("--non-causal", dest="causal", action="store_false", default=None)
+    return g
 
 
 CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",

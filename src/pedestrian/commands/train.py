@@ -14,6 +14,8 @@ seed 0; --no-sample to skip) and where the checkpoints, log and loss curve are.
 Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and says how to resume
 (--resume continues exactly); a second Ctrl-C stops at once.
 --warmup-steps >= --max-steps is allowed but warned about: the peak lr is never reached.
+A step whose loss or gradient is NaN or inf is skipped (no update) with a warning; after
+--max-skipped-steps of them in a row the run stops, naming the last good checkpoint.
 
 Examples:
   pedestrian train
@@ -26,12 +28,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+import typing
 from pathlib import Path
 
-from ..config import PRESETS
-from ..parallel import DATA_PARALLEL_MODES
+from ..config import PRESETS, GPTConfig
+from ..settings import add_flags, config_value, kind_of, specs
+from ..train import DEFAULT_MODEL, TrainingError, TrainSettings
 from .params import CONFIG_FIELDS, add_config_arguments
 
 try:  # Python 3.11+
@@ -39,44 +42,15 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-#: flag destination -> TrainSettings field (flags not listed here map to the same name)
-_TRAIN_FIELDS = ("data", "tokenizer", "bpe_vocab_size", "val_fraction", "dtype", "backend", "batch_size",
-                 "grad_accum", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
-                 "eps", "grad_clip", "seed", "eval_interval", "eval_batches", "checkpoint_interval",
-                 "max_minutes", "stop_step", "out", "progress", "plot", "data_parallel")
+#: TrainSettings fields with a flag / config key (each declared once, in pedestrian.train)
+_TRAIN_FIELDS = tuple(name for name, spec in specs(TrainSettings).items() if spec.flag)
+#: model keys: GPTConfig fields (their types come from GPTConfig) and a preset name
 _MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
 _TABLES = ("data", "model", "optim", "train")
-#: the type every TOML value must have (that of its flag); floats also accept integers
-_INT_KEYS = {"bpe_vocab_size", "batch_size", "grad_accum", "max_steps", "warmup_steps", "seed", "eval_interval",
-             "eval_batches", "checkpoint_interval", "stop_step", "context_length", "d_model", "n_heads",
-             "n_blocks", "d_head", "d_qk", "mlp_ratio"}
-_FLOAT_KEYS = {"val_fraction", "lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
-               "max_minutes", "dropout", "ln_eps"}
-_BOOL_KEYS = {"bias", "tie_weights", "causal", "progress", "plot"}
-_STR_KEYS = {"data", "tokenizer", "dtype", "backend", "out", "activation", "preset", "data_parallel"}
-
-
-def _check_toml_type(path, key: str, value):
-    """``value`` converted to its flag's type, or a ValueError naming the key and the type."""
-    def bad(expected: str):
-        return ValueError(f"config file {path}: {key} = {value!r} must be {expected}")
-
-    if key in _BOOL_KEYS:
-        if not isinstance(value, bool):
-            raise bad("true or false (a TOML boolean, no quotes)")
-    elif key in _INT_KEYS:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad("an integer")
-    elif key in _FLOAT_KEYS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise bad("a finite number")
-    elif key in _STR_KEYS:
-        if not isinstance(value, str):
-            raise bad('a string (in quotes, e.g. "text")')
-    return value
+#: the type every TOML value must have (that of its flag)
+_KINDS = {**{name: specs(TrainSettings)[name].kind for name in _TRAIN_FIELDS},
+          **{name: kind_of(hint) for name, hint in typing.get_type_hints(GPTConfig).items()},
+          "preset": str}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,49 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the run in --out from its latest checkpoint, exactly")
     parser.add_argument("--overwrite", action="store_true",
                         help="start a new run even if --out already holds a checkpoint")
-    g = parser.add_argument_group("data")
-    g.add_argument("--data", metavar="PATH", help="UTF-8 text file or folder of *.txt files "
-                   "(default: the bundled Shakespeare plays)")
-    g.add_argument("--tokenizer", choices=["char", "bpe"], help="character-level (default) or byte-level BPE")
-    g.add_argument("--bpe-vocab-size", type=int, metavar="N", help="vocabulary of a new BPE tokenizer (1024)")
-    g.add_argument("--val-fraction", type=float, metavar="F", help="last fraction of tokens held out (0.1)")
-    add_config_arguments(parser)
-    m = [a for a in parser._action_groups if a.title == "model"][0]
-    m.add_argument("--dropout", type=float, help="dropout probability (0)")
-    m.add_argument("--dtype", choices=["float32", "float64"], help="parameter dtype (float32)")
-    m.add_argument("--backend", choices=["numpy", "torch"], help="array library (numpy)")
-    o = parser.add_argument_group("optimisation")
-    o.add_argument("--batch-size", type=int, metavar="B", help="windows per micro-batch")
-    o.add_argument("--grad-accum", type=int, metavar="K", help="micro-batches per update (1)")
-    o.add_argument("--max-steps", type=int, metavar="N", help="optimizer updates; the schedule spans them")
-    o.add_argument("--lr", type=float, help="peak learning rate")
-    o.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine decay")
-    o.add_argument("--warmup-steps", type=int, metavar="N", help="linear warm-up updates")
-    o.add_argument("--weight-decay", type=float, help="decoupled weight decay of the 2-D weights")
-    o.add_argument("--beta1", type=float)
-    o.add_argument("--beta2", type=float)
-    o.add_argument("--eps", type=float)
-    o.add_argument("--grad-clip", type=float, metavar="NORM", help="global gradient-norm clip (0 = off)")
-    t = parser.add_argument_group("loop")
-    t.add_argument("--seed", type=int, help="model init, dropout and batch sampling seed")
-    t.add_argument("--eval-interval", type=int, metavar="N", help="steps between validations")
-    t.add_argument("--eval-batches", type=int, metavar="N", help="fixed validation batches")
-    t.add_argument("--checkpoint-interval", type=int, metavar="N",
-                   help="steps between checkpoints (0 = at every validation)")
-    t.add_argument("--max-minutes", type=float, metavar="M",
-                   help="wall-clock budget: stop early, validate, save and plot (0 = none)")
-    t.add_argument("--stop-step", type=int, metavar="N",
-                   help="stop after step N as if interrupted (the schedule still spans --max-steps)")
-    t.add_argument("--out", metavar="DIR", help="run folder (default runs/<corpus>_<tokenizer>)")
-    t.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                   help="no progress bar")
-    t.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="no loss_curve.png")
-    t.add_argument("--data-parallel", choices=list(DATA_PARALLEL_MODES),
-                   help="split each batch into slices, one per core, each run with single-threaded BLAS "
-                        "(default auto: NumPy models under 20M parameters; slices: PEDESTRIAN_NUM_THREADS "
-                        "or the cores), each slice on its own thread")
-    t.add_argument("--no-sample", dest="sample", action="store_false", default=True,
-                   help="do not print samples of the trained model at the end")
+    data = parser.add_argument_group("data")
+    model = add_config_arguments(parser)
+    model.add_argument("--dropout", type=float, help="dropout probability (default 0)")
+    groups = add_flags(parser, TrainSettings, groups={"data": data, "model": model})
+    groups["loop"].add_argument("--no-sample", dest="sample", action="store_false", default=True,
+                                help="do not print samples of the trained model at the end")
 
 
 def read_config_file(path) -> dict:
@@ -160,14 +97,12 @@ def read_config_file(path) -> dict:
                                  f"{sorted(set(_TRAIN_FIELDS) | set(_MODEL_KEYS))}")
             if k in flat:
                 raise ValueError(f"config file {p}: {k!r} is given twice")
-            flat[k] = _check_toml_type(p, k, v)
+            flat[k] = config_value(p, k, v, _KINDS[k])
     return flat
 
 
 def settings_from_args(args: argparse.Namespace):
     """``(TrainSettings, explicit setting names)`` from defaults < --config file < flags."""
-    from ..train import DEFAULT_MODEL, TrainingError, TrainSettings
-
     given = read_config_file(args.config) if args.config else {}
     for name in _TRAIN_FIELDS + _MODEL_KEYS:
         value = getattr(args, name, None)
@@ -184,8 +119,9 @@ def settings_from_args(args: argparse.Namespace):
         model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
         model.setdefault("dropout", 0.0)
     model.update(model_given)
-    if given.get("max_minutes") == 0:
-        given["max_minutes"] = None
+    for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
+        if spec.none_means is not None and name in given and given[name] == spec.none_means:
+            given[name] = None
     settings = TrainSettings(**given, model=model)
     # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
     model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
