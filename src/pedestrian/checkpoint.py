@@ -4,8 +4,10 @@ A checkpoint is a folder (``runs/NAME/latest``, ``runs/NAME/best``)::
 
     model.safetensors       parameters by name (all of them, or only the LoRA adapters)
     optimizer.safetensors   AdamW moments "base.m", "base.v" (and "lora.m", "lora.v")
-    state.json              format/version, model config, dtype, step, tokenizer, dropout RNG
-                            state, optimizer step and hyper-parameters, LoRA settings, which
+    state.json              format/version, model config, dtype, step, tokenizer, the state of
+                            the model's dropout generator (``null`` when training drew masks
+                            keyed by step and row: pedestrian.distributed.RowKeyedRNG needs no
+                            state), optimizer step and hyper-parameters, LoRA settings, which
                             base model an adapter-only checkpoint belongs to, the byte size and
                             SHA-256 of both .safetensors files, and a free-form "meta" dict
                             (the training loop keeps its settings, data RNG state, metrics there)
@@ -232,7 +234,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         "base": ({"config": model.config.to_dict(), **(base or {})} if params == "lora" else None),
         "step": int(step),
         "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
-        "dropout_rng": _rng_state(model.dropout_rng),
+        "dropout_rng": _rng_state(model.dropout_rng) if isinstance(model.dropout_rng, np.random.Generator) else None,
         "optimizer": None,
         "files": {},
         "meta": meta or {},
@@ -339,7 +341,7 @@ def _read_safetensors(folder: Path, name: str, state: dict, verify: bool = True)
 
 
 def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, base_model=None,
-                    verify: bool = True) -> Checkpoint:
+                    verify: bool = True, device=None) -> Checkpoint:
     """Load a checkpoint written by :func:`save_checkpoint`.
 
     Args:
@@ -351,6 +353,7 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
             yet); they are added to it and it is returned as ``Checkpoint.model``.
         verify: check the SHA-256 of ``model.safetensors`` against ``state.json`` (one pass
             over the file).
+        device: where the rebuilt model's arrays live (``GPT(..., device=)``; torch backend).
 
     Returns:
         a :class:`Checkpoint`. The optimizer state is read on demand
@@ -388,7 +391,7 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
                                   f"not {base_model.config}")
         model = base_model
     else:
-        model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend)
+        model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend, device=device)
     try:
         if lora is not None:
             # "ranks", "alphas", "dropout": per-layer settings; checkpoints older than them have
@@ -404,7 +407,7 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"the tensors in {folder / MODEL_FILE} do not match the config in its "
                               f"{STATE_FILE} ({exc}); {_HINT}") from None
-    if state.get("dropout_rng") is not None:
+    if state.get("dropout_rng") is not None:      # written by a model holding a plain generator
         _restore_rng(model.dropout_rng, state["dropout_rng"])
     tokenizer = load_tokenizer(state["tokenizer"]) if state.get("tokenizer") is not None else None
     return Checkpoint(path=folder, model=model, tokenizer=tokenizer, config=config, step=step,

@@ -142,6 +142,20 @@ def console_logging(level: int = logging.INFO):
         logger.propagate = saved[1]
 
 
+def _error(message: str, exc: BaseException) -> int:
+    """Print ``error: message`` (exit status 2). A rank of several (torchrun, ``--nproc``) also
+    records it for the launcher, and prints it only as rank 0 of a torchrun job: under
+    ``pedestrian train --nproc`` the launcher prints one line for the whole run."""
+    from .distributed import CommunicationError, launched_rank, record_error, reports_to_launcher
+
+    if launched_rank():
+        record_error(message, lost_contact=isinstance(exc.__cause__, CommunicationError))
+        if reports_to_launcher() or os.environ.get("RANK") != "0":
+            return 2
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pedestrian`` console script; returns the exit status.
 
@@ -150,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # pedestrian train --nproc re-runs it per rank
     debug = os.environ.get("PEDESTRIAN_DEBUG", "") not in ("", "0")
     try:
         with console_logging():
@@ -158,18 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             NotADirectoryError, PermissionError, UnicodeDecodeError, WriteError) as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc), exc)
     except OSError as exc:
         if debug or exc.errno not in _WRITE_ERRNOS:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc), exc)
     except ImportError as exc:
         if debug:
             raise
-        print(f"error: {_import_error_message(exc)}", file=sys.stderr)
-        return 2
+        return _error(_import_error_message(exc), exc)
     except MemoryError as exc:
         if debug:
             raise

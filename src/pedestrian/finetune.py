@@ -280,7 +280,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
                       CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr),
                       lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], step=0, end=settings.max_steps,
                       grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k)
+                      tokens_per_step=B * T * k, dropout_seed=settings.seed)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "

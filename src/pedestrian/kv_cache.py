@@ -68,9 +68,10 @@ class KVCache:
         self.model = model
         self.batch_size = int(batch_size)
         self.context_length = c.context_length
-        self.keys = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_qk), dtype=model.dtype)
+        dev = model.device                                 # None: the backend's default (the CPU)
+        self.keys = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_qk), dtype=model.dtype, device=dev)
                      for _ in range(c.n_blocks)]
-        self.values = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_head), dtype=model.dtype)
+        self.values = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_head), dtype=model.dtype, device=dev)
                        for _ in range(c.n_blocks)]
         self.length = 0
         self.key_start = None
@@ -96,7 +97,7 @@ class KVCache:
         """Position index of ``T`` new tokens: ``length + t``, counted from each row's first real
         token (``(T,)``, or ``(B, T)`` with left padding; padding gets position 0)."""
         xp = self.model.xp
-        pos = xp.arange(self.length, self.length + T)
+        pos = xp.arange(self.length, self.length + T, device=self.model.device)
         if self.key_start is None:
             return pos
         return xp.clip(pos[None, :] - self.key_start[:, None], 0, None)

@@ -3,9 +3,10 @@ for numbers that are not finite.
 
 One step (:func:`train_step`)::
 
-    for each of k micro-batches:  loss_i = model.loss(x_i, y_i); model.backward()   (hand-derived)
+    for each of k micro-batches:  loss_i = model.loss(x_i[rows], y_i[rows], n_total=N_i)
+                                  model.backward()                      (hand-derived)
     g = (1/k) Σ_i g_i                       gradient accumulation (see below)
-    reduce(g)                               nothing on one process (the hook for a sum over ranks)
+    g ← Σ_ranks g;  loss ← Σ_ranks loss     one all_reduce of the flat buffer (nothing on one process)
     N = ‖g‖                                 overflow-safe (optim.global_grad_norm)
     if the loss or N is not finite: skip    θ, the AdamW moments and its step count untouched
     g ← g · min(1, clip / (N + 1e-6))       global-norm clipping (torch's convention)
@@ -41,9 +42,19 @@ checkpoints and the time guard are small callback objects in this module
 :func:`pedestrian.finetune.finetune` wire them. Every file goes through one object, ``files``
 (:class:`pedestrian.train.RunFiles`).
 
-Several processes: a sum of the gradients over ranks goes in :attr:`Trainer.reduce_gradients`
-(called between the backward and the norm), and a rank that writes nothing gets a ``files`` object
-that does nothing and follows the stop decisions of rank 0 (broadcast from :meth:`Trainer.should_stop`).
+Several processes (:mod:`pedestrian.distributed`): every rank gets the same global micro-batches
+and computes its rows of each (``rows = group.rows(B)``), dividing by the whole micro-batch's
+counted targets ``N_i``; the gradients and the loss are summed over the ranks between the
+backward and the norm (:func:`train_step`), so every rank sees the same numbers and
+takes the same update. The loop never asks how many ranks there are: one process has a
+:class:`~pedestrian.distributed.SingleProcess` group whose sums are the identity. Stop decisions
+are agreed (:meth:`Trainer.should_stop`: the most urgent reason of any rank wins, through one tiny
+all_reduce), and a rank that writes nothing gets a ``files`` object that does nothing.
+
+Dropout: with a ``dropout_seed`` the loop gives the model a
+:class:`~pedestrian.distributed.RowKeyedRNG` per micro-batch, keyed by ``(seed, step,
+micro-batch)`` and the global row, so masks depend neither on how the batch is split (threads,
+ranks) nor on anything but the step: a resumed run draws the same masks.
 
 Interruptions: while :meth:`Trainer.run` runs in the main thread, ``Ctrl-C`` (SIGINT) and SIGTERM
 only record a stop request (:func:`request_stop`, which a closed stdout also calls); the step in
@@ -64,11 +75,13 @@ from typing import Any, Callable
 import numpy as np
 
 from .backend import is_torch_array
+from .distributed import RowKeyedRNG, SingleProcess
+from .layers.loss import IGNORE_INDEX
 from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
 
 __all__ = ["TrainingError", "Trainer", "train_step", "skip_reason", "estimate_loss", "request_stop",
            "StepLog", "Progress", "Evaluation", "Checkpoints", "TimeGuard", "finish", "state_is_finite",
-           "non_finite_tensors"]
+           "non_finite_tensors", "count_targets", "STOP_REASONS"]
 
 log = logging.getLogger("pedestrian.train")
 
@@ -138,8 +151,17 @@ def skip_reason(loss: float, grad_norm: float, grad_clip: float, optimizer: Adam
     return None
 
 
+def count_targets(targets) -> int:
+    """Targets that count in a loss: those that are not the ignore index ``-100``."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+#: one process, for the functions below when no group is given
+_ONE = SingleProcess()
+
+
 def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0.0,
-               accum_buffers: list | None = None, reduce: Callable[[list], None] | None = None
+               accum_buffers: list | None = None, group=None, dropout_key: tuple | None = None
                ) -> tuple[float, float]:
     """One optimizer update from ``k = len(batches)`` micro-batches (module docstring).
 
@@ -147,20 +169,29 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         model: a :class:`~pedestrian.model.GPT` (or a :class:`~pedestrian.parallel.DataParallel`)
             in training mode (or not: dropout follows ``model.training``).
         optimizer: an :class:`~pedestrian.optim.AdamW` over the model's flat buffers.
-        batches: list of ``(x, y)`` int arrays ``(B, T)``; every micro-batch must count the
-            same number of targets for the update to equal one big batch (module docstring).
+        batches: list of ``(x, y)`` int arrays ``(B, T)``, the *global* micro-batches (every rank
+            passes the same ones and computes its rows, ``group.rows(B)``); every micro-batch
+            must count the same number of targets for the update to equal one big batch (module
+            docstring).
         lr: learning rate of this update.
         grad_clip: global-norm threshold (``0`` = no clipping).
         accum_buffers: optional preallocated arrays shaped like each group's gradients (saves
             an allocation per step when ``k > 1``).
-        reduce: called with the list of gradient buffers after the backward and before the
-            norm (e.g. an all-reduce over ranks; it must leave the mean gradient in place).
+        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
+        dropout_key: ``(seed, step)``: micro-batch ``i`` draws its dropout masks from a
+            :class:`~pedestrian.distributed.RowKeyedRNG` keyed ``(seed, step, i)`` (``None``:
+            from the model's own ``dropout_rng``).
 
     Returns:
         ``(loss, grad_norm)``: the mean of the micro-batch losses (nats per token) and the
-        global gradient norm before clipping. When :func:`skip_reason` gives a reason for them
-        no update was made: parameters, moments and ``optimizer.step_count`` are unchanged.
+        global gradient norm before clipping, the same on every rank. When :func:`skip_reason`
+        gives a reason for them no update was made: parameters, moments and
+        ``optimizer.step_count`` are unchanged.
+
+    Raises:
+        CommunicationError: another rank failed (:mod:`pedestrian.distributed`).
     """
+    group = _ONE if group is None else group
     groups: list[ParamGroup] = optimizer.groups
     k = len(batches)
     if k < 1:
@@ -169,7 +200,10 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         accum_buffers = [empty_like(g.grads) for g in groups]
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        total += model.loss(x, y)
+        rows = group.rows(x.shape[0])
+        if dropout_key is not None:
+            model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
+        total += model.loss(x[rows], y[rows], n_total=count_targets(y))
         model.backward()
         if k == 1:
             break
@@ -181,9 +215,8 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
             else:                                   # last one: g ← (g + Σ previous) / k
                 _add_into(g.grads, acc)
                 _scale(g.grads, 1.0 / k)
-    if reduce is not None:
-        reduce([g.grads for g in groups])
-    loss = total / k
+    group.sum_buffers([g.grads for g in groups], "the gradients")
+    loss = group.sum([total / k], "the loss")[0]
     norm = global_grad_norm([g.grads for g in groups])
     if skip_reason(loss, norm, grad_clip, optimizer) is not None:
         return loss, norm
@@ -195,12 +228,18 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     return loss, norm
 
 
-def estimate_loss(model, batches) -> float:
-    """Mean loss over fixed ``(x, y)`` batches with dropout off (``model.training`` restored)."""
+def estimate_loss(model, batches, group=None) -> float:
+    """Mean loss over fixed global ``(x, y)`` batches with dropout off (``model.training``
+    restored); with a process group each rank computes its rows and the sums are exchanged once."""
+    group = _ONE if group is None else group
     was_training = model.training
     model.training = False
     try:
-        return float(np.mean([model.loss(x, y) for x, y in batches]))
+        parts = []
+        for x, y in batches:
+            rows = group.rows(x.shape[0])
+            parts.append(model.loss(x[rows], y[rows], n_total=count_targets(y)))
+        return float(np.mean(group.sum(parts, "the validation loss")))
     finally:
         model.training = was_training
 
@@ -232,6 +271,11 @@ def non_finite_tensors(model, optimizer: AdamW) -> str:
 
 
 # ---------------------------------------------------------------------------------------- the loop
+#: stop reasons, least urgent first: when ranks disagree (a signal reached one, rank 0's time
+#: guard ran out) the most urgent one wins, on every rank
+STOP_REASONS = ("max_steps", "stop_step", "max_minutes", "non_finite", "interrupted")
+
+
 class Trainer:
     """Steps until a stop; logging, validation, checkpoints and the rest are callbacks.
 
@@ -239,26 +283,30 @@ class Trainer:
         runner: the model, or a :class:`~pedestrian.parallel.DataParallel` over it.
         optimizer: :class:`~pedestrian.optim.AdamW` over the model's trainable buffers.
         schedule: ``schedule(step) -> lr`` (e.g. :class:`~pedestrian.optim.CosineSchedule`).
-        next_batches: ``() -> [(x, y), ...]``, the micro-batches of one step.
+        next_batches: ``() -> [(x, y), ...]``, the global micro-batches of one step (the same on
+            every rank).
         step: steps done before this run (a resumed run's checkpoint step).
         end: the last step; ``end_reason`` is the stop reason when it is reached.
         grad_clip: global gradient-norm threshold (0 = off).
         max_skipped_steps: stop after this many skipped steps in a row (module docstring).
-        tokens_per_step: for the tokens/s figures.
+        tokens_per_step: for the tokens/s figures (of the whole global batch).
         context: entered around every model pass (DataParallel's one-BLAS-thread-per-slice).
         skipped_total: skipped steps before this run (from the checkpoint).
+        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
+        dropout_seed: draw dropout masks keyed by ``(dropout_seed, step, micro-batch)`` and the
+            global row (module docstring); ``None``: from the model's own ``dropout_rng``.
 
     Attributes the callbacks read (and some write): ``step``, ``lr``, ``loss``, ``grad_norm``,
     ``skipped`` (the last step's reason, or ``None``), ``skipped_in_a_row``, ``skipped_total``,
     ``val_loss``, ``last_eval``, ``last_save``, ``step_seconds``, ``steps_this_run``,
-    ``stop_reason``, ``stop_checks`` (extra ``trainer -> reason or None``, e.g. the time guard),
-    ``reduce_gradients`` (see :func:`train_step`).
+    ``stop_reason``, ``stop_checks`` (extra ``trainer -> reason or None``, e.g. the time guard;
+    a reason from :data:`STOP_REASONS`), ``group``.
     """
 
     def __init__(self, runner, optimizer: AdamW, schedule: Callable[[int], float],
                  next_batches: Callable[[], list], *, step: int, end: int, end_reason: str = "max_steps",
                  grad_clip: float = 0.0, max_skipped_steps: int = 5, tokens_per_step: int = 0,
-                 context=None, skipped_total: int = 0):
+                 context=None, skipped_total: int = 0, group=None, dropout_seed: int | None = None):
         import contextlib
 
         self.runner, self.optimizer, self.schedule, self.next_batches = runner, optimizer, schedule, next_batches
@@ -266,6 +314,8 @@ class Trainer:
         self.grad_clip, self.max_skipped_steps = grad_clip, max_skipped_steps
         self.tokens_per_step = tokens_per_step
         self.context = context if context is not None else contextlib.nullcontext()
+        self.group = _ONE if group is None else group
+        self.dropout_seed = dropout_seed
         self.accum: list | None = None              # gradient-accumulation buffers (k > 1)
         self.lr = math.nan
         self.loss = self.grad_norm = self.val_loss = math.nan
@@ -277,7 +327,6 @@ class Trainer:
         self.stop_reason: str | None = None
         self.interrupted_by = ""                    # the first stop request ("SIGINT", "stdout closed")
         self.stop_checks: list[Callable[["Trainer"], str | None]] = []
-        self.reduce_gradients: Callable[[list], None] | None = None
         self._callbacks: dict[str, list] = {"step_end": [], "stop": []}
         _stop_requests.clear()                      # a new run starts without requests
 
@@ -295,8 +344,19 @@ class Trainer:
 
         ``"interrupted"`` (a stop request: SIGINT, SIGTERM, a closed stdout), ``"non_finite"``
         (``max_skipped_steps`` skipped in a row), ``end_reason`` (``end`` reached), then the
-        :attr:`stop_checks` (``"max_minutes"``).
+        :attr:`stop_checks` (``"max_minutes"``). With several ranks every rank gets the most
+        urgent reason any of them found (:data:`STOP_REASONS`).
+
+        Raises:
+            CommunicationError: another rank failed.
         """
+        reason = self._own_reason()
+        agreed = self.group.max(STOP_REASONS.index(reason) + 1 if reason else 0)
+        if agreed and STOP_REASONS[agreed - 1] == "interrupted" and not self.interrupted_by:
+            self.interrupted_by = "another rank"
+        return STOP_REASONS[agreed - 1] if agreed else None
+
+    def _own_reason(self) -> str | None:
         if _stop_requests:
             self.interrupted_by = _stop_requests[0]
             return "interrupted"
@@ -312,8 +372,14 @@ class Trainer:
 
     def run(self) -> str:
         """Run steps until :meth:`should_stop` says why; call the ``"stop"`` callbacks; return
-        the reason (also in :attr:`stop_reason`)."""
+        the reason (also in :attr:`stop_reason`). The model's own ``dropout_rng`` is back in
+        place afterwards.
+
+        Raises:
+            CommunicationError: another rank failed (nothing is written after it).
+        """
         old_handlers = _install_stop_handlers()
+        own_rng = getattr(self.runner, "dropout_rng", None)
         try:
             self.t_loop = time.perf_counter()
             while (reason := self.should_stop()) is None:
@@ -321,10 +387,11 @@ class Trainer:
                 batches = self.next_batches()
                 if len(batches) > 1 and self.accum is None:
                     self.accum = [empty_like(g.grads) for g in self.optimizer.groups]
+                key = None if self.dropout_seed is None else (self.dropout_seed, self.step)
                 t0 = time.perf_counter()
                 with self.context:
                     self.loss, self.grad_norm = train_step(self.runner, self.optimizer, batches, self.lr,
-                                                           self.grad_clip, self.accum, self.reduce_gradients)
+                                                           self.grad_clip, self.accum, self.group, key)
                 self.step_seconds = time.perf_counter() - t0
                 self.step += 1
                 self.steps_this_run += 1
@@ -334,6 +401,8 @@ class Trainer:
             self.trigger("stop")
             return reason
         finally:
+            if own_rng is not None:
+                self.runner.dropout_rng = own_rng
             _restore_handlers(old_handlers)
 
     def _count_skip(self) -> None:
@@ -436,15 +505,16 @@ class Progress:
 
 
 class Evaluation:
-    """Validation: the mean loss over fixed batches, dropout off; ``"step_end"`` runs it every
-    ``interval`` steps. Writes ``{"step", "val_loss"}`` to the log; a non-finite result is
+    """Validation: the mean loss over fixed batches, dropout off (each rank its rows of each batch,
+    with a ``group``); ``"step_end"`` runs it every ``interval`` steps. Writes ``{"step", "val_loss"}`` to the log; a non-finite result is
     warned about and recorded as ``null`` (it never becomes the best)."""
 
-    def __init__(self, runner, batches, interval: int, files, progress: Progress | None = None, context=None):
+    def __init__(self, runner, batches, interval: int, files, progress: Progress | None = None, context=None,
+                 group=None):
         import contextlib
 
         self.runner, self.batches, self.interval, self.files = runner, batches, interval, files
-        self.progress = progress
+        self.progress, self.group = progress, group
         self.context = context if context is not None else contextlib.nullcontext()
 
     def __call__(self, t: Trainer) -> None:
@@ -453,7 +523,7 @@ class Evaluation:
 
     def run(self, t: Trainer, say: bool = False) -> float:
         with self.context:
-            loss = estimate_loss(self.runner, self.batches)
+            loss = estimate_loss(self.runner, self.batches, self.group)
         t.val_loss, t.last_eval = loss, t.step
         self.files.log({"step": t.step, "val_loss": _finite_or_none(loss)})
         if self.progress is not None:

@@ -43,7 +43,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from .backend import array_namespace, namespace_for, resolve_dtype, to_numpy
+from .backend import array_namespace, is_torch_array, namespace_for, resolve_dtype, to_numpy
 from .config import GPTConfig, fc_layers, lora_layer_values, lora_specs, param_specs
 from .kernels import kernels_for
 from .kernels.workspace import Workspace
@@ -176,6 +176,17 @@ def _base_regions(config: GPTConfig):
 
 
 
+def _resolve_device(backend: str, device):
+    """``None`` (the backend's default: the CPU) or a torch device; the NumPy backend has only the CPU."""
+    if device is None or (backend == "numpy" and str(device) == "cpu"):
+        return None
+    if backend != "torch":
+        raise ValueError(f"device {device!r} needs backend='torch' (NumPy arrays live on the CPU)")
+    import torch
+
+    return torch.device(device)
+
+
 class GPT:
     """A GPT whose backward is written by hand (no autograd anywhere).
 
@@ -186,6 +197,9 @@ class GPT:
             seeds the dropout generator.
         dtype: ``"float32"`` (default) or ``"float64"``.
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays).
+        device: where every array lives: ``None`` / ``"cpu"``, or for the torch backend any torch
+            device (``"cuda"``, ``"cuda:1"``); parameters, gradients, activations and KV caches
+            are made there, and NumPy token ids are moved there.
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
             layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
@@ -198,11 +212,12 @@ class GPT:
 
     Raises:
         TypeError: ``config`` is not a :class:`GPTConfig`.
-        ValueError: bad dtype, backend or kernels names.
+        ValueError: bad dtype, backend or kernels names; a device other than the CPU for the
+            NumPy backend.
     """
 
     def __init__(self, config: GPTConfig, *, seed: int = 0, dtype: str = "float32",
-                 backend: str = "numpy", kernels: str | None = None):
+                 backend: str = "numpy", kernels: str | None = None, device=None):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
@@ -211,7 +226,8 @@ class GPT:
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
         self.kernels = kernels_for(kernels)
-        self._base = FlatParams(self.xp, self.dtype, _base_regions(config))
+        self.device = _resolve_device(backend, device)
+        self._base = FlatParams(self.xp, self.dtype, _base_regions(config), self.device)
         self._base_names = [s.name for s in param_specs(config)]
         self.params: dict = {name: self._base.views[name] for name in self._base_names}
         self._grad_base: FlatParams | None = None
@@ -256,7 +272,7 @@ class GPT:
         if self.backend == "torch":
             import torch
 
-            return torch.as_tensor(arr, dtype=self.dtype)
+            return torch.as_tensor(arr, dtype=self.dtype, device=self.device)
         return arr.astype(self.dtype, copy=False)
 
     @property
@@ -345,7 +361,7 @@ class GPT:
                 raise ValueError(f"LoRA alpha must be a finite number, got {a!r}{where}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be a probability in [0, 1), got {dropout!r}")
-        self._lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
+        self._lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs], self.device)
         rng = np.random.default_rng(seed)
         for s in specs:
             if s.name.endswith("lora_D"):
@@ -430,7 +446,9 @@ class GPT:
 
             if not np.issubdtype(tokens.dtype, np.integer):
                 raise TypeError(f"{what} must be an integer array, got dtype {tokens.dtype}")
-            tokens = torch.as_tensor(tokens.astype(np.int64, copy=False))
+            tokens = torch.as_tensor(tokens.astype(np.int64, copy=False), device=self.device)
+        elif self.backend == "torch" and self.device is not None and is_torch_array(tokens):
+            tokens = tokens.to(self.device)
         if type(tokens) is np.ndarray and self.backend == "numpy":
             return tokens
         array_namespace(tokens)  # raises TypeError for unsupported types
@@ -473,10 +491,11 @@ class GPT:
 
     def _grad_buffers(self) -> None:
         if not self.freeze_base and self._grad_base is None:
-            self._grad_base = FlatParams(self.xp, self.dtype, _base_regions(self.config))
+            self._grad_base = FlatParams(self.xp, self.dtype, _base_regions(self.config), self.device)
         if self._lora is not None and self._grad_lora is None:
             specs = lora_specs(self.config, self.lora_targets, self.lora_rank, self.lora_ranks)
-            self._grad_lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs])
+            self._grad_lora = FlatParams(self.xp, self.dtype, [(s.shape, True, [(s.name, None)]) for s in specs],
+                                         self.device)
 
     @property
     def grads(self) -> dict:

@@ -17,10 +17,12 @@ The arithmetic is the unsplit step's. With ``N`` counted targets in the whole ba
 so slice ``s`` computes its cross-entropy divided by the *whole* batch's ``N``
 (``model.loss(..., n_total=N)``) and the gradients simply add. Results equal ``model.loss`` /
 ``model.backward`` on the whole batch up to float rounding (a different summation order; a test
-checks the match). Dropout masks are drawn per slice from generators seeded by
-``model.dropout_rng``, so a run is reproducible for a given number of slices.
+checks the match). Dropout masks are keyed by the row
+(:class:`~pedestrian.distributed.RowKeyedRNG`), so a row gets the same mask whatever the number
+of slices.
 
-Several processes or machines: :mod:`pedestrian.distributed` (``torch.distributed``).
+Several processes or machines: :mod:`pedestrian.distributed` (``torch.distributed``); each rank
+may split its own rows over threads with this class.
 
 Use::
 
@@ -38,6 +40,7 @@ import contextlib
 import numpy as np
 
 from .backend import to_numpy
+from .distributed import RowKeyedRNG
 from .kernels.threads import get_pool, in_worker_thread, num_threads, single_threaded_blas
 from .layers.loss import IGNORE_INDEX
 
@@ -73,6 +76,7 @@ def runner_for(model, data_parallel: str, batch_size: int):
 
     Args:
         data_parallel: ``"auto"`` (:func:`use_data_parallel`), ``"on"``, ``"off"``.
+        batch_size: the rows this process computes per micro-batch.
 
     Raises:
         ValueError: an unknown mode.
@@ -126,6 +130,15 @@ class DataParallel:
     def training(self, value: bool) -> None:
         self.model.training = bool(value)
 
+    @property
+    def dropout_rng(self):
+        """The model's dropout generator (the training loop sets a row-keyed one per micro-batch)."""
+        return self.model.dropout_rng
+
+    @dropout_rng.setter
+    def dropout_rng(self, value) -> None:
+        self.model.dropout_rng = value
+
     def __enter__(self) -> "DataParallel":
         """Hold BLAS (and torch) to one thread per slice until exit (see
         :func:`pedestrian.kernels.threads.single_threaded_blas`)."""
@@ -145,8 +158,14 @@ class DataParallel:
         """Drop the replicas (their activations and gradient buffers)."""
         self._replicas, self._structure = [], None
 
-    def loss(self, tokens, targets) -> float:
-        """Forward of every slice; returns the whole batch's mean loss (nats per counted target).
+    def loss(self, tokens, targets, *, n_total: int | None = None) -> float:
+        """Forward of every slice; returns the batch's loss (nats per counted target).
+
+        ``n_total``: as :meth:`GPT.loss <pedestrian.model.GPT.loss>` (these rows are part of a
+        larger batch of ``n_total`` counted targets). With dropout on, slice ``s`` draws from the
+        model's :class:`~pedestrian.distributed.RowKeyedRNG` moved to its first row (a plain
+        generator is first turned into one, from one draw of it), so every row gets the mask it
+        gets unsplit.
 
         Raises:
             TypeError, ValueError: as :meth:`GPT.forward` (bad ids, shapes, dtypes).
@@ -155,16 +174,22 @@ class DataParallel:
         n = self.slices_for(tokens_np.shape[0]) if tokens_np.ndim == 2 else 1
         if n <= 1 or targets_np.shape != tokens_np.shape:
             self._n_used = 1                    # one slice, or let the model report the error
-            return self.model.loss(tokens, targets)
+            return self.model.loss(tokens, targets, n_total=n_total)
         parts = self._slices(n)
         bounds = [tokens_np.shape[0] * s // n for s in range(n + 1)]
-        n_total = int(np.count_nonzero(targets_np != IGNORE_INDEX))
+        if n_total is None:
+            n_total = int(np.count_nonzero(targets_np != IGNORE_INDEX))
+        own = self.model.dropout_rng
         if self.model.training and (self.model.config.dropout > 0 or self.model.lora_dropout > 0):
-            for part, seed in zip(parts, self.model.dropout_rng.integers(0, 2**63 - 1, size=n)):
-                part.dropout_rng = np.random.default_rng(int(seed))
+            rows = own if isinstance(own, RowKeyedRNG) else RowKeyedRNG((int(own.integers(0, 2**63 - 1)),))
+            for part, lo in zip(parts, bounds):
+                part.dropout_rng = rows.rows_from(lo)
         self._n_used = 0
-        losses = self._run(n, lambda s: parts[s].loss(tokens[bounds[s]:bounds[s + 1]],
-                                                      targets[bounds[s]:bounds[s + 1]], n_total=n_total))
+        try:
+            losses = self._run(n, lambda s: parts[s].loss(tokens[bounds[s]:bounds[s + 1]],
+                                                          targets[bounds[s]:bounds[s + 1]], n_total=n_total))
+        finally:
+            self.model.dropout_rng = own          # slice 0 is the model itself
         self._n_used = n
         return float(sum(losses))
 

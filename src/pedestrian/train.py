@@ -26,6 +26,15 @@ commits its first checkpoint; until then the new log is written to ``log.jsonl.n
 Messages go to the logger ``pedestrian.train`` (INFO: what the run does; WARNING: skipped steps
 and settings worth a second look); ``pedestrian train`` prints them, ``logging.basicConfig(level=
 logging.INFO)`` shows them in a program of your own.
+
+Several processes (ranks; :mod:`pedestrian.distributed`): started by ``torchrun`` or
+``pedestrian train --nproc N``, :func:`train` joins the process group its environment names.
+Every rank draws the same global batches of ``batch_size`` rows and computes its share of the
+rows; gradients and losses are summed over the ranks once per step. Rank 0 alone writes the
+log, the checkpoints and the plot, and prints; the others follow its stop decisions. A
+checkpoint records the number of ranks (``meta["world_size"]``); resuming with the same number
+is exact, and with another number continues the same run up to the order of float additions
+(the batches and dropout masks are those of the global rows, whoever computes them).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from .config import GPTConfig
 from .data import BUNDLED_CORPUS, TokenDataset, encode_to_token_file, iter_corpus_pieces, iter_train_pieces
 from .loop import (Checkpoints, Evaluation, Progress, StepLog, TimeGuard, Trainer, TrainingError, estimate_loss,
                    finish, train_step)
+from .distributed import DEVICES, CommunicationError, process_group, reports_to_launcher
 from .optim import AdamW, CosineSchedule
 from .parallel import DATA_PARALLEL_MODES, runner_for
 from .settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
@@ -89,8 +99,10 @@ class TrainSettings:
     tokenizer). ``data_parallel`` (``"auto"``, ``"on"``, ``"off"``) splits each batch over
     threads with :class:`pedestrian.parallel.DataParallel`; ``"auto"`` does so for models under
     :data:`pedestrian.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more cores
-    (:func:`pedestrian.parallel.use_data_parallel`). Resuming reproduces a run bit for bit when
-    the number of slices is the same.
+    (:func:`pedestrian.parallel.use_data_parallel`). ``nproc`` > 1 starts that many ranks on
+    this machine through PyTorch's launcher (``pedestrian train --nproc N``; see
+    :mod:`pedestrian.distributed`). Resuming reproduces a run bit for bit when the number of ranks
+    and of slices is the same.
     """
 
     data: str | None = setting(None, "UTF-8 text file or folder of *.txt files (default: the bundled "
@@ -103,6 +115,8 @@ class TrainSettings:
     model: dict = setting(DEFAULT_MODEL, "GPTConfig fields except vocab_size", kind=dict, flag=False)
     dtype: str = setting("float32", "parameter dtype", choices=("float32", "float64"), group=_MODEL)
     backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_MODEL)
+    device: str = setting("cpu", "where the arrays live; cuda needs --backend torch (ranks on GPUs talk "
+                          "through NCCL, on CPUs through gloo)", choices=DEVICES, group=_MODEL, tags=_PER_RUN)
     batch_size: int = setting(16, "windows of context_length + 1 tokens per micro-batch", rule=POSITIVE_INT,
                               metavar="B", group=_OPTIM)
     grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
@@ -144,6 +158,11 @@ class TrainSettings:
                                  "with single-threaded BLAS (auto: NumPy models under 20M parameters; slices: "
                                  "PEDESTRIAN_NUM_THREADS or the cores)", choices=DATA_PARALLEL_MODES,
                                  group=_LOOP, tags=_PER_RUN)
+    nproc: int = setting(1, "processes (ranks) on this machine, each computing its share of every batch; "
+                         "started through PyTorch's launcher (needs the torch extra); under torchrun "
+                         "leave it out", rule=POSITIVE_INT, metavar="N", group=_LOOP, tags=_PER_RUN)
+    dist_timeout: float = setting(300.0, "seconds a rank waits for the others in an exchange before the run "
+                                  "stops with an error", rule=POSITIVE, metavar="S", group=_LOOP, tags=_PER_RUN)
 
     def validate(self) -> None:
         """Raise :class:`TrainingError` naming the first bad setting (by its flag) and its valid
@@ -154,6 +173,8 @@ class TrainSettings:
             raise TrainingError(str(exc)) from None
         if "vocab_size" in self.model:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
+        if self.device == "cuda" and self.backend != "torch":
+            raise TrainingError("--device cuda needs --backend torch (NumPy arrays live on the CPU)")
         try:
             self.model_config(vocab_size=1)
         except (TypeError, ValueError) as exc:
@@ -442,6 +463,26 @@ class RunFiles:
             self.pending.unlink()              # never committed: the old run stays as it was
 
 
+class NoFiles:
+    """The ``files`` of a rank that writes nothing (every rank but rank 0): :class:`RunFiles`'s
+    methods, doing nothing."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        pass
+
+    def copy_checkpoint(self, src: str, dst: str) -> None:
+        pass
+
+    def plot(self, title: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------------------- train
 @dataclass
 class TrainResult:
@@ -457,17 +498,19 @@ class TrainResult:
     out: Path
     model: Any = None
     tokenizer: Any = None
+    is_writer: bool = True                    # rank 0 (or the only process): it wrote the files
+    resume_command: str = ""                  # how to continue this run
 
 
 def _finite_or_none(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _resumed(settings: TrainSettings, explicit: set[str], out: Path) -> tuple[TrainSettings, Checkpoint]:
+def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> tuple[TrainSettings, Checkpoint]:
     """The checkpoint in ``out/latest`` and the settings to go on with: the checkpoint's own,
     with the :data:`RESUMABLE_SETTINGS` given explicitly and the :data:`PER_RUN_SETTINGS` of
     this invocation. Any other explicit setting must match the checkpoint's."""
-    ckpt = load_checkpoint(out / "latest", backend=settings.backend)
+    ckpt = load_checkpoint(out / "latest", backend=settings.backend, device=_device(settings, group))
     saved = ckpt.meta.get("settings")
     if saved is None:
         raise TrainingError(f"checkpoint {ckpt.path} was not written by `pedestrian train` "
@@ -501,17 +544,25 @@ def _resumed(settings: TrainSettings, explicit: set[str], out: Path) -> tuple[Tr
     return saved, ckpt
 
 
-def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None):
-    """``(model, optimizer, data_rng)``: new, or as the checkpoint left them."""
+def _device(settings: TrainSettings, group):
+    """The model's device: ``None`` on the CPU, this rank's GPU with ``--device cuda``."""
+    return None if settings.device == "cpu" else group.device
+
+
+def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group):
+    """``(model, optimizer, data_rng)``: new, or as the checkpoint left them; every rank starts
+    from rank 0's parameters."""
     if ckpt is None:
         from .model import GPT
 
-        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend)
+        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
+                    device=_device(settings, group))
         data_rng = np.random.default_rng(settings.seed)
     else:
         model, data_rng = ckpt.model, np.random.default_rng()
         data_rng.bit_generator.state = ckpt.meta["data_rng"]
     model.training = True
+    group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
     optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                       weight_decay=settings.weight_decay)
     if ckpt is not None:
@@ -523,26 +574,28 @@ def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None):
     return model, optimizer, data_rng
 
 
-def _runner(settings: TrainSettings, model, ckpt: Checkpoint | None):
-    """``(runner, context, slices)`` of :func:`pedestrian.parallel.runner_for`, with a warning when
-    a resumed run splits its batches differently from the checkpoint's steps."""
+def _runner(settings: TrainSettings, model, ckpt: Checkpoint | None, group):
+    """``(runner, context, slices)`` of :func:`pedestrian.parallel.runner_for` for this rank's rows,
+    with a warning when a resumed run splits its batches differently from the checkpoint's steps."""
+    rows = group.rows(settings.batch_size)
     try:
-        runner, context = runner_for(model, settings.data_parallel, settings.batch_size)
+        runner, context = runner_for(model, settings.data_parallel, rows.stop - rows.start)
     except ValueError as exc:                 # e.g. an unknown mode
         raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
-    split = runner.slices_for(settings.batch_size) if runner is not model else 1
-    was_split = ckpt.meta.get("data_parallel_threads") if ckpt is not None else None
-    if was_split is not None and was_split != split:
-        advice = "--data-parallel off" if was_split == 1 else f"PEDESTRIAN_NUM_THREADS={was_split}" + (
-            " without --data-parallel off" if settings.data_parallel == "off" else "")
-        log.warning(f"the checkpoint's steps split each batch into {was_split} slice(s), this run into {split}: "
-                    "the continuation is valid but will differ slightly from an uninterrupted run (summation "
-                    f"order, dropout masks); to reproduce it bit for bit use {advice}")
+    split = runner.slices_for(rows.stop - rows.start) if runner is not model else 1
+    if ckpt is not None:
+        then = (ckpt.meta.get("world_size", 1), ckpt.meta.get("data_parallel_threads"))
+        if then[0] != group.world_size or then[1] not in (None, split):
+            log.warning(f"the checkpoint's steps ran on {then[0]} rank(s), each batch split into {then[1] or 1} "
+                        f"slice(s) per rank; this run has {group.world_size} rank(s) and {split} slice(s): it "
+                        "continues the same run (same batches, same dropout masks), equal up to the order of "
+                        "float additions but not bit for bit; for that, resume with the same --nproc and "
+                        "PEDESTRIAN_NUM_THREADS")
     return runner, context, split
 
 
 def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, group=None) -> TrainResult:
     """Run (or resume) a training job (module docstring; messages go to the ``pedestrian.train`` logger).
 
     Args:
@@ -556,40 +609,84 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
             ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
             checkpoint; the new log goes to ``log.jsonl.new`` until then).
+        group: the process group (:mod:`pedestrian.distributed`); ``None``: the one this
+            process's environment names (one process, or a rank started by ``torchrun``), joined
+            here and left at the end.
 
     Returns:
-        a :class:`TrainResult`; ``stop_reason`` is ``"max_steps"``, ``"stop_step"``,
-        ``"max_minutes"``, or ``"interrupted"`` (SIGINT / SIGTERM, or
-        :func:`pedestrian.loop.request_stop`, e.g. a closed stdout: a checkpoint of the last
-        finished step was saved; see the module docstring).
+        a :class:`TrainResult` (the same numbers on every rank; ``is_writer`` on rank 0);
+        ``stop_reason`` is ``"max_steps"``, ``"stop_step"``, ``"max_minutes"``, or
+        ``"interrupted"`` (SIGINT / SIGTERM on any rank, or :func:`pedestrian.loop.request_stop`,
+        e.g. a closed stdout: a checkpoint of the last finished step was saved; see the module
+        docstring).
 
     Raises:
         KeyboardInterrupt: a second ``Ctrl-C`` while stopping (the last checkpoint is kept).
         TrainingError / ValueError / FileNotFoundError: bad settings or data, an existing run
             without ``resume``/``overwrite``, a checkpoint that does not match the settings,
-            ``max_skipped_steps`` non-finite steps in a row or a non-finite weight (the message
-            names the last good checkpoint, which is kept). Nothing on disk is changed before the
-            inputs are validated.
+            ``max_skipped_steps`` non-finite steps in a row or a non-finite weight, another rank
+            that failed or stopped answering (the message names the last good checkpoint, which
+            is kept). Nothing on disk is changed before the inputs are validated.
     """
     t_start = time.perf_counter()
     settings.validate()
+    own_group = group is None
+    if own_group:
+        group = process_group(settings.device, settings.dist_timeout)
+    quiet = None if group.is_writer else _Quiet()       # only rank 0 speaks
+    try:
+        return _train(settings, resume, set(explicit or ()), overwrite, group, t_start)
+    except CommunicationError as exc:                 # before the loop: nothing was written
+        raise TrainingError(f"{exc}; the run stopped before its first step and wrote nothing") from exc
+    finally:
+        if quiet is not None:
+            quiet.close()
+        if own_group:
+            group.close()
+
+
+class _Quiet:
+    """Holds the ``pedestrian`` loggers to errors (on ranks other than 0) until :meth:`close`."""
+
+    def __init__(self):
+        self.logger = logging.getLogger("pedestrian")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+
+    def close(self) -> None:
+        self.logger.setLevel(self.level)
+
+
+def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite: bool, group,
+           t_start: float) -> TrainResult:
     out = settings.run_dir()
     had_run = (out / "latest" / "state.json").is_file() or (out / ".latest.old" / "state.json").is_file()
     ckpt = None
     if resume:
-        settings, ckpt = _resumed(settings, set(explicit or ()), out)
+        settings, ckpt = _resumed(settings, explicit, out, group)
     elif had_run and not overwrite:
         raise TrainingError(f"{out} already holds a checkpoint (step {read_state(out)[1].get('step')}); pass "
                             "--resume to continue it, --out NEW_DIR for a new run, or --overwrite to replace it")
-    tokenizer, train_tokens, val_tokens = prepare_data(settings, ckpt.tokenizer if ckpt else None)
+    if settings.batch_size < group.world_size:
+        raise TrainingError(f"--batch-size {settings.batch_size} is smaller than the {group.world_size} ranks: each "
+                            f"rank computes its share of every batch's rows; use --batch-size >= {group.world_size}")
+    # rank 0 builds the tokenizer and the token file first; the others take its tokenizer
+    tokenizer = ckpt.tokenizer if ckpt else None
+    if group.is_writer:
+        tokenizer, train_tokens, val_tokens = prepare_data(settings, tokenizer)
+    shared = group.broadcast(tokenizer.to_dict() if group.is_writer else None, "the tokenizer")
+    if not group.is_writer:
+        from .tokenizer import load_tokenizer
+
+        tokenizer, train_tokens, val_tokens = prepare_data(settings, load_tokenizer(shared))
     config = settings.model_config(tokenizer.vocab_size)
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
-    model, optimizer, data_rng = _start(settings, config, ckpt)
-    runner, context, split = _runner(settings, model, ckpt)
+    model, optimizer, data_rng = _start(settings, config, ckpt, group)
+    runner, context, split = _runner(settings, model, ckpt, group)
     end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
     trainer = Trainer(runner, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
                                                         settings.min_lr),
@@ -598,13 +695,14 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                       end_reason="max_steps" if end == settings.max_steps else "stop_step",
                       grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
                       tokens_per_step=B * T * k, context=context,
-                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0)
+                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
+                      group=group, dropout_seed=settings.seed)
     if ckpt is not None:
         trainer.last_eval = trainer.last_save = ckpt.step
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
-                     stale=("best",))
+                     stale=("best",)) if group.is_writer else NoFiles()
 
     def save(t: Trainer) -> None:
         nonlocal best_val
@@ -614,32 +712,42 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
                 "val_loss": _finite_or_none(val), "train_loss": _finite_or_none(t.loss),
                 "best_val_loss": _finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
-                "data_parallel_threads": split, "skipped_steps": t.skipped_total}
+                "world_size": group.world_size, "data_parallel_threads": split, "skipped_steps": t.skipped_total}
         files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
         t.last_save = t.step                  # kept even if copying it to best/ fails
         if is_best:
             files.copy_checkpoint("latest", "best")
 
-    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out)
-    progress = Progress(trainer, "train", settings.progress)
+    resume_command = f"pedestrian train --out {out} --resume"
+    if reports_to_launcher():
+        resume_command += f" --nproc {group.world_size}"
+    elif group.world_size > 1:
+        resume_command = f"torchrun ... -m {resume_command} (the same torchrun options)"
+    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
+    progress = Progress(trainer, "train", settings.progress and group.is_writer)
     evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                            settings.eval_interval, files, progress, context)
+                            settings.eval_interval, files, progress, context, group)
     checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
                               previous=f"the previous run in {out} is left as it was" if had_run else None,
-                              model=model, go_on=f"continue from it with: pedestrian train --out {out} --resume "
+                              model=model, go_on=f"continue from it with: {resume_command} "
                               "(the same settings redo the same steps), or start again with a lower --lr "
                               "(--overwrite, or --out NEW_DIR)")
     guard = TimeGuard(settings.max_minutes, t_start)
-    trainer.stop_checks.append(guard)
+    if group.is_writer:                       # rank 0's clock decides for every rank
+        trainer.stop_checks.append(guard)
     trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, checkpoints, guard.measure)
     trainer.on("stop", finish(evaluation, checkpoints))
     try:
         reason = trainer.run()
     except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
-        raise exc.advise(checkpoints.kept(trainer), f"continue with: pedestrian train --out {out} --resume"
+        raise exc.advise(checkpoints.kept(trainer), f"continue with: {resume_command}"
                          if trainer.last_save >= 0 else "start again") from exc
     except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
         raise TrainingError(f"{exc}; {checkpoints.kept(trainer, good=True)}; start again with a lower --lr") from exc
+    except CommunicationError as exc:         # another rank died or stopped answering
+        then = f"; continue with: {resume_command}" if trainer.last_save >= 0 else "; start again"
+        raise TrainingError(f"{exc} at step {trainer.step + 1}; the run stopped; {checkpoints.kept(trainer)}"
+                            f"{then}") from exc
     finally:
         progress.close()
         files.close()
@@ -655,11 +763,12 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         except WriteError as exc:
             raise exc.advise(f"the run itself is saved ({checkpoints.kept(trainer)})",
                              f"draw it from the log with: python -c \"from pedestrian.train import *; "
-                             f"plot_loss_curve(read_log('{files.path}'), '{out / 'loss_curve.png'}')\"") from exc
+                             f"plot_loss_curve(read_log('{out / 'log.jsonl'}'), '{out / 'loss_curve.png'}')\"") from exc
     result = TrainResult(step=trainer.step, train_loss=trainer.loss, val_loss=trainer.val_loss,
                          best_val_loss=best_val, seconds=time.perf_counter() - t_start,
                          tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,
-                         model=model, tokenizer=tokenizer)
+                         model=model, tokenizer=tokenizer, is_writer=group.is_writer,
+                         resume_command=resume_command)
     if reason == "interrupted":
         log.info(f"interrupted ({trainer.interrupted_by}) after step {result.step}: checkpoint saved in "
                  f"{out / 'latest'}")
@@ -674,8 +783,8 @@ def _fmt(x: float) -> str:
     return f"{x:.4f}" if math.isfinite(x) else "-"
 
 
-def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out) -> None:
-    """The opening lines of a run: model, data, steps, threads (and a warm-up warning)."""
+def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group) -> None:
+    """The opening lines of a run: model, data, steps, ranks and threads (and a warm-up warning)."""
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
     log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
@@ -683,6 +792,10 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, spl
     log.info(f"steps {trainer.step} -> {trainer.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
              f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
              f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
+    if group.world_size > 1:
+        rows = group.rows(B)
+        log.info(f"ranks: {group.world_size} ({group.backend} on {group.device}), each computing about "
+                 f"{rows.stop - rows.start} of the {B} rows of every batch; rank 0 writes the files")
     log.info(f"threads: each batch split into {split} slices, one on this thread and {split - 1} in other "
              f"thread(s) (data-parallel {settings.data_parallel})" if split > 1 else
              f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")

@@ -140,8 +140,10 @@ def test_checkpointed_settings_round_trip_and_older_checkpoints_get_new_defaults
 
 def test_resumable_and_per_run_settings_are_the_declared_tags():
     """The sets the resume logic uses (before the declarations they were written out by hand,
-    with the same members; max_skipped_steps is new and resumable)."""
-    assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "data_parallel"}
+    with the same members; max_skipped_steps is new and resumable; the ranks, the device and the
+    exchange timeout belong to one invocation: a run may resume with others)."""
+    assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "data_parallel", "nproc",
+                                "device", "dist_timeout"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
                                                      "max_skipped_steps"}
 

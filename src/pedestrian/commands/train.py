@@ -17,9 +17,15 @@ Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and says how t
 A step whose loss or gradient is NaN or inf is skipped (no update) with a warning; after
 --max-skipped-steps of them in a row the run stops, naming the last good checkpoint.
 
+Several processes: --nproc N starts N ranks on this machine through PyTorch's launcher (each
+computes its share of every batch; gradients are summed once per step; rank 0 writes the
+files); torchrun starts them on one or several machines (README: Training on several processes).
+
 Examples:
   pedestrian train
   pedestrian train --resume                                # continue runs/shakespeare_char
+  pedestrian train --nproc 2                               # 2 ranks (needs pip install -e ".[torch]")
+  torchrun --nproc-per-node 2 -m pedestrian train          # the same, started by torchrun
   pedestrian train --config configs/shakespeare_char.toml
   pedestrian train --data my_texts/ --tokenizer bpe --bpe-vocab-size 2048 --out runs/mine
   pedestrian train --preset char-small --max-steps 500 --lr 1e-3 --max-minutes 0
@@ -156,16 +162,56 @@ def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
         print(f"--- sample {i + 1} ---\n{text.strip()}")
 
 
+def _launch(settings, args: argparse.Namespace) -> int:
+    """``--nproc N`` outside a launcher: start N ranks of this same command through PyTorch's
+    launcher (:func:`pedestrian.distributed.launch`) and report their failure in one line."""
+    from ..checkpoint import read_state
+    from ..distributed import LaunchFailure, launch
+
+    settings.validate()
+    out = settings.run_dir()
+
+    def on_disk() -> str:
+        try:
+            folder, state = read_state(out / "latest")
+        except (FileNotFoundError, ValueError):
+            return f"no checkpoint was written in {out}"
+        return (f"the checkpoint of step {state.get('step')} in {folder} is kept; continue with: pedestrian train "
+                f"--out {out} --resume --nproc {settings.nproc}")
+
+    try:
+        launch(settings.nproc, args.argv, on_disk)
+    except LaunchFailure as exc:
+        if exc.interrupted:
+            print(f"interrupted: {exc}", file=sys.stderr)
+            return 130
+        raise TrainingError(str(exc)) from None
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..distributed import launched_rank
     from ..train import train
 
     settings, explicit = settings_from_args(args)
+    if launched_rank():
+        import os
+
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if settings.nproc not in (1, here):
+            raise TrainingError(f"--nproc {settings.nproc}, but the launcher started {here} ranks on this machine; "
+                                "leave --nproc out under torchrun (--nproc-per-node sets it)")
+    elif settings.nproc > 1:
+        return _launch(settings, args)
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
     out = result.out
     if result.stop_reason == "interrupted":
-        print(f"interrupted: a checkpoint of step {result.step} is saved in {out / 'latest'}; continue "
-              f"with: pedestrian train --out {out} --resume", file=sys.stderr)
+        if result.is_writer:
+            print(f"interrupted: a checkpoint of step {result.step} is saved in {out / 'latest'}; continue "
+                  f"with: {result.resume_command}", file=sys.stderr)
         return 130
+    if not result.is_writer:
+        return 0
     print(f"final validation loss {result.val_loss:.4f} nats/token at step {result.step} "
           f"({result.seconds / 60:.1f} min); latest checkpoint {out / 'latest'}", file=sys.stdout)
     if args.sample:
@@ -176,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     print("files: " + ", ".join(files))
     print(f"sample: pedestrian sample --checkpoint {out / 'best'} --prompt \"...\" --temperature 0.8 --top-k 40")
     if result.stop_reason == "max_steps":
-        print(f"train on: pedestrian train --out {out} --resume --max-steps {2 * result.step}")
+        print(f"train on: {result.resume_command} --max-steps {2 * result.step}")
     else:
-        print(f"resume: pedestrian train --out {out} --resume")
+        print(f"resume: {result.resume_command}")
     return 0

@@ -50,9 +50,9 @@ def attention_mask(T: int, L: int, *, causal: bool, key_start=None, like=None):
     its own key (so every row of scores keeps one finite entry).
     """
     xp = array_namespace(like)
-    query_pos = xp.arange(L - T, L)[:, None]                                 # (T, 1)
-    key_pos = xp.arange(L)[None, :]                                          # (1, L)
-    allowed = key_pos <= query_pos if causal else xp.ones((T, L), dtype=xp.bool)
+    query_pos = xp.arange(L - T, L, device=like.device)[:, None]             # (T, 1)
+    key_pos = xp.arange(L, device=like.device)[None, :]                      # (1, L)
+    allowed = key_pos <= query_pos if causal else xp.ones((T, L), dtype=xp.bool, device=like.device)
     if key_start is None:
         return allowed                                                       # (T, L)
     start = xp.reshape(key_start, (-1, 1, 1, 1))                             # (B, 1, 1, 1)

@@ -28,7 +28,7 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     d = tok_weight.shape[1]
     a1 = xp.reshape(xp.take(tok_weight, xp.reshape(tokens, (-1,)), axis=0), (B, T, d))  # (B, T, d)
     if pos_weight is not None:
-        pos = xp.arange(T) if positions is None else positions                            # (T,) or (B, T)
+        pos = xp.arange(T, device=tokens.device) if positions is None else positions      # (T,) or (B, T)
         a1 = a1 + xp.reshape(xp.take(pos_weight, xp.reshape(pos, (-1,)), axis=0), (*pos.shape, d))
     return a1, (tokens, positions)
 

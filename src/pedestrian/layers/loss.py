@@ -35,7 +35,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     t = xp.reshape(targets, (-1,))                                           # (N,)
     counted = t != ignore_index                                              # (N,) bool
     n_counted = int(xp.sum(xp.astype(counted, xp.int64))) if n_total is None else int(n_total)
-    y_gt = xp.astype(xp.arange(V)[None, :] == xp.where(counted, t, xp.zeros_like(t))[:, None], z.dtype)
+    y_gt = xp.astype(xp.arange(V, device=t.device)[None, :] == xp.where(counted, t, xp.zeros_like(t))[:, None],
+                     z.dtype)
     y_gt = y_gt * xp.astype(counted, z.dtype)[:, None]                       # one-hot, 0 rows ignored
     z_max = xp.max(z, axis=-1, keepdims=True)                                # (N, 1)
     e = xp.exp(z - z_max)                                                    # (N, V), max entry 1
