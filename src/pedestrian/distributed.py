@@ -357,9 +357,13 @@ def launch(nproc: int, argv: list[str], describe_checkpoint, *, shutdown_timeout
     for k, v in env.items():
         if k == _LAUNCHED_BY_PEDESTRIAN or k not in os.environ:
             os.environ[k] = v
-    quiet = logging.getLogger("torch.distributed.elastic")
-    old_level = quiet.level
-    quiet.setLevel(logging.ERROR)                  # its INFO/WARNING chatter; failures come back as exceptions
+    # the launcher's own log lines (each of its modules sets its level): its failures come back
+    # as exceptions, and the one line printed for them says what the user needs
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+             if name.startswith("torch.distributed.elastic")]
+    old_levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, logs_specs=DefaultLogsSpecs(), shutdown_timeout=shutdown_timeout)
@@ -371,7 +375,8 @@ def launch(nproc: int, argv: list[str], describe_checkpoint, *, shutdown_timeout
         raise LaunchFailure(f"stopped by {signal.Signals(exc.sigval).name}; {describe_checkpoint()}",
                             interrupted=True) from None
     finally:
-        quiet.setLevel(old_level)
+        for q, level in zip(quiet, old_levels):
+            q.setLevel(level)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -392,7 +397,7 @@ def _failure_line(failures: dict, nproc: int, describe_checkpoint) -> tuple[str,
 
     ranks = sorted(failures)
     if ranks and all(failures[r].exitcode == 130 for r in ranks):   # every rank stopped on a signal
-        return f"interrupted; {describe_checkpoint()}", True
+        return f"every rank stopped on a signal; {describe_checkpoint()}", True
     for r in ranks:
         if kind(failures[r]) == "error":
             return text(failures[r]), False

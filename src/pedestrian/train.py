@@ -722,7 +722,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     if reports_to_launcher():
         resume_command += f" --nproc {group.world_size}"
     elif group.world_size > 1:
-        resume_command = f"torchrun ... -m {resume_command} (the same torchrun options)"
+        resume_command = f"torchrun <the same options> -m {resume_command}"
     _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
     progress = Progress(trainer, "train", settings.progress and group.is_writer)
     evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),

@@ -190,7 +190,7 @@ def _launch(settings, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import launched_rank
+    from ..distributed import launched_rank, reports_to_launcher
     from ..train import train
 
     settings, explicit = settings_from_args(args)
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
     out = result.out
     if result.stop_reason == "interrupted":
-        if result.is_writer:
+        if result.is_writer and not reports_to_launcher():      # else the launcher says it, once
             print(f"interrupted: a checkpoint of step {result.step} is saved in {out / 'latest'}; continue "
                   f"with: {result.resume_command}", file=sys.stderr)
         return 130
