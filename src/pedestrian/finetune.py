@@ -234,11 +234,11 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         / SIGTERM: the adapters of the last finished step were saved, checkpoint and PEFT).
 
     Raises:
-        ValueError / FileNotFoundError: bad settings, a base that is not GPT-2, a corpus too
-            short for one window, an existing run in ``out`` without ``overwrite`` (with it,
-            the old run is kept until the first checkpoint), ``max_skipped_steps`` non-finite
-            steps in a row (:class:`pedestrian.loop.TrainingError`, naming the last good
-            checkpoint). Nothing is written before the inputs are validated.
+        ValueError / FileNotFoundError: bad settings, started as a rank of several (torchrun), a
+            base that is not GPT-2, a corpus too short for one window, an existing run in ``out``
+            without ``overwrite`` (with it, the old run is kept until the first checkpoint),
+            ``max_skipped_steps`` non-finite steps in a row (:class:`pedestrian.loop.TrainingError`,
+            naming the last good checkpoint). Nothing is written before the inputs are validated.
         WriteError (an ``OSError``): a file of the run cannot be written (no space, no
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
@@ -250,8 +250,13 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     from .optim import AdamW, CosineSchedule
     from .train import RunFiles, split_tokens
 
+    from .distributed import launched_rank
+
     t_start = time.perf_counter()
     settings.validate()
+    if launched_rank():          # N copies would all write the same files: one process only, for now
+        raise ValueError("pedestrian finetune runs in one process; start it without torchrun (several ranks "
+                         "are for pedestrian train)")
     out = Path(settings.out).expanduser()
     had_run = out.exists() and any(out.iterdir())
     if had_run and not settings.overwrite:
