@@ -3,9 +3,9 @@
 Paper conclusion ("minimalistic transformer"), restated in docs/EQUATIONS.md::
 
     a0 (B,T) ints
-    a1 = tok-emb + pos-emb                                  (B,T,d)
+    a1 = tok-emb + pos-emb (learned positions; else tok-emb)  (B,T,d)
     block i (x = a1 for the first block, the previous a10 after):
-      a2 = LN1(x);  a3 = MHA(a2);  a4 = FC_attProj(a3);  a5 = x + a4
+      a2 = LN1(x);  a3 = MHA(a2) (RoPE: q, k rotated first);  a4 = FC_attProj(a3);  a5 = x + a4
       a6 = LN2(a5); a7 = FC_expand(a6);  a8 = g(a7);  a9 = FC_contract(a8);  a10 = a5 + a9
     a11 = LN_final(a10);  a12 = logits = FC_logits(a11)     (B,T,V)
 
@@ -15,7 +15,7 @@ signatures -- is chosen once, by ``GPT(..., kernels=...)``.
 
 Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
 
-    tok_emb.weight (V, d)                 pos_emb.weight (context_length, d)
+    tok_emb.weight (V, d)                 pos_emb.weight (context_length, d)   -- learned positions only
     blocks.{i}.ln1.weight / .bias (d,)
     blocks.{i}.attn.q.weight (d, n_heads·d_qk)    .bias     (head h: columns h·d_qk …)
     blocks.{i}.attn.k.weight (d, n_heads·d_qk)    .bias
@@ -475,7 +475,8 @@ class GPT:
             targets: optional ``(B, T)`` ids (``tokens`` shifted by one) or ``-100`` to ignore;
                 when given the mean loss is computed (:meth:`loss`).
             kv_cache: a :class:`~pedestrian.kv_cache.KVCache`: the tokens continue the cached
-                ones (positions from ``kv_cache.length``), their keys and values are appended,
+                ones (positions from ``kv_cache.positions``; RoPE rotates the new keys by them
+                before they are cached), their keys and values are appended,
                 and ``kv_cache.length`` grows by ``T`` (generation; no backward follows).
             n_total: divide the loss by this many targets instead of the number counted here
                 (one slice of a larger batch: the slices' losses and gradients then add up).
@@ -503,9 +504,17 @@ class GPT:
             if tokens.ndim == 2 and tokens.shape[1] > room:
                 raise ValueError(
                     f"the cache holds {kv_cache.length} tokens and {tokens.shape[1]} more would exceed "
-                    f"context_length={c.context_length} (learned positions are absolute, there is no "
-                    f"position {c.context_length}); reset the cache and feed at most the last "
-                    f"{c.context_length} tokens (generate() slides the window for you)")
+                    f"context_length={c.context_length}; " + (
+                        f"learned positions are absolute, there is no position {c.context_length}: "
+                        f"reset the cache and feed at most the last {c.context_length} tokens"
+                        if c.learned_positions else
+                        "drop the oldest with cache.drop_oldest(n) first")
+                    + " (generate() does this for you)")
+            if (c.learned_positions and tokens.ndim == 2
+                    and kv_cache.offset + kv_cache.length + tokens.shape[1] > c.context_length):
+                raise ValueError(f"positions up to {kv_cache.offset + kv_cache.length + tokens.shape[1] - 1} "
+                                 f"do not exist in the learned table of context_length={c.context_length} "
+                                 "rows; reset the cache with first_position=0")
         check_tokens(tokens, c.vocab_size, c.context_length)
         if targets is not None:
             targets = self._as_tokens(targets, "targets")
@@ -521,7 +530,8 @@ class GPT:
 
     def _forward(self, tokens, targets, kv_cache, n_total):
         c, K, W = self.config, self.kernels, self._layer_params(grads=False)
-        positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])
+        positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
+        rope = c.position_encoding == "rope"
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None)
         a1, f.emb = K.embedding_forward(tokens, W["tok_emb.weight"], W.get("pos_emb.weight"), positions)
         f.a1, f.drop1 = self._dropout(a1)                                        # (B, T, d)
@@ -530,6 +540,8 @@ class GPT:
             p, b = f"blocks.{i}", SimpleNamespace()
             b.a2, b.ln1 = K.layernorm_forward(x, W[f"{p}.ln1.weight"], W.get(f"{p}.ln1.bias"), c.ln_eps)
             qkv = self._fc_forward(f"{p}.attn.qkv", b.a2, W, f.lora)            # (B, T, H·(2d_qk+d_head))
+            if rope:                                                             # q, k turned by position
+                qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims)
             b.a3, b.attn = K.multi_head_attention_forward(                       # (B, T, H·d_head)
                 qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal,
                 kv_cache=None if kv_cache is None else kv_cache.block(i))
@@ -603,6 +615,7 @@ class GPT:
 
     def _backward(self, f, d12, keep_deltas: bool) -> dict:
         c, K, W = self.config, self.kernels, self._layer_params(grads=False)
+        rope = c.position_encoding == "rope"
         G = self._layer_params(grads=True)                 # absent = frozen: no gradient
         if "tok_emb.weight" in G and not c.tie_weights:
             G["tok_emb.weight"][...] = 0                   # the embedding backward adds into them
@@ -622,6 +635,8 @@ class GPT:
             d4 = K.dropout_backward(d5, b.drop4)                                           # Δ4
             d3 = self._fc_backward(f"{p}.attn_proj", d4, b.a3, W, G, f.lora)               # Δ3
             d_qkv, d_causal = K.multi_head_attention_backward(d3, b.attn, keep_delta_causal=keep_deltas)
+            if rope:                                                                       # turned back: R(−tθ)
+                d_qkv = K.rope_backward(d_qkv, b.rope)
             d2 = self._fc_backward(f"{p}.attn.qkv", d_qkv, b.a2, W, G, f.lora)             # Δ2 = Σ_h (...)
             d1 = K.add(d5, K.layernorm_backward(                                           # block input: skip + LN1
                 d2, b.ln1, dweight=G.get(f"{p}.ln1.weight"), dbias=G.get(f"{p}.ln1.bias")))

@@ -51,9 +51,10 @@ _INT_KEYS = {"bpe_vocab_size", "batch_size", "grad_accum", "max_steps", "warmup_
              "eval_batches", "checkpoint_interval", "stop_step", "context_length", "d_model", "n_heads",
              "n_blocks", "d_head", "d_qk", "mlp_ratio"}
 _FLOAT_KEYS = {"val_fraction", "lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
-               "max_minutes", "dropout", "ln_eps"}
+               "max_minutes", "dropout", "ln_eps", "rope_base", "rope_fraction"}
 _BOOL_KEYS = {"bias", "tie_weights", "causal", "progress", "plot"}
-_STR_KEYS = {"data", "tokenizer", "dtype", "backend", "out", "activation", "preset", "data_parallel"}
+_STR_KEYS = {"data", "tokenizer", "dtype", "backend", "out", "activation", "preset", "data_parallel",
+             "position_encoding"}
 
 
 def _check_toml_type(path, key: str, value):

@@ -191,10 +191,13 @@ def export_problems(config: GPTConfig) -> list[str]:
     """Why ``config`` cannot be written as a Hugging Face ``GPT2LMHeadModel`` (empty: it can).
 
     GPT-2 has biases everywhere except ``lm_head``, ``d_qk = d_head = d_model / n_heads``,
-    causal attention, and one of the activations of :data:`ACTIVATION_TO_HF`.
+    causal attention, learned positions (``wpe``), and one of the activations of
+    :data:`ACTIVATION_TO_HF`.
     """
     c = config
     problems = []
+    if c.position_encoding != "learned":
+        problems.append(f"position_encoding={c.position_encoding!r} (GPT-2 has learned positions only)")
     if not c.bias:
         problems.append("bias=False (GPT-2 has biases on every layer)")
     if c.n_heads * c.d_head != c.d_model or c.d_qk != c.d_head:
