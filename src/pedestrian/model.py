@@ -37,6 +37,7 @@ with a few vectorised operations (:meth:`GPT.trainable_buffers`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Iterable, Mapping, NamedTuple
@@ -166,7 +167,8 @@ class GPT:
         config: a :class:`GPTConfig`.
         seed: initialisation seed (GPT-2 scheme: weights ``N(0, 0.02)``, the two residual
             projections ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1). Also
-            seeds the dropout generator.
+            seeds the dropout generator. Models that differ only in ``position_encoding`` get
+            the same weights (the learned table aside).
         dtype: ``"float32"`` (default) or ``"float64"``.
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays).
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
@@ -220,7 +222,10 @@ class GPT:
     def _init_weights(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
-        for s in param_specs(self.config):
+        # draw in the order of the learned-position layout, the table's draws discarded when there
+        # is no table: models that differ only in position_encoding start from the same weights
+        learned = dataclasses.replace(self.config, position_encoding="learned")
+        for s in param_specs(learned):
             if len(s.shape) == 2:
                 std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
                 value = rng.normal(0.0, std, size=s.shape)
@@ -228,7 +233,8 @@ class GPT:
                 value = np.ones(s.shape) if s.name.endswith("weight") else np.zeros(s.shape)
             else:
                 value = np.zeros(s.shape)
-            self.params[s.name][...] = self._to_xp(value)
+            if s.name in self.params:
+                self.params[s.name][...] = self._to_xp(value)
 
     def _to_xp(self, value):
         arr = np.asarray(value)
