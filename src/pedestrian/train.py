@@ -15,8 +15,9 @@ gradient buffers, so the running sum lives in a separate buffer.
 
 :func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG,
 logs every step to ``<out>/log.jsonl``, evaluates a fixed set of validation batches every
-``eval_interval`` steps, keeps ``<out>/latest`` and ``<out>/best`` checkpoints, and draws
-``<out>/loss_curve.png`` at the end. Resuming restores the parameters, the AdamW moments and
+``eval_interval`` steps (and then logs the norms of every block's error signals and gradients on
+the step's batch, :func:`gradient_record`), keeps ``<out>/latest`` and ``<out>/best`` checkpoints,
+and draws ``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
 steps bit for bit (NumPy backend; a test).
 
@@ -54,7 +55,8 @@ from .parallel import DATA_PARALLEL_MODES, runner_for
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
-           "read_log", "plot_loss_curve", "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS"]
+           "read_log", "plot_loss_curve", "gradient_record", "plot_gradients", "RESUMABLE_SETTINGS",
+           "PER_RUN_SETTINGS"]
 
 #: The default model of ``pedestrian train`` (vocab_size comes from the tokenizer): 812,288
 #: parameters with the 84-character Shakespeare vocabulary. With the default TrainSettings
@@ -483,6 +485,109 @@ def plot_loss_curve(records: list[dict], path, title: str = "") -> Path:
     return path
 
 
+def gradient_record(model, x, y, step: int) -> dict:
+    """The norms of every block's error signals Δ2 … Δ10 and of its gradients, for the log.
+
+    One extra forward and ``backward(keep_deltas=True)`` of the GPT ``model`` on ``(x, y)`` (the
+    step's batch), with dropout off so no random state is consumed (a resumed run stays bit for
+    bit the same). The model's activations and gradient buffers are overwritten; the next step
+    overwrites them again.
+
+    Returns:
+        ``{"step", "delta_norms": {"blocks.i": {"Δ2": ‖Δ2‖, …, "Δ10": …}, "Δ1": …, "Δ11": …},
+        "grad_norms": {"blocks.i": {"ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand",
+        "mlp_contract"}, "tok_emb", "pos_emb" (learned positions), "ln_final", "logits"
+        (untied)}}``: Frobenius norms over the whole batch (``Δ_n = dL/da_n`` of the mean loss).
+    """
+    from .backend import to_numpy
+
+    def norm(*arrays) -> float:
+        return float(math.sqrt(sum(float(np.sum(np.square(np.asarray(to_numpy(a), dtype=np.float64))))
+                                   for a in arrays)))
+
+    was_training = model.training
+    model.training = False
+    try:
+        model.loss(x, y)
+        grads = model.backward(keep_deltas=True)
+        deltas = model.deltas()
+    finally:
+        model.training = was_training
+    delta_norms: dict = {"Δ1": norm(deltas["Δ1"]), "Δ11": norm(deltas["Δ11"])}
+    grad_groups: dict = {}
+    for name, g in grads.items():
+        parts = name.split(".")
+        if parts[0] == "blocks":
+            group = "attn.qkv" if parts[2] == "attn" else parts[2]
+            grad_groups.setdefault(f"blocks.{parts[1]}", {}).setdefault(group, []).append(g)
+        else:
+            grad_groups.setdefault(parts[0], []).append(g)
+    grad_norms = {k: ({g: norm(*v) for g, v in groups.items()} if isinstance(groups, dict) else norm(*groups))
+                  for k, groups in grad_groups.items()}
+    for i in range(model.config.n_blocks):
+        delta_norms[f"blocks.{i}"] = {f"Δ{n}": norm(deltas[f"blocks.{i}.Δ{n}"]) for n in range(2, 11)}
+    return {"step": step, "delta_norms": delta_norms, "grad_norms": grad_norms}
+
+
+def plot_gradients(records: list[dict], path, title: str = "", max_blocks: int = 6) -> Path:
+    """Draw the :func:`gradient_record` entries of a log over the run: for each block (up to
+    ``max_blocks``, evenly spread, first and last included) the norms of Δ2 … Δ10 (top row) and
+    of its gradient groups (bottom row) against the step, log scale, so vanishing or exploding
+    signals show as lines falling or rising by orders of magnitude.
+
+    Args:
+        records: ``log.jsonl`` records (those without ``"delta_norms"`` are skipped).
+        path: the PNG to write (matplotlib, Agg backend; written atomically).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if "delta_norms" in r]
+    blocks = sorted({k for r in recs for k in r["delta_norms"] if k.startswith("blocks.")},
+                    key=lambda k: int(k.split(".")[1]))
+    if len(blocks) > max_blocks:
+        blocks = [blocks[round(j * (len(blocks) - 1) / (max_blocks - 1))] for j in range(max_blocks)]
+    n = max(1, len(blocks))
+    fig, axes = plt.subplots(2, n, figsize=(2.9 * n + 2.2, 6.4), dpi=120, squeeze=False, sharey="row")
+    steps = [r["step"] for r in recs]
+    deltas = [f"Δ{k}" for k in range(2, 11)]
+    groups = ("ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand", "mlp_contract")
+    colors = plt.get_cmap("tab10")(np.arange(len(deltas)))
+    group_colors = plt.get_cmap("tab10")(np.arange(len(groups)))
+    for j, block in enumerate(blocks):
+        top, bottom = axes[0, j], axes[1, j]
+        for name, color in zip(deltas, colors):
+            top.plot(steps, [r["delta_norms"][block][name] for r in recs], color=color, lw=1.3, label=name)
+        for name, color in zip(groups, group_colors):
+            values = [r["grad_norms"].get(block, {}).get(name) for r in recs]
+            if any(v is not None for v in values):
+                bottom.plot(steps, values, color=color, lw=1.3, label=name)
+        top.set_title(f"block {block.split('.')[1]}", fontsize=10)
+        bottom.set_xlabel("step")
+        for ax in (top, bottom):
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3, which="both")
+            ax.tick_params(labelsize=8)
+    axes[0, 0].set_ylabel("‖Δ_n‖ of the block's a_n")
+    axes[1, 0].set_ylabel("‖gradient‖ per layer")
+    if recs:
+        axes[0, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), title="error signal")
+        axes[1, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), title="parameters")
+    else:
+        axes[0, 0].text(0.5, 0.5, "no gradient records yet\n(the run ended before --eval-interval)",
+                        ha="center", va="center", transform=axes[0, 0].transAxes)
+    fig.suptitle(title or "error signals and gradients over the run (Frobenius norms, whole batch)", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(".tmp-" + path.name)
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------- train
 @dataclass
 class TrainResult:
@@ -810,6 +915,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             t1 = time.perf_counter()
             if step % settings.eval_interval == 0:
                 val_loss = validate()
+                log_file.write(json.dumps(gradient_record(model, *batches[0], step)) + "\n")
                 bar.set_postfix_str(postfix(), refresh=False)
                 say(f"step {step}: train loss {last_loss:.4f}, val loss {val_loss:.4f}")
             if step % ckpt_every == 0:
@@ -841,6 +947,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         plot_loss_curve(read_log(log_path), out / "loss_curve.png",
                         title=f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
                               f"{n_params:,} params, d_model {config.d_model}, {config.n_blocks} blocks")
+        plot_gradients(read_log(log_path), out / "gradients.png")
     if stop_reason == "interrupted":
         say(f"interrupted ({stop_signal[0] if stop_signal else 'stop'}) after step {step}: checkpoint "
             f"saved in {latest}")
