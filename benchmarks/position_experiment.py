@@ -5,13 +5,15 @@ positional information and asks "whether explicit positional encodings remain ne
 architectures employing causal masking". This script trains the default character model of
 ``pedestrian train`` on the bundled Shakespeare plays three times -- learned positions (GPT-2),
 RoPE, and none -- causal, with the same seed, data order, batch, schedule and number of steps
-(nothing tuned per variant), then evaluates each final checkpoint on the whole held-out split.
+(nothing tuned per variant; models that differ only in their position encoding even start from
+the same weights, the learned table aside), then evaluates each final checkpoint on the whole
+held-out split. ``--seeds`` repeats the three runs with other seeds, to see the spread.
 
 It runs the command line, so each run is exactly what a user gets from::
 
-    pedestrian train --position-encoding ENC --max-steps N --max-minutes 0 --out OUT/ENC \\
-        --no-sample --no-progress --overwrite
-    pedestrian eval OUT/ENC/latest --no-progress
+    pedestrian train --position-encoding ENC --max-steps N --max-minutes 0 --seed S \\
+        --out OUT/seedS/ENC --no-sample --no-progress --overwrite
+    pedestrian eval OUT/seedS/ENC/latest --no-progress
 
 and writes ``docs/position_experiment.png`` (the three loss curves), ``docs/position_experiment.json``
 (every number) and the results table inside ``docs/position_experiment.md`` (between its
@@ -21,8 +23,8 @@ written by hand).
 Usage::
 
     python3 benchmarks/position_experiment.py                      # the default budget, 3,000 steps each
-    python3 benchmarks/position_experiment.py --max-steps 1500     # a reduced, equal budget
-    python3 benchmarks/position_experiment.py --plot-only          # redraw from the runs' logs
+    python3 benchmarks/position_experiment.py --max-steps 1500 --seeds 1337 1338   # what docs/ shows
+    python3 benchmarks/position_experiment.py --max-steps 1500 --seeds 1337 1338 --plot-only   # redraw
 
 ``--max-minutes 0`` matters: with the default wall-clock guard a slower run (on a busy machine)
 would stop after fewer steps than the others, and the budgets would no longer be equal.
@@ -61,10 +63,10 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def run_one(encoding: str, out: Path, args) -> dict:
-    folder = out / encoding
+def run_one(encoding: str, seed: int, out: Path, args) -> dict:
+    folder = out / f"seed{seed}" / encoding
     cmd = ["train", "--position-encoding", encoding, "--max-steps", str(args.max_steps), "--max-minutes", "0",
-           "--seed", str(args.seed), "--out", str(folder), "--no-sample", "--no-progress", "--overwrite"]
+           "--seed", str(seed), "--out", str(folder), "--no-sample", "--no-progress", "--overwrite"]
     if not args.plot_only:
         t0 = time.perf_counter()
         pedestrian(*cmd)
@@ -76,45 +78,56 @@ def run_one(encoding: str, out: Path, args) -> dict:
     if m is None:
         raise SystemExit(f"cannot read the eval output: {text!r}")
     log = read_log(folder / "log.jsonl")
-    val = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
     params = re.search(r"total\s+([0-9,]+)", pedestrian("params", "--preset", "char-small", "--vocab-size",
                                                         str(args.vocab_size), "--position-encoding", encoding))
-    return {"encoding": encoding, "command": "pedestrian " + " ".join(cmd), "step": int(m.group(1)),
-            "val_loss_full_split": float(m.group(2)), "val_targets": int(m.group(3).replace(",", "")),
-            "val_curve": val, "train_curve": [(r["step"], r["loss"]) for r in log if "loss" in r],
-            "minutes": minutes, "params_note": params.group(1) if params else None}
+    return {"encoding": encoding, "seed": seed, "folder": str(folder), "command": "pedestrian " + " ".join(cmd),
+            "step": int(m.group(1)), "val_loss_full_split": float(m.group(2)),
+            "val_targets": int(m.group(3).replace(",", "")),
+            "val_curve": [(r["step"], r["val_loss"]) for r in log if "val_loss" in r],
+            "train_curve": [(r["step"], r["loss"]) for r in log if "loss" in r],
+            "minutes": minutes, "params": params.group(1) if params else None}
 
 
 def plot(results: list[dict], path: Path, max_steps: int) -> None:
+    """Validation (dots) and smoothed training loss of every run; the first seed solid, the
+    others dashed; the right panel zooms into the second half."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=130, gridspec_kw={"width_ratios": [3, 2]})
+    seeds = sorted({r["seed"] for r in results}, key=[r["seed"] for r in results].index)
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11.5, 4.6), dpi=130, gridspec_kw={"width_ratios": [3, 2]})
+    tail = []
     for r in results:
-        color = COLORS[r["encoding"]]
+        color, first = COLORS[r["encoding"]], r["seed"] == seeds[0]
         s, loss = np.array(r["train_curve"]).T
         w = max(1, min(50, len(loss) // 5))
         smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
+        vs, vl = np.array(r["val_curve"]).T
+        mean = np.mean([q["val_loss_full_split"] for q in results if q["encoding"] == r["encoding"]])
         for a in (ax, zoom):
-            a.plot(s[w - 1:], smooth, color=color, lw=0.9, alpha=0.45)
-            vs, vl = np.array(r["val_curve"]).T
-            a.plot(vs, vl, "o-", color=color, ms=3.5, lw=1.6,
-                   label=f"{r['encoding']}: val {r['val_loss_full_split']:.3f} (whole split)")
+            if first:
+                a.plot(s[w - 1:], smooth, color=color, lw=0.8, alpha=0.4)
+            a.plot(vs, vl, "o-" if first else "s--", color=color, ms=3.5 if first else 2.5, lw=1.6 if first else 1.0,
+                   label=(f"{r['encoding']}: whole-split val {mean:.3f} (mean of {len(seeds)} seeds)"
+                          if first else None))
+        tail += [v for st, v in zip(vs, vl) if st >= max_steps * 0.5]
+        tail += [v for st, v in zip(s[w - 1:], smooth) if st >= max_steps * 0.5 and first]
     for a in (ax, zoom):
         a.set_xlabel("optimizer step")
         a.set_ylabel("loss (nats per character)")
         a.grid(alpha=0.3)
-    ax.set_title("validation (dots) and training (moving mean, faint)", fontsize=10)
-    ax.legend(fontsize=9)
+    others = ", ".join(str(x) for x in seeds[1:])
+    ax.set_title(f"validation, 20 fixed batches (dots: seed {seeds[0]}"
+                 + (f"; dashed: seed {others}" if others else "") + "); training, 50-step mean (faint)", fontsize=9)
+    ax.legend(fontsize=8.5)
     zoom.set_xlim(max_steps * 0.5, max_steps * 1.02)
-    tail = [v for r in results for st, v in r["val_curve"] if st >= max_steps * 0.5]
-    zoom.set_ylim(min(tail) - 0.03, max(tail) + 0.05)
-    zoom.set_title("second half, zoomed", fontsize=10)
-    fig.suptitle(f"Default char model on Shakespeare, causal, seed 1337, {max_steps:,} steps each: "
-                 "position encoding learned / RoPE / none", fontsize=10.5)
+    zoom.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
+    zoom.set_title("second half, zoomed", fontsize=9)
+    fig.suptitle(f"Default char model on the Shakespeare plays, causal, {max_steps:,} steps per run: "
+                 "learned positions / RoPE / no position encoding", fontsize=10.5)
     fig.tight_layout()
     tmp = path.with_name(".tmp-" + path.name)
     fig.savefig(tmp, format="png")
@@ -123,22 +136,28 @@ def plot(results: list[dict], path: Path, max_steps: int) -> None:
 
 
 def table(results: list[dict], max_steps: int, date: str) -> str:
-    learned = next(r for r in results if r["encoding"] == "learned")["val_loss_full_split"]
-    lines = [f"Measured {date}: {max_steps:,} steps each of 16 × 64 characters (batch, context), lr 2e-3 → 2e-4 "
-             "(100 warm-up steps, cosine), seed 1337, float32, the bundled plays (char tokenizer, 84 ids).",
+    seeds = sorted({r["seed"] for r in results}, key=[r["seed"] for r in results].index)
+    by = {(r["encoding"], r["seed"]): r for r in results}
+    mean = {e: sum(by[e, s]["val_loss_full_split"] for s in seeds) / len(seeds) for e in ENCODINGS}
+    lines = [f"Measured {date}: {max_steps:,} steps per run of 16 × 64 characters (batch × context), "
+             "lr 2e-3 → 2e-4 (100 warm-up steps, cosine), float32, the bundled plays (char tokenizer, "
+             "84 ids); every setting the same for the three, only `--position-encoding` and the seed change. "
+             "Loss: `pedestrian eval` of the final checkpoint on the whole held-out split "
+             f"({results[0]['val_targets']:,} characters, each predicted once, windows of 64), nats per character.",
              "",
-             "| position encoding | parameters | val loss, whole held-out split | vs learned | "
-             "val loss, 20 fixed batches (last eval) | wall minutes |",
-             "|---|---|---|---|---|---|"]
+             "| position encoding | parameters | " + " | ".join(f"seed {s}" for s in seeds)
+             + " | mean | mean − learned | minutes per run |",
+             "|---|---|" + "---|" * len(seeds) + "---|---|---|"]
+    for e in ENCODINGS:
+        runs = [by[e, s] for s in seeds]
+        minutes = [r["minutes"] for r in runs if r["minutes"] is not None]
+        lines.append(f"| {e} | {runs[0]['params']} | " + " | ".join(f"{r['val_loss_full_split']:.4f}" for r in runs)
+                     + f" | **{mean[e]:.4f}** | {mean[e] - mean['learned']:+.4f} | "
+                     + (f"{sum(minutes) / len(minutes):.1f}" if minutes else "-") + " |")
+    lines += ["", "Minutes: wall clock on the shared 2-core machine (other jobs ran beside; not a speed "
+              "comparison). Commands (each run, then its evaluation):", "", "```bash"]
     for r in results:
-        v = r["val_loss_full_split"]
-        last = r["val_curve"][-1][1]
-        minutes = "-" if r["minutes"] is None else f"{r['minutes']:.1f}"
-        lines.append(f"| {r['encoding']} | {r['params_note']} | **{v:.4f}** | {v - learned:+.4f} | "
-                     f"{last:.4f} | {minutes} |")
-    lines += ["", f"Held-out split: {results[0]['val_targets']:,} characters (every one predicted once, "
-              "windows of 64). Commands:", "", "```bash"]
-    lines += [r["command"] + f"\npedestrian eval {r['command'].split('--out ')[1].split()[0]}/latest" for r in results]
+        lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
     lines += ["```", "", "![loss curves](position_experiment.png)"]
     return "\n".join(lines)
 
@@ -147,7 +166,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=3000, help="optimizer steps per run (default 3000, "
                    "the default `pedestrian train` budget)")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337], help="one run per encoding and seed "
+                   "(default 1337, the default of `pedestrian train`)")
     p.add_argument("--out", default="runs/position_experiment", help="run folders (default runs/position_experiment)")
     p.add_argument("--plot-only", action="store_true", help="no training: evaluate and plot existing runs")
     p.add_argument("--docs", default=str(DOCS), help="where the plot, JSON and table go (default docs/)")
@@ -156,14 +176,15 @@ def main() -> int:
     docs = Path(args.docs)
     out = Path(args.out)
     results = []
-    for encoding in ENCODINGS:
-        print(f"{encoding}: training {args.max_steps} steps ...", flush=True)
-        results.append(run_one(encoding, out, args))
-        print(f"  val loss {results[-1]['val_loss_full_split']:.4f} (whole split)", flush=True)
+    for seed in args.seeds:
+        for encoding in ENCODINGS:
+            print(f"{encoding}, seed {seed}: {args.max_steps} steps ...", flush=True)
+            results.append(run_one(encoding, seed, out, args))
+            print(f"  val loss {results[-1]['val_loss_full_split']:.4f} (whole split)", flush=True)
     date = datetime.date.today().isoformat()
     plot(results, docs / "position_experiment.png", args.max_steps)
     (docs / "position_experiment.json").write_text(json.dumps(
-        {"date": date, "max_steps": args.max_steps, "seed": args.seed, "results": results}, indent=1) + "\n")
+        {"date": date, "max_steps": args.max_steps, "seeds": args.seeds, "results": results}, indent=1) + "\n")
     doc = docs / "position_experiment.md"
     text = doc.read_text(encoding="utf-8") if doc.exists() else f"# Position encodings\n\n{START}\n{END}\n"
     head, rest = text.split(START, 1)

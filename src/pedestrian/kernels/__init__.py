@@ -13,7 +13,8 @@ same things faster, and every difference from the reference earns its lines by a
   :mod:`.embedding` -- the layers, with ``out=`` chains, folded constants and in-place softmax.
 
 Dropout, LoRA and RoPE gain nothing measurable from a second version: the reference ones are
-used.
+used (RoPE on char-small's (16, 64, 384) float32 q/k/v: 0.49 ms forward per block; the same
+arithmetic written into preallocated arrays with ``out=`` took 0.55 ms).
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
 name to the module.
 """
