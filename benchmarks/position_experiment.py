@@ -78,6 +78,7 @@ def run_one(encoding: str, seed: int, out: Path, args) -> dict:
     if m is None:
         raise SystemExit(f"cannot read the eval output: {text!r}")
     log = read_log(folder / "log.jsonl")
+    order = order_use(str(folder))
     params = re.search(r"total\s+([0-9,]+)", pedestrian("params", "--preset", "char-small", "--vocab-size",
                                                         str(args.vocab_size), "--position-encoding", encoding))
     return {"encoding": encoding, "seed": seed, "folder": str(folder), "command": "pedestrian " + " ".join(cmd),
@@ -85,7 +86,42 @@ def run_one(encoding: str, seed: int, out: Path, args) -> dict:
             "val_targets": int(m.group(3).replace(",", "")),
             "val_curve": [(r["step"], r["val_loss"]) for r in log if "val_loss" in r],
             "train_curve": [(r["step"], r["loss"]) for r in log if "loss" in r],
-            "minutes": minutes, "params": params.group(1) if params else None}
+            "minutes": minutes, "params": params.group(1) if params else None, "order": order}
+
+
+def order_use(folder: str, n_windows: int = 2048, seed: int = 0) -> dict:
+    """How much a trained model uses the order of its context: the loss of the last character of
+    ``n_windows`` random validation windows of 64, with the window in order and with its first 63
+    characters shuffled (the last input character, hence the bigram, kept). A model that ignored
+    the order of earlier tokens would lose nothing by the shuffle."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from pedestrian.checkpoint import load_checkpoint
+    from pedestrian.data import load_corpus
+    from pedestrian.train import split_tokens
+
+    ckpt = load_checkpoint(Path(folder) / "latest", dtype="float64")
+    model, C = ckpt.model, ckpt.config.context_length
+    model.training = False
+    _, val = split_tokens(np.asarray(ckpt.tokenizer.encode(load_corpus(None)), dtype=np.int64), 0.1)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, val.shape[0] - C - 1, size=n_windows)
+    x, y = val[starts[:, None] + np.arange(C)], val[starts + C]
+    shuffled = x.copy()
+    for row in shuffled:
+        row[:C - 1] = rng.permutation(row[:C - 1])
+
+    def last_loss(inputs) -> float:
+        total = 0.0
+        for lo in range(0, n_windows, 256):
+            z = np.asarray(model.forward(inputs[lo:lo + 256]))[:, -1, :]
+            z = z - z.max(axis=-1, keepdims=True)
+            logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+            total -= float(logp[np.arange(z.shape[0]), y[lo:lo + 256]].sum())
+        return total / n_windows
+
+    return {"in_order": last_loss(x), "shuffled": last_loss(shuffled), "windows": n_windows}
 
 
 def plot(results: list[dict], path: Path, max_steps: int) -> None:
@@ -146,16 +182,24 @@ def table(results: list[dict], max_steps: int, date: str) -> str:
              f"({results[0]['val_targets']:,} characters, each predicted once, windows of 64), nats per character.",
              "",
              "| position encoding | parameters | " + " | ".join(f"seed {s}" for s in seeds)
-             + " | mean | mean − learned | minutes per run |",
-             "|---|---|" + "---|" * len(seeds) + "---|---|---|"]
+             + " | mean | mean − learned | last char, in order | last char, 63 shuffled | cost of the shuffle "
+             "| minutes per run |",
+             "|---|---|" + "---|" * len(seeds) + "---|---|---|---|---|---|"]
     for e in ENCODINGS:
         runs = [by[e, s] for s in seeds]
         minutes = [r["minutes"] for r in runs if r["minutes"] is not None]
+        ordered = sum(r["order"]["in_order"] for r in runs) / len(runs)
+        shuffled = sum(r["order"]["shuffled"] for r in runs) / len(runs)
         lines.append(f"| {e} | {runs[0]['params']} | " + " | ".join(f"{r['val_loss_full_split']:.4f}" for r in runs)
-                     + f" | **{mean[e]:.4f}** | {mean[e] - mean['learned']:+.4f} | "
+                     + f" | **{mean[e]:.4f}** | {mean[e] - mean['learned']:+.4f} | {ordered:.3f} | {shuffled:.3f} "
+                     f"| {shuffled - ordered:+.3f} | "
                      + (f"{sum(minutes) / len(minutes):.1f}" if minutes else "-") + " |")
-    lines += ["", "Minutes: wall clock on the shared 2-core machine (other jobs ran beside; not a speed "
-              "comparison). Commands (each run, then its evaluation):", "", "```bash"]
+    windows = results[0]["order"]["windows"]
+    lines += ["", f"Last char: the loss of the 65th character of {windows:,} random held-out windows (same windows "
+              "for every model; mean over the seeds), predicted from its 64 predecessors in order, and with the "
+              "first 63 of them shuffled (the last one, and so the bigram, kept): what the model gains from "
+              "the order of its context. Minutes: wall clock on the shared 2-core machine (other jobs ran "
+              "beside; not a speed comparison). Commands (each run, then its evaluation):", "", "```bash"]
     for r in results:
         lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
     lines += ["```", "", "![loss curves](position_experiment.png)"]

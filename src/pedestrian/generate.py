@@ -188,7 +188,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             output, and the row is padded with it afterwards); generation ends early when
             every row is finished.
         use_cache: ``True``: KV cache (:func:`model_step`); ``False``: a full
-            ``model.forward`` over the window at every step (the reference; same tokens).
+            ``model.forward`` over the window at every step (the reference: the same tokens as
+            the cache with the ``"rebuild"`` rule, which past the context is not the default of
+            RoPE and ``none`` models).
         on_token: called after each step with the ``(B,)`` int64 ids just chosen (streaming).
         window_shift: past the context, how many of the oldest tokens to drop when the window
             overflows (``1 <= window_shift <= context_length``; see the module docstring).
