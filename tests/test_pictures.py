@@ -94,3 +94,18 @@ def test_attention_command_errors(run, tmp_path, capsys, argv, message):
     assert cli_main(base + argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+def test_readme_shows_one_of_each_picture_and_the_experiment():
+    """README's pictures and the experiment's page exist in docs/ (PNGs, not placeholders)."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text(encoding="utf-8")
+    for name in ("attention.png", "gradients.png", "position_experiment.png"):
+        assert f"](docs/{name})" in readme, name
+        data = (repo / "docs" / name).read_bytes()
+        assert data[:8] == PNG and len(data) > 10_000, name
+    assert "](docs/position_experiment.md)" in readme
+    page = (repo / "docs" / "position_experiment.md").read_text(encoding="utf-8")
+    assert "python3 benchmarks/position_experiment.py" in page and "![loss curves](position_experiment.png)" in page

@@ -63,6 +63,7 @@ def plot_attention(weights: list, labels: list[str], path, *, title: str = "", d
     stride = max(1, math.ceil(T / (cell * 72 / (font + 2))))  # up to ~64 tokens; then every k-th
     fig, axes = plt.subplots(n_blocks, n_heads, figsize=(n_heads * cell + 1.4, n_blocks * cell + 1.0),
                              dpi=dpi, squeeze=False, constrained_layout=True)
+    fig.get_layout_engine().set(h_pad=0.12, hspace=0.04)    # room between a row's labels and the next titles
     ticks = np.arange(0, T, stride)
     image = None
     for i in range(n_blocks):
