@@ -39,7 +39,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,16 +67,13 @@ def run_one(encoding: str, seed: int, out: Path, args) -> dict:
     cmd = ["train", "--position-encoding", encoding, "--max-steps", str(args.max_steps), "--max-minutes", "0",
            "--seed", str(seed), "--out", str(folder), "--no-sample", "--no-progress", "--overwrite"]
     if not args.plot_only:
-        t0 = time.perf_counter()
         pedestrian(*cmd)
-        minutes = (time.perf_counter() - t0) / 60
-    else:
-        minutes = None
     text = pedestrian("eval", str(folder / "latest"), "--no-progress")
     m = re.search(r"step (\d+)\): val loss ([0-9.]+) nats per character .* over ([0-9,]+) targets", text)
     if m is None:
         raise SystemExit(f"cannot read the eval output: {text!r}")
     log = read_log(folder / "log.jsonl")
+    minutes = max(r["time_s"] for r in log if "time_s" in r) / 60     # the run's own clock
     order = order_use(str(folder))
     params = re.search(r"total\s+([0-9,]+)", pedestrian("params", "--preset", "char-small", "--vocab-size",
                                                         str(args.vocab_size), "--position-encoding", encoding))
@@ -187,13 +183,13 @@ def table(results: list[dict], max_steps: int, date: str) -> str:
              "|---|---|" + "---|" * len(seeds) + "---|---|---|---|---|---|"]
     for e in ENCODINGS:
         runs = [by[e, s] for s in seeds]
-        minutes = [r["minutes"] for r in runs if r["minutes"] is not None]
+        minutes = [r["minutes"] for r in runs]
         ordered = sum(r["order"]["in_order"] for r in runs) / len(runs)
         shuffled = sum(r["order"]["shuffled"] for r in runs) / len(runs)
         lines.append(f"| {e} | {runs[0]['params']} | " + " | ".join(f"{r['val_loss_full_split']:.4f}" for r in runs)
                      + f" | **{mean[e]:.4f}** | {mean[e] - mean['learned']:+.4f} | {ordered:.3f} | {shuffled:.3f} "
                      f"| {shuffled - ordered:+.3f} | "
-                     + (f"{sum(minutes) / len(minutes):.1f}" if minutes else "-") + " |")
+                     + f"{sum(minutes) / len(minutes):.1f} |")
     windows = results[0]["order"]["windows"]
     lines += ["", f"Last char: the loss of the 65th character of {windows:,} random held-out windows (same windows "
               "for every model; mean over the seeds), predicted from its 64 predecessors in order, and with the "

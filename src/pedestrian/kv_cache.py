@@ -92,10 +92,10 @@ class KVCache:
 
         Args:
             key_start: as in the constructor.
-            first_position: position index of the next token fed (``offset``). Only RoPE and
-                ``none`` models may start anywhere but 0 -- a RoPE model's logits do not change
-                (scores depend on offsets only; a test) -- a learned table needs
-                ``first_position + length <= context_length``, checked by the model's forward.
+            first_position: position index of the next token fed (``offset``). RoPE and
+                ``none`` models may start anywhere (a RoPE model's logits do not change: its
+                scores depend on offsets only; a test); a learned table needs
+                ``first_position + length <= context_length`` (checked by the model's forward).
 
         Raises:
             ValueError: ``key_start`` of the wrong shape or negative; ``first_position < 0``.
