@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pedestrian.generate import KVCache, generate, model_step
+from pedestrian.kernels import kernels_for
 from pedestrian.layers.rope import rope_forward
 from torch_reference import default_cfg, random_params, reference_forward
 
@@ -35,10 +36,11 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def make(build_model, encoding: str, **overrides):
+def make(build_model, encoding: str, kernels: str = "fast", **overrides):
     cfg = default_cfg(position_encoding=encoding, context_length=C, **overrides)
     params = random_params(cfg, seed=11)
     model = build_model(cfg, params, dtype="float64")
+    model.kernels = kernels_for(kernels)
     model.training = False
     return cfg, params, model
 
@@ -64,11 +66,13 @@ def whole_sequence_logits(cfg, params, tokens, starts) -> np.ndarray:
     return logits.numpy()
 
 
+@pytest.mark.parametrize("kernels", ["fast", "reference"])
 @pytest.mark.parametrize("shift", [1, 3])
 @pytest.mark.parametrize("T0", [1, 5, C + 3])
 @pytest.mark.parametrize("encoding", ["rope", "none"])
-def test_keep_cache_equals_a_sliding_window_forward_of_the_whole_sequence(encoding, T0, shift, build_model):
-    cfg, params, model = make(build_model, encoding)
+def test_keep_cache_equals_a_sliding_window_forward_of_the_whole_sequence(encoding, T0, shift, kernels,
+                                                                          build_model):
+    cfg, params, model = make(build_model, encoding, kernels)
     prompt = np.random.default_rng(T0).integers(0, cfg["vocab_size"], size=(2, T0))
     n_new = 3 * C
     with warnings.catch_warnings():
@@ -82,10 +86,11 @@ def test_keep_cache_equals_a_sliding_window_forward_of_the_whole_sequence(encodi
     assert worst <= TOL, f"keep-cache vs whole-sequence window forward: {worst:.3g}"
 
 
+@pytest.mark.parametrize("kernels", ["fast", "reference"])
 @pytest.mark.parametrize("shift", [1, 3])
 @pytest.mark.parametrize("encoding", ["learned", "rope", "none"])
-def test_rebuild_equals_a_forward_over_the_window(encoding, shift, build_model):
-    cfg, params, model = make(build_model, encoding)
+def test_rebuild_equals_a_forward_over_the_window(encoding, shift, kernels, build_model):
+    cfg, params, model = make(build_model, encoding, kernels)
     T0, n_new = 5, 3 * C
     prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], size=(2, T0))
     tokens, logits = generate(model, prompt, n_new, temperature=1.0, seed=2, window_shift=shift,
