@@ -79,6 +79,8 @@ def test_command_line(tmp_path, capsys):
     assert "B=4 T=64 d=64" in out and "positions: none" in out
     assert cli_main(["explain", "--preset", "gpt2", "--config", str(toml)]) == 2
     assert "at most one of" in capsys.readouterr().err
+    assert cli_main(["explain", "--config", str(toml), "--d-model", "32"]) == 2
+    assert "--d-model changes a preset's model" in capsys.readouterr().err
     assert cli_main(["explain", "--seq-len", "65"]) == 2
     assert "--seq-len must be in [1, context_length=64]" in capsys.readouterr().err
 

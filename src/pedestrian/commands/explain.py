@@ -31,7 +31,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..config import GPTConfig, count_params
-from .params import add_config_arguments, config_from_args
+from .params import CONFIG_FIELDS, add_config_arguments, config_from_args
 
 #: arithmetic operations per element of the reference layers (see the module docstring);
 #: ``"fwd"`` per output element, ``"bwd"`` per element of the incoming signal
@@ -215,6 +215,10 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str]:
     if len(sources) > 1:
         raise ValueError(f"give at most one of --checkpoint, --config, --preset (got {', '.join(sources)})")
     dtype = args.dtype or "float32"
+    flags = [f for f in CONFIG_FIELDS if getattr(args, f, None) is not None and f != "vocab_size"]
+    if (args.checkpoint or args.config) and flags:
+        raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --checkpoint and --config "
+                         "bring their own (drop the flag, or use --preset)")
     if args.checkpoint:
         from ..checkpoint import read_state
 
