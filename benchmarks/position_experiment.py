@@ -16,7 +16,7 @@ It runs the command line, so each run is exactly what a user gets from::
     pedestrian eval OUT/seedS/ENC/latest --no-progress
 
 and writes ``docs/position_experiment.png`` (the three loss curves), ``docs/position_experiment.json``
-(every number) and the results table inside ``docs/position_experiment.md`` (between its
+(every number but the per-step training losses, which stay in the runs' ``log.jsonl``) and the results table inside ``docs/position_experiment.md`` (between its
 ``<!-- results:start -->`` / ``<!-- results:end -->`` markers; the discussion around them is
 written by hand).
 
@@ -223,8 +223,9 @@ def main() -> int:
             print(f"  val loss {results[-1]['val_loss_full_split']:.4f} (whole split)", flush=True)
     date = datetime.date.today().isoformat()
     plot(results, docs / "position_experiment.png", args.max_steps)
+    kept = [{k: v for k, v in r.items() if k != "train_curve"} for r in results]   # per-step losses: the logs
     (docs / "position_experiment.json").write_text(json.dumps(
-        {"date": date, "max_steps": args.max_steps, "seeds": args.seeds, "results": results}, indent=1) + "\n")
+        {"date": date, "max_steps": args.max_steps, "seeds": args.seeds, "results": kept}, indent=1) + "\n")
     doc = docs / "position_experiment.md"
     text = doc.read_text(encoding="utf-8") if doc.exists() else f"# Position encodings\n\n{START}\n{END}\n"
     head, rest = text.split(START, 1)
