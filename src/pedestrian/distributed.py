@@ -28,7 +28,8 @@ several :class:`TorchProcessGroup`, with the same methods)::
     group.sum_buffers(buffers)     all_reduce SUM in place: the flat gradient buffers
     group.sum(values)              floats summed over ranks (the loss, validation losses)
     group.max(value)               an int's maximum over ranks (the stop decision)
-    group.broadcast(obj)           rank 0's object (the tokenizer) ; broadcast_buffers: its arrays
+    group.broadcast(obj)           rank 0's object (the tokenizer)
+    group.broadcast_buffers(arrays)  rank 0's arrays, in place (the initial parameters)
     group.close()
 
 A rank that dies (or stops answering for ``timeout`` seconds) makes the next collective of the
@@ -51,7 +52,8 @@ import numpy as np
 from .backend import is_torch_array
 
 __all__ = ["SingleProcess", "TorchProcessGroup", "CommunicationError", "RowKeyedRNG", "process_group",
-           "launched_rank", "launch", "LaunchFailure", "record_error", "TORCH_EXTRA", "DEVICES"]
+           "launched_rank", "require_torch", "launch", "LaunchFailure", "record_error", "reports_to_launcher",
+           "TORCH_EXTRA", "DEVICES"]
 
 #: the pip extra that brings PyTorch (pyproject.toml)
 TORCH_EXTRA = 'pip install -e ".[torch]"'
@@ -342,9 +344,8 @@ def launch(nproc: int, argv: list[str], describe_checkpoint, *, shutdown_timeout
     require_torch(f"--nproc {nproc}")
     import logging
 
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     try:

@@ -244,13 +244,12 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     """
     from .atomic import WriteError
     from .data import TokenDataset, encode_to_token_file
+    from .distributed import launched_rank
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter
     from .loop import Checkpoints, Evaluation, Progress, StepLog, Trainer, TrainingError, finish
     from .optim import AdamW, CosineSchedule
     from .train import RunFiles, split_tokens
-
-    from .distributed import launched_rank
 
     t_start = time.perf_counter()
     settings.validate()

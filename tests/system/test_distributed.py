@@ -354,3 +354,14 @@ def test_the_same_numbers_on_the_gpu():
     g_cpu, g_gpu = cpu.backward(), gpu.backward()
     for k, g in g_cpu.items():
         assert float((g_gpu[k].cpu() - g).abs().max()) <= 1e-10 * max(float(g.abs().max()), 1e-3), k
+
+
+def test_finetune_refuses_to_run_as_one_of_several_ranks(tmp_path, monkeypatch):
+    """N copies of a fine-tuning run would all write the same files: it runs in one process."""
+    from pedestrian.finetune import FinetuneSettings, finetune
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="pedestrian finetune runs in one process"):
+        finetune(FinetuneSettings(hf_dir=str(tmp_path), data=str(tmp_path / "d.txt"), out=str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()
