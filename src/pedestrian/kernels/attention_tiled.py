@@ -1,0 +1,316 @@
+"""Tiled (flash-style) multi-head attention: the section-3 head in blocks, O(T) memory.
+
+The same function as :func:`pedestrian.layers.attention.multi_head_attention_forward` and its
+backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
+
+- **Forward.** Queries are taken ``block_q`` rows at a time and keys ``block_k`` at a time. For a
+  block of queries the softmax is built up over the key blocks with a running row maximum ``m``
+  and a running row sum ``l`` (the online softmax): each new block of scores rescales what has
+  been summed so far by ``exp(m_old − m_new)``. Per query row only the output and the
+  log-sum-exp ``ℓ = m + log l`` are kept; the ``T × T`` matrix ``P`` is never stored. With the
+  causal mask, key blocks wholly above the diagonal are skipped (half the work).
+- **Backward.** Each block's ``P = exp(S − ℓ)`` is recomputed from ``q``, ``k`` and the stored
+  ``ℓ``; ``dv``, ``dP``, ``Δcausal``, ``dq`` and ``dk`` are accumulated block by block. The row
+  sums of the softmax backward come from ``rowsum(dP ∘ P) = rowsum(Δ ∘ out)`` (EQUATIONS.md),
+  ``T × d_head`` numbers computed before the first block.
+- **Threads.** The ``B · n_heads`` heads are independent: NumPy shares them out over
+  :func:`pedestrian.kernels.threads.num_threads` threads, each calling a single-threaded BLAS
+  (NumPy and the BLAS release the GIL), so both cores are busy at batch 1. PyTorch threads each
+  operation itself; there the blocks run on one Python thread.
+
+``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
+are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
+
+:func:`pedestrian.kernels.attention.multi_head_attention_forward` picks this kernel from
+:data:`TILED_MIN_T` on (docs/performance.md, "Long context").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+from array_api_compat import device
+
+from ..backend import is_numpy_array, is_torch_array
+from .blas import elementwise_lib, matmul_into, rowdot
+from .threads import for_row_blocks, num_threads, single_threaded_blas
+from .workspace import empty_array, scratch
+
+__all__ = ["BLOCKS", "TILED_MIN_T", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
+           "tiled_attention_weights"]
+
+#: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (``n_heads`` tiles
+#: are processed by each call). Measured on 2 cores, char-small widths, T = 1024-4096
+#: (docs/performance.md, "Long context"): NumPy pays ~1 µs per call, so it wants tiles that
+#: still sit in the 1 MiB L2 cache; PyTorch pays ~5-10 µs per call and threads each one.
+BLOCKS = {"numpy": (128, 256), "torch": (256, 1024)}
+#: the shortest sequence for which the fast path uses this kernel (below it, the full-matrix
+#: kernel of :mod:`pedestrian.kernels.attention` is faster). Measured, docs/performance.md.
+TILED_MIN_T = {"numpy": 512, "torch": 1024}
+
+
+def _backend(x) -> str:
+    return "torch" if is_torch_array(x) else "numpy"
+
+
+def use_tiled(T: int, like) -> bool:
+    """Whether the fast path runs tiled attention for a sequence of ``T`` tokens (no KV cache)
+    on ``like``'s backend: ``T >= TILED_MIN_T[backend]``."""
+    return T >= TILED_MIN_T[_backend(like)]
+
+
+_MASKS: dict = {}
+
+
+def _tile_mask(rows: int, cols: int, offset: int, like):
+    """Additive ``(rows, cols)`` causal mask of a tile whose first query sits ``offset`` positions
+    after its first key: ``−∞`` where key ``c`` comes after query ``r`` (``c > r + offset``)."""
+    key = (rows, cols, offset, str(like.dtype), type(like).__module__, str(device(like)))
+    mask = _MASKS.get(key)
+    if mask is None:
+        if is_torch_array(like):
+            import torch
+
+            pos_r = torch.arange(rows, device=like.device)[:, None]
+            pos_c = torch.arange(cols, device=like.device)[None, :]
+            mask = torch.zeros((rows, cols), dtype=like.dtype, device=like.device)
+            mask.masked_fill_(pos_c > pos_r + offset, -math.inf)
+        else:
+            import numpy as np
+
+            mask = np.zeros((rows, cols), dtype=like.dtype)
+            mask[np.arange(cols)[None, :] > np.arange(rows)[:, None] + offset] = -math.inf
+        if len(_MASKS) > 256:                              # many sequence lengths: start again
+            _MASKS.clear()
+        _MASKS[key] = mask
+    return mask
+
+
+def _copy(dst, src) -> None:
+    if is_numpy_array(dst):
+        import numpy as np
+
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
+def _zeros(shape, like):
+    if is_numpy_array(like):
+        import numpy as np
+
+        return np.zeros(shape, dtype=like.dtype)
+    import torch
+
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def _split_heads_into(dst, src, B: int, n_heads: int, scale: float | None = None) -> None:
+    """``src`` ``(B, T, n_heads·w)`` (a column block of ``qkv``) into ``dst`` ``(B·n_heads, T, w)``."""
+    T, w = src.shape[1], src.shape[2] // n_heads
+    heads = src.reshape(B, T, n_heads, w).swapaxes(1, 2)                     # (B, H, T, w) view
+    target = dst.reshape(B, n_heads, T, w)
+    if scale is None:
+        _copy(target, heads)
+    else:
+        elementwise_lib(src).multiply(heads, scale, out=target)
+
+
+def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
+    """``src`` ``(B·n_heads, T, w)`` into ``dst`` ``(B, T, n_heads·w)`` (head ``h``: columns ``h·w …``)."""
+    T, w = src.shape[1], src.shape[2]
+    _copy(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
+
+
+def _for_heads(like, kernel, G: int, per_head: int) -> None:
+    """``kernel(lo, hi)`` over head ranges: NumPy shares the ``G`` heads out in one contiguous run
+    per thread (each run is one call, so its tiles batch its heads), BLAS held to one thread."""
+    if not is_numpy_array(like):
+        kernel(0, G)
+        return
+    threads = min(num_threads(), G)
+    run = -(-G // threads)
+    # single-threaded BLAS: the tiles' products are too small for BLAS threads to pay, and
+    # each of our threads needs a core of its own (a no-op inside DataParallel, which holds it)
+    quiet = single_threaded_blas() if threads > 1 else contextlib.nullcontext()
+    with quiet:
+        for_row_blocks(like, kernel, G, per_head, parallel_min=0, block=run * per_head)
+
+
+def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
+                            block_q: int | None = None, block_k: int | None = None):
+    """Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
+
+    Args:
+        qkv: ``(B, T, n_heads·(2·d_qk + d_head))`` float array (NumPy or torch), as
+            :func:`pedestrian.layers.attention.multi_head_attention_forward` takes it.
+        n_heads, d_qk, d_head: the head layout.
+        causal: mask future keys (their blocks are skipped).
+        block_q, block_k: tile size (default :data:`BLOCKS` of the backend).
+
+    Returns:
+        ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side; the
+        cache holds ``q`` (scaled by ``1/√d_qk``), ``k``, ``v`` ``(B·n_heads, T, ·)``, the heads'
+        outputs ``o`` ``(B·n_heads, T, d_head)`` and the log-sum-exp ``lse`` ``(B·n_heads, T, 1)``
+        of every row of scores: ``O(T)`` memory.
+
+    Raises:
+        ValueError: a block size below 1.
+    """
+    B, T, _ = qkv.shape
+    G, hq = B * n_heads, n_heads * d_qk
+    bq, bk = BLOCKS[_backend(qkv)]
+    bq, bk = block_q or bq, block_k or bk
+    if bq < 1 or bk < 1:
+        raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
+    q = empty_array((G, T, d_qk), qkv)
+    k = empty_array((G, T, d_qk), qkv)
+    v = empty_array((G, T, d_head), qkv)
+    o = empty_array((G, T, d_head), qkv)
+    lse = empty_array((G, T, 1), qkv)
+    _split_heads_into(q, qkv[..., :hq], B, n_heads, 1.0 / math.sqrt(d_qk))  # q / √d_qk
+    _split_heads_into(k, qkv[..., hq:2 * hq], B, n_heads)
+    _split_heads_into(v, qkv[..., 2 * hq:], B, n_heads)
+    lib = elementwise_lib(qkv)
+
+    def kernel(lo: int, hi: int) -> None:                                   # heads lo:hi
+        g = hi - lo
+        for i0 in range(0, T, bq):
+            i1 = min(i0 + bq, T)
+            r = i1 - i0
+            qi, oi = q[lo:hi, i0:i1], o[lo:hi, i0:i1]                        # (g, r, ·)
+            m = scratch((g, r, 1), qkv, "tiled.m")                           # running row max
+            l = scratch((g, r, 1), qkv, "tiled.l")                           # running row sum
+            m_new = scratch((g, r, 1), qkv, "tiled.m_new")
+            for j0 in range(0, i1 if causal else T, bk):                     # blocks above: skipped
+                j1 = min(j0 + bk, i1 if causal else T)
+                s = scratch((g, r, j1 - j0), qkv, "tiled.s")
+                matmul_into(s, qi, k[lo:hi, j0:j1].mT)                       # S = q kᵀ/√d_qk
+                if causal and j1 - 1 > i0:                                   # the tile crosses the diagonal
+                    lib.add(s, _tile_mask(r, j1 - j0, i0 - j0, s), out=s)
+                if j0 == 0:                                                  # first block: no history
+                    lib.amax(s, axis=-1, keepdims=True, out=m)               # key 0 is always allowed
+                    lib.subtract(s, m, out=s)
+                    lib.exp(s, out=s)
+                    lib.sum(s, axis=-1, keepdims=True, out=l)
+                    matmul_into(oi, s, v[lo:hi, j0:j1])                      # Σ_β exp(S − m) v
+                    continue
+                lib.amax(s, axis=-1, keepdims=True, out=m_new)
+                lib.maximum(m_new, m, out=m_new)
+                lib.subtract(s, m_new, out=s)
+                lib.exp(s, out=s)                                            # exp(S − m_new)
+                lib.subtract(m, m_new, out=m)
+                lib.exp(m, out=m)                                            # exp(m_old − m_new) <= 1
+                lib.multiply(l, m, out=l)
+                lib.add(l, lib.sum(s, axis=-1, keepdims=True), out=l)
+                lib.multiply(oi, m, out=oi)
+                pv = scratch((g, r, d_head), qkv, "tiled.pv")
+                matmul_into(pv, s, v[lo:hi, j0:j1])
+                lib.add(oi, pv, out=oi)
+                m, m_new = m_new, m                                          # the new max is the old one now
+            lib.divide(oi, l, out=oi)                                        # out = P v
+            lib.log(l, out=l)
+            lib.add(m, l, out=lse[lo:hi, i0:i1])                             # ℓ = m + log l
+
+    _for_heads(qkv, kernel, G, T * T // (2 if causal else 1))
+    out = empty_array((B, T, n_heads * d_head), qkv)
+    _merge_heads_into(out, o, B, n_heads)
+    return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads,
+                     causal=causal, blocks=(bq, bk))
+
+
+def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
+    """Backward of :func:`tiled_attention_forward` down to the fused ``qkv`` (EQUATIONS.md).
+
+    Per tile: ``P = exp(S − ℓ)`` (recomputed), ``dv += Pᵀ Δ``, ``dP = Δ vᵀ``,
+    ``Δcausal = P ∘ (dP − D)`` with ``D = rowsum(Δ ∘ out)`` (= ``rowsum(dP ∘ P)``),
+    ``dq += Δcausal k / √d_qk``, ``dk += Δcausalᵀ q / √d_qk``.
+
+    Args:
+        delta: ``Δ3`` ``(B, T, n_heads·d_head)``.
+        cache: from :func:`tiled_attention_forward`.
+        keep_delta_causal: also return ``Δcausal`` ``(B, n_heads, T, T)`` (zeros on the skipped
+            blocks above the diagonal; ``O(T²)`` memory, on request only).
+
+    Returns:
+        ``(delta_qkv, delta_causal)``: ``(B, T, n_heads·(2·d_qk + d_head))`` and ``Δcausal`` or ``None``.
+    """
+    q, k, v, o, lse = cache["q"], cache["k"], cache["v"], cache["o"], cache["lse"]
+    G, T, d_head = v.shape
+    d_qk, n_heads, causal = cache["d_qk"], cache["n_heads"], cache["causal"]
+    bq, bk = cache["blocks"]
+    B = G // n_heads
+    hq = n_heads * d_qk
+    d_out = empty_array((G, T, d_head), delta)
+    _split_heads_into(d_out, delta, B, n_heads)
+    dq, dk, dv = empty_array(q.shape, q), empty_array(k.shape, k), empty_array(v.shape, v)
+    kept = _zeros((B, n_heads, T, T), q) if keep_delta_causal else None
+    kept3 = None if kept is None else kept.reshape(G, T, T)
+    lib = elementwise_lib(q)
+    inv_scale = 1.0 / math.sqrt(d_qk)
+
+    def kernel(lo: int, hi: int) -> None:                                   # heads lo:hi
+        g = hi - lo
+        dk_h, dv_h = dk[lo:hi], dv[lo:hi]
+        dk_h[...] = 0                                                        # key blocks are summed into
+        dv_h[...] = 0
+        # D = rowsum(dP ∘ P) = rowsum(Δ ∘ out) (EQUATIONS.md, "Tiled attention"): no T × T sum
+        D = rowdot(d_out[lo:hi], o[lo:hi])                                   # (g, T, 1)
+        for i0 in range(0, T, bq):
+            i1 = min(i0 + bq, T)
+            r = i1 - i0
+            qi, di, dqi = q[lo:hi, i0:i1], d_out[lo:hi, i0:i1], dq[lo:hi, i0:i1]
+            lse_i, D_i = lse[lo:hi, i0:i1], D[:, i0:i1]
+            for j0 in range(0, i1 if causal else T, bk):
+                j1 = min(j0 + bk, i1 if causal else T)
+                c = j1 - j0
+                kj, vj = k[lo:hi, j0:j1], v[lo:hi, j0:j1]
+                p = scratch((g, r, c), q, "tiled.s")
+                matmul_into(p, qi, kj.mT)                                    # S
+                if causal and j1 - 1 > i0:
+                    lib.add(p, _tile_mask(r, c, i0 - j0, p), out=p)
+                lib.subtract(p, lse_i, out=p)
+                lib.exp(p, out=p)                                            # P = exp(S − ℓ)
+                t_v = scratch((g, c, d_head), q, "tiled.t_v")
+                matmul_into(t_v, p.mT, di)                                   # dv += Pᵀ Δ
+                lib.add(dv_h[:, j0:j1], t_v, out=dv_h[:, j0:j1])
+                dp = scratch((g, r, c), q, "tiled.dp")
+                matmul_into(dp, di, vj.mT)                                   # dP = Δ vᵀ
+                lib.subtract(dp, D_i, out=dp)
+                lib.multiply(dp, p, out=dp)                                  # Δcausal = P ∘ (dP − D)
+                if kept3 is not None:
+                    kept3[lo:hi, i0:i1, j0:j1] = dp
+                if j0 == 0:
+                    matmul_into(dqi, dp, kj)                                 # dq = Δcausal k (÷ √d_qk below)
+                else:
+                    t_q = scratch((g, r, d_qk), q, "tiled.t_q")
+                    matmul_into(t_q, dp, kj)
+                    lib.add(dqi, t_q, out=dqi)
+                t_k = scratch((g, c, d_qk), q, "tiled.t_k")
+                matmul_into(t_k, dp.mT, qi)                                  # dk += Δcausalᵀ q/√d_qk
+                lib.add(dk_h[:, j0:j1], t_k, out=dk_h[:, j0:j1])
+            lib.multiply(dqi, inv_scale, out=dqi)
+
+    _for_heads(q, kernel, G, T * T // (2 if causal else 1))
+    delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), q)
+    _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
+    _merge_heads_into(delta_qkv[..., hq:2 * hq], dk, B, n_heads)
+    _merge_heads_into(delta_qkv[..., 2 * hq:], dv, B, n_heads)
+    return delta_qkv, kept
+
+
+def tiled_attention_weights(cache):
+    """``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
+    ``q``, ``k`` and the log-sum-exp: ``P = exp(q kᵀ/√d_qk − ℓ)``, ``0`` above the diagonal
+    when causal (``O(T²)`` memory, on request only)."""
+    q, k, lse = cache["q"], cache["k"], cache["lse"]
+    G, T, _ = q.shape
+    lib = elementwise_lib(q)
+    p = empty_array((G, T, T), q)
+    matmul_into(p, q, k.mT)                                                  # S (G, T, T)
+    if cache["causal"]:
+        lib.add(p, _tile_mask(T, T, 0, p), out=p)
+    lib.subtract(p, lse, out=p)
+    lib.exp(p, out=p)
+    return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)
