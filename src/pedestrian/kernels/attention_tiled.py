@@ -138,6 +138,18 @@ def _for_heads(like, kernel, G: int, per_head: int) -> None:
         for_row_blocks(like, kernel, G, per_head, parallel_min=0, block=run * per_head)
 
 
+def _rowmax_into(s, out) -> None:
+    """``out = max_β s[..., β]`` (kept as a size-1 axis)."""
+    if is_numpy_array(s):
+        import numpy as np
+
+        np.fmax.reduce(s, axis=-1, keepdims=True, out=out)   # 1.5x np.max here (no NaN checks)
+    else:
+        import torch
+
+        torch.amax(s, dim=-1, keepdim=True, out=out)
+
+
 def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                             block_q: int | None = None, block_k: int | None = None):
     """Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
@@ -150,10 +162,11 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         block_q, block_k: tile size (default :data:`BLOCKS` of the backend).
 
     Returns:
-        ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side; the
-        cache holds ``q`` (scaled by ``1/√d_qk``), ``k``, ``v`` ``(B·n_heads, T, ·)``, the heads'
-        outputs ``o`` ``(B·n_heads, T, d_head)`` and the log-sum-exp ``lse`` ``(B·n_heads, T, 1)``
-        of every row of scores: ``O(T)`` memory.
+        ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
+        cache holds, per head (``B·n_heads`` of them), ``q_aug = [q/√d_qk | −ℓ]``,
+        ``k_aug = [k | 1]``, ``v_aug = [v | 1]`` ``(B·n_heads, T, · + 1)`` and the heads' outputs
+        ``(B·n_heads, T, d_head)``: ``O(T)`` memory. (An extra column turns a subtraction into
+        part of a product: ``q_aug k_augᵀ = S − ℓ``, ``P v_aug = [P v | rowsum P]``.)
 
     Raises:
         ValueError: a block size below 1.
@@ -164,14 +177,15 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     bq, bk = block_q or bq, block_k or bk
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
-    q = empty_array((G, T, d_qk), qkv)
-    k = empty_array((G, T, d_qk), qkv)
-    v = empty_array((G, T, d_head), qkv)
-    o = empty_array((G, T, d_head), qkv)
-    lse = empty_array((G, T, 1), qkv)
-    _split_heads_into(q, qkv[..., :hq], B, n_heads, 1.0 / math.sqrt(d_qk))  # q / √d_qk
-    _split_heads_into(k, qkv[..., hq:2 * hq], B, n_heads)
-    _split_heads_into(v, qkv[..., 2 * hq:], B, n_heads)
+    q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ]
+    k_aug = empty_array((G, T, d_qk + 1), qkv)                               # [k | 1]
+    v_aug = empty_array((G, T, d_head + 1), qkv)                             # [v | 1]
+    o = empty_array((G, T, d_head), qkv)                                     # each head's P v
+    _split_heads_into(q_aug[..., :d_qk], qkv[..., :hq], B, n_heads, 1.0 / math.sqrt(d_qk))
+    _split_heads_into(k_aug[..., :d_qk], qkv[..., hq:2 * hq], B, n_heads)
+    _split_heads_into(v_aug[..., :d_head], qkv[..., 2 * hq:], B, n_heads)
+    k_aug[..., d_qk:] = 1
+    v_aug[..., d_head:] = 1
     lib = elementwise_lib(qkv)
 
     def kernel(lo: int, hi: int) -> None:                                   # heads lo:hi
@@ -179,45 +193,44 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         for i0 in range(0, T, bq):
             i1 = min(i0 + bq, T)
             r = i1 - i0
-            qi, oi = q[lo:hi, i0:i1], o[lo:hi, i0:i1]                        # (g, r, ·)
+            qi = q_aug[lo:hi, i0:i1, :d_qk]                                  # (g, r, d_qk)
+            acc = scratch((g, r, d_head + 1), qkv, "tiled.acc")              # [Σ_β e v_β | Σ_β e]
             m = scratch((g, r, 1), qkv, "tiled.m")                           # running row max
-            l = scratch((g, r, 1), qkv, "tiled.l")                           # running row sum
             m_new = scratch((g, r, 1), qkv, "tiled.m_new")
             for j0 in range(0, i1 if causal else T, bk):                     # blocks above: skipped
                 j1 = min(j0 + bk, i1 if causal else T)
                 s = scratch((g, r, j1 - j0), qkv, "tiled.s")
-                matmul_into(s, qi, k[lo:hi, j0:j1].mT)                       # S = q kᵀ/√d_qk
+                matmul_into(s, qi, k_aug[lo:hi, j0:j1, :d_qk].mT)            # S = q kᵀ/√d_qk
                 if causal and j1 - 1 > i0:                                   # the tile crosses the diagonal
                     lib.add(s, _tile_mask(r, j1 - j0, i0 - j0, s), out=s)
                 if j0 == 0:                                                  # first block: no history
-                    lib.amax(s, axis=-1, keepdims=True, out=m)               # key 0 is always allowed
+                    _rowmax_into(s, m)                                       # key 0 is always allowed
                     lib.subtract(s, m, out=s)
-                    lib.exp(s, out=s)
-                    lib.sum(s, axis=-1, keepdims=True, out=l)
-                    matmul_into(oi, s, v[lo:hi, j0:j1])                      # Σ_β exp(S − m) v
+                    lib.exp(s, out=s)                                        # e = exp(S − m)
+                    matmul_into(acc, s, v_aug[lo:hi, j0:j1])
                     continue
-                lib.amax(s, axis=-1, keepdims=True, out=m_new)
+                _rowmax_into(s, m_new)
                 lib.maximum(m_new, m, out=m_new)
                 lib.subtract(s, m_new, out=s)
-                lib.exp(s, out=s)                                            # exp(S − m_new)
+                lib.exp(s, out=s)                                            # e = exp(S − m_new)
                 lib.subtract(m, m_new, out=m)
                 lib.exp(m, out=m)                                            # exp(m_old − m_new) <= 1
-                lib.multiply(l, m, out=l)
-                lib.add(l, lib.sum(s, axis=-1, keepdims=True), out=l)
-                lib.multiply(oi, m, out=oi)
-                pv = scratch((g, r, d_head), qkv, "tiled.pv")
-                matmul_into(pv, s, v[lo:hi, j0:j1])
-                lib.add(oi, pv, out=oi)
+                lib.multiply(acc, m, out=acc)                                # rescale the sums so far
+                t = scratch((g, r, d_head + 1), qkv, "tiled.t")
+                matmul_into(t, s, v_aug[lo:hi, j0:j1])
+                lib.add(acc, t, out=acc)
                 m, m_new = m_new, m                                          # the new max is the old one now
-            lib.divide(oi, l, out=oi)                                        # out = P v
-            lib.log(l, out=l)
-            lib.add(m, l, out=lse[lo:hi, i0:i1])                             # ℓ = m + log l
+            total = acc[..., d_head:]                                        # l = Σ_β exp(S − m)
+            lib.divide(acc[..., :d_head], total, out=o[lo:hi, i0:i1])        # out = P v
+            lib.log(total, out=total)
+            lib.add(total, m, out=total)                                     # ℓ = m + log l
+            lib.negative(total, out=q_aug[lo:hi, i0:i1, d_qk:])
 
     _for_heads(qkv, kernel, G, T * T // (2 if causal else 1))
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
-    return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads,
-                     causal=causal, blocks=(bq, bk))
+    return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
+                     n_heads=n_heads, causal=causal, blocks=(bq, bk))
 
 
 def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -225,7 +238,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
 
     Per tile: ``P = exp(S − ℓ)`` (recomputed), ``dv += Pᵀ Δ``, ``dP = Δ vᵀ``,
     ``Δcausal = P ∘ (dP − D)`` with ``D = rowsum(Δ ∘ out)`` (= ``rowsum(dP ∘ P)``),
-    ``dq += Δcausal k / √d_qk``, ``dk += Δcausalᵀ q / √d_qk``.
+    ``dq += Δcausal k / √d_qk``, ``dk += Δcausalᵀ q / √d_qk``. ``S − ℓ`` and ``dP − D`` come
+    out of one product each (``[q | −ℓ] [k | 1]ᵀ``, ``[Δ | −D] [v | 1]ᵀ``).
 
     Args:
         delta: ``Δ3`` ``(B, T, n_heads·d_head)``.
@@ -236,18 +250,18 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     Returns:
         ``(delta_qkv, delta_causal)``: ``(B, T, n_heads·(2·d_qk + d_head))`` and ``Δcausal`` or ``None``.
     """
-    q, k, v, o, lse = cache["q"], cache["k"], cache["v"], cache["o"], cache["lse"]
-    G, T, d_head = v.shape
+    q_aug, k_aug, v_aug, o = cache["q_aug"], cache["k_aug"], cache["v_aug"], cache["o"]
+    G, T, d_head = o.shape
     d_qk, n_heads, causal = cache["d_qk"], cache["n_heads"], cache["causal"]
     bq, bk = cache["blocks"]
     B = G // n_heads
     hq = n_heads * d_qk
-    d_out = empty_array((G, T, d_head), delta)
-    _split_heads_into(d_out, delta, B, n_heads)
-    dq, dk, dv = empty_array(q.shape, q), empty_array(k.shape, k), empty_array(v.shape, v)
-    kept = _zeros((B, n_heads, T, T), q) if keep_delta_causal else None
+    d_aug = empty_array((G, T, d_head + 1), o)                                # [Δ | −D]
+    _split_heads_into(d_aug[..., :d_head], delta, B, n_heads)
+    dq, dk, dv = empty_array((G, T, d_qk), o), empty_array((G, T, d_qk), o), empty_array((G, T, d_head), o)
+    kept = _zeros((B, n_heads, T, T), o) if keep_delta_causal else None
     kept3 = None if kept is None else kept.reshape(G, T, T)
-    lib = elementwise_lib(q)
+    lib = elementwise_lib(o)
     inv_scale = 1.0 / math.sqrt(d_qk)
 
     def kernel(lo: int, hi: int) -> None:                                   # heads lo:hi
@@ -256,44 +270,41 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
         dk_h[...] = 0                                                        # key blocks are summed into
         dv_h[...] = 0
         # D = rowsum(dP ∘ P) = rowsum(Δ ∘ out) (EQUATIONS.md, "Tiled attention"): no T × T sum
-        D = rowdot(d_out[lo:hi], o[lo:hi])                                   # (g, T, 1)
+        lib.negative(rowdot(d_aug[lo:hi, :, :d_head], o[lo:hi]), out=d_aug[lo:hi, :, d_head:])
         for i0 in range(0, T, bq):
             i1 = min(i0 + bq, T)
             r = i1 - i0
-            qi, di, dqi = q[lo:hi, i0:i1], d_out[lo:hi, i0:i1], dq[lo:hi, i0:i1]
-            lse_i, D_i = lse[lo:hi, i0:i1], D[:, i0:i1]
+            qa, da, dqi = q_aug[lo:hi, i0:i1], d_aug[lo:hi, i0:i1], dq[lo:hi, i0:i1]
             for j0 in range(0, i1 if causal else T, bk):
                 j1 = min(j0 + bk, i1 if causal else T)
                 c = j1 - j0
-                kj, vj = k[lo:hi, j0:j1], v[lo:hi, j0:j1]
-                p = scratch((g, r, c), q, "tiled.s")
-                matmul_into(p, qi, kj.mT)                                    # S
+                p = scratch((g, r, c), o, "tiled.s")
+                matmul_into(p, qa, k_aug[lo:hi, j0:j1].mT)                   # S − ℓ
                 if causal and j1 - 1 > i0:
                     lib.add(p, _tile_mask(r, c, i0 - j0, p), out=p)
-                lib.subtract(p, lse_i, out=p)
                 lib.exp(p, out=p)                                            # P = exp(S − ℓ)
-                t_v = scratch((g, c, d_head), q, "tiled.t_v")
-                matmul_into(t_v, p.mT, di)                                   # dv += Pᵀ Δ
+                t_v = scratch((g, c, d_head), o, "tiled.t_v")
+                matmul_into(t_v, p.mT, da[..., :d_head])                     # dv += Pᵀ Δ
                 lib.add(dv_h[:, j0:j1], t_v, out=dv_h[:, j0:j1])
-                dp = scratch((g, r, c), q, "tiled.dp")
-                matmul_into(dp, di, vj.mT)                                   # dP = Δ vᵀ
-                lib.subtract(dp, D_i, out=dp)
+                dp = scratch((g, r, c), o, "tiled.dp")
+                matmul_into(dp, da, v_aug[lo:hi, j0:j1].mT)                  # dP − D
                 lib.multiply(dp, p, out=dp)                                  # Δcausal = P ∘ (dP − D)
                 if kept3 is not None:
                     kept3[lo:hi, i0:i1, j0:j1] = dp
+                kj = k_aug[lo:hi, j0:j1, :d_qk]
                 if j0 == 0:
                     matmul_into(dqi, dp, kj)                                 # dq = Δcausal k (÷ √d_qk below)
                 else:
-                    t_q = scratch((g, r, d_qk), q, "tiled.t_q")
+                    t_q = scratch((g, r, d_qk), o, "tiled.t_q")
                     matmul_into(t_q, dp, kj)
                     lib.add(dqi, t_q, out=dqi)
-                t_k = scratch((g, c, d_qk), q, "tiled.t_k")
-                matmul_into(t_k, dp.mT, qi)                                  # dk += Δcausalᵀ q/√d_qk
+                t_k = scratch((g, c, d_qk), o, "tiled.t_k")
+                matmul_into(t_k, dp.mT, qa[..., :d_qk])                      # dk += Δcausalᵀ q/√d_qk
                 lib.add(dk_h[:, j0:j1], t_k, out=dk_h[:, j0:j1])
             lib.multiply(dqi, inv_scale, out=dqi)
 
-    _for_heads(q, kernel, G, T * T // (2 if causal else 1))
-    delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), q)
+    _for_heads(o, kernel, G, T * T // (2 if causal else 1))
+    delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
     _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
     _merge_heads_into(delta_qkv[..., hq:2 * hq], dk, B, n_heads)
     _merge_heads_into(delta_qkv[..., 2 * hq:], dv, B, n_heads)
@@ -302,15 +313,14 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
 
 def tiled_attention_weights(cache):
     """``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
-    ``q``, ``k`` and the log-sum-exp: ``P = exp(q kᵀ/√d_qk − ℓ)``, ``0`` above the diagonal
+    ``q``, ``k`` and the log-sum-exp ``ℓ``: ``P = exp(q kᵀ/√d_qk − ℓ)``, ``0`` above the diagonal
     when causal (``O(T²)`` memory, on request only)."""
-    q, k, lse = cache["q"], cache["k"], cache["lse"]
-    G, T, _ = q.shape
-    lib = elementwise_lib(q)
-    p = empty_array((G, T, T), q)
-    matmul_into(p, q, k.mT)                                                  # S (G, T, T)
+    q_aug, k_aug = cache["q_aug"], cache["k_aug"]
+    G, T, _ = q_aug.shape
+    lib = elementwise_lib(q_aug)
+    p = empty_array((G, T, T), q_aug)
+    matmul_into(p, q_aug, k_aug.mT)                                          # S − ℓ (G, T, T)
     if cache["causal"]:
         lib.add(p, _tile_mask(T, T, 0, p), out=p)
-    lib.subtract(p, lse, out=p)
     lib.exp(p, out=p)
     return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)
