@@ -27,17 +27,16 @@ are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 from array_api_compat import device
 
 from ..backend import is_numpy_array, is_torch_array
 from .blas import elementwise_lib, matmul_into, rowdot
-from .threads import for_row_blocks, num_threads, single_threaded_blas
+from .threads import for_row_blocks, is_worker_thread, num_threads, single_threaded_blas
 from .workspace import empty_array, scratch
 
-__all__ = ["BLOCKS", "TILED_MIN_T", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
+__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
            "tiled_attention_weights"]
 
 #: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (``n_heads`` tiles
@@ -48,6 +47,9 @@ BLOCKS = {"numpy": (128, 256), "torch": (256, 1024)}
 #: the shortest sequence for which the fast path uses this kernel (below it, the full-matrix
 #: kernel of :mod:`pedestrian.kernels.attention` is faster). Measured, docs/performance.md.
 TILED_MIN_T = {"numpy": 512, "torch": 1024}
+#: NumPy: the heads of one call share a tile of at most this many scores (4 heads of 128 × 256
+#: at most 8, measured on T = 256 … 512: 3-5% faster than all of a slice's heads at once)
+TILE_ELEMENTS = 1 << 18
 
 
 def _backend(x) -> str:
@@ -123,18 +125,22 @@ def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
     _copy(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
 
 
-def _for_heads(like, kernel, G: int, per_head: int) -> None:
-    """``kernel(lo, hi)`` over head ranges: NumPy shares the ``G`` heads out in one contiguous run
-    per thread (each run is one call, so its tiles batch its heads), BLAS held to one thread."""
+def _for_heads(like, kernel, G: int, per_head: int, tile: int) -> None:
+    """``kernel(lo, hi)`` over runs of the ``G`` heads: on NumPy at most :data:`TILE_ELEMENTS`
+    per tile (``tile`` elements per head) and at least one run per thread, the runs shared over
+    :func:`num_threads` threads with BLAS held to one thread; PyTorch: one call."""
     if not is_numpy_array(like):
         kernel(0, G)
         return
-    threads = min(num_threads(), G)
-    run = -(-G // threads)
-    # single-threaded BLAS: the tiles' products are too small for BLAS threads to pay, and
-    # each of our threads needs a core of its own (a no-op inside DataParallel, which holds it)
-    quiet = single_threaded_blas() if threads > 1 else contextlib.nullcontext()
-    with quiet:
+    threads = 1 if is_worker_thread() else min(num_threads(), G)   # DataParallel: already one per core
+    run = max(1, min(-(-G // threads), TILE_ELEMENTS // tile))
+    if threads == 1:
+        for lo in range(0, G, run):
+            kernel(lo, min(lo + run, G))
+        return
+    # single-threaded BLAS: each of our threads needs a core of its own, and a tile's products
+    # are too small for BLAS threads to pay
+    with single_threaded_blas():
         for_row_blocks(like, kernel, G, per_head, parallel_min=0, block=run * per_head)
 
 
@@ -226,7 +232,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
             lib.add(total, m, out=total)                                     # ℓ = m + log l
             lib.negative(total, out=q_aug[lo:hi, i0:i1, d_qk:])
 
-    _for_heads(qkv, kernel, G, T * T // (2 if causal else 1))
+    _for_heads(qkv, kernel, G, T * T // (2 if causal else 1), bq * bk)
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
@@ -303,7 +309,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
                 lib.add(dk_h[:, j0:j1], t_k, out=dk_h[:, j0:j1])
             lib.multiply(dqi, inv_scale, out=dqi)
 
-    _for_heads(o, kernel, G, T * T // (2 if causal else 1))
+    _for_heads(o, kernel, G, T * T // (2 if causal else 1), bq * bk)
     delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
     _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
     _merge_heads_into(delta_qkv[..., hq:2 * hq], dk, B, n_heads)
