@@ -33,23 +33,26 @@ from array_api_compat import device
 
 from ..backend import is_numpy_array, is_torch_array
 from .blas import elementwise_lib, matmul_into, rowdot
-from .threads import for_row_blocks, is_worker_thread, num_threads, single_threaded_blas
+from .threads import get_pool, in_worker_thread, is_worker_thread, num_threads, single_threaded_blas
 from .workspace import empty_array, scratch
 
-__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
+__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "HEADS_OVER_THREADS", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
            "tiled_attention_weights"]
 
 #: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (``n_heads`` tiles
 #: are processed by each call). Measured on 2 cores, char-small widths, T = 1024-4096
 #: (docs/performance.md, "Long context"): NumPy pays ~1 µs per call, so it wants tiles that
 #: still sit in the 1 MiB L2 cache; PyTorch pays ~5-10 µs per call and threads each one.
-BLOCKS = {"numpy": (128, 256), "torch": (256, 1024)}
+BLOCKS = {"numpy": (128, 256), "torch": (256, 512)}
 #: the shortest sequence for which the fast path uses this kernel (below it, the full-matrix
 #: kernel of :mod:`pedestrian.kernels.attention` is faster). Measured, docs/performance.md.
-TILED_MIN_T = {"numpy": 512, "torch": 1024}
+TILED_MIN_T = {"numpy": 384, "torch": 512}
 #: NumPy: the heads of one call share a tile of at most this many scores (4 heads of 128 × 256
 #: at most 8, measured on T = 256 … 512: 3-5% faster than all of a slice's heads at once)
 TILE_ELEMENTS = 1 << 18
+#: share the heads over Python threads (NumPy and the BLAS release the GIL; each thread calls a
+#: single-threaded BLAS), or leave the threading to the library (PyTorch threads each operation)
+HEADS_OVER_THREADS = {"numpy": True, "torch": False}
 
 
 def _backend(x) -> str:
@@ -125,23 +128,42 @@ def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
     _copy(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
 
 
-def _for_heads(like, kernel, G: int, per_head: int, tile: int) -> None:
-    """``kernel(lo, hi)`` over runs of the ``G`` heads: on NumPy at most :data:`TILE_ELEMENTS`
-    per tile (``tile`` elements per head) and at least one run per thread, the runs shared over
-    :func:`num_threads` threads with BLAS held to one thread; PyTorch: one call."""
-    if not is_numpy_array(like):
-        kernel(0, G)
-        return
-    threads = 1 if is_worker_thread() else min(num_threads(), G)   # DataParallel: already one per core
-    run = max(1, min(-(-G // threads), TILE_ELEMENTS // tile))
+def _for_heads(like, kernel, G: int, tile: int) -> None:
+    """``kernel(lo, hi)`` over runs of the ``G`` heads, shared over :func:`num_threads` threads.
+
+    A run's tiles hold at most :data:`TILE_ELEMENTS` scores (``tile`` per head) on NumPy, and
+    there is at least one run per thread. While the threads run, BLAS (and torch) are held to
+    one thread each (:func:`single_threaded_blas`). Inside a worker thread (DataParallel's
+    slices, already one per core) the runs go one after the other on the calling thread; so do
+    they for torch tensors unless :data:`HEADS_OVER_THREADS` says otherwise.
+    """
+    backend = _backend(like)
+    threads = 1 if is_worker_thread() or not HEADS_OVER_THREADS[backend] else min(num_threads(), G)
+    run = -(-G // threads)
+    if backend == "numpy":
+        run = max(1, min(run, TILE_ELEMENTS // tile))
+    runs = [(lo, min(lo + run, G)) for lo in range(0, G, run)]
     if threads == 1:
-        for lo in range(0, G, run):
-            kernel(lo, min(lo + run, G))
+        for lo, hi in runs:
+            kernel(lo, hi)
         return
+    threads = min(threads, len(runs))
+    bounds = [len(runs) * i // threads for i in range(threads + 1)]
+
+    def part(t: int) -> None:                              # thread t's runs, one after the other
+        with in_worker_thread():
+            for lo, hi in runs[bounds[t]:bounds[t + 1]]:
+                kernel(lo, hi)
+
     # single-threaded BLAS: each of our threads needs a core of its own, and a tile's products
     # are too small for BLAS threads to pay
     with single_threaded_blas():
-        for_row_blocks(like, kernel, G, per_head, parallel_min=0, block=run * per_head)
+        futures = [get_pool().submit(part, t) for t in range(1, threads)]
+        try:
+            part(0)
+        finally:
+            for f in futures:
+                f.result()
 
 
 def _rowmax_into(s, out) -> None:
@@ -232,7 +254,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
             lib.add(total, m, out=total)                                     # ℓ = m + log l
             lib.negative(total, out=q_aug[lo:hi, i0:i1, d_qk:])
 
-    _for_heads(qkv, kernel, G, T * T // (2 if causal else 1), bq * bk)
+    _for_heads(qkv, kernel, G, bq * bk)
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
@@ -309,7 +331,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
                 lib.add(dk_h[:, j0:j1], t_k, out=dk_h[:, j0:j1])
             lib.multiply(dqi, inv_scale, out=dqi)
 
-    _for_heads(o, kernel, G, T * T // (2 if causal else 1), bq * bk)
+    _for_heads(o, kernel, G, bq * bk)
     delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
     _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
     _merge_heads_into(delta_qkv[..., hq:2 * hq], dk, B, n_heads)
