@@ -158,27 +158,57 @@ def test_fast_path_picks_tiled_from_the_crossover():
 
 
 def test_heads_are_shared_over_threads(monkeypatch):
-    """At batch 1 the heads go to both threads (PEDESTRIAN_NUM_THREADS=2); inside a worker
+    """At batch 1 the work goes to both threads (PEDESTRIAN_NUM_THREADS=2); inside a worker
     thread (DataParallel's slices) the kernel stays on the caller's thread."""
+    import time
+
     from pedestrian.kernels.threads import in_worker_thread
 
     seen: set = set()
     real = attention_tiled.matmul_into
 
-    def spy(*args, **kw):
+    def spy(*args, **kw):                 # slow enough that the second thread surely starts
         seen.add(threading.get_ident())
+        time.sleep(0.002)
         return real(*args, **kw)
 
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     monkeypatch.setattr(attention_tiled, "matmul_into", spy)
     qkv = np.random.default_rng(0).standard_normal((1, 64, 4 * (2 * 3 + 2)))
-    out, cache = tiled_attention_forward(qkv, 4, 3, 2)
+    out, cache = tiled_attention_forward(qkv, 4, 3, 2, block_q=16, block_k=16)
+    assert len(seen) == 2
+    seen.clear()
     tiled_attention_backward(out, cache)
     assert len(seen) == 2
     seen.clear()
     with in_worker_thread():
-        tiled_attention_forward(qkv, 4, 3, 2)
+        tiled_attention_forward(qkv, 4, 3, 2, block_q=16, block_k=16)
     assert seen == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_same_bits_for_any_number_of_threads(causal, monkeypatch):
+    """Each unit of work writes its own outputs and the backward's partial sums are added in a
+    fixed order, so 1 thread, 2 threads and a worker thread give the same bits."""
+    from pedestrian.kernels.threads import in_worker_thread
+
+    rng = np.random.default_rng(3)
+    B, T, n_heads, d_qk, d_head = 3, 200, 2, 5, 3
+    qkv = rng.standard_normal((B, T, n_heads * (2 * d_qk + d_head))).astype(np.float32)
+    delta = rng.standard_normal((B, T, n_heads * d_head)).astype(np.float32)
+
+    def run():
+        out, cache = tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, block_q=32, block_k=64)
+        return out, tiled_attention_backward(delta, cache)[0]
+
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", threads)
+        results.append(run())
+    with in_worker_thread():
+        results.append(run())
+    for out, d_qkv in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(d_qkv, results[0][1])
 
 
 # ------------------------------------------------------------------------------ the whole model

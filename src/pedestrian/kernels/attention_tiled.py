@@ -13,10 +13,14 @@ backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
   ``ℓ``; ``dv``, ``dP``, ``Δcausal``, ``dq`` and ``dk`` are accumulated block by block. The row
   sums of the softmax backward come from ``rowsum(dP ∘ P) = rowsum(Δ ∘ out)`` (EQUATIONS.md),
   ``T × d_head`` numbers computed before the first block.
-- **Threads.** The ``B · n_heads`` heads are independent: NumPy shares them out over
+- **Threads.** The work is cut into units -- a run of heads (of the ``B · n_heads``) times a
+  block of queries (forward) or a run of query blocks (backward) -- that NumPy shares over
   :func:`pedestrian.kernels.threads.num_threads` threads, each calling a single-threaded BLAS
-  (NumPy and the BLAS release the GIL), so both cores are busy at batch 1. PyTorch threads each
-  operation itself; there the blocks run on one Python thread.
+  (NumPy and the BLAS release the GIL), so both cores are busy at batch 1. Each thread takes
+  the next unit left, largest first. Every unit writes its own outputs (the backward's ``dk``,
+  ``dv`` per run of query blocks, added in a fixed order at the end), so the result is the same
+  bits for any number of threads. PyTorch threads each operation itself; there the units run
+  one after the other.
 
 ``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
 are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
@@ -28,6 +32,7 @@ are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
 from __future__ import annotations
 
 import math
+import threading
 
 from array_api_compat import device
 
@@ -50,6 +55,10 @@ TILED_MIN_T = {"numpy": 384, "torch": 512}
 #: NumPy: the heads of one call share a tile of at most this many scores (4 heads of 128 × 256
 #: at most 8, measured on T = 256 … 512: 3-5% faster than all of a slice's heads at once)
 TILE_ELEMENTS = 1 << 18
+#: the backward cuts the query blocks into this many runs (units of work for the threads). Each
+#: run sums its ``dk``, ``dv`` into an array of its own, added in a fixed order at the end, so the
+#: result is the same whichever thread ran which run and however many threads there are.
+BACKWARD_RUNS = 4
 #: share the heads over Python threads (NumPy and the BLAS release the GIL; each thread calls a
 #: single-threaded BLAS), or leave the threading to the library (PyTorch threads each operation)
 HEADS_OVER_THREADS = {"numpy": True, "torch": False}
@@ -128,42 +137,63 @@ def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
     _copy(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
 
 
-def _for_heads(like, kernel, G: int, tile: int) -> None:
-    """``kernel(lo, hi)`` over runs of the ``G`` heads, shared over :func:`num_threads` threads.
+def _threads(like) -> int:
+    """Threads this call may use: 1 inside a worker thread (DataParallel's slices are already one
+    per core) or where :data:`HEADS_OVER_THREADS` leaves threading to the library."""
+    if is_worker_thread() or not HEADS_OVER_THREADS[_backend(like)]:
+        return 1
+    return num_threads()
 
-    A run's tiles hold at most :data:`TILE_ELEMENTS` scores (``tile`` per head) on NumPy, and
-    there is at least one run per thread. While the threads run, BLAS (and torch) are held to
-    one thread each (:func:`single_threaded_blas`). Inside a worker thread (DataParallel's
-    slices, already one per core) the runs go one after the other on the calling thread; so do
-    they for torch tensors unless :data:`HEADS_OVER_THREADS` says otherwise.
-    """
-    backend = _backend(like)
-    threads = 1 if is_worker_thread() or not HEADS_OVER_THREADS[backend] else min(num_threads(), G)
+
+def _head_runs(like, G: int, tile: int, threads: int) -> list:
+    """``(lo, hi)`` runs of the ``G`` heads computed together: at least one per thread and, on
+    NumPy, tiles of at most :data:`TILE_ELEMENTS` scores (``tile`` per head)."""
     run = -(-G // threads)
-    if backend == "numpy":
+    if is_numpy_array(like):
         run = max(1, min(run, TILE_ELEMENTS // tile))
-    runs = [(lo, min(lo + run, G)) for lo in range(0, G, run)]
-    if threads == 1:
-        for lo, hi in runs:
-            kernel(lo, hi)
+    return [(lo, min(lo + run, G)) for lo in range(0, G, run)]
+
+
+def _run_units(like, units: list, kernel, threads: int) -> None:
+    """``kernel(*unit)`` for every unit; with several threads each takes the next unit left
+    (the list is ordered largest first), so a thread that starts late or is slowed down by
+    another process does less, not the others wait. Every unit writes its own outputs, so the
+    results do not depend on which thread ran what. BLAS (and torch) are held to one thread
+    while ours run (:func:`single_threaded_blas`): a tile's products are too small for BLAS
+    threads to pay, and each of our threads needs a core of its own."""
+    threads = min(threads, len(units))
+    if threads <= 1:
+        for unit in units:
+            kernel(*unit)
         return
-    threads = min(threads, len(runs))
-    bounds = [len(runs) * i // threads for i in range(threads + 1)]
+    todo, lock = iter(units), threading.Lock()
 
-    def part(t: int) -> None:                              # thread t's runs, one after the other
+    def worker() -> None:
         with in_worker_thread():
-            for lo, hi in runs[bounds[t]:bounds[t + 1]]:
-                kernel(lo, hi)
+            while True:
+                with lock:
+                    unit = next(todo, None)
+                if unit is None:
+                    return
+                kernel(*unit)
 
-    # single-threaded BLAS: each of our threads needs a core of its own, and a tile's products
-    # are too small for BLAS threads to pay
     with single_threaded_blas():
-        futures = [get_pool().submit(part, t) for t in range(1, threads)]
+        futures = [get_pool().submit(worker) for _ in range(threads - 1)]
         try:
-            part(0)
+            worker()
         finally:
             for f in futures:
                 f.result()
+
+
+def _query_runs(T: int, bq: int, causal: bool, n_runs: int) -> list:
+    """``n_runs`` ``(first, last)`` ranges of query blocks covering ``0 … ceil(T/bq)``, most work
+    first (with the causal mask, block ``i`` has ``i + 1`` key blocks to visit)."""
+    n_blocks = -(-T // bq)
+    n_runs = max(1, min(n_runs, n_blocks))
+    bounds = [n_blocks * i // n_runs for i in range(n_runs + 1)]
+    runs = [(bounds[i], bounds[i + 1]) for i in range(n_runs)]
+    return runs[::-1] if causal else runs
 
 
 def _rowmax_into(s, out) -> None:
@@ -216,45 +246,47 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     v_aug[..., d_head:] = 1
     lib = elementwise_lib(qkv)
 
-    def kernel(lo: int, hi: int) -> None:                                   # heads lo:hi
-        g = hi - lo
-        for i0 in range(0, T, bq):
-            i1 = min(i0 + bq, T)
-            r = i1 - i0
-            qi = q_aug[lo:hi, i0:i1, :d_qk]                                  # (g, r, d_qk)
-            acc = scratch((g, r, d_head + 1), qkv, "tiled.acc")              # [Σ_β e v_β | Σ_β e]
-            m = scratch((g, r, 1), qkv, "tiled.m")                           # running row max
-            m_new = scratch((g, r, 1), qkv, "tiled.m_new")
-            for j0 in range(0, i1 if causal else T, bk):                     # blocks above: skipped
-                j1 = min(j0 + bk, i1 if causal else T)
-                s = scratch((g, r, j1 - j0), qkv, "tiled.s")
-                matmul_into(s, qi, k_aug[lo:hi, j0:j1, :d_qk].mT)            # S = q kᵀ/√d_qk
-                if causal and j1 - 1 > i0:                                   # the tile crosses the diagonal
-                    lib.add(s, _tile_mask(r, j1 - j0, i0 - j0, s), out=s)
-                if j0 == 0:                                                  # first block: no history
-                    _rowmax_into(s, m)                                       # key 0 is always allowed
-                    lib.subtract(s, m, out=s)
-                    lib.exp(s, out=s)                                        # e = exp(S − m)
-                    matmul_into(acc, s, v_aug[lo:hi, j0:j1])
-                    continue
-                _rowmax_into(s, m_new)
-                lib.maximum(m_new, m, out=m_new)
-                lib.subtract(s, m_new, out=s)
-                lib.exp(s, out=s)                                            # e = exp(S − m_new)
-                lib.subtract(m, m_new, out=m)
-                lib.exp(m, out=m)                                            # exp(m_old − m_new) <= 1
-                lib.multiply(acc, m, out=acc)                                # rescale the sums so far
-                t = scratch((g, r, d_head + 1), qkv, "tiled.t")
-                matmul_into(t, s, v_aug[lo:hi, j0:j1])
-                lib.add(acc, t, out=acc)
-                m, m_new = m_new, m                                          # the new max is the old one now
-            total = acc[..., d_head:]                                        # l = Σ_β exp(S − m)
-            lib.divide(acc[..., :d_head], total, out=o[lo:hi, i0:i1])        # out = P v
-            lib.log(total, out=total)
-            lib.add(total, m, out=total)                                     # ℓ = m + log l
-            lib.negative(total, out=q_aug[lo:hi, i0:i1, d_qk:])
+    def kernel(lo: int, hi: int, block: int) -> None:                       # heads lo:hi, query block
+        g, i0, i1 = hi - lo, block * bq, min(block * bq + bq, T)
+        r = i1 - i0
+        qi = q_aug[lo:hi, i0:i1, :d_qk]                                      # (g, r, d_qk)
+        acc = scratch((g, r, d_head + 1), qkv, "tiled.acc")                  # [Σ_β e v_β | Σ_β e]
+        m = scratch((g, r, 1), qkv, "tiled.m")                               # running row max
+        m_new = scratch((g, r, 1), qkv, "tiled.m_new")
+        for j0 in range(0, i1 if causal else T, bk):                         # blocks above: skipped
+            j1 = min(j0 + bk, i1 if causal else T)
+            s = scratch((g, r, j1 - j0), qkv, "tiled.s")
+            matmul_into(s, qi, k_aug[lo:hi, j0:j1, :d_qk].mT)                # S = q kᵀ/√d_qk
+            if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
+                lib.add(s, _tile_mask(r, j1 - j0, i0 - j0, s), out=s)
+            if j0 == 0:                                                      # first block: no history
+                _rowmax_into(s, m)                                           # key 0 is always allowed
+                lib.subtract(s, m, out=s)
+                lib.exp(s, out=s)                                            # e = exp(S − m)
+                matmul_into(acc, s, v_aug[lo:hi, j0:j1])
+                continue
+            _rowmax_into(s, m_new)
+            lib.maximum(m_new, m, out=m_new)
+            lib.subtract(s, m_new, out=s)
+            lib.exp(s, out=s)                                                # e = exp(S − m_new)
+            lib.subtract(m, m_new, out=m)
+            lib.exp(m, out=m)                                                # exp(m_old − m_new) <= 1
+            lib.multiply(acc, m, out=acc)                                    # rescale the sums so far
+            t = scratch((g, r, d_head + 1), qkv, "tiled.t")
+            matmul_into(t, s, v_aug[lo:hi, j0:j1])
+            lib.add(acc, t, out=acc)
+            m, m_new = m_new, m                                              # the new max is the old one now
+        total = acc[..., d_head:]                                            # l = Σ_β exp(S − m)
+        lib.divide(acc[..., :d_head], total, out=o[lo:hi, i0:i1])            # out = P v
+        lib.log(total, out=total)
+        lib.add(total, m, out=total)                                         # ℓ = m + log l
+        lib.negative(total, out=q_aug[lo:hi, i0:i1, d_qk:])
 
-    _for_heads(qkv, kernel, G, bq * bk)
+    threads = _threads(qkv)
+    blocks = range(-(-T // bq))
+    units = [(lo, hi, b) for b in (reversed(blocks) if causal else blocks)  # most work first
+             for lo, hi in _head_runs(qkv, G, bq * bk, threads)]
+    _run_units(qkv, units, kernel, threads)
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
@@ -286,20 +318,24 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     hq = n_heads * d_qk
     d_aug = empty_array((G, T, d_head + 1), o)                                # [Δ | −D]
     _split_heads_into(d_aug[..., :d_head], delta, B, n_heads)
-    dq, dk, dv = empty_array((G, T, d_qk), o), empty_array((G, T, d_qk), o), empty_array((G, T, d_head), o)
+    lib = elementwise_lib(o)
+    # D = rowsum(dP ∘ P) = rowsum(Δ ∘ out) (EQUATIONS.md, "Tiled attention"): no T × T sum
+    lib.negative(rowdot(d_aug[..., :d_head], o), out=d_aug[..., d_head:])
+    runs = _query_runs(T, bq, causal, BACKWARD_RUNS)
+    key_end = [min(last * bq, T) if causal else T for _, last in runs]       # keys each run reaches
+    dq = empty_array((G, T, d_qk), o)
+    dk_runs = empty_array((len(runs), G, T, d_qk), o)                        # each run's share of dk, dv
+    dv_runs = empty_array((len(runs), G, T, d_head), o)
     kept = _zeros((B, n_heads, T, T), o) if keep_delta_causal else None
     kept3 = None if kept is None else kept.reshape(G, T, T)
-    lib = elementwise_lib(o)
     inv_scale = 1.0 / math.sqrt(d_qk)
 
-    def kernel(lo: int, hi: int) -> None:                                   # heads lo:hi
+    def kernel(lo: int, hi: int, n: int) -> None:                           # heads lo:hi, query run n
         g = hi - lo
-        dk_h, dv_h = dk[lo:hi], dv[lo:hi]
-        dk_h[...] = 0                                                        # key blocks are summed into
-        dv_h[...] = 0
-        # D = rowsum(dP ∘ P) = rowsum(Δ ∘ out) (EQUATIONS.md, "Tiled attention"): no T × T sum
-        lib.negative(rowdot(d_aug[lo:hi, :, :d_head], o[lo:hi]), out=d_aug[lo:hi, :, d_head:])
-        for i0 in range(0, T, bq):
+        dk_h, dv_h = dk_runs[n, lo:hi], dv_runs[n, lo:hi]
+        dk_h[:, :key_end[n]] = 0                                             # key blocks are summed into
+        dv_h[:, :key_end[n]] = 0
+        for i0 in range(runs[n][0] * bq, min(runs[n][1] * bq, T), bq):
             i1 = min(i0 + bq, T)
             r = i1 - i0
             qa, da, dqi = q_aug[lo:hi, i0:i1], d_aug[lo:hi, i0:i1], dq[lo:hi, i0:i1]
@@ -331,11 +367,18 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
                 lib.add(dk_h[:, j0:j1], t_k, out=dk_h[:, j0:j1])
             lib.multiply(dqi, inv_scale, out=dqi)
 
-    _for_heads(o, kernel, G, bq * bk)
+    threads = _threads(o)
+    _run_units(o, [(lo, hi, n) for n in range(len(runs)) for lo, hi in _head_runs(o, G, bq * bk, threads)],
+               kernel, threads)
     delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
+    widest = max(range(len(runs)), key=key_end.__getitem__)                 # a run that reaches every key
+    for parts, lo_col, width in ((dk_runs, hq, d_qk), (dv_runs, 2 * hq, d_head)):
+        total = parts[widest]
+        for n in range(len(runs)):                                           # the others, in a fixed order
+            if n != widest:
+                lib.add(total[:, :key_end[n]], parts[n][:, :key_end[n]], out=total[:, :key_end[n]])
+        _merge_heads_into(delta_qkv[..., lo_col:lo_col + n_heads * width], total, B, n_heads)
     _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
-    _merge_heads_into(delta_qkv[..., hq:2 * hq], dk, B, n_heads)
-    _merge_heads_into(delta_qkv[..., 2 * hq:], dv, B, n_heads)
     return delta_qkv, kept
 
 
