@@ -262,3 +262,26 @@ def test_model_tiled_matches_full_and_autograd(case_id, build_model, token_batch
     for name in delta_names(cfg):
         assert _rel(deltas[name], ref_deltas[name]) <= TOL_ORACLE, name
     assert np.max(np.abs(ref_deltas["Δ1"])) > 1e-6                          # not a comparison of zeros
+
+
+def test_model_torch_backend_tiled_matches_numpy_full(build_model, token_batch, monkeypatch, one_torch_thread):
+    """The torch backend runs the tiled kernel on torch tensors (no autograd) to the same result."""
+    B, T = 2, 65
+    cfg = default_cfg(context_length=T, d_qk=4, d_head=3)
+    params = random_params(cfg, seed=1)
+    tokens, targets = token_batch(cfg, B, T, seed=1, n_ignored=2)
+    _, grads, deltas, weights = _model_step(build_model, cfg, params, tokens, targets, False, monkeypatch)
+    with monkeypatch.context() as m:
+        m.setitem(TILED_MIN_T, "torch", 1)
+        model = build_model(cfg, params, dtype="float64", backend="torch")
+        model.loss(torch.tensor(tokens), torch.tensor(targets))
+        grads_t = model.backward(keep_deltas=True)
+        deltas_t = model.deltas()
+        weights_t = model.attention_weights()
+    for name, g in grads.items():
+        if not name.endswith(".attn.k.bias"):
+            assert _rel(grads_t[name].numpy(), g) <= TOL_ORDER, name
+    for name, d in deltas.items():
+        assert _rel(deltas_t[name].numpy(), d) <= TOL_ORDER, name
+    for p_t, p in zip(weights_t, weights):
+        assert _rel(p_t.numpy(), p) <= TOL_ORDER
