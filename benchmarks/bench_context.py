@@ -169,9 +169,10 @@ def child_memory(side: str, T: int, B: int, backend: str, attention: str) -> dic
     return {"peak_rss_mib": round(common.peak_rss_mib(), 1), "rss_before_model_mib": round(base, 1)}
 
 
-def markdown(results: list[dict], info: dict, backend: str, kernels: bool) -> str:
+def markdown(results: list[dict], info: dict, backend: str, kernels: bool, threads: int | None) -> str:
     title = ("Attention kernels: full-matrix against tiled" if kernels
              else f"Long context: training step against T, `backend=\"{backend}\"`")
+    title += "" if threads is None else f", {threads} thread{'s' if threads > 1 else ''} each"
     lines = [f"### {title}", "", common.machine_line(info), "",
              "char-small widths (d_model 128, 4 heads, 4 blocks), float32, 1,024 tokens per step "
              "(B·T = 1024; batch 1 from T = 1024 on). Ratio: median over rounds of the two sides' "
@@ -199,7 +200,7 @@ def markdown(results: list[dict], info: dict, backend: str, kernels: bool) -> st
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], path: Path, backend: str) -> None:
+def plot(results: list[dict], path: Path, backend: str, threads: int | None) -> None:
     """Step time against T, both sides (log-log), written atomically as a PNG."""
     import os
 
@@ -217,7 +218,7 @@ def plot(results: list[dict], path: Path, backend: str) -> None:
     ax.set_xticks(Ts, [str(t) for t in Ts])
     ax.set_xlabel("context T (B·T = 1024; batch 1 from T = 1024)")
     ax.set_ylabel("training step, ms (median)")
-    ax.set_title("char-small widths, float32, 2 cores")
+    ax.set_title("char-small widths, float32, " + ("2 cores" if threads is None else f"{threads} thread(s) each"))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
                      "--torch-attention", r["torch_attention"]])
         results.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
-    text = markdown(results, info, args.backend, args.kernels)
+    text = markdown(results, info, args.backend, args.kernels, args.threads)
     print(text)
     if args.no_save:
         return 0
@@ -275,9 +276,9 @@ def main(argv=None) -> int:
     common.write_markdown(tag, text)
     if not args.kernels:
         png = common.RESULTS / f"{tag}.png"
-        plot(results, png, args.backend)
+        plot(results, png, args.backend, args.threads)
         text += f"\n![step time against T]({Path('..') / png.relative_to(common.ROOT)})\n"
-    if not args.only and args.threads is None:
+    if not args.only:
         common.update_doc_section(tag, text)
     return 0
 
