@@ -194,9 +194,10 @@ def markdown(results: list[dict], info: dict, backend: str, kernels: bool, threa
                      f"| {r['ratio_quartiles'][0]:.2f}–{r['ratio_quartiles'][1]:.2f} "
                      f"| {r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f} "
                      f"| {r['pedestrian_attention']} / {r['torch_attention']} | {mem} |")
-    lines += ["", "pedestrian: `pedestrian.optim.AdamW`, data-parallel slices where the batch has rows "
-              "to share (B ≥ 2); PyTorch: fused AdamW and the faster of SDPA and manual attention, "
-              "measured at each T."]
+    lines += ["", "pedestrian: `pedestrian.optim.AdamW`; data-parallel slices (`pedestrian.parallel.DataParallel`, "
+              "one per core where the batch has rows to share): " + ", ".join(
+                  f"T = {r['T']}: {r['data_parallel_slices']}" for r in results)
+              + ". PyTorch: fused AdamW and the faster of SDPA and manual attention, measured at each T."]
     return "\n".join(lines) + "\n"
 
 
