@@ -136,6 +136,12 @@ def test_kernel_torch_backend(T, causal, one_torch_thread):
         assert _rel(got.numpy(), want) <= TOL_ORDER
 
 
+@pytest.mark.parametrize("blocks", [dict(block_q=0), dict(block_k=-1)])
+def test_bad_block_size_is_an_error(blocks):
+    with pytest.raises(ValueError, match="block sizes must be >= 1"):
+        tiled_attention_forward(np.zeros((1, 4, 2 * (2 * 3 + 2))), 2, 3, 2, **blocks)
+
+
 def test_cache_is_linear_in_T():
     """No (T, T) array is kept between the forward and the backward: O(T) memory."""
     T, n_heads, d_qk, d_head = 1024, 2, 5, 3
@@ -148,7 +154,8 @@ def test_cache_is_linear_in_T():
 def test_fast_path_picks_tiled_from_the_crossover():
     qkv = np.zeros((1, 4, 2 * (2 * 3 + 2)))
     assert use_tiled(TILED_MIN_T["numpy"], qkv) and not use_tiled(TILED_MIN_T["numpy"] - 1, qkv)
-    assert use_tiled(TILED_MIN_T["torch"], torch.zeros(1)) and not use_tiled(TILED_MIN_T["torch"] - 1, torch.zeros(1))
+    t = torch.zeros(1)
+    assert use_tiled(TILED_MIN_T["torch"], t) and not use_tiled(TILED_MIN_T["torch"] - 1, t)
     T = TILED_MIN_T["numpy"]
     qkv = np.random.default_rng(0).standard_normal((1, T, 2 * (2 * 3 + 2)))
     _, cache = fast_attention.multi_head_attention_forward(qkv, 2, 3, 2)

@@ -40,27 +40,29 @@ from .blas import elementwise_lib, matmul_into, rowdot
 from .threads import get_pool, in_worker_thread, is_worker_thread, num_threads, single_threaded_blas
 from .workspace import empty_array, scratch
 
-__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "HEADS_OVER_THREADS", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
-           "tiled_attention_weights"]
+__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREADS", "use_tiled",
+           "tiled_attention_forward", "tiled_attention_backward", "tiled_attention_weights"]
 
-#: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (``n_heads`` tiles
-#: are processed by each call). Measured on 2 cores, char-small widths, T = 1024-4096
-#: (docs/performance.md, "Long context"): NumPy pays ~1 µs per call, so it wants tiles that
-#: still sit in the 1 MiB L2 cache; PyTorch pays ~5-10 µs per call and threads each one.
+#: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (several heads'
+#: tiles go through each call). Measured at T = 2048, 4 heads of 32 (docs/performance.md, "Long
+#: context"): on NumPy, one core, every size from 64 × 128 to 256 × 512 was within 10%, 128 × 256
+#: among the best both ways; torch tensors pay more per call (~5-10 µs) and thread each one:
+#: 256 × 512 was as fast as 128 × 256 on one thread and faster on two.
 BLOCKS = {"numpy": (128, 256), "torch": (256, 512)}
 #: the shortest sequence for which the fast path uses this kernel (below it, the full-matrix
 #: kernel of :mod:`pedestrian.kernels.attention` is faster). Measured, docs/performance.md.
 TILED_MIN_T = {"numpy": 384, "torch": 512}
-#: NumPy: the heads of one call share a tile of at most this many scores (4 heads of 128 × 256
-#: at most 8, measured on T = 256 … 512: 3-5% faster than all of a slice's heads at once)
+#: NumPy: the heads of one call share tiles of at most this many scores in all (8 heads of
+#: 128 × 256; measured on T = 256 … 512: 3-5% faster than all of a slice's 16-32 heads at once)
 TILE_ELEMENTS = 1 << 18
 #: the backward cuts the query blocks into this many runs (units of work for the threads). Each
 #: run sums its ``dk``, ``dv`` into an array of its own, added in a fixed order at the end, so the
 #: result is the same whichever thread ran which run and however many threads there are.
 BACKWARD_RUNS = 4
-#: share the heads over Python threads (NumPy and the BLAS release the GIL; each thread calls a
-#: single-threaded BLAS), or leave the threading to the library (PyTorch threads each operation)
-HEADS_OVER_THREADS = {"numpy": True, "torch": False}
+#: share the units of work over our own threads (NumPy and the BLAS release the GIL; each thread
+#: calls a single-threaded BLAS), or leave the threading to the library (PyTorch threads each
+#: operation; on a busy machine neither measured better for torch tensors)
+OWN_THREADS = {"numpy": True, "torch": False}
 
 
 def _backend(x) -> str:
@@ -147,8 +149,8 @@ def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
 
 def _threads(like) -> int:
     """Threads this call may use: 1 inside a worker thread (DataParallel's slices are already one
-    per core) or where :data:`HEADS_OVER_THREADS` leaves threading to the library."""
-    if is_worker_thread() or not HEADS_OVER_THREADS[_backend(like)]:
+    per core) or where :data:`OWN_THREADS` leaves the threading to the library."""
+    if is_worker_thread() or not OWN_THREADS[_backend(like)]:
         return 1
     return num_threads()
 
@@ -170,8 +172,8 @@ def _run_units(like, units: list, kernel, threads: int) -> None:
 
     On NumPy the BLAS is held to one thread meanwhile (:func:`single_threaded_blas`; inside a
     worker thread it already is): a tile's products are too small for BLAS threads to pay --
-    measured at T = 2048, one thread calling a 2-thread OpenBLAS took 150-470 ms where two
-    threads calling a 1-thread one took 53-85 -- and each of our threads needs a core of its own.
+    forward and backward at T = 2048 on a busy machine: 150-470 ms calling a 2-thread OpenBLAS,
+    79-110 calling a 1-thread one -- and each of our threads needs a core of its own.
     """
     threads = min(threads, len(units))
     quiet = is_numpy_array(like) and not is_worker_thread()
@@ -246,7 +248,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     B, T, _ = qkv.shape
     G, hq = B * n_heads, n_heads * d_qk
     bq, bk = BLOCKS[_backend(qkv)]
-    bq, bk = block_q or bq, block_k or bk
+    bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
     q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ]
