@@ -225,6 +225,8 @@ MODEL_CASES = {
     "B3-T200-noncausal-dqk2-dhead6": (3, 200, dict(d_qk=2, d_head=6, causal=False)),
     "B3-T65-causal-tied-nobias": (3, 65, dict(tie_weights=True, bias=False, d_qk=4, d_head=3)),
     "B1-T7-causal": (1, 7, dict()),
+    "B3-T1-causal-1blk": (3, 1, dict(n_blocks=1)),
+    "B1-T64-noncausal-dqk3-dhead5": (1, 64, dict(causal=False, d_qk=3, d_head=5)),
 }
 
 
