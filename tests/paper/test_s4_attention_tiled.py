@@ -11,7 +11,7 @@ full-matrix attention in another order: online softmax over key blocks, causal b
   B ∈ {1, 3}, d_qk ≠ d_head; on the torch backend too;
 - the whole model with the tiled kernel forced on against the same model with it off (every
   gradient, every error signal Δ1 … Δ12, Δcausal, P) ``<= 1e-12``, and against the independent
-  PyTorch reference (tests/torch_reference.py) ``<= 1e-9``;
+  PyTorch reference (tests/oracles/torch_reference.py) ``<= 1e-9``;
 - that the fast path picks the tiled kernel from ``TILED_MIN_T`` on, that its cache is O(T),
   and that NumPy shares the heads over threads.
 
