@@ -201,3 +201,17 @@ def test_use_data_parallel_rule():
     assert not use_data_parallel(small, batch_size=8, threads=1)
     pytest.importorskip("torch")
     assert not use_data_parallel(GPT(CFG, backend="torch"), batch_size=8, threads=2)
+
+
+def test_explicit_threads_work_when_the_environment_asks_for_one(monkeypatch):
+    """``DataParallel(threads=2)`` with ``PEDESTRIAN_NUM_THREADS=1`` (a CI runner, a user who pins
+    NumPy to one thread): the slices still run, on a pool with at least one worker, and give the
+    unsplit step's loss (the pool used to be sized from the environment alone: 0 workers)."""
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
+    tokens, targets = _batch(4, seed=7)
+    whole = GPT(CFG, seed=2, dtype="float64")
+    loss = whole.loss(tokens, targets)
+    with DataParallel(GPT(CFG, seed=2, dtype="float64"), threads=2) as dp:
+        assert dp.slices_for(4) == 2
+        assert abs(dp.loss(tokens, targets) - loss) <= 1e-12 * abs(loss)
+        dp.backward()
