@@ -140,6 +140,71 @@ def sum_rounding_bound(n_terms: int, abs_sum, dtype=np.float64):
     return 2.0 * gamma * np.asarray(abs_sum)
 
 
+def norm_rounding_rel(n_terms: int, dtype=np.float64) -> float:
+    """Relative bound on the difference of two computed L2 norms of the same ``n_terms`` numbers
+    (any two summation orders of the squares, e.g. NumPy's and torch's dot, or per-tensor norms
+    then the norm of the norms): the sums of squares differ by ``<= 2·γ_n·Σx²``
+    (:func:`sum_rounding_bound`; the squares' own rounding is inside ``γ_n`` with ``n`` + 1), the
+    square root halves that, and each side's square root adds ``ε/2``."""
+    eps = float(np.finfo(dtype).eps)
+    return float(sum_rounding_bound(n_terms + 1, 1.0, dtype)) / 2 + eps
+
+
+def adamw_rounding_bounds(params, grads, lrs, *, betas, eps, weight_decay, n_decay,
+                          g_rel: float = 0.0, dtype=np.float64) -> dict:
+    """Per-entry bounds on how far two implementations of the same AdamW steps may end apart.
+
+    The two (NumPy's separate operations, torch's ``lerp_``/``addcmul_``/``addcdiv_`` with FMA
+    where the CPU has it, ``torch.optim.AdamW``'s own order) round each step's operations
+    differently. A first-order bound in the style of :func:`assert_rounding_close`: each
+    rounded operation errs by at most ``ε`` (twice the unit roundoff, a 2x margin) relative
+    to its *absolute terms*, computed here with every sign made positive (``|g|``, ``|θ|``, the
+    update added), and errors from earlier steps are carried with the factors the update
+    multiplies them by (``β1``, ``β2``, the decay, ``1/denominator``):
+
+    - ``m ← m + (1 − β1)(g − m)``: 3 operations, plus ``g_rel`` (the relative error of the
+      gradient itself on each side, e.g. after clipping with a computed norm);
+    - ``v ← β2 v + (1 − β2) g²``: 4 operations, ``2·g_rel`` (a square);
+    - the denominator ``√v + ε'``: half of ``v``'s relative error, plus 3 operations (torch
+      divides ``√v`` by ``√(1 − β2ᵗ)`` first);
+    - the update ``step · m / denominator``: 4 operations plus 2 for the scalar factors
+      (``lr / (1 − β1ᵗ)``, ``√(1 − β2ᵗ)``: computed once, in either order);
+    - ``θ ← θ·decay − update``: 2 operations.
+
+    Args:
+        params: ``(n,)`` parameters before the first step; grads: a list of ``(n,)`` gradients
+            (as applied, after clipping), one per step; lrs: one learning rate per step.
+        betas, eps, weight_decay: the optimizer's; n_decay: the first entries decayed.
+        g_rel: relative error of each side's gradients (0 when both get the same numbers).
+
+    Returns:
+        ``{"m": ..., "v": ..., "params": ...}``: ``(n,)`` bounds on ``|a − b|`` (both sides' errors).
+    """
+    e = float(np.finfo(dtype).eps)
+    b1, b2 = betas
+    p_abs = np.abs(np.asarray(params, np.float64))
+    m_abs = np.zeros_like(p_abs)
+    v = np.zeros_like(p_abs)
+    err_m, err_v, err_p = np.zeros_like(p_abs), np.zeros_like(p_abs), np.zeros_like(p_abs)
+    decay = np.ones_like(p_abs)
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        g = np.abs(np.asarray(g, np.float64))
+        decay[:n_decay] = 1 - lr * weight_decay
+        m_abs = b1 * m_abs + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        err_m = b1 * err_m + (g_rel + 3 * e) * m_abs
+        err_v = b2 * err_v + (2 * g_rel + 4 * e) * v
+        bc2_sqrt = math.sqrt(1 - b2 ** t)
+        den = np.sqrt(v) + eps * bc2_sqrt
+        rel_den = np.divide(err_v, v, out=np.zeros_like(v), where=v > 0) / 2 + 3 * e
+        scale = lr / (1 - b1 ** t) * bc2_sqrt
+        update = scale * m_abs / den
+        err_update = scale * (err_m + m_abs * (rel_den + 6 * e)) / den
+        err_p = decay * err_p + err_update + 2 * e * (decay * p_abs + update)
+        p_abs = decay * p_abs + update
+    return {"m": 2 * err_m, "v": 2 * err_v, "params": 2 * err_p}
+
+
 # --------------------------------------------------------------------------- finite differences
 def numerical_grad(f, arr: np.ndarray, h: float = H_STEP, entries=None) -> np.ndarray:
     """Central differences of the scalar ``f()`` w.r.t. entries of ``arr`` (perturbed in place,
