@@ -151,14 +151,17 @@ def norm_rounding_rel(n_terms: int, dtype=np.float64) -> float:
 
 
 def adamw_rounding_bounds(params, grads, lrs, *, betas, eps, weight_decay, n_decay,
-                          g_rel: float = 0.0, dtype=np.float64) -> dict:
-    """Per-entry bounds on how far two implementations of the same AdamW steps may end apart.
+                          g_rel: float = 0.0, g_err=None, m0=None, v0=None, t0: int = 0,
+                          dtype=np.float64) -> dict:
+    """Per-entry bounds on how far two computations of the same AdamW steps may end apart.
 
-    The two (NumPy's separate operations, torch's ``lerp_``/``addcmul_``/``addcdiv_`` with FMA
-    where the CPU has it, ``torch.optim.AdamW``'s own order) round each step's operations
-    differently. A first-order bound in the style of :func:`assert_rounding_close`: each
-    rounded operation errs by at most ``ε`` (twice the unit roundoff, a 2x margin) relative
-    to its *absolute terms*, computed here with every sign made positive (``|g|``, ``|θ|``, the
+    Two sources, added (first order):
+
+    *Rounding.* The two sides (NumPy's separate operations, torch's ``lerp_``/``addcmul_``/
+    ``addcdiv_`` with FMA where the CPU has it, ``torch.optim.AdamW``'s own order) round each
+    step's operations differently. In the style of :func:`assert_rounding_close`: each rounded
+    operation errs by at most ``ε`` (twice the unit roundoff, a 2x margin) relative to its
+    *absolute terms*, computed here with every sign made positive (``|g|``, ``|θ|``, ``|m|``, the
     update added), and errors from earlier steps are carried with the factors the update
     multiplies them by (``β1``, ``β2``, the decay, ``1/denominator``):
 
@@ -171,38 +174,88 @@ def adamw_rounding_bounds(params, grads, lrs, *, betas, eps, weight_decay, n_dec
       (``lr / (1 − β1ᵗ)``, ``√(1 − β2ᵗ)``: computed once, in either order);
     - ``θ ← θ·decay − update``: 2 operations.
 
+    *Different gradients* (the condition of AdamW). When the sides' gradients differ by up to
+    ``δ`` per entry (``g_err``: the same gradient summed in other orders), the moments differ by
+    ``Δm ← β1 Δm + (1 − β1) δ`` and ``Δv ← β2 Δv + (1 − β2)(2|g|δ + δ²)``, the denominator by
+    ``Δden <= min(√Δv, Δv/√v)``, and the update by ``step · (Δm + |m| Δden/den') / den'`` with
+    ``den' = max(den − Δden, ε')``: an entry whose ``√v`` is tiny (a gradient that is rounding
+    noise, like the key bias's) amplifies ``δ`` by up to ``lr/ε'`` -- AdamW's own sensitivity,
+    not the implementations'.
+
     Args:
         params: ``(n,)`` parameters before the first step; grads: a list of ``(n,)`` gradients
             (as applied, after clipping), one per step; lrs: one learning rate per step.
         betas, eps, weight_decay: the optimizer's; n_decay: the first entries decayed.
         g_rel: relative error of each side's gradients (0 when both get the same numbers).
+        g_err: ``None`` or one ``(n,)`` bound (or a number) per step on ``|g_a − g_b|``.
+        m0, v0, t0: the moments and step count both sides start from (default: a fresh AdamW).
 
     Returns:
-        ``{"m": ..., "v": ..., "params": ...}``: ``(n,)`` bounds on ``|a − b|`` (both sides' errors).
+        ``{"m": ..., "v": ..., "params": ...}``: ``(n,)`` bounds on ``|a − b|`` (both sides).
     """
     e = float(np.finfo(dtype).eps)
     b1, b2 = betas
     p_abs = np.abs(np.asarray(params, np.float64))
-    m_abs = np.zeros_like(p_abs)
-    v = np.zeros_like(p_abs)
+    m_abs = np.zeros_like(p_abs) if m0 is None else np.abs(np.asarray(m0, np.float64))
+    v = np.zeros_like(p_abs) if v0 is None else np.asarray(v0, np.float64).copy()
     err_m, err_v, err_p = np.zeros_like(p_abs), np.zeros_like(p_abs), np.zeros_like(p_abs)
+    dm, dv, dp = np.zeros_like(p_abs), np.zeros_like(p_abs), np.zeros_like(p_abs)
     decay = np.ones_like(p_abs)
-    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+    g_err = [0.0] * len(grads) if g_err is None else g_err
+    for t, (g, lr, delta) in enumerate(zip(grads, lrs, g_err), start=t0 + 1):
         g = np.abs(np.asarray(g, np.float64))
+        delta = np.asarray(delta, np.float64)
         decay[:n_decay] = 1 - lr * weight_decay
         m_abs = b1 * m_abs + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         err_m = b1 * err_m + (g_rel + 3 * e) * m_abs
         err_v = b2 * err_v + (2 * g_rel + 4 * e) * v
+        dm = b1 * dm + (1 - b1) * delta
+        dv = b2 * dv + (1 - b2) * (2 * g * delta + delta * delta)
         bc2_sqrt = math.sqrt(1 - b2 ** t)
-        den = np.sqrt(v) + eps * bc2_sqrt
+        floor = eps * bc2_sqrt
+        den = np.sqrt(v) + floor
         rel_den = np.divide(err_v, v, out=np.zeros_like(v), where=v > 0) / 2 + 3 * e
         scale = lr / (1 - b1 ** t) * bc2_sqrt
         update = scale * m_abs / den
         err_update = scale * (err_m + m_abs * (rel_den + 6 * e)) / den
         err_p = decay * err_p + err_update + 2 * e * (decay * p_abs + update)
         p_abs = decay * p_abs + update
-    return {"m": 2 * err_m, "v": 2 * err_v, "params": 2 * err_p}
+        d_den = np.minimum(np.sqrt(dv), np.divide(dv, np.sqrt(v), out=np.full_like(v, np.inf), where=v > 0))
+        den_low = np.maximum(den - d_den, floor)
+        dp = decay * dp + scale * (dm + m_abs * d_den / den_low) / den_low
+    return {"m": 2 * err_m + dm, "v": 2 * err_v + dv, "params": 2 * err_p + dp}
+
+
+def flat_layout(model, per_name: dict) -> list:
+    """``per_name`` (parameter name -> array of its shape) laid out as the model's flat buffers
+    (:meth:`GPT.trainable_buffers` order), NumPy backend: written through the gradient views,
+    read back from the flat gradient buffers, which are restored after."""
+    buffers = model.trainable_buffers()
+    saved = [b.grads.copy() for b in buffers]
+    try:
+        for name, view in model.grads.items():
+            view[...] = per_name[name]
+        return [b.grads.copy() for b in buffers]
+    finally:
+        for b, s in zip(buffers, saved):
+            b.grads[...] = s
+
+
+def gradient_rounding_err(model, key_bias_bounds=None, rtol: float = RTOL_ROUNDING) -> dict:
+    """How far another computation of the model's current gradient (the same mathematics in
+    another order: micro-batches, threads, another library) may be from it, per entry:
+    ``rtol · max|g|`` of each tensor (module docstring), and for each key bias -- ``≡ 0``, rounding
+    noise on both sides -- twice its :func:`key_bias_bound` (``key_bias_bounds``: the list of
+    :func:`model_key_bias_bounds`; required when the model has key biases among its gradients)."""
+    out = {}
+    for name, g in model.grads.items():
+        g = as_np(g)
+        if name.endswith(".attn.k.bias"):
+            out[name] = 2 * np.asarray(key_bias_bounds[int(name.split(".")[1])])
+        else:
+            out[name] = np.full(g.shape, rtol * float(np.max(np.abs(g))) if g.size else 0.0)
+    return out
 
 
 # --------------------------------------------------------------------------- finite differences

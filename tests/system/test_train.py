@@ -17,6 +17,8 @@ from pedestrian.model import GPT
 from pedestrian.optim import AdamW, CosineSchedule
 from pedestrian.train import (TrainingError, TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
                               train_step)
+from gradcheck import (EPS64, RTOL_ROUNDING, adamw_rounding_bounds, flat_layout, gradient_rounding_err,
+                       model_key_bias_bounds, norm_rounding_rel)
 from torch_reference import reference_forward, reference_loss
 
 TINY = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_blocks=2)
@@ -71,19 +73,40 @@ def test_fifty_steps_match_torch_adamw_end_to_end():
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    """k micro-batches of B windows give the same update as one batch of k·B windows."""
+    """k micro-batches of B windows give the same update as one batch of k·B windows.
+
+    Each step starts both sides from the same state (parameters, moments, step count), so the
+    bounds follow from one step's arithmetic: the same gradient summed in other orders
+    (``gradcheck.gradient_rounding_err``, the key bias's noise by its own bound), then AdamW's
+    sensitivity to that difference (``gradcheck.adamw_rounding_bounds``). Three steps: moments
+    and bias corrections away from their start, and every micro-batch seeing the new weights."""
     cfg = GPTConfig(**TINY)
     rng = np.random.default_rng(1)
     x = rng.integers(0, 11, (6, 8))
     y = rng.integers(0, 11, (6, 8))
     big, small = GPT(cfg, seed=0, dtype="float64"), GPT(cfg, seed=0, dtype="float64")
     ob, os_ = AdamW(big, lr=1e-2, weight_decay=0.1), AdamW(small, lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        lb, nb = train_step(big, ob, [(x, y)], 1e-2, grad_clip=0.3)
-        ls, ns = train_step(small, os_, [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])], 1e-2, grad_clip=0.3)
-        assert ls == pytest.approx(lb, rel=1e-13)
-        assert ns == pytest.approx(nb, rel=1e-12)
-    np.testing.assert_allclose(small.flat, big.flat, rtol=1e-11, atol=1e-13)
+    clip, n = 0.3, big.flat.size
+    for _step in range(3):
+        small.flat[...] = big.flat                             # the same state on both sides
+        os_.load_state_dict(ob.state_dict())
+        state, start = ob.state_dict(), big.flat.copy()
+        big.loss(x, y)                                         # this step's gradient, to bound the other's
+        big.backward(keep_deltas=True)
+        delta = flat_layout(big, gradient_rounding_err(big, model_key_bias_bounds(big)))[0]
+        lb, nb = train_step(big, ob, [(x, y)], 1e-2, grad_clip=clip)
+        ls, ns = train_step(small, os_, [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])], 1e-2, grad_clip=clip)
+        # the mean of the same 48 positive token losses, computed and summed in other orders
+        assert abs(ls - lb) <= RTOL_ROUNDING * lb
+        assert abs(ns - nb) <= np.linalg.norm(delta) + norm_rounding_rel(n) * nb
+        coef = clip / (nb + 1e-6)
+        assert coef < 1.0                                      # clipped: its rounding reaches the update
+        g_rel = np.linalg.norm(delta) / nb + norm_rounding_rel(n) + 3 * EPS64   # each side's clip factor
+        bound = adamw_rounding_bounds(start, [ob.groups[0].grads], [1e-2], betas=ob.betas, eps=ob.eps,
+                                      weight_decay=0.1, n_decay=ob.groups[0].n_decay, g_rel=g_rel,
+                                      g_err=[delta * coef], m0=state["base.m"], v0=state["base.v"],
+                                      t0=state["step"])["params"]
+        assert np.all(np.abs(small.flat - big.flat) <= bound), np.max(np.abs(small.flat - big.flat) / bound)
     assert not np.array_equal(big.flat, GPT(cfg, seed=0, dtype="float64").flat)
 
 
