@@ -170,9 +170,10 @@ def adamw_rounding_bounds(params, grads, lrs, *, betas, eps, weight_decay, n_dec
     - ``v ← β2 v + (1 − β2) g²``: 4 operations, ``2·g_rel`` (a square);
     - the denominator ``√v + ε'``: half of ``v``'s relative error, plus 3 operations (torch
       divides ``√v`` by ``√(1 − β2ᵗ)`` first);
-    - the update ``step · m / denominator``: 4 operations plus 2 for the scalar factors
-      (``lr / (1 − β1ᵗ)``, ``√(1 − β2ᵗ)``: computed once, in either order);
-    - ``θ ← θ·decay − update``: 2 operations.
+    - the update ``step · m / denominator``: 2 operations plus 4 for the scalar factors
+      (``lr / (1 − β1ᵗ)``, ``√(1 − β2ᵗ)``, computed once in either order, and ``lr`` itself,
+      which may arrive rounded: LambdaLR's ``base · (s / base)``);
+    - ``θ ← θ·decay − update``: 2 operations, plus 2 for the decay factor ``1 − lr·λ``.
 
     *Different gradients* (the condition of AdamW). When the sides' gradients differ by up to
     ``δ`` per entry (``g_err``: the same gradient summed in other orders), the moments differ by
@@ -219,7 +220,7 @@ def adamw_rounding_bounds(params, grads, lrs, *, betas, eps, weight_decay, n_dec
         scale = lr / (1 - b1 ** t) * bc2_sqrt
         update = scale * m_abs / den
         err_update = scale * (err_m + m_abs * (rel_den + 6 * e)) / den
-        err_p = decay * err_p + err_update + 2 * e * (decay * p_abs + update)
+        err_p = decay * err_p + err_update + 4 * e * decay * p_abs + 2 * e * update
         p_abs = decay * p_abs + update
         d_den = np.minimum(np.sqrt(dv), np.divide(dv, np.sqrt(v), out=np.full_like(v, np.inf), where=v > 0))
         den_low = np.maximum(den - d_den, floor)
