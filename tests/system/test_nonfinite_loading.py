@@ -130,3 +130,25 @@ def test_merge_lora_that_would_make_a_non_finite_weight_is_refused(how):
         model.merge_lora()
     _unchanged(model, before)
     assert model.lora_targets == ["blocks.0.attn.q", "blocks.0.mlp_expand"]
+
+
+def test_adamw_load_state_dict_refuses_non_finite_moments_and_changes_nothing():
+    """A NaN moment would turn every later update of its weight into NaN: refused like a NaN
+    weight, the optimizer as it was."""
+    from pedestrian.optim import AdamW
+
+    model = GPT(CFG, seed=0, dtype="float64")
+    opt = AdamW(model, lr=1e-2)
+    model.loss(np.zeros((1, 4), np.int64), np.ones((1, 4), np.int64))
+    model.backward()
+    opt.step()
+    state = opt.state_dict()
+    state["base.v"] = state["base.v"].copy()
+    state["base.v"][7] = np.inf
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"base\.v \(0 NaN, 1 inf of \d+ values\)"):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert after["step"] == before["step"] == 1
+    for k in ("base.m", "base.v"):
+        np.testing.assert_array_equal(after[k], before[k])
