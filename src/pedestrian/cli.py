@@ -41,6 +41,8 @@ COMMANDS = {
     "sample": ("sample", "generate text from a checkpoint or a Hugging Face GPT-2 directory"),
     "finetune": ("finetune", "LoRA fine-tuning of a Hugging Face GPT-2 directory"),
     "export-hf": ("export_hf", "write a checkpoint as a Hugging Face GPT-2 directory"),
+    "explain": ("explain", "the paper's table: every a_i and Δ_i with shape, formula, FLOPs and memory"),
+    "attention": ("attention", "PNG of the attention weights of every block and head for a prompt"),
 }
 
 

@@ -7,12 +7,16 @@ The layout is computed from the config alone, so parameter counts for any size (
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
 from .layers.activations import ACTIVATIONS
 
 LORA_LAYER_KINDS = ("q", "k", "v", "attn_proj", "mlp_expand", "mlp_contract", "logits")
+#: how token positions reach the model: a learned table added to the embedding (GPT-2), rotary
+#: embeddings of every head's queries and keys (RoPE), or nothing but the causal mask
+POSITION_ENCODINGS = ("learned", "rope", "none")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,15 @@ class GPTConfig:
             query, so the softmax cancels it and its gradient is zero), or keep only them.
         d_mlp: MLP width (``mlp_expand`` output, ``mlp_contract`` input), any positive integer;
             ``None`` (default) means ``mlp_ratio · d_model``. Hugging Face GPT-2's ``n_inner``.
+        position_encoding: ``"learned"`` (default; GPT-2's table ``pos_emb.weight`` added to the
+            token embedding), ``"rope"`` (rotary embeddings of every head's queries and keys,
+            Su et al. 2021; no parameters) or ``"none"`` (no position information but what the
+            causal mask implies; paper section 3, "permutation equivariance").
+        rope_base: RoPE's base ``b``: pair ``j`` of ``r`` rotated dimensions turns by
+            ``θ_j = b^(−2j/r)`` radians per position (10,000 in RoFormer and GPT-NeoX).
+        rope_fraction: fraction of each head's ``d_qk`` query/key dimensions that RoPE rotates
+            (GPT-NeoX's ``rotary_pct``): the first ``r = 2·⌊rope_fraction·d_qk / 2⌋`` of them
+            (:attr:`rope_dims`), the rest pass through unchanged.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -69,6 +82,9 @@ class GPTConfig:
     logits_bias: bool | None = None
     qkv_bias: bool | None = None
     d_mlp: int | None = None
+    position_encoding: str = "learned"
+    rope_base: float = 10_000.0
+    rope_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -105,6 +121,38 @@ class GPTConfig:
         elif self.logits_bias and self.tie_weights:
             raise ValueError("logits_bias=True needs untied logits (tie_weights=False); tied logits "
                              "use W_tokᵀ and no bias")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(f"unknown position_encoding {self.position_encoding!r}; choose one of "
+                             f"{POSITION_ENCODINGS}")
+        for name in ("rope_base", "rope_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not self.rope_base > 1.0:
+            raise ValueError(f"rope_base must be > 1 (frequencies b^(-2j/r) must fall with j; "
+                             f"RoFormer uses 10000), got {self.rope_base}")
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ValueError(f"rope_fraction must be in (0, 1] (the fraction of d_qk rotated), "
+                             f"got {self.rope_fraction}")
+        if self.position_encoding == "rope" and self.rope_dims < 2:
+            raise ValueError(
+                f"rope_fraction={self.rope_fraction} rotates no pair of the d_qk={self.d_qk} "
+                f"query/key dimensions (2·⌊{self.rope_fraction}·{self.d_qk}/2⌋ = 0); raise "
+                "rope_fraction or d_qk")
+
+    @property
+    def rope_dims(self) -> int:
+        """``r``, how many of each head's ``d_qk`` query/key dimensions RoPE rotates: the even
+        number ``2·⌊rope_fraction·d_qk / 2⌋`` (dimensions turn in pairs). The margin ``1e-9``
+        keeps fractions like 0.3·10, which is 3.0000000000000004 in binary, from rounding up
+        or down by accident."""
+        return 2 * int(math.floor(self.rope_fraction * self.d_qk / 2 + 1e-9))
+
+    @property
+    def learned_positions(self) -> bool:
+        """The model has a position table ``pos_emb.weight`` (``position_encoding="learned"``)."""
+        return self.position_encoding == "learned"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -216,14 +264,17 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
 def param_specs(config: GPTConfig) -> list[ParamSpec]:
     """Every base parameter in its documented, stable order.
 
+    ``pos_emb.weight`` exists only with ``position_encoding="learned"``.
+
     ``y = x W + b`` convention: ``W`` is ``(f_in, f_out)``. Decay: 2-D matrices (embeddings
     included) are decayed; 1-D parameters (biases, layer-norm weights) are not. The q, k, v
     biases exist when ``config.qkv_bias``, every other bias when ``config.bias``.
     """
     c = config
     d = c.d_model
-    specs = [ParamSpec("tok_emb.weight", (c.vocab_size, d), "embedding", True),
-             ParamSpec("pos_emb.weight", (c.context_length, d), "embedding", True)]
+    specs = [ParamSpec("tok_emb.weight", (c.vocab_size, d), "embedding", True)]
+    if c.learned_positions:                       # RoPE and none have no position table
+        specs.append(ParamSpec("pos_emb.weight", (c.context_length, d), "embedding", True))
 
     def ln(name: str, kind: str) -> list[ParamSpec]:
         out = [ParamSpec(f"{name}.weight", (d,), kind, False)]

@@ -6,15 +6,29 @@ new token computes only its own ``q, k, v`` and takes one softmax row against th
 O(current length) work per token instead of the O(length²) of a full forward pass, with the
 same logits (tested to 1e-10 relative in float64).
 
-At the context length (learned positions are absolute: there is no position ``context_length``)
-generation goes on by *sliding the window*: when appending a token would make the window hold
-``context_length + 1`` tokens, the oldest ``window_shift`` tokens are dropped and the cache is
-rebuilt from scratch over the remaining ``context_length + 1 - window_shift`` tokens, which get
-positions ``0, 1, …`` again. A position index is never reused for a different token inside one
-cache, and no token ever sees a position ``>= context_length``. With the default
-``window_shift=1`` every token is predicted from exactly the last ``context_length`` tokens
-(nanoGPT's ``idx[:, -context_length:]`` convention), at the price of one full rebuild per token
-past the context; a larger shift rebuilds once every ``window_shift`` tokens.
+Past the context length -- two rules, chosen by ``past_context``; both slide a window of at most
+``context_length`` tokens, dropping the oldest ``window_shift`` whenever appending a token would
+make it hold ``context_length + 1``:
+
+- ``"rebuild"`` (the only rule for learned positions, which are absolute: there is no position
+  ``context_length``): the cache is rebuilt from scratch over the remaining
+  ``context_length + 1 - window_shift`` tokens, which get positions ``0, 1, …`` again. A position
+  index is never reused for a different token inside one cache, and no token ever sees a
+  position ``>= context_length``. Every token is predicted from exactly the tokens of its
+  window, as a full forward over them would (nanoGPT's ``idx[:, -context_length:]``), at the
+  price of one O(length²) rebuild every ``window_shift`` tokens past the context.
+- ``"keep-cache"`` (the default for ``"rope"`` and ``"none"`` models with a cache): the oldest
+  ``window_shift`` entries are dropped from the cache (:meth:`KVCache.drop_oldest`) and the others
+  are kept; positions keep counting up (RoPE scores depend only on query-key offsets, ``none``
+  on no position at all). Each new token costs O(context) like any cached step: no rebuild ever.
+  Every block's query attends to the keys of its window, but a kept key or value is the one its
+  token got when it was computed, with the dropped tokens still in its context (blocks after
+  the first see further back than the window: Mistral's rolling-buffer cache). So the logits
+  equal those of one full forward over the *whole* sequence with a causal sliding-window mask
+  (query ``n`` sees keys ``start_n … n``) -- tested to 1e-10 in float64 against the PyTorch
+  reference -- and differ from a recompute of the window alone.
+
+``use_cache=False`` recomputes the window at every step, i.e. the ``"rebuild"`` rule.
 
 Sampling (temperature, top-k, top-p, greedy) lives in :mod:`pedestrian.sampling`.
 
@@ -24,7 +38,8 @@ Public API::
     logits = model_step(model, cache, tokens_new)          # (B, V): logits of the last new token
     ids = sample_next(logits, rng, temperature, top_k, top_p)
     out = generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                   seed=None, stop_tokens=None, use_cache=True, on_token=None)
+                   seed=None, stop_tokens=None, use_cache=True, on_token=None,
+                   window_shift=1, past_context=None)
 """
 
 from __future__ import annotations
@@ -40,8 +55,12 @@ from .backend import is_torch_array, to_numpy
 from .kv_cache import KVCache
 from .sampling import check_sampling, filter_logits, sample_next, sample_unchecked  # noqa: F401 (re-exported)
 
+#: what generation does past the context length (module docstring)
+PAST_CONTEXT_RULES = ("rebuild", "keep-cache")
+
 __all__ = [
     "KVCache",
+    "PAST_CONTEXT_RULES",
     "model_step",
     "sample_next",
     "filter_logits",
@@ -77,7 +96,8 @@ def model_step(model, cache: KVCache, tokens_new, *, all_logits: bool = False):
         TypeError: non-integer ids.
         ValueError: the cache belongs to another model; wrong shape or batch size; ids outside
             ``[0, vocab_size)``; the cache would overflow the context (slide the window: reset
-            the cache and feed the last tokens again, as :func:`generate` does).
+            the cache and feed the last tokens again, or -- RoPE and ``none`` --
+            ``cache.drop_oldest(n)``, as :func:`generate` does).
     """
     if cache.model is not model:
         raise ValueError("this KVCache was made for a different model; make one with KVCache(model, B)")
@@ -95,11 +115,12 @@ def model_step(model, cache: KVCache, tokens_new, *, all_logits: bool = False):
         raise ValueError(f"token ids must be in [0, vocab_size={V}), got min {tokens.min()}, "
                          f"max {tokens.max()}; the tokenizer and the model do not match")
     if cache.length + tokens.shape[1] > cache.context_length:
+        fix = (f"learned positions are absolute, there is no position {cache.context_length}: reset "
+               f"the cache and feed at most the last {cache.context_length} tokens"
+               if model.config.learned_positions else "drop the oldest with cache.drop_oldest(n) first")
         raise ValueError(
             f"the cache holds {cache.length} tokens and {tokens.shape[1]} more would exceed "
-            f"context_length={cache.context_length} (learned positions are absolute, there is no "
-            f"position {cache.context_length}); reset the cache and feed at most the last "
-            f"{cache.context_length} tokens (generate() slides the window for you)")
+            f"context_length={cache.context_length}; {fix} (generate() slides the window for you)")
     logits = model.forward(tokens.astype(np.int64), kv_cache=cache)
     return logits if all_logits else logits[:, -1, :]
 
@@ -171,7 +192,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
              seed: int | np.random.Generator | None = None,
              stop_tokens: int | Iterable[int] | None = None, use_cache: bool = True,
              on_token: Callable[[np.ndarray], object] | None = None, *, window_shift: int = 1,
-             return_logits: bool = False, min_p: float | None = None,
+             past_context: str | None = None, return_logits: bool = False, min_p: float | None = None,
              repetition_penalty: float | None = None, vocab_limit: int | None = None):
     """Autoregressive generation for ``B`` prompts.
 
@@ -203,7 +224,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             output, and the row is padded with it afterwards); generation ends early when
             every row is finished.
         use_cache: ``True``: KV cache (:func:`model_step`); ``False``: a full
-            ``model.forward`` over the window at every step (the reference; same tokens).
+            ``model.forward`` over the window at every step (the reference: the same tokens as
+            the cache with the ``"rebuild"`` rule, which past the context is not the default of
+            RoPE and ``none`` models).
         on_token: called after each step with the ``(B,)`` int64 ids just chosen (streaming;
             finished rows show their padding). It may return ``None`` or a ``(B,)`` bool
             array-like: ``True`` marks a row as finished (e.g. its text now holds a stop
@@ -211,6 +234,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             the token that finished it -- and generation ends once every row is finished.
         window_shift: past the context, how many of the oldest tokens to drop when the window
             overflows (``1 <= window_shift <= context_length``; see the module docstring).
+        past_context: ``"rebuild"`` or ``"keep-cache"`` (module docstring); ``None`` (default):
+            ``"keep-cache"`` for a ``"rope"`` or ``"none"`` model with ``use_cache``, else
+            ``"rebuild"``.
         return_logits: also return the float64 logits each token was drawn from.
 
     Returns:
@@ -224,7 +250,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         ValueError / TypeError: empty or non-integer prompt, ids outside the vocabulary,
             ``max_new_tokens < 0``, bad sampling settings (see :func:`check_sampling`), bad
             ``window_shift``, ``vocab_limit > vocab_size``, a non-causal model with
-            ``use_cache=True``, an ``on_token`` result that is not ``(B,)``.
+            ``use_cache=True``, an ``on_token`` result that is not ``(B,)``, ``past_context``
+            not one of the two rules, ``"keep-cache"`` with learned positions or without a cache.
             NonFiniteLogitsError (a ValueError): the model produced NaN logits.
     """
     c = model.config
@@ -244,6 +271,17 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         raise ValueError(f"vocab_limit={vocab_limit} is larger than the model's vocab_size={V}")
     if not isinstance(window_shift, numbers.Integral) or not 1 <= window_shift <= C:
         raise ValueError(f"window_shift must be an integer in [1, context_length={C}], got {window_shift!r}")
+    if past_context is None:
+        past_context = "rebuild" if c.learned_positions or not use_cache else "keep-cache"
+    if past_context not in PAST_CONTEXT_RULES:
+        raise ValueError(f"past_context must be one of {PAST_CONTEXT_RULES}, got {past_context!r}")
+    keep_cache = past_context == "keep-cache"
+    if keep_cache and c.learned_positions:
+        raise ValueError("past_context='keep-cache' needs relative or no positions (position_encoding "
+                         "'rope' or 'none'); learned positions are absolute: use 'rebuild'")
+    if keep_cache and not use_cache:
+        raise ValueError("past_context='keep-cache' needs use_cache=True (without a cache every step "
+                         "recomputes the window: that is 'rebuild')")
     stops = _stop_set(stop_tokens, V)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     B, T0 = prompt.shape
@@ -311,10 +349,12 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
                     finished |= newly
             if step == max_new_tokens - 1 or finished.all():
                 break
-            rebuild = n - start > C
-            if rebuild:                                # slide: positions are absolute, never reuse one
+            slide = n - start > C
+            if slide:
                 start += window_shift
-            logits = window_logits(rebuild)
+                if keep_cache:                         # relative positions: the kept keys stay valid
+                    cache.drop_oldest(window_shift)
+            logits = window_logits(slide and not keep_cache)
     finally:
         model.training = was_training
     out = seq[:, :n]

@@ -17,6 +17,16 @@ same prefix (tested to 1e-10 relative in float64).
 Rows of different lengths (a batch of prompts) are left-padded: ``key_start[b]`` is the first
 real token of row ``b``; no query attends to the padding, and row ``b``'s positions count from
 its first real token, so each row computes what it would compute alone.
+
+Position encodings (``config.position_encoding``): the cache stores keys as the attention saw
+them, so with RoPE they are stored *rotated* by their own position (the rotation runs between
+the qkv projection and the attention, before the attention writes the cache). When the cache is
+full, a ``"rope"`` or ``"none"`` model may :meth:`KVCache.drop_oldest` entries and go on: the
+kept keys stay valid because RoPE scores depend only on the offset between query and key
+(``"none"``: on nothing positional at all), and the positions of new tokens keep counting up
+(``offset``). A ``"learned"`` model cannot: its positions are absolute indices into a table of
+``context_length`` rows, so past the context the cache is rebuilt from scratch
+(:mod:`pedestrian.generate`).
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ class KVCache:
         values: list over blocks of ``(B, n_heads, context_length, d_head)`` arrays.
         length: number of tokens (padding included) cached so far.
         context_length: capacity (the model's ``context_length``).
+        offset: position of the token in cache slot 0 (before left padding is subtracted):
+            the number of tokens dropped by :meth:`drop_oldest`, plus the ``first_position``
+            given to :meth:`reset`. ``0`` for a new cache.
 
     Memory: ``B · n_blocks · n_heads · context_length · (d_qk + d_head)`` numbers, i.e.
     ``2 · n_blocks · context_length · d_model`` per sequence when ``d_qk = d_head = d/n_heads``
@@ -72,35 +85,79 @@ class KVCache:
                      for _ in range(c.n_blocks)]
         self.values = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_head), dtype=model.dtype)
                        for _ in range(c.n_blocks)]
+        self.reset(key_start)
+
+    def reset(self, key_start=None, *, first_position: int = 0) -> None:
+        """Forget every cached token (the arrays are kept and overwritten; no allocation).
+
+        Args:
+            key_start: as in the constructor.
+            first_position: position index of the next token fed (``offset``). RoPE and
+                ``none`` models may start anywhere (a RoPE model's logits do not change: its
+                scores depend on offsets only; a test); a learned table needs
+                ``first_position + length <= context_length`` (checked by the model's forward).
+
+        Raises:
+            ValueError: ``key_start`` of the wrong shape or negative; ``first_position < 0``.
+        """
+        if not isinstance(first_position, numbers.Integral) or first_position < 0:
+            raise ValueError(f"first_position must be an integer >= 0, got {first_position!r}")
         self.length = 0
-        self.key_start = None
+        self.offset = self._first = int(first_position)
+        self.key_start = self._pad = None
         if key_start is not None:
             start = np.asarray(key_start, dtype=np.int64)
-            if start.shape != (batch_size,) or start.min() < 0:
-                raise ValueError(f"key_start must hold {batch_size} counts >= 0, got {key_start!r}")
+            if start.shape != (self.batch_size,) or start.min() < 0:
+                raise ValueError(f"key_start must hold {self.batch_size} counts >= 0, got {key_start!r}")
             if start.any():
-                self.key_start = asarray_like(start, self.keys[0])
+                self.key_start = self._pad = asarray_like(start, self.keys[0])
 
-    def reset(self, key_start=None) -> None:
-        """Forget every cached token (the arrays are kept and overwritten; no allocation)."""
-        self.length = 0
-        self.key_start = None
-        if key_start is not None and np.any(key_start):
-            self.key_start = asarray_like(np.asarray(key_start, dtype=np.int64), self.keys[0])
+    def drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest cached tokens and keep the others (RoPE and ``none`` models).
+
+        The kept keys and values move to the front of the arrays (``O(length · d)`` copying,
+        no recomputation); the next tokens' positions keep counting from where they were
+        (``offset`` grows by ``n``). A kept token's key and value are those it got when it was
+        computed, with every earlier token (dropped ones included) in its context -- a sliding
+        window over the keys, as in Mistral's rolling-buffer cache, not a recompute of the
+        window from scratch (module docstring; :mod:`pedestrian.generate`).
+
+        Raises:
+            ValueError: a learned-position model (its positions are absolute indices into a
+                table of ``context_length`` rows: rebuild the cache instead), or ``n`` not in
+                ``[0, length]``.
+        """
+        if self.model.config.learned_positions:
+            raise ValueError("a model with learned positions cannot drop cached tokens (its positions "
+                             "are absolute); reset the cache and feed the last tokens again")
+        if not isinstance(n, numbers.Integral) or not 0 <= n <= self.length:
+            raise ValueError(f"can drop 0 to length={self.length} cached tokens, got {n!r}")
+        n, L = int(n), self.length
+        if n == 0:
+            return
+        xp = self.model.xp
+        for arrays in (self.keys, self.values):
+            for a in arrays:
+                a[:, :, :L - n, :] = xp.asarray(a[:, :, n:L, :], copy=True)   # overlapping ranges
+        self.length = L - n
+        self.offset += n
+        if self._pad is not None:                  # padding slots that are left, per row
+            start = xp.clip(self._pad - (self.offset - self._first), 0, None)
+            self.key_start = start if bool(xp.any(start > 0)) else None
 
     def block(self, i: int) -> KVBlock:
         """Block ``i``'s arrays and the current length, as the attention layers take them."""
         return KVBlock(self.keys[i], self.values[i], self.length, self.key_start)
 
     def positions(self, T: int):
-        """Position index of ``T`` new tokens: ``length + t``, counted from each row's first real
-        token (``(T,)``, or ``(B, T)`` with left padding; padding gets position 0)."""
+        """Position index of ``T`` new tokens: ``offset + length + t``, counted from each row's
+        first real token (``(T,)``, or ``(B, T)`` with left padding; padding gets position 0)."""
         xp = self.model.xp
-        pos = xp.arange(self.length, self.length + T)
-        if self.key_start is None:
+        pos = xp.arange(self.offset + self.length, self.offset + self.length + T)
+        if self._pad is None:
             return pos
-        return xp.clip(pos[None, :] - self.key_start[:, None], 0, None)
+        return xp.clip(pos[None, :] - self._pad[:, None], 0, None)
 
     def __repr__(self) -> str:
-        return (f"KVCache(batch_size={self.batch_size}, length={self.length}, "
+        return (f"KVCache(batch_size={self.batch_size}, length={self.length}, offset={self.offset}, "
                 f"context_length={self.context_length}, n_blocks={len(self.keys)})")

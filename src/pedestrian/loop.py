@@ -251,7 +251,8 @@ class Trainer:
     Attributes the callbacks read (and some write): ``step``, ``lr``, ``loss``, ``grad_norm``,
     ``skipped`` (the last step's reason, or ``None``), ``skipped_in_a_row``, ``skipped_total``,
     ``val_loss``, ``last_eval``, ``last_save``, ``step_seconds``, ``steps_this_run``,
-    ``stop_reason``, ``stop_checks`` (extra ``trainer -> reason or None``, e.g. the time guard),
+    ``stop_reason``, ``batches`` (the last step's micro-batches), ``stop_checks`` (extra
+    ``trainer -> reason or None``, e.g. the time guard),
     ``reduce_gradients`` (see :func:`train_step`).
     """
 
@@ -278,6 +279,7 @@ class Trainer:
         self.interrupted_by = ""                    # the first stop request ("SIGINT", "stdout closed")
         self.stop_checks: list[Callable[["Trainer"], str | None]] = []
         self.reduce_gradients: Callable[[list], None] | None = None
+        self.batches: list = []                     # the last step's micro-batches
         self._callbacks: dict[str, list] = {"step_end": [], "stop": []}
         _stop_requests.clear()                      # a new run starts without requests
 
@@ -318,7 +320,7 @@ class Trainer:
             self.t_loop = time.perf_counter()
             while (reason := self.should_stop()) is None:
                 self.lr = self.schedule(self.step)
-                batches = self.next_batches()
+                self.batches = batches = self.next_batches()
                 if len(batches) > 1 and self.accum is None:
                     self.accum = [empty_like(g.grads) for g in self.optimizer.groups]
                 t0 = time.perf_counter()

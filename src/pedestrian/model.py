@@ -3,9 +3,9 @@
 Paper conclusion ("minimalistic transformer"), restated in docs/EQUATIONS.md::
 
     a0 (B,T) ints
-    a1 = tok-emb + pos-emb                                  (B,T,d)
+    a1 = tok-emb + pos-emb (learned positions; else tok-emb)  (B,T,d)
     block i (x = a1 for the first block, the previous a10 after):
-      a2 = LN1(x);  a3 = MHA(a2);  a4 = FC_attProj(a3);  a5 = x + a4
+      a2 = LN1(x);  a3 = MHA(a2) (RoPE: q, k rotated first);  a4 = FC_attProj(a3);  a5 = x + a4
       a6 = LN2(a5); a7 = FC_expand(a6);  a8 = g(a7);  a9 = FC_contract(a8);  a10 = a5 + a9
     a11 = LN_final(a10);  a12 = logits = FC_logits(a11)     (B,T,V)
 
@@ -15,7 +15,7 @@ signatures -- is chosen once, by ``GPT(..., kernels=...)``.
 
 Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
 
-    tok_emb.weight (V, d)                 pos_emb.weight (context_length, d)
+    tok_emb.weight (V, d)                 pos_emb.weight (context_length, d)   -- learned positions only
     blocks.{i}.ln1.weight / .bias (d,)
     blocks.{i}.attn.q.weight (d, n_heads·d_qk)    .bias     (head h: columns h·d_qk …)
     blocks.{i}.attn.k.weight (d, n_heads·d_qk)    .bias
@@ -37,6 +37,7 @@ with a few vectorised operations (:meth:`GPT.trainable_buffers`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Iterable, Mapping, NamedTuple
@@ -214,7 +215,8 @@ class GPT:
         config: a :class:`GPTConfig`.
         seed: initialisation seed (GPT-2 scheme: weights ``N(0, 0.02)``, the two residual
             projections ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1). Also
-            seeds the dropout generator.
+            seeds the dropout generator. Models that differ only in ``position_encoding`` get
+            the same weights (the learned table aside).
         dtype: ``"float32"`` (default) or ``"float64"``.
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays).
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
@@ -272,7 +274,10 @@ class GPT:
     def _init_weights(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
-        for s in param_specs(self.config):
+        # draw in the order of the learned-position layout, the table's draws discarded when there
+        # is no table: models that differ only in position_encoding start from the same weights
+        learned = dataclasses.replace(self.config, position_encoding="learned")
+        for s in param_specs(learned):
             if len(s.shape) == 2:
                 std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
                 value = rng.normal(0.0, std, size=s.shape)
@@ -280,7 +285,8 @@ class GPT:
                 value = np.ones(s.shape) if s.name.endswith("weight") else np.zeros(s.shape)
             else:
                 value = np.zeros(s.shape)
-            self.params[s.name][...] = self._to_xp(value)
+            if s.name in self.params:
+                self.params[s.name][...] = self._to_xp(value)
 
     def _to_xp(self, value):
         arr = np.asarray(value)
@@ -610,7 +616,8 @@ class GPT:
             targets: optional ``(B, T)`` ids (``tokens`` shifted by one) or ``-100`` to ignore;
                 when given the mean loss is computed (:meth:`loss`).
             kv_cache: a :class:`~pedestrian.kv_cache.KVCache`: the tokens continue the cached
-                ones (positions from ``kv_cache.length``), their keys and values are appended,
+                ones (positions from ``kv_cache.positions``; RoPE rotates the new keys by them
+                before they are cached), their keys and values are appended,
                 and ``kv_cache.length`` grows by ``T`` (generation; no backward follows).
             n_total: divide the loss by this many targets instead of the number counted here
                 (one slice of a larger batch: the slices' losses and gradients then add up).
@@ -638,9 +645,17 @@ class GPT:
             if tokens.ndim == 2 and tokens.shape[1] > room:
                 raise ValueError(
                     f"the cache holds {kv_cache.length} tokens and {tokens.shape[1]} more would exceed "
-                    f"context_length={c.context_length} (learned positions are absolute, there is no "
-                    f"position {c.context_length}); reset the cache and feed at most the last "
-                    f"{c.context_length} tokens (generate() slides the window for you)")
+                    f"context_length={c.context_length}; " + (
+                        f"learned positions are absolute, there is no position {c.context_length}: "
+                        f"reset the cache and feed at most the last {c.context_length} tokens"
+                        if c.learned_positions else
+                        "drop the oldest with cache.drop_oldest(n) first")
+                    + " (generate() does this for you)")
+            if (c.learned_positions and tokens.ndim == 2
+                    and kv_cache.offset + kv_cache.length + tokens.shape[1] > c.context_length):
+                raise ValueError(f"positions up to {kv_cache.offset + kv_cache.length + tokens.shape[1] - 1} "
+                                 f"do not exist in the learned table of context_length={c.context_length} "
+                                 "rows; reset the cache with first_position=0")
         check_tokens(tokens, c.vocab_size, c.context_length)
         if targets is not None:
             targets = self._as_tokens(targets, "targets")
@@ -655,7 +670,8 @@ class GPT:
 
     def _forward(self, tokens, targets, kv_cache, n_total):
         c, K, W = self.config, self.kernels, self._weights()
-        positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])
+        positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
+        rope = c.position_encoding == "rope"
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None)
         a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)
         f.a1, f.drop1 = self._dropout(a1)                                        # (B, T, d)
@@ -664,6 +680,8 @@ class GPT:
             b = SimpleNamespace()
             b.a2, b.ln1 = K.layernorm_forward(x, w.ln1.weight, w.ln1.bias, c.ln_eps)   # (B, T, d)
             qkv = self._fc_forward(w.qkv, b.a2, f.lora)                              # (B, T, H·(2d_qk+d_head))
+            if rope:                                                                 # q, k turned by position
+                qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims)
             b.a3, b.attn = K.multi_head_attention_forward(                           # (B, T, H·d_head)
                 qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal,
                 kv_cache=None if kv_cache is None else kv_cache.block(i))
@@ -745,6 +763,7 @@ class GPT:
 
     def _backward(self, f, d12, keep_deltas: bool) -> dict:
         c, K, W = self.config, self.kernels, self._weights()
+        rope = c.position_encoding == "rope"
         G = self._layer_table(grads=True)                  # None = frozen: no gradient
         if G.tok_emb is not None and not c.tie_weights:
             G.tok_emb[...] = 0                             # the embedding backward adds into them
@@ -763,6 +782,8 @@ class GPT:
             d4 = K.dropout_backward(d5, b.drop4)                                             # Δ4
             d3 = self._fc_backward(w.attn_proj, g.attn_proj, d4, b.a3, f.lora)               # Δ3
             d_qkv, d_causal = K.multi_head_attention_backward(d3, b.attn, keep_delta_causal=keep_deltas)
+            if rope:                                                                         # turned back: R(−tθ)
+                d_qkv = K.rope_backward(d_qkv, b.rope)
             d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, f.lora)                        # Δ2 = Σ_h (...)
             d1 = K.add(d5, K.layernorm_backward(d2, b.ln1, dweight=g.ln1.weight, dbias=g.ln1.bias))  # skip + LN1
             if keep_deltas:

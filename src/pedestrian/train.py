@@ -2,9 +2,10 @@
 
 :func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG, and
 runs :class:`pedestrian.loop.Trainer` with callbacks that log every step to ``<out>/log.jsonl``,
-evaluate a fixed set of validation batches every ``eval_interval`` steps, keep ``<out>/latest``
-and ``<out>/best`` checkpoints and stop in time (``max_minutes``); it draws
-``<out>/loss_curve.png`` at the end. Resuming restores the parameters, the AdamW moments and
+evaluate a fixed set of validation batches every ``eval_interval`` steps (and then log the norms
+of every block's error signals and gradients on that step's batch, :func:`gradient_record`), keep
+``<out>/latest`` and ``<out>/best`` checkpoints and stop in time (``max_minutes``); it draws
+``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
 steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
 AdamW) is :func:`pedestrian.loop.train_step`.
@@ -59,7 +60,8 @@ from .settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
-           "read_log", "plot_loss_curve", "RunFiles", "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS"]
+           "read_log", "plot_loss_curve", "gradient_record", "plot_gradients", "RunFiles",
+           "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS"]
 
 log = logging.getLogger("pedestrian.train")
 
@@ -431,15 +433,122 @@ class RunFiles:
         copy_checkpoint(self.out / src, self.out / dst)
 
     def plot(self, title: str) -> Path | None:
-        """``loss_curve.png`` from the log (not while an older run is still the committed one)."""
+        """``loss_curve.png`` and ``gradients.png`` from the log (not while an older run is still
+        the committed one)."""
         if self.replacing:
             return None
-        return plot_loss_curve(read_log(self.path), self.out / "loss_curve.png", title=title)
+        records = read_log(self.path)
+        plot_gradients(records, self.out / "gradients.png", title=title)
+        return plot_loss_curve(records, self.out / "loss_curve.png", title=title)
 
     def close(self) -> None:
         self._file.close()
         if self.replacing and self.pending.exists():
             self.pending.unlink()              # never committed: the old run stays as it was
+
+
+def gradient_record(model, x, y, step: int) -> dict:
+    """The norms of every block's error signals Δ2 … Δ10 and of its gradients, for the log.
+
+    One extra forward and ``backward(keep_deltas=True)`` of the GPT ``model`` on ``(x, y)`` (the
+    step's batch), with dropout off so no random state is consumed (a resumed run stays bit for
+    bit the same). The model's activations and gradient buffers are overwritten; the next step
+    overwrites them again.
+
+    Returns:
+        ``{"step", "delta_norms": {"blocks.i": {"Δ2": ‖Δ2‖, …, "Δ10": …}, "Δ1": …, "Δ11": …},
+        "grad_norms": {"blocks.i": {"ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand",
+        "mlp_contract"}, "tok_emb", "pos_emb" (learned positions), "ln_final", "logits"
+        (untied)}}``: Frobenius norms over the whole batch (``Δ_n = dL/da_n`` of the mean loss);
+        ``None`` where a norm is not finite.
+    """
+    from .backend import to_numpy
+
+    def norm(*arrays) -> float | None:                 # None: not finite (the log is strict JSON)
+        value = math.sqrt(sum(float(np.sum(np.square(np.asarray(to_numpy(a), dtype=np.float64))))
+                              for a in arrays))
+        return value if math.isfinite(value) else None
+
+    was_training = model.training
+    model.training = False
+    try:
+        model.loss(x, y)
+        grads = model.backward(keep_deltas=True)
+        deltas = model.deltas()
+    finally:
+        model.training = was_training
+    delta_norms: dict = {"Δ1": norm(deltas["Δ1"]), "Δ11": norm(deltas["Δ11"])}
+    grad_groups: dict = {}
+    for name, g in grads.items():
+        parts = name.split(".")
+        if parts[0] == "blocks":
+            group = "attn.qkv" if parts[2] == "attn" else parts[2]
+            grad_groups.setdefault(f"blocks.{parts[1]}", {}).setdefault(group, []).append(g)
+        else:
+            grad_groups.setdefault(parts[0], []).append(g)
+    grad_norms = {k: ({g: norm(*v) for g, v in groups.items()} if isinstance(groups, dict) else norm(*groups))
+                  for k, groups in grad_groups.items()}
+    for i in range(model.config.n_blocks):
+        delta_norms[f"blocks.{i}"] = {f"Δ{n}": norm(deltas[f"blocks.{i}.Δ{n}"]) for n in range(2, 11)}
+    return {"step": step, "delta_norms": delta_norms, "grad_norms": grad_norms}
+
+
+def plot_gradients(records: list[dict], path, title: str = "", max_blocks: int = 6) -> Path:
+    """Draw the :func:`gradient_record` entries of a log over the run: for each block (up to
+    ``max_blocks``, evenly spread, first and last included) the norms of Δ2 … Δ10 (top row) and
+    of its gradient groups (bottom row) against the step, log scale, so vanishing or exploding
+    signals show as lines falling or rising by orders of magnitude.
+
+    Args:
+        records: ``log.jsonl`` records (those without ``"delta_norms"`` are skipped).
+        path: the PNG to write (matplotlib, Agg backend; written atomically).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if "delta_norms" in r]
+    blocks = sorted({k for r in recs for k in r["delta_norms"] if k.startswith("blocks.")},
+                    key=lambda k: int(k.split(".")[1]))
+    if len(blocks) > max_blocks:
+        blocks = [blocks[round(j * (len(blocks) - 1) / (max_blocks - 1))] for j in range(max_blocks)]
+    n = max(1, len(blocks))
+    fig, axes = plt.subplots(2, n, figsize=(2.9 * n + 2.2, 6.4), dpi=120, squeeze=False, sharey="row")
+    steps = [r["step"] for r in recs]
+    deltas = [f"Δ{k}" for k in range(2, 11)]
+    groups = ("ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand", "mlp_contract")
+    colors = plt.get_cmap("tab10")(np.arange(len(deltas)))
+    group_colors = plt.get_cmap("tab10")(np.arange(len(groups)))
+    for j, block in enumerate(blocks):
+        top, bottom = axes[0, j], axes[1, j]
+        for name, color in zip(deltas, colors):
+            values = [r["delta_norms"][block][name] for r in recs]
+            top.plot(steps, [np.nan if v is None else v for v in values], color=color, lw=1.3, label=name)
+        for name, color in zip(groups, group_colors):
+            values = [r["grad_norms"].get(block, {}).get(name) for r in recs]
+            if any(v is not None for v in values):
+                bottom.plot(steps, [np.nan if v is None else v for v in values], color=color, lw=1.3, label=name)
+        top.set_title(f"block {block.split('.')[1]}", fontsize=10)
+        bottom.set_xlabel("step")
+        for ax in (top, bottom):
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3, which="both")
+            ax.tick_params(labelsize=8)
+    axes[0, 0].set_ylabel("‖Δ_n‖ of the block's a_n")
+    axes[1, 0].set_ylabel("‖gradient‖ per layer")
+    if recs:
+        axes[0, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), title="error signal")
+        axes[1, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), title="parameters")
+    else:
+        axes[0, 0].text(0.5, 0.5, "no gradient records yet\n(the run ended before --eval-interval)",
+                        ha="center", va="center", transform=axes[0, 0].transAxes)
+    fig.suptitle(title or "error signals and gradients over the run (Frobenius norms, whole batch)", fontsize=10)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    return write_file(path, png.getvalue(), what="the gradient plot")
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -631,7 +740,12 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
                               "(--overwrite, or --out NEW_DIR)")
     guard = TimeGuard(settings.max_minutes, t_start)
     trainer.stop_checks.append(guard)
-    trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, checkpoints, guard.measure)
+    def gradient_norms(t: Trainer) -> None:          # after each validation, on the step's own batch
+        if t.step % settings.eval_interval == 0 and t.skipped is None:
+            files.log(gradient_record(model, *t.batches[0], t.step))
+
+    trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, gradient_norms, checkpoints,
+               guard.measure)
     trainer.on("stop", finish(evaluation, checkpoints))
     try:
         reason = trainer.run()

@@ -7,7 +7,7 @@ parameters and lets autograd produce every gradient and every error signal Δ_i 
 Parameter names and shapes (``y = x @ W + b``, ``W`` is ``(f_in, f_out)``)::
 
     tok_emb.weight                  (V, d)
-    pos_emb.weight                  (context_length, d)
+    pos_emb.weight                  (context_length, d)        only for position_encoding "learned"
     blocks.{i}.ln1.weight / .bias   (d,)                       bias only if cfg["bias"]
                                                                (q, k, v: if cfg["qkv_bias"])
     blocks.{i}.attn.q.weight        (d, n_heads*d_qk)          .bias (n_heads*d_qk,)
@@ -37,6 +37,15 @@ Conventions resolved here (see the summary at the bottom of this docstring):
 * Loss = mean cross-entropy over targets != -100; if nothing counts the loss is exactly 0 and
   every gradient / delta is 0 (no NaN).
 * Dropout does not exist here (always 0), except the LoRA input masks given as ``lora_masks``.
+* ``position_encoding``: ``"learned"`` (a table added to the token embedding), ``"none"``, or
+  ``"rope"``: rotary embeddings of q and k, written here as complex multiplication (RoFormer,
+  Su et al. 2021, section 3.2): in each head, dimension ``j < r/2`` is the real part and
+  ``j + r/2`` the imaginary part of ``z_j`` (GPT-NeoX's half-split pairing), and
+  ``z_j ← z_j · exp(i·t·θ_j)`` with ``θ_j = 1 / base^(2j/r)``; the rotated count is
+  ``r = (int(rope_fraction · d_qk) // 2) · 2``; the other dimensions pass.
+* ``reference_forward(..., positions=, key_start=)``: positions other than ``0 … T-1``, and a
+  sliding window (query ``α`` sees keys ``key_start[α] <= β <= α``). Without learned positions a
+  sequence may be longer than ``context_length``.
 """
 
 from __future__ import annotations
@@ -92,6 +101,9 @@ def default_cfg(**overrides: Any) -> dict:
         causal=True,
         qkv_bias=None,
         d_mlp=None,
+        position_encoding="learned",
+        rope_base=10000.0,
+        rope_fraction=1.0,
     )
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -165,10 +177,9 @@ def param_shapes(cfg: dict, lora: dict | None = None) -> dict[str, tuple[int, ..
     d, V = dd["d_model"], dd["vocab_size"]
     bias = bool(cfg["bias"])
     qkv_bias = bias if cfg.get("qkv_bias") is None else bool(cfg["qkv_bias"])
-    shapes: dict[str, tuple[int, ...]] = {
-        "tok_emb.weight": (V, d),
-        "pos_emb.weight": (dd["context_length"], d),
-    }
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (V, d)}
+    if cfg.get("position_encoding", "learned") == "learned":
+        shapes["pos_emb.weight"] = (dd["context_length"], d)
 
     def ln(name: str) -> None:
         shapes[f"{name}.weight"] = (d,)
@@ -337,8 +348,24 @@ def _as_long(tokens: Any) -> torch.Tensor:
     return t
 
 
+def _rope(x: torch.Tensor, n_heads: int, d_qk: int, pos: torch.Tensor, base: float,
+          fraction: float) -> torch.Tensor:
+    """RoPE as complex multiplication on every head of ``x`` ``(B, T, n_heads·d_qk)``."""
+    r = (int(fraction * d_qk) // 2) * 2
+    half = r // 2
+    B, T, _ = x.shape
+    xh = x.reshape(B, T, n_heads, d_qk)
+    inv_freq = 1.0 / (base ** (torch.arange(0, r, 2, dtype=torch.float64) / r))   # θ_j
+    angle = pos.to(torch.float64)[:, None] * inv_freq[None, :]                    # (T, r/2)
+    turn = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]           # e^{i t θ_j}
+    z = torch.complex(xh[..., :half].to(torch.float64), xh[..., half:r].to(torch.float64)) * turn
+    out = torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), xh[..., r:]], dim=-1)
+    return out.reshape(B, T, n_heads * d_qk)
+
+
 def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_alpha: float | dict = 1.0,
-                      return_activations: bool = False, lora_masks: dict | None = None):
+                      return_activations: bool = False, lora_masks: dict | None = None, positions=None,
+                      key_start=None):
     """Logits ``(B, T, V)``; with ``return_activations=True`` returns ``(logits, acts)`` where
     ``acts`` maps "a1", "blocks.{i}.a2" .. "blocks.{i}.a10", "a11", "a12" to the activations,
     each ``retain_grad()``-ed when it requires grad (so ``acts[n].grad`` is Δ after backward).
@@ -346,12 +373,18 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
     ``tokens`` may be a (B, T) or (T,) LongTensor / array; 1-D input is treated as B = 1.
     ``lora_alpha``: one number or ``{layer: alpha}``; ``lora_masks``: ``{layer: fixed dropout
     mask of the adapter input}`` (absent layers: no dropout).
+    ``positions``: ``(T,)`` position of each token (default ``0 … T-1``). ``key_start``: ``(T,)``
+    ints, the first key each query may attend to (a causal sliding window; default 0).
     """
     check_params(params, cfg)
     dd = derived_dims(cfg)
     tok = _as_long(tokens)
     B, T = tok.shape
-    if T > dd["context_length"]:
+    encoding = cfg.get("position_encoding", "learned")
+    if encoding not in ("learned", "rope", "none"):
+        raise ValueError(f"unknown position_encoding {encoding!r}")
+    pos = torch.arange(T) if positions is None else torch.as_tensor(np.asarray(positions), dtype=torch.long)
+    if encoding == "learned" and T > dd["context_length"]:
         raise ValueError(f"sequence length {T} exceeds context_length {dd['context_length']}")
     if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= dd["vocab_size"]):
         raise ValueError("token id out of range [0, vocab_size)")
@@ -369,10 +402,18 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
         return t
 
     W_tok = params["tok_emb.weight"]
-    a1 = keep("a1", W_tok[tok] + params["pos_emb.weight"][torch.arange(T)][None, :, :])
+    if encoding == "learned":
+        a1 = keep("a1", W_tok[tok] + params["pos_emb.weight"][pos][None, :, :])
+    else:
+        a1 = keep("a1", W_tok[tok])
 
     if cfg["causal"]:
         future = torch.arange(T)[None, :] > torch.arange(T)[:, None]  # [query, key]: key > query
+        if key_start is not None:                                      # before the window: hidden too
+            start = torch.as_tensor(np.asarray(key_start), dtype=torch.long)
+            future = future | (torch.arange(T)[None, :] < start[:, None])
+    elif key_start is not None:
+        raise ValueError("key_start (a sliding window) needs a causal cfg")
     x = a1
     for i in range(dd["n_blocks"]):
         p = f"blocks.{i}"
@@ -380,6 +421,9 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
         q = _fc(params, f"{p}.attn.q", a2, alpha, masks)
         k = _fc(params, f"{p}.attn.k", a2, alpha, masks)
         v = _fc(params, f"{p}.attn.v", a2, alpha, masks)
+        if encoding == "rope":
+            q = _rope(q, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]))
+            k = _rope(k, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]))
         heads = []
         for h in range(H):
             qh = q[..., h * dqk:(h + 1) * dqk]

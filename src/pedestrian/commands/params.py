@@ -5,6 +5,7 @@ Examples:
   pedestrian params --preset gpt2 --lora-rank 16 --lora-targets logits
   pedestrian params --vocab-size 65 --context-length 64 --d-model 128 --n-heads 4 --n-blocks 4
   pedestrian params --preset gpt2 --d-mlp 3000 --no-qkv-bias
+  pedestrian params --preset gpt2 --position-encoding rope     # no position table: 786,432 fewer
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import LORA_LAYER_KINDS, PRESETS, GPTConfig, lora_specs, param_specs, preset
+from ..config import LORA_LAYER_KINDS, POSITION_ENCODINGS, PRESETS, GPTConfig, lora_specs, param_specs, preset
 
 
 def add_config_arguments(parser: argparse.ArgumentParser):
@@ -33,11 +34,16 @@ def add_config_arguments(parser: argparse.ArgumentParser):
     g.add_argument("--no-bias", dest="bias", action="store_false", default=None)
     g.add_argument("--untied", dest="tie_weights", action="store_false", default=None)
     g.add_argument("--non-causal", dest="causal", action="store_false", default=None)
+    g.add_argument("--position-encoding", choices=list(POSITION_ENCODINGS),
+                   help="learned table (GPT-2, default), rotary q/k (rope), or none")
+    g.add_argument("--rope-base", type=float, help="RoPE base b: pair j turns by b^(-2j/r) per position (10000)")
+    g.add_argument("--rope-fraction", type=float, help="fraction of each head's d_qk RoPE rotates (1.0)")
     return g
 
 
 CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
-                 "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal")
+                 "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
+                 "position_encoding", "rope_base", "rope_fraction")
 
 
 def config_from_args(args: argparse.Namespace, base: dict | None = None) -> GPTConfig:

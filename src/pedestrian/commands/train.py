@@ -2,7 +2,8 @@
 
 With no arguments: the bundled Shakespeare plays, a character tokenizer and a small default
 model sized to reach a validation loss <= 1.75 nats per character within 10 minutes on two CPU
-cores. Checkpoints, the step log (log.jsonl) and the loss curve (loss_curve.png) go to
+cores. Checkpoints, the step log (log.jsonl), the loss curve (loss_curve.png) and the norms of
+every block's error signals Δ2 … Δ10 and gradients at each validation (gradients.png) go to
 runs/<corpus>_<tokenizer> (or --out).
 
 Settings come from, in increasing priority: the defaults, a TOML file (--config), the flags.
@@ -176,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     files = [f"checkpoints {out / 'latest'} and {out / 'best'}", f"log {out / 'log.jsonl'}"]
     if (out / "loss_curve.png").is_file() and settings.plot:
         files.append(f"loss curve {out / 'loss_curve.png'}")
+    if (out / "gradients.png").is_file() and settings.plot:
+        files.append(f"error signals and gradients {out / 'gradients.png'}")
     print("files: " + ", ".join(files))
     print(f"sample: pedestrian sample --checkpoint {out / 'best'} --prompt \"...\" --temperature 0.8 --top-k 40")
     if result.stop_reason == "max_steps":

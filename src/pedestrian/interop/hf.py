@@ -198,11 +198,13 @@ def export_problems(config: GPTConfig) -> list[str]:
     """Why ``config`` cannot be written as a Hugging Face ``GPT2LMHeadModel`` (empty: it can).
 
     GPT-2 has biases everywhere except ``lm_head`` (q, k, v included: ``c_attn.bias``),
-    ``d_qk = d_head = d_model / n_heads``, causal attention, and one of the activations of
-    :data:`ACTIVATION_TO_HF`; its MLP width ``n_inner`` may be anything.
+    ``d_qk = d_head = d_model / n_heads``, causal attention, learned positions (``wpe``), and one
+    of the activations of :data:`ACTIVATION_TO_HF`; its MLP width ``n_inner`` may be anything.
     """
     c = config
     problems = []
+    if c.position_encoding != "learned":
+        problems.append(f"position_encoding={c.position_encoding!r} (GPT-2 has learned positions only)")
     if not c.bias:
         problems.append("bias=False (GPT-2 has biases on every layer)")
     if not c.qkv_bias:

@@ -12,7 +12,9 @@ same things faster, and every difference from the reference earns its lines by a
 - :mod:`.layernorm`, :mod:`.activations`, :mod:`.attention`, :mod:`.loss`, :mod:`.linear`,
   :mod:`.embedding` -- the layers, with ``out=`` chains, folded constants and in-place softmax.
 
-Dropout and LoRA gain nothing measurable from a second version: the reference ones are used.
+Dropout, LoRA and RoPE gain nothing measurable from a second version: the reference ones are
+used (RoPE on char-small's (16, 64, 384) float32 q/k/v: 0.49 ms forward per block; the same
+arithmetic written into preallocated arrays with ``out=`` took 0.55 ms).
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
 name to the module.
 """
@@ -24,6 +26,7 @@ import os
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from ..layers.lora import lora_backward, lora_forward
+from ..layers.rope import rope_backward, rope_forward
 from .activations import activation_backward, activation_forward
 from .attention import attention_weights, multi_head_attention_backward, multi_head_attention_forward
 from .embedding import embedding_backward, embedding_forward
@@ -40,7 +43,7 @@ __all__ = [
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
-    "multi_head_attention_backward", "multi_head_attention_forward",
+    "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
 ]
 
 

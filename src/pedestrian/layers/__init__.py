@@ -33,6 +33,7 @@ from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward
 from .loss import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
 from .residual import add
+from .rope import rope_angles, rope_backward, rope_forward
 
 #: the functions a model calls; :mod:`pedestrian.kernels` defines each with the same signature
 MODEL_FUNCTIONS = (
@@ -40,7 +41,7 @@ MODEL_FUNCTIONS = (
     "layernorm_forward", "layernorm_backward", "activation_forward", "activation_backward",
     "dropout_forward", "dropout_backward", "lora_forward", "lora_backward",
     "multi_head_attention_forward", "multi_head_attention_backward", "attention_weights",
-    "cross_entropy_forward", "cross_entropy_backward", "add",
+    "cross_entropy_forward", "cross_entropy_backward", "add", "rope_forward", "rope_backward",
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward",
+    "rope_angles", "rope_backward", "rope_forward",
     "scaled_dot_product_attention_backward", "scaled_dot_product_attention_forward",
     "softmax_backward", "softmax_forward",
 ]

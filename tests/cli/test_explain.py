@@ -1,0 +1,96 @@
+"""`pedestrian explain`: the paper's table of a_i / Δ_i, its FLOP and memory totals against a count
+done by hand on a tiny config, and the command line (sources, errors)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pedestrian.cli import main as cli_main
+from pedestrian.commands.explain import explain_rows, matmul_flops, totals
+from pedestrian.config import GPTConfig
+
+TINY = dict(vocab_size=5, context_length=3, d_model=4, n_heads=2, n_blocks=1, mlp_ratio=4,
+            activation="relu", bias=True, tie_weights=True)
+B, T = 2, 3                                  # N = 6 tokens
+
+
+def test_totals_match_a_hand_count_on_a_tiny_config():
+    """Counted by hand, layer by layer (d=4, H=2, d_qk=d_h=2, d_mlp=16, V=5, N=6):
+
+    matrix products, forward: qkv 2·6·4·12 = 576, q kᵀ 2·2·2·3·3·2 = 144, P v 144, projection
+    2·6·4·4 = 192, expand 2·6·4·16 = 768, contract 768, logits 2·6·4·5 = 240 -> 2,832; the
+    backward computes two products for each -> 5,664.
+    elementwise, forward: position add 24; three layer norms (7 + 1 per element, 3 per row)
+    3·(6·4·8 + 3·6) = 630; biases 72 + 4·6 + 16·6 + 4·6 = 216; scores (÷√d_qk and a 5-op softmax)
+    36·6 = 216; two residual adds 48; ReLU 96; cross-entropy 30·9 = 270 -> 1,500.
+    elementwise, backward: embedding + position 48; layer norms 3·6·4·11 = 792; bias sums 216;
+    softmax 36·5 = 180; adds 48; ReLU 96; cross-entropy 30·3 = 90 -> 1,470.
+    """
+    config = GPTConfig(**TINY)
+    rows = explain_rows(config, B, T)
+    tot = totals(config, rows, B, T)
+    assert matmul_flops(config, B, T) == tot["matmul_step"] == 3 * 2832
+    assert tot["fwd"] == 2832 + 1500
+    assert tot["bwd"] == 5664 + 1470
+    assert tot["step"] == 11466
+    # parameters: tok 20, pos 12, ln1 8, qkv 48+12, proj 16+4, ln2 8, expand 64+16, contract 64+4, ln_f 8
+    assert tot["n_params"] == 284 and tot["six_n"] == 6 * 284 * 6
+    # memory, float32 (a0 int64): 48; a1 … a6, a9 … a11 (nine N·d arrays) 96 each; qkv 288; P 144;
+    # a7, a8 384 each; a12 and the softmax of the loss 120 each
+    assert tot["memory"] == 48 + 96 * 9 + 288 + 144 + 2 * 384 + 2 * 120
+    assert tot["params_memory"] == 4 * 284 * 4
+    assert [r.name for r in rows] == ["a0", "a1", "a2", "qkv", "P", "a3", "a4", "a5", "a6", "a7", "a8",
+                                      "a9", "a10", "a11", "a12", "loss"]
+
+
+def test_rope_adds_its_row_and_drops_the_table():
+    """RoPE: 2·N·H·r rotated q/k elements at 3 operations each way (r = d_qk = 2): 144; the
+    rotated copy of qkv is kept instead of qkv; no position add, no table (12 parameters less)."""
+    learned = GPTConfig(**TINY)
+    rope = GPTConfig(**TINY, position_encoding="rope")
+    t_l, t_r = (totals(c, explain_rows(c, B, T), B, T) for c in (learned, rope))
+    row = {r.name: r for r in explain_rows(rope, B, T)}["rope"]
+    assert row.fwd_flops == row.bwd_flops == 2 * 6 * 2 * 2 * 3
+    assert t_r["fwd"] == t_l["fwd"] - 24 + 144 and t_r["bwd"] == t_l["bwd"] - 24 + 144
+    assert t_r["memory"] == t_l["memory"]
+    assert t_l["n_params"] - t_r["n_params"] == 12
+
+
+def test_two_blocks_count_the_block_rows_twice():
+    one, two = GPTConfig(**TINY), GPTConfig(**{**TINY, "n_blocks": 2})
+    r1 = explain_rows(one, B, T)
+    per_block = sum(r.fwd_flops for r in r1 if r.per_block)
+    assert totals(two, explain_rows(two, B, T), B, T)["fwd"] - totals(one, r1, B, T)["fwd"] == per_block
+
+
+def test_command_line(tmp_path, capsys):
+    assert cli_main(["explain"]) == 0                        # the default model of `pedestrian train`
+    out = capsys.readouterr().out
+    assert "6·N·tokens rule: 6 × 812,288 parameters × 1,024 tokens" in out
+    for name in ("a0", "a1", "a2", "a12", "loss"):
+        assert f"\n{name} " in out
+    assert cli_main(["explain", "--preset", "gpt2", "--position-encoding", "rope", "--batch-size", "2",
+                     "--seq-len", "128"]) == 0
+    assert "rope " in capsys.readouterr().out
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\nd_model = 64\nn_heads = 2\nposition_encoding = \"none\"\n[optim]\nbatch_size = 4\n")
+    assert cli_main(["explain", "--config", str(toml)]) == 0
+    out = capsys.readouterr().out
+    assert "B=4 T=64 d=64" in out and "positions: none" in out
+    assert cli_main(["explain", "--preset", "gpt2", "--config", str(toml)]) == 2
+    assert "at most one of" in capsys.readouterr().err
+    assert cli_main(["explain", "--config", str(toml), "--d-model", "32"]) == 2
+    assert "--d-model changes a preset's model" in capsys.readouterr().err
+    assert cli_main(["explain", "--seq-len", "65"]) == 2
+    assert "--seq-len must be in [1, context_length=64]" in capsys.readouterr().err
+
+
+def test_checkpoint_source(tmp_path, capsys):
+    from pedestrian.checkpoint import save_checkpoint
+    from pedestrian.model import GPT
+
+    config = GPTConfig(**{**TINY, "position_encoding": "rope"})
+    save_checkpoint(tmp_path / "ck", GPT(config, dtype="float64"))
+    assert cli_main(["explain", "--checkpoint", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "float64, positions: rope" in out and "B=1 T=3" in out
