@@ -22,6 +22,14 @@ Tolerances (issue 13, part 4) follow from the arithmetic compared:
   (the value the computation would have with every term's sign made positive), so cancellation
   cannot make the check flaky. With at most ~100 rounded operations per chain here, that is
   <= 100·2.2e-16 = 2.2e-14; ``RTOL_ROUNDING = 1e-12`` keeps a 45× margin on any IEEE-754 machine.
+- *sums and norms in two orders* (NumPy's and torch's dot, per-tensor norms): Higham's
+  :func:`sum_rounding_bound`, :func:`norm_rounding_rel`.
+- *optimizer steps* (NumPy vs torch backend, ours vs ``torch.optim.AdamW``, micro-batches, threads):
+  :func:`adamw_rounding_bounds`, per entry -- each operation's rounding against its absolute
+  terms, plus AdamW's own sensitivity to a gradient difference (``lr/ε'`` where ``√v`` is tiny:
+  the key bias, whose gradient is rounding noise). A comparison of training runs starts each
+  step from one state, so the bound is one step's, not 50 steps' amplification.
+- *the key bias* (gradient ≡ 0, paper section 3): :func:`key_bias_bound` on both sides.
 """
 
 from __future__ import annotations
