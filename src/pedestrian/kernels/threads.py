@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 from ..backend import is_numpy_array
 
-__all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "get_pool", "for_row_blocks",
-           "BLOCK_ELEMENTS"]
+__all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "is_worker_thread", "get_pool",
+           "for_row_blocks", "BLOCK_ELEMENTS"]
 
 #: elements per block. Measured (2-core AMD EPYC, NumPy 2.4): 2^15 (L2-sized blocks) is 10-25%
 #: slower than 2^17 - 2^19 for GELU and layer norm -- per-call overhead outweighs L2 misses
@@ -120,6 +120,11 @@ def single_threaded_blas() -> Iterator[None]:
 def in_worker_thread() -> contextlib.AbstractContextManager:
     """Mark the calling thread as one of a parallel team: :func:`for_row_blocks` runs serially."""
     return _WorkerMark()
+
+
+def is_worker_thread() -> bool:
+    """Whether the calling thread is marked by :func:`in_worker_thread` (its kernels run serially)."""
+    return getattr(_in_worker, "active", False)
 
 
 class _WorkerMark:
