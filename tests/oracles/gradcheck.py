@@ -397,3 +397,47 @@ def model_key_bias_bounds(model) -> list:
         dP = d3 @ v.transpose(0, 1, 3, 2)
         out.append(key_bias_bound(q, dP, deltas[f"blocks.{i}.Δcausal"], model.dtype_name))
     return out
+
+
+def model_one_key_bounds(model) -> list:
+    """Rounding bounds for the attention quantities that are ``≡ 0`` when every query sees exactly
+    one key (``T = 1``: the softmax of one score is 1 whatever the score), after the last
+    ``backward(keep_deltas=True)`` of a GPT: per block, ``{"Δcausal": (B, H, 1, 1),
+    "attn.q.weight", "attn.q.bias", "attn.k.weight": gradient-shaped}``.
+
+    A relative error means nothing for a tensor that is 0 in exact arithmetic (one CPU's BLAS
+    kernel gives exact zeros, another 5e-17), so each is bounded by its own rounding:
+
+    - ``Δcausal = P ∘ (dP − D)`` with one key is its own row sum: ``<= (2L + 2·d_head + 6)·ε·|dP|``
+      (:func:`key_bias_bound`'s row term, plus the ``d_head``-term ``D = rowsum(Δ ∘ out)`` a
+      tiled kernel uses), ``L = 1``;
+    - ``dq = Δcausal · k / √d_qk`` and ``dk = Δcausalᵀ · q / √d_qk`` (one term each);
+    - ``dW = a2ᵀ d·`` and ``db = Σ_rows d·`` over ``B·T`` rows: ``(1 + B·T·ε)`` times the sums of
+      the absolute values.
+
+    Twice these (the two paths of a comparison) must hold each side.
+    """
+    c, acts, deltas, P = model.config, model.activations(), model.deltas(), model.params
+    eps = float(np.finfo(model.dtype_name).eps)
+    out = []
+    for i in range(c.n_blocks):
+        a2 = as_np(acts[f"blocks.{i}.a2"])
+        B, T, _ = a2.shape
+        assert T == 1, "only for one key per query"
+
+        def fc(name):
+            y = a2 @ as_np(P[f"{name}.weight"])
+            return y + as_np(P[f"{name}.bias"]) if f"{name}.bias" in P else y
+
+        q, k, v = (np.abs(split_heads(fc(f"blocks.{i}.attn.{x}"), c.n_heads)) for x in "qkv")
+        d3 = split_heads(deltas[f"blocks.{i}.Δ3"], c.n_heads)
+        dP = np.abs(d3 @ v.transpose(0, 1, 3, 2))                                    # (B, H, 1, 1)
+        d_qk, d_head = q.shape[-1], v.shape[-1]
+        dc = (2 + 2 * d_head + 6) * eps * dP
+        merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B * T, -1)                  # noqa: E731
+        dq, dk = merge(dc * k / math.sqrt(d_qk)), merge(dc * q / math.sqrt(d_qk))
+        grow = 1 + B * T * eps
+        a2 = np.abs(a2.reshape(B * T, -1))
+        out.append({"Δcausal": dc, "attn.q.weight": grow * a2.T @ dq, "attn.q.bias": grow * dq.sum(0),
+                    "attn.k.weight": grow * a2.T @ dk})
+    return out
