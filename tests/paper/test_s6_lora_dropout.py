@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from gradcheck import EPS64
 from lora_masks import replay_masks
 from torch_reference import default_cfg, fc_layer_names, random_params, reference_loss_and_grads
 
@@ -17,6 +18,7 @@ from pedestrian.checkpoint import load_checkpoint, save_checkpoint
 from pedestrian.config import GPTConfig, count_params, lora_specs
 from pedestrian.layers.dropout import dropout_forward
 from pedestrian.layers.linear import linear_backward, linear_forward
+from pedestrian.kernels.threads import single_threaded_blas
 from pedestrian.layers.lora import lora_backward, lora_forward
 from pedestrian.model import GPT
 
@@ -136,7 +138,9 @@ def test_model_with_dropout_and_per_layer_settings_matches_autograd(token_batch,
     assert set(grads) == {k for k in params if ".lora_" in k or not freeze}
     for k, g in grads.items():
         g = g.numpy() if backend == "torch" else g
-        if k.endswith(".attn.k.bias"):     # identically 0 (paper section 3.1): rounding noise only
+        if k.endswith(".attn.k.bias"):     # identically 0 (paper section 3.1): rounding noise only,
+            # <= (T + B·T)·ε·Σ|Δcausal||q| (gradcheck.key_bias_bound; the masked adapters change q,
+            # so the bound is taken as its size here): observed 2.3e-17, 1e-12 is 40,000x above it
             assert np.max(np.abs(g)) <= 1e-12 and np.max(np.abs(ref_grads[k])) <= 1e-12, k
         else:
             assert rel(g, ref_grads[k]) <= 1e-9, k
@@ -196,16 +200,18 @@ def test_data_parallel_slices_get_their_own_dropout_generators():
         loss = dp.loss(tokens, targets)
         grads = {k: v.copy() for k, v in dp.backward().items()}
     want_loss, want = 0.0, {}
-    for s, rows in enumerate((slice(0, 2), slice(2, 4))):
-        part = adapted()
-        part.dropout_rng = np.random.default_rng(int(seeds[s]))
-        want_loss += part.loss(tokens[rows], targets[rows], n_total=targets.size)
-        for k, g in part.backward().items():
-            want[k] = want.get(k, 0) + g
-    # the same operations in the same order: equal up to the last bits of the final sums
-    assert abs(loss - want_loss) <= 1e-14 * abs(want_loss)
+    with single_threaded_blas():            # as inside DataParallel: one BLAS thread per slice
+        for s, rows in enumerate((slice(0, 2), slice(2, 4))):
+            part = adapted()
+            part.dropout_rng = np.random.default_rng(int(seeds[s]))
+            want_loss += part.loss(tokens[rows], targets[rows], n_total=targets.size)
+            for k, g in part.backward().items():
+                want[k] = want.get(k, 0) + g
+    # the same operations on the same numbers in the same order (slice 0's, then + slice 1's),
+    # with the same single-threaded BLAS, on one machine: the same bits
+    assert loss == want_loss
     for k, g in want.items():
-        assert rel(grads[k], g) <= 1e-14, k
+        np.testing.assert_array_equal(grads[k], g, err_msg=k)
 
 
 # ------------------------------------------------------------------------------------ per-layer settings
@@ -269,7 +275,13 @@ def test_merge_and_unmerge_with_per_layer_alphas():
     model.unmerge_lora(adapters, alphas)
     assert model.lora_alphas == alphas and model.lora_ranks["blocks.0.attn.k"] == 1
     for k, v in base.items():
-        np.testing.assert_allclose(model.params[k], v, rtol=0, atol=1e-14)
+        layer = k.removesuffix(".weight")
+        if layer in alphas:
+            # fl(fl(W + P) − P) with the same P = α·(D U) both times: two roundings, <= ε·(|W| + |P|)
+            P = alphas[layer] * (adapters[f"{layer}.lora_D"] @ adapters[f"{layer}.lora_U"])
+            assert np.all(np.abs(model.params[k] - v) <= EPS64 * (np.abs(v) + np.abs(P))), k
+        else:
+            np.testing.assert_array_equal(model.params[k], v, err_msg=k)    # never touched
     assert rel(model.forward(x), unmerged) <= 1e-12
     with pytest.raises(ValueError, match="exactly the adapted layers"):
         GPT(cfg).unmerge_lora(adapters, {"logits": 1.0})

@@ -66,6 +66,9 @@ def num_threads() -> int:
 
 def _get_pool(threads: int) -> ThreadPoolExecutor:
     global _pool, _pool_owner
+    # at least one worker: a caller that asks for its own thread count (DataParallel(threads=2))
+    # may run where num_threads() is 1 (PEDESTRIAN_NUM_THREADS=1)
+    threads = max(threads, 2)
     owner = (os.getpid(), threads)
     if _pool is None or _pool_owner != owner:
         _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="pedestrian")
@@ -134,7 +137,8 @@ class _WorkerMark:
 
 
 def get_pool() -> ThreadPoolExecutor:
-    """The shared thread pool: ``num_threads() - 1`` workers (the caller is the first thread)."""
+    """The shared thread pool: ``num_threads() - 1`` workers, at least one (the caller is the first
+    thread; a team larger than the pool queues its extra jobs on the workers)."""
     return _get_pool(num_threads())
 
 
