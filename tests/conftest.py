@@ -9,6 +9,7 @@ ids and ignored targets (-100). Both live in `tests/oracles/gradcheck.py`.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -54,3 +55,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+#: where PyTorch is an oracle (autograd, transformers, peft) on tiny tensors: one torch thread. Its
+#: intra-op threads only spin there (the 2-thread suite ran these modules 1.5-3x slower), and
+#: the oracle's thread count is not what is tested. The torch *backend* of pedestrian
+#: (test_backends, test_generate*, test_parallel, test_workspace, ...) keeps the environment's
+#: threads, so the suite's 1- and 2-thread runs both cover it.
+ONE_TORCH_THREAD = ("paper/", "oracles/", "system/test_interop_hf.py", "system/test_peft.py",
+                    "system/test_sampling_hf.py", "cli/test_finetune_cli.py", "cli/test_lora_dropout_cli.py",
+                    "system/test_nonfinite_loading.py")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread_where_torch_is_an_oracle(request):
+    """:func:`one_torch_thread` for every test under :data:`ONE_TORCH_THREAD` (when torch is installed)."""
+    try:
+        where = Path(str(request.node.fspath)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+    except ValueError:
+        where = ""
+    if where.startswith(ONE_TORCH_THREAD) and importlib.util.find_spec("torch") is not None:
+        request.getfixturevalue("one_torch_thread")
+    yield

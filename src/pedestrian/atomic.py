@@ -18,8 +18,9 @@ reported.
 
 Failures: an ``OSError`` while writing -- no space left (ENOSPC), disk quota (EDQUOT), file too
 large (EFBIG), no permission (EACCES, EPERM), read-only file system (EROFS), any other -- and
-the ``SafetensorError`` that the ``safetensors`` writer raises for one (it is not an
-``OSError``) become one :class:`WriteError`. Its message is one line: what could not be written
+the ``SafetensorError`` that the ``safetensors`` writer raises for one, and the plain
+``Exception("... (os error N)")`` of the ``tokenizers`` writer (neither is an ``OSError``), become
+one :class:`WriteError`. Its message is one line: what could not be written
 and where, why, what was kept (the previous file or folder is left as it was; nothing
 half-written remains) and how to go on. ``pedestrian``'s command line prints it as its
 ``error:`` line (exit status 2).
@@ -103,9 +104,15 @@ class WriteError(OSError):
 
 
 def _os_error_of(exc: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``exc`` (itself, or the one a ``SafetensorError`` wraps), else None."""
+    """The ``OSError`` behind ``exc`` (itself, or the one a ``SafetensorError`` or a ``tokenizers``
+    error wraps), else None."""
     if isinstance(exc, OSError):
         return exc
+    if type(exc) is Exception:
+        # the tokenizers library (tokenizer.json, vocab.json, merges.txt) raises a plain
+        # Exception("No space left on device (os error 28)") for an io::Error
+        m = _RUST_OS_ERROR.search(str(exc))
+        return OSError(int(m.group(1)), os.strerror(int(m.group(1)))) if m else None
     if type(exc).__name__ == "SafetensorError":
         text = str(exc)
         m = _RUST_OS_ERROR.search(text)
@@ -126,7 +133,7 @@ def _kept_phrase(existed: bool) -> str:
 
 @contextlib.contextmanager
 def reporting(path, what: str, then: str | None = None, kept: str | None = None) -> Iterator[None]:
-    """Turn an ``OSError`` (or safetensors' I/O ``SafetensorError``) raised inside the block
+    """Turn an ``OSError`` (or safetensors' / tokenizers' I/O errors) raised inside the block
     into a :class:`WriteError` about ``path``; other exceptions pass through unchanged. A
     :class:`WriteError` about another path (a file written inside the folder being written) is
     reported as one about ``path``.

@@ -51,7 +51,7 @@ from .kernels.workspace import Workspace
 from .kv_cache import KVCache
 from .layers.loss import IGNORE_INDEX
 
-__all__ = ["GPT", "GPTConfig", "FlatBuffer", "check_tokens"]
+__all__ = ["GPT", "GPTConfig", "FlatBuffer", "check_tokens", "check_finite_state"]
 
 
 class Norm(NamedTuple):
@@ -84,6 +84,37 @@ class FlatBuffer(NamedTuple):
     params: object
     grads: object
     n_decay: int
+
+
+def check_finite_state(state: Mapping[str, object], dtype: str) -> dict[str, np.ndarray]:
+    """``state``'s arrays as NumPy arrays of ``dtype``, after checking that every value is finite.
+
+    Args:
+        state: name -> array (NumPy, torch or nested lists).
+        dtype: ``"float32"`` or ``"float64"``: the values must be finite *in it* (1e39 is a
+            finite float64 but ``inf`` as float32).
+
+    Returns:
+        name -> ``np.ndarray`` of ``dtype``.
+
+    Raises:
+        ValueError: names every tensor holding a NaN or ±inf with its counts, e.g.
+            ``blocks.0.ln1.weight (1 NaN, 0 inf of 768 values)`` -- a NaN weight makes every
+            logit NaN, so no loader lets one in (issue 13: no silent numbers).
+    """
+    out, bad = {}, []
+    for k, v in state.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            a = np.asarray(to_numpy(v)).astype(dtype, copy=False)
+        finite = np.isfinite(a)
+        if not finite.all():
+            n_nan = int(np.count_nonzero(np.isnan(a)))
+            bad.append(f"{k} ({n_nan} NaN, {a.size - n_nan - int(np.count_nonzero(finite))} inf of {a.size} values)")
+        out[k] = a
+    if bad:
+        raise ValueError(f"parameters hold non-finite values as {dtype}: {', '.join(bad)}; nothing was loaded "
+                         "(a NaN or infinite weight makes the logits NaN)")
+    return out
 
 
 def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "token ids") -> None:
@@ -303,7 +334,8 @@ class GPT:
 
         Raises:
             ValueError: missing or unexpected names (when ``strict``) or shape mismatches; the
-                message lists every problem, and no parameter has been changed.
+                message lists every problem, and no parameter has been changed. Also a value that
+                is NaN or ±inf in the model's dtype (:func:`check_finite_state`), nothing changed.
         """
         problems = []
         missing = [k for k in self.params if k not in state]
@@ -318,9 +350,9 @@ class GPT:
                                 f"{tuple(self.params[k].shape)}")
         if problems:
             raise ValueError("parameters do not match this model's config: " + "; ".join(problems))
-        for k, v in state.items():
-            if k in self.params:
-                self.params[k][...] = self._to_xp(to_numpy(v))
+        arrays = check_finite_state({k: v for k, v in state.items() if k in self.params}, self.dtype_name)
+        for k, a in arrays.items():
+            self.params[k][...] = self._to_xp(a)
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, targets: str | Iterable[str] = "all", rank: int = 8, alpha: float = 1.0,
@@ -390,7 +422,9 @@ class GPT:
         changes the embedding lookup; merging tied-logits adapters is therefore refused.
 
         Raises:
-            ValueError: no adapters, or a LoRA on tied logits.
+            ValueError: no adapters, a LoRA on tied logits, or a merged weight that would not be
+                finite (an adapter holding NaN or inf, or ``α D U`` beyond the dtype); nothing is
+                changed then.
         """
         self._apply_lora_delta(+1.0)
         self.remove_lora()
@@ -405,17 +439,24 @@ class GPT:
                 :attr:`lora_alphas` was before the merge).
 
         Raises:
-            ValueError: an ``alpha`` mapping that does not name exactly the given layers.
+            ValueError: an ``alpha`` mapping that does not name exactly the given layers; adapters
+                or a result that are not finite (the model is left as it was).
         """
         names = sorted({k.rsplit(".", 1)[0] for k in lora_state}, key=[n for n, _, _ in fc_layers(self.config)].index)
         ranks = {fc: int(np.shape(to_numpy(lora_state[f"{fc}.lora_D"]))[1]) for fc in names}
         alphas = dict(alpha) if isinstance(alpha, Mapping) else {fc: alpha for fc in names}
         if set(alphas) != set(names):
             raise ValueError(f"alpha must give the α of exactly the adapted layers {names}, got {sorted(alphas)}")
+        freeze_base = self.freeze_base
         self.add_lora(names, ranks[names[0]], alphas[names[0]], rank_pattern=ranks, alpha_pattern=alphas,
-                      freeze_base=self.freeze_base)
-        self.load_state_dict(lora_state, strict=False)
-        self._apply_lora_delta(-1.0)
+                      freeze_base=freeze_base)
+        try:
+            self.load_state_dict(lora_state, strict=False)
+            self._apply_lora_delta(-1.0)
+        except ValueError:                      # non-finite adapters or weights: as before the call
+            self.remove_lora()
+            self.freeze_base = freeze_base
+            raise
 
     def _apply_lora_delta(self, sign: float) -> None:
         if self._lora is None:
@@ -423,9 +464,21 @@ class GPT:
         if "logits" in self.lora_targets and self.config.tie_weights:
             raise ValueError("cannot merge a LoRA on tied logits into tok_emb.weight (it would also "
                              "change the embedding); keep the adapter unmerged or untie the weights")
-        for fc in self.lora_targets:
+
+        def merged(fc):
             delta_w = sign * self.lora_alphas[fc] * (self.params[f"{fc}.lora_D"] @ self.params[f"{fc}.lora_U"])
-            self.params[f"{fc}.weight"][...] += delta_w
+            return self.params[f"{fc}.weight"] + delta_w
+
+        # first every layer is checked (an adapter holding NaN, or α·D·U beyond the dtype), so
+        # that a refusal changes nothing; then the same sums are computed again and written
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = [fc for fc in self.lora_targets if not bool(self.xp.all(self.xp.isfinite(merged(fc))))]
+        if bad:
+            raise ValueError(f"merging the LoRA adapters of {bad} would make their weights non-finite "
+                             f"(an adapter holds NaN or inf, or α·D·U overflows {self.dtype_name}); "
+                             "nothing was changed")
+        for fc in self.lora_targets:
+            self.params[f"{fc}.weight"][...] = merged(fc)
 
     def remove_lora(self) -> None:
         """Drop the adapters (without merging) and unfreeze the base."""

@@ -439,13 +439,13 @@ class AdamW:
         """Restore ``step`` and the moments (hyper-parameters are not changed).
 
         Raises:
-            ValueError: a missing or unexpected moment, or a length that does not match the
-                parameter buffer (the optimizer state belongs to another model); nothing is
-                changed then.
+            ValueError: a missing or unexpected moment, a length that does not match the
+                parameter buffer (the optimizer state belongs to another model), or a moment
+                holding NaN or ±inf; nothing is changed then.
         """
         names = {f"{g.name}.{k}" for g in self.groups for k in "mv"}
         given = {k for k in state if k not in ("step", "hyper")}
-        problems = []
+        problems, non_finite = [], []
         if names - given:
             problems.append(f"missing {sorted(names - given)}")
         if given - names:
@@ -456,10 +456,20 @@ class AdamW:
                 if key in state and tuple(np.shape(state[key])) != tuple(group.params.shape):
                     problems.append(f"{key} has shape {tuple(np.shape(state[key]))}, the parameters "
                                     f"{tuple(group.params.shape)}")
+                elif key in state:                  # a NaN moment makes every later update NaN
+                    a = np.asarray(to_numpy(state[key]))
+                    finite = np.isfinite(a)
+                    if not finite.all():
+                        n_nan = int(np.count_nonzero(np.isnan(a)))
+                        non_finite.append(f"{key} ({n_nan} NaN, "
+                                          f"{a.size - n_nan - int(np.count_nonzero(finite))} inf of {a.size} values)")
         if "step" not in state:
             problems.append("missing step")
         if problems:
             raise ValueError("optimizer state does not match this model: " + "; ".join(problems))
+        if non_finite:
+            raise ValueError("optimizer state holds non-finite values: " + ", ".join(non_finite)
+                             + "; nothing was loaded")
         for group, m, v in zip(self.groups, self.m, self.v):
             for dst, key in ((m, f"{group.name}.m"), (v, f"{group.name}.v")):
                 src = to_numpy(state[key])

@@ -396,6 +396,15 @@ class BPETokenizer:
                 "BPETokenizer.train / from_file / from_vocab_merges / load to build one."
             )
         _require_byte_level(tokenizer, "the tokenizer")
+        ids = set(tokenizer.get_vocab(with_added_tokens=True).values())
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        if ids != set(range(n)):
+            # ids must be 0 .. vocab_size - 1: a gap decodes to "" and pushes a real id out of range
+            missing = sorted(set(range(max(ids, default=-1) + 1)) - ids)
+            raise ValueError(
+                f"the tokenizer's ids are not 0 .. {max(ids, default=-1)} without gaps: missing "
+                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; pedestrian needs consecutive ids "
+                "(renumber the vocabulary of the tokenizer file)")
         self.hf: _HFTokenizer = tokenizer
         self._bytes_cache: dict[int, bytes] = {}
         self._special = {

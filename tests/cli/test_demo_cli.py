@@ -51,7 +51,11 @@ def test_demo_with_finite_differences(capsys):
     deltas = [r for r in rows if r.startswith("Δ")]
     assert deltas and all(r.split()[-1] == "-" for r in deltas)   # Δ's are no parameters
     params = [r for r in rows if r.startswith("∂L/∂") and "b_k" not in r]
-    assert all(float(r.split()[-1]) <= 1e-6 for r in params)
+    # the pass rule is |numeric − analytic| <= 1e-8 + 1e-6·|numeric| per entry (central
+    # differences with h = 1e-5 are good to ~1e-10 absolute: h²·|L'''|/6 + ε·|L|/h); the column,
+    # a relative error, may pass 1e-6 on an entry near 1e-8 on some CPUs and the entry still pass
+    assert params and not any(r.endswith("<- FAILED") for r in rows)
+    assert all(r.split()[-1] == "-" or float(r.split()[-1]) < 1e-2 for r in params)   # 1e-10 / 1e-8
     assert "-> OK" in out
 
 
@@ -70,9 +74,11 @@ def test_demo_fails_on_a_wrong_gradient(check, capsys, monkeypatch):
     assert main(["demo", "--kernels", "fast", "--check", check]) == 1
     out = capsys.readouterr().out
     assert "-> FAILED" in out
-    failing = [r for r in lines_of(out) if r.split()[-1] not in ("-", "rounding")
-               and float(r.split()[-1]) > (1e-9 if check == "autograd" else 1e-6)]
+    rows = lines_of(out)
+    failing = [r for r in rows if r.endswith("<- FAILED")]     # the demo's own verdict per line
     assert failing and all(r.startswith(("∂L/∂w_LN", "∂L/∂w_LNfinal")) for r in failing), failing
+    # every layer-norm weight is caught: 0.1 % is 1e-3 relative, far above either check's bound
+    assert len(failing) == len([r for r in rows if r.startswith("∂L/∂w_LN")]) == 5
 
 
 def test_demo_without_pytorch_falls_back_to_finite_differences(capsys, monkeypatch):

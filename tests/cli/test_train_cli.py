@@ -380,3 +380,20 @@ def test_pipe_into_head_stops_like_ctrl_c(corpus, tmp_path):
     assert f"checkpoint of step" in err and f"pedestrian train --out {out} --resume" in err
     step = json.loads((out / "latest" / "state.json").read_text())["step"]
     assert step < 100000
+
+
+def test_config_file_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
+    """Editors on Windows save UTF-8 with a byte-order mark; tomllib calls it an 'invalid
+    statement at line 1'. It is dropped, as for corpus and prompt files (README: the byte-order
+    mark rule); bytes that are not UTF-8 are one line that says so."""
+    text = 'max_steps = 7\n[model]\nd_model = 24\n'
+    plain, bom = tmp_path / "plain.toml", tmp_path / "bom.toml"
+    plain.write_text(text, encoding="utf-8")
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    parser = build_parser()
+    a, _ = settings_from_args(parser.parse_args(["train", "--config", str(plain)]))
+    b, _ = settings_from_args(parser.parse_args(["train", "--config", str(bom)]))
+    assert a == b and b.max_steps == 7 and b.model["d_model"] == 24
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('data = "caf\xe9.txt"\n'.encode("latin-1"))
+    _bad(capsys, ["train", "--config", str(bad)], "is not UTF-8 text (byte 11)")

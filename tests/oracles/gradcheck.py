@@ -22,6 +22,14 @@ Tolerances (issue 13, part 4) follow from the arithmetic compared:
   (the value the computation would have with every term's sign made positive), so cancellation
   cannot make the check flaky. With at most ~100 rounded operations per chain here, that is
   <= 100·2.2e-16 = 2.2e-14; ``RTOL_ROUNDING = 1e-12`` keeps a 45× margin on any IEEE-754 machine.
+- *sums and norms in two orders* (NumPy's and torch's dot, per-tensor norms): Higham's
+  :func:`sum_rounding_bound`, :func:`norm_rounding_rel`.
+- *optimizer steps* (NumPy vs torch backend, ours vs ``torch.optim.AdamW``, micro-batches, threads):
+  :func:`adamw_rounding_bounds`, per entry -- each operation's rounding against its absolute
+  terms, plus AdamW's own sensitivity to a gradient difference (``lr/ε'`` where ``√v`` is tiny:
+  the key bias, whose gradient is rounding noise). A comparison of training runs starts each
+  step from one state, so the bound is one step's, not 50 steps' amplification.
+- *the key bias* (gradient ≡ 0, paper section 3): :func:`key_bias_bound` on both sides.
 """
 
 from __future__ import annotations
@@ -138,6 +146,125 @@ def sum_rounding_bound(n_terms: int, abs_sum, dtype=np.float64):
     eps = float(np.finfo(dtype).eps)
     gamma = n_terms * eps / (1 - n_terms * eps)
     return 2.0 * gamma * np.asarray(abs_sum)
+
+
+def norm_rounding_rel(n_terms: int, dtype=np.float64) -> float:
+    """Relative bound on the difference of two computed L2 norms of the same ``n_terms`` numbers
+    (any two summation orders of the squares, e.g. NumPy's and torch's dot, or per-tensor norms
+    then the norm of the norms): the sums of squares differ by ``<= 2·γ_n·Σx²``
+    (:func:`sum_rounding_bound`; the squares' own rounding is inside ``γ_n`` with ``n`` + 1), the
+    square root halves that, and each side's square root adds ``ε/2``."""
+    eps = float(np.finfo(dtype).eps)
+    return float(sum_rounding_bound(n_terms + 1, 1.0, dtype)) / 2 + eps
+
+
+def adamw_rounding_bounds(params, grads, lrs, *, betas, eps, weight_decay, n_decay,
+                          g_rel: float = 0.0, g_err=None, m0=None, v0=None, t0: int = 0,
+                          dtype=np.float64) -> dict:
+    """Per-entry bounds on how far two computations of the same AdamW steps may end apart.
+
+    Two sources, added (first order):
+
+    *Rounding.* The two sides (NumPy's separate operations, torch's ``lerp_``/``addcmul_``/
+    ``addcdiv_`` with FMA where the CPU has it, ``torch.optim.AdamW``'s own order) round each
+    step's operations differently. In the style of :func:`assert_rounding_close`: each rounded
+    operation errs by at most ``ε`` (twice the unit roundoff, a 2x margin) relative to its
+    *absolute terms*, computed here with every sign made positive (``|g|``, ``|θ|``, ``|m|``, the
+    update added), and errors from earlier steps are carried with the factors the update
+    multiplies them by (``β1``, ``β2``, the decay, ``1/denominator``):
+
+    - ``m ← m + (1 − β1)(g − m)``: 3 operations, plus ``g_rel`` (the relative error of the
+      gradient itself on each side, e.g. after clipping with a computed norm);
+    - ``v ← β2 v + (1 − β2) g²``: 4 operations, ``2·g_rel`` (a square);
+    - the denominator ``√v + ε'``: half of ``v``'s relative error, plus 3 operations (torch
+      divides ``√v`` by ``√(1 − β2ᵗ)`` first);
+    - the update ``step · m / denominator``: 2 operations plus 4 for the scalar factors
+      (``lr / (1 − β1ᵗ)``, ``√(1 − β2ᵗ)``, computed once in either order, and ``lr`` itself,
+      which may arrive rounded: LambdaLR's ``base · (s / base)``);
+    - ``θ ← θ·decay − update``: 2 operations, plus 2 for the decay factor ``1 − lr·λ``.
+
+    *Different gradients* (the condition of AdamW). When the sides' gradients differ by up to
+    ``δ`` per entry (``g_err``: the same gradient summed in other orders), the moments differ by
+    ``Δm ← β1 Δm + (1 − β1) δ`` and ``Δv ← β2 Δv + (1 − β2)(2|g|δ + δ²)``, the denominator by
+    ``Δden <= min(√Δv, Δv/√v)``, and the update by ``step · (Δm + |m| Δden/den') / den'`` with
+    ``den' = max(den − Δden, ε')``: an entry whose ``√v`` is tiny (a gradient that is rounding
+    noise, like the key bias's) amplifies ``δ`` by up to ``lr/ε'`` -- AdamW's own sensitivity,
+    not the implementations'.
+
+    Args:
+        params: ``(n,)`` parameters before the first step; grads: a list of ``(n,)`` gradients
+            (as applied, after clipping), one per step; lrs: one learning rate per step.
+        betas, eps, weight_decay: the optimizer's; n_decay: the first entries decayed.
+        g_rel: relative error of each side's gradients (0 when both get the same numbers).
+        g_err: ``None`` or one ``(n,)`` bound (or a number) per step on ``|g_a − g_b|``.
+        m0, v0, t0: the moments and step count both sides start from (default: a fresh AdamW).
+
+    Returns:
+        ``{"m": ..., "v": ..., "params": ...}``: ``(n,)`` bounds on ``|a − b|`` (both sides).
+    """
+    e = float(np.finfo(dtype).eps)
+    b1, b2 = betas
+    p_abs = np.abs(np.asarray(params, np.float64))
+    m_abs = np.zeros_like(p_abs) if m0 is None else np.abs(np.asarray(m0, np.float64))
+    v = np.zeros_like(p_abs) if v0 is None else np.asarray(v0, np.float64).copy()
+    err_m, err_v, err_p = np.zeros_like(p_abs), np.zeros_like(p_abs), np.zeros_like(p_abs)
+    dm, dv, dp = np.zeros_like(p_abs), np.zeros_like(p_abs), np.zeros_like(p_abs)
+    decay = np.ones_like(p_abs)
+    g_err = [0.0] * len(grads) if g_err is None else g_err
+    for t, (g, lr, delta) in enumerate(zip(grads, lrs, g_err), start=t0 + 1):
+        g = np.abs(np.asarray(g, np.float64))
+        delta = np.asarray(delta, np.float64)
+        decay[:n_decay] = 1 - lr * weight_decay
+        m_abs = b1 * m_abs + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        err_m = b1 * err_m + (g_rel + 3 * e) * m_abs
+        err_v = b2 * err_v + (2 * g_rel + 4 * e) * v
+        dm = b1 * dm + (1 - b1) * delta
+        dv = b2 * dv + (1 - b2) * (2 * g * delta + delta * delta)
+        bc2_sqrt = math.sqrt(1 - b2 ** t)
+        floor = eps * bc2_sqrt
+        den = np.sqrt(v) + floor
+        rel_den = np.divide(err_v, v, out=np.zeros_like(v), where=v > 0) / 2 + 3 * e
+        scale = lr / (1 - b1 ** t) * bc2_sqrt
+        update = scale * m_abs / den
+        err_update = scale * (err_m + m_abs * (rel_den + 6 * e)) / den
+        err_p = decay * err_p + err_update + 4 * e * decay * p_abs + 2 * e * update
+        p_abs = decay * p_abs + update
+        d_den = np.minimum(np.sqrt(dv), np.divide(dv, np.sqrt(v), out=np.full_like(v, np.inf), where=v > 0))
+        den_low = np.maximum(den - d_den, floor)
+        dp = decay * dp + scale * (dm + m_abs * d_den / den_low) / den_low
+    return {"m": 2 * err_m + dm, "v": 2 * err_v + dv, "params": 2 * err_p + dp}
+
+
+def flat_layout(model, per_name: dict) -> list:
+    """``per_name`` (parameter name -> array of its shape) laid out as the model's flat buffers
+    (:meth:`GPT.trainable_buffers` order), NumPy backend: written through the gradient views,
+    read back from the flat gradient buffers, which are restored after."""
+    buffers = model.trainable_buffers()
+    saved = [b.grads.copy() for b in buffers]
+    try:
+        for name, view in model.grads.items():
+            view[...] = per_name[name]
+        return [b.grads.copy() for b in buffers]
+    finally:
+        for b, s in zip(buffers, saved):
+            b.grads[...] = s
+
+
+def gradient_rounding_err(model, key_bias_bounds=None, rtol: float = RTOL_ROUNDING) -> dict:
+    """How far another computation of the model's current gradient (the same mathematics in
+    another order: micro-batches, threads, another library) may be from it, per entry:
+    ``rtol · max|g|`` of each tensor (module docstring), and for each key bias -- ``≡ 0``, rounding
+    noise on both sides -- twice its :func:`key_bias_bound` (``key_bias_bounds``: the list of
+    :func:`model_key_bias_bounds`; required when the model has key biases among its gradients)."""
+    out = {}
+    for name, g in model.grads.items():
+        g = as_np(g)
+        if name.endswith(".attn.k.bias"):
+            out[name] = 2 * np.asarray(key_bias_bounds[int(name.split(".")[1])])
+        else:
+            out[name] = np.full(g.shape, rtol * float(np.max(np.abs(g))) if g.size else 0.0)
+    return out
 
 
 # --------------------------------------------------------------------------- finite differences
@@ -269,4 +396,48 @@ def model_key_bias_bounds(model) -> list:
         d3 = split_heads(deltas[f"blocks.{i}.Δ3"], c.n_heads)
         dP = d3 @ v.transpose(0, 1, 3, 2)
         out.append(key_bias_bound(q, dP, deltas[f"blocks.{i}.Δcausal"], model.dtype_name))
+    return out
+
+
+def model_one_key_bounds(model) -> list:
+    """Rounding bounds for the attention quantities that are ``≡ 0`` when every query sees exactly
+    one key (``T = 1``: the softmax of one score is 1 whatever the score), after the last
+    ``backward(keep_deltas=True)`` of a GPT: per block, ``{"Δcausal": (B, H, 1, 1),
+    "attn.q.weight", "attn.q.bias", "attn.k.weight": gradient-shaped}``.
+
+    A relative error means nothing for a tensor that is 0 in exact arithmetic (one CPU's BLAS
+    kernel gives exact zeros, another 5e-17), so each is bounded by its own rounding:
+
+    - ``Δcausal = P ∘ (dP − D)`` with one key is its own row sum: ``<= (2L + 2·d_head + 6)·ε·|dP|``
+      (:func:`key_bias_bound`'s row term, plus the ``d_head``-term ``D = rowsum(Δ ∘ out)`` a
+      tiled kernel uses), ``L = 1``;
+    - ``dq = Δcausal · k / √d_qk`` and ``dk = Δcausalᵀ · q / √d_qk`` (one term each);
+    - ``dW = a2ᵀ d·`` and ``db = Σ_rows d·`` over ``B·T`` rows: ``(1 + B·T·ε)`` times the sums of
+      the absolute values.
+
+    Twice these (the two paths of a comparison) must hold each side.
+    """
+    c, acts, deltas, P = model.config, model.activations(), model.deltas(), model.params
+    eps = float(np.finfo(model.dtype_name).eps)
+    out = []
+    for i in range(c.n_blocks):
+        a2 = as_np(acts[f"blocks.{i}.a2"])
+        B, T, _ = a2.shape
+        assert T == 1, "only for one key per query"
+
+        def fc(name):
+            y = a2 @ as_np(P[f"{name}.weight"])
+            return y + as_np(P[f"{name}.bias"]) if f"{name}.bias" in P else y
+
+        q, k, v = (np.abs(split_heads(fc(f"blocks.{i}.attn.{x}"), c.n_heads)) for x in "qkv")
+        d3 = split_heads(deltas[f"blocks.{i}.Δ3"], c.n_heads)
+        dP = np.abs(d3 @ v.transpose(0, 1, 3, 2))                                    # (B, H, 1, 1)
+        d_qk, d_head = q.shape[-1], v.shape[-1]
+        dc = (2 + 2 * d_head + 6) * eps * dP
+        merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B * T, -1)                  # noqa: E731
+        dq, dk = merge(dc * k / math.sqrt(d_qk)), merge(dc * q / math.sqrt(d_qk))
+        grow = 1 + B * T * eps
+        a2 = np.abs(a2.reshape(B * T, -1))
+        out.append({"Δcausal": dc, "attn.q.weight": grow * a2.T @ dq, "attn.q.bias": grow * dq.sum(0),
+                    "attn.k.weight": grow * a2.T @ dk})
     return out

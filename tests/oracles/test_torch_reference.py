@@ -151,12 +151,12 @@ def test_activation_names_shapes_and_delta_identities():
     np.testing.assert_allclose(grads["pos_emb.weight"][:T], deltas["Δ1"].sum(0), atol=1e-13)
     dtok = np.zeros_like(pnp["tok_emb.weight"])
     np.add.at(dtok, toks, deltas["Δ1"])
-    np.testing.assert_allclose(grads["tok_emb.weight"], dtok, atol=1e-13)
+    np.testing.assert_allclose(grads["tok_emb.weight"], dtok, atol=1e-13)   # as above: a few ε·0.1
     # residual + LN backward (sheet formula): Δ4 = Δ5, Δ5 = Δ10 + LN2-backward(Δ6), Δ8 = Δ9 Wcᵀ
     for i in range(2):
         p = f"blocks.{i}"
         # autograd hands the skip's Δ5 unchanged to a4 (a5 = x + a4): the same numbers
-        np.testing.assert_allclose(deltas[f"{p}.Δ4"], deltas[f"{p}.Δ5"], atol=1e-15)
+        np.testing.assert_array_equal(deltas[f"{p}.Δ4"], deltas[f"{p}.Δ5"])
         x = acts[f"{p}.a5"]
         xh = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + cfg["ln_eps"])
         sig = np.sqrt(x.var(-1, keepdims=True) + cfg["ln_eps"])
@@ -166,7 +166,7 @@ def test_activation_names_shapes_and_delta_identities():
         # the same 12-term dot products (|terms| < 0.03) in NumPy and torch: <= 2·12·ε·0.4 ~ 2e-15
         # on any IEEE-754 machine, any BLAS
         np.testing.assert_allclose(deltas[f"{p}.Δ8"], deltas[f"{p}.Δ9"] @ pnp[f"{p}.mlp_contract.weight"].T,
-                                   atol=1e-13)
+                                   atol=1e-13)   # see the line above
     # key bias gradient is identically zero (paper section 3)
     for i in range(2):
         # ≡ 0; computed, the rounding of sums of B·T·T = 128 products of |Δcausal| < 0.1 and

@@ -292,6 +292,38 @@ def test_hf_export_to_a_new_directory_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+class _FullDiskTokenizer:
+    """A ``tokenizers.Tokenizer`` whose ``save`` fails as the Rust library does on a full disk:
+    a plain ``Exception("No space left on device (os error 28)")``, not an ``OSError``."""
+
+    def __init__(self, real, code):
+        self._real, self._code = real, code
+
+    def save(self, *args, **kwargs):
+        raise Exception(f"{os.strerror(self._code)} (os error {self._code})")
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("code", ERRNOS, ids=NAMES.get)
+def test_hf_export_with_a_bpe_tokenizer_whose_writer_fails(tmp_path, monkeypatch, code):
+    """``tokenizer.json`` is written by the ``tokenizers`` library, whose I/O errors are plain
+    Exceptions naming the OS error: one WriteError, the old directory kept."""
+    from pedestrian.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train("abc abd abe " * 30, vocab_size=262)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=6, d_model=8, n_heads=2, n_blocks=1))
+    out = save_pretrained(model, tmp_path / "hf", tok)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(tok, "hf", _FullDiskTokenizer(tok.hf, code))
+    with pytest.raises(WriteError) as info:
+        save_pretrained(model, out, tok, overwrite=True)
+    monkeypatch.undo()
+    assert_one_line(info.value, out, code)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("code", ERRNOS, ids=NAMES.get)
 def test_peft_export_keeps_the_old_adapter(tmp_path, monkeypatch, code):
     model = _gpt2_like(0)

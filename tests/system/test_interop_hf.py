@@ -66,6 +66,8 @@ def test_logits_float32_and_float64(saved):
     ref32 = hf_logits(hf, x)
     m32, _ = load_pretrained(d, dtype="float32")
     assert m32.dtype_name == "float32"
+    # logits up to ~4: float32 rounding (ε = 1.2e-7) over chains of ~100 operations, <= ~3e-6 on
+    # any machine (observed <= 1.7e-6); float64 the same with ε = 2.2e-16, <= ~1e-13
     assert np.max(np.abs(m32.forward(x) - ref32)) <= 1e-5
     m64, _ = load_pretrained(d, dtype="float64")
     ref64 = hf_logits(hf.double(), x)
@@ -120,6 +122,14 @@ def test_greedy_generation_matches_transformers_generate(saved, dtype):
                                           eos_token_id=None, pad_token_id=0).numpy()
     hf.float()
     assert ref.shape == (1, prompt.shape[1] + 40)
+    # equal ids follow from equal logits only if no decision is within rounding of a tie: every
+    # step's gap between the two largest float64 logits (teacher-forced on the ids) exceeds 4×
+    # the logits' agreement of test_logits_float32_and_float64 (each side within it of the other
+    # and of float64), so the same argmax on any machine
+    tol = 1e-5 if dtype == "float32" else 1e-10
+    m64, _ = load_pretrained(d, dtype="float64")
+    top2 = np.sort(m64.forward(ref[:, :-1])[0, prompt.shape[1] - 1:], axis=-1)[:, -2:]
+    assert np.min(top2[:, 1] - top2[:, 0]) > 4 * tol
     for use_cache in (True, False):
         ours = generate(model, prompt, 40, temperature=0, use_cache=use_cache)
         np.testing.assert_array_equal(ours, ref)

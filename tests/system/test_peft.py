@@ -230,7 +230,7 @@ def patterned(base_dir, dtype="float64", seed=0):
 
 def test_patterns_and_dropout_written_applied_by_peft_and_read_back(base_dir, tmp_path):
     """rank_pattern, alpha_pattern and lora_dropout: PEFT applies the file with the logits of the
-    pedestrian model (float32 within 1e-6, float64 within 1e-12), and reading it back gives the
+    pedestrian model (float32 within 1e-5, float64 within 1e-12), and reading it back gives the
     same ranks, α, dropout and adapters."""
     model = patterned(base_dir)
     model.training = False
@@ -249,13 +249,16 @@ def test_patterns_and_dropout_written_applied_by_peft_and_read_back(base_dir, tm
     peft_model = peft.PeftModel.from_pretrained(hf_base(base_dir), str(out)).eval()
     assert peft_model.peft_config["default"].lora_dropout == 0.15
     c_attn = peft_model.base_model.model.transformer.h[0].attn.c_attn
-    assert c_attn.r["default"] == 8 and c_attn.scaling["default"] == pytest.approx(0.6, rel=1e-15)
+    # peft's scaling lora_alpha / r = (0.6·8) / 8: a product and a quotient by a power of two, exact
+    assert c_attn.r["default"] == 8 and c_attn.scaling["default"] == 0.6
     assert rel_err(model.forward(X), hf_logits(peft_model, X)) <= 1e-12
     m32 = patterned(base_dir, dtype="float32")
     m32.training = False
     ref32 = peft_logits(base_dir, out, torch.float32)
-    # float32 logits of O(1-10): the two libraries round differently, a few ulps of the largest
-    assert rel_err(m32.forward(X), ref32) <= 1e-6
+    # float32 logits: the two libraries round chains of ~100 operations differently, each by up
+    # to ε = 1.2e-7 of the scale -- observed 4.4e-7 (3.7 ε), so 1e-6 left a 2x margin where another
+    # CPU's float32 kernels sum in other orders; 1e-5 (the paper's float32 bound, RTOL_FLOAT32)
+    assert rel_err(m32.forward(X), ref32) <= 1e-5
 
     back = load_hf_model(base_dir, dtype="float64")
     load_peft_adapter(back, out)

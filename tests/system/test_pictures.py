@@ -80,6 +80,32 @@ def test_attention_command_writes_the_grid(run, tmp_path, capsys):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_attention_command_on_a_full_disk_keeps_the_old_picture(run, tmp_path, capsys, monkeypatch):
+    """Issue 13 part 3: the PNG goes through pedestrian.atomic like every other file, so a full
+    disk is one error line that says what was kept, and the old picture is unchanged."""
+    import errno
+    import os
+
+    out = tmp_path / "attention.png"
+    out.write_bytes(b"the old picture")
+    real_write = os.write
+
+    def full(fd, data):
+        if fd > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    assert cli_main(["attention", "--checkpoint", str(run / "latest"), "--prompt", "to be or not",
+                     "--out", str(out)]) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: could not write the attention picture {out}: no space left") and "\n" not in err
+    assert "unchanged" in err
+    assert out.read_bytes() == b"the old picture"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention.png"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--out", "{tmp}/a.jpg"], "--out must name a .png file"),
     (["--out", "{tmp}/missing/a.png"], "the folder of --out does not exist"),

@@ -127,6 +127,15 @@ def test_greedy_repetition_penalty_matches_hf_generate(tmp_path, dtype, penalty)
                             eos_token_id=None, pad_token_id=0).numpy()
     assert ref.shape == (1, prompt.shape[1] + 40)
     assert not np.array_equal(ref, plain)                        # the penalty changes the text
+    # equal ids follow from equal logits only away from ties: every step's gap between the two
+    # largest penalised float64 logits (teacher-forced on HF's ids) exceeds 4x the two libraries'
+    # logit agreement (float32: 1e-5, float64: 1e-10; tests/system/test_interop_hf.py)
+    tol = 1e-5 if dtype == "float32" else 1e-10
+    m64, _ = load_pretrained(d, dtype="float64")
+    logits = m64.forward(ref[:, :-1])[0]
+    for t in range(prompt.shape[1] - 1, ref.shape[1] - 1):
+        top2 = np.sort(filter_logits(logits[t], repetition_penalty=penalty, seen=ref[0, :t + 1]))[-2:]
+        assert top2[1] - top2[0] > 4 * tol, t
     for use_cache in (True, False):
         ours = generate(model, prompt, 40, temperature=0, repetition_penalty=penalty, use_cache=use_cache)
         np.testing.assert_array_equal(ours, ref)

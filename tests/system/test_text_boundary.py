@@ -130,6 +130,22 @@ def test_sample_prompt_with_a_surrogate_is_one_error_line(tmp_path, capsys, kind
     assert err.startswith("error: the --prompt has a lone surrogate U+DCFF at character 2") and "\n" not in err
 
 
+def test_sample_stop_text_with_a_surrogate_is_one_error_line(tmp_path, capsys):
+    """A --stop of bytes that are not UTF-8 could never match decoded text (a lone surrogate is
+    no character): refused like a prompt, naming --stop and the position, before any output."""
+    text = "hello world, okay then.\n" * 10
+    tok = CharTokenizer.from_text(text)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=8, n_heads=2, n_blocks=1))
+    save_checkpoint(tmp_path / "ckpt", model, tokenizer=tok)
+    stop = b"lo\xff".decode("utf-8", "surrogateescape")
+    assert main(["sample", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "hel", "--stop", "\n",
+                 "--stop", stop]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    err = err.strip()
+    assert err.startswith("error: --stop 2 has a lone surrogate U+DCFF at character 2") and "\n" not in err
+
+
 # ------------------------------------------------------------------------------------ token cache key
 def test_token_cache_is_keyed_by_content_not_size_and_time(tmp_path):
     f = tmp_path / "c.txt"

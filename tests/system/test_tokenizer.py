@@ -352,3 +352,17 @@ def test_stream_decoder_char_tokenizer_returns_each_char():
 def test_stream_decoder_rejects_bad_id(bpe):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         StreamDecoder(bpe).push(10_000)
+
+
+def test_bpe_vocabulary_with_a_gap_in_its_ids_is_refused(tmp_path):
+    """A tokenizer.json whose ids skip a number: ``tokenizers`` counts 269 ids but the largest is
+    269, so an id of the gap decodes to '' (silently) and the largest is 'outside the vocabulary'.
+    Refused when loaded, naming the gap (issue 13, part 2: ids, tokens and text must agree)."""
+    tok = BPETokenizer.train("hello world hello there " * 50, vocab_size=270)
+    d = json.loads(tok.hf.to_str())
+    vocab = d["model"]["vocab"]
+    del vocab[next(t for t, i in vocab.items() if i == 100)]
+    path = tmp_path / "gap.json"
+    path.write_text(json.dumps(d), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"ids are not 0 \.\. 269 without gaps: missing \[100\]"):
+        BPETokenizer.from_file(path)

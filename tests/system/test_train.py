@@ -17,6 +17,8 @@ from pedestrian.model import GPT
 from pedestrian.optim import AdamW, CosineSchedule
 from pedestrian.train import (TrainingError, TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
                               train_step)
+from gradcheck import (EPS64, RTOL_ROUNDING, adamw_rounding_bounds, flat_layout, gradient_rounding_err,
+                       model_key_bias_bounds, norm_rounding_rel)
 from torch_reference import reference_forward, reference_loss
 
 TINY = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_blocks=2)
@@ -26,9 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_fifty_steps_match_torch_adamw_end_to_end():
-    """50 float64 steps on fixed batches, warm-up + cosine, clipping and weight decay on:
-    the loss of every step equals that of an identical PyTorch model trained with autograd,
-    torch.optim.AdamW (decay only on the 2-D weights), clip_grad_norm_ and LambdaLR."""
+    """50 float64 steps on fixed batches, warm-up + cosine, clipping and weight decay on: at
+    every step, from the same state, the loss, the gradient norm and the update equal those of an
+    identical PyTorch model trained with autograd, torch.optim.AdamW (decay only on the 2-D
+    weights), clip_grad_norm_ and LambdaLR, to the rounding bounds of one step."""
     cfg = GPTConfig(**TINY, tie_weights=True)
     model = GPT(cfg, seed=3, dtype="float64")
     lr, wd, betas, eps, clip, steps = 3e-2, 0.1, (0.9, 0.95), 1e-8, 1.0, 50
@@ -47,13 +50,27 @@ def test_fifty_steps_match_torch_adamw_end_to_end():
 
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 11, (3, 8)), rng.integers(0, 11, (3, 8))) for _ in range(4)]
-    ours, theirs, clipped = [], [], 0
+    names, n = list(tparams), model.flat.size
+    theirs, clipped = [], 0
     for it in range(steps):
         x, y = batches[it % len(batches)]
-        loss, norm = train_step(model, opt, [(x, y)], schedule(it), grad_clip=clip)
-        ours.append(loss)
-        clipped += norm > clip
+        # every step starts both sides from one state (torch's, written into ours), so the bounds
+        # follow from one step's arithmetic rather than from how 50 steps amplify rounding
+        for k, p in tparams.items():
+            model.params[k][...] = p.detach().numpy()
+        st = [topt.state.get(p, {}) for p in tparams.values()]
+        t0 = int(st[0]["step"]) if st[0] else 0
+        m0, v0 = (flat_layout(model, {k: s[key].numpy() if s else 0.0 for k, s in zip(names, st)})[0]
+                  for key in ("exp_avg", "exp_avg_sq"))
+        opt.load_state_dict({"step": t0, "base.m": m0, "base.v": v0})
+        start = model.flat.copy()
+        model.loss(x, y)                        # this step's gradient, to bound autograd's
+        model.backward(keep_deltas=True)
+        delta = flat_layout(model, gradient_rounding_err(model, model_key_bias_bounds(model)))[0]
 
+        loss, norm = train_step(model, opt, [(x, y)], schedule(it), grad_clip=clip)
+        clipped += norm > clip
+        applied = opt.groups[0].grads.copy()
         topt.zero_grad()
         tloss = reference_loss(reference_forward(tparams, ref_cfg, x), y)
         tloss.backward()
@@ -61,29 +78,58 @@ def test_fifty_steps_match_torch_adamw_end_to_end():
         topt.step()
         tsched.step()
         theirs.append(float(tloss.detach()))
-        assert norm == pytest.approx(tnorm, rel=1e-8)
-    ours, theirs = np.array(ours), np.array(theirs)
-    assert np.max(np.abs(ours - theirs) / np.abs(theirs)) <= 1e-8
+
+        # the same mathematics in other orders (gradcheck: RTOL_ROUNDING); the loss is a mean of
+        # positive terms; torch's norm is the norm of per-tensor norms (2 more operations each)
+        assert abs(loss - theirs[-1]) <= RTOL_ROUNDING * theirs[-1]
+        norm_rel = norm_rounding_rel(n + 2 * len(names))
+        assert abs(norm - tnorm) <= np.linalg.norm(delta) + norm_rel * tnorm
+        coef = min(1.0, clip / (norm + 1e-6))
+        bound = adamw_rounding_bounds(start, [applied], [schedule(it)], betas=betas, eps=eps, weight_decay=wd,
+                                      n_decay=opt.groups[0].n_decay, m0=m0, v0=v0, t0=t0,
+                                      g_rel=np.linalg.norm(delta) / norm + norm_rel + 3 * EPS64,
+                                      g_err=[delta * coef])["params"]
+        after = flat_layout(model, {k: p.detach().numpy() for k, p in tparams.items()})[0]
+        assert np.all(np.abs(model.flat - after) <= bound), (it, np.max(np.abs(model.flat - after) / bound))
     assert 0 < clipped < steps                   # both branches of the clipping were exercised
     assert theirs[-1] < theirs[0] - 0.3          # it actually trained
-    for k, p in tparams.items():
-        np.testing.assert_allclose(model.params[k], p.detach().numpy(), rtol=1e-7, atol=1e-9)
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    """k micro-batches of B windows give the same update as one batch of k·B windows."""
+    """k micro-batches of B windows give the same update as one batch of k·B windows.
+
+    Each step starts both sides from the same state (parameters, moments, step count), so the
+    bounds follow from one step's arithmetic: the same gradient summed in other orders
+    (``gradcheck.gradient_rounding_err``, the key bias's noise by its own bound), then AdamW's
+    sensitivity to that difference (``gradcheck.adamw_rounding_bounds``). Three steps: moments
+    and bias corrections away from their start, and every micro-batch seeing the new weights."""
     cfg = GPTConfig(**TINY)
     rng = np.random.default_rng(1)
     x = rng.integers(0, 11, (6, 8))
     y = rng.integers(0, 11, (6, 8))
     big, small = GPT(cfg, seed=0, dtype="float64"), GPT(cfg, seed=0, dtype="float64")
     ob, os_ = AdamW(big, lr=1e-2, weight_decay=0.1), AdamW(small, lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        lb, nb = train_step(big, ob, [(x, y)], 1e-2, grad_clip=0.3)
-        ls, ns = train_step(small, os_, [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])], 1e-2, grad_clip=0.3)
-        assert ls == pytest.approx(lb, rel=1e-13)
-        assert ns == pytest.approx(nb, rel=1e-12)
-    np.testing.assert_allclose(small.flat, big.flat, rtol=1e-11, atol=1e-13)
+    clip, n = 0.3, big.flat.size
+    for _step in range(3):
+        small.flat[...] = big.flat                             # the same state on both sides
+        os_.load_state_dict(ob.state_dict())
+        state, start = ob.state_dict(), big.flat.copy()
+        big.loss(x, y)                                         # this step's gradient, to bound the other's
+        big.backward(keep_deltas=True)
+        delta = flat_layout(big, gradient_rounding_err(big, model_key_bias_bounds(big)))[0]
+        lb, nb = train_step(big, ob, [(x, y)], 1e-2, grad_clip=clip)
+        ls, ns = train_step(small, os_, [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])], 1e-2, grad_clip=clip)
+        # the mean of the same 48 positive token losses, computed and summed in other orders
+        assert abs(ls - lb) <= RTOL_ROUNDING * lb
+        assert abs(ns - nb) <= np.linalg.norm(delta) + norm_rounding_rel(n) * nb
+        coef = clip / (nb + 1e-6)
+        assert coef < 1.0                                      # clipped: its rounding reaches the update
+        g_rel = np.linalg.norm(delta) / nb + norm_rounding_rel(n) + 3 * EPS64   # each side's clip factor
+        bound = adamw_rounding_bounds(start, [ob.groups[0].grads], [1e-2], betas=ob.betas, eps=ob.eps,
+                                      weight_decay=0.1, n_decay=ob.groups[0].n_decay, g_rel=g_rel,
+                                      g_err=[delta * coef], m0=state["base.m"], v0=state["base.v"],
+                                      t0=state["step"])["params"]
+        assert np.all(np.abs(small.flat - big.flat) <= bound), np.max(np.abs(small.flat - big.flat) / bound)
     assert not np.array_equal(big.flat, GPT(cfg, seed=0, dtype="float64").flat)
 
 

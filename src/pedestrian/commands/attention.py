@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -46,11 +45,14 @@ def plot_attention(weights: list, labels: list[str], path, *, title: str = "", d
     Args:
         weights: list over blocks of ``(n_heads, T, T)`` arrays (one sequence).
         labels: ``T`` token labels (both axes).
-        path: the PNG to write (atomically: a temporary file, then a rename).
+        path: the PNG to write (atomically, :func:`pedestrian.atomic.write_file`).
         title: figure title.
 
     Returns:
         the path written.
+
+    Raises:
+        WriteError (an ``OSError``): the OS refused the write; the old file is unchanged.
     """
     import matplotlib
 
@@ -82,16 +84,18 @@ def plot_attention(weights: list, labels: list[str], path, *, title: str = "", d
     bar.set_label("attention weight P", fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    tmp = path.with_name(".tmp-" + path.name)
+    import io
+
+    from ..atomic import write_file
+
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    # through the one atomic writer: a full disk or a read-only folder is one WriteError that
+    # says the old picture is unchanged (issue 13, part 3)
+    return write_file(Path(path), png.getvalue(), what="the attention picture")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,7 +22,8 @@ its largest entry and how well it agrees with an independent check:
 
 The key bias gets no relative error either: its gradient is identically zero (paper section 3:
 every row of Δcausal sums to zero), so its line shows the largest entry, which must be rounding
-noise -- at most 1e-12 of the query bias's gradient. Exit status 1 if any check fails.
+noise -- at most 1e-12 of the query bias's gradient. A line that fails its check ends with
+"<- FAILED"; exit status 1 if any check fails.
 
 --properties instead measures the properties the paper states about positions (sections 2-3):
 permutation equivariance without positions or mask, broken by RoPE, learned positions or the
@@ -276,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             bad, shown = _finite_differences(model, key, grads[key], x, y, args, rtol, rng)
         failed += bad
-        print(f"{label:<37}{str(tuple(value.shape)):<14}{size:>10.1e}{shown:>11}")
+        # a failing line says so: in fd mode the column (a relative error) alone cannot tell,
+        # since an entry near --atol passes on its absolute error
+        print(f"{label:<37}{str(tuple(value.shape)):<14}{size:>10.1e}{shown:>11}" + ("  <- FAILED" if bad else ""))
     print(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
     return 0 if not failed else 1
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 
+import numpy as np
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (…/latest, …/best) or run folder")
@@ -87,9 +89,19 @@ def run(args: argparse.Namespace) -> int:
         raise TrainingError(f"checkpoint {path} does not record its training corpus; pass --data PATH")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
     tokens = _tokens(data, tokenizer, val_fraction, args.split)
-    loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
-                              progress=args.progress)
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported below, in one line
+        loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
+                                  progress=args.progress)
+    if not math.isfinite(loss):
+        # finite weights (checkpoints refuse others) whose forward overflows: never print "nan"
+        raise TrainingError(
+            f"the {args.split} loss of checkpoint {path} is {loss} (step {step}): its forward pass "
+            f"overflows in {model.dtype_name} (weights too large, a diverged run); try --dtype float64, "
+            "or evaluate an earlier checkpoint")
     unit = "character" if tokenizer.to_dict().get("kind") == "char" else "token"
+    # e^loss overflows a float above 709.8 nats: a perplexity of inf, not an OverflowError
+    perplexity = math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
+    shown = f"{perplexity:.2f}" if perplexity < 1e6 else f"{perplexity:.3g}"
     print(f"checkpoint {path} (step {step}): {args.split} loss {loss:.4f} nats per {unit} "
-          f"({loss / math.log(2):.4f} bits, perplexity {math.exp(loss):.2f}) over {n:,} targets")
+          f"({loss / math.log(2):.4f} bits, perplexity {shown}) over {n:,} targets")
     return 0

@@ -260,6 +260,7 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     """
     from ..generate import generate
     from ..sampling import check_sampling
+    from ..tokenizer import check_text
 
     import warnings
 
@@ -284,6 +285,8 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     if any(text == "" for text in args.stop):
         raise ValueError("--stop needs a non-empty text (an empty stop string would end every sample "
                          "before its first token)")
+    for i, text in enumerate(args.stop):            # bytes that are not UTF-8: it could never match
+        check_text(text, "--stop" if len(args.stop) == 1 else f"--stop {i + 1}")
     C = model.config.context_length
     if not 1 <= args.window_shift <= C:
         raise ValueError(f"--window-shift must be in [1, context_length={C}] (window_shift), "

@@ -85,8 +85,11 @@ def read_config_file(path) -> dict:
     if not p.is_file():
         raise FileNotFoundError(f"config file not found: {p}")
     try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        # utf-8-sig: a byte-order mark (Windows editors) is dropped, as for corpus files
+        raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {p} is not valid TOML: {exc}") from None
     flat: dict = {}
     for key, value in raw.items():

@@ -592,8 +592,8 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
     Raises:
         FileNotFoundError: no directory, ``config.json`` or weights.
-        ValueError: not GPT-2, unsupported settings, or tensors that do not match the config
-            (every problem listed; nothing is loaded).
+        ValueError: not GPT-2, unsupported settings, tensors that do not match the config, or
+            weights that are NaN or ±inf (every problem listed; nothing is loaded).
     """
     from ..model import GPT
 
@@ -606,7 +606,10 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
     tensors = {full: weights[name] for name, full in canon.items()}
     state = _convert_from_hf(tensors, config, weights.source)
     model = GPT(config, dtype=dtype, backend=backend)
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except ValueError as exc:                       # e.g. a NaN weight: name the file it is in
+        raise ValueError(f"{weights.source}: {exc}") from None
     return model
 
 

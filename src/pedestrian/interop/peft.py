@@ -49,6 +49,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
+from ..model import check_finite_state
 from .hf import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
@@ -356,15 +357,19 @@ def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
     included), and :attr:`~pedestrian.model.GPT.lora_dropout` is the file's ``lora_dropout``.
 
     Raises:
-        FileNotFoundError: missing files. ValueError: the model already has adapters, or the
-            adapter does not fit this base (see :func:`lora_state_from_peft`); the model is
-            left unchanged.
+        FileNotFoundError: missing files. ValueError: the model already has adapters, the
+            adapter does not fit this base (see :func:`lora_state_from_peft`), or it holds NaN or
+            ±inf values; the model is left unchanged.
     """
     cfg, tensors, metadata = read_peft_adapter(adapter_dir)
     lora = lora_state_from_peft(cfg, tensors, model.config, metadata=metadata, model=model,
                                 source=f"the PEFT adapter {adapter_dir}")
     if model.lora_targets:
         raise ValueError("the model already has LoRA adapters; merge_lora() or remove_lora() first")
+    try:                                        # before add_lora: a refusal changes nothing
+        check_finite_state(lora.state, model.dtype_name)
+    except ValueError as exc:
+        raise ValueError(f"the PEFT adapter {adapter_dir}: {exc}") from None
     model.add_lora(list(lora.ranks), lora.rank, lora.alpha, rank_pattern=lora.ranks, alpha_pattern=lora.alphas,
                    dropout=lora.dropout, freeze_base=freeze_base)
     model.load_state_dict(lora.state, strict=False)

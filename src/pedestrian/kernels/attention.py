@@ -5,6 +5,10 @@ The same formulas as the reference, arranged for speed: the scale ``1/√d_qk`` 
 block instead of three), ``dP`` becomes ``Δcausal`` in place, heads are written straight into
 their column blocks of ``a3`` and of the signal at ``qkv`` (no concatenation copies), and the
 batch rows are shared over threads in blocks (:func:`pedestrian.kernels.threads.for_row_blocks`).
+
+From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
+kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks
+skipped, heads over threads); the backward and :func:`attention_weights` follow the cache.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from array_api_compat import device
 
 from ..backend import array_namespace, is_torch_array
 from ..layers.attention import KVBlock, attention_mask
+from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from .blas import elementwise_lib, matmul_into, rowdot
 from .threads import for_row_blocks
 from .workspace import empty_array, scratch
@@ -50,10 +55,14 @@ def softmax_backward_into(delta_p, p, out) -> None:
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                                  kv_cache: KVBlock | None = None):
     """Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
-    results; the cache's ``q`` carries the ``1/√d_qk`` scale)."""
+    results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
+    (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
+    no ``P``."""
     if kv_cache is not None:
         return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache)
     B, T, _ = qkv.shape
+    if use_tiled(T, qkv):
+        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal)
     hq, hv = n_heads * d_qk, n_heads * d_head
 
     def heads(lo, width):                                    # (B, T, H·w) -> (B, H, T, w) view
@@ -116,9 +125,12 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """Fast :func:`pedestrian.layers.attention.multi_head_attention_backward`."""
+    """Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
+    kept, is computed block by block for a tiled cache)."""
     if cache.get("kv_cache"):
         raise ValueError("no backward through a KV-cache forward; run model.forward without a cache")
+    if cache.get("tiled"):
+        return tiled_attention_backward(delta, cache, keep_delta_causal=keep_delta_causal)
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
     B, H, T, d_head = v.shape
     d_qk = cache["d_qk"]
@@ -151,5 +163,8 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
 
 
 def attention_weights(cache):
-    """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache."""
+    """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache (recomputed
+    from ``q``, ``k`` and the log-sum-exp for a tiled cache)."""
+    if cache.get("tiled"):
+        return tiled_attention_weights(cache)
     return cache["p"]

@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 from ..backend import is_numpy_array
 
-__all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "get_pool", "for_row_blocks",
-           "BLOCK_ELEMENTS"]
+__all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "is_worker_thread", "get_pool",
+           "for_row_blocks", "BLOCK_ELEMENTS"]
 
 #: elements per block. Measured (2-core AMD EPYC, NumPy 2.4): 2^15 (L2-sized blocks) is 10-25%
 #: slower than 2^17 - 2^19 for GELU and layer norm -- per-call overhead outweighs L2 misses
@@ -66,6 +66,9 @@ def num_threads() -> int:
 
 def _get_pool(threads: int) -> ThreadPoolExecutor:
     global _pool, _pool_owner
+    # at least one worker: a caller that asks for its own thread count (DataParallel(threads=2))
+    # may run where num_threads() is 1 (PEDESTRIAN_NUM_THREADS=1)
+    threads = max(threads, 2)
     owner = (os.getpid(), threads)
     if _pool is None or _pool_owner != owner:
         _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="pedestrian")
@@ -119,6 +122,11 @@ def in_worker_thread() -> contextlib.AbstractContextManager:
     return _WorkerMark()
 
 
+def is_worker_thread() -> bool:
+    """Whether the calling thread is marked by :func:`in_worker_thread` (its kernels run serially)."""
+    return getattr(_in_worker, "active", False)
+
+
 class _WorkerMark:
     def __enter__(self):
         self._before = getattr(_in_worker, "active", False)
@@ -129,7 +137,8 @@ class _WorkerMark:
 
 
 def get_pool() -> ThreadPoolExecutor:
-    """The shared thread pool: ``num_threads() - 1`` workers (the caller is the first thread)."""
+    """The shared thread pool: ``num_threads() - 1`` workers, at least one (the caller is the first
+    thread; a team larger than the pool queues its extra jobs on the workers)."""
     return _get_pool(num_threads())
 
 
