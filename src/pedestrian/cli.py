@@ -10,6 +10,8 @@ model too large for memory (``MemoryError``: choose smaller widths), and a write
 large, no permission or a read-only file system: the message says what was kept and how to go
 on; nothing written before is damaged, see :mod:`pedestrian.atomic`). ``Ctrl-C`` / ``SIGTERM``
 end with exit status 130 (``pedestrian train`` first saves a checkpoint; see its help).
+A closed stdout (``pedestrian sample | head``) ends any other command quietly with status 141,
+what a shell reports for a command stopped by ``SIGPIPE``.
 
 The library's messages (the ``logging`` loggers ``pedestrian.*``) are printed as plain lines:
 information on stdout, warnings on stderr as ``warning: ...``, both through ``tqdm.write`` so a
@@ -176,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return _error(str(exc), exc)
+    except BrokenPipeError:
+        # stdout's reader went away (`pedestrian sample | head`): end quietly, with the status a
+        # shell reports for a command stopped by SIGPIPE (`yes | head`); nothing to say or keep
+        if debug:
+            raise
+        silence_stdout()
+        return 128 + 13
     except OSError as exc:
         if debug or exc.errno not in _WRITE_ERRNOS:
             raise

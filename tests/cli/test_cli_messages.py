@@ -97,3 +97,36 @@ def test_eval_on_a_short_file_names_the_evaluated_part(char_ckpt, tmp_path, caps
     assert "training split" not in err and "val part" in err and "--split all" in err
     assert main(["eval", str(char_ckpt), "--data", str(one), "--split", "all", "--no-progress"]) == 0
     assert "all loss" in capsys.readouterr().out
+
+
+def test_sample_piped_into_head_ends_quietly(char_ckpt):
+    """`pedestrian sample ... | head -c 20` for real: once the reader is gone the command stops
+    with status 141 (a shell's status for SIGPIPE) and prints no traceback (it printed one, exit 1).
+    20,000 tokens take seconds to stream: the reader closes long before the end."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), PEDESTRIAN_DEBUG="")
+    argv = [sys.executable, "-m", "pedestrian", "sample", "--checkpoint", str(char_ckpt), "--prompt", "ab",
+            "--max-new-tokens", "20000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(20)
+    proc.stdout.close()                                    # what `head -c 20` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert len(first) == 20 and err == "", err
+
+
+def test_any_command_whose_stdout_closes_ends_quietly(monkeypatch, capsys):
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert main(["explain"]) == 141
+    assert capsys.readouterr().err == ""
