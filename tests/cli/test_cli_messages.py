@@ -130,3 +130,11 @@ def test_any_command_whose_stdout_closes_ends_quietly(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdout", Closed())
     assert main(["explain"]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_missing_hf_dir_says_how_to_get_one(tmp_path, capsys):
+    """The README's `--hf-dir gpt2` is a local folder; without it the one line says where one
+    comes from (it said only 'gpt2 is not a directory')."""
+    for command in (["sample", "--prompt", "a"], ["finetune", "--data", str(tmp_path), "--lora-rank", "2"]):
+        assert main([command[0], "--hf-dir", str(tmp_path / "gpt2"), *command[1:]]) == 2
+        _one_line_error(capsys, "is not a directory", "hf download gpt2 --local-dir gpt2", "pedestrian export-hf")
