@@ -57,8 +57,16 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: a flag it cannot parse (``--max-steps many``)
+    prints ``error: ...`` naming the command and where its flags are listed, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pedestrian",
         description="A GPT with hand-derived backpropagation (Deep learning for pedestrians).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -138,3 +138,17 @@ def test_missing_hf_dir_says_how_to_get_one(tmp_path, capsys):
     for command in (["sample", "--prompt", "a"], ["finetune", "--data", str(tmp_path), "--lora-rank", "2"]):
         assert main([command[0], "--hf-dir", str(tmp_path / "gpt2"), *command[1:]]) == 2
         _one_line_error(capsys, "is not a directory", "hf download gpt2 --local-dir gpt2", "pedestrian export-hf")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["train", "--max-steps", "many"], "pedestrian train: argument --max-steps: invalid int value: 'many'"),
+    (["trian"], "invalid choice: 'trian'"),
+    (["export-hf", "--out", "x"], "one of the arguments --checkpoint --adapter is required"),
+])
+def test_flags_argparse_cannot_read_are_one_error_line(argv, fragment, capsys):
+    """A value argparse rejects is one `error:` line naming the command's --help, exit status 2
+    (it printed the usage block first)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    _one_line_error(capsys, fragment, "--help`")
