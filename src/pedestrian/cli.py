@@ -10,6 +10,8 @@ model too large for memory (``MemoryError``: choose smaller widths), and a write
 large, no permission or a read-only file system: the message says what was kept and how to go
 on; nothing written before is damaged, see :mod:`pedestrian.atomic`). ``Ctrl-C`` / ``SIGTERM``
 end with exit status 130 (``pedestrian train`` first saves a checkpoint; see its help).
+A closed stdout (``pedestrian sample | head``) ends any other command quietly with status 141,
+what a shell reports for a command stopped by ``SIGPIPE``.
 
 The library's messages (the ``logging`` loggers ``pedestrian.*``) are printed as plain lines:
 information on stdout, warnings on stderr as ``warning: ...``, both through ``tqdm.write`` so a
@@ -55,8 +57,16 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: a flag it cannot parse (``--max-steps many``)
+    prints ``error: ...`` naming the command and where its flags are listed, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pedestrian",
         description="A GPT with hand-derived backpropagation (Deep learning for pedestrians).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -176,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return _error(str(exc), exc)
+    except BrokenPipeError:
+        # stdout's reader went away (`pedestrian sample | head`): end quietly, with the status a
+        # shell reports for a command stopped by SIGPIPE (`yes | head`); nothing to say or keep
+        if debug:
+            raise
+        silence_stdout()
+        return 128 + 13
     except OSError as exc:
         if debug or exc.errno not in _WRITE_ERRNOS:
             raise

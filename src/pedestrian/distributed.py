@@ -397,7 +397,10 @@ def _failure_line(failures: dict, nproc: int, describe_checkpoint) -> tuple[str,
         return data["message"] if isinstance(data, dict) else str(data)
 
     ranks = sorted(failures)
-    if ranks and all(failures[r].exitcode == 130 for r in ranks):   # every rank stopped on a signal
+    # every rank stopped on a signal: each saved and exited 130, or had already left its training
+    # loop (its own handlers gone) when the launcher, seeing a rank end with 130, sent it SIGTERM
+    stopped = [r for r in ranks if failures[r].exitcode == 130]
+    if stopped and all(r in stopped or failures[r].exitcode == -signal.SIGTERM for r in ranks):
         return f"every rank stopped on a signal; {describe_checkpoint()}", True
     for r in ranks:
         if kind(failures[r]) == "error":

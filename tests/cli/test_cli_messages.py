@@ -97,3 +97,58 @@ def test_eval_on_a_short_file_names_the_evaluated_part(char_ckpt, tmp_path, caps
     assert "training split" not in err and "val part" in err and "--split all" in err
     assert main(["eval", str(char_ckpt), "--data", str(one), "--split", "all", "--no-progress"]) == 0
     assert "all loss" in capsys.readouterr().out
+
+
+def test_sample_piped_into_head_ends_quietly(char_ckpt):
+    """`pedestrian sample ... | head -c 20` for real: once the reader is gone the command stops
+    with status 141 (a shell's status for SIGPIPE) and prints no traceback (it printed one, exit 1).
+    20,000 tokens take seconds to stream: the reader closes long before the end."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), PEDESTRIAN_DEBUG="")
+    argv = [sys.executable, "-m", "pedestrian", "sample", "--checkpoint", str(char_ckpt), "--prompt", "ab",
+            "--max-new-tokens", "20000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(20)
+    proc.stdout.close()                                    # what `head -c 20` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert len(first) == 20 and err == "", err
+
+
+def test_any_command_whose_stdout_closes_ends_quietly(monkeypatch, capsys):
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert main(["explain"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_missing_hf_dir_says_how_to_get_one(tmp_path, capsys):
+    """The README's `--hf-dir gpt2` is a local folder; without it the one line says where one
+    comes from (it said only 'gpt2 is not a directory')."""
+    for command in (["sample", "--prompt", "a"], ["finetune", "--data", str(tmp_path), "--lora-rank", "2"]):
+        assert main([command[0], "--hf-dir", str(tmp_path / "gpt2"), *command[1:]]) == 2
+        _one_line_error(capsys, "is not a directory", "hf download gpt2 --local-dir gpt2", "pedestrian export-hf")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["train", "--max-steps", "many"], "pedestrian train: argument --max-steps: invalid int value: 'many'"),
+    (["trian"], "invalid choice: 'trian'"),
+    (["export-hf", "--out", "x"], "one of the arguments --checkpoint --adapter is required"),
+])
+def test_flags_argparse_cannot_read_are_one_error_line(argv, fragment, capsys):
+    """A value argparse rejects is one `error:` line naming the command's --help, exit status 2
+    (it printed the usage block first)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    _one_line_error(capsys, fragment, "--help`")

@@ -294,6 +294,38 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(corpus, tmp_path
     assert load_checkpoint(out).step == last
 
 
+def _launch_failing_with(monkeypatch, exitcodes: dict):
+    """``launch`` whose ranks end with ``exitcodes`` (``{rank: code}``, negative: killed by a signal)."""
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pedestrian.distributed import LaunchFailure, launch
+
+    def fake(config, entrypoint):
+        def run(*args):
+            raise ChildFailedError("pedestrian", {r: ProcessFailure(local_rank=r, pid=1, exitcode=c, error_file="<N/A>")
+                                                  for r, c in exitcodes.items()})
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", fake)
+    with pytest.raises(LaunchFailure) as info:
+        launch(2, ["train"], lambda: "the checkpoint of step 7 is kept")
+    return info.value
+
+
+def test_a_rank_stopped_by_the_launcher_after_the_others_saved_is_an_interrupt(monkeypatch):
+    """SIGTERM to rank 1: it saves with rank 0 and exits 130 first; the launcher then sends SIGTERM
+    to rank 0, which may have left its training loop (its handlers restored) -- killed by SIGTERM
+    after the save. The run was interrupted, not broken (seen in CI: exit 2, 'rank 0 ... was
+    killed by SIGTERM')."""
+    for codes in ({0: -signal.SIGTERM, 1: 130}, {0: 130, 1: 130}, {0: 130, 1: -signal.SIGTERM}):
+        exc = _launch_failing_with(monkeypatch, codes)
+        assert exc.interrupted and str(exc) == "every rank stopped on a signal; the checkpoint of step 7 is kept"
+    for codes in ({0: -signal.SIGTERM, 1: -signal.SIGTERM}, {0: 130, 1: -signal.SIGKILL}, {0: 130, 1: 1}):
+        exc = _launch_failing_with(monkeypatch, codes)
+        assert not exc.interrupted and "the checkpoint of step 7 is kept" in str(exc), codes
+
+
 # ---------------------------------------------------------------------------------------- starting
 def test_nproc_without_torch_says_what_to_install(corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.distributed", None)   # `import torch.distributed` fails
