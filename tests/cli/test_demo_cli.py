@@ -1,9 +1,8 @@
 """``pedestrian demo``: every gradient on one line in the paper's notation, with its check
-(PyTorch autograd or finite differences), for the kernels chosen by ``--kernels``."""
+(finite differences: the library runs no autograd; the autograd comparison is tests/paper/test_model.py), for the kernels chosen by ``--kernels``."""
 
 from __future__ import annotations
 
-import re
 
 import pytest
 
@@ -18,10 +17,10 @@ def lines_of(out: str) -> list[str]:
 
 
 @pytest.mark.parametrize("kernels", ["fast", "reference"])
-def test_demo_checks_every_gradient_against_autograd(kernels, capsys):
+def test_demo_checks_every_gradient(kernels, capsys):
     assert main(["demo", "--kernels", kernels]) == 0
     out = capsys.readouterr().out
-    assert f"kernels: {kernels}" in out and "PyTorch autograd" in out
+    assert f"kernels: {kernels}" in out and "central finite differences" in out
     assert "the bundled Shakespeare" in out                 # real text
     rows = lines_of(out)
     labels = [r[:37].strip() for r in rows]
@@ -37,9 +36,7 @@ def test_demo_checks_every_gradient_against_autograd(kernels, capsys):
         k_bias = [r for r in rows if r.startswith("∂L/∂b_k (≡ 0, §3)") and f"block {block}" in r]
         assert len(k_bias) == 1 and k_bias[0].split()[-1] == "rounding"
     assert len(rows) == 2 * (10 + 16) + 7          # per block: Δ10…Δ2, Δcausal and 16 parameters
-    errors = [float(r.split()[-1]) for r in rows if re.fullmatch(r"\d\.\de-\d\d", r.split()[-1])]
-    assert len(errors) == len(rows) - 2                     # all but the two key-bias lines
-    assert max(errors) <= 1e-9                              # float64 rounding only
+    assert not any(r.endswith("<- FAILED") for r in rows)
     assert "0 gradients fail the check -> OK" in out
 
 
@@ -59,8 +56,7 @@ def test_demo_with_finite_differences(capsys):
     assert "-> OK" in out
 
 
-@pytest.mark.parametrize("check", ["autograd", "fd"])
-def test_demo_fails_on_a_wrong_gradient(check, capsys, monkeypatch):
+def test_demo_fails_on_a_wrong_gradient(capsys, monkeypatch):
     """A layer-norm backward off by 0.1 %: the demo names the gradients it breaks and exits 1."""
     real = fast.layernorm_backward
 
@@ -71,19 +67,19 @@ def test_demo_fails_on_a_wrong_gradient(check, capsys, monkeypatch):
         return out
 
     monkeypatch.setattr(fast, "layernorm_backward", wrong)
-    assert main(["demo", "--kernels", "fast", "--check", check]) == 1
+    assert main(["demo", "--kernels", "fast"]) == 1
     out = capsys.readouterr().out
     assert "-> FAILED" in out
     rows = lines_of(out)
     failing = [r for r in rows if r.endswith("<- FAILED")]     # the demo's own verdict per line
     assert failing and all(r.startswith(("∂L/∂w_LN", "∂L/∂w_LNfinal")) for r in failing), failing
-    # every layer-norm weight is caught: 0.1 % is 1e-3 relative, far above either check's bound
+    # every layer-norm weight is caught: 0.1 % is 1e-3 relative, far above the finite differences' bound
     assert len(failing) == len([r for r in rows if r.startswith("∂L/∂w_LN")]) == 5
 
 
-def test_demo_without_pytorch_falls_back_to_finite_differences(capsys, monkeypatch):
-    """``--check auto`` without PyTorch uses finite differences; ``--check autograd`` says what
-    is missing and how to go on, in one line."""
+def test_demo_runs_without_pytorch(capsys, monkeypatch):
+    """The demo needs no PyTorch (the library runs no autograd); ``--check autograd`` is one
+    error line."""
     import builtins
 
     real_import = builtins.__import__
@@ -96,6 +92,8 @@ def test_demo_without_pytorch_falls_back_to_finite_differences(capsys, monkeypat
     monkeypatch.setattr(builtins, "__import__", no_torch)
     assert main(["demo", "--entries", "1"]) == 0
     assert "central finite differences" in capsys.readouterr().out
-    assert main(["demo", "--check", "autograd"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--check", "autograd"])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --check autograd needs PyTorch") and "--check fd" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: ") and "--check" in err[0]

@@ -8,11 +8,8 @@ produces them: the error signals Δi = ∂L/∂ai (and Δcausal = ∂L/∂S, the
 block) and the gradient of every parameter, ∂L/∂W_q of block 0 and so on, each with the size of
 its largest entry and how well it agrees with an independent check:
 
-  autograd  (--check autograd, the default when PyTorch is installed): the same model written
-            directly in PyTorch, differentiated by autograd in float64; the column is the
-            largest relative error over the whole tensor, max|ours - autograd| / max|autograd|.
-            A gradient passes at <= --rtol (default 1e-9; the two differ by rounding only).
-  finite differences  (--check fd, the default without PyTorch): for --entries entries of
+  finite differences  (the library runs no autograd engine; the comparison of every tensor
+            with PyTorch autograd is the test suite's, tests/paper/test_model.py): for --entries entries of
             every parameter, (L(θ+h) - L(θ-h)) / 2h with h = --step; the column is the largest
             |numeric - analytic| / |numeric| over entries with |numeric| >= --atol ('-' where
             none is: a relative error of a zero has no meaning). An entry passes when
@@ -75,21 +72,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="the paper's reference layers or the fast kernels "
                              "(default: PEDESTRIAN_KERNELS, else fast)")
-    parser.add_argument("--check", choices=["auto", "autograd", "fd"], default="auto",
-                        help="PyTorch autograd (needs torch) or finite differences; "
-                             "auto: autograd when PyTorch is installed")
+    parser.add_argument("--check", choices=["fd"], default="fd",
+                        help="finite differences (the comparison with PyTorch autograd is the test suite's)")
     parser.add_argument("--entries", type=int, default=3,
                         help="finite differences: entries checked per parameter tensor (>= 1)")
     parser.add_argument("--step", type=float, default=1e-5, help="finite-difference step h (> 0)")
     parser.add_argument("--rtol", type=float, default=None,
-                        help="relative tolerance (default 1e-9 with autograd, 1e-6 with finite differences)")
+                        help="finite differences: relative tolerance (default 1e-6)")
     parser.add_argument("--atol", type=float, default=1e-8, help="finite differences: absolute tolerance")
     parser.add_argument("--properties", action="store_true",
                         help="measure the paper's position properties instead (see above)")
 
 
 def _check_flags(args: argparse.Namespace) -> str:
-    """Validate the flags; returns the check to run (``"autograd"`` or ``"fd"``)."""
+    """Validate the flags; returns the check to run (``"fd"``)."""
     if args.entries < 1:
         raise ValueError(f"--entries must be a positive integer, got {args.entries}")
     if not (math.isfinite(args.step) and args.step > 0):
@@ -98,16 +94,7 @@ def _check_flags(args: argparse.Namespace) -> str:
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{name} must be a finite number >= 0, got {v}")
-    if args.check == "fd":
-        return "fd"
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        if args.check == "autograd":
-            raise ValueError('--check autograd needs PyTorch (pip install -e ".[torch]"); '
-                             "or check by finite differences: --check fd") from None
-        return "fd"
-    return "autograd"
+    return "fd"
 
 
 def gradient_lines(model: GPT) -> list:
@@ -160,75 +147,11 @@ def gradient_lines(model: GPT) -> list:
     return out
 
 
-def autograd_gradients(model: GPT, tokens, targets) -> tuple[dict, dict]:
-    """``(param grads, error signals)`` of the same model written directly in PyTorch and
-    differentiated by autograd in float64 (an independent oracle: no pedestrian code runs)."""
-    import torch
-    import torch.nn.functional as F
-
-    c = model.config
-    P = {k: torch.tensor(np.asarray(v), dtype=torch.float64, requires_grad=True) for k, v in model.params.items()}
-    acts = {}
-
-    def keep(name, t):
-        t.retain_grad()
-        acts[name] = t
-        return t
-
-    def ln(x, name):
-        mu = x.mean(-1, keepdim=True)
-        y = (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + c.ln_eps) * P[f"{name}.weight"]
-        return y + P[f"{name}.bias"] if f"{name}.bias" in P else y
-
-    def fc(name, x, weight=None):
-        y = x @ (P[f"{name}.weight"] if weight is None else weight)
-        return y + P[f"{name}.bias"] if f"{name}.bias" in P else y
-
-    def g(x):
-        if c.activation == "relu":
-            return F.relu(x)
-        return F.gelu(x, approximate="tanh" if c.activation == "gelu_tanh" else "none")
-
-    tok = torch.as_tensor(np.asarray(tokens))
-    B, T = tok.shape
-    H, dqk, dh = c.n_heads, c.d_qk, c.d_head
-    x = keep("Δ1", P["tok_emb.weight"][tok] + P["pos_emb.weight"][:T])
-    for i in range(c.n_blocks):
-        p = f"blocks.{i}."
-        a2 = keep(p + "Δ2", ln(x, p + "ln1"))
-        q, k, v = (fc(f"{p}attn.{n}", a2).view(B, T, H, -1).transpose(1, 2) for n in "qkv")
-        S = q @ k.transpose(-1, -2) / math.sqrt(dqk)
-        if c.causal:
-            S = S.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        S = keep(p + "Δcausal", S)
-        a3 = keep(p + "Δ3", (torch.softmax(S, -1) @ v).transpose(1, 2).reshape(B, T, H * dh))
-        a4 = keep(p + "Δ4", fc(p + "attn_proj", a3))
-        a5 = keep(p + "Δ5", x + a4)
-        a6 = keep(p + "Δ6", ln(a5, p + "ln2"))
-        a7 = keep(p + "Δ7", fc(p + "mlp_expand", a6))
-        a8 = keep(p + "Δ8", g(a7))
-        a9 = keep(p + "Δ9", fc(p + "mlp_contract", a8))
-        x = keep(p + "Δ10", a5 + a9)
-    a11 = keep("Δ11", ln(x, "ln_final"))
-    tied = P["tok_emb.weight"].T if c.tie_weights else None
-    a12 = keep("Δ12", fc("logits", a11, tied))
-    loss = F.cross_entropy(a12.reshape(-1, c.vocab_size), torch.as_tensor(np.asarray(targets)).reshape(-1))
-    loss.backward()
-    return ({k: t.grad.numpy() for k, t in P.items()},
-            {k: t.grad.numpy() for k, t in acts.items()})
-
-
-def _rel(a, b) -> float:
-    """``max|a − b| / max|b|`` (0 when both are all zero, inf when only ``b`` is)."""
-    scale, diff = float(np.max(np.abs(b))), float(np.max(np.abs(a - b)))
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.properties:
         return run_properties(args)
-    check = _check_flags(args)
-    rtol = args.rtol if args.rtol is not None else (1e-9 if check == "autograd" else 1e-6)
+    _check_flags(args)
+    rtol = args.rtol if args.rtol is not None else 1e-6
     text = load_corpus(args.data)[:200_000]
     tokenizer = CharTokenizer.from_text(text)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
@@ -251,13 +174,8 @@ def run(args: argparse.Namespace) -> int:
     deltas = {k: np.array(v) for k, v in model.deltas().items()}
     print(f"loss L = {loss:.6f} nats/char (uniform guess: ln {tokenizer.vocab_size} = "
           f"{math.log(tokenizer.vocab_size):.4f})")
-    if check == "autograd":
-        ref_grads, ref_deltas = autograd_gradients(model, x, y)
-        print(f"check: PyTorch autograd of the same model (float64); the column is "
-              f"max|ours - autograd| / max|autograd| over the tensor, pass <= {rtol:g}\n")
-    else:
-        print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
-              f"pass |numeric - analytic| <= {args.atol:g} + {rtol:g}·|numeric|\n")
+    print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
+          f"pass |numeric - analytic| <= {args.atol:g} + {rtol:g}·|numeric|\n")
     print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{'check':>11}")
     failed = 0
     kq = {i: float(np.max(np.abs(grads[f"blocks.{i}.attn.q.bias"])))
@@ -268,10 +186,6 @@ def run(args: argparse.Namespace) -> int:
         if key.endswith("attn.k.bias"):                    # ≡ 0: only rounding noise may show
             bad = size > KEY_BIAS_RATIO * kq[int(key.split(".")[1])]
             shown = "rounding" if not bad else "NOT ZERO"
-        elif check == "autograd":
-            err = _rel(value, (ref_deltas if kind == "delta" else ref_grads)[key])
-            bad = not err <= rtol
-            shown = f"{err:.1e}"
         elif kind == "delta":
             bad, shown = False, "-"
         else:
