@@ -5,6 +5,7 @@ problem, or a printed ``inf`` -- never a silent ``nan`` or a traceback."""
 
 from __future__ import annotations
 
+from cli_helpers import one_line_error
 import warnings
 
 import numpy as np
@@ -19,11 +20,7 @@ from pedestrian.tokenizer import CharTokenizer
 TEXT = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
 
 
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: "), err
-    assert "\n" not in err, err
-    return err
+_one_line_error = one_line_error
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ resume, and every bad input ending in one clear line, a non-zero exit, and no da
 
 from __future__ import annotations
 
+from cli_helpers import one_line_error
 import hashlib
 import json
 from pathlib import Path
@@ -32,11 +33,7 @@ def _snapshot(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: "), err
-    assert "\n" not in err, err
-    return err
+_one_line_error = one_line_error
 
 
 @pytest.fixture
