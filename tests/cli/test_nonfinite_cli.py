@@ -5,11 +5,12 @@ problem, or a printed ``inf`` -- never a silent ``nan`` or a traceback."""
 
 from __future__ import annotations
 
-from cli_helpers import one_line_error
 import warnings
 
 import numpy as np
 import pytest
+
+from cli_helpers import one_line_error
 
 from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main

@@ -3,12 +3,13 @@ resume, and every bad input ending in one clear line, a non-zero exit, and no da
 
 from __future__ import annotations
 
-from cli_helpers import one_line_error
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
+
+from cli_helpers import one_line_error
 
 from pedestrian.cli import build_parser, main
 from pedestrian.commands.train import settings_from_args
