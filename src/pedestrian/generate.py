@@ -309,8 +309,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         def window_logits(rebuild: bool):
             if rebuild:                                # the whole window, from an empty cache
                 cache.reset(key_start=np.maximum(padding - start, 0))
-                return model.forward(seq[:, start:n], kv_cache=cache)[:, -1, :]
-            return model.forward(seq[:, n - 1:n], kv_cache=cache)[:, -1, :]
+                return model.forward(seq[:, start:n], kv_cache=cache, keep_activations=False)[:, -1, :]
+            return model.forward(seq[:, n - 1:n], kv_cache=cache, keep_activations=False)[:, -1, :]
     elif not padding.any():
         def window_logits(rebuild: bool):
             return model.forward(seq[:, start:n])[:, -1, :]

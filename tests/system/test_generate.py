@@ -174,6 +174,26 @@ def test_model_step_prefill_all_logits_and_decode():
         assert rel_err(logits, full[:, t]) <= 1e-10
 
 
+def test_keep_activations_false_gives_the_same_logits_and_keeps_nothing():
+    """``forward(..., keep_activations=False)`` (what generate() passes) computes the same
+    logits bit for bit -- same kernels, same order -- and afterwards every inspection and the
+    backward say why they have nothing, instead of showing an older step's arrays."""
+    model = make_model("float64")
+    tokens = np.random.default_rng(1).integers(0, 29, size=(2, 9))
+    kept, lean = KVCache(model, 2), KVCache(model, 2)
+    for lo, hi in ((0, 5), (5, 6), (6, 9)):           # a prefill, then one token, then three
+        expected = np.array(model.forward(tokens[:, lo:hi], kv_cache=kept))
+        got = model.forward(tokens[:, lo:hi], kv_cache=lean, keep_activations=False)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(lean.keys[0], kept.keys[0])
+        for inspect in (model.activations, model.attention_weights,
+                        lambda: model.backward(delta_logits=np.ones_like(got))):
+            with pytest.raises(ValueError, match="keep_activations=False"):
+                inspect()
+    model.forward(tokens)                             # a plain forward keeps them again
+    assert model.activations()["a12"].shape == (2, 9, 29)
+
+
 def test_cache_is_preallocated_and_never_overflows():
     model = make_model("float64")
     cache = KVCache(model, 3)
