@@ -41,7 +41,7 @@ import numpy as np
 
 from .backend import to_numpy
 from .distributed import RowKeyedRNG
-from .kernels.threads import get_pool, in_worker_thread, num_threads, single_threaded_blas
+from .kernels.threads import OwnCores, get_pool, in_worker_thread, num_threads, single_threaded_blas
 from .layers.loss import IGNORE_INDEX
 
 __all__ = ["DataParallel", "use_data_parallel", "runner_for", "DATA_PARALLEL_MODES", "SMALL_MODEL_PARAMS"]
@@ -87,6 +87,8 @@ def runner_for(model, data_parallel: str, batch_size: int):
         dp = DataParallel(model)
         if dp.threads > 1:
             return dp, dp
+    if data_parallel != "off" and batch_size == 1 and use_data_parallel(model, 2):
+        return model, OwnCores()              # one sequence: the kernels' own threads share it
     return model, contextlib.nullcontext()
 
 

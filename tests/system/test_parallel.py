@@ -240,3 +240,37 @@ def test_explicit_threads_work_when_the_environment_asks_for_one(monkeypatch):
         assert dp.slices_for(4) == 2
         assert abs(dp.loss(tokens, targets) - loss) <= RTOL_ROUNDING * abs(loss)
         dp.backward()
+
+
+def test_one_sequence_shares_its_products_over_the_threads(monkeypatch):
+    """Batch 1 (``runner_for(..., batch_size=1)``): no batch to split, so the context it returns
+    (:class:`~pedestrian.kernels.threads.OwnCores`) holds BLAS to one thread and the fast kernels
+    cut each matrix product into row (or weight-column) blocks, one per thread. The step's loss
+    and gradients equal the plain step's up to the order of rounded additions."""
+    from pedestrian.kernels.threads import OwnCores, product_parts
+    from pedestrian.parallel import runner_for
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    cfg = GPTConfig(vocab_size=23, context_length=160, d_model=32, n_heads=2, n_blocks=2, d_mlp=160)
+    rng = np.random.default_rng(11)
+    tokens, targets = rng.integers(0, 23, size=(1, 160)), rng.integers(0, 23, size=(1, 160))
+    plain = GPT(cfg, seed=4, dtype="float64")
+    loss = plain.loss(tokens, targets)
+    want = _grads_after_backward(plain)
+    model = GPT(cfg, seed=4, dtype="float64")
+    runner, context = runner_for(model, "auto", 1)
+    assert runner is model and isinstance(context, OwnCores)
+    like = np.zeros(1)
+    assert product_parts(like, 160) == 1                       # outside: the BLAS threads it
+    with context:
+        assert product_parts(like, 160) == 2 and product_parts(like, 100) == 1   # parts of >= 64 rows
+        got_loss = model.loss(tokens, targets)
+        got = _grads_after_backward(model)
+    assert abs(got_loss - loss) <= RTOL_ROUNDING * abs(loss)
+    _assert_close(got, want, model_key_bias_bounds(plain))
+    assert runner_for(model, "off", 1)[1].__class__ is not OwnCores
+
+
+def _grads_after_backward(model) -> dict:
+    model.backward(keep_deltas=True)                  # the key-bias bounds read the Δs
+    return _grads(model)

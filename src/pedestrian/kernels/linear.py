@@ -11,6 +11,7 @@ import numpy as np
 
 from ..backend import is_torch_array
 from .blas import colsum, elementwise_lib, matmul_into
+from .threads import for_row_blocks, product_parts
 from .workspace import empty_array
 
 
@@ -34,8 +35,18 @@ def linear_forward(x, weight, bias=None):
     f_in, f_out = weight.shape
     x2 = x.reshape(-1, f_in)
     y = empty_array((x2.shape[0], f_out), x2)
-    matmul_into(y, x2, weight, bias=bias)
+    _in_parts(x2, x2.shape[0], lambda lo, hi: matmul_into(y[lo:hi], x2[lo:hi], weight, bias=bias))
     return y.reshape(*x.shape[:-1], f_out), x
+
+
+def _in_parts(like, n: int, kernel) -> None:
+    """``kernel(lo, hi)`` over ``0 … n`` in :func:`product_parts` contiguous blocks, one per thread
+    (batch 1 on a single-threaded BLAS: each part is a product of its own rows or columns)."""
+    parts = product_parts(like, n)
+    if parts == 1:
+        kernel(0, n)
+    else:
+        for_row_blocks(like, kernel, n, 1, parallel_min=0, block=-(-n // parts))
 
 
 def _transposed_contiguous(a) -> bool:
@@ -55,14 +66,16 @@ def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_inpu
         x2 = cache.reshape(-1, f_in)
         if _transposed_contiguous(dweight):
             matmul_into(dweight.mT, d2.mT, x2)
-        else:
-            matmul_into(dweight, x2.mT, d2)
+        elif f_out >= f_in:                                  # columns j of dW: xᵀ Δ[:, j]
+            _in_parts(d2, f_out, lambda lo, hi: matmul_into(dweight[:, lo:hi], x2.mT, d2[:, lo:hi]))
+        else:                                                # rows i of dW: x[:, i]ᵀ Δ
+            _in_parts(d2, f_in, lambda lo, hi: matmul_into(dweight[lo:hi], x2[:, lo:hi].mT, d2))
     if dbias is not None:
         colsum(d2, out=dbias)
     if not need_input:
         return None
     delta_in = empty_array((d2.shape[0], f_in), d2)
-    matmul_into(delta_in, d2, weight.mT)
+    _in_parts(d2, d2.shape[0], lambda lo, hi: matmul_into(delta_in[lo:hi], d2[lo:hi], weight.mT))
     return delta_in.reshape(*delta.shape[:-1], f_in)
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from ..backend import is_numpy_array
 
 __all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "is_worker_thread", "get_pool",
-           "for_row_blocks", "BLOCK_ELEMENTS"]
+           "for_row_blocks", "product_parts", "OwnCores", "BLOCK_ELEMENTS", "PRODUCT_MIN_ROWS"]
 
 #: elements per block. Measured (2-core AMD EPYC, NumPy 2.4): 2^15 (L2-sized blocks) is 10-25%
 #: slower than 2^17 - 2^19 for GELU and layer norm -- per-call overhead outweighs L2 misses
@@ -36,6 +36,8 @@ PARALLEL_MIN_ELEMENTS = 1 << 22
 #: the same threshold while :func:`single_threaded_blas` is active: no BLAS worker is spinning,
 #: so a second thread starts at once and jobs from a fraction of a millisecond gain from it
 QUIET_PARALLEL_MIN_ELEMENTS = 1 << 17
+#: :func:`product_parts`: a matrix product is cut only if every part keeps this many rows
+PRODUCT_MIN_ROWS = 64
 
 _pool: ThreadPoolExecutor | None = None
 _pool_owner: tuple[int, int] | None = None        # (pid, threads): a forked child makes its own
@@ -115,6 +117,36 @@ def single_threaded_blas() -> Iterator[None]:
             _quiet_blas = 0
             if torch is not None:
                 torch.set_num_threads(torch_threads)
+
+
+class OwnCores:
+    """``with OwnCores():`` -- :func:`single_threaded_blas` as a reusable context: the kernels run
+    their own threads on every core meanwhile (the row blocks of :func:`for_row_blocks` from
+    :data:`QUIET_PARALLEL_MIN_ELEMENTS`, matrix products cut by :func:`product_parts`, the tiled
+    attention's units). For one sequence at a time (batch 1), where
+    :class:`pedestrian.parallel.DataParallel` has no second row to give a core."""
+
+    def __init__(self) -> None:
+        self._contexts: list = []
+
+    def __enter__(self) -> "OwnCores":
+        context = single_threaded_blas()
+        context.__enter__()
+        self._contexts.append(context)          # a stack: the block may nest
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._contexts.pop().__exit__(*exc)
+
+
+def product_parts(like, n_rows: int) -> int:
+    """Into how many row blocks a NumPy matrix product of ``n_rows`` output rows is cut, one per
+    thread: :func:`num_threads` inside :func:`single_threaded_blas` outside a worker thread (the
+    BLAS then has one thread; no worker of it is left spinning), 1 otherwise (the BLAS threads
+    the product itself), and only as long as each part keeps :data:`PRODUCT_MIN_ROWS` rows."""
+    if not _quiet_blas or not is_numpy_array(like) or getattr(_in_worker, "active", False):
+        return 1
+    return max(1, min(num_threads(), n_rows // PRODUCT_MIN_ROWS))
 
 
 def in_worker_thread() -> contextlib.AbstractContextManager:
