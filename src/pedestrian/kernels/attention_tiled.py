@@ -155,10 +155,13 @@ def _threads(like) -> int:
     return num_threads()
 
 
-def _head_runs(like, G: int, tile: int, threads: int) -> list:
-    """``(lo, hi)`` runs of the ``G`` heads computed together: at least one per thread and, on
-    NumPy, tiles of at most :data:`TILE_ELEMENTS` scores (``tile`` per head)."""
-    run = -(-G // threads)
+def _head_runs(like, G: int, tile: int, threads: int, blocks: int) -> list:
+    """``(lo, hi)`` runs of the ``G`` heads computed together and, on NumPy, tiles of at most
+    :data:`TILE_ELEMENTS` scores (``tile`` per head). All heads in one run when the ``blocks``
+    (query blocks or runs of them) alone give each thread two units of work, else at least
+    one run per thread. Fewer, larger calls: each NumPy call hands the GIL to the other thread
+    and back (T = 1024, batch 1, 2 threads: forward 4.2 against 4.9 ms with two runs of 2 heads)."""
+    run = G if blocks >= 2 * threads else -(-G // threads)
     if is_numpy_array(like):
         run = max(1, min(run, TILE_ELEMENTS // tile))
     return [(lo, min(lo + run, G)) for lo in range(0, G, run)]
@@ -302,7 +305,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     threads = _threads(qkv)
     blocks = range(-(-T // bq))
     units = [(lo, hi, b) for b in (reversed(blocks) if causal else blocks)  # most work first
-             for lo, hi in _head_runs(qkv, G, bq * bk, threads)]
+             for lo, hi in _head_runs(qkv, G, bq * bk, threads, len(blocks))]
     _run_units(qkv, units, kernel, threads)
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
@@ -388,8 +391,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
             lib.multiply(dqi, inv_scale, out=dqi)
 
     threads = _threads(o)
-    _run_units(o, [(lo, hi, n) for n in range(len(runs)) for lo, hi in _head_runs(o, G, bq * bk, threads)],
-               kernel, threads)
+    heads = _head_runs(o, G, bq * bk, threads, len(runs))
+    _run_units(o, [(lo, hi, n) for n in range(len(runs)) for lo, hi in heads], kernel, threads)
     delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
     widest = max(range(len(runs)), key=key_end.__getitem__)                 # a run that reaches every key
     for parts, lo_col, width in ((dk_runs, hq, d_qk), (dv_runs, 2 * hq, d_head)):

@@ -59,24 +59,34 @@ def _transposed_contiguous(a) -> bool:
 def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_input=True):
     """Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
     straight into ``dweight`` / ``dbias`` (for a transposed ``dweight`` -- the tied logits'
-    share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows)."""
+    share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows). Batch 1 on our own
+    threads (:func:`~pedestrian.kernels.threads.product_parts`): ``dW`` and ``Δ_in``, products of
+    the same size, run side by side, one per thread (T = 1024, 128 × 512: 1.44 ms against 1.63
+    cutting each product in two)."""
     f_in, f_out = weight.shape
     d2 = delta.reshape(-1, f_out)
-    if dweight is not None:
-        x2 = cache.reshape(-1, f_in)
-        if _transposed_contiguous(dweight):
-            matmul_into(dweight.mT, d2.mT, x2)
-        elif f_out >= f_in:                                  # columns j of dW: xᵀ Δ[:, j]
-            _in_parts(d2, f_out, lambda lo, hi: matmul_into(dweight[:, lo:hi], x2.mT, d2[:, lo:hi]))
-        else:                                                # rows i of dW: x[:, i]ᵀ Δ
-            _in_parts(d2, f_in, lambda lo, hi: matmul_into(dweight[lo:hi], x2[:, lo:hi].mT, d2))
-    if dbias is not None:
-        colsum(d2, out=dbias)
-    if not need_input:
-        return None
-    delta_in = empty_array((d2.shape[0], f_in), d2)
-    _in_parts(d2, d2.shape[0], lambda lo, hi: matmul_into(delta_in[lo:hi], d2[lo:hi], weight.mT))
-    return delta_in.reshape(*delta.shape[:-1], f_in)
+    x2 = cache.reshape(-1, f_in)
+    delta_in = empty_array((d2.shape[0], f_in), d2) if need_input else None
+
+    def weight_grads() -> None:
+        if dweight is not None:
+            if _transposed_contiguous(dweight):
+                matmul_into(dweight.mT, d2.mT, x2)
+            else:
+                matmul_into(dweight, x2.mT, d2)                  # dW = xᵀ Δ
+        if dbias is not None:
+            colsum(d2, out=dbias)                                # db = Σ_rows Δ
+
+    def input_grad() -> None:
+        matmul_into(delta_in, d2, weight.mT)                     # Δ_in = Δ Wᵀ
+
+    jobs = [weight_grads] + ([input_grad] if need_input else [])
+    if len(jobs) == 2 and product_parts(d2, d2.shape[0]) > 1:
+        for_row_blocks(d2, lambda lo, hi: jobs[lo](), 2, 1, parallel_min=0, block=1)
+    else:
+        for job in jobs:
+            job()
+    return None if delta_in is None else delta_in.reshape(*delta.shape[:-1], f_in)
 
 
 def add(a, b):
