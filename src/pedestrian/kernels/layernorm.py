@@ -15,7 +15,16 @@ from .workspace import empty_array, scratch
 SMALL_ELEMENTS = 1 << 12
 
 
-_MEAN_ROWS: dict = {}
+_MEAN_WEIGHTS: dict = {}
+
+
+def _mean_weights(d: int, dtype):
+    """``(d,)`` of ``1/d``: a row mean as one product (``vecdot`` or, as a ``(d, 1)`` column, BLAS:
+    8 against 39 µs for ``np.sum`` over (1024, 128) float32 rows)."""
+    w = _MEAN_WEIGHTS.get((d, dtype))
+    if w is None:
+        w = _MEAN_WEIGHTS[(d, dtype)] = np.full(d, 1.0 / d, dtype=dtype)
+    return w
 
 
 def _layernorm_few_rows(x, weight, bias, eps: float, inv_d: float):
@@ -23,10 +32,7 @@ def _layernorm_few_rows(x, weight, bias, eps: float, inv_d: float):
     machinery costs more than the arithmetic of one token's row; the mean as one ``vecdot`` with
     a row of ``1/d`` and ``σ`` out of place: 6.8 vs 9.8 µs per token at d = 128)."""
     d = x.shape[-1]
-    row = _MEAN_ROWS.get((d, x.dtype))
-    if row is None:
-        row = _MEAN_ROWS[(d, x.dtype)] = np.full(d, inv_d, dtype=x.dtype)
-    mean = np.vecdot(x, row)[..., None]                    # μ
+    mean = np.vecdot(x, _mean_weights(d, x.dtype))[..., None]   # μ
     xhat = x - mean                                        # x − μ
     sigma = np.sqrt(np.vecdot(xhat, xhat)[..., None] * inv_d + eps)   # σ
     xhat /= sigma                                          # x̂
@@ -74,12 +80,11 @@ def layernorm_forward(x, weight, bias, eps: float):
     sigma = empty_array((*x.shape[:-1], 1), x)
     xhat2, y2, sigma2 = xhat.reshape(-1, d), y.reshape(-1, d), sigma.reshape(-1, 1)
     inv_d = 1.0 / d
+    mean_column = _mean_weights(d, x.dtype)[:, None]
 
     def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
         xb, hb, yb, rb = x2[lo:hi], xhat2[lo:hi], y2[lo:hi], sigma2[lo:hi]
-        mean = lib.sum(xb, axis=-1, keepdims=True)
-        lib.multiply(mean, inv_d, out=mean)
-        lib.subtract(xb, mean, out=hb)                                     # x − μ
+        lib.subtract(xb, xb @ mean_column, out=hb)                         # x − μ
         lib.multiply(rowdot(hb, hb), inv_d, out=rb)                        # biased variance
         lib.add(rb, eps, out=rb)
         lib.sqrt(rb, out=rb)                                               # σ
