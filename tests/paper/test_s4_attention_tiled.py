@@ -148,6 +148,53 @@ def test_kernel_torch_backend(T, causal, one_torch_thread):
         assert _rel(got.numpy(), want) <= TOL_ORDER
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_fixed_reference_and_its_fallback(causal, dtype, monkeypatch):
+    """The forward's reference ``m = S_α0`` (EQUATIONS.md, "A fixed reference") on ordinary
+    scores, and the running maximum it falls back to when a key scores far above key 0 (or when
+    forced): every path gives the full-matrix results. Bounds: float64 as in the module
+    docstring; float32, ``2⁻²⁴`` per rounded operation times a few hundred terms and layers of
+    sums, ``1e-4`` relative (the running maximum's own float32 result meets the same bound)."""
+    n_heads, d_qk, d_head, T = 2, 4, 3, 300
+    rng = np.random.default_rng(7 + causal)
+    tol = TOL_ORDER if dtype == "float64" else 1e-4
+    calls = []
+    real_rowmax = attention_tiled._rowmax_into
+
+    def counted(s, out):                                 # only the running maximum takes row maxima
+        calls.append(1)
+        real_rowmax(s, out)
+
+    monkeypatch.setattr(attention_tiled, "_rowmax_into", counted)
+
+    def compare(qkv, max_sum=None):
+        calls.clear()
+        with monkeypatch.context() as m:
+            if max_sum is not None:
+                m.setattr(attention_tiled, "FIXED_REFERENCE_MAX_SUM", max_sum)
+            out, cache = tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, block_q=32, block_k=64)
+        delta = np.ones_like(out)
+        dqkv, _ = tiled_attention_backward(delta, cache)
+        wide = qkv.astype(np.float64)
+        ref_out, ref_cache = reference_attention.multi_head_attention_forward(wide, n_heads, d_qk, d_head,
+                                                                               causal=causal)
+        ref_dqkv, _ = reference_attention.multi_head_attention_backward(delta.astype(np.float64), ref_cache)
+        for name, got, ref in (("out", out, ref_out), ("d_qkv", dqkv, ref_dqkv),
+                               ("P", tiled_attention_weights(cache), ref_cache["p"])):
+            assert _rel(got, ref) <= tol, (name, max_sum)
+        return len(calls)
+
+    qkv = rng.standard_normal((1, T, n_heads * (2 * d_qk + d_head))).astype(dtype)
+    assert compare(qkv) == 0                             # ordinary scores: no row maximum at all
+    assert compare(qkv, max_sum=0.0) > 0                 # forced: the running maximum everywhere
+    far = qkv.copy()                                     # key 150 scores ~+60 against each query's key 0
+    hq = n_heads * d_qk
+    far[0, :, :hq] = 4.0 * np.abs(far[0, :, :hq])
+    far[0, 150, hq:2 * hq] = 6.0
+    assert compare(far) > 0                              # the row blocks that see key 150 fall back
+
+
 @pytest.mark.parametrize("blocks", [dict(block_q=0), dict(block_k=-1)])
 def test_bad_block_size_is_an_error(blocks):
     with pytest.raises(ValueError, match="block sizes must be >= 1"):

@@ -4,11 +4,13 @@ The same function as :func:`pedestrian.layers.attention.multi_head_attention_for
 backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
 
 - **Forward.** Queries are taken ``block_q`` rows at a time and keys ``block_k`` at a time. For a
-  block of queries the softmax is built up over the key blocks with a running row maximum ``m``
-  and a running row sum ``l`` (the online softmax): each new block of scores rescales what has
-  been summed so far by ``exp(m_old − m_new)``. Per query row only the output and the
-  log-sum-exp ``ℓ = m + log l`` are kept; the ``T × T`` matrix ``P`` is never stored. With the
-  causal mask, key blocks wholly above the diagonal are skipped (half the work).
+  block of queries the softmax is built up over the key blocks as a row sum ``l`` and output
+  ``u`` relative to a reference ``m`` per row: first ``m = S_α0``, each row's score of key 0
+  (fixed: no row maximum, no rescaling, ``S − m`` inside the product); if some row's ``l``
+  exceeds :data:`FIXED_REFERENCE_MAX_SUM`, the row block again with a running maximum (the
+  online softmax: each new block rescales the sums by ``exp(m_old − m_new)``). Per query row
+  only the output and the log-sum-exp ``ℓ = m + log l`` are kept; the ``T × T`` matrix ``P`` is
+  never stored. With the causal mask, key blocks wholly above the diagonal are skipped.
 - **Backward.** Each block's ``P = exp(S − ℓ)`` is recomputed from ``q``, ``k`` and the stored
   ``ℓ``; ``dv``, ``dP``, ``Δcausal``, ``dq`` and ``dk`` are accumulated block by block. The row
   sums of the softmax backward come from ``rowsum(dP ∘ P) = rowsum(Δ ∘ out)`` (EQUATIONS.md),
@@ -40,7 +42,7 @@ from .blas import elementwise_lib, matmul_into, rowdot
 from .threads import get_pool, in_worker_thread, is_worker_thread, num_threads, single_threaded_blas
 from .workspace import empty_array, scratch
 
-__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREADS", "use_tiled",
+__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREADS", "FIXED_REFERENCE_MAX_SUM", "use_tiled",
            "tiled_attention_forward", "tiled_attention_backward", "tiled_attention_weights"]
 
 #: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (several heads'
@@ -59,6 +61,13 @@ TILE_ELEMENTS = 1 << 18
 #: run sums its ``dk``, ``dv`` into an array of its own, added in a fixed order at the end, so the
 #: result is the same whichever thread ran which run and however many threads there are.
 BACKWARD_RUNS = 4
+#: the forward takes each row's score of key 0, ``m = S_α0``, as the reference of all its key
+#: blocks (no row maximum, no rescaling; EQUATIONS.md, "A fixed reference") when every row's
+#: sum ``l = Σ_β exp(S − m)`` (``>= 1``: key 0's own term) stays at most this: ``e^20``, far from
+#: float32's overflow, and ``ℓ = m + log l`` then keeps nearly the bits the running maximum's
+#: does. A row block over it (a key scoring far above key 0, or a NaN) is computed again with the
+#: running maximum
+FIXED_REFERENCE_MAX_SUM = math.exp(20.0)
 #: share the units of work over our own threads (NumPy and the BLAS release the GIL; each thread
 #: calls a single-threaded BLAS), or leave the threading to the library (PyTorch threads each
 #: operation; on a busy machine neither measured better for torch tensors)
@@ -267,40 +276,64 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
 
     def kernel(lo: int, hi: int, block: int) -> None:                       # heads lo:hi, query block
         g, i0, i1 = hi - lo, block * bq, min(block * bq + bq, T)
-        r = i1 - i0
-        qi = q_aug[lo:hi, i0:i1, :d_qk]                                      # (g, r, d_qk)
+        r, end = i1 - i0, (i1 if causal else T)                              # keys seen: 0 … end-1
+        qa = q_aug[lo:hi, i0:i1]                                             # [q/√d_qk | spare column]
         acc = scratch((g, r, d_head + 1), qkv, "tiled.acc")                  # [Σ_β e v_β | Σ_β e]
-        m = scratch((g, r, 1), qkv, "tiled.m")                               # running row max
+        m = scratch((g, r, 1), qkv, "tiled.m")                               # the rows' reference
         m_new = scratch((g, r, 1), qkv, "tiled.m_new")
         t = scratch((g, r, d_head + 1), qkv, "tiled.t")
         s_flat = scratch((g * r * bk,), qkv, "tiled.s")
-        for j0 in range(0, i1 if causal else T, bk):                         # blocks above: skipped
-            j1 = min(j0 + bk, i1 if causal else T)
+
+        def scores(j0: int, j1: int, minus_m: bool):                        # keys j0:j1, masked
             s = _carve(s_flat, g, r, j1 - j0)
-            matmul_into(s, qi, k_aug[lo:hi, j0:j1, :d_qk].mT)                # S = q kᵀ/√d_qk
+            if minus_m:                                                      # [q | −m] [k | 1]ᵀ = S − m
+                matmul_into(s, qa, k_aug[lo:hi, j0:j1].mT)
+            else:                                                            # S = q kᵀ/√d_qk
+                matmul_into(s, qa[..., :d_qk], k_aug[lo:hi, j0:j1, :d_qk].mT)
             if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
                 lib.add(s, _tile_mask(r, j1 - j0, i0 - j0, s), out=s)
-            if j0 == 0:                                                      # first block: no history
-                _rowmax_into(s, m)                                           # key 0 is always allowed
-                lib.subtract(s, m, out=s)
-                lib.exp(s, out=s)                                            # e = exp(S − m)
+            return s
+
+        def first_block() -> None:                                           # key 0 is always allowed
+            j1 = min(bk, end)
+            s = scores(0, j1, False)
+            _rowmax_into(s, m)
+            lib.subtract(s, m, out=s)
+            lib.exp(s, out=s)                                                # e = exp(S − m)
+            matmul_into(acc, s, v_aug[lo:hi, :j1])
+
+        # the reference m = S_α0, each row's score of key 0 (always allowed): no running maximum
+        matmul_into(m, qa[..., :d_qk], k_aug[lo:hi, :1, :d_qk].mT)           # (EQUATIONS.md, "a
+        lib.negative(m, out=qa[..., d_qk:])                                  # fixed reference")
+        for j0 in range(0, end, bk):
+            j1 = min(j0 + bk, end)
+            s = scores(j0, j1, True)
+            lib.exp(s, out=s)                                                # e = exp(S − m)
+            if j0 == 0:
                 matmul_into(acc, s, v_aug[lo:hi, j0:j1])
-                continue
-            _rowmax_into(s, m_new)
-            lib.maximum(m_new, m, out=m_new)
-            lib.subtract(s, m_new, out=s)
-            lib.exp(s, out=s)                                                # e = exp(S − m_new)
-            lib.subtract(m, m_new, out=m)
-            lib.exp(m, out=m)                                                # exp(m_old − m_new) <= 1
-            lib.multiply(acc, m, out=acc)                                    # rescale the sums so far
-            matmul_into(t, s, v_aug[lo:hi, j0:j1])
-            lib.add(acc, t, out=acc)
-            m, m_new = m_new, m                                              # the new max is the old one now
+            else:
+                matmul_into(t, s, v_aug[lo:hi, j0:j1])
+                lib.add(acc, t, out=acc)
+        if not float(acc[..., d_head:].max()) <= FIXED_REFERENCE_MAX_SUM:       # a key far above key 0
+            first_block()                                                    # (or a NaN): again, with
+            for j0 in range(bk, end, bk):                                    # the running maximum
+                j1 = min(j0 + bk, end)
+                s = scores(j0, j1, False)
+                _rowmax_into(s, m_new)
+                lib.maximum(m_new, m, out=m_new)
+                lib.subtract(s, m_new, out=s)
+                lib.exp(s, out=s)                                            # e = exp(S − m_new)
+                lib.subtract(m, m_new, out=m)
+                lib.exp(m, out=m)                                            # exp(m_old − m_new) <= 1
+                lib.multiply(acc, m, out=acc)                                # rescale the sums so far
+                matmul_into(t, s, v_aug[lo:hi, j0:j1])
+                lib.add(acc, t, out=acc)
+                m, m_new = m_new, m                                          # the new max is the old one now
         total = acc[..., d_head:]                                            # l = Σ_β exp(S − m)
         lib.divide(acc[..., :d_head], total, out=o[lo:hi, i0:i1])            # out = P v
         lib.log(total, out=total)
         lib.add(total, m, out=total)                                         # ℓ = m + log l
-        lib.negative(total, out=q_aug[lo:hi, i0:i1, d_qk:])
+        lib.negative(total, out=qa[..., d_qk:])
 
     threads = _threads(qkv)
     blocks = range(-(-T // bq))
