@@ -42,8 +42,8 @@ from .blas import elementwise_lib, matmul_into, rowdot
 from .threads import get_pool, in_worker_thread, is_worker_thread, num_threads, single_threaded_blas
 from .workspace import empty_array, scratch
 
-__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREADS", "FIXED_REFERENCE_MAX_SUM", "use_tiled",
-           "tiled_attention_forward", "tiled_attention_backward", "tiled_attention_weights"]
+__all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREADS", "FIXED_REFERENCE_MAX_SUM",
+           "use_tiled", "tiled_attention_forward", "tiled_attention_backward", "tiled_attention_weights"]
 
 #: ``(block_q, block_k)`` per backend: query rows and key columns of one tile (several heads'
 #: tiles go through each call). Measured at T = 2048, 4 heads of 32 (docs/performance.md, "Long
