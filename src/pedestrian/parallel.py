@@ -41,7 +41,7 @@ import numpy as np
 
 from .backend import to_numpy
 from .distributed import RowKeyedRNG
-from .kernels.threads import OwnCores, get_pool, in_worker_thread, num_threads, single_threaded_blas
+from .kernels.threads import OwnCores, get_pool, in_worker_thread, num_threads
 from .layers.loss import IGNORE_INDEX
 
 __all__ = ["DataParallel", "use_data_parallel", "runner_for", "DATA_PARALLEL_MODES", "SMALL_MODEL_PARAMS"]
@@ -121,7 +121,7 @@ class DataParallel:
         self._replicas: list = []
         self._structure = None
         self._n_used = 0                        # slices used by the last loss(); 0 = none yet
-        self._contexts: list = []
+        self._cores = OwnCores()
 
     @property
     def training(self) -> bool:
@@ -143,14 +143,12 @@ class DataParallel:
 
     def __enter__(self) -> "DataParallel":
         """Hold BLAS (and torch) to one thread per slice until exit (see
-        :func:`pedestrian.kernels.threads.single_threaded_blas`)."""
-        context = single_threaded_blas()
-        context.__enter__()
-        self._contexts.append(context)          # a stack: `with dp:` may nest
+        :func:`pedestrian.kernels.threads.single_threaded_blas`; ``with dp:`` may nest)."""
+        self._cores.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._contexts.pop().__exit__(*exc)
+        self._cores.__exit__(*exc)
 
     def slices_for(self, batch_size: int) -> int:
         """How many slices a batch of ``batch_size`` rows is split into: ``min(threads, B)``."""
