@@ -647,9 +647,9 @@ def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> t
     if ckpt.state.get("optimizer") is None:
         raise TrainingError(f"checkpoint {ckpt.path} holds no optimizer state; it cannot be resumed")
     if ckpt.step >= saved.max_steps:
-        raise TrainingError(f"the run in {out} already finished all {saved.max_steps} steps "
-                            f"(checkpoint at step {ckpt.step}); pass a larger --max-steps to "
-                            "train on (the cosine schedule is stretched to it)")
+        raise TrainingError(f"the run in {out} is at step {ckpt.step}, which already reaches --max-steps "
+                            f"{saved.max_steps}; pass a larger --max-steps to train on (the cosine "
+                            "schedule is stretched to it)")
     return saved, ckpt
 
 

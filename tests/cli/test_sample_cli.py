@@ -150,7 +150,8 @@ def test_stop_text_and_stop_id(char_setup):
     (("--prompt", "hi", "--repetition-penalty", "nan"), "--repetition-penalty"),
     (("--prompt", "hi", "--repetition-penalty", "inf"), "--repetition-penalty"),
     (("--prompt", "héllo"), "characters that occur in its training text"),   # unknown character
-    (("--prompt", ""), "prompt is empty"),                               # char model: no <|endoftext|>
+    (("--prompt", ""), "the --prompt is empty"),                         # char model: no <|endoftext|>
+    ((), "no --prompt was given, so the prompt is empty"),               # none at all: says so
 ])
 def test_bad_input_is_a_clear_error(char_setup, argv, match):
     model, tok = char_setup

@@ -60,7 +60,7 @@ def test_train_eval_resume(run, corpus, capsys):
     assert steps == list(range(1, 9))
     # finished runs say so
     assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
-    assert "already finished" in _one_line_error(capsys)
+    assert "already reaches --max-steps" in _one_line_error(capsys)
 
 
 def test_toml_config_and_flag_priority(tmp_path, corpus, capsys):

@@ -1,17 +1,17 @@
 """Generate text from a checkpoint or a Hugging Face GPT-2 directory, printing tokens as they come.
 
 Examples:
-  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --max-new-tokens 300 \\
+  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --max-new-tokens 300 \\
       --temperature 0.8 --top-k 40 --seed 1
   pedestrian sample --hf-dir gpt2 --prompt "The meaning of life" --top-p 0.9 --seed 0
   pedestrian sample --checkpoint runs/finetune --prompt "Dear diary,"   # base + LoRA adapters
-  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --repetition-penalty 1.2 \\
+  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --repetition-penalty 1.2 \\
       --min-p 0.05 --temperature 0.9        # penalise repeats, drop tokens < 5% of the top one
-  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --stop $'\\n\\n' \\
+  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --stop $'\\n\\n' \\
       --stop "JULIET:"                     # end at a blank line or at "JULIET:", unprinted
-  pedestrian sample --checkpoint runs/char/ckpt --prompt "ROMEO:" --prompt "First Citizen:" \\
+  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --prompt "First Citizen:" \\
       --temperature 0                      # two prompts of different lengths, one batch
-  pedestrian sample --checkpoint runs/char/ckpt --prompts-file prompts.txt   # one per line
+  pedestrian sample --checkpoint runs/shakespeare_char/best --prompts-file prompts.txt   # one per line
 
 Behaviour:
   - Several prompts (--prompt repeated, or --prompts-file) are generated together, left-padded,
@@ -295,7 +295,9 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
     prompts = _prompt_texts(args)
-    prompt_ids = [_encode_prompt(tokenizer, text, "the --prompt" if len(prompts) == 1 else f"--prompt {i + 1}")
+    given = bool(args.prompt) or bool(getattr(args, "prompts_file", None))
+    prompt_ids = [_encode_prompt(tokenizer, text, ("the --prompt" if given else "no --prompt was given, so the prompt")
+                                 if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]
     stops = _stop_ids(tokenizer, args)
     V = model.config.vocab_size

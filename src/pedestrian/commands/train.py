@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if not result.is_writer:
         return 0
-    print(f"final validation loss {result.val_loss:.4f} nats/token at step {result.step} "
+    print(f"final validation loss {result.val_loss:.4f} nats per token at step {result.step} "
           f"({result.seconds / 60:.1f} min); latest checkpoint {out / 'latest'}", file=sys.stdout)
     if args.sample:
         _print_samples(out)
