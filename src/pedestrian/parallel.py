@@ -65,14 +65,23 @@ def use_data_parallel(model, batch_size: int, threads: int | None = None) -> boo
     backend: PyTorch threads each operation itself, and its per-operation overhead holds the
     GIL, so threads over the batch did not help there.
     """
+    return batch_size >= 2 and _threads_help(model, threads)
+
+
+def _threads_help(model, threads: int | None = None) -> bool:
+    """NumPy backend, at least two threads, fewer than :data:`SMALL_MODEL_PARAMS` trainable
+    parameters: a model whose steps gain from our own threads (:class:`DataParallel` over the
+    rows, or :class:`~pedestrian.kernels.threads.OwnCores` for a single sequence)."""
     threads = num_threads() if threads is None else threads
-    return (model.backend == "numpy" and threads >= 2 and batch_size >= 2
+    return (model.backend == "numpy" and threads >= 2
             and model.num_params(trainable_only=True) < SMALL_MODEL_PARAMS)
 
 
 def runner_for(model, data_parallel: str, batch_size: int):
     """``(runner, context)`` for a training loop: a :class:`DataParallel` and itself (its
-    context holds BLAS to one thread per slice), or the model and a null context.
+    context holds BLAS to one thread per slice); for one sequence, the model and an
+    :class:`~pedestrian.kernels.threads.OwnCores` (the kernels share it over the threads); else
+    the model and a null context.
 
     Args:
         data_parallel: ``"auto"`` (:func:`use_data_parallel`), ``"on"``, ``"off"``.
@@ -87,7 +96,7 @@ def runner_for(model, data_parallel: str, batch_size: int):
         dp = DataParallel(model)
         if dp.threads > 1:
             return dp, dp
-    if data_parallel != "off" and batch_size == 1 and use_data_parallel(model, 2):
+    if data_parallel != "off" and batch_size == 1 and _threads_help(model):
         return model, OwnCores()              # one sequence: the kernels' own threads share it
     return model, contextlib.nullcontext()
 

@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the paper's position properties instead (see above)")
 
 
-def _check_flags(args: argparse.Namespace) -> str:
-    """Validate the flags; returns the check to run (``"fd"``)."""
+def _check_flags(args: argparse.Namespace) -> None:
+    """Validate the flags (``ValueError`` naming the flag)."""
     if args.entries < 1:
         raise ValueError(f"--entries must be a positive integer, got {args.entries}")
     if not (math.isfinite(args.step) and args.step > 0):
@@ -94,7 +94,6 @@ def _check_flags(args: argparse.Namespace) -> str:
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{name} must be a finite number >= 0, got {v}")
-    return "fd"
 
 
 def gradient_lines(model: GPT) -> list:

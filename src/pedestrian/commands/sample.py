@@ -295,7 +295,7 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
     prompts = _prompt_texts(args)
-    given = bool(args.prompt) or bool(getattr(args, "prompts_file", None))
+    given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
     prompt_ids = [_encode_prompt(tokenizer, text, ("the --prompt" if given else "no --prompt was given, so the prompt")
                                  if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]

@@ -118,14 +118,11 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
         allowed = attention_mask(T, L, causal=causal, key_start=kv_cache.key_start, like=qkv)
         xp = array_namespace(s)
         s = xp.where(allowed, s, xp.full_like(s, -math.inf))
-    if type(s) is np.ndarray:                                # the ufuncs' own reductions: 2.8 and
-        lib.subtract(s, np.maximum.reduce(s, axis=-1, keepdims=True), out=s)   # 1.5 µs against
-        lib.exp(s, out=s)                                    # 5.2 and 2.8 (np.amax, np.sum) per call
-        lib.divide(s, np.add.reduce(s, axis=-1, keepdims=True), out=s)   # at one token
-    else:
-        lib.subtract(s, lib.amax(s, axis=-1, keepdims=True), out=s)
-        lib.exp(s, out=s)
-        lib.divide(s, lib.sum(s, axis=-1, keepdims=True), out=s)
+    # NumPy: the ufuncs' own reductions, 2.8 and 1.5 µs against 5.2 and 2.8 for np.amax, np.sum
+    rowmax, rowsum = ((np.maximum.reduce, np.add.reduce) if type(s) is np.ndarray else (lib.amax, lib.sum))
+    lib.subtract(s, rowmax(s, axis=-1, keepdims=True), out=s)
+    lib.exp(s, out=s)
+    lib.divide(s, rowsum(s, axis=-1, keepdims=True), out=s)
     out = (s @ v).swapaxes(1, 2).reshape(B, T, hv)           # (B, T, H·d_head)
     return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, kv_cache=True)
 

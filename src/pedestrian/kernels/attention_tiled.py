@@ -33,13 +33,11 @@ are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 
 from ..backend import is_numpy_array, is_torch_array
 from .blas import elementwise_lib, matmul_into, rowdot
-from .threads import get_pool, in_worker_thread, is_worker_thread, num_threads, single_threaded_blas
+from .threads import is_worker_thread, num_threads, run_units
 from .workspace import empty_array, scratch
 
 __all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREADS", "FIXED_REFERENCE_MAX_SUM",
@@ -176,44 +174,6 @@ def _head_runs(like, G: int, tile: int, threads: int, blocks: int) -> list:
     return [(lo, min(lo + run, G)) for lo in range(0, G, run)]
 
 
-def _run_units(like, units: list, kernel, threads: int) -> None:
-    """``kernel(*unit)`` for every unit; with several threads each takes the next unit left
-    (the list is ordered largest first), so a thread that starts late or is slowed down by
-    another process does less, not the others wait. Every unit writes its own outputs, so the
-    results do not depend on which thread ran what.
-
-    On NumPy the BLAS is held to one thread meanwhile (:func:`single_threaded_blas`; inside a
-    worker thread it already is): a tile's products are too small for BLAS threads to pay --
-    forward and backward at T = 2048 on a busy machine: 150-470 ms calling a 2-thread OpenBLAS,
-    79-110 calling a 1-thread one -- and each of our threads needs a core of its own.
-    """
-    threads = min(threads, len(units))
-    quiet = is_numpy_array(like) and not is_worker_thread()
-    if threads <= 1:
-        with single_threaded_blas() if quiet else contextlib.nullcontext():
-            for unit in units:
-                kernel(*unit)
-        return
-    todo, lock = iter(units), threading.Lock()
-
-    def worker() -> None:
-        with in_worker_thread():
-            while True:
-                with lock:
-                    unit = next(todo, None)
-                if unit is None:
-                    return
-                kernel(*unit)
-
-    with single_threaded_blas():
-        futures = [get_pool().submit(worker) for _ in range(threads - 1)]
-        try:
-            worker()
-        finally:
-            for f in futures:
-                f.result()
-
-
 def _query_runs(T: int, bq: int, causal: bool, n_runs: int) -> list:
     """``n_runs`` ``(first, last)`` ranges of query blocks covering ``0 … ceil(T/bq)``, most work
     first (with the causal mask, block ``i`` has ``i + 1`` key blocks to visit)."""
@@ -339,7 +299,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     blocks = range(-(-T // bq))
     units = [(lo, hi, b) for b in (reversed(blocks) if causal else blocks)  # most work first
              for lo, hi in _head_runs(qkv, G, bq * bk, threads, len(blocks))]
-    _run_units(qkv, units, kernel, threads)
+    run_units(qkv, units, kernel, threads)
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
@@ -425,7 +385,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
 
     threads = _threads(o)
     heads = _head_runs(o, G, bq * bk, threads, len(runs))
-    _run_units(o, [(lo, hi, n) for n in range(len(runs)) for lo, hi in heads], kernel, threads)
+    run_units(o, [(lo, hi, n) for n in range(len(runs)) for lo, hi in heads], kernel, threads)
     delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
     widest = max(range(len(runs)), key=key_end.__getitem__)                 # a run that reaches every key
     for parts, lo_col, width in ((dk_runs, hq, d_qk), (dv_runs, 2 * hq, d_head)):

@@ -27,14 +27,14 @@ def _mean_weights(d: int, dtype):
     return w
 
 
-def _layernorm_few_rows(x, weight, bias, eps: float, inv_d: float):
+def _layernorm_few_rows(x, weight, bias, eps: float):
     """The same formulas as the row-block kernel in seven NumPy calls (measured: the row-block
     machinery costs more than the arithmetic of one token's row; the mean as one ``vecdot`` with
     a row of ``1/d`` and ``σ`` out of place: 6.8 vs 9.8 µs per token at d = 128)."""
     d = x.shape[-1]
     mean = np.vecdot(x, _mean_weights(d, x.dtype))[..., None]   # μ
     xhat = x - mean                                        # x − μ
-    sigma = np.sqrt(np.vecdot(xhat, xhat)[..., None] * inv_d + eps)   # σ
+    sigma = np.sqrt(np.vecdot(xhat, xhat)[..., None] * (1.0 / d) + eps)   # σ
     xhat /= sigma                                          # x̂
     y = xhat * weight
     if bias is not None:
@@ -73,7 +73,7 @@ def layernorm_forward(x, weight, bias, eps: float):
         return y, (xhat, sigma, weight)
     d = x.shape[-1]
     if x.size <= SMALL_ELEMENTS:
-        return _layernorm_few_rows(x, weight, bias, eps, 1.0 / d)
+        return _layernorm_few_rows(x, weight, bias, eps)
     lib = elementwise_lib(x)
     x2 = x.reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)

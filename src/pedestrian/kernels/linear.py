@@ -11,7 +11,7 @@ import numpy as np
 
 from ..backend import is_torch_array
 from .blas import colsum, elementwise_lib, matmul_into
-from .threads import for_row_blocks, product_parts
+from .threads import for_row_blocks, product_parts, run_units
 from .workspace import empty_array
 
 
@@ -80,12 +80,12 @@ def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_inpu
     def input_grad() -> None:
         matmul_into(delta_in, d2, weight.mT)                     # Δ_in = Δ Wᵀ
 
-    jobs = [weight_grads] + ([input_grad] if need_input else [])
-    if len(jobs) == 2 and product_parts(d2, d2.shape[0]) > 1:
-        for_row_blocks(d2, lambda lo, hi: jobs[lo](), 2, 1, parallel_min=0, block=1)
+    if need_input and product_parts(d2, d2.shape[0]) > 1:       # our threads: one product each
+        run_units(d2, [(weight_grads,), (input_grad,)], lambda job: job(), 2)
     else:
-        for job in jobs:
-            job()
+        weight_grads()
+        if need_input:
+            input_grad()
     return None if delta_in is None else delta_in.reshape(*delta.shape[:-1], f_in)
 
 

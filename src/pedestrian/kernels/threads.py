@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from ..backend import is_numpy_array
 
 __all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "is_worker_thread", "get_pool",
-           "for_row_blocks", "product_parts", "OwnCores", "BLOCK_ELEMENTS", "PRODUCT_MIN_ROWS"]
+           "for_row_blocks", "run_units", "product_parts", "OwnCores", "BLOCK_ELEMENTS", "PRODUCT_MIN_ROWS"]
 
 #: elements per block. Measured (2-core AMD EPYC, NumPy 2.4): 2^15 (L2-sized blocks) is 10-25%
 #: slower than 2^17 - 2^19 for GELU and layer norm -- per-call overhead outweighs L2 misses
@@ -147,6 +147,45 @@ def product_parts(like, n_rows: int) -> int:
     if not _quiet_blas or not is_numpy_array(like) or getattr(_in_worker, "active", False):
         return 1
     return max(1, min(num_threads(), n_rows // PRODUCT_MIN_ROWS))
+
+
+def run_units(like, units: list, kernel, threads: int) -> None:
+    """``kernel(*unit)`` for every unit, over ``threads`` threads: each takes the next unit left
+    (the list is ordered largest first), so a thread that starts late or is slowed down by
+    another process does less, not the others wait. Every unit writes its own outputs, so the
+    results do not depend on which thread ran what.
+
+    On NumPy the BLAS is held to one thread meanwhile (:func:`single_threaded_blas`; inside a
+    worker thread it already is): each of our threads needs a core of its own, and the tiled
+    attention's products are too small for BLAS threads to pay -- its forward and backward at
+    T = 2048 on a busy machine: 150-470 ms calling a 2-thread OpenBLAS, 79-110 calling a
+    1-thread one.
+    """
+    threads = min(threads, len(units))
+    quiet = is_numpy_array(like) and not is_worker_thread()
+    if threads <= 1:
+        with single_threaded_blas() if quiet else contextlib.nullcontext():
+            for unit in units:
+                kernel(*unit)
+        return
+    todo, lock = iter(units), threading.Lock()
+
+    def worker() -> None:
+        with in_worker_thread():
+            while True:
+                with lock:
+                    unit = next(todo, None)
+                if unit is None:
+                    return
+                kernel(*unit)
+
+    with single_threaded_blas():
+        futures = [get_pool().submit(worker) for _ in range(threads - 1)]
+        try:
+            worker()
+        finally:
+            for f in futures:
+                f.result()
 
 
 def in_worker_thread() -> contextlib.AbstractContextManager:
