@@ -113,16 +113,14 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
         q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (1.0 / math.sqrt(d_qk))
     k, v = keys[:, :, :L, :], values[:, :, :L, :]
     s = q @ k.mT                                             # (B, H, T, L)
-    lib = elementwise_lib(s)
     if (causal and T > 1) or kv_cache.key_start is not None:
         allowed = attention_mask(T, L, causal=causal, key_start=kv_cache.key_start, like=qkv)
         xp = array_namespace(s)
         s = xp.where(allowed, s, xp.full_like(s, -math.inf))
-    # NumPy: the ufuncs' own reductions, 2.8 and 1.5 µs against 5.2 and 2.8 for np.amax, np.sum
-    rowmax, rowsum = ((np.maximum.reduce, np.add.reduce) if type(s) is np.ndarray else (lib.amax, lib.sum))
-    lib.subtract(s, rowmax(s, axis=-1, keepdims=True), out=s)
+    lib = elementwise_lib(s)                                 # NumPy: amax, sum are the ufuncs' reduces
+    lib.subtract(s, lib.amax(s, axis=-1, keepdims=True), out=s)
     lib.exp(s, out=s)
-    lib.divide(s, rowsum(s, axis=-1, keepdims=True), out=s)
+    lib.divide(s, lib.sum(s, axis=-1, keepdims=True), out=s)
     out = (s @ v).swapaxes(1, 2).reshape(B, T, hv)           # (B, T, H·d_head)
     return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, kv_cache=True)
 
