@@ -13,7 +13,10 @@ full-matrix attention in another order: online softmax over key blocks, causal b
   gradient, every error signal Δ1 … Δ12, Δcausal, P) ``<= 1e-12``, and against the independent
   PyTorch reference (tests/oracles/torch_reference.py) ``<= 1e-9``;
 - that the fast path picks the tiled kernel from ``TILED_MIN_T`` on, that its cache is O(T),
-  and that NumPy shares the heads over threads.
+  and that NumPy shares the heads over threads;
+- the kernel and the full-matrix one with the softmax in powers of 2 (what they take on
+  PyTorch), forced on NumPy: ``2^(x·log₂e)`` differs from ``e^x`` by ``~|x|·2⁻⁵²`` relative
+  (tests/oracles/gradcheck.py, ``FAST_EXP2``), far inside ``1e-12``.
 
 Tolerances: both sides sum the same float64 terms in another order (at most T = 1024 terms per
 sum, a few sums deep), so they differ by a small multiple of ``T · 2⁻⁵³ ≈ 1.1e-13`` relative to
@@ -64,10 +67,15 @@ def _full_fast(qkv, n_heads, d_qk, d_head, causal, monkeypatch):
         return fast_attention.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal)
 
 
+#: NumPy's own choice (``e^x``), and the powers of 2 PyTorch takes, forced (tests/conftest.py)
+BASES = pytest.mark.parametrize("base", ["e", pytest.param("2", marks=pytest.mark.exp2)])
+
+
 @pytest.mark.parametrize("T", TS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_kernel_matches_full_matrix(T, causal, B, monkeypatch):
+@BASES
+def test_kernel_matches_full_matrix(T, causal, B, base, monkeypatch):
     n_heads, d_qk, d_head = 2, 5, 3                                          # d_qk ≠ d_head
     rng = np.random.default_rng(T * 10 + B + causal)
     qkv = 2.0 * rng.standard_normal((B, T, n_heads * (2 * d_qk + d_head)))  # O(1)-O(10) scores
@@ -150,7 +158,8 @@ def test_kernel_torch_backend(T, causal, one_torch_thread):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_fixed_reference_and_its_fallback(causal, dtype, monkeypatch):
+@BASES
+def test_fixed_reference_and_its_fallback(causal, dtype, base, monkeypatch):
     """The forward's reference ``m = S_α0`` (EQUATIONS.md, "A fixed reference") on ordinary
     scores, and the running maximum it falls back to when a key scores far above key 0 (or when
     forced): every path gives the full-matrix results. Bounds: float64 as in the module

@@ -1,10 +1,13 @@
 """Fast kernels for multi-head attention (reference: :mod:`pedestrian.layers.attention`, sections 3-4).
 
 The same formulas as the reference, arranged for speed: the scale ``1/√d_qk`` is folded into
-``q`` once, the scores are overwritten in place by the softmax (one ``(B, H, T, T)`` array per
-block instead of three), ``dP`` becomes ``Δcausal`` in place, heads are written straight into
-their column blocks of ``a3`` and of the signal at ``qkv`` (no concatenation copies), and the
-batch rows are shared over threads in blocks (:func:`pedestrian.kernels.threads.for_row_blocks`).
+``q`` once (on PyTorch with ``log₂e``: the softmax then takes ``2^x``, the same numbers at a
+third of the cost or less, :func:`pedestrian.kernels.blas.uses_exp2`; ``dk``, a product with
+that ``q``, is divided by ``log₂e``), the scores are overwritten in place by the softmax (one
+``(B, H, T, T)`` array per block instead of three), ``dP`` becomes ``Δcausal`` in place, heads
+are written straight into their column blocks of ``a3`` and of the signal at ``qkv`` (no
+concatenation copies), and the batch rows are shared over threads in blocks
+(:func:`pedestrian.kernels.threads.for_row_blocks`).
 
 From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
 kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks
@@ -21,7 +24,8 @@ from array_api_compat import device
 from ..backend import array_namespace, is_torch_array
 from ..layers.attention import KVBlock, attention_mask
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
-from .blas import elementwise_lib, matmul_into, rowdot
+from . import blas
+from .blas import LOG2_E, elementwise_lib, matmul_into, rowdot
 from .threads import for_row_blocks
 from .workspace import empty_array, scratch
 
@@ -74,26 +78,28 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         # torch's batched matmul copies a head-interleaved operand on every use (it needs one
         # stride over (B, H)); one copy each here also serves the backward's three uses
         k, v = k.contiguous(), v.contiguous()
-    q = empty_array((B, n_heads, T, d_qk), qkv)              # q / √d_qk (the scale folded in)
+    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0            # scores in units of log 2, or 1
+    q = empty_array((B, n_heads, T, d_qk), qkv)              # q · unit / √d_qk (the scale folded in)
     p = empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
     out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
     mask = causal_mask(T, qkv) if causal else None
     lib = elementwise_lib(qkv)
+    exp = lib.exp if unit == 1.0 else lib.exp2
 
     def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
         qb, sb = q[lo:hi], p[lo:hi]
-        lib.multiply(q_raw[lo:hi], 1.0 / math.sqrt(d_qk), out=qb)
-        matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T)
+        lib.multiply(q_raw[lo:hi], unit / math.sqrt(d_qk), out=qb)
+        matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T), × unit
         if mask is not None:
             lib.add(sb, mask, out=sb)
         lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)    # softmax, in place
-        lib.exp(sb, out=sb)
+        exp(sb, out=sb)
         lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
         matmul_into(out_heads[lo:hi], sb, v[lo:hi])          # P v
 
     for_row_blocks(qkv, kernel, B, n_heads * T * T, block=_BLOCK)
-    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk)
+    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=unit)
 
 
 def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
@@ -102,27 +108,28 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     hq, hv = n_heads * d_qk, n_heads * d_head
     L0, L = kv_cache.length, kv_cache.length + T
     keys, values = kv_cache.keys, kv_cache.values
+    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0            # as in the forward above
     if d_qk == d_head:                                       # q, k, v heads at once: (B, 3H, T, d)
         heads = qkv.reshape(B, T, 3 * n_heads, d_qk).swapaxes(1, 2)
         keys[:, :, L0:L, :] = heads[:, n_heads:2 * n_heads]
         values[:, :, L0:L, :] = heads[:, 2 * n_heads:]
-        q = heads[:, :n_heads] * (1.0 / math.sqrt(d_qk))
+        q = heads[:, :n_heads] * (unit / math.sqrt(d_qk))
     else:
         keys[:, :, L0:L, :] = qkv[..., hq:2 * hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2)
         values[:, :, L0:L, :] = qkv[..., 2 * hq:].reshape(B, T, n_heads, d_head).swapaxes(1, 2)
-        q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (1.0 / math.sqrt(d_qk))
+        q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (unit / math.sqrt(d_qk))
     k, v = keys[:, :, :L, :], values[:, :, :L, :]
-    s = q @ k.mT                                             # (B, H, T, L)
+    s = q @ k.mT                                             # (B, H, T, L), × unit
     if (causal and T > 1) or kv_cache.key_start is not None:
         allowed = attention_mask(T, L, causal=causal, key_start=kv_cache.key_start, like=qkv)
         xp = array_namespace(s)
         s = xp.where(allowed, s, xp.full_like(s, -math.inf))
     lib = elementwise_lib(s)                                 # NumPy: amax, sum are the ufuncs' reduces
     lib.subtract(s, lib.amax(s, axis=-1, keepdims=True), out=s)
-    lib.exp(s, out=s)
+    (lib.exp if unit == 1.0 else lib.exp2)(s, out=s)
     lib.divide(s, lib.sum(s, axis=-1, keepdims=True), out=s)
     out = (s @ v).swapaxes(1, 2).reshape(B, T, hv)           # (B, T, H·d_head)
-    return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, kv_cache=True)
+    return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, unit=unit, kv_cache=True)
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -134,7 +141,7 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         return tiled_attention_backward(delta, cache, keep_delta_causal=keep_delta_causal)
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
     B, H, T, d_head = v.shape
-    d_qk = cache["d_qk"]
+    d_qk, unit = cache["d_qk"], cache["unit"]
     hq, hv = H * d_qk, H * d_head
     delta_qkv = empty_array((B, T, 2 * hq + hv), p)
     kept = empty_array(p.shape, p) if keep_delta_causal else None
@@ -158,6 +165,8 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
         lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
         matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])  # dk = Δrawᵀ q (q carries 1/√d_qk)
+        if unit != 1.0:                                       # and log₂e: take it out
+            lib.multiply(dk_all[lo:hi], 1.0 / unit, out=dk_all[lo:hi])
 
     for_row_blocks(p, kernel, B, H * T * T, block=_BLOCK)
     return delta_qkv, kept

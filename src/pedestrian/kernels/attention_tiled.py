@@ -24,6 +24,11 @@ backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
   bits for any number of threads. PyTorch threads each operation itself; there the units run
   one after the other.
 
+- **Powers of 2.** On PyTorch the tiles take ``2^x`` instead of ``e^x``
+  (:func:`pedestrian.kernels.blas.uses_exp2`): ``q`` carries ``log₂e`` besides ``1/√d_qk``, so
+  ``S``, ``m`` and ``ℓ`` are in units of ``log 2`` and ``P = 2^(S·log₂e − ℓ·log₂e)`` is the same
+  number; ``dk``, a product with that ``q``, is multiplied by ``ln 2`` at the end.
+
 ``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
 are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
 
@@ -36,7 +41,8 @@ from __future__ import annotations
 import math
 
 from ..backend import is_numpy_array, is_torch_array
-from .blas import elementwise_lib, matmul_into, rowdot
+from . import blas
+from .blas import LOG2_E, elementwise_lib, matmul_into, rowdot
 from .threads import is_worker_thread, num_threads, run_units
 from .workspace import empty_array, scratch
 
@@ -223,16 +229,19 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
-    q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ]
+    base2 = blas.uses_exp2(qkv)                                              # powers of 2 (module docstring)
+    unit = LOG2_E if base2 else 1.0                                          # scores in units of log 2
+    q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ] (× unit)
     k_aug = empty_array((G, T, d_qk + 1), qkv)                               # [k | 1]
     v_aug = empty_array((G, T, d_head + 1), qkv)                             # [v | 1]
     o = empty_array((G, T, d_head), qkv)                                     # each head's P v
-    _split_heads_into(q_aug[..., :d_qk], qkv[..., :hq], B, n_heads, 1.0 / math.sqrt(d_qk))
+    _split_heads_into(q_aug[..., :d_qk], qkv[..., :hq], B, n_heads, unit / math.sqrt(d_qk))
     _split_heads_into(k_aug[..., :d_qk], qkv[..., hq:2 * hq], B, n_heads)
     _split_heads_into(v_aug[..., :d_head], qkv[..., 2 * hq:], B, n_heads)
     k_aug[..., d_qk:] = 1
     v_aug[..., d_head:] = 1
     lib = elementwise_lib(qkv)
+    exp, log = (lib.exp2, lib.log2) if base2 else (lib.exp, lib.log)
 
     def kernel(lo: int, hi: int, block: int) -> None:                       # heads lo:hi, query block
         g, i0, i1 = hi - lo, block * bq, min(block * bq + bq, T)
@@ -259,7 +268,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
             s = scores(0, j1, False)
             _rowmax_into(s, m)
             lib.subtract(s, m, out=s)
-            lib.exp(s, out=s)                                                # e = exp(S − m)
+            exp(s, out=s)                                                    # e = exp(S − m)
             matmul_into(acc, s, v_aug[lo:hi, :j1])
 
         # the reference m = S_α0, each row's score of key 0 (always allowed): no running maximum
@@ -268,7 +277,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         for j0 in range(0, end, bk):
             j1 = min(j0 + bk, end)
             s = scores(j0, j1, True)
-            lib.exp(s, out=s)                                                # e = exp(S − m)
+            exp(s, out=s)                                                    # e = exp(S − m)
             if j0 == 0:
                 matmul_into(acc, s, v_aug[lo:hi, j0:j1])
             else:
@@ -282,16 +291,16 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
                 _rowmax_into(s, m_new)
                 lib.maximum(m_new, m, out=m_new)
                 lib.subtract(s, m_new, out=s)
-                lib.exp(s, out=s)                                            # e = exp(S − m_new)
+                exp(s, out=s)                                                # e = exp(S − m_new)
                 lib.subtract(m, m_new, out=m)
-                lib.exp(m, out=m)                                            # exp(m_old − m_new) <= 1
+                exp(m, out=m)                                                # exp(m_old − m_new) <= 1
                 lib.multiply(acc, m, out=acc)                                # rescale the sums so far
                 matmul_into(t, s, v_aug[lo:hi, j0:j1])
                 lib.add(acc, t, out=acc)
                 m, m_new = m_new, m                                          # the new max is the old one now
         total = acc[..., d_head:]                                            # l = Σ_β exp(S − m)
         lib.divide(acc[..., :d_head], total, out=o[lo:hi, i0:i1])            # out = P v
-        lib.log(total, out=total)
+        log(total, out=total)
         lib.add(total, m, out=total)                                         # ℓ = m + log l
         lib.negative(total, out=qa[..., d_qk:])
 
@@ -303,7 +312,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
-                     n_heads=n_heads, causal=causal, blocks=(bq, bk))
+                     n_heads=n_heads, causal=causal, blocks=(bq, bk), base2=base2)
 
 
 def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -342,6 +351,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     kept = _zeros((B, n_heads, T, T), o) if keep_delta_causal else None
     kept3 = None if kept is None else kept.reshape(G, T, T)
     inv_scale = 1.0 / math.sqrt(d_qk)
+    base2 = cache["base2"]
+    exp = lib.exp2 if base2 else lib.exp
 
     def kernel(lo: int, hi: int, n: int) -> None:                           # heads lo:hi, query run n
         g = hi - lo
@@ -362,7 +373,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
                 matmul_into(p, qa, k_aug[lo:hi, j0:j1].mT)                   # S − ℓ
                 if causal and j1 - 1 > i0:
                     lib.add(p, _tile_mask(r, c, i0 - j0, p), out=p)
-                lib.exp(p, out=p)                                            # P = exp(S − ℓ)
+                exp(p, out=p)                                                # P = exp(S − ℓ)
                 t_v = _carve(t_v_flat, g, c, d_head)
                 matmul_into(t_v, p.mT, da[..., :d_head])                     # dv += Pᵀ Δ
                 lib.add(dv_h[:, j0:j1], t_v, out=dv_h[:, j0:j1])
@@ -379,7 +390,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
                     matmul_into(t_q, dp, kj)
                     lib.add(dqi, t_q, out=dqi)
                 t_k = _carve(t_k_flat, g, c, d_qk)
-                matmul_into(t_k, dp.mT, qa[..., :d_qk])                      # dk += Δcausalᵀ q/√d_qk
+                matmul_into(t_k, dp.mT, qa[..., :d_qk])                      # dk += Δcausalᵀ q/√d_qk (× unit)
                 lib.add(dk_h[:, j0:j1], t_k, out=dk_h[:, j0:j1])
             lib.multiply(dqi, inv_scale, out=dqi)
 
@@ -393,6 +404,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
         for n in range(len(runs)):                                           # the others, in a fixed order
             if n != widest:
                 lib.add(total[:, :key_end[n]], parts[n][:, :key_end[n]], out=total[:, :key_end[n]])
+        if base2 and parts is dk_runs:                                       # q carried log₂e: take it out
+            lib.multiply(total, math.log(2.0), out=total)
         _merge_heads_into(delta_qkv[..., lo_col:lo_col + n_heads * width], total, B, n_heads)
     _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
     return delta_qkv, kept
@@ -409,5 +422,5 @@ def tiled_attention_weights(cache):
     matmul_into(p, q_aug, k_aug.mT)                                          # S − ℓ (G, T, T)
     if cache["causal"]:
         lib.add(p, _tile_mask(T, T, 0, p), out=p)
-    lib.exp(p, out=p)
+    (lib.exp2 if cache["base2"] else lib.exp)(p, out=p)
     return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)
