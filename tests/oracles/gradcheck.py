@@ -60,7 +60,7 @@ EPS64 = float(np.finfo(np.float64).eps)
 #: PyTorch, ``pedestrian.kernels.blas.uses_exp2``), so that the float64 NumPy grid checks that
 #: algebra too (tests/conftest.py applies the ``exp2`` mark). ``2^(x·log₂e)`` against ``e^x``:
 #: the argument differs by a few rounding errors of ``|x|``, so ``P`` by a relative ``~|x|·2⁻⁵²``
-#: (scores of 10-30 here: below 1e-14), inside every tolerance of this module.
+#: (below 1e-13 for any score under 400), inside every tolerance of this module.
 FAST_EXP2 = pytest.param(fast_kernels, id="fast-exp2", marks=pytest.mark.exp2)
 
 

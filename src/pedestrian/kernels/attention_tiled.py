@@ -215,7 +215,8 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
-        cache holds, per head (``B·n_heads`` of them), ``q_aug = [q/√d_qk | −ℓ]``,
+        cache holds, per head (``B·n_heads`` of them), ``q_aug = [q/√d_qk | −ℓ]`` (both times
+        ``log₂e`` where ``base2``, the module docstring's powers of 2),
         ``k_aug = [k | 1]``, ``v_aug = [v | 1]`` ``(B·n_heads, T, · + 1)`` and the heads' outputs
         ``(B·n_heads, T, d_head)``: ``O(T)`` memory. (An extra column turns a subtraction into
         part of a product: ``q_aug k_augᵀ = S − ℓ``, ``P v_aug = [P v | rowsum P]``.)

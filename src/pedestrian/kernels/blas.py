@@ -65,8 +65,9 @@ def uses_exp2(x) -> bool:
     arguments (4 × 256 × 512, one thread: 430 against 149 µs), 15× on the ``−∞`` of a causal
     mask (2,266 against 148) and on arguments whose result underflows (5,200 against 330);
     float64 850 against 443. NumPy: no. Its float32 ``exp2`` is 2× faster than ``exp`` on
-    ordinary arguments where it is vectorised (AVX-512), but 4× slower on ``−∞`` and 35× on
-    underflow there, and 2× slower everywhere on AVX2 (NumPy 2.4).
+    ordinary arguments where it is vectorised (AVX-512), but 4× slower on ``−∞`` and on results
+    that underflow to 0, 35× on results in the subnormal range, and 2× slower everywhere on AVX2
+    (NumPy 2.4; every causal tile holds ``−∞``).
     """
     return type(x) is not np.ndarray and is_torch_array(x)
 
