@@ -109,6 +109,7 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
     out2 = delta_in.reshape(-1, d)
     inv_d = 1.0 / d
     partial_w: dict = {}                                   # block start -> Σ_block x̂ ∘ Δ
+    mean_column = None if is_torch_array(delta) else _mean_weights(d, delta.dtype)[:, None]
 
     def kernel(lo: int, hi: int) -> None:
         db, hb, rb, ob = delta2[lo:hi], xhat2[lo:hi], sigma2[lo:hi], out2[lo:hi]
@@ -117,8 +118,11 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
             lib.multiply(hb, db, out=t)
             partial_w[lo] = colsum(t)
         lib.multiply(db, weight, out=ob)                   # g = Δ ∘ w
-        mean_g = lib.sum(ob, axis=-1, keepdims=True)
-        lib.multiply(mean_g, inv_d, out=mean_g)
+        if mean_column is not None:                        # NumPy: one product, as in the forward
+            mean_g = ob @ mean_column
+        else:
+            mean_g = lib.sum(ob, axis=-1, keepdims=True)
+            lib.multiply(mean_g, inv_d, out=mean_g)
         mean_gx = rowdot(ob, hb)
         lib.multiply(mean_gx, inv_d, out=mean_gx)
         lib.subtract(ob, mean_g, out=ob)
