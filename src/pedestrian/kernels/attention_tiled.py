@@ -57,7 +57,7 @@ __all__ = ["BLOCKS", "TILED_MIN_T", "TILE_ELEMENTS", "BACKWARD_RUNS", "OWN_THREA
 BLOCKS = {"numpy": (128, 256), "torch": (256, 512)}
 #: the shortest sequence for which the fast path uses this kernel (below it, the full-matrix
 #: kernel of :mod:`pedestrian.kernels.attention` is faster). Measured, docs/performance.md.
-TILED_MIN_T = {"numpy": 384, "torch": 512}
+TILED_MIN_T = {"numpy": 256, "torch": 512}
 #: NumPy: the heads of one call share tiles of at most this many scores in all (8 heads of
 #: 128 × 256; measured on T = 256 … 512: 3-5% faster than all of a slice's 16-32 heads at once)
 TILE_ELEMENTS = 1 << 18
