@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from pedestrian.kernels import attention as fast_attention
+from pedestrian.kernels.blas import LOG2_E
 from pedestrian.kernels import attention_tiled
 from pedestrian.kernels.attention_tiled import (
     TILED_MIN_T,
@@ -91,6 +92,7 @@ def test_kernel_matches_full_matrix(T, causal, B, base, monkeypatch):
     for block_q, block_k in BLOCK_CHOICES:
         out, cache = tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal,
                                              block_q=block_q, block_k=block_k)
+        assert cache["unit"] == full_cache["unit"] == (LOG2_E if base == "2" else 1.0)   # the base asked for
         dqkv, dc = tiled_attention_backward(delta, cache, keep_delta_causal=True)
         dqkv_only, none = tiled_attention_backward(delta, cache)
         assert none is None
@@ -183,6 +185,7 @@ def test_fixed_reference_and_its_fallback(causal, dtype, base, monkeypatch):
             if max_sum is not None:
                 m.setattr(attention_tiled, "FIXED_REFERENCE_MAX_SUM", max_sum)
             out, cache = tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, block_q=32, block_k=64)
+        assert cache["unit"] == (LOG2_E if base == "2" else 1.0)
         delta = np.ones_like(out)
         dqkv, _ = tiled_attention_backward(delta, cache)
         wide = qkv.astype(np.float64)

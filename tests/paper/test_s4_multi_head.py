@@ -51,7 +51,7 @@ def torch_multi_head(qkv, n_heads, d_qk, d_head, causal):
     return torch.cat(outs, dim=-1)
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 @CAUSAL
 def test_multi_head_attention_matches_autograd(K, causal):
     rng = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def test_multi_head_attention_matches_autograd(K, causal):
     assert K.multi_head_attention_backward(R, cache)[1] is None               # kept only when asked
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 @CAUSAL
 def test_multi_head_attention_matches_finite_differences(K, causal):
     rng = np.random.default_rng(1)
@@ -164,13 +164,13 @@ def check_multi_head_equals_heads(K, seed: int, B: int, T: int, d: int, n_heads:
     assert_rounding_close(d_causal, dcs, scales["d_causal"], "Δcausal per head")
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 @CAUSAL
 def test_multi_head_is_the_concat_of_heads_and_its_input_signal_is_their_sum(K, causal):
     check_multi_head_equals_heads(K, seed=3, B=2, T=5, d=6, n_heads=3, d_qk=2, d_head=4, causal=causal)
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 3), T=st.integers(1, 6), d=st.integers(1, 6),
        n_heads=st.integers(1, 3), d_qk=st.integers(1, 4), d_head=st.integers(1, 4), causal=st.booleans())
@@ -196,13 +196,14 @@ def attention_scales(qkv, H, d_qk):
     return cond, cond * float(np.max(a[..., 2 * hq:]))
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 @pytest.mark.parametrize("chunks", [(3, 1, 1, 1, 2), (8,), (1,) * 8], ids=["prefix-then-steps", "one-call", "token-by-token"])
-def test_kv_cache_path_equals_the_full_forward(K, chunks):
+@pytest.mark.parametrize("d_qk", [3, 4])                            # d_head = 4: both head layouts
+def test_kv_cache_path_equals_the_full_forward(K, chunks, d_qk):
     """Feeding the tokens in chunks against a cache gives the full forward's output rows and
     attention-weight rows (``P`` of a chunk is ``(B, H, T_chunk, L)``, L = tokens so far)."""
     rng = np.random.default_rng(5)
-    B, T, H, d_qk, d_head = 2, 8, 2, 3, 4
+    B, T, H, d_head = 2, 8, 2, 4
     qkv = rng.standard_normal((B, T, H * (2 * d_qk + d_head)))
     full, full_cache = K.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=True)
     P_full = as_np(K.attention_weights(full_cache))
@@ -225,7 +226,7 @@ def test_kv_cache_path_equals_the_full_forward(K, chunks):
             K.multi_head_attention_backward(np.ones_like(out), c)
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 def test_kv_cache_with_left_padding_ignores_the_padding(K):
     """Row 1 is left-padded by 2 junk tokens (``key_start = [0, 2]``): its real tokens' outputs
     are those of the unpadded sequence alone (no query attends to the padding)."""
@@ -243,7 +244,7 @@ def test_kv_cache_with_left_padding_ignores_the_padding(K):
     assert_rounding_close(out[:1], full, out_scale, "unpadded row")
 
 
-@kernels_param()
+@kernels_param(softmax=True)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_scores_of_magnitude_1e4_in_every_head(K, dtype):
     """The fused path (the fast one folds 1/√d_qk into q) keeps scores of magnitude 1e4 finite in

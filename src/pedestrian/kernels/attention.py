@@ -1,9 +1,9 @@
 """Fast kernels for multi-head attention (reference: :mod:`pedestrian.layers.attention`, sections 3-4).
 
 The same formulas as the reference, arranged for speed: the scale ``1/√d_qk`` is folded into
-``q`` once (on PyTorch with ``log₂e``: the softmax then takes ``2^x``, the same numbers at a
-third of the cost or less, :func:`pedestrian.kernels.blas.uses_exp2`; ``dk``, a product with
-that ``q``, is divided by ``log₂e``), the scores are overwritten in place by the softmax (one
+``q`` once (on PyTorch's CPU with ``log₂e``: the softmax then takes ``2^x``, the same numbers
+for a third to a half of the cost, :func:`pedestrian.kernels.blas.uses_exp2`; ``dk``, a product
+with that ``q``, is divided by ``log₂e``), the scores are overwritten in place by the softmax (one
 ``(B, H, T, T)`` array per block instead of three), ``dP`` becomes ``Δcausal`` in place, heads
 are written straight into their column blocks of ``a3`` and of the signal at ``qkv`` (no
 concatenation copies), and the batch rows are shared over threads in blocks
@@ -60,7 +60,8 @@ def softmax_backward_into(delta_p, p, out) -> None:
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                                  kv_cache: KVBlock | None = None):
     """Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
-    results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
+    results; the cache's ``q`` carries the ``1/√d_qk`` scale, times ``log₂e`` where the softmax
+    takes ``2^x``: the cache's ``unit``). Long sequences
     (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
     no ``P``."""
     if kv_cache is not None:
@@ -78,7 +79,7 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         # torch's batched matmul copies a head-interleaved operand on every use (it needs one
         # stride over (B, H)); one copy each here also serves the backward's three uses
         k, v = k.contiguous(), v.contiguous()
-    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0            # scores in units of log 2, or 1
+    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0            # scores in units of ln 2, or 1
     q = empty_array((B, n_heads, T, d_qk), qkv)              # q · unit / √d_qk (the scale folded in)
     p = empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)

@@ -24,10 +24,10 @@ backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
   bits for any number of threads. PyTorch threads each operation itself; there the units run
   one after the other.
 
-- **Powers of 2.** On PyTorch the tiles take ``2^x`` instead of ``e^x``
+- **Powers of 2.** On PyTorch's CPU the tiles take ``2^x`` instead of ``e^x``
   (:func:`pedestrian.kernels.blas.uses_exp2`): ``q`` carries ``log₂e`` besides ``1/√d_qk``, so
-  ``S``, ``m`` and ``ℓ`` are in units of ``log 2`` and ``P = 2^(S·log₂e − ℓ·log₂e)`` is the same
-  number; ``dk``, a product with that ``q``, is multiplied by ``ln 2`` at the end.
+  ``S``, ``m`` and ``ℓ`` are in units of ``ln 2`` and ``P = 2^(S·log₂e − ℓ·log₂e)`` is the same
+  number; ``dk``, a product with that ``q``, is divided by ``log₂e`` at the end.
 
 ``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
 are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
@@ -216,7 +216,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
         cache holds, per head (``B·n_heads`` of them), ``q_aug = [q/√d_qk | −ℓ]`` (both times
-        ``log₂e`` where ``base2``, the module docstring's powers of 2),
+        ``unit = log₂e`` where the tiles take powers of 2, the module docstring; else 1),
         ``k_aug = [k | 1]``, ``v_aug = [v | 1]`` ``(B·n_heads, T, · + 1)`` and the heads' outputs
         ``(B·n_heads, T, d_head)``: ``O(T)`` memory. (An extra column turns a subtraction into
         part of a product: ``q_aug k_augᵀ = S − ℓ``, ``P v_aug = [P v | rowsum P]``.)
@@ -230,8 +230,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
-    base2 = blas.uses_exp2(qkv)                                              # powers of 2 (module docstring)
-    unit = LOG2_E if base2 else 1.0                                          # scores in units of log 2
+    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0                            # scores in units of ln 2, or 1
     q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ] (× unit)
     k_aug = empty_array((G, T, d_qk + 1), qkv)                               # [k | 1]
     v_aug = empty_array((G, T, d_head + 1), qkv)                             # [v | 1]
@@ -242,7 +241,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     k_aug[..., d_qk:] = 1
     v_aug[..., d_head:] = 1
     lib = elementwise_lib(qkv)
-    exp, log = (lib.exp2, lib.log2) if base2 else (lib.exp, lib.log)
+    exp, log = (lib.exp, lib.log) if unit == 1.0 else (lib.exp2, lib.log2)
 
     def kernel(lo: int, hi: int, block: int) -> None:                       # heads lo:hi, query block
         g, i0, i1 = hi - lo, block * bq, min(block * bq + bq, T)
@@ -313,7 +312,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     out = empty_array((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q_aug=q_aug, k_aug=k_aug, v_aug=v_aug, o=o, d_qk=d_qk,
-                     n_heads=n_heads, causal=causal, blocks=(bq, bk), base2=base2)
+                     n_heads=n_heads, causal=causal, blocks=(bq, bk), unit=unit)
 
 
 def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -352,8 +351,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     kept = _zeros((B, n_heads, T, T), o) if keep_delta_causal else None
     kept3 = None if kept is None else kept.reshape(G, T, T)
     inv_scale = 1.0 / math.sqrt(d_qk)
-    base2 = cache["base2"]
-    exp = lib.exp2 if base2 else lib.exp
+    unit = cache["unit"]
+    exp = lib.exp if unit == 1.0 else lib.exp2
 
     def kernel(lo: int, hi: int, n: int) -> None:                           # heads lo:hi, query run n
         g = hi - lo
@@ -405,8 +404,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
         for n in range(len(runs)):                                           # the others, in a fixed order
             if n != widest:
                 lib.add(total[:, :key_end[n]], parts[n][:, :key_end[n]], out=total[:, :key_end[n]])
-        if base2 and parts is dk_runs:                                       # q carried log₂e: take it out
-            lib.multiply(total, math.log(2.0), out=total)
+        if unit != 1.0 and parts is dk_runs:                                 # q carried log₂e: take it out
+            lib.multiply(total, 1.0 / unit, out=total)
         _merge_heads_into(delta_qkv[..., lo_col:lo_col + n_heads * width], total, B, n_heads)
     _merge_heads_into(delta_qkv[..., :hq], dq, B, n_heads)
     return delta_qkv, kept
@@ -423,5 +422,5 @@ def tiled_attention_weights(cache):
     matmul_into(p, q_aug, k_aug.mT)                                          # S − ℓ (G, T, T)
     if cache["causal"]:
         lib.add(p, _tile_mask(T, T, 0, p), out=p)
-    (lib.exp2 if cache["base2"] else lib.exp)(p, out=p)
+    (lib.exp if cache["unit"] == 1.0 else lib.exp2)(p, out=p)
     return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)
