@@ -15,7 +15,7 @@ full-matrix attention in another order: online softmax over key blocks, causal b
 - that the fast path picks the tiled kernel from ``TILED_MIN_T`` on, that its cache is O(T),
   and that NumPy shares the heads over threads;
 - the kernel and the full-matrix one with the softmax in powers of 2 (what they take on
-  PyTorch), forced on NumPy: ``2^(x·log₂e)`` differs from ``e^x`` by ``~|x|·2⁻⁵²`` relative
+  PyTorch's CPU), forced on NumPy: ``2^(x·log₂e)`` differs from ``e^x`` by ``~|x|·2⁻⁵²`` relative
   (tests/oracles/gradcheck.py, ``FAST_EXP2``), far inside ``1e-12``.
 
 Tolerances: both sides sum the same float64 terms in another order (at most T = 1024 terms per
