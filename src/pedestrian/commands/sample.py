@@ -296,8 +296,8 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
                          f"{model.config.vocab_size}; they do not belong together")
     prompts = _prompt_texts(args)
     given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
-    prompt_ids = [_encode_prompt(tokenizer, text, ("the --prompt" if given else "no --prompt was given, so the prompt")
-                                 if len(prompts) == 1 else f"--prompt {i + 1}")
+    only = "the --prompt" if given else "no --prompt was given, so the prompt"      # a single prompt
+    prompt_ids = [_encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]
     stops = _stop_ids(tokenizer, args)
     V = model.config.vocab_size

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from array_api_compat import device
 
 from ..backend import array_namespace, is_torch_array
 from ..layers.attention import KVBlock, attention_mask
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import blas
-from .blas import LOG2_E, elementwise_lib, matmul_into, rowdot
+from .blas import elementwise_lib, matmul_into, rowdot
 from .threads import for_row_blocks
 from .workspace import empty_array, scratch
 
@@ -79,14 +78,13 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         # torch's batched matmul copies a head-interleaved operand on every use (it needs one
         # stride over (B, H)); one copy each here also serves the backward's three uses
         k, v = k.contiguous(), v.contiguous()
-    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0            # scores in units of ln 2, or 1
+    unit, exp, _ = blas.softmax_exp(qkv)                     # scores in units of ln 2, or 1
     q = empty_array((B, n_heads, T, d_qk), qkv)              # q · unit / √d_qk (the scale folded in)
     p = empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
     out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
     mask = causal_mask(T, qkv) if causal else None
     lib = elementwise_lib(qkv)
-    exp = lib.exp if unit == 1.0 else lib.exp2
 
     def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
         qb, sb = q[lo:hi], p[lo:hi]
@@ -109,7 +107,7 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     hq, hv = n_heads * d_qk, n_heads * d_head
     L0, L = kv_cache.length, kv_cache.length + T
     keys, values = kv_cache.keys, kv_cache.values
-    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0            # as in the forward above
+    unit, exp, _ = blas.softmax_exp(qkv)                     # as in the forward above
     if d_qk == d_head:                                       # q, k, v heads at once: (B, 3H, T, d)
         heads = qkv.reshape(B, T, 3 * n_heads, d_qk).swapaxes(1, 2)
         keys[:, :, L0:L, :] = heads[:, n_heads:2 * n_heads]
@@ -127,7 +125,7 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
         s = xp.where(allowed, s, xp.full_like(s, -math.inf))
     lib = elementwise_lib(s)                                 # NumPy: amax, sum are the ufuncs' reduces
     lib.subtract(s, lib.amax(s, axis=-1, keepdims=True), out=s)
-    (lib.exp if unit == 1.0 else lib.exp2)(s, out=s)
+    exp(s, out=s)
     lib.divide(s, lib.sum(s, axis=-1, keepdims=True), out=s)
     out = (s @ v).swapaxes(1, 2).reshape(B, T, hv)           # (B, T, H·d_head)
     return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, unit=unit, kv_cache=True)

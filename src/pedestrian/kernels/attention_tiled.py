@@ -42,7 +42,7 @@ import math
 
 from ..backend import is_numpy_array, is_torch_array
 from . import blas
-from .blas import LOG2_E, elementwise_lib, matmul_into, rowdot
+from .blas import elementwise_lib, matmul_into, rowdot
 from .threads import is_worker_thread, num_threads, run_units
 from .workspace import empty_array, scratch
 
@@ -230,7 +230,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
-    unit = LOG2_E if blas.uses_exp2(qkv) else 1.0                            # scores in units of ln 2, or 1
+    unit, exp, log = blas.softmax_exp(qkv)                                   # scores in units of ln 2, or 1
     q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ] (× unit)
     k_aug = empty_array((G, T, d_qk + 1), qkv)                               # [k | 1]
     v_aug = empty_array((G, T, d_head + 1), qkv)                             # [v | 1]
@@ -241,7 +241,6 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     k_aug[..., d_qk:] = 1
     v_aug[..., d_head:] = 1
     lib = elementwise_lib(qkv)
-    exp, log = (lib.exp, lib.log) if unit == 1.0 else (lib.exp2, lib.log2)
 
     def kernel(lo: int, hi: int, block: int) -> None:                       # heads lo:hi, query block
         g, i0, i1 = hi - lo, block * bq, min(block * bq + bq, T)
@@ -351,8 +350,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     kept = _zeros((B, n_heads, T, T), o) if keep_delta_causal else None
     kept3 = None if kept is None else kept.reshape(G, T, T)
     inv_scale = 1.0 / math.sqrt(d_qk)
-    unit = cache["unit"]
-    exp = lib.exp if unit == 1.0 else lib.exp2
+    unit, exp, _ = blas.softmax_exp(o, cache["unit"])
 
     def kernel(lo: int, hi: int, n: int) -> None:                           # heads lo:hi, query run n
         g = hi - lo
@@ -422,5 +420,6 @@ def tiled_attention_weights(cache):
     matmul_into(p, q_aug, k_aug.mT)                                          # S − ℓ (G, T, T)
     if cache["causal"]:
         lib.add(p, _tile_mask(T, T, 0, p), out=p)
-    (lib.exp if cache["unit"] == 1.0 else lib.exp2)(p, out=p)
+    _, exp, _ = blas.softmax_exp(p, cache["unit"])
+    exp(p, out=p)                                                            # P
     return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)

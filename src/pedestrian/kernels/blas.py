@@ -15,7 +15,7 @@ import numpy as np
 from ..backend import is_numpy_array, is_torch_array
 from .workspace import empty_array
 
-__all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "uses_exp2", "LOG2_E"]
+__all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "uses_exp2", "softmax_exp", "LOG2_E"]
 
 #: ``log₂e``: ``e^x = 2^(x·log₂e)`` (:func:`uses_exp2`)
 LOG2_E = math.log2(math.e)
@@ -73,6 +73,17 @@ def uses_exp2(x) -> bool:
     CPU's figures; nothing was measured elsewhere, and there the extra passes may not pay).
     """
     return type(x) is not np.ndarray and is_torch_array(x) and x.device.type == "cpu"
+
+
+def softmax_exp(x, unit: float | None = None):
+    """``(unit, exp, log)`` of the softmax kernels on ``x``'s backend: scores multiplied by
+    ``unit`` go through ``exp`` (and sums back through ``log``): ``(log₂e, exp2, log2)`` where
+    :func:`uses_exp2`, else ``(1.0, exp, log)``. ``unit`` given (read from a forward's cache):
+    the functions that go with it."""
+    if unit is None:
+        unit = LOG2_E if uses_exp2(x) else 1.0
+    lib = elementwise_lib(x)
+    return (unit, lib.exp, lib.log) if unit == 1.0 else (unit, lib.exp2, lib.log2)
 
 
 def matmul_into(out, a, b, *, bias=None) -> None:

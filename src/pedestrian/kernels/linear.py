@@ -11,7 +11,7 @@ import numpy as np
 
 from ..backend import is_torch_array
 from .blas import colsum, elementwise_lib, matmul_into
-from .threads import for_row_blocks, product_parts, run_units
+from .threads import product_parts, run_units
 from .workspace import empty_array
 
 
@@ -46,7 +46,7 @@ def _in_parts(like, n: int, kernel) -> None:
     if parts == 1:
         kernel(0, n)
     else:
-        for_row_blocks(like, kernel, n, 1, parallel_min=0, block=-(-n // parts))
+        run_units(like, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)], kernel, parts)
 
 
 def _transposed_contiguous(a) -> bool:

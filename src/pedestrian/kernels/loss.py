@@ -11,7 +11,7 @@ from array_api_compat import device
 from ..backend import array_namespace
 from ..layers.loss import IGNORE_INDEX
 from . import blas
-from .blas import LOG2_E, elementwise_lib
+from .blas import elementwise_lib
 from .threads import for_row_blocks
 from .workspace import empty_array
 
@@ -48,18 +48,16 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     sum_e = empty_array((z.shape[0], 1), z)                # Σ exp(z − max), per row
     log_z = empty_array((z.shape[0],), z)                  # log Σ exp(z − max), per row
     target_shifted = empty_array((z.shape[0],), z)         # z[target] − max, per row
-    base2 = blas.uses_exp2(z)                              # e^x as 2^(x·log₂e): one more pass,
+    unit, exp, _ = blas.softmax_exp(z)                     # 2^(x·log₂e) for e^x: one more pass,
                                                            # still faster on PyTorch's CPU
 
     def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
         eb = e[lo:hi]
         lib.subtract(z[lo:hi], lib.amax(z[lo:hi], axis=-1, keepdims=True), out=eb)
         target_shifted[lo:hi] = xp.take_along_axis(eb, safe_t[lo:hi, None], axis=-1)[:, 0]
-        if base2:
-            lib.multiply(eb, LOG2_E, out=eb)
-            lib.exp2(eb, out=eb)
-        else:
-            lib.exp(eb, out=eb)
+        if unit != 1.0:
+            lib.multiply(eb, unit, out=eb)
+        exp(eb, out=eb)
         lib.sum(eb, axis=-1, keepdims=True, out=sum_e[lo:hi])
         lib.log(sum_e[lo:hi, 0], out=log_z[lo:hi])
 
