@@ -207,6 +207,32 @@ def test_fixed_reference_and_its_fallback(causal, dtype, base, monkeypatch):
     assert compare(far) > 0                              # the row blocks that see key 150 fall back
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_extreme_scores_warn_nothing(dtype):
+    """A key that scores far above key 0 overflows the fixed-reference pass (``exp`` of several
+    hundred); that pass is discarded and done again with the running maximum, so the result is
+    right and no NumPy ``RuntimeWarning`` may reach the user (issue 22). Tolerance as in
+    :func:`test_fixed_reference_and_its_fallback`."""
+    import warnings
+
+    n_heads, d_qk, d_head, T = 1, 4, 3, 300
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((1, T, n_heads * (2 * d_qk + d_head)))
+    qkv[0, :, :d_qk] = 30.0                              # every query along (1, 1, 1, 1) ...
+    qkv[0, 200, d_qk:2 * d_qk] = 30.0                    # ... and key 200 too: S - S_α0 ~ 900 (e^900 = inf)
+    qkv = qkv.astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # any warning fails the test
+        out, cache = tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=True)
+        dqkv, _ = tiled_attention_backward(np.ones_like(out), cache)
+    wide = qkv.astype(np.float64)
+    ref_out, ref_cache = reference_attention.multi_head_attention_forward(wide, n_heads, d_qk, d_head, causal=True)
+    ref_dqkv, _ = reference_attention.multi_head_attention_backward(np.ones_like(ref_out), ref_cache)
+    tol = TOL_ORDER if dtype == "float64" else 1e-4
+    assert np.isfinite(out).all() and np.isfinite(dqkv).all()
+    assert _rel(out, ref_out) <= tol and _rel(dqkv, ref_dqkv) <= tol
+
+
 @pytest.mark.parametrize("blocks", [dict(block_q=0), dict(block_k=-1)])
 def test_bad_block_size_is_an_error(blocks):
     with pytest.raises(ValueError, match="block sizes must be >= 1"):

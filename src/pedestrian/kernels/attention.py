@@ -24,7 +24,7 @@ from ..backend import array_namespace, is_torch_array
 from ..layers.attention import KVBlock, attention_mask
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import blas
-from .blas import elementwise_lib, matmul_into, rowdot
+from .blas import copy_into, elementwise_lib, matmul_into, rowdot
 from .threads import for_row_blocks
 from .workspace import empty_array, scratch
 
@@ -88,7 +88,8 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
 
     def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
         qb, sb = q[lo:hi], p[lo:hi]
-        lib.multiply(q_raw[lo:hi], unit / math.sqrt(d_qk), out=qb)
+        copy_into(qb, q_raw[lo:hi])                          # (a head of width 1 is a column:
+        lib.multiply(qb, unit / math.sqrt(d_qk), out=qb)     # scaled once contiguous)
         matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T), × unit
         if mask is not None:
             lib.add(sb, mask, out=sb)
@@ -160,12 +161,17 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         delta_causal = kept[lo:hi] if kept is not None else scratch(pb.shape, pb, "attention.dP")
         matmul_into(delta_causal, db, v[lo:hi].mT)            # dP = Δ vᵀ
         softmax_backward_into(delta_causal, pb, delta_causal)  # Δcausal; masked entries stay 0
-        dq = dq_all[lo:hi]
+        dq = scratch(q[lo:hi].shape, pb, "attention.dq")      # contiguous, then into its columns
         matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
         lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
-        matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])  # dk = Δrawᵀ q (q carries 1/√d_qk)
-        if unit != 1.0:                                       # and log₂e: take it out
-            lib.multiply(dk_all[lo:hi], 1.0 / unit, out=dk_all[lo:hi])
+        copy_into(dq_all[lo:hi], dq)
+        if unit == 1.0:                                       # dk = Δrawᵀ q (q carries 1/√d_qk)
+            matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])
+        else:                                                 # and log₂e: take it out
+            dk = scratch(dk_all[lo:hi].shape, pb, "attention.dk")
+            matmul_into(dk, delta_causal.mT, q[lo:hi])
+            lib.multiply(dk, 1.0 / unit, out=dk)
+            copy_into(dk_all[lo:hi], dk)
 
     for_row_blocks(p, kernel, B, H * T * T, block=_BLOCK)
     return delta_qkv, kept

@@ -38,11 +38,12 @@ are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from ..backend import is_numpy_array, is_torch_array
 from . import blas
-from .blas import elementwise_lib, matmul_into, rowdot
+from .blas import copy_into, elementwise_lib, matmul_into, rowdot
 from .threads import is_worker_thread, num_threads, run_units
 from .workspace import empty_array, scratch
 
@@ -124,15 +125,6 @@ def _carve(flat, *shape):
     return flat[:n].reshape(shape)
 
 
-def _copy(dst, src) -> None:
-    if is_numpy_array(dst):
-        import numpy as np
-
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)
-
-
 def _zeros(shape, like):
     if is_numpy_array(like):
         import numpy as np
@@ -143,21 +135,16 @@ def _zeros(shape, like):
     return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
-def _split_heads_into(dst, src, B: int, n_heads: int, scale: float | None = None) -> None:
+def _split_heads_into(dst, src, B: int, n_heads: int) -> None:
     """``src`` ``(B, T, n_heads·w)`` (a column block of ``qkv``) into ``dst`` ``(B·n_heads, T, w)``."""
     T, w = src.shape[1], src.shape[2] // n_heads
-    heads = src.reshape(B, T, n_heads, w).swapaxes(1, 2)                     # (B, H, T, w) view
-    target = dst.reshape(B, n_heads, T, w)
-    if scale is None:
-        _copy(target, heads)
-    else:
-        elementwise_lib(src).multiply(heads, scale, out=target)
+    copy_into(dst.reshape(B, n_heads, T, w), src.reshape(B, T, n_heads, w).swapaxes(1, 2))
 
 
 def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
     """``src`` ``(B·n_heads, T, w)`` into ``dst`` ``(B, T, n_heads·w)`` (head ``h``: columns ``h·w …``)."""
     T, w = src.shape[1], src.shape[2]
-    _copy(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
+    copy_into(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
 
 
 def _threads(like) -> int:
@@ -188,6 +175,18 @@ def _query_runs(T: int, bq: int, causal: bool, n_runs: int) -> list:
     bounds = [n_blocks * i // n_runs for i in range(n_runs + 1)]
     runs = [(bounds[i], bounds[i + 1]) for i in range(n_runs)]
     return runs[::-1] if causal else runs
+
+
+def _overflow_allowed(like):
+    """NumPy's floating-point warnings off for overflow and ``inf − inf`` (a context manager;
+    per thread): the fixed-reference pass overflows when a key scores far above key 0, and that
+    pass is then discarded and done again with the running maximum, so a warning would report
+    a result nobody gets."""
+    if is_numpy_array(like):
+        import numpy as np
+
+        return np.errstate(over="ignore", invalid="ignore")
+    return contextlib.nullcontext()
 
 
 def _rowmax_into(s, out) -> None:
@@ -235,12 +234,15 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     k_aug = empty_array((G, T, d_qk + 1), qkv)                               # [k | 1]
     v_aug = empty_array((G, T, d_head + 1), qkv)                             # [v | 1]
     o = empty_array((G, T, d_head), qkv)                                     # each head's P v
-    _split_heads_into(q_aug[..., :d_qk], qkv[..., :hq], B, n_heads, unit / math.sqrt(d_qk))
+    _split_heads_into(q_aug[..., :d_qk], qkv[..., :hq], B, n_heads)
     _split_heads_into(k_aug[..., :d_qk], qkv[..., hq:2 * hq], B, n_heads)
     _split_heads_into(v_aug[..., :d_head], qkv[..., 2 * hq:], B, n_heads)
+    q_aug[..., d_qk:] = 0                                                    # (−ℓ, written per block)
     k_aug[..., d_qk:] = 1
     v_aug[..., d_head:] = 1
     lib = elementwise_lib(qkv)
+    lib.multiply(q_aug, unit / math.sqrt(d_qk), out=q_aug)                   # the whole array: no
+                                                                             # loop over a column
 
     def kernel(lo: int, hi: int, block: int) -> None:                       # heads lo:hi, query block
         g, i0, i1 = hi - lo, block * bq, min(block * bq + bq, T)
@@ -249,6 +251,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         acc = scratch((g, r, d_head + 1), qkv, "tiled.acc")                  # [Σ_β e v_β | Σ_β e]
         m = scratch((g, r, 1), qkv, "tiled.m")                               # the rows' reference
         m_new = scratch((g, r, 1), qkv, "tiled.m_new")
+        col = scratch((g, r, 1), qkv, "tiled.col")                          # a column, contiguous
         t = scratch((g, r, d_head + 1), qkv, "tiled.t")
         s_flat = scratch((g * r * bk,), qkv, "tiled.s")
 
@@ -272,17 +275,20 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
 
         # the reference m = S_α0, each row's score of key 0 (always allowed): no running maximum
         matmul_into(m, qa[..., :d_qk], k_aug[lo:hi, :1, :d_qk].mT)           # (EQUATIONS.md, "a
-        lib.negative(m, out=qa[..., d_qk:])                                  # fixed reference")
-        for j0 in range(0, end, bk):
-            j1 = min(j0 + bk, end)
-            s = scores(j0, j1, True)
-            exp(s, out=s)                                                    # e = exp(S − m)
-            if j0 == 0:
-                matmul_into(acc, s, v_aug[lo:hi, j0:j1])
-            else:
-                matmul_into(t, s, v_aug[lo:hi, j0:j1])
-                lib.add(acc, t, out=acc)
-        if not float(acc[..., d_head:].max()) <= FIXED_REFERENCE_MAX_SUM:       # a key far above key 0
+        lib.multiply(m, -1.0, out=col)                                       # fixed reference")
+        copy_into(qa[..., d_qk:], col)
+        with _overflow_allowed(qkv):                                         # checked below and
+            for j0 in range(0, end, bk):                                     # then done again
+                j1 = min(j0 + bk, end)
+                s = scores(j0, j1, True)
+                exp(s, out=s)                                                # e = exp(S − m)
+                if j0 == 0:
+                    matmul_into(acc, s, v_aug[lo:hi, j0:j1])
+                else:
+                    matmul_into(t, s, v_aug[lo:hi, j0:j1])
+                    lib.add(acc, t, out=acc)
+        copy_into(col, acc[..., d_head:])                                    # l = Σ_β exp(S − m)
+        if not float(col.max()) <= FIXED_REFERENCE_MAX_SUM:                  # a key far above key 0
             first_block()                                                    # (or a NaN): again, with
             for j0 in range(bk, end, bk):                                    # the running maximum
                 j1 = min(j0 + bk, end)
@@ -297,11 +303,13 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
                 matmul_into(t, s, v_aug[lo:hi, j0:j1])
                 lib.add(acc, t, out=acc)
                 m, m_new = m_new, m                                          # the new max is the old one now
-        total = acc[..., d_head:]                                            # l = Σ_β exp(S − m)
-        lib.divide(acc[..., :d_head], total, out=o[lo:hi, i0:i1])            # out = P v
-        log(total, out=total)
-        lib.add(total, m, out=total)                                         # ℓ = m + log l
-        lib.negative(total, out=qa[..., d_qk:])
+            copy_into(col, acc[..., d_head:])
+        lib.divide(acc, col, out=acc)                                        # [P v | 1]
+        copy_into(o[lo:hi, i0:i1], acc[..., :d_head])                        # out = P v
+        log(col, out=col)
+        lib.add(col, m, out=col)                                             # ℓ = m + log l
+        lib.multiply(col, -1.0, out=col)
+        copy_into(qa[..., d_qk:], col)
 
     threads = _threads(qkv)
     blocks = range(-(-T // bq))
@@ -338,10 +346,14 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     B = G // n_heads
     hq = n_heads * d_qk
     d_aug = empty_array((G, T, d_head + 1), o)                                # [Δ | −D]
-    _split_heads_into(d_aug[..., :d_head], delta, B, n_heads)
+    d_heads = empty_array((G, T, d_head), o)                                 # Δ per head, contiguous
+    _split_heads_into(d_heads, delta, B, n_heads)
     lib = elementwise_lib(o)
     # D = rowsum(dP ∘ P) = rowsum(Δ ∘ out) (EQUATIONS.md, "Tiled attention"): no T × T sum
-    lib.negative(rowdot(d_aug[..., :d_head], o), out=d_aug[..., d_head:])
+    minus_d = rowdot(d_heads, o)
+    lib.multiply(minus_d, -1.0, out=minus_d)
+    copy_into(d_aug[..., :d_head], d_heads)
+    copy_into(d_aug[..., d_head:], minus_d)
     runs = _query_runs(T, bq, causal, BACKWARD_RUNS)
     key_end = [min(last * bq, T) if causal else T for _, last in runs]       # keys each run reaches
     dq = empty_array((G, T, d_qk), o)
