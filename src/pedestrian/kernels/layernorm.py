@@ -15,26 +15,36 @@ from .workspace import empty_array, scratch
 SMALL_ELEMENTS = 1 << 12
 
 
-_MEAN_WEIGHTS: dict = {}
+_ONES: dict = {}
 
 
-def _mean_weights(d: int, dtype):
-    """``(d,)`` of ``1/d``: a row mean as one product (``vecdot`` or, as a ``(d, 1)`` column, BLAS:
-    8 against 39 µs for ``np.sum`` over (1024, 128) float32 rows)."""
-    w = _MEAN_WEIGHTS.get((d, dtype))
+def _ones(d: int, dtype):
+    """``(d,)`` of ones: a row sum as one product (as a ``(d, 1)`` column, BLAS: 8 against 39 µs
+    for ``np.sum`` over (1024, 128) float32 rows), divided by ``d`` after (one
+    rounding; a row of ``1/d`` would round ``1/d`` itself too, for every ``d`` not a power of 2)."""
+    w = _ONES.get((d, dtype))
     if w is None:
-        w = _MEAN_WEIGHTS[(d, dtype)] = np.full(d, 1.0 / d, dtype=dtype)
+        w = _ONES[(d, dtype)] = np.ones(d, dtype=dtype)
     return w
 
 
+def _centre(x, ones, d: int, out) -> None:
+    """``out = x − μ`` by the corrected two-pass mean: ``μ = Σx/d``, then the mean of the
+    residuals ``x − μ`` (the rounding error of ``μ``, which cancellation would blow up to
+    ``ε·|μ|/σ`` relative to ``x̂`` when ``|μ| ≫ σ``) subtracted too (Chan, Golub and LeVeque,
+    "Algorithms for computing the sample variance", 1983). ``ones`` is a ``(d,)`` row of ones."""
+    column = ones[:, None]                                 # row sums as BLAS products
+    np.subtract(x, np.divide(x @ column, d), out=out)
+    np.subtract(out, np.divide(out @ column, d), out=out)
+
+
 def _layernorm_few_rows(x, weight, bias, eps: float):
-    """The same formulas as the row-block kernel in seven NumPy calls (measured: the row-block
-    machinery costs more than the arithmetic of one token's row; the mean as one ``vecdot`` with
-    a row of ``1/d`` and ``σ`` out of place: 6.8 vs 9.8 µs per token at d = 128)."""
+    """The same formulas as the row-block kernel in a few NumPy calls (measured: the row-block
+    machinery costs more than the arithmetic of one token's row)."""
     d = x.shape[-1]
-    mean = np.vecdot(x, _mean_weights(d, x.dtype))[..., None]   # μ
-    xhat = x - mean                                        # x − μ
-    sigma = np.sqrt(np.vecdot(xhat, xhat)[..., None] * (1.0 / d) + eps)   # σ
+    xhat = np.empty_like(x)
+    _centre(x, _ones(d, x.dtype), d, xhat)                 # x − μ
+    sigma = np.sqrt(np.vecdot(xhat, xhat)[..., None] / d + eps)   # σ
     xhat /= sigma                                          # x̂
     y = xhat * weight
     if bias is not None:
@@ -79,13 +89,12 @@ def layernorm_forward(x, weight, bias, eps: float):
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
     sigma = empty_array((*x.shape[:-1], 1), x)
     xhat2, y2, sigma2 = xhat.reshape(-1, d), y.reshape(-1, d), sigma.reshape(-1, 1)
-    inv_d = 1.0 / d
-    mean_column = _mean_weights(d, x.dtype)[:, None]
+    ones = _ones(d, x.dtype)
 
     def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
         xb, hb, yb, rb = x2[lo:hi], xhat2[lo:hi], y2[lo:hi], sigma2[lo:hi]
-        lib.subtract(xb, xb @ mean_column, out=hb)                         # x − μ
-        lib.multiply(rowdot(hb, hb), inv_d, out=rb)                        # biased variance
+        _centre(xb, ones, d, hb)                                           # x − μ
+        lib.divide(rowdot(hb, hb), d, out=rb)                              # biased variance
         lib.add(rb, eps, out=rb)
         lib.sqrt(rb, out=rb)                                               # σ
         lib.divide(hb, rb, out=hb)                                         # x̂
@@ -107,9 +116,8 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
     delta2, xhat2, sigma2 = delta.reshape(-1, d), xhat.reshape(-1, d), sigma.reshape(-1, 1)
     delta_in = empty_array(delta.shape, delta)
     out2 = delta_in.reshape(-1, d)
-    inv_d = 1.0 / d
     partial_w: dict = {}                                   # block start -> Σ_block x̂ ∘ Δ
-    mean_column = None if is_torch_array(delta) else _mean_weights(d, delta.dtype)[:, None]
+    ones = None if is_torch_array(delta) else _ones(d, delta.dtype)
 
     def kernel(lo: int, hi: int) -> None:
         db, hb, rb, ob = delta2[lo:hi], xhat2[lo:hi], sigma2[lo:hi], out2[lo:hi]
@@ -118,13 +126,13 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
             lib.multiply(hb, db, out=t)
             partial_w[lo] = colsum(t)
         lib.multiply(db, weight, out=ob)                   # g = Δ ∘ w
-        if mean_column is not None:                        # NumPy: one product, as in the forward
-            mean_g = ob @ mean_column
+        if ones is not None:                               # NumPy: one product, as in the forward
+            mean_g = ob @ ones[:, None]
         else:
             mean_g = lib.sum(ob, axis=-1, keepdims=True)
-            lib.multiply(mean_g, inv_d, out=mean_g)
+        lib.divide(mean_g, d, out=mean_g)
         mean_gx = rowdot(ob, hb)
-        lib.multiply(mean_gx, inv_d, out=mean_gx)
+        lib.divide(mean_gx, d, out=mean_gx)
         lib.subtract(ob, mean_g, out=ob)
         lib.multiply(hb, mean_gx, out=t)
         lib.subtract(ob, t, out=ob)
