@@ -76,7 +76,8 @@ def _check_sizes(**sizes: int) -> None:
 
 
 def head_inputs(T: int = 4, d: int = 3, d_rho: int = 2, d_h: int = 2, seed: int = 0) -> dict:
-    """Random inputs of the worked example, rounded to one decimal (easy to redo by hand).
+    """Random inputs of the worked example of paper section 3, rounded to one decimal (easy to
+    redo by hand).
 
     Args:
         T: tokens (the paper's ``n_T``), ``>= 1``.

@@ -104,7 +104,7 @@ def test_checkpoint_step_picture_and_plain_weights(tmp_path, figures, capsys):
     (["--random", "--prompt", "a", "--gradients"], "at least 2 tokens"),
     (["--random", "--prompt", "abc", "--n-heads", "0"], "--n-heads must be a positive integer"),
     (["--random", "--prompt", "abc", "--d-model", "10", "--n-heads", "3"], "not divisible"),
-    (["--checkpoint", "x", "--prompt", "abc", "--seed", "2"], "--seed set up --random's model"),
+    (["--checkpoint", "x", "--prompt", "abc", "--seed", "2"], "--seed sets up --random's model"),
 ])
 def test_step_picture_errors(argv, fragment, tmp_path, capsys):
     assert main(["attention", *argv, "--out", str(tmp_path / "a.png")]) == 2

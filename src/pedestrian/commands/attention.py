@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
                          + ("both" if args.random else "neither"))
     random_flags = [f"--{k.replace('_', '-')}" for k in (*RANDOM_DEFAULTS, "seed") if getattr(args, k) is not None]
     if args.checkpoint is not None and random_flags:
-        raise ValueError(f"{', '.join(random_flags)} set up --random's model; a checkpoint has its own")
+        raise ValueError(f"{', '.join(random_flags)} set{'s' if len(random_flags) == 1 else ''} up --random's "
+                         "model; a checkpoint has its own")
     for k in RANDOM_DEFAULTS:
         if getattr(args, k) is not None and getattr(args, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(args, k)}")

@@ -241,7 +241,12 @@ def demo_model(data=None, seed: int = 0, kernels=None, rng=None):
     A float64 GPT (2 blocks, 3 heads, d_model 24, d_qk 6, d_head 8, context 16) with larger random
     weights than the initialisation (so every path carries a visible signal), and 4 windows of
     16 characters of ``data`` (default: the bundled Shakespeare), drawn from ``rng`` (default:
-    a new generator seeded with ``seed``; the caller's generator goes on from there).
+    a new generator seeded with ``seed``; the caller's generator goes on from there): ``x`` and
+    ``y`` are ``(4, 16)`` int64 ids, ``y`` the next character of each. ``kernels``: as
+    :class:`pedestrian.GPT`.
+
+    Raises:
+        FileNotFoundError, UnicodeDecodeError, ValueError: ``data`` cannot be read as a corpus.
     """
     text = load_corpus(data)[:200_000]
     tokenizer = CharTokenizer.from_text(text)
