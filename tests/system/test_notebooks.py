@@ -13,13 +13,12 @@ import os
 import re
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the kernel; all three come with the test extra: a missing one fails)
+import nbclient
+import nbformat
 import pytest
 
 import pedestrian
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
