@@ -64,7 +64,7 @@ def one_torch_thread():
 #: threads, so the suite's 1- and 2-thread runs both cover it.
 ONE_TORCH_THREAD = ("paper/", "oracles/", "system/test_interop_hf.py", "system/test_peft.py",
                     "system/test_sampling_hf.py", "cli/test_finetune_cli.py", "cli/test_lora_dropout_cli.py",
-                    "system/test_nonfinite_loading.py")
+                    "system/test_nonfinite_loading.py", "cli/test_demo_head.py", "cli/test_demo_autograd.py")
 
 
 @pytest.fixture(autouse=True)

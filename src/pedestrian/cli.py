@@ -37,14 +37,16 @@ from .atomic import WriteError
 #: subcommand -> (module under pedestrian.commands, one-line help)
 COMMANDS = {
     "params": ("params", "print the parameter table of a config or preset (no allocation)"),
-    "demo": ("demo", "forward/backward on real text and a gradient check of every layer"),
+    "demo": ("demo", "forward/backward on real text and a gradient check of every layer; --head: one "
+                     "attention head on numbers, every matrix"),
     "train": ("train", "train a GPT on a text corpus (default: the bundled Shakespeare)"),
     "eval": ("evaluate", "validation loss of a checkpoint"),
     "sample": ("sample", "generate text from a checkpoint or a Hugging Face GPT-2 directory"),
     "finetune": ("finetune", "LoRA fine-tuning of a Hugging Face GPT-2 directory"),
     "export-hf": ("export_hf", "write a checkpoint as a Hugging Face GPT-2 directory"),
     "explain": ("explain", "the paper's table: every a_i and Δ_i with shape, formula, FLOPs and memory"),
-    "attention": ("attention", "PNG of the attention weights of every block and head for a prompt"),
+    "attention": ("attention", "PNG of the attention weights of every block and head for a prompt "
+                               "(--gradients: beside Δcausal; --random: no checkpoint needed)"),
 }
 
 

@@ -1,5 +1,5 @@
 """``pedestrian demo``: every gradient on one line in the paper's notation, with its check
-(finite differences: the library runs no autograd; the autograd comparison is tests/paper/test_model.py), for the kernels chosen by ``--kernels``."""
+(finite differences here; ``--check autograd``: tests/cli/test_demo_autograd.py), for the kernels chosen by ``--kernels``."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def test_demo_fails_on_a_wrong_gradient(capsys, monkeypatch):
 
 
 def test_demo_runs_without_pytorch(capsys, monkeypatch):
-    """The demo needs no PyTorch (the library runs no autograd); ``--check autograd`` is one
-    error line."""
+    """The demo needs no PyTorch (the library runs no autograd); ``--check autograd``, the one
+    mode that does, is one error line that names it and says how to install it."""
     import builtins
 
     real_import = builtins.__import__
@@ -92,8 +92,10 @@ def test_demo_runs_without_pytorch(capsys, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torch)
     assert main(["demo", "--entries", "1"]) == 0
     assert "central finite differences" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_:
-        main(["demo", "--check", "autograd"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "--check" in err[0]
+    assert main(["demo", "--check", "autograd"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--check" in err[0], err
+    assert 'pip install -e ".[torch]"' in err[0] and not captured.out        # nothing ran
+    for mode in ("--head", "--mask"):                                      # NumPy only
+        assert main(["demo", mode]) == 0

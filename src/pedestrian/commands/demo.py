@@ -1,26 +1,50 @@
-"""Forward and backward on real text, every gradient printed as the paper names it and checked.
+"""Forward and backward on real text, every gradient printed as the paper names it and checked;
+or one attention head on numbers, every matrix on screen.
 
 Takes a few windows of the bundled Shakespeare (or --data), a character tokenizer and a tiny
 float64 GPT (larger random weights than the usual initialisation, so every path carries a
 visible signal), runs a0 -> a12 and back with the chosen kernels (--kernels: the paper's
 reference layers or the fast ones), and prints one line per gradient in the order the backward
-produces them: the error signals Δi = ∂L/∂ai (and Δcausal = ∂L/∂S, the softmax backward of each
-block) and the gradient of every parameter, ∂L/∂W_q of block 0 and so on, each with the size of
-its largest entry and how well it agrees with an independent check:
+produces them: the error signals Δi = ∂L/∂ai (and Δcausal = ∂L/∂ρ_causal, the softmax backward of
+each block) and the gradient of every parameter, ∂L/∂W_q of block 0 and so on, each with the size
+of its largest entry and how well it agrees with an independent check (--check):
 
-  finite differences  (the library runs no autograd engine; the comparison of every tensor
-            with PyTorch autograd is the test suite's, tests/paper/test_model.py): for --entries entries of
+  fd        finite differences (default; needs nothing but NumPy): for --entries entries of
             every parameter, (L(θ+h) - L(θ-h)) / 2h with h = --step; the column is the largest
             |numeric - analytic| / |numeric| over entries with |numeric| >= --atol ('-' where
             none is: a relative error of a zero has no meaning). An entry passes when
             |numeric - analytic| <= atol + rtol·|numeric| (default rtol 1e-6); finite
             differences are only good to about h² + ε/h ≈ 1e-10 absolute. The error signals Δi
-            are not parameters: they are checked through the parameter gradients after them.
+            are not parameters: they show '-' and are checked through the parameter gradients.
+  autograd  the paper's own check: the same model restated in PyTorch, every tensor -- each
+            Δi, each block's Δcausal, every parameter gradient -- against autograd's; the column
+            is max |ours - autograd|, and a line passes when that is <= 1e-9 · max |autograd|.
+            Needs PyTorch (pip install -e ".[torch]"), imported only for this check: the library
+            itself runs no autograd.
 
-The key bias gets no relative error either: its gradient is identically zero (paper section 3:
-every row of Δcausal sums to zero), so its line shows the largest entry, which must be rounding
-noise -- at most 1e-12 of the query bias's gradient. A line that fails its check ends with
-"<- FAILED"; exit status 1 if any check fails.
+The key bias gets no relative error: its gradient is identically zero (paper section 3: every
+row of Δcausal sums to zero), so with fd its line shows the largest entry, which must be rounding
+noise -- at most 1e-12 of the query bias's gradient (with autograd: the difference, and the same
+rule). A line that fails its check ends with "<- FAILED"; exit status 1 if any check fails.
+
+--head prints the worked example of the paper's section 3 (its Table 1): one attention head on a
+tiny random input (T = 4 tokens, d = 3 features, d_ρ = 2, d_h = 2; --T, --d, --d-rho, --d-h,
+--seed to change them, --no-causal to drop the mask), every matrix with its name and shape:
+x = a_{i-1}, w_q, b_q, w_k, b_k, w_v, b_v; q, k, v; ρ_raw = q kᵀ, ρ_scaled = ρ_raw/√d_ρ, ρ_causal
+(−∞ where masked), ρ = softmax(ρ_causal), a = ρ v; the upstream Δ; Δv, Δρ, Δcausal (and its row
+sums, which are 0), Δraw, Δq, Δk; the three branches Δq w_qᵀ, Δk w_kᵀ, Δv w_vᵀ into the input and
+their sum Δ_{i-1}^h; the six parameter gradients (∂L/∂b_k ≡ 0). Computed through the library's
+reference layer functions (pedestrian.walkthrough), no autograd. --json prints one JSON object
+instead: float64 nested lists (row-major), keys x w_q b_q w_k b_k w_v b_v delta q k v rho_raw
+rho_scaled rho_causal rho a delta_v delta_rho delta_causal delta_raw delta_q delta_k delta_in_q
+delta_in_k delta_in_v delta_in dw_q db_q dw_k db_k dw_v db_v, masked entries of rho_causal null.
+
+--mask runs the same numbers through the paper's literal mask (a Hadamard product with a 0/1
+matrix, which leaks weight to future tokens: exp(0) = 1) and through the −∞ mask the project
+uses: ρ side by side, the weight each query puts on later tokens, and Δscaled against Δcausal
+under each ("Δscaled = Δcausal" holds with −∞ only). --json: keys mask, rho_scaled, delta_rho,
+and hadamard / neg_inf, each with rho_causal rho a future_weight delta_causal delta_scaled
+max_scaled_minus_causal. Exit status 1 if the −∞ mask does not behave as stated.
 
 --properties instead measures the properties the paper states about positions (sections 2-3):
 permutation equivariance without positions or mask, broken by RoPE, learned positions or the
@@ -30,9 +54,13 @@ it is held to; exit status 1 if any property does not behave as stated.
 
 Examples:
   pedestrian demo
+  pedestrian demo --check autograd
   pedestrian demo --kernels reference
   pedestrian demo --check fd --entries 10 --seed 3
   pedestrian demo --data my_text.txt --check fd --step 1e-6
+  pedestrian demo --head
+  pedestrian demo --head --T 5 --d 4 --d-rho 3 --d-h 2 --seed 7 --json
+  pedestrian demo --mask
   pedestrian demo --properties
 """
 
@@ -72,16 +100,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="the paper's reference layers or the fast kernels "
                              "(default: PEDESTRIAN_KERNELS, else fast)")
-    parser.add_argument("--check", choices=["fd"], default="fd",
-                        help="finite differences (the comparison with PyTorch autograd is the test suite's)")
-    parser.add_argument("--entries", type=int, default=3,
-                        help="finite differences: entries checked per parameter tensor (>= 1)")
-    parser.add_argument("--step", type=float, default=1e-5, help="finite-difference step h (> 0)")
+    parser.add_argument("--check", choices=["fd", "autograd"], default=None,
+                        help="fd: finite differences (default); autograd: every tensor against "
+                             "PyTorch autograd (needs PyTorch)")
+    parser.add_argument("--entries", type=int, default=None,
+                        help="finite differences: entries checked per parameter tensor (>= 1, default 3)")
+    parser.add_argument("--step", type=float, default=None, help="finite-difference step h (> 0, default 1e-5)")
     parser.add_argument("--rtol", type=float, default=None,
                         help="finite differences: relative tolerance (default 1e-6)")
-    parser.add_argument("--atol", type=float, default=1e-8, help="finite differences: absolute tolerance")
+    parser.add_argument("--atol", type=float, default=None,
+                        help="finite differences: absolute tolerance (default 1e-8)")
     parser.add_argument("--properties", action="store_true",
                         help="measure the paper's position properties instead (see above)")
+    head = parser.add_argument_group("one attention head on numbers (--head, --mask)")
+    head.add_argument("--head", action="store_true", help="the worked example of one attention head")
+    head.add_argument("--mask", action="store_true", help="the paper's 0/1 mask against −∞, same numbers")
+    head.add_argument("--T", type=int, default=None, help="tokens (default 4)")
+    head.add_argument("--d", type=int, default=None, help="input features (default 3)")
+    head.add_argument("--d-rho", type=int, default=None, help="query/key width d_ρ (default 2)")
+    head.add_argument("--d-h", type=int, default=None, help="value width d_h (default 2)")
+    head.add_argument("--no-causal", action="store_true", help="--head without the causal mask")
+    head.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+
+#: flags of the whole-model check, and of the one-head example: a flag of one mode given to the
+#: other is an error, not silently ignored
+_MODEL_FLAGS = ("data", "kernels", "check", "entries", "step", "rtol", "atol")
+_HEAD_FLAGS = ("T", "d", "d_rho", "d_h", "no_causal", "json")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given(args: argparse.Namespace, names) -> list:
+    return [_flag(n) for n in names if getattr(args, n, None) not in (None, False)]
+
+
+def _they(flags: list, verb: str = "belong") -> str:
+    """``--a belongs`` / ``--a, --b belong``."""
+    return ", ".join(flags) + f" {verb}" + ("s" if len(flags) == 1 else "")
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """Reject combinations of flags that belong to different modes (``ValueError`` naming them)."""
+    modes = _given(args, ("head", "mask", "properties"))
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} cannot be combined; choose one")
+    if args.head or args.mask:
+        if _given(args, _MODEL_FLAGS):
+            raise ValueError(f"{_they(_given(args, _MODEL_FLAGS))} to the whole-model check, "
+                             f"not to {modes[0]} (which takes --T, --d, --d-rho, --d-h, --seed, --json)")
+        if args.mask and args.no_causal:
+            raise ValueError("--mask compares two causal masks; --no-causal has no place there")
+        for name, default in (("T", 4), ("d", 3), ("d_rho", 2), ("d_h", 2)):
+            value = getattr(args, name)
+            if value is None:
+                setattr(args, name, default)
+            elif value < 1:
+                raise ValueError(f"{_flag(name)} must be a positive integer, got {value}")
+        return
+    if _given(args, _HEAD_FLAGS):
+        raise ValueError(f"{_they(_given(args, _HEAD_FLAGS))} to --head / --mask; "
+                         "add one of them (pedestrian demo --head)")
+    if args.properties:
+        return
+    if args.check == "autograd" and _given(args, ("entries", "step", "rtol", "atol")):
+        raise ValueError(f"{_they(_given(args, ('entries', 'step', 'rtol', 'atol')), 'set')} the "
+                         "finite differences; --check autograd takes none of them")
+    for name, default in (("check", "fd"), ("entries", 3), ("step", 1e-5), ("rtol", 1e-6), ("atol", 1e-8)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -146,24 +235,56 @@ def gradient_lines(model: GPT) -> list:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.properties:
-        return run_properties(args)
-    _check_flags(args)
-    rtol = args.rtol if args.rtol is not None else 1e-6
-    text = load_corpus(args.data)[:200_000]
+def demo_model(data=None, seed: int = 0, kernels=None, rng=None):
+    """The demo's model and batch: ``(model, x, y, tokenizer, text)``.
+
+    A float64 GPT (2 blocks, 3 heads, d_model 24, d_qk 6, d_head 8, context 16) with larger random
+    weights than the initialisation (so every path carries a visible signal), and 4 windows of
+    16 characters of ``data`` (default: the bundled Shakespeare), drawn from ``rng`` (default:
+    a new generator seeded with ``seed``; the caller's generator goes on from there): ``x`` and
+    ``y`` are ``(4, 16)`` int64 ids, ``y`` the next character of each. ``kernels``: as
+    :class:`pedestrian.GPT`.
+
+    Raises:
+        FileNotFoundError, UnicodeDecodeError, ValueError: ``data`` cannot be read as a corpus.
+    """
+    text = load_corpus(data)[:200_000]
     tokenizer = CharTokenizer.from_text(text)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=16, d_model=24, n_heads=3,
                        n_blocks=2, d_qk=6, d_head=8)
-    model = GPT(config, seed=args.seed, dtype="float64", kernels=args.kernels)
-    rng = np.random.default_rng(args.seed)
+    model = GPT(config, seed=seed, dtype="float64", kernels=kernels)
+    rng = np.random.default_rng(seed) if rng is None else rng
     for name, p in model.params.items():          # larger random weights than the init, so every
         if name.endswith("bias"):                 # path carries a visible signal
             p[...] = rng.normal(0, 0.1, p.shape)
         elif p.ndim == 2:
             p[...] = rng.normal(0, 0.3, p.shape)
     x, y = TokenDataset(ids).get_batch(rng, 4, config.context_length)
+    return model, x, y, tokenizer, text
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_modes(args)
+    if args.head or args.mask:
+        from .demo_head import run_head, run_mask
+
+        return run_head(args) if args.head else run_mask(args)
+    if args.properties:
+        return run_properties(args)
+    _check_flags(args)
+    oracle = None
+    if args.check == "autograd":
+        try:
+            from .demo_autograd import AUTOGRAD_RTOL, autograd_gradients
+
+            import torch  # noqa: F401  (the oracle's only dependency; say so now, not mid-way)
+        except ImportError:
+            raise ValueError('--check autograd needs PyTorch: install it with pip install -e ".[torch]", '
+                             "or use --check fd (finite differences, NumPy only)") from None
+    rng = np.random.default_rng(args.seed)         # the weights, the batch, then the fd entries
+    model, x, y, tokenizer, text = demo_model(args.data, args.seed, args.kernels, rng)
+    config = model.config
     source = args.data or "the bundled Shakespeare"
     print(f"text: {len(text):,} characters of {source}, vocabulary {tokenizer.vocab_size}; "
           f"batch {x.shape}, first window: {tokenizer.decode(x[0])!r}")
@@ -173,22 +294,36 @@ def run(args: argparse.Namespace) -> int:
     deltas = {k: np.array(v) for k, v in model.deltas().items()}
     print(f"loss L = {loss:.6f} nats/char (uniform guess: ln {tokenizer.vocab_size} = "
           f"{math.log(tokenizer.vocab_size):.4f})")
-    print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
-          f"pass |numeric - analytic| <= {args.atol:g} + {rtol:g}·|numeric|\n")
-    print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{'check':>11}")
+    if args.check == "autograd":
+        oracle = autograd_gradients(model, x, y)
+        print(f"check: PyTorch autograd of the same model restated in torch (float64; its loss "
+              f"{oracle[0]:.6f}); pass max |ours - autograd| <= {AUTOGRAD_RTOL:g}·max |autograd| per tensor\n")
+        column = "autograd"
+    else:
+        print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
+              f"pass |numeric - analytic| <= {args.atol:g} + {args.rtol:g}·|numeric|\n")
+        column = "check"
+    print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{column:>11}")
     failed = 0
     kq = {i: float(np.max(np.abs(grads[f"blocks.{i}.attn.q.bias"])))
           for i in range(config.n_blocks) if f"blocks.{i}.attn.q.bias" in grads}
     for label, kind, key in gradient_lines(model):
         value = deltas[key] if kind == "delta" else grads[key]
         size = float(np.max(np.abs(value)))
+        if oracle is not None:                             # max |ours - autograd|
+            truth = oracle[2][key] if kind == "delta" else oracle[1][key]
+            diff = float(np.max(np.abs(value - truth)))
+            bad, shown = diff > AUTOGRAD_RTOL * float(np.max(np.abs(truth))), f"{diff:.1e}"
         if key.endswith("attn.k.bias"):                    # ≡ 0: only rounding noise may show
             bad = size > KEY_BIAS_RATIO * kq[int(key.split(".")[1])]
-            shown = "rounding" if not bad else "NOT ZERO"
+            if oracle is None:
+                shown = "rounding" if not bad else "NOT ZERO"
+        elif oracle is not None:
+            pass
         elif kind == "delta":
             bad, shown = False, "-"
         else:
-            bad, shown = _finite_differences(model, key, grads[key], x, y, args, rtol, rng)
+            bad, shown = _finite_differences(model, key, grads[key], x, y, args, args.rtol, rng)
         failed += bad
         # a failing line says so: in fd mode the column (a relative error) alone cannot tell,
         # since an entry near --atol passes on its absolute error
