@@ -16,6 +16,11 @@ kernels (:mod:`pedestrian.kernels`).
 
 from __future__ import annotations
 
+import functools
+import types
+
+from .threads import is_worker_thread, num_threads
+
 try:
     import numba
 except ImportError:  # pragma: no cover - exercised by a test that hides numba
@@ -31,12 +36,49 @@ FASTMATH = frozenset({"reassoc", "contract", "arcp"})
 prange = numba.prange if AVAILABLE else range
 
 
+def _njit(f, parallel: bool):
+    return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel)(f)
+
+
+class _SerialOrParallel:
+    """A ``prange`` kernel compiled twice: the parallel version on the calling thread, the
+    serial one inside a worker thread (:func:`pedestrian.kernels.threads.is_worker_thread`: a
+    :class:`~pedestrian.parallel.DataParallel` slice already has a core of its own, and numba's
+    default threading layer must not be entered by two Python threads at once)."""
+
+    def __init__(self, f):
+        serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
+        self.serial, self.parallel = _njit(serial, False), _njit(f, True)
+        functools.update_wrapper(self, f)
+
+    def __call__(self, *args):
+        if is_worker_thread():
+            return self.serial(*args)
+        _set_threads()
+        return self.parallel(*args)
+
+
+_threads_set: list = []
+
+
+def _set_threads() -> None:
+    """numba's threads: :func:`pedestrian.kernels.threads.num_threads` (``PEDESTRIAN_NUM_THREADS``),
+    at most numba's own pool size; set once per process."""
+    if not _threads_set:
+        numba.set_num_threads(max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        _threads_set.append(True)
+
+
 def kernel(func=None, *, parallel: bool = False):
     """``@kernel`` / ``@kernel(parallel=True)``: ``numba.njit`` with :data:`FASTMATH`, the disk
-    cache and no GIL. Without numba the function is returned as it is (plain Python)."""
+    cache and no GIL; ``parallel`` kernels share their ``prange`` loops over
+    ``PEDESTRIAN_NUM_THREADS`` threads, or run serially inside a worker thread
+    (:class:`_SerialOrParallel`; call them from Python, not from another kernel: use
+    ``.serial`` there). Without numba the function is returned as it is (plain Python)."""
     def wrap(f):
         if not AVAILABLE:
             return f
-        return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel)(f)
+        return _SerialOrParallel(f) if parallel else _njit(f, False)
 
     return wrap if func is None else wrap(func)
