@@ -10,8 +10,10 @@ optimizer step, and every rank takes the same AdamW step.
 **Identical global batches.** Every rank draws the *same* global batch of ``B`` rows from the
 same data RNG (seeded identically, saved in the checkpoint) and takes its own rows: rank ``r``
 of ``W`` takes rows ``B·r//W … B·(r+1)//W`` (:meth:`SingleProcess.rows`). Each rank divides its
-loss by the number of counted targets of the *whole* global batch (``model.loss(..., n_total=N)``,
-the ignore index respected), so the sum over ranks is the global batch's mean loss and gradient::
+loss by the number of counted targets of the *whole* step -- every row of every global
+micro-batch (``model.loss(..., n_total=N)``, the ignore index respected; every rank counts the
+same global batches, :func:`pedestrian.loop.train_step`) -- so the sum over ranks and
+micro-batches is the step's mean loss and gradient::
 
     L = (1/N) Σ_rows ℓ_row = Σ_r L_r,   ∂L/∂θ = Σ_r ∂L_r/∂θ      (one all_reduce, SUM)
 
