@@ -263,7 +263,7 @@ def test_killing_a_rank_ends_the_run_with_one_error_and_resume_continues(corpus,
     assert proc.returncode == 2 and seconds < 60
     assert lines == [f"error: rank 1 of 2 was killed by SIGKILL and the run stopped; the checkpoint of step "
                      f"{kept.step} in {out / 'latest'} is kept; continue with: pedestrian train --out {out} "
-                     f"--resume --nproc 2"], err
+                     f"--resume --nproc 2 --no-progress --no-plot --no-sample"], err
     assert not list(out.glob(".latest*"))                         # nothing half-written
     done = _run(["-m", "pedestrian", "train", "--nproc", "2", "--out", out, "--resume", "--max-steps",
                  kept.step + 3, "--no-progress", "--no-sample", "--no-plot"])
@@ -304,7 +304,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint(corpus, tmp_path
     assert proc.returncode == 130, err[-3000:]
     assert err.strip().splitlines() == [f"interrupted: every rank stopped on a signal; the checkpoint of step {last} "
                                         f"in {out / 'latest'} is kept; continue with: pedestrian train --out {out} "
-                                        "--resume --nproc 2"]
+                                        "--resume --nproc 2 --no-progress --no-plot --no-sample"]
     assert load_checkpoint(out).step == last
 
 
