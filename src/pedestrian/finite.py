@@ -17,8 +17,8 @@ from .backend import to_numpy
 __all__ = ["non_finite_counts", "non_finite_report", "finite_or_none"]
 
 
-def non_finite_counts(tensors: Mapping[str, object]) -> dict[str, tuple[int, int, int]]:
-    """``{name: (n_nan, n_inf, size)}`` of the floating-point tensors that hold a NaN or ±inf.
+def non_finite_counts(tensors: Mapping[str, object]) -> dict[str, tuple[int, int]]:
+    """``{name: (n_nan, n_inf)}`` of the floating-point tensors that hold a NaN or ±inf.
 
     Args:
         tensors: name -> array (NumPy, torch, or anything :func:`~pedestrian.backend.to_numpy`
@@ -29,16 +29,19 @@ def non_finite_counts(tensors: Mapping[str, object]) -> dict[str, tuple[int, int
         a = np.asarray(to_numpy(a))
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
             n_nan = int(np.count_nonzero(np.isnan(a)))
-            bad[name] = (n_nan, int(a.size - n_nan - np.count_nonzero(np.isfinite(a))), int(a.size))
+            bad[name] = (n_nan, int(a.size - n_nan - np.count_nonzero(np.isfinite(a))))
     return bad
 
 
-def non_finite_report(counts: Mapping[str, tuple[int, int, int]], limit: int | None = 5) -> str:
-    """``"ln_final.bias (1 NaN, 0 inf of 8 values), …"`` for :func:`non_finite_counts`' result:
-    the first ``limit`` tensors (``None``: all), then how many more."""
+def non_finite_report(counts: Mapping[str, tuple[int, int]], tensors: Mapping[str, object],
+                      limit: int | None = 5) -> str:
+    """``"ln_final.bias (1 NaN, 0 inf of 8 values), …"`` for :func:`non_finite_counts`' result
+    (``tensors``: the arrays counted, for their sizes): the first ``limit`` tensors (``None``:
+    all), then how many more."""
     items = list(counts.items())
     shown = items if limit is None else items[:limit]
-    text = ", ".join(f"{name} ({n_nan} NaN, {n_inf} inf of {size} values)" for name, (n_nan, n_inf, size) in shown)
+    text = ", ".join(f"{name} ({n_nan} NaN, {n_inf} inf of {math.prod(np.shape(tensors[name]))} values)"
+                     for name, (n_nan, n_inf) in shown)
     return text + (f" and {len(items) - len(shown)} more tensor(s)" if len(shown) < len(items) else "")
 
 

@@ -39,7 +39,7 @@ def check_finite_state(state: Mapping[str, object], dtype: str) -> dict[str, np.
             out[k] = np.asarray(to_numpy(v)).astype(dtype, copy=False)
     bad = non_finite_counts(out)
     if bad:
-        raise ValueError(f"parameters hold non-finite values as {dtype}: {non_finite_report(bad, None)}; "
+        raise ValueError(f"parameters hold non-finite values as {dtype}: {non_finite_report(bad, out, None)}; "
                          "nothing was loaded (a NaN or infinite weight makes the logits NaN)")
     return out
 

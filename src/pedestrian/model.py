@@ -384,7 +384,7 @@ class GPT(FlatParameters, LoRAAdapters):
     def replica(self) -> "GPT":
         """A model that shares this one's parameter arrays but has its own activations, gradient
         buffers and memory pool: one slice of a batch split over threads
-        (:class:`pedestrian.parallel.DataParallel`). Adapters added or removed later are not
+        (:class:`pedestrian.training.parallel.DataParallel`). Adapters added or removed later are not
         seen by an existing replica (make a new one).
         """
         r = object.__new__(GPT)
