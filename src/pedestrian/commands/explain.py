@@ -65,13 +65,6 @@ class Row:
     per_block: bool = False
 
 
-def _n(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4) -> list[Row]:
     """The table's rows for one training step of ``batch_size`` sequences of ``seq_len`` tokens.
 
