@@ -20,7 +20,7 @@ A step whose loss or gradient is NaN or inf is skipped (no update) with a warnin
 
 Several processes: --nproc N starts N ranks on this machine through PyTorch's launcher (each
 computes its share of every batch; gradients are summed once per step; rank 0 writes the
-files); torchrun starts them on one or several machines (README: Training on several processes).
+files); torchrun starts them on one or several machines (docs/guide.md: Several processes).
 
 Examples:
   pedestrian train
