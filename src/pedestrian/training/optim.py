@@ -24,7 +24,7 @@ The buffers are processed in chunks of ``chunk_size`` elements with in-place ope
 (``out=``), so the whole step uses two chunk-sized temporaries per thread and nothing
 parameter-sized; each chunk's parameters, gradients and moments stay in cache across the dozen
 passes. Chunks are independent, so with NumPy they are shared out over the elementwise thread
-pool (:func:`pedestrian.backend.for_row_blocks`); the result does not depend on the split. The same
+pool (:func:`pedestrian.kernels.threads.for_row_blocks`); the result does not depend on the split. The same
 code runs on NumPy arrays and on PyTorch tensors (``backend="torch"``): ``np.multiply`` and
 ``torch.mul`` and friends share the ``f(a, b, out=c)`` signature.
 """
@@ -38,8 +38,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .backend import is_torch_array, to_numpy
-from .kernels.threads import for_row_blocks
+from ..backend import is_torch_array, to_numpy
+from ..kernels.threads import for_row_blocks
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
            "clip_grad_norm"]
