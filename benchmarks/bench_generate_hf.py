@@ -8,10 +8,17 @@ so both sides hold identical weights. Both decode greedily (``temperature=0`` /
 and every figure is a median. The tokens of both sides are compared (greedy decoding of the same
 weights should give the same text; float32 rounding may flip a near-tie late in a long run).
 
+``--size gpt2``: a random GPT-2 of gpt2-124M's size (12 blocks of 768, 12 heads, GPT-2's
+vocabulary of 50,257 ids; the prompt uses the small tokenizer's ids), 50 new tokens, also
+against the memory-bandwidth limit: every weight is read once per token, so no decoder can
+beat ``copy bandwidth ÷ weight bytes`` tokens/s (the bandwidth measured here, a large
+``np.copyto``, bytes read plus written).
+
 Run (about a minute)::
 
     python3 benchmarks/bench_generate_hf.py                    # NumPy backend
     python3 benchmarks/bench_generate_hf.py --backend torch    # torch tensors as plain arrays
+    python3 benchmarks/bench_generate_hf.py --size gpt2        # gpt2-124M-sized
 
 Writes ``benchmarks/results/generate_<backend>.json`` and ``.md`` and refreshes the matching
 table in ``docs/performance.md``.
@@ -30,8 +37,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-MODEL = dict(n_layer=4, n_head=4, n_embd=128, n_positions=1024)
-VOCAB = 300
+SIZES = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, n_positions=1024),
+         "gpt2": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024)}
+MODEL = SIZES["tiny"]
+VOCAB = 300                       # the tokenizer's ids (and the tiny model's vocabulary)
+GPT2_VOCAB = 50257
 PROMPT_LEN = 8
 
 
@@ -43,7 +53,7 @@ def _training_text() -> str:
     return (pedestrian.model.__doc__ or "") + (pedestrian.generate.__doc__ or "")
 
 
-def build_hf_dir(directory: Path, seed: int = 0):
+def build_hf_dir(directory: Path, seed: int = 0, size: str = "tiny"):
     """Save a random GPT-2 and its tokenizer in ``directory``; return the HF model (eval)."""
     import torch
     import transformers
@@ -56,8 +66,9 @@ def build_hf_dir(directory: Path, seed: int = 0):
                                           eos_token="<|endoftext|>", unk_token="<|endoftext|>")
     fast.save_pretrained(str(directory))
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=tok.vocab_size, bos_token_id=0, eos_token_id=0,
-                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **MODEL)
+    vocab = tok.vocab_size if size == "tiny" else GPT2_VOCAB
+    config = transformers.GPT2Config(vocab_size=vocab, bos_token_id=0, eos_token_id=0,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **SIZES[size])
     model = transformers.GPT2LMHeadModel(config).eval()
     model.save_pretrained(str(directory))
     return model, tok
@@ -91,14 +102,29 @@ def pick_torch_threads(hf_model, prompt, n_new: int = 50) -> dict:
     return {"chosen": best, "hf_seconds_for_50_tokens": {n: round(min(v), 4) for n, v in times.items()}}
 
 
-def run(backend: str, lengths: list[int], repeats: int, hf_no_cache: bool) -> dict:
+def copy_bandwidth_gbs(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Memory bandwidth in GB/s: the best of ``repeats`` copies of ``n_bytes`` (bytes read plus
+    bytes written, over the time)."""
+    a = np.ones(n_bytes // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(repeats))
+    return 2 * n_bytes / best / 1e9
+
+
+def _timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def run(backend: str, lengths: list[int], repeats: int, hf_no_cache: bool, size: str = "tiny") -> dict:
     import torch
 
     from pedestrian.generate import generate
     from pedestrian.interop.hf import load_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_model, tok = build_hf_dir(Path(tmp))
+        hf_model, tok = build_hf_dir(Path(tmp), size=size)
         model, _ = load_pretrained(tmp, backend=backend)
     n_params = model.num_params()
     prompt = np.asarray(tok.encode("The GPT: parameters, forward")[:PROMPT_LEN], dtype=np.int64)
@@ -129,27 +155,36 @@ def run(backend: str, lengths: list[int], repeats: int, hf_no_cache: bool) -> di
         row["speedup_vs_hf_cache"] = round(row["pedestrian_tokens_per_s"] / row["hf_cache_tokens_per_s"], 2)
         rows.append(row)
         print(row, file=sys.stderr)
-    return {"backend": backend, "n_params": n_params, "model": {**MODEL, "vocab_size": VOCAB},
+    bandwidth = copy_bandwidth_gbs()
+    limit = bandwidth * 1e9 / (4 * n_params)                # float32 weights, each read once per token
+    for row in rows:
+        row["bandwidth_limit_tokens_per_s"] = round(limit, 1)
+        row["pedestrian_of_limit"] = round(row["pedestrian_tokens_per_s"] / limit, 3)
+    return {"backend": backend, "size": size, "n_params": n_params, "copy_bandwidth_gbs": round(bandwidth, 1),
+            "model": {**SIZES[size], "vocab_size": VOCAB if size == "tiny" else GPT2_VOCAB},
             "prompt_len": PROMPT_LEN, "batch_size": 1, "decoding": "greedy", "repeats": repeats,
             "torch_threads": threads, "results": rows}
 
 
 def markdown(res: dict, info: dict) -> str:
     m = res["model"]
-    lines = [f"### Generation, `backend=\"{res['backend']}\"`", "", common.machine_line(info), "",
-             f"Tiny random GPT-2 ({res['n_params']:,} parameters: {m['n_layer']} blocks, d_model "
+    title = "Generation" + ("" if res["size"] == "tiny" else ", gpt2-124M-sized")
+    lines = [f"### {title}, `backend=\"{res['backend']}\"`", "", common.machine_line(info), "",
+             f"{'Tiny random' if res['size'] == 'tiny' else 'Random'} GPT-2 ({res['n_params']:,} parameters: {m['n_layer']} blocks, d_model "
              f"{m['n_embd']}, {m['n_head']} heads, {m['n_positions']} positions, vocabulary "
              f"{m['vocab_size']}), greedy, batch 1, prompt of {res['prompt_len']} tokens; median "
              f"of {res['repeats']} alternating runs. PyTorch threads: {res['torch_threads']['chosen']} "
              f"(the faster for HF generate of 1 and the default; seconds for 50 tokens: "
-             f"{res['torch_threads']['hf_seconds_for_50_tokens']}).", "",
+             f"{res['torch_threads']['hf_seconds_for_50_tokens']}). Memory-bandwidth limit: copy bandwidth "
+             f"{res['copy_bandwidth_gbs']} GB/s ÷ {4 * res['n_params'] / 1e6:.0f} MB of float32 weights per token.", "",
              "| new tokens | pedestrian tokens/s | HF generate (KV cache) tokens/s | speed-up "
-             "| HF without cache tokens/s | identical leading tokens |",
-             "|---|---|---|---|---|---|"]
+             "| HF without cache tokens/s | bandwidth limit tokens/s (pedestrian's share) | identical leading tokens |",
+             "|---|---|---|---|---|---|---|"]
     for r in res["results"]:
         nc = f"{r['hf_no_cache_tokens_per_s']:.0f}" if "hf_no_cache_tokens_per_s" in r else "–"
         lines.append(f"| {r['new_tokens']} | {r['pedestrian_tokens_per_s']:.0f} | "
                      f"{r['hf_cache_tokens_per_s']:.0f} | **{r['speedup_vs_hf_cache']:.1f}×** | {nc} | "
+                     f"{r['bandwidth_limit_tokens_per_s']:.0f} ({100 * r['pedestrian_of_limit']:.0f} %) | "
                      f"{r['same_leading_tokens']} / {r['new_tokens']} |")
     return "\n".join(lines) + "\n"
 
@@ -157,20 +192,22 @@ def markdown(res: dict, info: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[200, 1000])
+    ap.add_argument("--size", default="tiny", choices=list(SIZES))
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="default 200 1000 (gpt2: 50)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf-no-cache", action="store_true", help="skip HF generate without cache")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
+    args.lengths = args.lengths or ([200, 1000] if args.size == "tiny" else [50])
     if max(args.lengths) + PROMPT_LEN > MODEL["n_positions"]:
         ap.error(f"--lengths must stay below {MODEL['n_positions'] - PROMPT_LEN} (HF GPT-2 has no "
                  "sliding window)")
     info = common.machine_info()
-    res = run(args.backend, args.lengths, args.repeats, not args.no_hf_no_cache)
+    res = run(args.backend, args.lengths, args.repeats, not args.no_hf_no_cache and args.size == "tiny", args.size)
     text = markdown(res, info)
     print(text)
     if not args.no_save:
-        tag = f"generate_{args.backend}"
+        tag = f"generate_{args.backend}" + ("" if args.size == "tiny" else f"_{args.size}")
         common.write_json(tag, {"machine": info, **res})
         common.write_markdown(tag, text)
         common.update_doc_section(tag, text)
