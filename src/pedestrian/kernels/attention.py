@@ -7,7 +7,9 @@ with that ``q``, is divided by ``log₂e``), the scores are overwritten in place
 ``(B, H, T, T)`` array per block instead of three), ``dP`` becomes ``Δcausal`` in place, heads
 are written straight into their column blocks of ``a3`` and of the signal at ``qkv`` (no
 concatenation copies), and the batch rows are shared over threads in blocks
-(:func:`pedestrian.kernels.threads.for_row_blocks`).
+(:func:`pedestrian.kernels.threads.for_row_blocks`). On NumPy arrays the softmax, its backward
+and a KV-cache step of a few tokens are numba loops (:mod:`pedestrian.kernels.attention_loops`:
+one pass per row, the causal mask a loop bound); products stay on BLAS.
 
 From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
 kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks

@@ -6,7 +6,8 @@ loops do what lies between them in one pass per row, with the causal mask as a l
 compiler vectorises: numba's ``math.exp`` is a scalar call (the PyPI llvmlite has no SVML) and
 measured 2x slower than NumPy's ``np.exp`` here, this one 2x faster (docs/kernels.md).
 
-Float32 row sums and dot products accumulate in float64. :data:`USE` is False where numba is
+Sums with cancellation (the softmax backward's row sums) accumulate float32 in float64; sums of
+positive terms (the softmax's) and the decode step's products in the arrays' dtype, vectorised. :data:`USE` is False where numba is
 missing; the callers then run their NumPy (or torch) code.
 """
 
@@ -82,18 +83,19 @@ def softmax_rows(s, T, causal):
     """``P = softmax(S)`` in place, row by row: ``s`` ``(N, L)``, row ``r`` is query ``r mod T``
     of ``T`` at position ``L − T + r mod T``; with ``causal`` the keys after it are 0."""
     N, L = s.shape
+    zero = np.zeros(1, dtype=s.dtype)[0]
     for r in prange(N):
         n = L - T + r % T + 1 if causal else L                      # allowed keys 0 … n-1
         row = s[r]
         m = row[0]
         for j in range(1, n):
             m = max(m, row[j])
-        total = 0.0                                                  # float64 for float32 rows
+        total = zero                  # in the rows' dtype: a sum of positive terms, vectorised
         for j in range(n):
             e = exp(row[j] - m)
             row[j] = e
             total += e
-        inv = 1.0 / total
+        inv = 1 / total
         for j in range(n):
             row[j] *= inv
         row[n:] = 0.0

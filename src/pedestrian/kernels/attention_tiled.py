@@ -28,6 +28,8 @@ backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
   (:func:`pedestrian.kernels.blas.uses_exp2`): ``q`` carries ``log₂e`` besides ``1/√d_qk``, so
   ``S``, ``m`` and ``ℓ`` are in units of ``ln 2`` and ``P = 2^(S·log₂e − ℓ·log₂e)`` is the same
   number; ``dk``, a product with that ``q``, is divided by ``log₂e`` at the end.
+- **numba.** On NumPy arrays a tile's causal mask and ``exp`` are one loop
+  (:func:`pedestrian.kernels.attention_loops.exp_tile`: masked entries written 0, not computed).
 
 ``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
 are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
