@@ -159,7 +159,6 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, zero, 
             for c in range(d_qk):
                 q[c] = qkv[b, t, h * d_qk + c] * scale
             p = p_out[b, h, t]
-            m = -np.inf
             for j in range(L):
                 if (causal and j > pos) or (j < key_start[b] and j != pos):
                     p[j] = -np.inf
@@ -169,8 +168,10 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, zero, 
                 for c in range(d_qk):
                     dot += q[c] * kj[c]
                 p[j] = dot
+            m = p[pos]                                               # (its own key: always allowed)
+            for j in range(L):
                 m = max(m, p[j])
-            total = 0.0
+            total = zero
             for j in range(L):
                 e = exp(p[j] - m)
                 p[j] = e
