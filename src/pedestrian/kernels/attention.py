@@ -7,7 +7,9 @@ with that ``q``, is divided by ``log₂e``), the scores are overwritten in place
 ``(B, H, T, T)`` array per block instead of three), ``dP`` becomes ``Δcausal`` in place, heads
 are written straight into their column blocks of ``a3`` and of the signal at ``qkv`` (no
 concatenation copies), and the batch rows are shared over threads in blocks
-(:func:`pedestrian.kernels.threads.for_row_blocks`).
+(:func:`pedestrian.kernels.threads.for_row_blocks`). On NumPy arrays the softmax, its backward
+and a KV-cache step of a few tokens are numba loops (:mod:`pedestrian.kernels.attention_loops`:
+one pass per row, the causal mask a loop bound); products stay on BLAS.
 
 From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
 kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks
@@ -20,10 +22,10 @@ import math
 
 from array_api_compat import device
 
-from ..backend import array_namespace, is_torch_array
+from ..backend import array_namespace, is_numpy_array, is_torch_array
 from ..layers.attention import KVBlock, attention_mask
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
-from . import blas
+from . import attention_loops, blas
 from .blas import copy_into, elementwise_lib, matmul_into, rowdot
 from .threads import for_row_blocks
 from .workspace import empty_array, scratch
@@ -31,6 +33,9 @@ from .workspace import empty_array, scratch
 _MASKS: dict = {}
 #: elements of (B, H, T, T) per block: batched matmuls of small matrices want few, large calls
 _BLOCK = 1 << 20
+#: a KV-cache step of at most this many new tokens runs as one numba loop nest
+#: (:func:`pedestrian.kernels.attention_loops.decode_attention`; its products are loops, not BLAS)
+DECODE_MAX_T = 8
 
 
 def causal_mask(T: int, like):
@@ -83,7 +88,8 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     p = empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
     out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
-    mask = causal_mask(T, qkv) if causal else None
+    loops = attention_loops.USE and is_numpy_array(qkv) and unit == 1.0    # numba: the fused softmax
+    mask = causal_mask(T, qkv) if causal and not loops else None
     lib = elementwise_lib(qkv)
 
     def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
@@ -91,15 +97,18 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         copy_into(qb, q_raw[lo:hi])                          # (a head of width 1 is a column:
         lib.multiply(qb, unit / math.sqrt(d_qk), out=qb)     # scaled once contiguous)
         matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T), × unit
-        if mask is not None:
-            lib.add(sb, mask, out=sb)
-        lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)    # softmax, in place
-        exp(sb, out=sb)
-        lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
+        if loops:                                            # softmax in place, masked
+            attention_loops.softmax_rows(sb.reshape(-1, T), T, causal)
+        else:
+            if mask is not None:
+                lib.add(sb, mask, out=sb)
+            lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)
+            exp(sb, out=sb)
+            lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
         matmul_into(out_heads[lo:hi], sb, v[lo:hi])          # P v
 
     for_row_blocks(qkv, kernel, B, n_heads * T * T, block=_BLOCK)
-    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=unit)
+    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=unit, causal=causal)
 
 
 def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
@@ -109,6 +118,9 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     L0, L = kv_cache.length, kv_cache.length + T
     keys, values = kv_cache.keys, kv_cache.values
     unit, exp, _ = blas.softmax_exp(qkv)                     # as in the forward above
+    if (attention_loops.USE and T <= DECODE_MAX_T and unit == 1.0 and type(qkv) is type(keys)
+            and is_numpy_array(qkv) and keys.flags.c_contiguous and values.flags.c_contiguous):
+        return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache)
     if d_qk == d_head:                                       # q, k, v heads at once: (B, 3H, T, d)
         heads = qkv.reshape(B, T, 3 * n_heads, d_qk).swapaxes(1, 2)
         keys[:, :, L0:L, :] = heads[:, n_heads:2 * n_heads]
@@ -132,6 +144,23 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, unit=unit, kv_cache=True)
 
 
+def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
+    """:func:`_cached_attention` as one numba call (:func:`pedestrian.kernels.attention_loops.decode_attention`)."""
+    import numpy as np
+
+    B, T, _ = qkv.shape
+    L0, L = kv_cache.length, kv_cache.length + T
+    key_start = (np.zeros(B, dtype=np.int64) if kv_cache.key_start is None
+                 else np.asarray(kv_cache.key_start, dtype=np.int64).reshape(B))
+    q = np.empty((B, n_heads, T, d_qk), dtype=qkv.dtype)
+    p = np.empty((B, n_heads, T, L), dtype=qkv.dtype)
+    out = np.empty((B, T, n_heads * d_head), dtype=qkv.dtype)
+    attention_loops.decode_attention(np.ascontiguousarray(qkv), kv_cache.keys, kv_cache.values, L0, key_start,
+                                     causal, 1.0 / math.sqrt(d_qk), qkv.dtype.type(0), q, p, out)
+    k, v = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :]
+    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=1.0, kv_cache=True)
+
+
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     """Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
     kept, is computed block by block for a tiled cache)."""
@@ -146,6 +175,7 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     delta_qkv = empty_array((B, T, 2 * hq + hv), p)
     kept = empty_array(p.shape, p) if keep_delta_causal else None
     lib = elementwise_lib(p)
+    loops, causal = attention_loops.USE and is_numpy_array(p), cache.get("causal", True)
 
     def heads(lo, width):                                     # column block as (B, H, T, w) view
         return delta_qkv[..., lo:lo + H * width].reshape(B, T, H, width).swapaxes(1, 2)
@@ -160,7 +190,10 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         matmul_into(dv_all[lo:hi], pb.mT, db)                 # dv = Pᵀ Δ
         delta_causal = kept[lo:hi] if kept is not None else scratch(pb.shape, pb, "attention.dP")
         matmul_into(delta_causal, db, v[lo:hi].mT)            # dP = Δ vᵀ
-        softmax_backward_into(delta_causal, pb, delta_causal)  # Δcausal; masked entries stay 0
+        if loops:                                             # Δcausal; masked entries 0
+            attention_loops.softmax_backward_rows(delta_causal.reshape(-1, T), pb.reshape(-1, T), T, causal)
+        else:
+            softmax_backward_into(delta_causal, pb, delta_causal)
         dq = scratch(q[lo:hi].shape, pb, "attention.dq")      # contiguous, then into its columns
         matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
         lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)

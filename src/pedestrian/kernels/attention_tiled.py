@@ -28,6 +28,8 @@ backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
   (:func:`pedestrian.kernels.blas.uses_exp2`): ``q`` carries ``log₂e`` besides ``1/√d_qk``, so
   ``S``, ``m`` and ``ℓ`` are in units of ``ln 2`` and ``P = 2^(S·log₂e − ℓ·log₂e)`` is the same
   number; ``dk``, a product with that ``q``, is divided by ``log₂e`` at the end.
+- **numba.** On NumPy arrays a tile's causal mask and ``exp`` are one loop
+  (:func:`pedestrian.kernels.attention_loops.exp_tile`: masked entries written 0, not computed).
 
 ``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
 are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
@@ -42,7 +44,7 @@ import contextlib
 import math
 
 from ..backend import is_numpy_array, is_torch_array
-from . import blas
+from . import attention_loops, blas
 from .blas import copy_into, elementwise_lib, matmul_into, rowdot
 from .threads import is_worker_thread, num_threads, run_units
 from .workspace import empty_array, scratch
@@ -230,6 +232,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
     unit, exp, log = blas.softmax_exp(qkv)                                   # scores in units of ln 2, or 1
+    loops = attention_loops.USE and is_numpy_array(qkv) and unit == 1.0      # numba: mask and exp fused
     q_aug = empty_array((G, T, d_qk + 1), qkv)                               # [q/√d_qk | −ℓ] (× unit)
     k_aug = empty_array((G, T, d_qk + 1), qkv)                               # [k | 1]
     v_aug = empty_array((G, T, d_head + 1), qkv)                             # [v | 1]
@@ -255,13 +258,13 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         t = scratch((g, r, d_head + 1), qkv, "tiled.t")
         s_flat = scratch((g * r * bk,), qkv, "tiled.s")
 
-        def scores(j0: int, j1: int, minus_m: bool):                        # keys j0:j1, masked
+        def scores(j0: int, j1: int, minus_m: bool, mask: bool = True):     # keys j0:j1, masked
             s = _carve(s_flat, g, r, j1 - j0)
             if minus_m:                                                      # [q | −m] [k | 1]ᵀ = S − m
                 matmul_into(s, qa, k_aug[lo:hi, j0:j1].mT)
             else:                                                            # S = q kᵀ/√d_qk
                 matmul_into(s, qa[..., :d_qk], k_aug[lo:hi, j0:j1, :d_qk].mT)
-            if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
+            if mask and causal and j1 - 1 > i0:                              # the tile crosses the diagonal
                 lib.add(s, _tile_mask(r, j1 - j0, i0 - j0, s), out=s)
             return s
 
@@ -280,8 +283,12 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         with _overflow_allowed(qkv):                                         # checked below and
             for j0 in range(0, end, bk):                                     # then done again
                 j1 = min(j0 + bk, end)
-                s = scores(j0, j1, True)
-                exp(s, out=s)                                                # e = exp(S − m)
+                if loops:                                                    # e = exp(S − m), masked
+                    attention_loops.exp_tile(scores(j0, j1, True, False), i0 - j0, causal)
+                    s = _carve(s_flat, g, r, j1 - j0)
+                else:
+                    s = scores(j0, j1, True)
+                    exp(s, out=s)
                 if j0 == 0:
                     matmul_into(acc, s, v_aug[lo:hi, j0:j1])
                 else:
@@ -363,6 +370,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     kept3 = None if kept is None else kept.reshape(G, T, T)
     inv_scale = 1.0 / math.sqrt(d_qk)
     unit, exp, _ = blas.softmax_exp(o, cache["unit"])
+    loops = attention_loops.USE and is_numpy_array(o) and unit == 1.0
 
     def kernel(lo: int, hi: int, n: int) -> None:                           # heads lo:hi, query run n
         g = hi - lo
@@ -381,9 +389,12 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
                 c = j1 - j0
                 p = _carve(p_flat, g, r, c)
                 matmul_into(p, qa, k_aug[lo:hi, j0:j1].mT)                   # S − ℓ
-                if causal and j1 - 1 > i0:
-                    lib.add(p, _tile_mask(r, c, i0 - j0, p), out=p)
-                exp(p, out=p)                                                # P = exp(S − ℓ)
+                if loops:                                                    # P = exp(S − ℓ), masked
+                    attention_loops.exp_tile(p, i0 - j0, causal)
+                else:
+                    if causal and j1 - 1 > i0:
+                        lib.add(p, _tile_mask(r, c, i0 - j0, p), out=p)
+                    exp(p, out=p)
                 t_v = _carve(t_v_flat, g, c, d_head)
                 matmul_into(t_v, p.mT, da[..., :d_head])                     # dv += Pᵀ Δ
                 lib.add(dv_h[:, j0:j1], t_v, out=dv_h[:, j0:j1])
