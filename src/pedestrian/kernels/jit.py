@@ -7,7 +7,9 @@ when the package folder is read-only; ``NUMBA_CACHE_DIR`` overrides), and releas
 
 Floating point: only the fastmath flags that keep NaN and infinity meaningful -- reassociation,
 contraction into fused multiply-adds, reciprocals (:data:`FASTMATH`). Never ``nnan`` / ``ninf``:
-a NaN or an inf must propagate to where the training loop catches it. Sums may therefore be
+a NaN or an inf must propagate to where the training loop catches it. For the same reason
+``error_model="numpy"``: ``x / 0`` is ``±inf`` or NaN as in NumPy, not a ``ZeroDivisionError``
+(whose check would also stop a loop from vectorising). Sums may therefore be
 taken in another order than NumPy's; the tests' tolerances follow from that (n·ε bounds).
 
 :data:`AVAILABLE` is False where numba cannot be imported; the model then runs the reference
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 import types
 
-from .threads import is_worker_thread, num_threads
+from .threads import is_worker_thread, num_threads, threads_pay
 
 try:
     import numba
@@ -37,7 +39,8 @@ prange = numba.prange if AVAILABLE else range
 
 
 def _njit(f, parallel: bool):
-    return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel)(f)
+    return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
+                      error_model="numpy")(f)
 
 
 class _SerialOrParallel:
@@ -57,6 +60,14 @@ class _SerialOrParallel:
             return self.serial(*args)
         _set_threads()
         return self.parallel(*args)
+
+    def sized(self, n_elements: int):
+        """The version for a job of ``n_elements``: the parallel one only where a second thread
+        pays (:func:`pedestrian.kernels.threads.threads_pay`), else the serial one."""
+        if threads_pay(n_elements):
+            _set_threads()
+            return self.parallel
+        return self.serial
 
 
 _threads_set: list = []
