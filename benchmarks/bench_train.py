@@ -15,6 +15,11 @@ Run (about 2 minutes per backend on 2 cores)::
     python3 benchmarks/bench_train.py --config char-small --parallel off   # without DataParallel
     python3 benchmarks/bench_train.py --config char-small --parallel threads   # slices on threads
 
+Configs: char-small (GPT-2's layout at 4 x 128, tanh GELU, biases), nanogpt-recipe (the model of
+nanoGPT's README CPU recipe: the same widths, exact GELU, no biases) and gpt2-124M. Each is
+timed twice: paused (a pause before each timed step) and back to back (steps in a row, as the
+training loop runs them; the sides alternate in blocks).
+
 The pedestrian side runs as ``pedestrian train`` does: small NumPy models with
 :class:`pedestrian.parallel.DataParallel` (``--parallel auto``, the library's own rule).
 
@@ -47,13 +52,19 @@ import common  # noqa: E402
 CONFIGS = {
     # name: (preset, overrides, batch size, sequence length)
     "char-small": ("char-small", {}, 12, 64),
+    # nanoGPT's README CPU recipe (4 x 128, 4 heads, context 64, batch 12): exact GELU, no biases
+    "nanogpt-recipe": ("char-small", dict(activation="gelu", bias=False), 12, 64),
     "gpt2-124M": ("gpt2", {}, 4, 64),
 }
-DEFAULT_STEPS = {"char-small": (3, 32), "gpt2-124M": (2, 8)}   # (warm-up, timed) per side
+DEFAULT_STEPS = {"char-small": (3, 32), "nanogpt-recipe": (3, 32), "gpt2-124M": (2, 8)}   # (warm-up, timed) per side
 #: per round and side: (timed steps, untimed lead-in steps after the pause). A small model's
 #: step is shorter than the pause's effects (cold caches, a clock that slowed down), so it
 #: runs a few steps per round after one it does not time; a gpt2-124M step is 3 s: no need.
-ROUNDS = {"char-small": (4, 1), "gpt2-124M": (1, 0)}
+ROUNDS = {"char-small": (4, 1), "nanogpt-recipe": (4, 1), "gpt2-124M": (1, 0)}
+#: back-to-back steps, as a training loop runs them (no pause: the other side's threads may still
+#: spin, and each side's own do between its steps): (blocks per side, steps per block), the sides
+#: alternating block by block (ABBA)
+BACK_TO_BACK = {"char-small": (4, 8), "nanogpt-recipe": (4, 8), "gpt2-124M": (2, 2)}
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 #: pause before each timed step: OpenBLAS's worker threads spin for about 0.1 s after a matrix
 #: product (2^28 cycles, OPENBLAS_THREAD_TIMEOUT), which would halve PyTorch's speed if its
@@ -393,6 +404,15 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
                     one_step(side)
                     if j >= lead_in:
                         times[side].append(time.perf_counter() - t0)
+    b2b: tuple[list, list] = ([], [])
+    blocks, per_block = BACK_TO_BACK[name]
+    for r in range(2 * blocks):
+        side = (0, 1, 1, 0)[r % 4]
+        with ped_context if side == 0 else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                one_step(side)
+            b2b[side].append((time.perf_counter() - t0) / per_block)
     ped_t, tor_t = times
     ped_loss, tor_loss = losses
     steps = len(ped_t)
@@ -406,6 +426,9 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
         "pedestrian_ms_iqr": [round(1e3 * q, 2) for q in statistics.quantiles(ped_t, n=4)[::2]],
         "torch_ms_iqr": [round(1e3 * q, 2) for q in statistics.quantiles(tor_t, n=4)[::2]],
         "ratio": round(ped_ms / tor_ms, 3),
+        "pedestrian_back_to_back_ms": round(common.median_ms(b2b[0]), 2),
+        "torch_back_to_back_ms": round(common.median_ms(b2b[1]), 2),
+        "ratio_back_to_back": round(common.median_ms(b2b[0]) / common.median_ms(b2b[1]), 3),
         "pedestrian_tokens_per_s": round(tokens / ped_ms * 1e3, 1),
         "torch_tokens_per_s": round(tokens / tor_ms * 1e3, 1),
         "step_gflop": round(flops / 1e9, 2),
@@ -479,9 +502,11 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
              f"batched 48×64×64 (the attention shape): NumPy {peaks['numpy']['batched_48x64']}, "
              f"PyTorch {peaks['torch']['batched_48x64']} GFLOP/s. MFU = achieved matmul GFLOP/s "
              f"÷ the square peak of the side's own library.", "",
-             "| config | B×T | pedestrian ms | PyTorch ms | ratio | tokens/s (ped / torch) "
-             "| GFLOP/s (ped / torch) | MFU (ped / torch) | peak RSS MiB (ped / torch) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Paused: each timed step after a pause (the other side's threads idle); back to back: "
+             "steps in a row, as the training loop runs them.", "",
+             "| config | B×T | pedestrian ms | PyTorch ms | ratio | back to back ms (ped / torch) | ratio b2b "
+             "| tokens/s (ped / torch) | GFLOP/s (ped / torch) | MFU (ped / torch) | peak RSS MiB (ped / torch) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         tpeak = peaks["torch"]["square"]
         mem = (f"{r['pedestrian_peak_rss_mib']['peak_rss_mib']:.0f} / "
@@ -489,7 +514,8 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
                if "torch_peak_rss_mib" in r else "not measured")
         lines.append(
             f"| {r['config']} | {r['batch_size']}×{r['seq_len']} | {r['pedestrian_ms']:.1f} "
-            f"| {r['torch_ms']:.1f} | **{r['ratio']:.2f}** | {r['pedestrian_tokens_per_s']:.0f} / "
+            f"| {r['torch_ms']:.1f} | **{r['ratio']:.2f}** | {r['pedestrian_back_to_back_ms']:.1f} / "
+            f"{r['torch_back_to_back_ms']:.1f} | **{r['ratio_back_to_back']:.2f}** | {r['pedestrian_tokens_per_s']:.0f} / "
             f"{r['torch_tokens_per_s']:.0f} | {r['pedestrian_gflops']:.0f} / {r['torch_gflops']:.0f} "
             f"| {100 * r['pedestrian_gflops'] / peak:.0f}% / {100 * r['torch_gflops'] / tpeak:.0f}% "
             f"| {mem} |")

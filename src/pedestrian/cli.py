@@ -174,8 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pedestrian`` console script; returns the exit status.
 
     Errors the user can fix print one ``error: ...`` line and return 2 (see the module
-    docstring); ``PEDESTRIAN_DEBUG=1`` in the environment re-raises them instead.
+    docstring); ``PEDESTRIAN_DEBUG=1`` in the environment re-raises them instead. Any other
+    exception propagates (a traceback); a rank of several records it for the launcher first.
     """
+    try:
+        return _main(argv)
+    except Exception as exc:
+        _record_crash(exc)
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # pedestrian train --nproc re-runs it per rank
@@ -216,6 +225,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _record_crash(exc: Exception) -> None:
+    """A rank of several that raises an unexpected exception writes it for the launcher before
+    its traceback is printed: a rank killed while exiting (the launcher stops the others as soon
+    as one ends) is then still reported by its real cause."""
+    from .distributed import CommunicationError, launched_rank, record_error
+
+    if not launched_rank():
+        return
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    what = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+    record_error(f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} raised {what[:300]} (its traceback "
+                 "is printed above)", lost_contact=isinstance(exc, CommunicationError), crashed=True)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ optimizer step, and every rank takes the same AdamW step.
 **Identical global batches.** Every rank draws the *same* global batch of ``B`` rows from the
 same data RNG (seeded identically, saved in the checkpoint) and takes its own rows: rank ``r``
 of ``W`` takes rows ``B·r//W … B·(r+1)//W`` (:meth:`SingleProcess.rows`). Each rank divides its
-loss by the number of counted targets of the *whole* global batch (``model.loss(..., n_total=N)``,
-the ignore index respected), so the sum over ranks is the global batch's mean loss and gradient::
+loss by the number of counted targets of the *whole* step -- every row of every global
+micro-batch (``model.loss(..., n_total=N)``, the ignore index respected; every rank counts the
+same global batches, :func:`pedestrian.loop.train_step`) -- so the sum over ranks and
+micro-batches is the step's mean loss and gradient::
 
     L = (1/N) Σ_rows ℓ_row = Σ_r L_r,   ∂L/∂θ = Σ_r ∂L_r/∂θ      (one all_reduce, SUM)
 
@@ -293,14 +295,18 @@ def _check_cuda() -> None:
 
 
 # ---------------------------------------------------------------------------------------- errors
-def record_error(message: str, lost_contact: bool = False) -> None:
+def record_error(message: str, lost_contact: bool = False, crashed: bool = False) -> None:
     """Write a rank's error where PyTorch's launcher reads it (``TORCHELASTIC_ERROR_FILE``, the
-    JSON of ``torch.distributed.elastic``'s error files), so the launcher can report it."""
+    JSON of ``torch.distributed.elastic``'s error files), so the launcher can report it.
+
+    Its kind (``extraInfo["pedestrian"]``, read by the launcher's report): ``"error"`` (an error
+    of this rank's own, ``message`` is the whole line), ``"lost_contact"`` (another rank failed
+    first), ``"crash"`` (an unexpected exception; its traceback follows on stderr)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time())),
-                                                           "pedestrian": "lost_contact" if lost_contact else "error"}}}
+    kind = "lost_contact" if lost_contact else "crash" if crashed else "error"
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time())), "pedestrian": kind}}}
     try:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
@@ -386,8 +392,17 @@ def launch(nproc: int, argv: list[str], describe_checkpoint, *, shutdown_timeout
 
 
 def _failure_line(failures: dict, nproc: int, describe_checkpoint) -> tuple[str, bool]:
-    """The one line for a failed launch: a rank's own error if one reported an error of its own
-    (rank 0's first), else which rank ended and how, with what is on disk."""
+    """The one line for a failed launch, naming the rank that failed first for a cause of its own.
+
+    ``failures``: ``{rank: ProcessFailure}`` in the order the launcher saw the ranks end. Once one
+    rank fails the launcher sends SIGTERM to the others, and the others lose contact with it, so
+    a rank killed by SIGTERM without a record of its own, or one that lost contact, is a
+    consequence. The cause, in this order: a rank's own error message or recorded exception
+    (:func:`record_error`, even if the launcher then killed it while it was exiting), then a rank
+    that ended on its own (an exit code, a signal other than SIGTERM), then the consequences --
+    within each, the earliest (the records' times, which the ranks wrote; else the launcher's
+    order, exact between its polls, by rank within one). Every rank stopped on a signal (exit
+    130) is an interrupt (``True``)."""
     def kind(f):
         data = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
         return data.get("extraInfo", {}).get("pedestrian") if isinstance(data, dict) else None
@@ -402,12 +417,20 @@ def _failure_line(failures: dict, nproc: int, describe_checkpoint) -> tuple[str,
     stopped = [r for r in ranks if failures[r].exitcode == 130]
     if stopped and all(r in stopped or failures[r].exitcode == -signal.SIGTERM for r in ranks):
         return f"every rank stopped on a signal; {describe_checkpoint()}", True
-    for r in ranks:
-        if kind(failures[r]) == "error":
-            return text(failures[r]), False
-    for r in ranks:
-        f = failures[r]
-        if kind(f) is None:
-            how = (f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"ended with exit code {f.exitcode}")
-            return f"rank {r} of {nproc} {how} and the run stopped; {describe_checkpoint()}", False
-    return text(failures[ranks[0]]), False
+    order = list(failures)
+
+    def cause(r):
+        f, k = failures[r], kind(failures[r])
+        if k in ("error", "crash"):                     # the times the ranks wrote their records
+            return 0, f.timestamp, order.index(r)
+        own = k is None and f.exitcode != -signal.SIGTERM
+        return 1 if own else 2, 0, order.index(r)       # no record: the launcher's order
+
+    r = min(failures, key=cause)
+    f, k = failures[r], kind(failures[r])
+    if k in ("error", "lost_contact"):                  # whole lines, naming what is on disk
+        return text(f), False
+    if k == "crash":
+        return f"{text(f)} and the run stopped; {describe_checkpoint()}", False
+    how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"ended with exit code {f.exitcode}"
+    return f"rank {r} of {nproc} {how} and the run stopped; {describe_checkpoint()}", False

@@ -3,19 +3,24 @@ for numbers that are not finite.
 
 One step (:func:`train_step`)::
 
-    for each of k micro-batches:  loss_i = model.loss(x_i[rows], y_i[rows], n_total=N_i)
+    n = Σ_i n_i                             the counted targets of all k micro-batches
+    for each of k micro-batches:  loss_i = model.loss(x_i[rows], y_i[rows], n_total=n)
                                   model.backward()                      (hand-derived)
-    g = (1/k) Σ_i g_i                       gradient accumulation (see below)
+    g = Σ_i g_i;  loss = Σ_i loss_i         gradient accumulation (see below)
     g ← Σ_ranks g;  loss ← Σ_ranks loss     one all_reduce of the flat buffer (nothing on one process)
     N = ‖g‖                                 overflow-safe (optim.global_grad_norm)
     if the loss or N is not finite: skip    θ, the AdamW moments and its step count untouched
     g ← g · min(1, clip / (N + 1e-6))       global-norm clipping (torch's convention)
     θ ← AdamW(θ, g, lr = schedule(step))    optim.py
 
-Gradient accumulation convention: every micro-batch's gradient is that of its own *mean*
-loss, and the update uses their plain average. That equals the gradient of one batch ``k``
-times larger whenever every micro-batch counts the same number of targets -- always true for
-the fixed-size windows used here (no ignored targets). The backward overwrites the model's
+Gradient accumulation: the step's loss is the token mean over *every* counted target of its
+``k`` micro-batches (those not the ignore index ``-100``; ``n_i`` of them in micro-batch ``i``),
+as if they were one batch ``k`` times larger. Each micro-batch divides its summed token losses by
+the step's ``n`` (not by its own ``n_i``), so the micro-batches' losses and gradients simply add
+up to that mean and its gradient -- whatever mix of ignored targets they hold, one of them with
+none counted included (``transformers``' ``num_items_in_batch`` does the same since 2024). A
+step where no target counts at all (``n = 0``) has no loss to train on: :func:`train_step`
+refuses it (:class:`TrainingError`) before any forward. The backward overwrites the model's
 gradient buffers, so the running sum lives in a separate buffer.
 
 Non-finite numbers (one rule, for train and finetune alike):
@@ -43,10 +48,10 @@ checkpoints and the time guard are small callback objects in this module
 (:class:`pedestrian.train.RunFiles`).
 
 Several processes (:mod:`pedestrian.distributed`): every rank gets the same global micro-batches
-and computes its rows of each (``rows = group.rows(B)``), dividing by the whole micro-batch's
-counted targets ``N_i``; the gradients and the loss are summed over the ranks between the
-backward and the norm (:func:`train_step`), so every rank sees the same numbers and
-takes the same update. The loop never asks how many ranks there are: one process has a
+and computes its rows of each (``rows = group.rows(B)``), dividing by the counted targets ``n``
+of the whole step (all ranks, all micro-batches); the gradients and the loss are summed over the
+ranks between the backward and the norm (:func:`train_step`), so every rank sees the same
+numbers and takes the same update. The loop never asks how many ranks there are: one process has a
 :class:`~pedestrian.distributed.SingleProcess` group whose sums are the identity. Stop decisions
 are agreed (:meth:`Trainer.should_stop`: the most urgent reason of any rank wins, through one tiny
 all_reduce), and a rank that writes nothing gets a ``files`` object that does nothing.
@@ -117,13 +122,6 @@ def _add_into(dst, src) -> None:
         np.add(dst, src, out=dst)
 
 
-def _scale(dst, factor: float) -> None:
-    if is_torch_array(dst):
-        dst.mul_(factor)
-    else:
-        np.multiply(dst, factor, out=dst)
-
-
 def empty_like(a):
     """An uninitialised array like ``a`` (NumPy or torch)."""
     if is_torch_array(a):
@@ -169,10 +167,10 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         model: a :class:`~pedestrian.model.GPT` (or a :class:`~pedestrian.parallel.DataParallel`)
             in training mode (or not: dropout follows ``model.training``).
         optimizer: an :class:`~pedestrian.optim.AdamW` over the model's flat buffers.
-        batches: list of ``(x, y)`` int arrays ``(B, T)``, the *global* micro-batches (every rank
-            passes the same ones and computes its rows, ``group.rows(B)``); every micro-batch
-            must count the same number of targets for the update to equal one big batch (module
-            docstring).
+        batches: list of ``(x, y)`` int arrays ``(B_i, T_i)``, the *global* micro-batches (every
+            rank passes the same ones and computes its rows, ``group.rows(B_i)``); targets may
+            be ``-100`` (ignored) anywhere: the update is that of one batch made of them all
+            (module docstring).
         lr: learning rate of this update.
         grad_clip: global-norm threshold (``0`` = no clipping).
         accum_buffers: optional preallocated arrays shaped like each group's gradients (saves
@@ -183,12 +181,15 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
             from the model's own ``dropout_rng``).
 
     Returns:
-        ``(loss, grad_norm)``: the mean of the micro-batch losses (nats per token) and the
-        global gradient norm before clipping, the same on every rank. When :func:`skip_reason`
-        gives a reason for them no update was made: parameters, moments and
-        ``optimizer.step_count`` are unchanged.
+        ``(loss, grad_norm)``: the mean loss over every counted target of the step's
+        micro-batches (nats per token) and the global gradient norm of that mean before
+        clipping, the same on every rank. When :func:`skip_reason` gives a reason for them no
+        update was made: parameters, moments and ``optimizer.step_count`` are unchanged.
 
     Raises:
+        ValueError: no micro-batch.
+        TrainingError: every target of every micro-batch is ``-100`` (nothing to train on;
+            raised before any forward, on every rank alike, and nothing is changed).
         CommunicationError: another rank failed (:mod:`pedestrian.distributed`).
     """
     group = _ONE if group is None else group
@@ -198,12 +199,17 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         raise ValueError("train_step needs at least one micro-batch")
     if k > 1 and accum_buffers is None:
         accum_buffers = [empty_like(g.grads) for g in groups]
+    n_total = sum(count_targets(y) for _, y in batches)      # global: every rank sees every row
+    if n_total == 0:
+        raise TrainingError(f"every target of the step's {k} micro-batch(es) is the ignore index {IGNORE_INDEX}, "
+                            "so there is no loss to train on (an update would only apply momentum and weight "
+                            f"decay); leave out the windows whose targets are all {IGNORE_INDEX}")
     total = 0.0
     for i, (x, y) in enumerate(batches):
         rows = group.rows(x.shape[0])
         if dropout_key is not None:
             model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
-        total += model.loss(x[rows], y[rows], n_total=count_targets(y))
+        total += model.loss(x[rows], y[rows], n_total=n_total)     # its share of the step's mean
         model.backward()
         if k == 1:
             break
@@ -212,11 +218,10 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
                 _copy_into(acc, g.grads)
             elif i < k - 1:
                 _add_into(acc, g.grads)
-            else:                                   # last one: g ← (g + Σ previous) / k
+            else:                                   # last one: g ← g + Σ previous
                 _add_into(g.grads, acc)
-                _scale(g.grads, 1.0 / k)
     group.sum_buffers([g.grads for g in groups], "the gradients")
-    loss = group.sum([total / k], "the loss")[0]
+    loss = group.sum([total], "the loss")[0]
     norm = global_grad_norm([g.grads for g in groups])
     if skip_reason(loss, norm, grad_clip, optimizer) is not None:
         return loss, norm
@@ -229,17 +234,28 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
 
 
 def estimate_loss(model, batches, group=None) -> float:
-    """Mean loss over fixed global ``(x, y)`` batches with dropout off (``model.training``
-    restored); with a process group each rank computes its rows and the sums are exchanged once."""
+    """Mean loss over every counted target of fixed global ``(x, y)`` batches (the loss of their
+    concatenation, as a training step's), with dropout off (``model.training`` restored); with a
+    process group each rank computes its rows and the sums are exchanged once.
+
+    Raises:
+        TrainingError: every target of every batch is ``-100`` (no loss to measure).
+        CommunicationError: another rank failed.
+    """
     group = _ONE if group is None else group
+    n_total = sum(count_targets(y) for _, y in batches)
+    if n_total == 0:
+        raise TrainingError(f"every target of the {len(batches)} validation batch(es) is the ignore index "
+                            f"{IGNORE_INDEX}, so there is no validation loss; give validation windows with "
+                            "targets that count")
     was_training = model.training
     model.training = False
     try:
         parts = []
         for x, y in batches:
             rows = group.rows(x.shape[0])
-            parts.append(model.loss(x[rows], y[rows], n_total=count_targets(y)))
-        return float(np.mean(group.sum(parts, "the validation loss")))
+            parts.append(model.loss(x[rows], y[rows], n_total=n_total))    # its share of the mean
+        return float(sum(group.sum(parts, "the validation loss")))
     finally:
         model.training = was_training
 

@@ -21,7 +21,9 @@ greedy decoding too, and the sampling warpers follow it)::
   multiplied by it (``[2, -1, 0.5]`` with ``r = 2`` and tokens 0 and 1 seen -> ``[1, -2, 0.5]``).
   ``r > 1`` discourages repetition, ``r < 1`` encourages it, ``r = 1`` changes nothing.
 - **min-p** keeps the tokens whose probability (after the steps before it) is at least ``min_p``
-  times the largest probability of the row; the most likely token is always kept.
+  times the largest probability of the row, as HF's ``MinPLogitsWarper`` (it removes those
+  *below* the cut): the most likely token is always kept, and so is every token tied with it --
+  ``min_p = 1`` keeps exactly the tokens tied for the top, one token unless there are ties.
 
 All arithmetic is float64 on the final ``(B, V)`` logits, vectorised over rows.
 
@@ -277,7 +279,8 @@ def filter_logits(logits, temperature: float = 1.0, top_k: int | None = None,
             empty (the most likely token is always kept; ties in probability are ordered by
             token id). ``None`` or ``1``: no nucleus filter.
         min_p: keep the tokens whose probability (after the filters above, renormalised) is at
-            least ``min_p`` times the row's largest; ``None`` or ``0``: no min-p filter.
+            least ``min_p`` times the row's largest (tokens tied at the cut all stay: ``1``
+            keeps every token tied for the top); ``None`` or ``0``: no min-p filter.
         repetition_penalty: ``r > 0``; the logit ``z`` of each token in ``seen`` becomes ``z / r``
             if ``z > 0``, else ``z * r``. ``None`` or ``1``: no penalty.
         seen: the tokens each row has seen -- ``(B, T)`` integer ids (repeats count once) or a
@@ -336,7 +339,9 @@ def sample_next(logits, rng: np.random.Generator | int | None = None, temperatur
         top_p: ``None`` or in ``(0, 1]``; ``1`` means no nucleus filter; a tiny ``top_p``
             keeps only the most likely token (= greedy). ``0`` is an error.
         min_p: ``None`` or in ``[0, 1]``: keep tokens with probability ``>= min_p`` times the
-            most likely one's (``0``: no filter; ``1``: only the most likely, i.e. greedy).
+            most likely one's, as transformers' ``MinPLogitsWarper`` (``0``: no filter; ``1``:
+            the tokens tied with the most likely one, drawn uniformly -- greedy only when it is
+            unique, where ``temperature=0`` takes the lowest tied id).
         repetition_penalty: ``None`` or a finite ``r > 0`` (``1``: none); see
             :func:`filter_logits`. Applied in greedy decoding too (as Hugging Face does).
         seen: ``(B, T)`` integer ids each row has seen (prompt and generated tokens) or a

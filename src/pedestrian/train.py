@@ -211,6 +211,14 @@ class TrainSettings:
         return Path("runs") / f"{stem or 'corpus'}_{self.tokenizer}"
 
 
+def per_run_flags(settings: TrainSettings) -> str:
+    """The switches of this invocation that a printed ``--resume`` command must repeat, since on
+    resume they come from the command, not the checkpoint (``" --no-progress --no-plot"``, or
+    ``""``)."""
+    return "".join(f" {flag}" for flag, off in (("--no-progress", not settings.progress),
+                                                  ("--no-plot", not settings.plot)) if off)
+
+
 #: settings of one invocation: on resume they come from the command, not the checkpoint
 PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tags & _PER_RUN)
 #: settings that may differ from the checkpoint's when resuming (they do not change what the
@@ -832,6 +840,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         resume_command += f" --nproc {group.world_size}"
     elif group.world_size > 1:
         resume_command = f"torchrun <the same options> -m {resume_command}"
+    resume_command += per_run_flags(settings)
     _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
     progress = Progress(trainer, "train", settings.progress and group.is_writer)
     evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),

@@ -187,6 +187,32 @@ def test_export_of_a_tied_logits_adapter_is_untied(tmp_path, capsys):
     assert code == 0 and (tmp_path / "p" / "adapter_config.json").is_file()
 
 
+@pytest.mark.parametrize("fmt", ["model", "peft"])
+def test_export_to_a_non_empty_out_names_the_flag_not_the_python_argument(tmp_path, capsys, fmt):
+    """export-hf into a folder that holds files: one error line naming --overwrite (what the user
+    types), not the library's overwrite=True; nothing is written; with --overwrite it goes."""
+    from pedestrian.config import GPTConfig
+    from pedestrian.interop.hf import save_pretrained
+
+    tok = tiny_tokenizer()
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=16, d_model=8, n_heads=2, n_blocks=1))
+    model.add_lora("blocks.0.attn.q", rank=2, freeze_base=False)
+    save_checkpoint(tmp_path / "ckpt", model, None, tok)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine", encoding="utf-8")
+    argv = ["export-hf", "--checkpoint", tmp_path / "ckpt", "--format", fmt, "--out", out]
+    code, _, err = main(capsys, *argv)
+    one_error_line(code, err, f"{out} already exists and is not empty", "--overwrite")
+    assert "overwrite=True" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    code, _, _ = main(capsys, *argv, "--overwrite")
+    assert code == 0 and (out / "notes.txt").read_text(encoding="utf-8") == "mine"
+    with pytest.raises(ValueError, match="pass overwrite=True") as info:      # the library names its argument
+        save_pretrained(GPT(model.config), out)
+    assert "--overwrite" not in str(info.value)
+
+
 @pytest.fixture(scope="module")
 def run_all(run):
     """A 3-step fine-tune with adapters on every layer, tied logits included (GPT-2)."""

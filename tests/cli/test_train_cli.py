@@ -63,6 +63,29 @@ def test_train_eval_resume(run, corpus, capsys):
     assert "already reaches --max-steps" in _one_line_error(capsys)
 
 
+def test_resume_honours_no_progress_and_no_sample_of_the_resume_command(run, capsys):
+    """--no-progress and --no-sample belong to the invocation (PER_RUN_SETTINGS; --no-sample is the
+    command's own flag): given on the --resume command line they hold there, the resume command
+    printed at the end repeats them (issue 22: copying it used to drop them), and a resume without
+    them shows the bar and the samples again, whatever the first run was given."""
+    import re
+
+    def bar(err: str) -> bool:
+        return any(line.startswith("train") for line in re.split(r"[\r\n]", err))
+
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "8", "--no-progress", "--no-sample",
+                 "--no-plot"]) == 0
+    captured = capsys.readouterr()
+    assert not bar(captured.err) and "--- sample" not in captured.out, captured
+    # the command it prints to go on repeats them (they come from the command, not the checkpoint)
+    assert f"train on: pedestrian train --out {run} --resume --no-progress --no-plot --no-sample --max-steps 16" \
+        in captured.out.splitlines(), captured.out
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "10", "--no-plot"]) == 0
+    captured = capsys.readouterr()
+    assert bar(captured.err) and "--- sample 1 ---" in captured.out, captured
+    assert [r["step"] for r in read_log(run / "log.jsonl") if "loss" in r] == list(range(1, 11))
+
+
 def test_toml_config_and_flag_priority(tmp_path, corpus, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"""

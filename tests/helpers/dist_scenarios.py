@@ -2,8 +2,10 @@
 
 :func:`run` trains a tiny GPT for :data:`STEPS` AdamW steps per scenario (dtype, dropout,
 gradient accumulation) with :class:`pedestrian.loop.Trainer` in the given process group: every
-rank draws the same global batches and computes its rows. ``tests/system/test_distributed.py``
-runs it in one process and as two ranks (this file is the ranks' script:
+rank draws the same global batches and computes its rows. :func:`accumulation` takes one step of
+micro-batches whose ignored targets differ per micro-batch and per rank, and one of their
+concatenation. ``tests/system/test_distributed.py`` runs both in one process and as two ranks
+(this file is the ranks' script:
 ``torchrun --nproc-per-node 2 dist_scenarios.py OUT``, each rank writing ``OUT.rank<r>``).
 """
 
@@ -55,12 +57,57 @@ def run(group) -> dict:
     return results
 
 
+#: :func:`accumulation`'s micro-batches: targets ignored in rows ``0:2`` (rank 0's of 2) and
+#: ``2:5`` (rank 1's) of each; micro-batch 1 counts nothing, rank 0 nothing in micro-batch 0
+ACCUM_IGNORED = [(16, 3), (16, 24), (5, 20)]
+
+
+def accumulation(group) -> dict:
+    """One float64 AdamW step (clipped) of 3 micro-batches of :data:`BATCH` rows whose ignored
+    targets differ per micro-batch and per rank (:data:`ACCUM_IGNORED`), and the step of their
+    concatenation (15 rows, split over the ranks differently), from the same warm state.
+
+    Returns ``{"micro": [loss, norm], "one": [loss, norm], "weights_rel": r}``, ``r`` the largest
+    per-tensor ``max|Δθ| / max|θ|`` between the two results.
+    """
+    from pedestrian.config import GPTConfig
+    from pedestrian.loop import train_step
+    from pedestrian.model import GPT
+    from pedestrian.optim import AdamW
+
+    rng = np.random.default_rng(3)
+    T = CFG["context_length"]
+    micro = []
+    for ignored in ACCUM_IGNORED:
+        x = rng.integers(0, CFG["vocab_size"], (BATCH, T))
+        y = rng.integers(0, CFG["vocab_size"], (BATCH, T))
+        for (lo, hi), n in zip(((0, 2), (2, BATCH)), ignored):
+            part = y[lo:hi].reshape(-1)
+            part[rng.choice(part.size, size=n, replace=False)] = -100
+        micro.append((x, y))
+    one = [(np.concatenate([x for x, _ in micro]), np.concatenate([y for _, y in micro]))]
+    warm = [[(rng.integers(0, 13, (BATCH, T)), rng.integers(0, 13, (BATCH, T)))] for _ in range(2)]
+    out, weights = {}, []
+    for name, batches in (("micro", micro), ("one", one)):
+        # no q/k/v biases: the key bias's gradient is 0 in exact arithmetic, rounding noise only
+        model = GPT(GPTConfig(**CFG, qkv_bias=False), seed=5, dtype="float64")
+        optimizer = AdamW(model, lr=1e-2, weight_decay=0.1)
+        for w in warm:                             # non-zero moments: the update depends on |g|
+            train_step(model, optimizer, w, 1e-2, grad_clip=1.0, group=group)
+        out[name] = list(train_step(model, optimizer, batches, 1e-2, grad_clip=0.1, group=group))
+        weights.append({k: np.array(v) for k, v in model.params.items()})
+    out["weights_rel"] = max(float(np.max(np.abs(weights[0][k] - w)) / np.max(np.abs(w)))
+                             for k, w in weights[1].items())
+    return out
+
+
 if __name__ == "__main__":
     from pedestrian.distributed import process_group
 
     group = process_group("cpu", timeout=60)
     try:
         with open(f"{sys.argv[1]}.rank{group.rank}", "w", encoding="utf-8") as fh:
-            json.dump({"world_size": group.world_size, "results": run(group)}, fh)
+            json.dump({"world_size": group.world_size, "results": run(group),
+                       "accumulation": accumulation(group)}, fh)
     finally:
         group.close()

@@ -351,6 +351,8 @@ def test_min_p_by_hand():
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), V=st.integers(2, 60), temperature=st.floats(0.05, 5.0))
 def test_min_p_one_equals_greedy(seed, V, temperature):
+    """Without ties (continuous random logits); with ties min_p=1 keeps every token tied for the
+    top, as HF does (test_sampling_hf.py)."""
     logits = np.random.default_rng(seed).normal(0, 3, size=(4, V))
     np.testing.assert_array_equal(sample_next(logits, seed, temperature, min_p=1.0), logits.argmax(-1))
 

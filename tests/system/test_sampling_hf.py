@@ -139,3 +139,35 @@ def test_greedy_repetition_penalty_matches_hf_generate(tmp_path, dtype, penalty)
     for use_cache in (True, False):
         ours = generate(model, prompt, 40, temperature=0, repetition_penalty=penalty, use_cache=use_cache)
         np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("min_p", [1.0, 0.5, 0.3])
+def test_min_p_keeps_every_token_tied_with_the_cut_as_hf(hf_tiny, min_p):
+    """Ties: HF's MinPLogitsWarper removes a token only when its probability is *below* ``min_p``
+    times the largest (``probs < min_p * top``), so ``min_p = 1`` keeps every token tied with the
+    most likely one -- it is greedy only when that token is unique -- and tokens tied with each
+    other are kept or removed together. Identical logits give bit-identical probabilities in
+    either library, so the kept sets must agree exactly."""
+    logits = np.array([[2.0, 2.0, 1.0, 2.0, -1.0, 1.0],          # three tied at the top
+                       [0.5, 3.0, 3.0, 0.5, 2.5, 2.5],           # two at the top, two just below
+                       [1.0, 4.0, 0.0, 0.0, 0.0, 0.0]])          # a unique top: min_p = 1 is greedy
+    theirs = hf_processors(hf_tiny, min_p=min_p)(torch.zeros((3, 1), dtype=torch.long),
+                                                 torch.as_tensor(logits)).numpy()
+    ours = filter_logits(logits, min_p=min_p)
+    assert_same_distribution(ours, theirs)
+    if min_p == 1.0:
+        assert np.isfinite(ours).tolist() == [[True, True, False, True, False, False],
+                                              [False, True, True, False, False, False],
+                                              [False, True, False, False, False, False]]
+
+
+def test_min_p_one_draws_among_the_tied_top_tokens():
+    """sample_next with ``min_p=1``: only tokens tied with the most likely one are ever drawn,
+    each of them (uniformly), while ``temperature=0`` takes the lowest id."""
+    from pedestrian.sampling import sample_next
+
+    logits = np.tile([[2.0, 2.0, 1.0, 2.0, -1.0, 1.0]], (600, 1))
+    drawn = sample_next(logits, rng=0, min_p=1.0)
+    counts = np.bincount(drawn, minlength=6)
+    assert counts[[2, 4, 5]].sum() == 0 and counts[[0, 1, 3]].min() > 150
+    assert set(sample_next(logits, temperature=0).tolist()) == {0}

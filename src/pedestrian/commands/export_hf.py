@@ -39,6 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UserError
+    from ..interop.hf import OutputExistsError
+
+    try:
+        return _export(args)
+    except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
+        raise UserError(exc.advice("pass --overwrite")) from None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ..cli import UserError
     from ..interop.hf import merged_for_export, save_pretrained
     from ..interop.peft import save_peft_adapter
 

@@ -26,7 +26,7 @@ Behaviour:
     min-p (greedy: the penalty, then argmax). --repetition-penalty R (> 0; 1 = none) divides
     the positive logit of every token already in the prompt or the output by R and multiplies
     a negative one by R; --min-p P (in [0, 1]) keeps the tokens at least P times as likely as
-    the most likely one.
+    the most likely one (1 keeps the tokens tied for the top: greedy only without a tie).
   - Only ids the tokenizer can decode are sampled: a model whose vocabulary is larger than its
     tokenizer's (GPT-2 padded to 50,304) never produces the extra ids.
   - An empty prompt starts from <|endoftext|> when the tokenizer has it (GPT-2 convention) and

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..config import PRESETS, GPTConfig
 from ..settings import add_flags, config_value, kind_of, specs
-from ..train import DEFAULT_MODEL, TrainingError, TrainSettings
+from ..train import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
 from .params import CONFIG_FIELDS, add_config_arguments
 
 try:  # Python 3.11+
@@ -181,7 +181,7 @@ def _launch(settings, args: argparse.Namespace) -> int:
         except (FileNotFoundError, ValueError):
             return f"no checkpoint was written in {out}"
         return (f"the checkpoint of step {state.get('step')} in {folder} is kept; continue with: pedestrian train "
-                f"--out {out} --resume --nproc {settings.nproc}")
+                f"--out {out} --resume --nproc {settings.nproc}{per_run_flags(settings)}{_no_sample(args)}")
 
     try:
         launch(settings.nproc, args.argv, on_disk)
@@ -191,6 +191,11 @@ def _launch(settings, args: argparse.Namespace) -> int:
             return 130
         raise TrainingError(str(exc)) from None
     return 0
+
+
+def _no_sample(args: argparse.Namespace) -> str:
+    """``" --no-sample"`` when this command was given it (a printed resume command repeats it)."""
+    return "" if args.sample else " --no-sample"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,10 +214,11 @@ def run(args: argparse.Namespace) -> int:
         return _launch(settings, args)
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
     out = result.out
+    resume_command = result.resume_command + _no_sample(args)
     if result.stop_reason == "interrupted":
         if result.is_writer and not reports_to_launcher():      # else the launcher says it, once
             print(f"interrupted: a checkpoint of step {result.step} is saved in {out / 'latest'}; continue "
-                  f"with: {result.resume_command}", file=sys.stderr)
+                  f"with: {resume_command}", file=sys.stderr)
         return 130
     if not result.is_writer:
         return 0
@@ -228,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     print("files: " + ", ".join(files))
     print(f"sample: pedestrian sample --checkpoint {out / 'best'} --prompt \"...\" --temperature 0.8 --top-k 40")
     if result.stop_reason == "max_steps":
-        print(f"train on: {result.resume_command} --max-steps {2 * result.step}")
+        print(f"train on: {resume_command} --max-steps {2 * result.step}")
     else:
-        print(f"resume: {result.resume_command}")
+        print(f"resume: {resume_command}")
     return 0

@@ -69,6 +69,7 @@ __all__ = [
     "open_hf_weights",
     "SafetensorsFile",
     "write_dir_atomically",
+    "OutputExistsError",
     "json_writer",
     "read_json_object",
     "listing",
@@ -658,6 +659,21 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 
 # ------------------------------------------------------------------------------------ saving
+class OutputExistsError(ValueError):
+    """The output folder ``path`` exists and holds files, and replacing them was not allowed.
+
+    ``str()`` names the Python argument (``overwrite=True``); :meth:`advice` words it for another
+    caller (the ``export-hf`` command names its ``--overwrite`` flag)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        super().__init__(self.advice("pass overwrite=True"))
+
+    def advice(self, how: str) -> str:
+        """The message with ``how`` as the way to allow it (``"pass --overwrite"``)."""
+        return f"{self.path} already exists and is not empty; choose a new directory or {how} to replace the files written here"
+
+
 def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]], *,
                          overwrite: bool = False, conflicts=(), what: str = "the model directory") -> Path:
     """Write files into ``out_dir`` so that a failure leaves nothing half-written.
@@ -675,7 +691,8 @@ def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]],
         what: how to name the folder in an error message.
 
     Raises:
-        ValueError: ``out_dir`` is non-empty and ``overwrite`` is false, or holds a conflict.
+        OutputExistsError (a ``ValueError``): ``out_dir`` is non-empty and ``overwrite`` is false.
+        ValueError: ``out_dir`` holds a conflict.
         NotADirectoryError: ``out_dir`` is a file.
         WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
             permission, read-only); ``out_dir`` is left as it was.
@@ -685,8 +702,7 @@ def write_dir_atomically(out_dir, writers: Mapping[str, Callable[[Path], None]],
         raise NotADirectoryError(f"{out} exists and is not a directory; choose another output path")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise ValueError(f"{out} already exists and is not empty; choose a new directory or "
-                             "pass overwrite=True (--overwrite) to replace the files written here")
+            raise OutputExistsError(out)
         stale = [n for n in conflicts if n not in writers and (out / n).exists()]
         if stale:
             raise ValueError(f"{out} holds {stale}, which would be mixed with the new files; "
