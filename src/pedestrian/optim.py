@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .backend import is_torch_array, to_numpy
+from .kernels.jit import AVAILABLE as JIT_AVAILABLE
 from .kernels.jit import kernel, prange
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
@@ -63,6 +64,15 @@ def _adamw(p, g, m, v, decay, b1, b2, step, eps, chunk):
             m[i] = mi
             v[i] = vi
             p[i] = p[i] * f - s * (mi / (np.sqrt(vi) + e))
+
+
+def _adamw_numpy(p, g, m, v, decay, b1, b2, step, eps, chunk):
+    """:func:`_adamw` in NumPy calls, where numba cannot be imported (buffer-sized temporaries)."""
+    m += (1.0 - b1) * (g - m)
+    v *= b2
+    v += (1.0 - b2) * (g * g)
+    p *= decay
+    p -= step * (m / (np.sqrt(v) + eps))
 
 
 @dataclass
@@ -388,8 +398,8 @@ class AdamW:
                         e = s + self.chunk_size
                         self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)
                 else:                                 # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
-                    _adamw.sized(hi - lo)(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt,
-                                          self.chunk_size)
+                    update = _adamw.sized(hi - lo) if JIT_AVAILABLE else _adamw_numpy
+                    update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt, self.chunk_size)
 
     def _torch_chunk(self, p, g, m, v, step_size, bc2_sqrt, decay):
         # torch's multi-operand in-place operations (5 passes; torch.optim.AdamW's

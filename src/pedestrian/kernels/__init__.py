@@ -52,9 +52,13 @@ def default_kernels() -> str:
     return os.environ.get("PEDESTRIAN_KERNELS", "fast")
 
 
+_warned_no_numba: list = []
+
+
 def kernels_for(name: str | None = None):
     """The module whose functions a model calls: :mod:`pedestrian.kernels` for ``"fast"``,
     :mod:`pedestrian.layers` for ``"reference"`` (``None``: :func:`default_kernels`).
+    ``"fast"`` where numba cannot be imported: the reference, after one warning per process.
 
     Raises:
         ValueError: any other name (also a bad ``PEDESTRIAN_KERNELS``).
@@ -63,6 +67,20 @@ def kernels_for(name: str | None = None):
 
     name = default_kernels() if name is None else name
     if name == "fast":
+        from .jit import AVAILABLE
+
+        if not AVAILABLE:
+            if not _warned_no_numba:
+                import warnings
+
+                warnings.warn("pedestrian: numba cannot be imported, so the fast kernels cannot be "
+                              "compiled; running the reference kernels instead (slower, same "
+                              "results). Install numba (pip install numba) for the fast path",
+                              RuntimeWarning, stacklevel=2)
+                _warned_no_numba.append(True)
+            from .. import layers
+
+            return layers
         return sys.modules[__name__]
     if name == "reference":
         from .. import layers

@@ -18,7 +18,11 @@ kernels (:mod:`pedestrian.kernels`).
 
 from __future__ import annotations
 
+import atexit
 import functools
+import sys
+import threading
+import time
 import types
 
 from .threads import is_worker_thread, num_threads, threads_pay
@@ -28,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - exercised by a test that hides numba
     numba = None
 
-__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange"]
+__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers"]
 
 #: numba can be imported
 AVAILABLE = numba is not None
@@ -38,9 +42,69 @@ FASTMATH = frozenset({"reassoc", "contract", "arcp"})
 prange = numba.prange if AVAILABLE else range
 
 
+_DISPATCHERS: list = []                                # every numba dispatcher made by @kernel
+
+
+def dispatchers() -> list:
+    """The numba dispatchers of every ``@kernel`` (a parallel kernel has two); their
+    ``.signatures`` say which have been compiled (or loaded from the disk cache) in this process."""
+    return list(_DISPATCHERS)
+
+
 def _njit(f, parallel: bool):
-    return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
-                      error_model="numpy")(f)
+    d = numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
+                   error_model="numpy")(f)
+    _DISPATCHERS.append(d)
+    return d
+
+
+#: the compile notice comes this long after the last compile of the first burst (the kernels of
+#: a first step compile one after another, milliseconds of running apart)
+NOTICE_AFTER_S = 1.0
+
+
+if AVAILABLE:
+    from numba.core import event as _event
+
+    class _CompileNotice(_event.Listener):
+        """One line on stderr, once per process, when our kernels had to be compiled (a disk-cache
+        hit is not a compile): how many and how long, printed :data:`NOTICE_AFTER_S` after the
+        first burst of compiles ends (or at exit, whichever comes first). Compiles run under
+        numba's compiler lock, one at a time; nested ones (a kernel's callees) count once."""
+
+        def __init__(self) -> None:
+            self.depth, self.count, self.seconds, self.start = 0, 0, 0.0, 0.0
+            self.done, self.timer, self.lock = False, None, threading.Lock()
+
+        def on_start(self, event) -> None:
+            if self.depth == 0:
+                self.start = time.perf_counter()
+                if self.timer is not None:
+                    self.timer.cancel()
+            self.depth += 1
+
+        def on_end(self, event) -> None:
+            self.depth -= 1
+            if self.depth == 0 and event.data["dispatcher"] in _DISPATCHERS and not self.done:
+                self.count += 1
+                self.seconds += time.perf_counter() - self.start
+                self.timer = threading.Timer(NOTICE_AFTER_S, self.say)
+                self.timer.daemon = True
+                self.timer.start()
+
+        def say(self) -> None:
+            with self.lock:
+                if self.done or not self.count:
+                    return
+                self.done = True
+            where = numba.config.CACHE_DIR or "beside the package, or numba's user-wide cache folder"
+            kernels = "1 fast kernel" if self.count == 1 else f"{self.count} fast kernels"
+            print(f"pedestrian: compiled {kernels} with numba in {self.seconds:.1f} s "
+                  f"(first use; cached for later runs: {where})", file=sys.stderr, flush=True)
+
+    _notice = _CompileNotice()
+    _event.register("numba:compile", _notice)
+    atexit.register(_notice.say)
 
 
 class _SerialOrParallel:
@@ -88,7 +152,9 @@ def kernel(func=None, *, parallel: bool = False):
     (:class:`_SerialOrParallel`; call them from Python, not from another kernel: use
     ``.serial`` there). Without numba the function is returned as it is (plain Python)."""
     def wrap(f):
-        if not AVAILABLE:
+        if not AVAILABLE:                             # plain Python, the same attributes
+            f.serial = f.parallel = f
+            f.sized = lambda n_elements: f
             return f
         return _SerialOrParallel(f) if parallel else _njit(f, False)
 
