@@ -4,19 +4,22 @@
 same things faster, and every difference from the reference earns its lines by a measurement
 (``docs/kernels.md`` lists each one and what it buys):
 
+- :mod:`.jit` -- numba, the compiler of the kernels' loops (``@kernel``; IEEE semantics kept,
+  compiled on first use and cached on disk), and :mod:`.vecmath` -- ``exp``, ``Φ``, ``φ`` as
+  polynomials the compiler vectorises;
+- :mod:`.layernorm`, :mod:`.activations`, :mod:`.loss`, :mod:`.embedding` -- numba loops over
+  rows (llm.c's layout) for NumPy arrays; torch tensors keep NumPy-style ``out=`` chains;
+- :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in place;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;
-- :mod:`.threads` -- NumPy's elementwise work shared over a small thread pool in row blocks,
-  and BLAS held to one thread while a caller runs its own threads;
-- :mod:`.blas` -- products and reductions written into preallocated arrays;
-- :mod:`.layernorm`, :mod:`.activations`, :mod:`.attention`, :mod:`.loss`, :mod:`.linear`,
-  :mod:`.embedding` -- the layers, with ``out=`` chains, folded constants and in-place softmax.
+- :mod:`.threads` -- the thread count, BLAS throttling, and when a kernel's threads pay;
+- :mod:`.blas` -- products and reductions written into preallocated arrays.
 
 Dropout, LoRA and RoPE gain nothing measurable from a second version: the reference ones are
 used (RoPE on char-small's (16, 64, 384) float32 q/k/v: 0.49 ms forward per block; the same
 arithmetic written into preallocated arrays with ``out=`` took 0.55 ms).
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
-name to the module.
+name to the module (the reference where numba cannot be imported).
 """
 
 from __future__ import annotations
