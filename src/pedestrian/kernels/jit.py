@@ -12,6 +12,10 @@ a NaN or an inf must propagate to where the training loop catches it. For the sa
 (whose check would also stop a loop from vectorising). Sums may therefore be
 taken in another order than NumPy's; the tests' tolerances follow from that (n·ε bounds).
 
+The first compile of a process prints one line on stderr (how many kernels, how long); loading
+them from the disk cache prints nothing. :func:`dispatchers` lists every compiled kernel (a test
+checks that importing pedestrian compiles none).
+
 :data:`AVAILABLE` is False where numba cannot be imported; the model then runs the reference
 kernels (:mod:`pedestrian.kernels`).
 """
@@ -160,8 +164,9 @@ def kernel(func=None, *, parallel: bool = False):
     """``@kernel`` / ``@kernel(parallel=True)``: ``numba.njit`` with :data:`FASTMATH`, the disk
     cache and no GIL; ``parallel`` kernels share their ``prange`` loops over
     ``PEDESTRIAN_NUM_THREADS`` threads, or run serially inside a worker thread
-    (:class:`_SerialOrParallel`; call them from Python, not from another kernel: use
-    ``.serial`` there). Without numba the function is returned as it is (plain Python)."""
+    (:class:`_SerialOrParallel`; call them from Python -- ``kernel.sized(n)(...)`` picks the
+    threads for a job of ``n`` elements -- not from another kernel: use ``.serial`` there).
+    Without numba the function is returned as it is (plain Python)."""
     def wrap(f):
         if not AVAILABLE:                             # plain Python, the same attributes
             f.serial = f.parallel = f
