@@ -82,7 +82,7 @@ def measure(T: int, B: int, backend: str, sides: list[str], rounds: int | None) 
     import torch
 
     from pedestrian.model import GPT
-    from pedestrian.parallel import runner_for
+    from pedestrian.training.parallel import runner_for
 
     torch.manual_seed(0)
     config = make_config(T)
@@ -154,7 +154,7 @@ def child_memory(side: str, T: int, B: int, backend: str, attention: str) -> dic
             bench_train.torch_step(tmodel, topt, torch.from_numpy(x), torch.from_numpy(y))
     else:
         from pedestrian.model import GPT
-        from pedestrian.parallel import runner_for
+        from pedestrian.training.parallel import runner_for
 
         model = GPT(config, seed=0, backend=backend)
         opt, _ = bench_train.make_optimizer(model)
@@ -194,7 +194,7 @@ def markdown(results: list[dict], info: dict, backend: str, kernels: bool, threa
                      f"| {r['ratio_quartiles'][0]:.2f}–{r['ratio_quartiles'][1]:.2f} "
                      f"| {r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f} "
                      f"| {r['pedestrian_attention']} / {r['torch_attention']} | {mem} |")
-    lines += ["", "pedestrian: `pedestrian.optim.AdamW`; data-parallel slices (`pedestrian.parallel.DataParallel`, "
+    lines += ["", "pedestrian: `pedestrian.training.optim.AdamW`; data-parallel slices (`pedestrian.training.parallel.DataParallel`, "
               "one per core where the batch has rows to share): " + ", ".join(
                   f"T = {r['T']}: {r['data_parallel_slices']}" for r in results)
               + ". PyTorch: fused AdamW and the faster of SDPA and manual attention, measured at each T."]

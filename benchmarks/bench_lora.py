@@ -14,8 +14,8 @@ import time
 import numpy as np
 
 from pedestrian import GPT, GPTConfig
-from pedestrian.optim import AdamW
-from pedestrian.train import train_step
+from pedestrian.training.optim import AdamW
+from pedestrian.training import train_step
 
 
 def main() -> None:

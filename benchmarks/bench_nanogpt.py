@@ -107,7 +107,7 @@ def run_nanogpt(checkout: Path, text: Path, work: Path, recipe: str) -> dict:
     ev = subprocess.run([sys.executable, "-c", _NANOGPT_EVAL, str(out / "ckpt.pt"),
                          str(copy / "data" / "shakespeare_char" / "val.bin")],
                         cwd=copy, capture_output=True, text=True, check=True)
-    loss, count = ev.stdout.split()
+    loss, count = ev.stdout.split()[-2:]                      # (its model prints its size first)
     return dict(seconds=seconds, val_loss=float(loss), targets=int(count),
                 logged_val_loss=float(last_val[-1]) if last_val else None)
 

@@ -21,7 +21,7 @@ timed twice: paused (a pause before each timed step) and back to back (steps in 
 training loop runs them; the sides alternate in blocks).
 
 The pedestrian side runs as ``pedestrian train`` does: small NumPy models with
-:class:`pedestrian.parallel.DataParallel` (``--parallel auto``, the library's own rule).
+:class:`pedestrian.training.parallel.DataParallel` (``--parallel auto``, the library's own rule).
 
 Writes ``benchmarks/results/train_<backend>.json`` and ``.md`` and refreshes the matching table
 in ``docs/performance.md``.
@@ -81,14 +81,14 @@ def make_config(name: str):
 
 
 def make_optimizer(model):
-    """pedestrian.optim.AdamW with the benchmark's hyper-parameters."""
-    from pedestrian.optim import AdamW
+    """pedestrian.training.optim.AdamW with the benchmark's hyper-parameters."""
+    from pedestrian.training.optim import AdamW
 
-    return AdamW(model, **HPARAMS), "pedestrian.optim.AdamW"
+    return AdamW(model, **HPARAMS), "pedestrian.training.optim.AdamW"
 
 
 def pedestrian_step(runner, opt, x, y) -> float:
-    """One step; ``runner`` is the model or a :class:`pedestrian.parallel.DataParallel`."""
+    """One step; ``runner`` is the model or a :class:`pedestrian.training.parallel.DataParallel`."""
     loss = runner.loss(x, y)
     runner.backward()
     opt.step()
@@ -289,7 +289,7 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
     """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
     function inside, and the GFLOP/s of the matrix products.
 
-    With a :class:`~pedestrian.parallel.DataParallel` runner on threads the layer times are
+    With a :class:`~pedestrian.training.parallel.DataParallel` runner on threads the layer times are
     *summed over its threads* (each ran its slice of the batch at the same time as the others),
     so they add up to more than the wall-clock phases. The glue rows are then left out."""
     threads = getattr(runner, "threads", 1) if runner is not model else 1
@@ -359,7 +359,7 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
 
     torch.manual_seed(0)
     from pedestrian.model import GPT
-    from pedestrian.parallel import runner_for
+    from pedestrian.training.parallel import runner_for
 
     config, B, T = make_config(name)
     model = GPT(config, seed=0, backend=backend)
@@ -471,7 +471,7 @@ def child_memory(side: str, name: str, backend: str, attention: str, parallel: s
     batches = make_batches(config, B, T, n=3)
     if side == "pedestrian":
         from pedestrian.model import GPT
-        from pedestrian.parallel import runner_for
+        from pedestrian.training.parallel import runner_for
 
         model = GPT(config, seed=0, backend=backend)
         opt, _ = make_optimizer(model)
@@ -523,7 +523,7 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
         f"{r['config']}: {r['torch_optimizer']}, attention `{r['torch_attention']}` "
         f"(fwd+bwd ms {r['torch_attention_fwd_bwd_ms']})" for r in results) + ".",
         "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + "; data-parallel slices "
-        "(`pedestrian.parallel.DataParallel`, one slice of the batch per core, single-threaded BLAS): " + ", ".join(
+        "(`pedestrian.training.parallel.DataParallel`, one slice of the batch per core, single-threaded BLAS): " + ", ".join(
             f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}" for r in results)
         + " (1 = the plain model, BLAS threading its own products). Largest |loss difference| "
         "between the two sides over the run: " + ", ".join(
@@ -569,10 +569,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="run both sides with this many threads (re-executes with OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS and PEDESTRIAN_NUM_THREADS set; default: as the machine has it)")
-    from pedestrian.parallel import DATA_PARALLEL_MODES
+    from pedestrian.training.parallel import DATA_PARALLEL_MODES
 
     ap.add_argument("--parallel", default="auto", choices=DATA_PARALLEL_MODES,
-                    help="pedestrian's data-parallel slices (pedestrian.parallel.DataParallel): "
+                    help="pedestrian's data-parallel slices (pedestrian.training.parallel.DataParallel): "
                          "auto = the library's own rule (small models only), on, off")
     ap.add_argument("--kernels", default="fast", choices=["fast", "reference"],
                     help="pedestrian's layer functions: the fast kernels (default) or the reference layers")

@@ -40,6 +40,7 @@ import numpy as np
 
 from .atomic import atomic_dir, interrupted_copy
 from .config import GPTConfig
+from .finite import non_finite_counts, non_finite_report
 
 __all__ = ["Checkpoint", "CheckpointError", "NonFiniteError", "save_checkpoint", "load_checkpoint",
            "copy_checkpoint", "resolve_checkpoint_dir", "read_state", "FORMAT", "VERSION"]
@@ -66,24 +67,6 @@ class NonFiniteError(CheckpointError):
     def __init__(self, message: str, counts: dict[str, tuple[int, int]]):
         super().__init__(message)
         self.counts = counts
-
-
-def _non_finite(tensors: dict) -> dict[str, tuple[int, int]]:
-    """``{name: (n_nan, n_inf)}`` of the tensors that are not all finite (NumPy arrays)."""
-    bad = {}
-    for name, a in tensors.items():
-        a = np.asarray(a)
-        if a.dtype.kind in "fc" and not np.isfinite(a).all():
-            n_nan = int(np.count_nonzero(np.isnan(a)))
-            bad[name] = (n_nan, int(a.size - n_nan - np.count_nonzero(np.isfinite(a))))
-    return bad
-
-
-def _describe_non_finite(bad: dict[str, tuple[int, int]], sizes: dict[str, int]) -> str:
-    shown = [f"{name} ({n_nan} NaN, {n_inf} inf of {sizes[name]:,} values)"
-             for name, (n_nan, n_inf) in list(bad.items())[:5]]
-    more = f" and {len(bad) - 5} more tensor(s)" if len(bad) > 5 else ""
-    return ", ".join(shown) + more
 
 
 @dataclass
@@ -182,7 +165,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         directory: the checkpoint folder to create or replace, e.g. ``runs/NAME/latest``.
             Its parent is created if needed.
         model: a :class:`~pedestrian.model.GPT`.
-        optimizer: an :class:`~pedestrian.optim.AdamW` whose moments and step are saved, or
+        optimizer: an :class:`~pedestrian.training.optim.AdamW` whose moments and step are saved, or
             ``None`` (an inference-only checkpoint that cannot be resumed).
         tokenizer: saved as its ``to_dict()`` (or ``None``).
         step: optimizer updates done.
@@ -252,11 +235,11 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
     if opt_tensors is not None:
         opt_tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in opt_tensors.items()}
     everything = {**tensors, **{f"optimizer {k}": v for k, v in (opt_tensors or {}).items()}}
-    bad = _non_finite(everything)
+    bad = non_finite_counts(everything)
     if bad:
         raise NonFiniteError(
             f"refusing to save a checkpoint in {Path(directory).expanduser()}: "
-            f"{_describe_non_finite(bad, {k: v.size for k, v in everything.items()})}; nothing was "
+            f"{non_finite_report(bad, everything)}; nothing was "
             "written (the previous checkpoint there, if any, is unchanged); the model or the "
             "optimizer diverged (e.g. a learning rate too high for it)", bad)
 
@@ -331,10 +314,10 @@ def _read_safetensors(folder: Path, name: str, state: dict, verify: bool = True)
         tensors = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {file} is truncated or corrupted ({exc}); {_HINT}") from None
-    bad = _non_finite(tensors)
+    bad = non_finite_counts(tensors)
     if bad:
         raise NonFiniteError(f"checkpoint file {file} holds non-finite values: "
-                             f"{_describe_non_finite(bad, {k: v.size for k, v in tensors.items()})}; "
+                             f"{non_finite_report(bad, tensors)}; "
                              f"it cannot be used. Use an earlier checkpoint (e.g. the run's best/ "
                              f"folder) or re-run training", bad)
     return tensors

@@ -103,7 +103,7 @@ class ConsoleHandler(logging.Handler):
     """Log records as plain lines: below WARNING to stdout, WARNING and above to stderr with a
     ``warning: `` (``error: ``) prefix, through ``tqdm.write`` (a progress bar on stderr is
     redrawn below them). A closed stdout (``BrokenPipeError``) points file descriptor 1 at
-    ``/dev/null`` and calls :func:`pedestrian.loop.request_stop`."""
+    ``/dev/null`` and calls :func:`pedestrian.training.loop.request_stop`."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
@@ -122,7 +122,7 @@ class ConsoleHandler(logging.Handler):
             sys.stdout.flush()
         except BrokenPipeError:             # its reader went away: stop between steps, as Ctrl-C
             silence_stdout()
-            from .loop import request_stop
+            from .training.loop import request_stop
 
             request_stop("stdout closed")
 

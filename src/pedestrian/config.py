@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from .layers.activations import ACTIVATIONS
 
@@ -382,12 +382,3 @@ def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = N
     if lora_rank is not None:
         return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank, lora_rank_pattern))
     return sum(s.size for s in param_specs(config))
-
-
-def iter_block_counts(config: GPTConfig) -> Iterator[tuple[str, int]]:
-    """``(group, count)`` per layer group, in order (embedding, each block, final LN, logits)."""
-    groups: dict[str, int] = {}
-    for s in param_specs(config):
-        group = ".".join(s.name.split(".")[:2]) if s.name.startswith("blocks.") else s.name.split(".")[0]
-        groups[group] = groups.get(group, 0) + s.size
-    yield from groups.items()

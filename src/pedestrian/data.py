@@ -19,7 +19,8 @@ Corpus rules (shared by :func:`load_corpus`, :func:`iter_corpus_pieces`,
 - a corpus with no text (no characters, or only whitespace) is an error.
 
 The bundled corpus (:data:`BUNDLED_CORPUS`) is 42 Shakespeare plays and poems from Project
-Gutenberg; see ``data/shakespeare/PROVENANCE.md`` in the repository.
+Gutenberg; it ships inside the package (``pedestrian/corpus/shakespeare``, with its
+``PROVENANCE.md``), so a wheel install trains on it too.
 """
 
 from __future__ import annotations
@@ -58,10 +59,9 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: The bundled Shakespeare corpus: ``<repository root>/data/shakespeare``, resolved relative to
-#: this source file. It exists only in a source checkout (``pip install -e .``); a regular
-#: (non-editable) install does not ship it -- use :func:`bundled_corpus` to get a clear error.
-BUNDLED_CORPUS: Path = Path(__file__).resolve().parents[2] / "data" / "shakespeare"
+#: The bundled Shakespeare corpus: package data, ``pedestrian/corpus/shakespeare`` beside this
+#: file, in a source checkout and in an installed wheel alike.
+BUNDLED_CORPUS: Path = Path(__file__).resolve().parent / "corpus" / "shakespeare"
 
 _CACHE_FORMAT = 2  # bump when the token-file layout, the cache key or the corpus rules change
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark
@@ -93,11 +93,11 @@ def bundled_corpus() -> Path:
     """Return :data:`BUNDLED_CORPUS` after checking that it is there.
 
     Returns:
-        Path to the folder ``data/shakespeare`` of the source checkout.
+        Path to the folder ``pedestrian/corpus/shakespeare`` of the installed package.
 
     Raises:
-        CorpusNotFoundError (a ``FileNotFoundError``): the folder is missing, which happens when
-            pedestrian was installed without its source tree (a non-editable ``pip install``).
+        CorpusNotFoundError (a ``FileNotFoundError``): the folder is missing (a damaged install,
+            or a build that left out the package data).
     """
     if not BUNDLED_CORPUS.is_dir():
         raise CorpusNotFoundError(_bundled_missing_message())
@@ -106,10 +106,10 @@ def bundled_corpus() -> Path:
 
 def _bundled_missing_message() -> str:
     return (
-        f"the bundled Shakespeare corpus is not at {BUNDLED_CORPUS}. It ships only with a "
-        "source checkout: clone the repository and install it with `pip install -e .` from "
-        "the checkout, or pass your own corpus (a UTF-8 .txt file or a folder of them) with "
-        "--data PATH."
+        f"the bundled Shakespeare corpus is not at {BUNDLED_CORPUS}: the package was installed "
+        "without its data (reinstall it: from a checkout `pip install .` or `pip install -e .`), "
+        "or pass your own corpus (a UTF-8 .txt file or "
+        "a folder of them) with --data PATH."
     )
 
 

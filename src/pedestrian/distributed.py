@@ -12,13 +12,13 @@ same data RNG (seeded identically, saved in the checkpoint) and takes its own ro
 of ``W`` takes rows ``B·r//W … B·(r+1)//W`` (:meth:`SingleProcess.rows`). Each rank divides its
 loss by the number of counted targets of the *whole* step -- every row of every global
 micro-batch (``model.loss(..., n_total=N)``, the ignore index respected; every rank counts the
-same global batches, :func:`pedestrian.loop.train_step`) -- so the sum over ranks and
+same global batches, :func:`pedestrian.training.loop.train_step`) -- so the sum over ranks and
 micro-batches is the step's mean loss and gradient::
 
     L = (1/N) Σ_rows ℓ_row = Σ_r L_r,   ∂L/∂θ = Σ_r ∂L_r/∂θ      (one all_reduce, SUM)
 
 Dropout masks are drawn *per global row* (:class:`RowKeyedRNG`), so a row gets the same mask
-however the batch is split -- one rank, threads (:class:`~pedestrian.parallel.DataParallel`),
+however the batch is split -- one rank, threads (:class:`~pedestrian.training.parallel.DataParallel`),
 or ranks. A run with ``W`` ranks therefore computes what one process computes with the same
 ``B``, up to the order of float additions.
 
@@ -35,7 +35,7 @@ several :class:`TorchProcessGroup`, with the same methods)::
     group.close()
 
 A rank that dies (or stops answering for ``timeout`` seconds) makes the next collective of the
-others fail; they raise :class:`CommunicationError`, and :func:`pedestrian.train.train` turns it
+others fail; they raise :class:`CommunicationError`, and :func:`pedestrian.training.train` turns it
 into one error naming the last checkpoint.
 """
 

@@ -2,10 +2,10 @@
 
 The base weights are frozen (``model.add_lora(..., freeze_base=True)``: their gradients are
 never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the loop
-``pedestrian train`` runs (:class:`pedestrian.loop.Trainer`: hand-derived backward, gradient
+``pedestrian train`` runs (:class:`pedestrian.training.loop.Trainer`: hand-derived backward, gradient
 accumulation, clipping, the non-finite rule, validation, checkpoints, Ctrl-C) with
-:class:`pedestrian.optim.AdamW` over the flat adapter buffer and a
-:class:`~pedestrian.optim.CosineSchedule`.
+:class:`pedestrian.training.optim.AdamW` over the flat adapter buffer and a
+:class:`~pedestrian.training.optim.CosineSchedule`.
 
 A run folder (``--out``) receives::
 
@@ -55,8 +55,8 @@ class FinetuneSettings:
 
     ``lora_alpha`` is the paper's scalar ``α`` (PEFT's ``lora_alpha / r``); ``lora_targets`` are
     layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``) or full layer names.
-    The optimisation settings mean what they mean in :class:`pedestrian.train.TrainSettings`
-    (the same loop runs both, :mod:`pedestrian.loop`).
+    The optimisation settings mean what they mean in :class:`pedestrian.training.TrainSettings`
+    (the same loop runs both, :mod:`pedestrian.training.loop`).
     """
 
     hf_dir: str = setting(help="the base: a Hugging Face GPT-2 directory with its tokenizer", kind=str,
@@ -225,7 +225,7 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
 
 
 def finetune(settings: FinetuneSettings) -> FinetuneResult:
-    """Run a LoRA fine-tuning job with the loop of ``pedestrian train`` (:mod:`pedestrian.loop`:
+    """Run a LoRA fine-tuning job with the loop of ``pedestrian train`` (:mod:`pedestrian.training.loop`:
     the same step, non-finite rule, validation, checkpoints and ``Ctrl-C`` handling); see the
     module docstring for what it writes. Messages go to the ``pedestrian.finetune`` logger.
 
@@ -237,7 +237,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         ValueError / FileNotFoundError: bad settings, started as a rank of several (torchrun), a
             base that is not GPT-2, a corpus too short for one window, an existing run in ``out``
             without ``overwrite`` (with it, the old run is kept until the first checkpoint),
-            ``max_skipped_steps`` non-finite steps in a row (:class:`pedestrian.loop.TrainingError`,
+            ``max_skipped_steps`` non-finite steps in a row (:class:`pedestrian.training.loop.TrainingError`,
             naming the last good checkpoint). Nothing is written before the inputs are validated.
         WriteError (an ``OSError``): a file of the run cannot be written (no space, no
             permission, read-only, ...); the message names the last adapter checkpoint saved.
@@ -247,9 +247,9 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     from .distributed import launched_rank
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter
-    from .loop import Checkpoints, Evaluation, Progress, StepLog, Trainer, TrainingError, finish
-    from .optim import AdamW, CosineSchedule
-    from .train import RunFiles, split_tokens
+    from .training.loop import Checkpoints, Evaluation, Progress, StepLog, Trainer, TrainingError, finish
+    from .training.optim import AdamW, CosineSchedule
+    from .training import RunFiles, split_tokens
 
     t_start = time.perf_counter()
     settings.validate()

@@ -1,6 +1,6 @@
 """Settings declared once: name, type, default, help and valid values in one place.
 
-A settings class (:class:`pedestrian.train.TrainSettings`,
+A settings class (:class:`pedestrian.training.TrainSettings`,
 :class:`pedestrian.finetune.FinetuneSettings`) is a dataclass whose fields are made with
 :func:`setting`. Everything else follows from those declarations:
 

@@ -278,7 +278,7 @@ def test_finetune_stops_on_non_finite_steps_naming_the_last_good_adapter(run, tm
     step 2's update, finite), which is kept; no PEFT export is written."""
     import math
 
-    import pedestrian.loop as loop_module
+    import pedestrian.training.loop as loop_module
     from pedestrian.checkpoint import load_checkpoint
 
     tmp, base, _ = run

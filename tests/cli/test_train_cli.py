@@ -13,7 +13,7 @@ from cli_helpers import one_line_error
 
 from pedestrian.cli import build_parser, main
 from pedestrian.commands.train import settings_from_args
-from pedestrian.train import TrainSettings, read_log
+from pedestrian.training import TrainSettings, read_log
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--context-length", "16", "--d-model", "16", "--n-heads", "2", "--n-blocks", "2", "--batch-size", "4",
@@ -257,7 +257,7 @@ def test_end_of_run_prints_samples_and_where_things_are(corpus, tmp_path, capsys
 
 
 def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, capsys, monkeypatch):
-    import pedestrian.loop as loop_module
+    import pedestrian.training.loop as loop_module
 
     before = _snapshot(run)
     real, calls = loop_module.train_step, [0]
@@ -289,7 +289,7 @@ def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypat
     import os
     import signal
 
-    import pedestrian.loop as loop_module
+    import pedestrian.training.loop as loop_module
 
     real, calls = loop_module.train_step, [0]
 

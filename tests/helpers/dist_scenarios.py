@@ -1,7 +1,7 @@
 """Training runs that one process and each rank of a ``torchrun`` job compute the same way.
 
 :func:`run` trains a tiny GPT for :data:`STEPS` AdamW steps per scenario (dtype, dropout,
-gradient accumulation) with :class:`pedestrian.loop.Trainer` in the given process group: every
+gradient accumulation) with :class:`pedestrian.training.loop.Trainer` in the given process group: every
 rank draws the same global batches and computes its rows. :func:`accumulation` takes one step of
 micro-batches whose ignored targets differ per micro-batch and per rank, and one of their
 concatenation. ``tests/system/test_distributed.py`` runs both in one process and as two ranks
@@ -37,9 +37,9 @@ def _batches(rng: np.random.Generator, k: int) -> list:
 def run(group) -> dict:
     """``{"dtype dropout k": {"losses": [...], "params_sha256": ...}}`` for every scenario."""
     from pedestrian.config import GPTConfig
-    from pedestrian.loop import Trainer
+    from pedestrian.training.loop import Trainer
     from pedestrian.model import GPT
-    from pedestrian.optim import AdamW, CosineSchedule
+    from pedestrian.training.optim import AdamW, CosineSchedule
 
     results = {}
     for dtype, dropout, k in SCENARIOS:
@@ -71,9 +71,9 @@ def accumulation(group) -> dict:
     per-tensor ``max|Δθ| / max|θ|`` between the two results.
     """
     from pedestrian.config import GPTConfig
-    from pedestrian.loop import train_step
+    from pedestrian.training.loop import train_step
     from pedestrian.model import GPT
-    from pedestrian.optim import AdamW
+    from pedestrian.training.optim import AdamW
 
     rng = np.random.default_rng(3)
     T = CFG["context_length"]

@@ -83,10 +83,14 @@ def test_embedding_matches_finite_differences(K, positions):
 
 @kernels_param()
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_repeated_ids_accumulate_as_the_one_hot_product(K, backend):
+def test_repeated_ids_accumulate_as_the_one_hot_product(K, backend, request):
     """``dW_tok = ohe(a0)ᵀ Δ1``, the paper's form, computed densely: a plain fancy-index ``+=``
-    would drop the repeats. The embedding backward *adds* into the arrays it is given (the tied
-    logits layer writes its part first)."""
+    would drop the repeats. The embedding backward *writes* the arrays it is given, whatever
+    they held (every layer backward writes: docs/EQUATIONS.md; the model adds a tied logits
+    layer's part after)."""
+    if kernels_name(K) == "fast":     # kernels/embedding.py still adds; it changes with the kernels' branch
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the fast embedding backward adds until "
+                                              "kernels/embedding.py writes (zeroes dtok / dpos first)"))
     _, _, R = tables(2)
     assert len(np.unique(TOKENS)) < TOKENS.size
     start_tok, start_pos = np.random.default_rng(3).standard_normal((V, D)), np.zeros((CTX, D))
@@ -101,10 +105,10 @@ def test_repeated_ids_accumulate_as_the_one_hot_product(K, backend):
         K.embedding_backward(R, cache, dtok=dtok, dpos=dpos)
     ohe = one_hot(TOKENS, V)
     dense = ohe.T @ R.reshape(-1, D)
-    # the same ≤ 4 terms per entry (a token occurs at most 4 times), summed in another order, then
-    # added to the start value: Higham's bound on the absolute terms
-    bound = sum_rounding_bound(5, np.abs(start_tok) + ohe.T @ np.abs(R.reshape(-1, D)))
-    assert np.all(np.abs(dtok - (start_tok + dense)) <= bound)
+    # the same ≤ 4 terms per entry (a token occurs at most 4 times), summed in another order: Higham's
+    # bound on the absolute terms; the start value is gone
+    bound = sum_rounding_bound(5, ohe.T @ np.abs(R.reshape(-1, D)))
+    assert np.all(np.abs(dtok - dense) <= bound)
     bound_pos = sum_rounding_bound(2, np.abs(R).sum(0))
     assert np.all(np.abs(dpos[:6] - R.sum(0)) <= bound_pos)
     assert np.all(dpos[6:] == 0.0)

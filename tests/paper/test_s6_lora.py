@@ -26,7 +26,7 @@ from gradcheck import (
 from pedestrian.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pedestrian.config import GPTConfig, count_params, fc_layers, lora_specs, preset
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
+from pedestrian.training.optim import AdamW
 
 ALPHA = 0.75                      # not 1, so a missing α factor shows
 

@@ -180,7 +180,7 @@ def test_data_parallel_slices_draw_the_masks_of_their_rows():
     model's generator): the batch's loss and gradients equal those of the unsplit batch with the
     same keyed generator, whatever the thread timing."""
     from pedestrian.distributed import RowKeyedRNG
-    from pedestrian.parallel import DataParallel
+    from pedestrian.training.parallel import DataParallel
 
     cfg = GPTConfig(vocab_size=40, context_length=8, d_model=12, n_heads=3, n_blocks=2)
     x = np.random.default_rng(0).integers(0, 40, (4, 9))

@@ -4,7 +4,7 @@ One step of ``k`` micro-batches must be the step of their concatenation: the los
 mean over every counted target of the step, the gradient that of that mean, and so the gradient
 norm, the clipping and the AdamW update are the one-batch ones -- also when the micro-batches
 count different numbers of targets (ignore index ``-100``), one of them none at all, and when
-each micro-batch is split over threads (:class:`~pedestrian.parallel.DataParallel`). Over ranks:
+each micro-batch is split over threads (:class:`~pedestrian.training.parallel.DataParallel`). Over ranks:
 ``tests/helpers/dist_scenarios.py`` (``ACCUM_*``), run by ``tests/system/test_distributed.py``.
 
 Tolerance: ``RTOL = 1e-12`` (float64), relative to each compared quantity's magnitude (per tensor
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from pedestrian.config import GPTConfig
-from pedestrian.loop import TrainingError, count_targets, estimate_loss, train_step
+from pedestrian.training.step import TrainingError, count_targets, estimate_loss, train_step
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
-from pedestrian.parallel import DataParallel
+from pedestrian.training.optim import AdamW
+from pedestrian.training.parallel import DataParallel
 
 RTOL = 1e-12
 #: no q/k/v biases: the key bias's gradient is 0 in exact arithmetic (paper section 3), pure

@@ -26,9 +26,9 @@ from pedestrian.data import encode_to_token_file
 from pedestrian.interop.hf import load_hf_model, save_pretrained
 from pedestrian.interop.peft import save_peft_adapter
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
+from pedestrian.training.optim import AdamW
 from pedestrian.tokenizer import CharTokenizer
-from pedestrian.train import plot_loss_curve
+from pedestrian.training import plot_loss_curve
 
 ERRNOS = [errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EROFS]
 NAMES = {errno.ENOSPC: "ENOSPC", errno.EFBIG: "EFBIG", errno.EACCES: "EACCES", errno.EROFS: "EROFS"}

@@ -15,7 +15,7 @@ from pedestrian import checkpoint as ck
 from pedestrian.checkpoint import CheckpointError, copy_checkpoint, load_checkpoint, save_checkpoint
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
+from pedestrian.training.optim import AdamW
 from pedestrian.tokenizer import CharTokenizer
 
 CFG = GPTConfig(vocab_size=7, context_length=6, d_model=8, n_heads=2, n_blocks=1, dropout=0.1)
@@ -302,7 +302,7 @@ def test_sample_on_a_checkpoint_with_a_nan_is_one_error_line(tmp_path, capsys):
 def test_train_whose_weights_turn_non_finite_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     """A weight that becomes NaN while the loss is still finite: the next save is refused, the
     run ends with one line naming the tensor, the last good checkpoint and the resume command."""
-    from pedestrian import loop as train_module
+    from pedestrian.training import loop as train_module
     from pedestrian.cli import main
 
     corpus = tmp_path / "c.txt"

@@ -29,7 +29,7 @@ STEP = """
 import numpy as np
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
+from pedestrian.training.optim import AdamW
 m = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=2, n_blocks=1), kernels="fast")
 tokens = np.arange(16).reshape(2, 8) % 11
 loss = m.loss(tokens, (tokens + 1) % 11)
@@ -46,7 +46,7 @@ def _run(code: str, env_extra: dict, pythonpath: Path = SRC) -> subprocess.Compl
 
 
 def test_import_compiles_nothing():
-    code = ("import pedestrian, pedestrian.kernels, pedestrian.optim, pedestrian.model\n"
+    code = ("import pedestrian, pedestrian.kernels, pedestrian.training.optim, pedestrian.model\n"
             "from pedestrian.kernels import jit\n"
             "ds = jit.dispatchers()\n"
             "assert ds, 'no kernels registered?'\n"

@@ -96,7 +96,7 @@ def test_load_corpus_small_read_blocks(tmp_path, monkeypatch):
 
 
 def test_bundled_corpus_facts():
-    """The numbers stated in data/shakespeare/PROVENANCE.md."""
+    """The numbers stated in src/pedestrian/corpus/shakespeare/PROVENANCE.md."""
     assert bundled_corpus() == BUNDLED_CORPUS
     files = sorted(BUNDLED_CORPUS.glob("*.txt"))
     assert len(files) == 42

@@ -19,10 +19,10 @@ from pedestrian.checkpoint import load_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
 from pedestrian.distributed import RowKeyedRNG, SingleProcess, process_group
-from pedestrian.loop import Trainer
+from pedestrian.training.loop import Trainer
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
-from pedestrian.train import TrainingError, TrainSettings, read_log, train
+from pedestrian.training.optim import AdamW
+from pedestrian.training import TrainingError, TrainSettings, read_log, train
 
 torch = pytest.importorskip("torch")
 SRC = str(Path(pedestrian.__file__).resolve().parents[1])
@@ -117,7 +117,7 @@ class _OtherRanks(SingleProcess):
 
 
 def test_the_most_urgent_stop_reason_of_any_rank_wins():
-    from pedestrian.loop import STOP_REASONS
+    from pedestrian.training.loop import STOP_REASONS
 
     model = GPT(GPTConfig(vocab_size=5, context_length=4, d_model=4, n_heads=1, n_blocks=1))
     opt = AdamW(model, lr=1e-3)

@@ -16,7 +16,7 @@ draws every other axis the issue names (issue 22):
   LoRA on every layer or none; GELU, GELU-tanh or ReLU; layer-norm ``eps`` 0 (the paper's) or
   1e-5; biases on or off; float64 and float32;
 - each case twice: the plain model (``model.backward(keep_deltas=True)``, for ``Δ1``) and the
-  way the training loop runs it (:func:`pedestrian.parallel.runner_for`: the batch split over
+  way the training loop runs it (:func:`pedestrian.training.parallel.runner_for`: the batch split over
   threads for ``B >= 2``, the kernels' own threads at ``B = 1`` when there are two threads);
 - with ``PEDESTRIAN_NUM_THREADS`` = 1 and = 2, each in a subprocess of its own
   (:func:`test_property_with_threads`), so the thread pools really differ.
@@ -62,7 +62,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradcheck import build_model, token_batch
-from pedestrian.parallel import runner_for
+from pedestrian.training.parallel import runner_for
 from torch_reference import default_cfg, fc_layer_names, random_params
 
 #: examples per thread count in CI (two subprocesses: ~1 min in all on two cores)

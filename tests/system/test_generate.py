@@ -34,7 +34,7 @@ def make_model(dtype="float64", backend="numpy", seed=0, **overrides) -> GPT:
         if p.ndim == 1:
             mean = 1.0 if "ln" in name and name.endswith("weight") else 0.0
             value = rng.normal(mean, 0.1, size=p.shape)
-            p[...] = model._to_xp(value)
+            p[...] = model.to_xp(value)
     return model
 
 
@@ -128,7 +128,7 @@ def test_cached_logits_with_unmerged_lora(dtype):
     rng = np.random.default_rng(9)
     for name in model.params:
         if name.endswith("lora_U"):                    # U = 0 at init: make the adapters matter
-            model.params[name][...] = model._to_xp(rng.normal(0, 0.3, size=model.params[name].shape))
+            model.params[name][...] = model.to_xp(rng.normal(0, 0.3, size=model.params[name].shape))
     prompt = rng.integers(0, 29, size=(3, 4))
     check_every_step(model, prompt, C, TOL[dtype], temperature=1.0, seed=5)
     # ... and the adapters change the logits (the cached path does not silently skip them)

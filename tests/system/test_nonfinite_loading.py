@@ -135,7 +135,7 @@ def test_merge_lora_that_would_make_a_non_finite_weight_is_refused(how):
 def test_adamw_load_state_dict_refuses_non_finite_moments_and_changes_nothing():
     """A NaN moment would turn every later update of its weight into NaN: refused like a NaN
     weight, the optimizer as it was."""
-    from pedestrian.optim import AdamW
+    from pedestrian.training.optim import AdamW
 
     model = GPT(CFG, seed=0, dtype="float64")
     opt = AdamW(model, lr=1e-2)

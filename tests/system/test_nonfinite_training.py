@@ -1,6 +1,6 @@
 """No silent numbers during training (issue 13, part 1): the whole path a number takes -- the
 loss, the gradient norm and clipping, the AdamW update, validation, checkpoints -- under NaN, inf
-and gradients too large for float32, and the one rule the loop follows (pedestrian.loop):
+and gradients too large for float32, and the one rule the loop follows (pedestrian.training.loop):
 skip the update, warn with the step, stop after --max-skipped-steps in a row naming the last
 good checkpoint."""
 
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import pedestrian.loop as loop_module
+import pedestrian.training.loop as loop_module
 from pedestrian.checkpoint import load_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
-from pedestrian.train import TrainingError, TrainSettings, read_log, train, train_step
+from pedestrian.training.optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
+from pedestrian.training import TrainingError, TrainSettings, read_log, train, train_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ import torch
 from gradcheck import EPS64, adamw_rounding_bounds, norm_rounding_rel
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm, param_groups
+from pedestrian.training.optim import AdamW, CosineSchedule, ParamGroup, clip_grad_norm, global_grad_norm, param_groups
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

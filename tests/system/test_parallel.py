@@ -11,9 +11,9 @@ from pedestrian.backend import to_numpy
 from pedestrian.kernels.threads import single_threaded_blas
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
-from pedestrian.parallel import DataParallel, use_data_parallel
-from pedestrian.train import train_step
+from pedestrian.training.optim import AdamW
+from pedestrian.training.parallel import DataParallel, use_data_parallel
+from pedestrian.training import train_step
 
 CFG = GPTConfig(vocab_size=23, context_length=12, d_model=16, n_heads=2, n_blocks=2)
 
@@ -248,7 +248,7 @@ def test_one_sequence_shares_its_products_over_the_threads(monkeypatch):
     cut each matrix product into row (or weight-column) blocks, one per thread. The step's loss
     and gradients equal the plain step's up to the order of rounded additions."""
     from pedestrian.kernels.threads import OwnCores, product_parts
-    from pedestrian.parallel import runner_for
+    from pedestrian.training.parallel import runner_for
 
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     cfg = GPTConfig(vocab_size=23, context_length=160, d_model=32, n_heads=2, n_blocks=2, d_mlp=160)

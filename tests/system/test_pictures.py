@@ -12,7 +12,7 @@ import pytest
 
 from pedestrian.checkpoint import load_checkpoint
 from pedestrian.cli import main as cli_main
-from pedestrian.train import TrainSettings, gradient_record, read_log, train
+from pedestrian.training import TrainSettings, gradient_record, read_log, train
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ from pedestrian.cli import build_parser
 from pedestrian.commands.train import read_config_file, settings_from_args
 from pedestrian.finetune import FinetuneSettings
 from pedestrian.settings import OPEN_UNIT, POSITIVE_INT, add_flags, check, config_value, flag, setting, specs
-from pedestrian.train import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainingError, TrainSettings
+from pedestrian.training import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainingError, TrainSettings
 
 
 def _default(cls, name):

@@ -202,7 +202,7 @@ def test_iter_train_pieces_is_the_training_split(tmp_path, val_fraction):
 
 
 def test_build_tokenizer_streams_the_training_split(tmp_path, monkeypatch):
-    from pedestrian.train import TrainSettings, build_tokenizer
+    from pedestrian.training import TrainSettings, build_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"the line number {j} says hello\n" for j in range(2000)), encoding="utf-8")

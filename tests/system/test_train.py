@@ -14,8 +14,8 @@ import torch
 from pedestrian.checkpoint import load_checkpoint
 from pedestrian.config import GPTConfig, param_specs
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW, CosineSchedule
-from pedestrian.train import (TrainingError, TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
+from pedestrian.training.optim import AdamW, CosineSchedule
+from pedestrian.training import (TrainingError, TrainSettings, estimate_loss, evaluate_tokens, read_log, train,
                               train_step)
 from gradcheck import (EPS64, RTOL_ROUNDING, adamw_rounding_bounds, flat_layout, gradient_rounding_err,
                        model_key_bias_bounds, norm_rounding_rel)
@@ -285,7 +285,7 @@ def _signal_at(monkeypatch, n: int, sig):
     Ctrl-C / SIGTERM arriving mid-step)."""
     import os
 
-    import pedestrian.loop as loop_module
+    import pedestrian.training.loop as loop_module
 
     real, calls = loop_module.train_step, [0]
 
@@ -324,7 +324,7 @@ def test_interrupt_saves_a_checkpoint_and_resume_is_exact(corpus, tmp_path, monk
 
 
 def test_non_finite_loss_without_a_checkpoint_says_so(corpus, tmp_path, monkeypatch):
-    import pedestrian.loop as loop_module
+    import pedestrian.training.loop as loop_module
 
     monkeypatch.setattr(loop_module, "train_step", lambda *a, **k: (float("nan"), 0.0))
     with pytest.raises(TrainingError, match=r"the training loss is nan and 5 step\(s\) in a row were skipped "

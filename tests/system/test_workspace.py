@@ -20,7 +20,7 @@ from pedestrian.config import GPTConfig
 from pedestrian.kernels import threads
 from pedestrian.kernels.workspace import MAX_PER_SHAPE, Workspace, empty_array
 from pedestrian.model import GPT
-from pedestrian.optim import AdamW
+from pedestrian.training.optim import AdamW
 
 CFG = GPTConfig(vocab_size=13, context_length=8, d_model=16, n_heads=2, n_blocks=2)
 

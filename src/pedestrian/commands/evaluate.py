@@ -41,7 +41,7 @@ def _tokens(data, tokenizer, val_fraction: float, split: str):
     from pathlib import Path
 
     from ..data import BUNDLED_CORPUS, encode_to_token_file
-    from ..train import TrainingError, split_tokens
+    from ..training import TrainingError, split_tokens
 
     corpus = Path(data).expanduser() if data else BUNDLED_CORPUS
     tokens = encode_to_token_file(corpus, tokenizer)
@@ -62,7 +62,7 @@ def _tokens(data, tokenizer, val_fraction: float, split: str):
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import load_checkpoint, read_state
     from ..finetune import adapter_checkpoint_dir, load_finetuned
-    from ..train import TrainingError, evaluate_tokens
+    from ..training import TrainingError, evaluate_tokens
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")

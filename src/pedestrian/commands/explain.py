@@ -65,13 +65,6 @@ class Row:
     per_block: bool = False
 
 
-def _n(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4) -> list[Row]:
     """The table's rows for one training step of ``batch_size`` sequences of ``seq_len`` tokens.
 
@@ -227,7 +220,7 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str]:
         settings = (state.get("meta") or {}).get("settings") or {}
         return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32")
     if args.config:
-        from ..train import DEFAULT_MODEL, TrainSettings
+        from ..training import DEFAULT_MODEL, TrainSettings
         from .train import read_config_file
 
         given = read_config_file(args.config)
@@ -243,7 +236,7 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str]:
         return GPTConfig(vocab_size=vocab, **model), settings.batch_size, args.dtype or settings.dtype
     if args.preset or args.vocab_size:
         return config_from_args(args), None, dtype
-    from ..train import DEFAULT_MODEL, TrainSettings
+    from ..training import DEFAULT_MODEL, TrainSettings
 
     return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype
 

@@ -20,7 +20,7 @@ A step whose loss or gradient is NaN or inf is skipped (no update) with a warnin
 
 Several processes: --nproc N starts N ranks on this machine through PyTorch's launcher (each
 computes its share of every batch; gradients are summed once per step; rank 0 writes the
-files); torchrun starts them on one or several machines (README: Training on several processes).
+files); torchrun starts them on one or several machines (docs/guide.md: Several processes).
 
 Examples:
   pedestrian train
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..config import PRESETS, GPTConfig
 from ..settings import add_flags, config_value, kind_of, specs
-from ..train import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
+from ..training import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
 from .params import CONFIG_FIELDS, add_config_arguments
 
 try:  # Python 3.11+
@@ -49,7 +49,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-#: TrainSettings fields with a flag / config key (each declared once, in pedestrian.train)
+#: TrainSettings fields with a flag / config key (each declared once, in pedestrian.training)
 _TRAIN_FIELDS = tuple(name for name, spec in specs(TrainSettings).items() if spec.flag)
 #: model keys: GPTConfig fields (their types come from GPTConfig) and a preset name
 _MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
@@ -200,7 +200,7 @@ def _no_sample(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..distributed import launched_rank, reports_to_launcher
-    from ..train import train
+    from ..training import train
 
     settings, explicit = settings_from_args(args)
     if launched_rank():

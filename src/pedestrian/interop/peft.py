@@ -49,7 +49,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
-from ..model import check_finite_state
+from ..inputs import check_finite_state
 from .hf import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",

@@ -1,7 +1,7 @@
 """Fast kernels for the embedding (reference: :mod:`pedestrian.layers.embedding`, section 2).
 
-NumPy arrays: the forward gathers both tables' rows and adds them in one pass; the backward adds
-each row of ``Δ1`` into the rows of both tables' gradients in one serial pass (in token order:
+NumPy arrays: the forward gathers both tables' rows and adds them in one pass; the backward zeroes
+both tables' gradients and adds each row of ``Δ1`` into them in one serial pass (in token order:
 the same bits every run). PyTorch tensors: the reference (``index_add_`` for the scatter), the
 position gradient for ``0 … T-1`` as a sum over the batch.
 """
@@ -69,22 +69,26 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
 
 
 def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
-    """Fast :func:`pedestrian.layers.embedding.embedding_backward` (adds into ``dtok``, ``dpos``)."""
+    """Fast :func:`pedestrian.layers.embedding.embedding_backward` (writes ``dtok``, ``dpos``)."""
     tokens, positions = cache
     B, T, d = delta.shape
     if is_torch_array(delta):
         rows = delta.reshape(B * T, d)
         if dtok is not None:
+            dtok[...] = 0
             scatter_add_rows(dtok, tokens.reshape(-1), rows)
         if dpos is not None and positions is None:       # 0 … T-1: a sum over the batch
-            lib = elementwise_lib(delta)
-            lib.add(dpos[:T], lib.sum(delta, axis=0), out=dpos[:T])
+            dpos[T:] = 0
+            elementwise_lib(delta).sum(delta, axis=0, out=dpos[:T])
         elif dpos is not None:
+            dpos[...] = 0
             index = array_namespace(positions).broadcast_to(positions, (B, T))
             scatter_add_rows(dpos, index.reshape(-1), rows)
         return
     rows = np.ascontiguousarray(delta).reshape(B * T, d)
     if dtok is not None:
+        dtok[...] = 0
         _scatter_add(_ids(tokens, dtok.shape[0], "token"), rows, dtok)
     if dpos is not None:
+        dpos[...] = 0
         _scatter_add(_positions(positions, B, T, dpos.shape[0]), rows, dpos)

@@ -34,25 +34,28 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
 
 
 def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
-    """Gradients of both tables, *added* into ``dtok`` and ``dpos``.
+    """Gradients of both tables, *written* into ``dtok`` and ``dpos`` (every layer backward writes).
 
     ``dW_tok = ohe(a0)ᵀ Δ1``: row ``t`` gets the sum of the rows of ``Δ1`` at every position
-    holding token ``t`` -- repeated ids accumulate (a scatter-add; a plain fancy-index ``+=``
-    would drop repeats). ``dW_pos[p] = Σ Δ1`` over every token at position ``p``.
+    holding token ``t`` -- repeated ids accumulate (a scatter-add into zeros; a plain fancy-index
+    ``+=`` would drop repeats), rows of tokens not in the batch are 0. ``dW_pos[p] = Σ Δ1`` over
+    every token at position ``p``.
 
     Args:
         delta: ``(B, T, d)`` error signal ``Δ1``.
         cache: from :func:`embedding_forward`.
-        dtok: ``(V, d)`` array the token-table gradient is added to (zero it first, unless a tied
-            logits layer already wrote its part), or ``None`` (frozen).
-        dpos: ``(context_length, d)`` array the position-table gradient is added to, or ``None``.
+        dtok: ``(V, d)`` array the token-table gradient is written to, or ``None`` (frozen). With
+            tied weights this is only the lookup's part: the model adds the logits' part.
+        dpos: ``(context_length, d)`` array the position-table gradient is written to, or ``None``.
     """
     xp = array_namespace(delta)
     tokens, positions = cache
     B, T, d = delta.shape
     delta_rows = xp.reshape(delta, (B * T, d))                                    # (B·T, d)
     if dtok is not None:
+        dtok[...] = 0
         scatter_add_rows(dtok, xp.reshape(tokens, (-1,)), delta_rows)
     if dpos is not None:
+        dpos[...] = 0
         pos = xp.arange(T) if positions is None else positions
         scatter_add_rows(dpos, xp.reshape(xp.broadcast_to(pos, (B, T)), (-1,)), delta_rows)

@@ -35,9 +35,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .backend import is_torch_array, to_numpy
-from .kernels.jit import AVAILABLE as JIT_AVAILABLE
-from .kernels.jit import kernel, prange
+from ..backend import is_torch_array, to_numpy
+from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
+from ..kernels.jit import kernel, prange
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
            "clip_grad_norm"]

@@ -39,10 +39,10 @@ import contextlib
 
 import numpy as np
 
-from .backend import to_numpy
-from .distributed import RowKeyedRNG
-from .kernels.threads import OwnCores, get_pool, in_worker_thread, num_threads
-from .layers.loss import IGNORE_INDEX
+from ..backend import to_numpy
+from ..distributed import RowKeyedRNG
+from ..kernels.threads import OwnCores, get_pool, in_worker_thread, num_threads
+from ..layers.loss import IGNORE_INDEX
 
 __all__ = ["DataParallel", "use_data_parallel", "runner_for", "DATA_PARALLEL_MODES", "SMALL_MODEL_PARAMS"]
 

@@ -1,0 +1,129 @@
+"""A run's tokens: the tokenizer for its corpus, the token file, the train/validation split,
+and the validation loss over a token array.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..data import BUNDLED_CORPUS, encode_to_token_file, iter_corpus_pieces, iter_train_pieces
+from .settings import TrainSettings
+from .step import TrainingError
+
+# ---------------------------------------------------------------------------------------- data
+def build_tokenizer(settings: TrainSettings, corpus: Path):
+    """A new tokenizer for ``corpus``.
+
+    ``char``: the sorted set of characters of the whole corpus (train and validation, so the
+    validation text never holds an unknown character), read piece by piece. ``bpe``: byte-level
+    BPE of ``bpe_vocab_size`` ids trained on the training split only, streamed piece by piece
+    (:func:`pedestrian.data.iter_train_pieces`).
+    """
+    from ..tokenizer import BPETokenizer, CharTokenizer
+
+    if settings.tokenizer == "char":
+        chars: set[str] = set()
+        for piece in iter_corpus_pieces(corpus):
+            chars.update(piece)
+        return CharTokenizer(sorted(chars))
+    return BPETokenizer.train(iter_train_pieces(corpus, settings.val_fraction),
+                              vocab_size=settings.bpe_vocab_size)
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)`` views: the last ``round(n · val_fraction)`` tokens are validation.
+
+    For the character tokenizer this is exactly :func:`pedestrian.data.split_train_val` (one
+    token per character).
+    """
+    n = int(tokens.shape[0])
+    n_val = round(n * val_fraction)
+    return tokens[: n - n_val], tokens[n - n_val:]
+
+
+def prepare_data(settings: TrainSettings, tokenizer=None):
+    """Tokenizer and the encoded train / validation token streams of the corpus.
+
+    The corpus is encoded once into a token file cached beside it (memory-mapped; see
+    :func:`pedestrian.data.encode_to_token_file`).
+
+    Args:
+        settings: uses ``data``, ``tokenizer``, ``bpe_vocab_size``, ``val_fraction`` and the
+            context length.
+        tokenizer: an existing tokenizer (resume / eval); else one is built.
+
+    Returns:
+        ``(tokenizer, train_tokens, val_tokens)``.
+
+    Raises:
+        FileNotFoundError / ValueError: missing, empty or non-UTF-8 corpus; a character the
+            given tokenizer does not know; a split shorter than one window
+            (``context_length + 1`` tokens).
+    """
+    corpus = Path(settings.data).expanduser() if settings.data else BUNDLED_CORPUS
+    if settings.data is None and not BUNDLED_CORPUS.is_dir():
+        from ..data import bundled_corpus
+
+        bundled_corpus()  # raises the explanatory error
+    if tokenizer is None:
+        tokenizer = build_tokenizer(settings, corpus)
+    tokens = encode_to_token_file(corpus, tokenizer)
+    train_tokens, val_tokens = split_tokens(tokens, settings.val_fraction)
+    need = settings.context_length + 1
+    for name, part in (("training", train_tokens), ("validation", val_tokens)):
+        if part.shape[0] < need:
+            raise TrainingError(
+                f"corpus {corpus} is too short: {tokens.shape[0]} tokens in all, {part.shape[0]} in the "
+                f"{name} split (val_fraction {settings.val_fraction}), but one window needs "
+                f"context_length + 1 = {need}. Use a longer corpus or a smaller --context-length.")
+    return tokenizer, train_tokens, val_tokens
+
+
+# ---------------------------------------------------------------------------------------- evaluation, logs
+def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches: int | None = None,
+                    progress: bool = False) -> tuple[float, int]:
+    """Mean next-token loss over a whole token stream, every target counted once.
+
+    The stream is cut into consecutive non-overlapping windows of ``context_length`` inputs
+    (the next token of each window starts the following one); a shorter final window covers
+    the remainder. Dropout is off.
+
+    Args:
+        tokens: 1-D ids (e.g. a memory-mapped validation split), at least 2.
+        batch_size: windows per forward pass.
+        max_batches: stop after this many full batches (``None`` = the whole stream).
+
+    Returns:
+        ``(loss, n_targets)``: nats per token, averaged over all ``n_targets`` targets.
+    """
+    T = model.config.context_length
+    n = int(tokens.shape[0])
+    if n < 2:
+        raise ValueError(f"need at least 2 tokens to evaluate, got {n}")
+    n_windows = (n - 1) // T
+    was_training = model.training
+    model.training = False
+    total, count = 0.0, 0
+    starts = list(range(0, n_windows * T, T))
+    chunks = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
+    if max_batches is not None:
+        chunks = chunks[:max_batches]
+    from tqdm import tqdm
+
+    try:
+        for chunk in tqdm(chunks, desc="eval", unit="batch", disable=not progress, file=sys.stderr):
+            idx = np.asarray(chunk)[:, None] + np.arange(T + 1)
+            w = np.asarray(tokens[idx], dtype=np.int64)
+            total += model.loss(w[:, :-1], w[:, 1:]) * w[:, 1:].size
+            count += w[:, 1:].size
+        rest = n - 1 - n_windows * T
+        if rest > 0 and (max_batches is None or len(chunks) * batch_size >= n_windows):
+            w = np.asarray(tokens[n_windows * T:], dtype=np.int64)[None, :]
+            total += model.loss(w[:, :-1], w[:, 1:]) * rest
+            count += rest
+    finally:
+        model.training = was_training
+    return total / count, count

@@ -1,0 +1,389 @@
+"""``pedestrian train``: the settings, the data, and :func:`train`, which wires the shared loop.
+
+:func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG, and
+runs :class:`pedestrian.training.loop.Trainer` with callbacks that log every step to ``<out>/log.jsonl``,
+evaluate a fixed set of validation batches every ``eval_interval`` steps (and then log the norms
+of every block's error signals and gradients on that step's batch, :func:`gradient_record`), keep
+``<out>/latest`` and ``<out>/best`` checkpoints and stop in time (``max_minutes``); it draws
+``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
+step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
+steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
+AdamW) is :func:`pedestrian.training.loop.train_step`.
+
+Non-finite numbers (the rule of :mod:`pedestrian.training.loop`): a step whose loss or gradient norm is
+NaN or inf is skipped -- no update, weights and AdamW moments untouched -- with a warning naming
+the step; ``max_skipped_steps`` (default 5) skipped steps in a row stop the run with an error
+that names the last good checkpoint. A non-finite validation loss never makes a "best"
+checkpoint, and no checkpoint is ever written with a non-finite weight or moment.
+
+Interruptions: while :func:`train` runs in the main thread, ``Ctrl-C`` (SIGINT) and SIGTERM only
+set a flag; the step in progress finishes, then a checkpoint of that step is saved (atomically)
+and :func:`train` returns with ``stop_reason`` ``"interrupted"``. Resuming from it is exact. A
+second ``Ctrl-C`` stops at once (``KeyboardInterrupt``), keeping the last saved checkpoint.
+
+``--overwrite``: the old run's ``log.jsonl`` and checkpoints are kept untouched until the new run
+commits its first checkpoint; until then the new log is written to ``log.jsonl.new``.
+
+Messages go to the logger ``pedestrian.train`` (INFO: what the run does; WARNING: skipped steps
+and settings worth a second look); ``pedestrian train`` prints them, ``logging.basicConfig(level=
+logging.INFO)`` shows them in a program of your own.
+
+Several processes (ranks; :mod:`pedestrian.distributed`): started by ``torchrun`` or
+``pedestrian train --nproc N``, :func:`train` joins the process group its environment names.
+Every rank draws the same global batches of ``batch_size`` rows and computes its share of the
+rows; gradients and losses are summed over the ranks once per step. Rank 0 alone writes the
+log, the checkpoints and the plot, and prints; the others follow its stop decisions. A
+checkpoint records the number of ranks (``meta["world_size"]``); resuming with the same number
+is exact, and with another number continues the same run up to the order of float additions
+(the batches and dropout masks are those of the global rows, whoever computes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import WriteError
+from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
+from ..config import GPTConfig
+from ..data import BUNDLED_CORPUS, TokenDataset
+from ..distributed import CommunicationError, process_group, reports_to_launcher
+from ..finite import finite_or_none
+from .corpus import prepare_data
+from .files import NoFiles, RunFiles, gradient_record
+from .loop import Checkpoints, Evaluation, Progress, StepLog, TimeGuard, Trainer, finish
+from .optim import AdamW, CosineSchedule
+from .parallel import runner_for
+from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
+from .step import TrainingError
+
+log = logging.getLogger("pedestrian.train")
+
+# ---------------------------------------------------------------------------------------- train
+@dataclass
+class TrainResult:
+    """What :func:`train` did: final step, losses, timing, files."""
+
+    step: int
+    train_loss: float
+    val_loss: float
+    best_val_loss: float
+    seconds: float
+    tokens_per_second: float
+    stop_reason: str
+    out: Path
+    model: Any = None
+    tokenizer: Any = None
+    is_writer: bool = True                    # rank 0 (or the only process): it wrote the files
+    resume_command: str = ""                  # how to continue this run
+
+
+def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> tuple[TrainSettings, Checkpoint]:
+    """The checkpoint in ``out/latest`` and the settings to go on with: the checkpoint's own,
+    with the :data:`RESUMABLE_SETTINGS` given explicitly and the :data:`PER_RUN_SETTINGS` of
+    this invocation. Any other explicit setting must match the checkpoint's."""
+    ckpt = load_checkpoint(out / "latest", backend=settings.backend, device=_device(settings, group))
+    saved = ckpt.meta.get("settings")
+    if saved is None:
+        raise TrainingError(f"checkpoint {ckpt.path} was not written by `pedestrian train` "
+                            "(no training settings in it); it cannot be resumed")
+    saved = TrainSettings.from_dict(saved)
+    conflicts = []
+    for name in sorted(explicit - RESUMABLE_SETTINGS):
+        keys = [f"model.{k}" for k in settings.model] if name == "model" else [name]   # "model": all given
+        for key in keys:
+            if key.startswith("model."):
+                k = key[len("model."):]
+                mine, theirs = settings.model.get(k), ckpt.config.to_dict().get(k)   # derived widths resolved
+            else:
+                k, mine, theirs = key, getattr(settings, key), getattr(saved, key)
+            if mine != theirs:
+                conflicts.append(f"{k}={theirs!r} (you gave {mine!r})")
+    if conflicts:
+        raise TrainingError(f"the checkpoint in {ckpt.path} was trained with a different config: "
+                            + "; ".join(conflicts) + ". Resume without those settings, or start a new run "
+                            "with --out NEW_DIR")
+    for name in RESUMABLE_SETTINGS:
+        if name in explicit or name in PER_RUN_SETTINGS:
+            setattr(saved, name, getattr(settings, name))
+    saved.validate()
+    if ckpt.state.get("optimizer") is None:
+        raise TrainingError(f"checkpoint {ckpt.path} holds no optimizer state; it cannot be resumed")
+    if ckpt.step >= saved.max_steps:
+        raise TrainingError(f"the run in {out} is at step {ckpt.step}, which already reaches --max-steps "
+                            f"{saved.max_steps}; pass a larger --max-steps to train on (the cosine "
+                            "schedule is stretched to it)")
+    return saved, ckpt
+
+
+def _device(settings: TrainSettings, group):
+    """The model's device: ``None`` on the CPU, this rank's GPU with ``--device cuda``."""
+    return None if settings.device == "cpu" else group.device
+
+
+def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group):
+    """``(model, optimizer, data_rng)``: new, or as the checkpoint left them; every rank starts
+    from rank 0's parameters."""
+    if ckpt is None:
+        from ..model import GPT
+
+        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
+                    device=_device(settings, group))
+        data_rng = np.random.default_rng(settings.seed)
+    else:
+        model, data_rng = ckpt.model, np.random.default_rng()
+        data_rng.bit_generator.state = ckpt.meta["data_rng"]
+    model.training = True
+    group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
+    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
+                      weight_decay=settings.weight_decay)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt.optimizer_state())
+        skipped = int(ckpt.meta.get("skipped_steps", 0))
+        if optimizer.step_count != ckpt.step - skipped:
+            raise TrainingError(f"checkpoint {ckpt.path} is inconsistent: optimizer step {optimizer.step_count} "
+                                f"!= step {ckpt.step} - {skipped} skipped")
+    return model, optimizer, data_rng
+
+
+def _runner(settings: TrainSettings, model, ckpt: Checkpoint | None, group):
+    """``(runner, context, slices)`` of :func:`pedestrian.training.parallel.runner_for` for this rank's rows,
+    with a warning when a resumed run splits its batches differently from the checkpoint's steps."""
+    rows = group.rows(settings.batch_size)
+    try:
+        runner, context = runner_for(model, settings.data_parallel, rows.stop - rows.start)
+    except ValueError as exc:                 # e.g. an unknown mode
+        raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
+    split = runner.slices_for(rows.stop - rows.start) if runner is not model else 1
+    if ckpt is not None:
+        then = (ckpt.meta.get("world_size", 1), ckpt.meta.get("data_parallel_threads"))
+        if then[0] != group.world_size or then[1] not in (None, split):
+            log.warning(f"the checkpoint's steps ran on {then[0]} rank(s), each batch split into {then[1] or 1} "
+                        f"slice(s) per rank; this run has {group.world_size} rank(s) and {split} slice(s): it "
+                        "continues the same run (same batches, same dropout masks), equal up to the order of "
+                        "float additions but not bit for bit; for that, resume with the same --nproc and "
+                        "PEDESTRIAN_NUM_THREADS")
+    return runner, context, split
+
+
+def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
+          overwrite: bool = False, group=None) -> TrainResult:
+    """Run (or resume) a training job (module docstring; messages go to the ``pedestrian.train`` logger).
+
+    Args:
+        settings: all settings; on resume only :data:`RESUMABLE_SETTINGS` are taken from it,
+            the rest come from the checkpoint.
+        resume: continue from ``<out>/latest``.
+        explicit: names of the settings the user gave (flags or config file): field names,
+            ``"model.<GPTConfig field>"`` for single model fields, or ``"model"`` for the whole
+            model dict. On resume any of them outside :data:`RESUMABLE_SETTINGS` must equal the
+            checkpoint's.
+        overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
+            ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
+            checkpoint; the new log goes to ``log.jsonl.new`` until then).
+        group: the process group (:mod:`pedestrian.distributed`); ``None``: the one this
+            process's environment names (one process, or a rank started by ``torchrun``), joined
+            here and left at the end.
+
+    Returns:
+        a :class:`TrainResult` (the same numbers on every rank; ``is_writer`` on rank 0);
+        ``stop_reason`` is ``"max_steps"``, ``"stop_step"``, ``"max_minutes"``, or
+        ``"interrupted"`` (SIGINT / SIGTERM on any rank, or :func:`pedestrian.training.loop.request_stop`,
+        e.g. a closed stdout: a checkpoint of the last finished step was saved; see the module
+        docstring).
+
+    Raises:
+        KeyboardInterrupt: a second ``Ctrl-C`` while stopping (the last checkpoint is kept).
+        TrainingError / ValueError / FileNotFoundError: bad settings or data, an existing run
+            without ``resume``/``overwrite``, a checkpoint that does not match the settings,
+            ``max_skipped_steps`` non-finite steps in a row or a non-finite weight, another rank
+            that failed or stopped answering (the message names the last good checkpoint, which
+            is kept). Nothing on disk is changed before the inputs are validated.
+    """
+    t_start = time.perf_counter()
+    settings.validate()
+    own_group = group is None
+    if own_group:
+        group = process_group(settings.device, settings.dist_timeout)
+    quiet = None if group.is_writer else _Quiet()       # only rank 0 speaks
+    try:
+        return _train(settings, resume, set(explicit or ()), overwrite, group, t_start)
+    except CommunicationError as exc:                 # before the loop: nothing was written
+        raise TrainingError(f"{exc}; the run stopped before its first step and wrote nothing") from exc
+    finally:
+        if quiet is not None:
+            quiet.close()
+        if own_group:
+            group.close()
+
+
+class _Quiet:
+    """Holds the ``pedestrian`` loggers to errors (on ranks other than 0) until :meth:`close`."""
+
+    def __init__(self):
+        self.logger = logging.getLogger("pedestrian")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+
+    def close(self) -> None:
+        self.logger.setLevel(self.level)
+
+
+def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite: bool, group,
+           t_start: float) -> TrainResult:
+    out = settings.run_dir()
+    had_run = (out / "latest" / "state.json").is_file() or (out / ".latest.old" / "state.json").is_file()
+    ckpt = None
+    if resume:
+        settings, ckpt = _resumed(settings, explicit, out, group)
+    elif had_run and not overwrite:
+        raise TrainingError(f"{out} already holds a checkpoint (step {read_state(out)[1].get('step')}); pass "
+                            "--resume to continue it, --out NEW_DIR for a new run, or --overwrite to replace it")
+    if settings.batch_size < group.world_size:
+        raise TrainingError(f"--batch-size {settings.batch_size} is smaller than the {group.world_size} ranks: each "
+                            f"rank computes its share of every batch's rows; use --batch-size >= {group.world_size}")
+    # rank 0 builds the tokenizer and the token file first; the others take its tokenizer
+    tokenizer = ckpt.tokenizer if ckpt else None
+    if group.is_writer:
+        tokenizer, train_tokens, val_tokens = prepare_data(settings, tokenizer)
+    shared = group.broadcast(tokenizer.to_dict() if group.is_writer else None, "the tokenizer")
+    if not group.is_writer:
+        from ..tokenizer import load_tokenizer
+
+        tokenizer, train_tokens, val_tokens = prepare_data(settings, load_tokenizer(shared))
+    config = settings.model_config(tokenizer.vocab_size)
+    if ckpt is not None and ckpt.config != config:
+        raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
+                            f"does not match its own training settings {config}; it is damaged")
+    B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
+    train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
+    model, optimizer, data_rng = _start(settings, config, ckpt, group)
+    runner, context, split = _runner(settings, model, ckpt, group)
+    end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
+    trainer = Trainer(runner, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
+                                                        settings.min_lr),
+                      lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
+                      step=ckpt.step if ckpt else 0, end=end,
+                      end_reason="max_steps" if end == settings.max_steps else "stop_step",
+                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
+                      tokens_per_step=B * T * k, context=context,
+                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
+                      group=group, dropout_seed=settings.seed)
+    if ckpt is not None:
+        trainer.last_eval = trainer.last_save = ckpt.step
+    best_val = ckpt.meta.get("best_val_loss") if ckpt else None
+    best_val = math.inf if best_val is None else float(best_val)
+    files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
+                     stale=("best",)) if group.is_writer else NoFiles()
+
+    def save(t: Trainer) -> None:
+        nonlocal best_val
+        val = t.val_loss if t.last_eval == t.step else math.nan
+        is_best = math.isfinite(val) and val <= best_val
+        best_val = val if is_best else best_val
+        meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
+                "val_loss": finite_or_none(val), "train_loss": finite_or_none(t.loss),
+                "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
+                "world_size": group.world_size, "data_parallel_threads": split, "skipped_steps": t.skipped_total}
+        files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
+        t.last_save = t.step                  # kept even if copying it to best/ fails
+        if is_best:
+            files.copy_checkpoint("latest", "best")
+
+    resume_command = f"pedestrian train --out {out} --resume"
+    if reports_to_launcher():
+        resume_command += f" --nproc {group.world_size}"
+    elif group.world_size > 1:
+        resume_command = f"torchrun <the same options> -m {resume_command}"
+    resume_command += per_run_flags(settings)
+    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
+    progress = Progress(trainer, "train", settings.progress and group.is_writer)
+    evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                            settings.eval_interval, files, progress, context, group)
+    checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
+                              previous=f"the previous run in {out} is left as it was" if had_run else None,
+                              model=model, go_on=f"continue from it with: {resume_command} "
+                              "(the same settings redo the same steps), or start again with a lower --lr "
+                              "(--overwrite, or --out NEW_DIR)")
+    guard = TimeGuard(settings.max_minutes, t_start)
+    if group.is_writer:                       # rank 0's clock decides for every rank
+        trainer.stop_checks.append(guard)
+
+    def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
+        if group.is_writer and t.step % settings.eval_interval == 0 and t.skipped is None:
+            files.log(gradient_record(model, *t.batches[0], t.step))
+
+    trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, gradient_norms, checkpoints,
+               guard.measure)
+    trainer.on("stop", finish(evaluation, checkpoints))
+    try:
+        reason = trainer.run()
+    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
+        raise exc.advise(checkpoints.kept(trainer), f"continue with: {resume_command}"
+                         if trainer.last_save >= 0 else "start again") from exc
+    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
+        raise TrainingError(f"{exc}; {checkpoints.kept(trainer, good=True)}; start again with a lower --lr") from exc
+    except CommunicationError as exc:         # another rank died or stopped answering
+        then = f"; continue with: {resume_command}" if trainer.last_save >= 0 else "; start again"
+        raise TrainingError(f"{exc} at step {trainer.step + 1}; the run stopped; {checkpoints.kept(trainer)}"
+                            f"{then}") from exc
+    finally:
+        progress.close()
+        files.close()
+        if runner is not model:
+            runner.close()
+    if reason == "non_finite":
+        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
+    if settings.plot:
+        try:
+            files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
+                       f"{model.num_params(trainable_only=True):,} params, d_model {config.d_model}, "
+                       f"{config.n_blocks} blocks")
+        except WriteError as exc:
+            raise exc.advise(f"the run itself is saved ({checkpoints.kept(trainer)})",
+                             f"draw it from the log with: python -c \"from pedestrian.training import *; "
+                             f"plot_loss_curve(read_log('{out / 'log.jsonl'}'), '{out / 'loss_curve.png'}')\"") from exc
+    result = TrainResult(step=trainer.step, train_loss=trainer.loss, val_loss=trainer.val_loss,
+                         best_val_loss=best_val, seconds=time.perf_counter() - t_start,
+                         tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,
+                         model=model, tokenizer=tokenizer, is_writer=group.is_writer,
+                         resume_command=resume_command)
+    if reason == "interrupted":
+        log.info(f"interrupted ({trainer.interrupted_by}) after step {result.step}: checkpoint saved in "
+                 f"{out / 'latest'}")
+    else:
+        log.info(f"done ({reason}): step {result.step}, train loss {_fmt(result.train_loss)}, val loss "
+                 f"{_fmt(result.val_loss)} (best {_fmt(best_val)}), {result.seconds / 60:.1f} min, "
+                 f"{result.tokens_per_second:,.0f} tokens/s; checkpoints in {out}")
+    return result
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else "-"
+
+
+def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group) -> None:
+    """The opening lines of a run: model, data, steps, ranks and threads (and a warm-up warning)."""
+    B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
+    log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
+    log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
+             f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
+    log.info(f"steps {trainer.step} -> {trainer.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
+             f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
+             f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
+    if group.world_size > 1:
+        rows = group.rows(B)
+        log.info(f"ranks: {group.world_size} ({group.backend} on {group.device}), each computing about "
+                 f"{rows.stop - rows.start} of the {B} rows of every batch; rank 0 writes the files")
+    log.info(f"threads: each batch split into {split} slices, one on this thread and {split - 1} in other "
+             f"thread(s) (data-parallel {settings.data_parallel})" if split > 1 else
+             f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
+    if settings.warmup_steps >= settings.max_steps:
+        log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
+                    f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps")

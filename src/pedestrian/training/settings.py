@@ -1,0 +1,169 @@
+"""The settings of a training run: :class:`TrainSettings`, each ``pedestrian train`` flag and TOML
+key declared once (type, default, help, valid values; :mod:`pedestrian.settings`), and which of
+them a resumed run may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from ..config import GPTConfig
+from ..data import BUNDLED_CORPUS
+from ..distributed import DEVICES
+from ..settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
+                        check, setting, specs)
+from .parallel import DATA_PARALLEL_MODES
+from .step import TrainingError
+
+#: The default model of ``pedestrian train`` (vocab_size comes from the tokenizer): 812,288
+#: parameters with the 84-character Shakespeare vocabulary, sized so that the default
+#: TrainSettings reach 1.75 nats per character or better within ``max_minutes`` on two cores
+#: (what it measured: docs/performance.md).
+DEFAULT_MODEL: dict = dict(context_length=64, d_model=128, n_heads=4, n_blocks=4, mlp_ratio=4,
+                           activation="gelu_tanh", ln_eps=1e-5, bias=True, tie_weights=True,
+                           causal=True, dropout=0.0)
+
+#: tags of TrainSettings fields: "per_run" settings belong to one invocation (on resume they
+#: come from the command, not the checkpoint); "resumable" ones may differ from the
+#: checkpoint's when resuming (they do not change what the first N steps computed): given
+#: explicitly they win, otherwise the checkpoint's are kept.
+_PER_RUN, _RESUMABLE = {"per_run"}, {"resumable"}
+_DATA, _MODEL, _OPTIM, _LOOP = "data", "model", "optimisation", "loop"
+
+
+@dataclass
+class TrainSettings:
+    """Every setting of a training run: the ``pedestrian train`` flags and TOML keys, each
+    declared once below (type, default, help, valid values; see :mod:`pedestrian.settings`).
+
+    ``model`` holds the :class:`GPTConfig` fields except ``vocab_size`` (set from the
+    tokenizer). ``data_parallel`` (``"auto"``, ``"on"``, ``"off"``) splits each batch over
+    threads with :class:`pedestrian.training.parallel.DataParallel`; ``"auto"`` does so for models under
+    :data:`pedestrian.training.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more cores
+    (:func:`pedestrian.training.parallel.use_data_parallel`). ``nproc`` > 1 starts that many ranks on
+    this machine through PyTorch's launcher (``pedestrian train --nproc N``; see
+    :mod:`pedestrian.distributed`). Resuming reproduces a run bit for bit when the number of ranks
+    and of slices is the same.
+    """
+
+    data: str | None = setting(None, "UTF-8 text file or folder of *.txt files (default: the bundled "
+                               "Shakespeare plays)", kind=str, metavar="PATH", group=_DATA)
+    tokenizer: str = setting("char", "character-level or byte-level BPE", choices=("char", "bpe"), group=_DATA)
+    bpe_vocab_size: int = setting(1024, "vocabulary of a new BPE tokenizer", rule=POSITIVE_INT, metavar="N",
+                                  group=_DATA)
+    val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
+                                  metavar="F", group=_DATA)
+    model: dict = setting(DEFAULT_MODEL, "GPTConfig fields except vocab_size", kind=dict, flag=False)
+    dtype: str = setting("float32", "parameter dtype", choices=("float32", "float64"), group=_MODEL)
+    backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_MODEL)
+    device: str = setting("cpu", "where the arrays live; cuda needs --backend torch (ranks on GPUs talk "
+                          "through NCCL, on CPUs through gloo)", choices=DEVICES, group=_MODEL, tags=_PER_RUN)
+    batch_size: int = setting(16, "windows of context_length + 1 tokens per micro-batch", rule=POSITIVE_INT,
+                              metavar="B", group=_OPTIM)
+    grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
+    max_steps: int = setting(3000, "optimizer updates; the cosine schedule spans them", rule=POSITIVE_INT,
+                             metavar="N", group=_OPTIM, tags=_RESUMABLE)
+    lr: float = setting(2e-3, "peak learning rate, reached after the linear warm-up", rule=POSITIVE,
+                        group=_OPTIM)
+    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", rule=at_most("lr"),
+                            group=_OPTIM)
+    warmup_steps: int = setting(100, "linear warm-up updates", rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
+    weight_decay: float = setting(0.1, "decoupled weight decay of the 2-D weights, not of biases or layer norms",
+                                  rule=NON_NEGATIVE, group=_OPTIM)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    beta2: float = setting(0.99, "AdamW's second-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", rule=POSITIVE,
+                         group=_OPTIM)
+    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 = off", rule=NON_NEGATIVE, metavar="NORM",
+                               group=_OPTIM)
+    max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
+                                     "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
+                                     group=_OPTIM, tags=_RESUMABLE)
+    seed: int = setting(1337, "model init, dropout and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
+    eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
+                                 tags=_RESUMABLE)
+    eval_batches: int = setting(20, "fixed validation batches", rule=POSITIVE_INT, metavar="N", group=_LOOP)
+    checkpoint_interval: int = setting(0, "steps between checkpoints; 0 = at every validation",
+                                       rule=NON_NEGATIVE_INT, metavar="N", group=_LOOP, tags=_RESUMABLE)
+    max_minutes: float | None = setting(9.0, "wall-clock budget: stop early, validate, save and plot; 0 = none",
+                                        rule=POSITIVE, optional=True, none_means=0, metavar="M", group=_LOOP,
+                                        tags=_PER_RUN)
+    stop_step: int | None = setting(None, "stop after step N as if interrupted (the schedule still spans "
+                                    "--max-steps)", kind=int, rule=POSITIVE_INT, metavar="N", group=_LOOP,
+                                    tags=_PER_RUN)
+    out: str | None = setting(None, "run folder (default runs/<corpus>_<tokenizer>)", kind=str, metavar="DIR",
+                              group=_LOOP, tags=_PER_RUN)
+    progress: bool = setting(True, "no progress bar", group=_LOOP, tags=_PER_RUN)
+    plot: bool = setting(True, "no loss_curve.png", group=_LOOP, tags=_PER_RUN)
+    data_parallel: str = setting("auto", "split each batch into slices, one per core, each on its own thread "
+                                 "with single-threaded BLAS (auto: NumPy models under 20M parameters; slices: "
+                                 "PEDESTRIAN_NUM_THREADS or the cores)", choices=DATA_PARALLEL_MODES,
+                                 group=_LOOP, tags=_PER_RUN)
+    nproc: int = setting(1, "processes (ranks) on this machine, each computing its share of every batch; "
+                         "started through PyTorch's launcher (needs the torch extra); under torchrun "
+                         "leave it out", rule=POSITIVE_INT, metavar="N", group=_LOOP, tags=_PER_RUN)
+    dist_timeout: float = setting(300.0, "seconds a rank waits for the others in an exchange before the run "
+                                  "stops with an error", rule=POSITIVE, metavar="S", group=_LOOP, tags=_PER_RUN)
+
+    def validate(self) -> None:
+        """Raise :class:`TrainingError` naming the first bad setting (by its flag) and its valid
+        values (:func:`pedestrian.settings.check`), or a bad model setting."""
+        try:
+            check(self)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+        if "vocab_size" in self.model:
+            raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
+        if self.device == "cuda" and self.backend != "torch":
+            raise TrainingError("--device cuda needs --backend torch (NumPy arrays live on the CPU)")
+        try:
+            self.model_config(vocab_size=1)
+        except (TypeError, ValueError) as exc:
+            raise TrainingError(f"invalid model settings: {exc}") from None
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        """The :class:`GPTConfig` for a tokenizer of ``vocab_size`` ids."""
+        return GPTConfig(vocab_size=vocab_size, **self.model)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model["context_length"])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainSettings":
+        """From :meth:`to_dict` (a checkpoint's); settings it lacks (added later) get their defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrainingError(f"unknown training setting(s) {unknown}")
+        return cls(**data)
+
+    def run_dir(self) -> Path:
+        """``out``, or ``runs/<corpus name>_<tokenizer>`` (``runs/shakespeare_char``)."""
+        if self.out:
+            return Path(self.out).expanduser()
+        corpus = Path(self.data).expanduser() if self.data else BUNDLED_CORPUS
+        stem = corpus.stem if corpus.suffix else corpus.name
+        return Path("runs") / f"{stem or 'corpus'}_{self.tokenizer}"
+
+
+def per_run_flags(settings: TrainSettings) -> str:
+    """The switches of this invocation that a printed ``--resume`` command must repeat, since on
+    resume they come from the command, not the checkpoint (``" --no-progress --no-plot"``, or
+    ``""``)."""
+    return "".join(f" {flag}" for flag, off in (("--no-progress", not settings.progress),
+                                                  ("--no-plot", not settings.plot)) if off)
+
+
+#: settings of one invocation: on resume they come from the command, not the checkpoint
+PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tags & _PER_RUN)
+#: settings that may differ from the checkpoint's when resuming (they do not change what the
+#: first N steps computed): given explicitly they win, otherwise the checkpoint's are kept.
+#: Any other explicitly given setting must match the checkpoint.
+RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {n for n, s in specs(TrainSettings).items() if s.tags & _RESUMABLE}

@@ -1,0 +1,231 @@
+"""One training step (accumulation, the sum over ranks, clipping, AdamW), the validation loss,
+and the rule for numbers that are not finite.
+
+One step (:func:`train_step`)::
+
+    n = Σ_i n_i                             the counted targets of all k micro-batches
+    for each of k micro-batches:  loss_i = model.loss(x_i[rows], y_i[rows], n_total=n)
+                                  model.backward()                      (hand-derived)
+    g = Σ_i g_i;  loss = Σ_i loss_i         gradient accumulation (see below)
+    g ← Σ_ranks g;  loss ← Σ_ranks loss     one all_reduce of the flat buffer (nothing on one process)
+    N = ‖g‖                                 overflow-safe (optim.global_grad_norm)
+    if the loss or N is not finite: skip    θ, the AdamW moments and its step count untouched
+    g ← g · min(1, clip / (N + 1e-6))       global-norm clipping (torch's convention)
+    θ ← AdamW(θ, g, lr = schedule(step))    optim.py
+
+Gradient accumulation: the step's loss is the token mean over *every* counted target of its
+``k`` micro-batches (those not the ignore index ``-100``; ``n_i`` of them in micro-batch ``i``),
+as if they were one batch ``k`` times larger. Each micro-batch divides its summed token losses by
+the step's ``n`` (not by its own ``n_i``), so the micro-batches' losses and gradients simply add
+up to that mean and its gradient -- whatever mix of ignored targets they hold, one of them with
+none counted included (``transformers``' ``num_items_in_batch`` does the same since 2024). A
+step where no target counts at all (``n = 0``) has no loss to train on: :func:`train_step`
+refuses it (:class:`TrainingError`) before any forward. The backward overwrites the model's
+gradient buffers, so the running sum lives in a separate buffer.
+
+Non-finite numbers (one rule, for train and finetune alike):
+
+- A step whose training loss or gradient norm is NaN or ±inf is **skipped**: no AdamW update, so
+  the weights, the moments and AdamW's step count are exactly as before. A warning names the
+  step, and ``log.jsonl`` records it with ``"skipped": true``. The step counter, the learning-rate
+  schedule and the data still move on (the next step sees other batches).
+- After ``max_skipped_steps`` skipped steps **in a row** (default 5) the run stops with an error
+  that names the last good checkpoint; nothing is saved after it.
+- The gradient norm is computed without overflow (float32 gradients of 1e20 have a finite norm
+  and are clipped, not skipped); a gradient whose norm is finite but too large for AdamW in the
+  dtype (above ``√max / 2``, 9.2e18 in float32, possible only with clipping off) is skipped too.
+- A non-finite validation loss is warned about, is never the "best", and is recorded as ``null``.
+- Before every checkpoint the weights and AdamW moments are checked; if one is not finite the run
+  stops with an error naming the last good checkpoint, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import is_torch_array
+from ..finite import non_finite_counts, non_finite_report
+from ..distributed import RowKeyedRNG, SingleProcess
+from ..layers.loss import IGNORE_INDEX
+from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
+
+class TrainingError(ValueError):
+    """Training cannot start or continue (bad settings, non-finite numbers, an existing run)."""
+
+
+
+# ---------------------------------------------------------------------------------------- one step
+def _copy_into(dst, src) -> None:
+    if is_torch_array(dst):
+        dst.copy_(src)
+    else:
+        np.copyto(dst, src)
+
+
+def _add_into(dst, src) -> None:
+    if is_torch_array(dst):
+        dst.add_(src)
+    else:
+        np.add(dst, src, out=dst)
+
+
+def empty_like(a):
+    """An uninitialised array like ``a`` (NumPy or torch)."""
+    if is_torch_array(a):
+        import torch
+
+        return torch.empty_like(a)
+    return np.empty_like(a)
+
+
+def skip_reason(loss: float, grad_norm: float, grad_clip: float, optimizer: AdamW) -> str | None:
+    """Why a step with this loss and gradient norm gets no update (``None``: it gets one).
+
+    The one test of the non-finite rule (module docstring): the loss and the norm must be finite,
+    and the gradient AdamW receives -- clipped when ``grad_clip > 0`` -- must be within
+    :attr:`AdamW.max_grad_norm <pedestrian.training.optim.AdamW>`.
+    """
+    if not math.isfinite(loss):
+        return f"the training loss is {loss}"
+    if not math.isfinite(grad_norm):
+        return f"the gradient norm is {grad_norm}"
+    after = grad_norm * min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else grad_norm
+    if after > optimizer.max_grad_norm:
+        return (f"the gradient norm {grad_norm:.3g} is too large for AdamW in this dtype (its square "
+                "overflows); turn on --grad-clip")
+    return None
+
+
+def count_targets(targets) -> int:
+    """Targets that count in a loss: those that are not the ignore index ``-100``."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+#: one process, for the functions below when no group is given
+_ONE = SingleProcess()
+
+
+def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0.0,
+               accum_buffers: list | None = None, group=None, dropout_key: tuple | None = None
+               ) -> tuple[float, float]:
+    """One optimizer update from ``k = len(batches)`` micro-batches (module docstring).
+
+    Args:
+        model: a :class:`~pedestrian.model.GPT` (or a :class:`~pedestrian.training.parallel.DataParallel`)
+            in training mode (or not: dropout follows ``model.training``).
+        optimizer: an :class:`~pedestrian.training.optim.AdamW` over the model's flat buffers.
+        batches: list of ``(x, y)`` int arrays ``(B_i, T_i)``, the *global* micro-batches (every
+            rank passes the same ones and computes its rows, ``group.rows(B_i)``); targets may
+            be ``-100`` (ignored) anywhere: the update is that of one batch made of them all
+            (module docstring).
+        lr: learning rate of this update.
+        grad_clip: global-norm threshold (``0`` = no clipping).
+        accum_buffers: optional preallocated arrays shaped like each group's gradients (saves
+            an allocation per step when ``k > 1``).
+        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
+        dropout_key: ``(seed, step)``: micro-batch ``i`` draws its dropout masks from a
+            :class:`~pedestrian.distributed.RowKeyedRNG` keyed ``(seed, step, i)`` (``None``:
+            from the model's own ``dropout_rng``).
+
+    Returns:
+        ``(loss, grad_norm)``: the mean loss over every counted target of the step's
+        micro-batches (nats per token) and the global gradient norm of that mean before
+        clipping, the same on every rank. When :func:`skip_reason` gives a reason for them no
+        update was made: parameters, moments and ``optimizer.step_count`` are unchanged.
+
+    Raises:
+        ValueError: no micro-batch.
+        TrainingError: every target of every micro-batch is ``-100`` (nothing to train on;
+            raised before any forward, on every rank alike, and nothing is changed).
+        CommunicationError: another rank failed (:mod:`pedestrian.distributed`).
+    """
+    group = _ONE if group is None else group
+    groups: list[ParamGroup] = optimizer.groups
+    k = len(batches)
+    if k < 1:
+        raise ValueError("train_step needs at least one micro-batch")
+    if k > 1 and accum_buffers is None:
+        accum_buffers = [empty_like(g.grads) for g in groups]
+    n_total = sum(count_targets(y) for _, y in batches)      # global: every rank sees every row
+    if n_total == 0:
+        raise TrainingError(f"every target of the step's {k} micro-batch(es) is the ignore index {IGNORE_INDEX}, "
+                            "so there is no loss to train on (an update would only apply momentum and weight "
+                            f"decay); leave out the windows whose targets are all {IGNORE_INDEX}")
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        rows = group.rows(x.shape[0])
+        if dropout_key is not None:
+            model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
+        total += model.loss(x[rows], y[rows], n_total=n_total)     # its share of the step's mean
+        model.backward()
+        if k == 1:
+            break
+        for g, acc in zip(groups, accum_buffers):
+            if i == 0:
+                _copy_into(acc, g.grads)
+            elif i < k - 1:
+                _add_into(acc, g.grads)
+            else:                                   # last one: g ← g + Σ previous
+                _add_into(g.grads, acc)
+    group.sum_buffers([g.grads for g in groups], "the gradients")
+    loss = group.sum([total], "the loss")[0]
+    norm = global_grad_norm([g.grads for g in groups])
+    if skip_reason(loss, norm, grad_clip, optimizer) is not None:
+        return loss, norm
+    after = norm
+    if grad_clip > 0:
+        clip_grad_norm(groups, grad_clip, norm=norm)
+        after = norm * min(1.0, grad_clip / (norm + 1e-6))
+    optimizer.step(lr, grad_norm=after)
+    return loss, norm
+
+
+def estimate_loss(model, batches, group=None) -> float:
+    """Mean loss over every counted target of fixed global ``(x, y)`` batches (the loss of their
+    concatenation, as a training step's), with dropout off (``model.training`` restored); with a
+    process group each rank computes its rows and the sums are exchanged once.
+
+    Raises:
+        TrainingError: every target of every batch is ``-100`` (no loss to measure).
+        CommunicationError: another rank failed.
+    """
+    group = _ONE if group is None else group
+    n_total = sum(count_targets(y) for _, y in batches)
+    if n_total == 0:
+        raise TrainingError(f"every target of the {len(batches)} validation batch(es) is the ignore index "
+                            f"{IGNORE_INDEX}, so there is no validation loss; give validation windows with "
+                            "targets that count")
+    was_training = model.training
+    model.training = False
+    try:
+        parts = []
+        for x, y in batches:
+            rows = group.rows(x.shape[0])
+            parts.append(model.loss(x[rows], y[rows], n_total=n_total))    # its share of the mean
+        return float(sum(group.sum(parts, "the validation loss")))
+    finally:
+        model.training = was_training
+
+
+def state_is_finite(optimizer: AdamW) -> bool:
+    """Whether every trained parameter and every AdamW moment is finite (one overflow-safe
+    pass over each buffer; the weights are finite iff their norm is)."""
+    buffers = [g.params for g in optimizer.groups] + list(optimizer.m) + list(optimizer.v)
+    return math.isfinite(global_grad_norm(buffers))
+
+
+def non_finite_tensors(model, optimizer: AdamW) -> str:
+    """``"ln_final.bias (1 NaN, 0 inf of 8 values), ..."``: the parameters and AdamW moments
+    that hold a NaN or an infinity (the first five; for messages, after
+    :func:`state_is_finite` said no)."""
+    tensors = dict(model.params) if model is not None else {g.name: g.params for g in optimizer.groups}
+    for g, m, v in zip(optimizer.groups, optimizer.m, optimizer.v):
+        tensors.update({f"optimizer {g.name}.m": m, f"optimizer {g.name}.v": v})
+    return non_finite_report(non_finite_counts(tensors), tensors)
+
+
+# ---------------------------------------------------------------------------------------- the loop
+#: stop reasons, least urgent first: when ranks disagree (a signal reached one, rank 0's time
+#: guard ran out) the most urgent one wins, on every rank
