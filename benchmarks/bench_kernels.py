@@ -62,6 +62,8 @@ def cases(c: dict, rng: np.random.Generator):
         ("GELU-tanh forward", lambda K: (K.activation_forward, (a7, "gelu_tanh"), {})),
         ("GELU-tanh backward", lambda K: (K.activation_backward, (a7, K.activation_forward(a7, "gelu_tanh")[1],
                                                                   "gelu_tanh"), {})),
+        ("GELU forward", lambda K: (K.activation_forward, (a7, "gelu"), {})),
+        ("GELU backward", lambda K: (K.activation_backward, (a7, K.activation_forward(a7, "gelu")[1], "gelu"), {})),
         ("linear forward (d → 4d)", lambda K: (K.linear_forward, (x, W, np.zeros(4 * d, f32)), {})),
         ("linear backward (d → 4d)", lambda K: (K.linear_backward, (a7, x, W),
                                                 dict(dweight=np.empty_like(W), dbias=np.empty(4 * d, f32)))),

@@ -302,10 +302,6 @@ class GPT(FlatParameters, LoRAAdapters):
             if keep_deltas:
                 kept.insert(0, D)
         top.d1 = K.dropout_backward(d10, f.drop1)                                             # Δ1
-        if self.kernels_name == "fast":                    # interim, until kernels/embedding.py writes too
-            for table in (G.tok_lookup, G.pos_emb):
-                if table is not None:
-                    table[...] = 0
         K.embedding_backward(top.d1, f.emb, dtok=G.tok_lookup, dpos=G.pos_emb)
         if G.tok_lookup is not G.tok_emb:                  # tied: W_logits = W_tokᵀ, so dW_tok has two parts
             G.tok_emb += G.tok_lookup                      # logits' part (written as dW_logitsᵀ) + the lookup's

@@ -83,14 +83,11 @@ def test_embedding_matches_finite_differences(K, positions):
 
 @kernels_param()
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_repeated_ids_accumulate_as_the_one_hot_product(K, backend, request):
+def test_repeated_ids_accumulate_as_the_one_hot_product(K, backend):
     """``dW_tok = ohe(a0)ᵀ Δ1``, the paper's form, computed densely: a plain fancy-index ``+=``
     would drop the repeats. The embedding backward *writes* the arrays it is given, whatever
     they held (every layer backward writes: docs/EQUATIONS.md; the model adds a tied logits
     layer's part after)."""
-    if kernels_name(K) == "fast":     # kernels/embedding.py still adds; it changes with the kernels' branch
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the fast embedding backward adds until "
-                                              "kernels/embedding.py writes (zeroes dtok / dpos first)"))
     _, _, R = tables(2)
     assert len(np.unique(TOKENS)) < TOKENS.size
     start_tok, start_pos = np.random.default_rng(3).standard_normal((V, D)), np.zeros((CTX, D))

@@ -243,8 +243,11 @@ def test_arrays_of_a_kv_cache_step_are_not_overwritten_by_the_next():
 
 @pytest.fixture
 def two_threads_for_everything(monkeypatch):
-    """Force the thread pool on for small jobs (normally only jobs of >= 4M elements use it)."""
+    """Force the thread pool and the numba kernels' threads on for small jobs (normally only jobs of
+    >= 4M elements use them)."""
     defaults = dict(threads.for_row_blocks.__kwdefaults__)
+    monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(threads, "QUIET_PARALLEL_MIN_ELEMENTS", 1)
 
     def run(n_threads: int, block: int):
         monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", str(n_threads))
@@ -267,12 +270,18 @@ def test_thread_count_does_not_change_any_result(two_threads_for_everything):
         y, c = fast.layernorm_forward(x, w, b, 1e-5)
         dw, db = np.zeros(16), np.zeros(16)
         out = [y, fast.layernorm_backward(d, c, dweight=dw, dbias=db), dw, db]
-        a, c = fast.activation_forward(x, "gelu_tanh")
-        out += [a, fast.activation_backward(d, c, "gelu_tanh")]
+        for name in ("gelu_tanh", "gelu", "relu"):
+            a, c = fast.activation_forward(x, name)
+            out += [a, fast.activation_backward(d, c, name)]
         o, c = fast.multi_head_attention_forward(qkv, 2, 8, 8)
         out += [o, fast.multi_head_attention_backward(d, c)[0]]
         loss, c = fast.cross_entropy_forward(logits, targets)
         out += [loss, fast.cross_entropy_backward(c)]
+        dtok, dpos = np.zeros((13, 16)), np.zeros((10, 16))
+        tokens = targets
+        out += [fast.embedding_forward(tokens, dtok + w, dpos + b)[0]]
+        fast.embedding_backward(d, (tokens, None), dtok=dtok, dpos=dpos)
+        out += [dtok, dpos]
         model = GPT(CFG, dtype="float64", seed=3, kernels="fast")
         opt = AdamW(model, lr=0.1, chunk_size=64)
         model.loss(*_batch(9))

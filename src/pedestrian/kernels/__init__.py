@@ -4,19 +4,22 @@
 same things faster, and every difference from the reference earns its lines by a measurement
 (``docs/kernels.md`` lists each one and what it buys):
 
+- :mod:`.jit` -- numba, the compiler of the kernels' loops (``@kernel``; IEEE semantics kept,
+  compiled on first use and cached on disk), and :mod:`.vecmath` -- ``exp``, ``Φ``, ``φ`` as
+  polynomials the compiler vectorises;
+- :mod:`.layernorm`, :mod:`.activations`, :mod:`.loss`, :mod:`.embedding` -- numba loops over
+  rows (llm.c's layout) for NumPy arrays; torch tensors keep NumPy-style ``out=`` chains;
+- :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in place;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;
-- :mod:`.threads` -- NumPy's elementwise work shared over a small thread pool in row blocks,
-  and BLAS held to one thread while a caller runs its own threads;
-- :mod:`.blas` -- products and reductions written into preallocated arrays;
-- :mod:`.layernorm`, :mod:`.activations`, :mod:`.attention`, :mod:`.loss`, :mod:`.linear`,
-  :mod:`.embedding` -- the layers, with ``out=`` chains, folded constants and in-place softmax.
+- :mod:`.threads` -- the thread count, BLAS throttling, and when a kernel's threads pay;
+- :mod:`.blas` -- products and reductions written into preallocated arrays.
 
 Dropout, LoRA and RoPE gain nothing measurable from a second version: the reference ones are
 used (RoPE on char-small's (16, 64, 384) float32 q/k/v: 0.49 ms forward per block; the same
 arithmetic written into preallocated arrays with ``out=`` took 0.55 ms).
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
-name to the module.
+name to the module (the reference where numba cannot be imported).
 """
 
 from __future__ import annotations
@@ -52,9 +55,13 @@ def default_kernels() -> str:
     return os.environ.get("PEDESTRIAN_KERNELS", "fast")
 
 
+_warned_no_numba: list = []
+
+
 def kernels_for(name: str | None = None):
     """The module whose functions a model calls: :mod:`pedestrian.kernels` for ``"fast"``,
     :mod:`pedestrian.layers` for ``"reference"`` (``None``: :func:`default_kernels`).
+    ``"fast"`` where numba cannot be imported: the reference, after one warning per process.
 
     Raises:
         ValueError: any other name (also a bad ``PEDESTRIAN_KERNELS``).
@@ -63,6 +70,20 @@ def kernels_for(name: str | None = None):
 
     name = default_kernels() if name is None else name
     if name == "fast":
+        from .jit import AVAILABLE
+
+        if not AVAILABLE:
+            if not _warned_no_numba:
+                import warnings
+
+                warnings.warn("pedestrian: numba cannot be imported, so the fast kernels cannot be "
+                              "compiled; running the reference kernels instead (slower, same "
+                              "results). Install numba (pip install numba) for the fast path",
+                              RuntimeWarning, stacklevel=2)
+                _warned_no_numba.append(True)
+            from .. import layers
+
+            return layers
         return sys.modules[__name__]
     if name == "reference":
         from .. import layers

@@ -1,11 +1,11 @@
 """Fast kernels for the pointwise non-linearities (reference: :mod:`pedestrian.layers.activations`).
 
-The GELU tanh approximation is evaluated through the identity ``½(1 + tanh u) = σ(2u) =
-1/(1 + exp(−2u))``: the same function, but one ``exp`` costs about half a ``tanh`` in NumPy
-and PyTorch. For very negative ``u`` the ``exp`` overflows to ``inf`` and ``σ`` correctly
-becomes 0 (NumPy's overflow warning is silenced for that one operation). On PyTorch tensors
-the same formulas run as fewer, multi-operand operations (``addcmul``, ``sigmoid``): at gpt2
-sizes each operation is a full pass over a (B·T, 4d) array.
+NumPy arrays: one numba pass per direction. The forward computes ``g(x)`` and ``g'(x)`` together
+(they share ``Φ``, ``φ`` or ``tanh u``) and keeps ``g'(x)``, so the backward is ``Δ ∘ g'``; ``Φ``,
+``φ`` and ``exp`` are polynomials the compiler vectorises (:mod:`.vecmath`), so the exact GELU
+costs what the tanh one does. PyTorch tensors: the same formulas as fewer, multi-operand
+operations (``addcmul``, ``sigmoid``); the GELU tanh approximation through the identity
+``½(1 + tanh u) = σ(2u)`` (one ``exp`` costs about half a ``tanh``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 
 from ..backend import array_namespace, erf, is_torch_array
 from ..layers.activations import check_activation
-from .blas import elementwise_lib
-from .threads import for_row_blocks
+from .jit import kernel, prange
+from .vecmath import exp, normal_cdf_pdf
 from .workspace import empty_array, scratch
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -28,8 +28,55 @@ _MINUS_2K = -2.0 * _SQRT_2_OVER_PI                 # −2u = x(_MINUS_2K_C·x² 
 _MINUS_2K_C = -2.0 * _SQRT_2_OVER_PI * _GELU_C
 
 
-#: at most this many elements (a few tokens: generation) skip the row-block machinery
-SMALL_ELEMENTS = 1 << 13
+@kernel(parallel=True)
+def _relu_forward(x, y):
+    """``y = max(x, 0)`` (NaN kept)."""
+    zero = x.dtype.type(0.0)
+    for i in prange(x.shape[0]):
+        y[i] = x[i] if not x[i] <= zero else zero
+
+
+@kernel(parallel=True)
+def _relu_backward(delta, x, out):
+    """``Δ_in = Δ ∘ [x > 0]``."""
+    T = x.dtype.type
+    for i in prange(x.shape[0]):
+        out[i] = delta[i] * (T(1.0) if x[i] > T(0.0) else T(0.0))
+
+
+@kernel(parallel=True)
+def _gelu_forward(x, y, dg):
+    """``y = x Φ(x)``, ``g'(x) = Φ(x) + x φ(x)``."""
+    for i in prange(x.shape[0]):
+        cdf, pdf = normal_cdf_pdf(x[i])
+        y[i] = x[i] * cdf
+        dg[i] = cdf + x[i] * pdf
+
+
+@kernel(parallel=True)
+def _gelu_tanh_forward(x, y, dg):
+    """``s = ½(1 + tanh u) = 1/(1 + e^{−2u})``, ``y = x s``, ``g'(x) = s (1 + 2(1 − s) A)``,
+    ``A = x √(2/π)(1 + 3·0.044715 x²)`` (``1 − tanh² u = 4 s (1 − s)``)."""
+    T = x.dtype.type
+    one, c1, c0 = T(1.0), T(_MINUS_2K_C), T(_MINUS_2K)
+    a1, a0 = T(6.0 * _GELU_C * _SQRT_2_OVER_PI), T(2.0 * _SQRT_2_OVER_PI)
+    for i in prange(x.shape[0]):
+        xi = x[i]
+        x2 = xi * xi
+        s = one / (one + exp(xi * (c1 * x2 + c0)))                  # e^{−2u} = inf -> s = 0
+        y[i] = xi * s
+        dg[i] = s * (one + (one - s) * xi * (a1 * x2 + a0))
+
+
+@kernel(parallel=True)
+def _times(delta, dg, out):
+    """``Δ_in = Δ ∘ g'``."""
+    for i in prange(dg.shape[0]):
+        out[i] = delta[i] * dg[i]
+
+
+def _flat(a):
+    return np.ascontiguousarray(a).reshape(-1)
 
 
 def activation_forward(x, name: str):
@@ -41,54 +88,33 @@ def activation_forward(x, name: str):
             ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``, HF ``gelu_new``).
 
     Returns:
-        ``(y, cache)`` with ``cache = x``, except for ``"gelu_tanh"`` where ``cache = (x, s)``
-        with ``s = ½(1 + tanh u)``, kept so that the backward needs no second ``exp``.
-        :func:`activation_backward` accepts either form.
+        ``(y, cache)``. NumPy: ``cache = x`` for ReLU, ``(x, g'(x))`` for both GELUs. Torch:
+        ``cache = x``, except for ``"gelu_tanh"``: ``(x, s)``, ``s = ½(1 + tanh u)``.
+        :func:`activation_backward` takes the cache, or ``x`` alone.
 
     Raises:
         ValueError: unknown activation name.
     """
     check_activation(name)
-    if name == "relu":
-        return x * (x > 0), x
-    if name == "gelu":
-        return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2)), x
-    if is_torch_array(x):                              # s = σ(2u), 2u = x(2k + 2k·c·x²): 4 operations
-        import torch
+    if is_torch_array(x):
+        if name == "relu":
+            return x * (x > 0), x
+        if name == "gelu":
+            return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2)), x
+        import torch                                   # s = σ(2u), 2u = x(2k + 2k·c·x²): 4 operations
 
         y, s = empty_array(x.shape, x), empty_array(x.shape, x)
         torch.addcmul(x.new_tensor(-_MINUS_2K), x, x, value=-_MINUS_2K_C, out=s)
         s.mul_(x).sigmoid_()
         torch.mul(x, s, out=y)
         return y, (x, s)
-    if x.size <= SMALL_ELEMENTS:                       # a few tokens (generation): no row blocks
-        s = x * x
-        s *= _GELU_C * _SQRT_2_OVER_PI
-        s += _SQRT_2_OVER_PI
-        s *= x                                         # u = √(2/π)(x + 0.044715x³)
-        np.tanh(s, out=s)
-        s += 1.0
-        s *= 0.5                                       # s = ½(1 + tanh u)
-        return x * s, (x, s)
-    lib = elementwise_lib(x)
-    x2 = x.reshape(-1)
-    y, s = empty_array(x.shape, x), empty_array(x.shape, x)
-    y2, s2 = y.reshape(-1), s.reshape(-1)
-
-    def kernel(lo: int, hi: int) -> None:                  # in place on s and y
-        xb, sb = x2[lo:hi], s2[lo:hi]
-        lib.multiply(xb, xb, out=sb)
-        lib.multiply(sb, _MINUS_2K_C, out=sb)
-        lib.add(sb, _MINUS_2K, out=sb)
-        lib.multiply(sb, xb, out=sb)                       # −2u, u = √(2/π)(x + 0.044715x³)
-        with np.errstate(over="ignore"):
-            lib.exp(sb, out=sb)
-        lib.add(sb, 1.0, out=sb)
-        lib.divide(1.0, sb, out=sb)                        # s = σ(2u) = ½(1 + tanh u)
-        lib.multiply(xb, sb, out=y2[lo:hi])                # g(x) = x s
-
-    for_row_blocks(x, kernel, x2.shape[0], 1)
-    return y, (x, s)
+    y = empty_array(x.shape, x)
+    if name == "relu":
+        _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))
+        return y, x
+    dg = empty_array(x.shape, x)
+    (_gelu_forward if name == "gelu" else _gelu_tanh_forward).sized(x.size)(_flat(x), y.reshape(-1), dg.reshape(-1))
+    return y, (x, dg)
 
 
 def activation_backward(delta, cache, name: str):
@@ -100,12 +126,24 @@ def activation_backward(delta, cache, name: str):
 
     Args:
         delta: error signal, same shape as ``x``.
-        cache: from :func:`activation_forward` (for ``"gelu_tanh"`` the pair ``(x, s)``, which
-            saves recomputing ``tanh u``), or the forward input ``x``.
+        cache: from :func:`activation_forward`, or the forward input ``x``.
         name: as in :func:`activation_forward`.
     """
     check_activation(name)
     x, s = cache if isinstance(cache, tuple) else (cache, None)
+    if is_torch_array(x):
+        return _torch_backward(delta, x, s, name)
+    out = empty_array(x.shape, x)
+    if name == "relu":
+        _relu_backward.sized(x.size)(_flat(delta), _flat(x), out.reshape(-1))
+        return out
+    if s is None:                                      # x alone: g' from a forward pass
+        s = activation_forward(x, name)[1][1]
+    _times.sized(x.size)(_flat(delta), _flat(s), out.reshape(-1))
+    return out
+
+
+def _torch_backward(delta, x, s, name: str):
     if name == "relu":
         return delta * (x > 0)
     if name == "gelu":
@@ -113,47 +151,15 @@ def activation_backward(delta, cache, name: str):
         cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
         pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
         return delta * (cdf + x * pdf)
+    import torch
     # with s = ½(1 + t) = σ(2u): 1 − t² = 4s(1 − s), so g'(x) = s (1 + 2(1 − s) A),
-    # A = x√(2/π)(1 + 3·0.044715x²) -- the same formula, in fewer and cheaper passes
-    if is_torch_array(x) and s is not None:            # 6 operations
-        import torch
-
-        a, b = empty_array(x.shape, x), scratch(x.shape, x, "gelu.1-s")
-        torch.addcmul(x.new_tensor(2.0 * _SQRT_2_OVER_PI), x, x, value=6.0 * _GELU_C * _SQRT_2_OVER_PI, out=a)
-        a.mul_(x)                                      # 2A
-        one = x.new_tensor(1.0)
-        torch.sub(one, s, out=b)
-        torch.addcmul(one, a, b, out=a)                # 1 + 2A(1 − s)
-        return a.mul_(s).mul_(delta)
-    lib = elementwise_lib(x)
-    x2, d2 = x.reshape(-1), delta.reshape(-1)
-    s2 = None if s is None else s.reshape(-1)
-    out = empty_array(x.shape, x)
-    out2 = out.reshape(-1)
-
-    def kernel(lo: int, hi: int) -> None:
-        xb, db, a = x2[lo:hi], d2[lo:hi], out2[lo:hi]
-        lib.multiply(xb, xb, out=a)                        # x²
-        if s2 is None:
-            sb = scratch(a.shape, a, "gelu.s")
-            lib.multiply(a, _MINUS_2K_C, out=sb)
-            lib.add(sb, _MINUS_2K, out=sb)
-            lib.multiply(sb, xb, out=sb)                   # −2u
-            with np.errstate(over="ignore"):
-                lib.exp(sb, out=sb)
-            lib.add(sb, 1.0, out=sb)
-            lib.divide(1.0, sb, out=sb)                    # s = σ(2u)
-        else:
-            sb = s2[lo:hi]
-        lib.multiply(a, 6.0 * _GELU_C * _SQRT_2_OVER_PI, out=a)
-        lib.add(a, 2.0 * _SQRT_2_OVER_PI, out=a)
-        lib.multiply(a, xb, out=a)                         # 2A
-        one_minus_s = scratch(a.shape, a, "gelu.1-s")
-        lib.subtract(1.0, sb, out=one_minus_s)
-        lib.multiply(a, one_minus_s, out=a)
-        lib.add(a, 1.0, out=a)
-        lib.multiply(a, sb, out=a)                         # g'(x)
-        lib.multiply(db, a, out=a)
-
-    for_row_blocks(x, kernel, x2.shape[0], 1)
-    return out
+    # A = x√(2/π)(1 + 3·0.044715x²): 6 operations
+    if s is None:
+        s = torch.sigmoid(x * (-_MINUS_2K - _MINUS_2K_C * x * x))
+    a, b = empty_array(x.shape, x), scratch(x.shape, x, "gelu.1-s")
+    torch.addcmul(x.new_tensor(2.0 * _SQRT_2_OVER_PI), x, x, value=6.0 * _GELU_C * _SQRT_2_OVER_PI, out=a)
+    a.mul_(x)                                          # 2A
+    one = x.new_tensor(1.0)
+    torch.sub(one, s, out=b)
+    torch.addcmul(one, a, b, out=a)                    # 1 + 2A(1 − s)
+    return a.mul_(s).mul_(delta)

@@ -1,19 +1,64 @@
 """Fast kernels for the softmax cross-entropy (reference: :mod:`pedestrian.layers.loss`, paper section 1).
 
-The forward keeps ``exp(z − max)`` and its row sums instead of the softmax and a one-hot
-matrix; the backward folds the softmax division into its per-row scale and decrements one
-entry per row (one pass over the ``(B·T, V)`` logits instead of three)."""
+NumPy arrays: the forward keeps only each row's maximum and ``Σe = Σ e^{z − max}`` (two passes
+over the row), not the softmax; the backward makes ``Δ12 = (e^{z − max}/Σe − onehot) / N`` in one
+pass from the logits (which the model keeps anyway). No ``(B·T, V)`` array is stored between the two: 51 MB less at gpt2's
+vocabulary. ``exp`` is :mod:`.vecmath`'s polynomial (vectorised in the loop).
+PyTorch tensors: ``exp(z − max)`` and its row sums are kept, the division folded into the
+backward's per-row scale, ``e^x`` as ``2^(x·log₂e)`` (:func:`.blas.softmax_exp`).
+"""
 
 from __future__ import annotations
 
+import numpy as np
 from array_api_compat import device
 
-from ..backend import array_namespace
+from ..backend import array_namespace, is_torch_array
 from ..layers.loss import IGNORE_INDEX
 from . import blas
 from .blas import elementwise_lib
-from .threads import for_row_blocks
+from .jit import kernel, prange
+from .vecmath import exp
 from .workspace import empty_array
+
+
+#: elements summed in the logits' dtype before the sum joins the row's float64 total: vectorised
+#: float32 additions (gpt2's 256 × 50257 logits: 8.6 ms against 16.4 ms all in float64, one
+#: thread), the same sum to 2e-8
+SUM_BLOCK = 512
+
+
+@kernel(parallel=True)
+def _forward(z, z_max, targets, sum_e, nll):
+    """Per row: ``Σe = Σ e^{z − max z}``, ``nll = max z + log Σe − z[target]`` (target < 0: 0)."""
+    n, V = z.shape
+    zero = z.dtype.type(0.0)
+    for r in prange(n):
+        m = z_max[r]
+        s = 0.0
+        for j0 in range(0, V, SUM_BLOCK):
+            block = zero
+            for j in range(j0, min(j0 + SUM_BLOCK, V)):
+                block += exp(z[r, j] - m)
+            s += block
+        sum_e[r] = s
+        t = targets[r]
+        nll[r] = (m - np.float64(z[r, t])) + np.log(s) if t >= 0 else 0.0
+
+
+@kernel(parallel=True)
+def _backward(z, z_max, targets, sum_e, scale, delta):
+    """Per row: ``Δ = (scale/Σe) · e^{z − max z}``, ``Δ[target] −= scale`` (``scale = counted / N``;
+    ``e^{z − ℓ}`` would lose the digits of a large ``ℓ``)."""
+    n, V = z.shape
+    for r in prange(n):
+        m = z_max[r]
+        c = z.dtype.type(scale[r] / sum_e[r])
+        for j in range(V):
+            delta[r, j] = c * exp(z[r, j] - m)
+        t = targets[r]
+        if t >= 0:
+            delta[r, t] -= z.dtype.type(scale[r])
 
 
 def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, n_total: int | None = None):
@@ -33,9 +78,42 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
             slices' losses and gradients simply add up.
 
     Returns:
-        ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted
-        token); ``cache`` holds ``exp(z − max)``, its row sums and the targets for the backward.
+        ``(loss, cache)``: ``loss`` a scalar of ``logits``' dtype (nats per counted token).
+        NumPy: the cache holds the logits, each row's maximum and Σe, and the targets; torch:
+        ``exp(z − max)``, its row sums and the targets.
     """
+    if is_torch_array(logits):
+        return _torch_forward(logits, targets, ignore_index, n_total)
+    V = logits.shape[-1]
+    z = np.ascontiguousarray(logits).reshape(-1, V)
+    t = np.asarray(targets).reshape(-1)
+    counted = t != ignore_index
+    n_counted = int(counted.sum()) if n_total is None else int(n_total)
+    t = np.where(counted, t, -1)                           # −1: not counted
+    sum_e, nll = np.empty(z.shape[0]), np.empty(z.shape[0])
+    z_max = np.max(z, axis=-1)                             # NumPy's SIMD loop: 5.2 against 6.7 ms
+    _forward.sized(z.size)(z, z_max, t, sum_e, nll)        # (gpt2's logits, one thread)
+    loss = z.dtype.type(nll.sum() / max(n_counted, 1))
+    return loss, (z, z_max, sum_e, t, n_counted, logits.shape)
+
+
+def cross_entropy_backward(cache):
+    """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows.
+
+    Returns:
+        ``(B, T, V)`` error signal at the logits. The one-hot matrix is never built: one
+        entry per row is decremented.
+    """
+    if is_torch_array(cache[0]):
+        return _torch_backward(cache)
+    z, z_max, sum_e, t, n_counted, shape = cache
+    scale = (t >= 0) * (1.0 / max(n_counted, 1))           # counted / N, per row
+    delta = empty_array(z.shape, z)
+    _backward.sized(z.size)(z, z_max, t, sum_e, scale, delta)
+    return delta.reshape(shape)
+
+
+def _torch_forward(logits, targets, ignore_index, n_total):
     xp = array_namespace(logits)
     lib = elementwise_lib(logits)
     V = logits.shape[-1]
@@ -46,50 +124,24 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     safe_t = xp.where(counted, t, xp.zeros_like(t))
     e = empty_array(z.shape, z)                            # exp(z − max): softmax before its division
     sum_e = empty_array((z.shape[0], 1), z)                # Σ exp(z − max), per row
-    log_z = empty_array((z.shape[0],), z)                  # log Σ exp(z − max), per row
-    target_shifted = empty_array((z.shape[0],), z)         # z[target] − max, per row
-    unit, exp, _ = blas.softmax_exp(z)                     # 2^(x·log₂e) for e^x: one more pass,
-                                                           # still faster on PyTorch's CPU
-
-    def kernel(lo: int, hi: int) -> None:                  # rows lo:hi
-        eb = e[lo:hi]
-        lib.subtract(z[lo:hi], lib.amax(z[lo:hi], axis=-1, keepdims=True), out=eb)
-        target_shifted[lo:hi] = xp.take_along_axis(eb, safe_t[lo:hi, None], axis=-1)[:, 0]
-        if unit != 1.0:
-            lib.multiply(eb, unit, out=eb)
-        exp(eb, out=eb)
-        lib.sum(eb, axis=-1, keepdims=True, out=sum_e[lo:hi])
-        lib.log(sum_e[lo:hi, 0], out=log_z[lo:hi])
-
-    for_row_blocks(z, kernel, z.shape[0], V)
-    nll = (log_z - target_shifted) * xp.astype(counted, z.dtype)
+    unit, exp2, _ = blas.softmax_exp(z)                    # 2^(x·log₂e) for e^x: one more pass,
+    lib.subtract(z, lib.amax(z, axis=-1, keepdims=True), out=e)   # still faster on PyTorch's CPU
+    target_shifted = xp.take_along_axis(e, safe_t[:, None], axis=-1)[:, 0]   # z[target] − max
+    if unit != 1.0:
+        lib.multiply(e, unit, out=e)
+    exp2(e, out=e)
+    lib.sum(e, axis=-1, keepdims=True, out=sum_e)
+    nll = (lib.log(sum_e[:, 0]) - target_shifted) * xp.astype(counted, z.dtype)
     loss = xp.sum(nll) / max(n_counted, 1)
     return loss, (e, sum_e, safe_t, counted, n_counted, logits.shape)
 
 
-def cross_entropy_backward(cache):
-    """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows.
-
-    ``y_pred = e / Σe`` (softmax) is never stored: the forward keeps ``e = exp(z − max)`` and
-    ``Σe``, and the division is folded into the per-row scale here (one pass over the
-    ``(B·T, V)`` logits instead of two).
-
-    Returns:
-        ``(B, T, V)`` error signal at the logits. The one-hot matrix is never built: one
-        entry per row is decremented.
-    """
+def _torch_backward(cache):
     e, sum_e, safe_t, counted, n_counted, shape = cache
     xp = array_namespace(e)
-    lib = elementwise_lib(e)
     scale = xp.astype(counted, e.dtype) * (1.0 / max(n_counted, 1))
-    row_scale = scale[:, None] / sum_e                     # counted / (N Σe), per row
     delta = empty_array(e.shape, e)
-    V = e.shape[-1]
-
-    def kernel(lo: int, hi: int) -> None:
-        lib.multiply(e[lo:hi], row_scale[lo:hi], out=delta[lo:hi])
-
-    for_row_blocks(e, kernel, e.shape[0], V)
+    elementwise_lib(e).multiply(e, scale[:, None] / sum_e, out=delta)   # counted / (N Σe), per row
     rows = xp.arange(delta.shape[0], device=device(delta))
     delta[rows, safe_t] -= scale
     return xp.reshape(delta, shape)

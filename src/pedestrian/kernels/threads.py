@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from ..backend import is_numpy_array
 
 __all__ = ["num_threads", "single_threaded_blas", "in_worker_thread", "is_worker_thread", "get_pool",
-           "for_row_blocks", "run_units", "product_parts", "OwnCores", "BLOCK_ELEMENTS", "PRODUCT_MIN_ROWS"]
+           "for_row_blocks", "run_units", "threads_pay", "product_parts", "OwnCores", "BLOCK_ELEMENTS", "PRODUCT_MIN_ROWS"]
 
 #: elements per block. Measured (2-core AMD EPYC, NumPy 2.4): 2^15 (L2-sized blocks) is 10-25%
 #: slower than 2^17 - 2^19 for GELU and layer norm -- per-call overhead outweighs L2 misses
@@ -205,6 +205,16 @@ class _WorkerMark:
 
     def __exit__(self, *exc):
         _in_worker.active = self._before
+
+
+def threads_pay(n_elements: int) -> bool:
+    """Whether a job of ``n_elements`` (a numba kernel's ``prange``) is worth the threads: not
+    inside a worker thread, at least two threads, and at least :data:`PARALLEL_MIN_ELEMENTS`
+    (:data:`QUIET_PARALLEL_MIN_ELEMENTS` inside :func:`single_threaded_blas`)."""
+    if getattr(_in_worker, "active", False):
+        return False
+    least = QUIET_PARALLEL_MIN_ELEMENTS if _quiet_blas else PARALLEL_MIN_ELEMENTS
+    return n_elements >= least and num_threads() >= 2
 
 
 def get_pool() -> ThreadPoolExecutor:

@@ -20,13 +20,10 @@ computed as ``θ − (lr √(1 − β2ᵗ) / (1 − β1ᵗ)) · m / (√v + ε �
 (Loshchilov & Hutter, "Decoupled weight decay regularization", ICLR 2019, Algorithm 2; Kingma &
 Ba, "Adam", ICLR 2015, with the bias corrections folded in as PyTorch does.)
 
-The buffers are processed in chunks of ``chunk_size`` elements with in-place operations
-(``out=``), so the whole step uses two chunk-sized temporaries per thread and nothing
-parameter-sized; each chunk's parameters, gradients and moments stay in cache across the dozen
-passes. Chunks are independent, so with NumPy they are shared out over the elementwise thread
-pool (:func:`pedestrian.kernels.threads.for_row_blocks`); the result does not depend on the split. The same
-code runs on NumPy arrays and on PyTorch tensors (``backend="torch"``): ``np.multiply`` and
-``torch.mul`` and friends share the ``f(a, b, out=c)`` signature.
+NumPy buffers: one pass of a numba kernel (:func:`_adamw`) reads ``θ, g, m, v`` once and writes
+``θ, m, v`` once, its chunks of ``chunk_size`` elements shared over numba's threads
+(``prange``; the result does not depend on the split). PyTorch tensors: chunks of in-place
+multi-operand operations (``lerp_``, ``addcmul_``, ``addcdiv_``), two chunk-sized temporaries.
 """
 
 from __future__ import annotations
@@ -39,21 +36,43 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..backend import is_torch_array, to_numpy
-from ..kernels.threads import for_row_blocks
+from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
+from ..kernels.jit import kernel, prange
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
            "clip_grad_norm"]
 
-#: default chunk length (elements): 2^16 float32 = 256 KiB per array, five arrays in L2/L3
+#: NumPy: elements per chunk of the update kernel (the unit its threads share out)
 NUMPY_CHUNK = 1 << 16
-#: chunk length for buffers under 2^22 elements: fewer, larger calls (per-call overhead and,
-#: with several threads, GIL hand-overs matter more than cache misses there). Measured on
-#: char-small (810k parameters, 2 threads): 2.9 ms per update with 2^16, 2.2 ms with 2^18
-SMALL_NUMPY_CHUNK = 1 << 18
-#: torch ops carry more per-call overhead and are multi-threaded inside: use larger chunks
+#: torch ops carry per-call overhead and are multi-threaded inside: use larger chunks
 TORCH_CHUNK = 1 << 20
 
-_scratch = threading.local()                        # per-thread chunk temporaries (AdamW)
+_scratch = threading.local()                        # per-thread chunk temporaries (AdamW, torch)
+
+
+@kernel(parallel=True)
+def _adamw(p, g, m, v, decay, b1, b2, step, eps, chunk):
+    """``θ ← θ·decay``, ``m ← m + (1 − β1)(g − m)``, ``v ← β2 v + (1 − β2) g²``,
+    ``θ ← θ − step · m / (√v + eps)`` (``step``, ``eps`` carry the bias corrections)."""
+    T = p.dtype.type                                  # float32 buffers: float32 arithmetic, as torch
+    f, c1, c2, c3, s, e = T(decay), T(1.0 - b1), T(b2), T(1.0 - b2), T(step), T(eps)
+    n = p.shape[0]
+    for c in prange((n + chunk - 1) // chunk):
+        for i in range(c * chunk, min(n, (c + 1) * chunk)):
+            mi = m[i] + c1 * (g[i] - m[i])
+            vi = c2 * v[i] + c3 * (g[i] * g[i])
+            m[i] = mi
+            v[i] = vi
+            p[i] = p[i] * f - s * (mi / (np.sqrt(vi) + e))
+
+
+def _adamw_numpy(p, g, m, v, decay, b1, b2, step, eps, chunk):
+    """:func:`_adamw` in NumPy calls, where numba cannot be imported (buffer-sized temporaries)."""
+    m += (1.0 - b1) * (g - m)
+    v *= b2
+    v += (1.0 - b2) * (g * g)
+    p *= decay
+    p -= step * (m / (np.sqrt(v) + eps))
 
 
 @dataclass
@@ -305,8 +324,7 @@ class AdamW:
         self.weight_decay = float(weight_decay)
         torch_backend = is_torch_array(self.groups[0].params)
         n_max = max(int(g.params.shape[0]) for g in self.groups)
-        numpy_chunk = SMALL_NUMPY_CHUNK if n_max < 1 << 22 else NUMPY_CHUNK
-        self.chunk_size = int(chunk_size or (TORCH_CHUNK if torch_backend else numpy_chunk))
+        self.chunk_size = int(chunk_size or (TORCH_CHUNK if torch_backend else NUMPY_CHUNK))
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.step_count = 0
@@ -368,56 +386,35 @@ class AdamW:
         step_size = lr / (1.0 - b1 ** t)
         bc2_sqrt = (1.0 - b2 ** t) ** 0.5
         decay = 1.0 - lr * self.weight_decay
-        chunks = []                                   # (group, start, end, decayed)
+        b1, b2 = self.betas
         for gi, group in enumerate(self.groups):
             n = int(group.params.shape[0])
-            for lo, hi, decayed in ((0, group.n_decay, True), (group.n_decay, n, False)):
-                chunks += [(gi, s, min(s + self.chunk_size, hi), decayed)
-                           for s in range(lo, hi, self.chunk_size)]
+            for lo, hi, f in ((0, group.n_decay, decay), (group.n_decay, n, 1.0)):
+                if hi <= lo:
+                    continue
+                p, g, m, v = group.params[lo:hi], group.grads[lo:hi], self.m[gi][lo:hi], self.v[gi][lo:hi]
+                if is_torch_array(p):
+                    for s in range(0, hi - lo, self.chunk_size):
+                        e = s + self.chunk_size
+                        self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)
+                else:                                 # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
+                    update = _adamw.sized(hi - lo) if JIT_AVAILABLE else _adamw_numpy
+                    update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt, self.chunk_size)
 
-        def kernel(lo: int, hi: int) -> None:
-            for gi, s, e, decayed in chunks[lo:hi]:
-                group, m, v = self.groups[gi], self.m[gi], self.v[gi]
-                self._update_chunk(group.params[s:e], group.grads[s:e], m[s:e], v[s:e],
-                                   step_size, bc2_sqrt, decay if decayed else None)
+    def _torch_chunk(self, p, g, m, v, step_size, bc2_sqrt, decay):
+        # torch's multi-operand in-place operations (5 passes; torch.optim.AdamW's
+        # single-tensor path uses these very calls)
+        import torch
 
-        # chunks are independent: NumPy runs them on the elementwise thread pool (each
-        # thread with its own temporaries); torch threads each operation itself
-        for_row_blocks(self.groups[0].params, kernel, len(chunks), self.chunk_size)
-
-    def _update_chunk(self, p, g, m, v, step_size, bc2_sqrt, decay):
         b1, b2 = self.betas
-        k = p.shape[0]
-        t1, t2 = self._temporaries()
-        t1, t2 = t1[:k], t2[:k]
-        if is_torch_array(p):
-            # the same update with torch's multi-operand in-place operations (5 passes
-            # instead of 14; torch.optim.AdamW's single-tensor path uses these very calls)
-            if decay is not None and decay != 1.0:
-                p.mul_(decay)
-            m.lerp_(g, 1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            import torch
-
-            torch.sqrt(v, out=t2)                     # denominator rescaled by √(1 − β2ᵗ): one op less
-            t2.add_(self.eps * bc2_sqrt)
-            p.addcdiv_(m, t2, value=-step_size * bc2_sqrt)
-            return
-        mul, sub, add, div, sqrt, _ = _ops(p)
-        if decay is not None and decay != 1.0:
-            mul(p, decay, out=p)                      # θ ← θ (1 − lr λ)
-        sub(g, m, out=t1)                             # m ← m + (1 − β1)(g − m)
-        mul(t1, 1.0 - b1, out=t1)
-        add(m, t1, out=m)
-        mul(v, b2, out=v)                             # v ← β2 v + (1 − β2) g²
-        mul(g, g, out=t1)
-        mul(t1, 1.0 - b2, out=t1)
-        add(v, t1, out=v)
-        sqrt(v, out=t2)                               # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
-        add(t2, self.eps * bc2_sqrt, out=t2)
-        div(m, t2, out=t1)                            # θ ← θ − lr/(1 − β1ᵗ) · m / denom
-        mul(t1, -step_size * bc2_sqrt, out=t1)
-        add(p, t1, out=p)
+        t2 = self._temporaries()[1][:p.shape[0]]
+        if decay != 1.0:
+            p.mul_(decay)                             # θ ← θ (1 − lr λ)
+        m.lerp_(g, 1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        torch.sqrt(v, out=t2)                         # denominator rescaled by √(1 − β2ᵗ): one op less
+        t2.add_(self.eps * bc2_sqrt)
+        p.addcdiv_(m, t2, value=-step_size * bc2_sqrt)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -1,0 +1,155 @@
+"""``exp`` and the normal distribution's ``Φ``, ``φ`` as polynomials numba's compiler vectorises.
+
+The llvmlite on PyPI has no vector math library, so ``math.exp`` inside a numba loop is one
+scalar call per element and ``math.erf`` too. These are written as the arithmetic a SIMD loop
+can run (``2^n`` by putting ``n`` into the exponent bits), for float32 and float64 separately
+(a float32 loop never touches a float64). Measured (AVX2, 512k elements, one thread): ``exp``
+0.21 ms float32 / 0.85 ms float64 against NumPy's ``np.exp`` 0.75 / 2.9 ms. Called from inside
+kernels only (``@overload``, inlined into the calling loop).
+
+- :func:`exp`: Cody-Waite reduction ``x = n ln2 + r``, ``|r| <= ln2/2``; float64 a degree-13
+  Taylor polynomial (≤ 1 ulp measured over ``[-85, 85]``), float32 Cephes' ``expf`` polynomial.
+  ``e^x`` below the smallest normal number is 0 (no subnormal results); above the largest
+  float, ``+inf``; NaN -> NaN.
+- :func:`normal_cdf_pdf`: ``(Φ(x), φ(x))``. float64: ``Φ(x) = ½ erfc(−x/√2)`` by W. J. Cody's
+  rational Chebyshev approximations of ``erf``/``erfc`` (Math. Comp. 23, 1969; the coefficients
+  of SPECFUN's ``CALERF``), all three intervals evaluated and one selected (a branch would stop
+  the vectorisation), ``φ`` sharing its ``exp(−x²/2)``; error ≤ 2e-16 absolute. float32: Eigen's
+  clamped rational ``erf(x) ≈ x P(x²)/Q(x²)`` (a few float32 ulp) and the float32 ``exp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .jit import AVAILABLE
+
+__all__ = ["exp", "normal_cdf_pdf"]
+
+_LOG2E = 1.4426950408889634
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
+
+# Cody (1969): erf(y) = y A(y²)/B(y²) for y <= 0.46875; erfc(y) = e^{-y²} C(y)/D(y) for y <= 4;
+# erfc(y) = e^{-y²}/y (1/√π − y⁻² P(y⁻²)/Q(y⁻²)) above (highest degree first, leading 1 in B, D, Q)
+_A = (1.85777706184603153e-1, 3.16112374387056560e0, 1.13864154151050156e2, 3.77485237685302021e2,
+      3.20937758913846947e3)
+_B = (1.0, 2.36012909523441209e1, 2.44024637934444173e2, 1.28261652607737228e3, 2.84423683343917062e3)
+_C = (2.15311535474403846e-8, 5.64188496988670089e-1, 8.88314979438837594e0, 6.61191906371416295e1,
+      2.98635138197400131e2, 8.81952221241769090e2, 1.71204761263407058e3, 2.05107837782607147e3,
+      1.23033935479799725e3)
+_D = (1.0, 1.57449261107098347e1, 1.17693950891312499e2, 5.37181101862009858e2, 1.62138957456669019e3,
+      3.29079923573345963e3, 4.36261909014324716e3, 3.43936767414372164e3, 1.23033935480374942e3)
+_P = (1.63153871373020978e-2, 3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1,
+      1.60837851487422766e-2, 6.58749161529837803e-4)
+_Q = (1.0, 2.56852019228982242e0, 1.87295284992346047e0, 5.27905102951428412e-1, 6.05183413124413191e-2,
+      2.33520497626869185e-3)
+# Eigen's float erf on [-4, 4]: x (odd polynomial) / (even polynomial), highest degree first
+_ERF32_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+            -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF32_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+            -1.42647390514189e-02)
+
+
+def exp(x):
+    """``e^x`` (inside a numba kernel: the vectorisable polynomial; here, for Python: math.exp)."""
+    return math.exp(x)
+
+
+def normal_cdf_pdf(x):
+    """``(Φ(x), φ(x))`` of the standard normal distribution (Python fallback)."""
+    return 0.5 * math.erfc(-x * _INV_SQRT_2), _INV_SQRT_2PI * math.exp(-0.5 * x * x)
+
+
+if AVAILABLE:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic, overload, register_jitable
+
+    @intrinsic
+    def _pow2(typingctx, n):
+        """``2.0**n`` for an integer ``n`` in the normal range, as bits: ``(n + bias) << mantissa``."""
+        bits, bias, mantissa = (64, 1023, 52) if n == types.int64 else (32, 127, 23)
+        to = types.float64 if bits == 64 else types.float32
+
+        def codegen(context, builder, signature, args):
+            it = ir.IntType(bits)
+            e = builder.shl(builder.add(args[0], ir.Constant(it, bias)), ir.Constant(it, mantissa))
+            return builder.bitcast(e, ir.DoubleType() if bits == 64 else ir.FloatType())
+
+        return to(n), codegen
+
+    @register_jitable
+    def _horner(c, t):
+        """A polynomial in ``t`` (coefficients ``c``, highest degree first): unrolled Horner."""
+        p = c[0]
+        for k in c[1:]:
+            p = p * t + k
+        return p
+
+    @overload(exp, inline="always")
+    def _exp(x):
+        if x == types.float64:
+            lo, hi, ln2_hi, ln2_lo = -708.3964185322641, 709.43, 6.93147180369123816490e-01, 1.90821492927058770002e-10
+            taylor = tuple(1.0 / math.factorial(k) for k in range(13, -1, -1))
+
+            def impl(x):
+                xc = lo if not x >= lo else (hi if x > hi else x)          # NaN -> lo: n stays finite;
+                # hi: 2^n normal (n <= 1023); above it p(r) grows with r and the product overflows
+                n = np.floor(xc * _LOG2E + 0.5)
+                r = x - n * ln2_hi - n * ln2_lo                             # NaN, inf carried by r
+                p = taylor[0]
+                for k in taylor[1:]:
+                    p = p * r + k
+                return 0.0 if x < lo else p * _pow2(np.int64(n))
+            return impl
+        if x == types.float32:
+            f = np.float32
+            lo, hi, log2e, half = f(-87.33654), f(88.37), f(_LOG2E), f(0.5)
+            ln2_hi, ln2_lo = f(0.693359375), f(-2.12194440e-4)
+            c = tuple(f(v) for v in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                     1.6666665459e-1, 5.0000001201e-1))
+            one, zero = f(1.0), f(0.0)
+
+            def impl(x):
+                xc = lo if not x >= lo else (hi if x > hi else x)
+                n = np.floor(xc * log2e + half)
+                r = x - n * ln2_hi - n * ln2_lo
+                p = c[0]
+                for k in c[1:]:
+                    p = p * r + k
+                p = p * r * r + r + one
+                return zero if x < lo else p * _pow2(np.int32(n))
+            return impl
+
+    @overload(normal_cdf_pdf, inline="always")
+    def _normal_cdf_pdf(x):
+        if x == types.float64:
+            def impl(x):
+                y = abs(x) * _INV_SQRT_2                                    # erf argument |x|/√2
+                e = exp(-0.5 * x * x)                                       # e^{-y²} = √(2π) φ(x)
+                t = y * y
+                erf_small = y * _horner(_A, t) / _horner(_B, t)             # y <= 0.46875
+                erfc_mid = e * _horner(_C, y) / _horner(_D, y)              # y <= 4
+                u = 1.0 / t
+                erfc_big = e * (_INV_SQRT_PI - u * _horner(_P, u) / _horner(_Q, u)) / y
+                half_erfc = 0.5 * (1.0 - erf_small if y <= 0.46875 else (erfc_mid if y <= 4.0 else erfc_big))
+                cdf = half_erfc if x < 0.0 else 1.0 - half_erfc             # Φ(x) = ½ erfc(−x/√2)
+                return cdf, _INV_SQRT_2PI * e
+            return impl
+        if x == types.float32:
+            f = np.float32
+            p, q = tuple(f(v) for v in _ERF32_P), tuple(f(v) for v in _ERF32_Q)
+            four, minus_four, half, one = f(4.0), f(-4.0), f(0.5), f(1.0)
+            inv_sqrt_2, minus_half, inv_sqrt_2pi = f(_INV_SQRT_2), f(-0.5), f(_INV_SQRT_2PI)
+
+            def impl(x):
+                z = x * inv_sqrt_2
+                z = four if z > four else (minus_four if z < minus_four else z)   # NaN stays NaN
+                t = z * z
+                erf = z * _horner(p, t) / _horner(q, t)
+                return half * (one + erf), inv_sqrt_2pi * exp(minus_half * x * x)
+            return impl
