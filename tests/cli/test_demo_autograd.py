@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import pedestrian.kernels as fast
+from cli_helpers import break_layernorm_backward
 from pedestrian.cli import main
 from pedestrian.commands import demo
 from torch_reference import delta_names, param_shapes, reference_forward, reference_loss_and_grads
@@ -140,15 +140,7 @@ def test_the_lines_describe_tensors_equal_to_the_oracle(oracle):
 
 
 def test_a_wrong_gradient_fails_its_lines(monkeypatch, capsys):
-    real = fast.layernorm_backward
-
-    def wrong(delta, cache, *, dweight=None, dbias=None):
-        out = real(delta, cache, dweight=dweight, dbias=dbias)
-        if dweight is not None:
-            dweight *= 1.001
-        return out
-
-    monkeypatch.setattr(fast, "layernorm_backward", wrong)
+    break_layernorm_backward(monkeypatch)
     assert main(["demo", "--check", "autograd", "--kernels", "fast"]) == 1
     out = capsys.readouterr().out
     failing = [r for r in lines_of(out) if r.endswith("<- FAILED")]

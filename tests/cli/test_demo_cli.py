@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import pedestrian.kernels as fast
+from cli_helpers import break_layernorm_backward
 from pedestrian.cli import main
 
 
@@ -58,15 +58,7 @@ def test_demo_with_finite_differences(capsys):
 
 def test_demo_fails_on_a_wrong_gradient(capsys, monkeypatch):
     """A layer-norm backward off by 0.1 %: the demo names the gradients it breaks and exits 1."""
-    real = fast.layernorm_backward
-
-    def wrong(delta, cache, *, dweight=None, dbias=None):
-        out = real(delta, cache, dweight=dweight, dbias=dbias)
-        if dweight is not None:
-            dweight *= 1.001
-        return out
-
-    monkeypatch.setattr(fast, "layernorm_backward", wrong)
+    break_layernorm_backward(monkeypatch)
     assert main(["demo", "--kernels", "fast"]) == 1
     out = capsys.readouterr().out
     assert "-> FAILED" in out

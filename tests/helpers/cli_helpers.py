@@ -9,3 +9,19 @@ def one_line_error(capsys) -> str:
     assert err.startswith("error: "), err
     assert "\n" not in err, err
     return err
+
+
+def break_layernorm_backward(monkeypatch) -> None:
+    """Make the fast layer-norm backward wrong by 0.1 % in ``dw`` (a gradient the demo's checks
+    must catch)."""
+    import pedestrian.kernels as fast
+
+    real = fast.layernorm_backward
+
+    def wrong(delta, cache, *, dweight=None, dbias=None):
+        out = real(delta, cache, dweight=dweight, dbias=dbias)
+        if dweight is not None:
+            dweight *= 1.001
+        return out
+
+    monkeypatch.setattr(fast, "layernorm_backward", wrong)
