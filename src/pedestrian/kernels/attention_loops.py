@@ -2,9 +2,9 @@
 
 The products stay on BLAS (:mod:`pedestrian.kernels.attention`, :mod:`.attention_tiled`); these
 loops do what lies between them in one pass per row, with the causal mask as a loop bound
-(masked entries are written 0 and never computed). :func:`exp` is ``e^x`` as a polynomial the
+(masked entries are written 0 and never computed). ``exp`` is :mod:`.vecmath`'s polynomial the
 compiler vectorises: numba's ``math.exp`` is a scalar call (the PyPI llvmlite has no SVML) and
-measured 2x slower than NumPy's ``np.exp`` here, this one 2x faster (docs/kernels.md).
+measured 2x slower than NumPy's ``np.exp`` here, the polynomial 2x faster (docs/kernels.md).
 
 Sums with cancellation (the softmax backward's row sums) accumulate float32 in float64; sums of
 positive terms (the softmax's) and the decode step's products in the arrays' dtype, vectorised. :data:`USE` is False where numba is
@@ -13,69 +13,16 @@ missing; the callers then run their NumPy (or torch) code.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from .jit import AVAILABLE, kernel, prange
+from .vecmath import exp
 
 __all__ = ["USE", "exp", "softmax_rows", "softmax_backward_rows", "exp_tile", "decode_attention"]
 
 #: the attention kernels run these loops on NumPy arrays (numba can be imported)
 USE = AVAILABLE
-
-
-def exp(x):
-    """``e^x`` (inside a kernel: Cody and Waite's reduction ``x = k ln 2 + f``, ``|f| <= ln 2 / 2``,
-    a polynomial in ``f``, ``2^k`` from the exponent bits in two halves so that neither
-    overflows): at most 1.5 ulp (float32) / 1 ulp (float64) from ``np.exp`` over the whole range,
-    subnormals included; ``exp(−∞) = 0``, ``exp(+∞) = ∞``, NaN stays NaN."""
-    return math.exp(x)
-
-
-if AVAILABLE:
-    from numba import types
-    from numba.extending import overload
-
-    @overload(exp, inline="always")
-    def _exp_overload(x):
-        if x == types.float32:
-            def exp32(x):
-                lo, hi = np.float32(-104.0), np.float32(88.8)                # e^x = 0 below, ∞ above
-                xc = lo if x < lo else (hi if x > hi else x)                 # (NaN passes through)
-                k = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
-                f = xc - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
-                p = np.float32(1.9875691500e-4)                              # Cephes expf
-                p = p * f + np.float32(1.3981999507e-3)
-                p = p * f + np.float32(8.3334519073e-3)
-                p = p * f + np.float32(4.1665795894e-2)
-                p = p * f + np.float32(1.6666665459e-1)
-                p = p * f + np.float32(5.0000001201e-1)
-                p = p * f * f + f + np.float32(1.0)
-                ki = np.int32(k)
-                h = ki >> np.int32(1)
-                y = (p * np.int32((h + np.int32(127)) << np.int32(23)).view(np.float32)
-                     * np.int32((ki - h + np.int32(127)) << np.int32(23)).view(np.float32))
-                return np.float32(0.0) if x < lo else y
-            return exp32
-        if x == types.float64:
-            def exp64(x):
-                lo, hi = -746.0, 709.9
-                xc = lo if x < lo else (hi if x > hi else x)
-                k = np.floor(xc * 1.4426950408889634 + 0.5)
-                f = (xc - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10
-                p = 1.0 / 6227020800.0                                       # Taylor to f^13
-                for c in (479001600.0, 39916800.0, 3628800.0, 362880.0, 40320.0, 5040.0, 720.0,
-                          120.0, 24.0, 6.0, 2.0):
-                    p = p * f + 1.0 / c
-                p = p * f * f + f + 1.0
-                ki = np.int64(k)
-                h = ki >> np.int64(1)
-                y = (p * np.int64((h + np.int64(1023)) << np.int64(52)).view(np.float64)
-                     * np.int64((ki - h + np.int64(1023)) << np.int64(52)).view(np.float64))
-                return 0.0 if x < lo else y
-            return exp64
-        return None
 
 
 @kernel(parallel=True)
