@@ -243,7 +243,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
     from .atomic import WriteError
-    from .data import TokenDataset, encode_to_token_file
+    from .tokens import TokenDataset, encode_to_token_file
     from .distributed import launched_rank
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter

@@ -72,10 +72,11 @@ import math
 import numpy as np
 
 from ..config import GPTConfig
-from ..data import TokenDataset, load_corpus
+from ..data import load_corpus
 from ..kernels import KERNELS
 from ..model import GPT
 from ..tokenizer import CharTokenizer
+from ..tokens import TokenDataset
 
 #: key-bias gradient / query-bias gradient above which the "≡ 0" line fails (rounding is ~1e-16)
 KEY_BIAS_RATIO = 1e-12

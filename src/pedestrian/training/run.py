@@ -52,9 +52,10 @@ import numpy as np
 from ..atomic import WriteError
 from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
 from ..config import GPTConfig
-from ..data import BUNDLED_CORPUS, TokenDataset
+from ..data import BUNDLED_CORPUS
 from ..distributed import CommunicationError, process_group, reports_to_launcher
 from ..finite import finite_or_none
+from ..tokens import TokenDataset
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .loop import Checkpoints, Evaluation, Progress, StepLog, TimeGuard, Trainer, finish
