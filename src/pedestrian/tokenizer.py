@@ -7,7 +7,7 @@
   and decoder as in GPT-2, trained with ``BPETokenizer.train`` or read from a ``tokenizer.json``
   or a GPT-2 ``vocab.json`` + ``merges.txt`` pair. All the BPE work is done by ``tokenizers``.
 - :class:`StreamDecoder` -- turns generated ids into text one id at a time without ever
-  emitting half a UTF-8 character.
+  emitting half a UTF-8 character; :class:`StopText` cuts that text before a stop string.
 - :func:`load_tokenizer` -- rebuilds either class from ``to_dict()`` output, a saved JSON file,
   or a plain Hugging Face ``tokenizer.json``.
 
@@ -32,6 +32,7 @@ __all__ = [
     "CharTokenizer",
     "BPETokenizer",
     "StreamDecoder",
+    "StopText",
     "Tokenizer",
     "UnknownCharacterError",
     "LoneSurrogateError",
@@ -89,6 +90,61 @@ class StreamDecoder:
         out = self._decoder.decode(b"", final=True)
         self._decoder.reset()
         return out
+
+
+class StopText:
+    """The text of one generated row, cut right before the first stop string.
+
+    Stop strings are matched on the decoded text, whatever its split into tokens: the text ends
+    right before the stop string that is completed first, reading character by character (of
+    two completed at the same character, the longer). Text is released as soon as it is
+    decided: only the longest tail that is still the beginning of a stop string is held back,
+    so a match always starts in the held tail or in the new text.
+
+    Args:
+        tokenizer: a Char/BPE tokenizer (decoded with :class:`StreamDecoder`,
+            special tokens skipped).
+        stops: non-empty stop strings (may be empty: then text passes straight through).
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text now known to come before any stop string."""
+        return self._feed(self.decoder.push(token_id), final=False)
+
+    def finish(self) -> str:
+        """End of generation: the rest of the text (up to a stop string found in it)."""
+        return self._feed(self.decoder.flush(), final=True)
+
+    def _feed(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        pending = self.pending + text
+        # the match that ends first (ties: the longest), as if the text came one character at a
+        # time -- so the cut does not depend on how the text is split into tokens
+        found = [(i + len(s), -len(s)) for s, i in ((s, pending.find(s)) for s in self.stops) if i >= 0]
+        if found:
+            end, minus_len = min(found)
+            self.stopped, self.pending = True, ""
+            return pending[:end + minus_len]
+        held = 0 if final else self._held(pending)
+        self.pending = pending[len(pending) - held:]
+        return pending[:len(pending) - held]
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
 
 
 def load_tokenizer(obj_or_path: Tokenizer | dict[str, Any] | PathLike) -> Tokenizer:
