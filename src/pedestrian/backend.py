@@ -84,7 +84,7 @@ def namespace_for(backend: str):
         return xp
     if backend == "torch":
         try:
-            import torch  # noqa: F401
+            __import__("torch")               # only to say what is missing, before array_api_compat does
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "backend='torch' needs PyTorch: pip install torch==2.13.0 "

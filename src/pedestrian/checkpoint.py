@@ -230,7 +230,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         opt_tensors = {k: v for k, v in opt_state.items() if k not in ("step", "hyper")}
         if params == "lora":
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
-    text = json.dumps(state)  # fail early (TypeError) if meta is not serialisable
+    json.dumps(state)  # fail early (TypeError) if meta is not serialisable
     tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()}
     if opt_tensors is not None:
         opt_tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in opt_tensors.items()}

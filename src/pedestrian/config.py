@@ -14,6 +14,10 @@ from typing import NamedTuple
 from .layers.activations import ACTIVATIONS
 
 LORA_LAYER_KINDS = ("q", "k", "v", "attn_proj", "mlp_expand", "mlp_contract", "logits")
+#: the GPTConfig fields a user sets by name (a command-line flag, a TOML key); the rest follow
+CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
+                 "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
+                 "position_encoding", "rope_base", "rope_fraction")
 #: how token positions reach the model: a learned table added to the embedding (GPT-2), rotary
 #: embeddings of every head's queries and keys (RoPE), or nothing but the causal mask
 POSITION_ENCODINGS = ("learned", "rope", "none")

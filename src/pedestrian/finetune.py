@@ -243,11 +243,11 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
     from .atomic import WriteError
-    from .data import TokenDataset, encode_to_token_file
+    from .tokens import TokenDataset, encode_to_token_file
     from .distributed import launched_rank
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter
-    from .training.loop import Checkpoints, Evaluation, Progress, StepLog, Trainer, TrainingError, finish
+    from .training.loop import Checkpoints, Trainer, TrainingError
     from .training.optim import AdamW, CosineSchedule
     from .training import RunFiles, split_tokens
 
@@ -280,11 +280,6 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     rng = np.random.default_rng(settings.seed)
     optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2),
                       weight_decay=settings.weight_decay)
-    trainer = Trainer(model, optimizer,
-                      CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr),
-                      lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], step=0, end=settings.max_steps,
-                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k, dropout_seed=settings.seed)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
@@ -300,16 +295,19 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         files.save_checkpoint("adapter", model, optimizer, tokenizer, t.step, meta, params="lora", base=base)
         t.last_save = t.step
 
-    progress = Progress(trainer, "finetune", settings.progress)
-    evaluation = Evaluation(model, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                            settings.eval_interval, files, progress)
     checkpoints = Checkpoints(save, settings.eval_interval, out / "adapter", name="adapter checkpoint",
                               previous=f"the previous run in {out} is left as it was" if had_run else None,
                               model=model, go_on="run the fine-tuning again with a lower --lr and --overwrite")
-    trainer.on("step_end", StepLog(files, t_start), progress, evaluation, checkpoints)
-    trainer.on("stop", finish(evaluation, checkpoints))
+    trainer = Trainer(model, optimizer,
+                      CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr),
+                      lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], step=0, end=settings.max_steps,
+                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
+                      tokens_per_step=B * T * k, dropout_seed=settings.seed, files=files,
+                      progress="finetune" if settings.progress else None,
+                      val_batches=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                      eval_interval=settings.eval_interval, checkpoints=checkpoints, t_start=t_start)
     try:
-        initial_val = evaluation.run(trainer)
+        initial_val = trainer.evaluate()
         if math.isfinite(initial_val):
             log.info(f"step 0: val loss {initial_val:.4f}")
         reason = trainer.run()
@@ -320,7 +318,6 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
         raise exc.advise(checkpoints.kept(trainer), "run the fine-tuning again with --overwrite") from exc
     finally:
-        progress.close()
         files.close()
     if reason == "non_finite":
         raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))

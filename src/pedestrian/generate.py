@@ -44,7 +44,6 @@ Public API::
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from typing import Callable, Iterable

@@ -22,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import typing

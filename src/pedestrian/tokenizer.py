@@ -1,51 +1,38 @@
 """Tokenizers: a character-level one and byte-level BPE (GPT-2 style, via Hugging Face
 ``tokenizers``), a streaming decoder for generation, and saving/loading beside a checkpoint.
 
-- :class:`CharTokenizer` -- one id per Unicode code point seen in the training text.
-- :class:`BPETokenizer` -- byte-level BPE: ``ByteLevel`` pre-tokenizer and decoder as in
-  GPT-2, trained with :meth:`BPETokenizer.train` or read from a ``tokenizer.json`` or a GPT-2
-  ``vocab.json`` + ``merges.txt`` pair. All the BPE work is done by ``tokenizers``.
+- :class:`~pedestrian.char_tokenizer.CharTokenizer` -- one id per Unicode code point seen in the
+  training text.
+- :class:`~pedestrian.bpe_tokenizer.BPETokenizer` -- byte-level BPE: ``ByteLevel`` pre-tokenizer
+  and decoder as in GPT-2, trained with ``BPETokenizer.train`` or read from a ``tokenizer.json``
+  or a GPT-2 ``vocab.json`` + ``merges.txt`` pair. All the BPE work is done by ``tokenizers``.
 - :class:`StreamDecoder` -- turns generated ids into text one id at a time without ever
-  emitting half a UTF-8 character.
-- :func:`load_tokenizer` -- rebuilds either class from :meth:`to_dict` output, a saved JSON file,
+  emitting half a UTF-8 character; :class:`StopText` cuts that text before a stop string.
+- :func:`load_tokenizer` -- rebuilds either class from ``to_dict()`` output, a saved JSON file,
   or a plain Hugging Face ``tokenizer.json``.
 
 Both classes share the interface ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``vocab_size``, ``token_bytes(id) -> bytes``, ``to_dict()`` / ``from_dict()``, ``save(path)`` /
-``load(path)``. Saved files are JSON objects ``{"kind": "char" | "bpe", "version": 1, ...}``,
-written atomically (:func:`pedestrian.atomic.write_file`).
-
-Text must be Unicode: a lone surrogate (a code point U+D800 ... U+DFFF on its own, which is what
-bytes that are not UTF-8 become when decoded with ``errors="surrogateescape"`` -- as Python does
-for command-line arguments and file names) cannot be encoded as UTF-8. Both tokenizers refuse
-it, in training and in :meth:`encode`, with a :class:`LoneSurrogateError` that names its
-position and the fix.
-
-This module reads no files of a corpus: :meth:`BPETokenizer.train` takes an iterable of texts
-(stream a corpus into it with :func:`pedestrian.data.iter_corpus_pieces`).
+``load(path)``; what they share in code (the text they accept, the ids they decode, the file
+format) is :mod:`pedestrian.tokenizer_base`. This module is where a reader imports them from.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 import os
-import re
-from collections.abc import Iterable, Sequence
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, Union
 
-import numpy as np
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
-from tokenizers import Tokenizer as _HFTokenizer
+from .bpe_tokenizer import BPETokenizer, bytes_to_unicode
+from .char_tokenizer import CharTokenizer, UnknownCharacterError
+from .tokenizer_base import LoneSurrogateError, PathLike, check_text, find_lone_surrogate, read_tokenizer_file
 
-from .atomic import write_file
 
 __all__ = [
     "CharTokenizer",
     "BPETokenizer",
     "StreamDecoder",
+    "StopText",
     "Tokenizer",
     "UnknownCharacterError",
     "LoneSurrogateError",
@@ -54,659 +41,6 @@ __all__ = [
     "load_tokenizer",
     "bytes_to_unicode",
 ]
-
-PathLike = Union[str, "os.PathLike[str]"]
-_FORMAT_VERSION = 1
-
-
-class UnknownCharacterError(ValueError):
-    """Text holds characters that are not in a :class:`CharTokenizer`'s vocabulary.
-
-    Attributes:
-        unknown: ``{character: first position in the text}`` for every unknown character.
-    """
-
-    def __init__(self, message: str, unknown: dict[str, int]) -> None:
-        super().__init__(message)
-        self.unknown = unknown
-
-
-class LoneSurrogateError(ValueError):
-    """Text holds a lone surrogate (U+D800 ... U+DFFF), which is not a Unicode character.
-
-    Attributes:
-        position: character index of the first one in the text that was checked.
-        char: that character.
-    """
-
-    def __init__(self, message: str, position: int, char: str) -> None:
-        super().__init__(message)
-        self.position = position
-        self.char = char
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def find_lone_surrogate(text: str) -> int | None:
-    """Index of the first lone surrogate (U+D800 ... U+DFFF) in ``text``, or ``None``.
-
-    A Python ``str`` never holds a valid surrogate pair (those are combined into one code
-    point), so every surrogate in it stands alone.
-    """
-    m = _SURROGATE.search(text)
-    return None if m is None else m.start()
-
-
-def check_text(text: str, what: str = "the text", offset: int = 0) -> None:
-    """Raise :class:`LoneSurrogateError` if ``text`` holds a lone surrogate.
-
-    Args:
-        text: the text. what: how to name it in the message (``"the prompt"``).
-        offset: added to the reported character index (``text`` is a piece of a longer text).
-
-    Raises:
-        LoneSurrogateError (a ``ValueError``): the message names the code point, its character
-            index and the fix.
-    """
-    i = find_lone_surrogate(text)
-    if i is not None:
-        c = text[i]
-        raise LoneSurrogateError(
-            f"{what} has a lone surrogate U+{ord(c):04X} at character {offset + i}: it is not a "
-            "Unicode character (it is what bytes that are not UTF-8 become when decoded with "
-            "errors='surrogateescape', e.g. a command-line argument or file in another encoding). "
-            "Fix the source's encoding (save or pass it as UTF-8), or drop such characters, e.g. "
-            "text.encode('utf-8', 'replace').decode('utf-8')", offset + i, c)
-
-
-def _check_ids(ids: Iterable[int] | np.ndarray, vocab_size: int) -> list[int]:
-    """Validate token ids (1-D, integers, in range) and return them as a list of int."""
-    arr = np.asarray(ids if not isinstance(ids, (str, bytes)) else [ids])
-    if arr.size == 0:
-        return []
-    if arr.ndim != 1:
-        raise ValueError(
-            f"decode takes a 1-D sequence of token ids, got shape {arr.shape}; decode each row "
-            "separately."
-        )
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"token id {int(arr[i])} at position {i} is outside the vocabulary "
-            f"[0, {vocab_size}); were these ids made with a different tokenizer?"
-        )
-    return arr.astype(np.int64).tolist()
-
-
-def _read_json(path: PathLike, what: str) -> Any:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} not found: {p} does not exist or is not a file.")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{what} {p} is not a valid UTF-8 JSON file: {e}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Character level
-# --------------------------------------------------------------------------------------------
-
-
-class CharTokenizer:
-    """Character-level tokenizer: id ``i`` is the ``i``-th character of :attr:`chars`.
-
-    The vocabulary is fixed when the tokenizer is built (:meth:`from_text` takes the sorted set
-    of characters -- Unicode code points -- of the *training text*). Text with a character
-    outside it cannot be encoded: :meth:`encode` raises :class:`UnknownCharacterError` naming
-    each such character and its first position, unless ``unknown="skip"``.
-
-    Args:
-        chars: the vocabulary, in id order; each item a single character, no duplicates.
-
-    Raises:
-        ValueError: an item that is not exactly one character, a duplicate, or an empty list.
-    """
-
-    kind = "char"
-
-    def __init__(self, chars: Sequence[str]) -> None:
-        chars = list(chars)
-        if not chars:
-            raise ValueError("CharTokenizer needs at least one character in its vocabulary.")
-        for i, c in enumerate(chars):
-            if not isinstance(c, str) or len(c) != 1:
-                raise ValueError(
-                    f"CharTokenizer vocabulary item {i} must be a single character, got {c!r}"
-                )
-        if len(set(chars)) != len(chars):
-            dup = sorted({c for c in chars if chars.count(c) > 1})
-            raise ValueError(f"CharTokenizer vocabulary has duplicate characters: {dup!r}")
-        check_text("".join(chars), "the CharTokenizer vocabulary")
-        self.chars: list[str] = chars
-        self._stoi: dict[str, int] = {c: i for i, c in enumerate(chars)}
-
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        """Build the vocabulary from a training text: its distinct characters, sorted by code
-        point.
-
-        Raises:
-            ValueError: ``text`` is empty.
-            LoneSurrogateError (a ``ValueError``): ``text`` holds a lone surrogate.
-        """
-        if not text:
-            raise ValueError("cannot build a CharTokenizer from an empty text.")
-        check_text(text, "the training text")
-        return cls(sorted(set(text)))
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids (the number of distinct characters)."""
-        return len(self.chars)
-
-    def encode(self, text: str, unknown: str = "error") -> list[int]:
-        """Map each character of ``text`` to its id.
-
-        Args:
-            text: the string to encode.
-            unknown: ``"error"`` (default) raises on characters outside the vocabulary;
-                ``"skip"`` drops them.
-
-        Returns:
-            ``list[int]``, one id per (known) character, each in ``[0, vocab_size)``.
-
-        Raises:
-            UnknownCharacterError (a ``ValueError``): with ``unknown="error"``, text contains
-                characters the training text did not; the message lists them (``repr`` and
-                ``U+XXXX``) with their first positions.
-            LoneSurrogateError (a ``ValueError``): ``text`` holds a lone surrogate (whatever
-                ``unknown`` says: it is not a character at all).
-            ValueError: ``unknown`` is neither ``"error"`` nor ``"skip"``.
-        """
-        if unknown not in ("error", "skip"):
-            raise ValueError(f'unknown must be "error" or "skip", got {unknown!r}')
-        stoi = self._stoi
-        try:
-            return [stoi[c] for c in text]
-        except KeyError:
-            pass
-        check_text(text)                         # the vocabulary never holds a surrogate
-        if unknown == "skip":
-            return [stoi[c] for c in text if c in stoi]
-        missing: dict[str, int] = {}
-        for i, c in enumerate(text):
-            if c not in stoi and c not in missing:
-                missing[c] = i
-        shown = ", ".join(f"{c!r} (U+{ord(c):04X}) at position {i}" for c, i in list(missing.items())[:10])
-        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        raise UnknownCharacterError(
-            f"{len(missing)} character(s) not in the CharTokenizer vocabulary: {shown}{more}. "
-            f"The vocabulary ({self.vocab_size} characters) was built from the training text, so "
-            "it can only encode characters that occur there. Rebuild the tokenizer from a text "
-            'that contains them, or pass unknown="skip" to drop them.',
-            missing,
-        )
-
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Map ids back to text: ``decode(encode(s)) == s`` for any encodable ``s``.
-
-        Args:
-            ids: 1-D sequence or array of integer ids.
-
-        Raises:
-            ValueError: an id outside ``[0, vocab_size)``, non-integer ids, or a non-1-D array.
-        """
-        chars = self.chars
-        return "".join(chars[i] for i in _check_ids(ids, self.vocab_size))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """UTF-8 bytes of one token (used by :class:`StreamDecoder`)."""
-        return self.chars[_check_ids([token_id], self.vocab_size)[0]].encode("utf-8")
-
-    def is_special(self, token_id: int) -> bool:
-        """Always ``False``: a CharTokenizer has no special tokens."""
-        return False
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form: ``{"kind": "char", "version": 1, "chars": [...]}``."""
-        return {"kind": "char", "version": _FORMAT_VERSION, "chars": list(self.chars)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CharTokenizer:
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: ``d`` is not a char-tokenizer dict (wrong ``kind``, missing ``chars``,
-                or an unsupported ``version``).
-        """
-        _check_kind(d, "char")
-        if not isinstance(d.get("chars"), list):
-            raise ValueError('char tokenizer dict needs a "chars" list of single characters.')
-        return cls(d["chars"])
-
-    def save(self, path: PathLike) -> None:
-        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
-        created).
-
-        Raises:
-            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
-        """
-        _save_json(self.to_dict(), path)
-
-    @classmethod
-    def load(cls, path: PathLike) -> CharTokenizer:
-        """Read a file written by :meth:`save`.
-
-        Raises:
-            FileNotFoundError: no such file. ValueError: not JSON, or not a char tokenizer.
-        """
-        return cls.from_dict(_read_json(path, "tokenizer file"))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CharTokenizer) and self.chars == other.chars
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
-
-
-# --------------------------------------------------------------------------------------------
-# Byte-level BPE
-# --------------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-character table used by byte-level BPE.
-
-    Printable Latin-1 bytes map to themselves; the other 68 bytes map to ``chr(256 + k)`` in
-    order (so the space ``0x20`` is ``"Ġ"`` and the newline ``0x0A`` is ``"Ċ"``). This is the
-    table behind ``tokenizers.pre_tokenizers.ByteLevel``; a byte-level token's string is its
-    bytes spelled with these characters.
-
-    Returns:
-        dict of 256 entries ``{byte value: one-character str}``.
-    """
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-@lru_cache(maxsize=1)
-def _unicode_to_bytes() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
-def _require_byte_level(tok: _HFTokenizer, source: str) -> None:
-    cfg = json.loads(tok.to_str())
-    dec = cfg.get("decoder") or {}
-    types = {dec.get("type")} | {d.get("type") for d in dec.get("decoders", []) or []}
-    if "ByteLevel" not in types:
-        raise ValueError(
-            f"{source} is not a byte-level BPE tokenizer (its decoder is "
-            f"{dec.get('type')!r}, expected 'ByteLevel' as in GPT-2). BPETokenizer supports "
-            "only byte-level BPE; train one with BPETokenizer.train."
-        )
-    model = (cfg.get("model") or {}).get("type")
-    if model != "BPE":
-        raise ValueError(
-            f"{source} uses a {model!r} model; BPETokenizer supports only byte-level BPE "
-            "(model type 'BPE')."
-        )
-
-
-class BPETokenizer:
-    """Byte-level BPE tokenizer (as GPT-2), a thin wrapper around a Hugging Face
-    ``tokenizers.Tokenizer`` with a ``ByteLevel`` pre-tokenizer and decoder.
-
-    Any text, in any script, encodes without unknown tokens (every byte has a token), and
-    ``decode(encode(s)) == s``. Special tokens (e.g. ``"<|endoftext|>"``) written literally in
-    the text are encoded as their single special id, as Hugging Face does.
-
-    Args:
-        tokenizer: a ``tokenizers.Tokenizer`` whose model is BPE and whose decoder is
-            ``ByteLevel``.
-
-    Raises:
-        ValueError: ``tokenizer`` is not byte-level BPE.
-    """
-
-    kind = "bpe"
-
-    def __init__(self, tokenizer: _HFTokenizer) -> None:
-        if not isinstance(tokenizer, _HFTokenizer):
-            raise TypeError(
-                f"BPETokenizer wraps a tokenizers.Tokenizer, got {type(tokenizer).__name__}; use "
-                "BPETokenizer.train / from_file / from_vocab_merges / load to build one."
-            )
-        _require_byte_level(tokenizer, "the tokenizer")
-        ids = set(tokenizer.get_vocab(with_added_tokens=True).values())
-        n = tokenizer.get_vocab_size(with_added_tokens=True)
-        if ids != set(range(n)):
-            # ids must be 0 .. vocab_size - 1: a gap decodes to "" and pushes a real id out of range
-            missing = sorted(set(range(max(ids, default=-1) + 1)) - ids)
-            raise ValueError(
-                f"the tokenizer's ids are not 0 .. {max(ids, default=-1)} without gaps: missing "
-                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; pedestrian needs consecutive ids "
-                "(renumber the vocabulary of the tokenizer file)")
-        self.hf: _HFTokenizer = tokenizer
-        self._bytes_cache: dict[int, bytes] = {}
-        self._special = {
-            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
-        }
-
-    # ---- construction ----------------------------------------------------------------------
-
-    @staticmethod
-    def _empty() -> _HFTokenizer:
-        tok = _HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        return tok
-
-    @classmethod
-    def train(
-        cls,
-        texts: str | Iterable[str],
-        vocab_size: int,
-        special_tokens: Sequence[str] = ("<|endoftext|>",),
-        min_frequency: int = 2,
-    ) -> BPETokenizer:
-        """Train a byte-level BPE tokenizer with ``tokenizers.trainers.BpeTrainer``.
-
-        The vocabulary is: the special tokens (ids ``0 .. len(special_tokens) - 1``), the 256
-        single-byte tokens, then learned merges until ``vocab_size`` is reached (or no pair
-        occurs ``min_frequency`` times -- a small text can give fewer ids; read
-        :attr:`vocab_size` afterwards).
-
-        Args:
-            texts: one training text (a ``str``), or an iterable of texts consumed once, piece by
-                piece, so a corpus never has to be in memory: e.g.
-                ``pedestrian.data.iter_corpus_pieces(path)`` (whose pieces end where byte-level
-                pre-tokenisation cuts anyway, so the result equals training on their join).
-            vocab_size: target vocabulary size, ``>= 256 + len(special_tokens)``.
-            special_tokens: tokens never split or merged, e.g. an end-of-text marker.
-            min_frequency: a pair must occur this often to be merged.
-
-        Returns:
-            a trained :class:`BPETokenizer`.
-
-        Raises:
-            ValueError: ``vocab_size`` too small for the byte alphabet plus special tokens, or
-                nothing to train on. LoneSurrogateError (a ``ValueError``): a text holds a lone
-                surrogate (the message gives its character index in the joined texts).
-            TypeError: a path (``os.PathLike``) or another non-``str`` item instead of text.
-            Whatever the iterable raises (e.g. ``CorpusError`` from a corpus reader).
-        """
-        special_tokens = list(special_tokens)
-        minimum = 256 + len(special_tokens)
-        if int(vocab_size) < minimum:
-            raise ValueError(
-                f"vocab_size={vocab_size} is too small for byte-level BPE: the 256 byte tokens "
-                f"plus {len(special_tokens)} special token(s) already need {minimum}."
-            )
-        if isinstance(texts, str):
-            texts = [texts]
-        elif isinstance(texts, os.PathLike):
-            raise TypeError(
-                f"BPETokenizer.train takes texts, not a path ({os.fspath(texts)!r}); stream a corpus "
-                "file or folder with BPETokenizer.train(pedestrian.data.iter_corpus_pieces(path), ...)"
-            )
-        seen = [0]  # characters handed to the trainer so far
-
-        def checked() -> Iterable[str]:
-            for t in texts:
-                if not isinstance(t, str):
-                    raise TypeError(
-                        f"BPETokenizer.train takes str texts, got {type(t).__name__}"
-                        + ("; stream a path with pedestrian.data.iter_corpus_pieces(path)"
-                           if isinstance(t, os.PathLike) else "")
-                    )
-                check_text(t, "the training text", offset=seen[0])
-                seen[0] += len(t)
-                yield t
-
-        tok = cls._empty()
-        trainer = trainers.BpeTrainer(
-            vocab_size=int(vocab_size),
-            min_frequency=int(min_frequency),
-            special_tokens=special_tokens,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(checked(), trainer=trainer)
-        if seen[0] == 0:
-            raise ValueError("BPETokenizer.train got no training text.")
-        return cls(tok)
-
-    @classmethod
-    def from_file(cls, path: PathLike) -> BPETokenizer:
-        """Load a Hugging Face ``tokenizer.json`` (byte-level BPE, e.g. GPT-2's).
-
-        Raises:
-            FileNotFoundError: no such file. ValueError: unreadable, or not byte-level BPE.
-        """
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"tokenizer.json not found: {p} does not exist or is not a file.")
-        try:
-            tok = _HFTokenizer.from_file(str(p))
-        except Exception as e:  # tokenizers raises a bare Exception on parse errors
-            raise ValueError(f"{p} is not a valid Hugging Face tokenizer.json: {e}") from None
-        _require_byte_level(tok, str(p))
-        return cls(tok)
-
-    @classmethod
-    def from_vocab_merges(
-        cls,
-        vocab_json: PathLike,
-        merges_txt: PathLike,
-        special_tokens: Sequence[str] | None = None,
-    ) -> BPETokenizer:
-        """Build from GPT-2 style ``vocab.json`` (token -> id) and ``merges.txt`` files.
-
-        Args:
-            vocab_json: path to ``vocab.json``.
-            merges_txt: path to ``merges.txt`` (one merge ``"a b"`` per line; a leading
-                ``#version`` line is allowed).
-            special_tokens: vocabulary entries to treat as special (never split, matched
-                literally in text). Each must be in ``vocab.json``. ``None`` means
-                ``"<|endoftext|>"`` if the vocabulary has it (GPT-2), else none.
-
-        Raises:
-            FileNotFoundError: a file is missing. ValueError: files that ``tokenizers`` cannot
-                parse, or a special token absent from the vocabulary.
-        """
-        paths = [Path(vocab_json).expanduser(), Path(merges_txt).expanduser()]
-        for p in paths:
-            if not p.is_file():
-                raise FileNotFoundError(f"BPE file not found: {p} does not exist or is not a file.")
-        try:
-            model = models.BPE.from_file(str(paths[0]), str(paths[1]))
-        except Exception as e:
-            raise ValueError(
-                f"could not read a GPT-2 style BPE vocabulary from {paths[0]} and {paths[1]}: {e}"
-            ) from None
-        tok = _HFTokenizer(model)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        vocab = tok.get_vocab(with_added_tokens=False)
-        if special_tokens is None:
-            special_tokens = [t for t in ("<|endoftext|>",) if t in vocab]
-        missing = [t for t in special_tokens if t not in vocab]
-        if missing:
-            raise ValueError(
-                f"special token(s) {missing!r} are not in {paths[0]}; pass only tokens the "
-                "vocabulary has."
-            )
-        if special_tokens:
-            tok.add_special_tokens([AddedToken(t, special=True) for t in special_tokens])
-        return cls(tok)
-
-    # ---- use -------------------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids, special tokens included."""
-        return self.hf.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        """Encode text to ids (``list[int]``, each in ``[0, vocab_size)``). Never fails on
-        unseen characters: byte-level BPE falls back to byte tokens.
-
-        Raises:
-            TypeError: ``text`` is not a ``str``.
-            LoneSurrogateError (a ``ValueError``): ``text`` holds a lone surrogate, which has
-                no UTF-8 bytes (the message names its position).
-        """
-        if not isinstance(text, str):
-            raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        try:
-            return self.hf.encode(text, add_special_tokens=False).ids
-        except TypeError:                    # tokenizers' only word for a lone surrogate
-            check_text(text)
-            raise
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[self.encode(t) for t in texts]``, computed in parallel by ``tokenizers``.
-
-        Raises:
-            TypeError / LoneSurrogateError: as :meth:`encode` (the message says which text).
-        """
-        texts = list(texts)
-        for t in texts:
-            if not isinstance(t, str):
-                raise TypeError(f"encode_batch takes str items, got {type(t).__name__}")
-        fast = getattr(self.hf, "encode_batch_fast", None)  # tokenizers >= 0.20: no offsets
-        try:
-            enc = (fast or self.hf.encode_batch)(texts, add_special_tokens=False)
-        except TypeError:
-            for j, t in enumerate(texts):
-                check_text(t, f"text {j} of the batch")
-            raise
-        return [e.ids for e in enc]
-
-    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
-        """Decode ids to text. A byte sequence that is not valid UTF-8 (e.g. a cut-off
-        character at the end) decodes to U+FFFD replacement characters, as Hugging Face does.
-
-        Args:
-            ids: 1-D sequence or array of integer ids.
-            skip_special_tokens: leave special tokens out of the text.
-
-        Raises:
-            ValueError: an id outside ``[0, vocab_size)``, non-integer ids, or a non-1-D array.
-        """
-        return self.hf.decode(
-            _check_ids(ids, self.vocab_size), skip_special_tokens=skip_special_tokens
-        )
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes one token stands for (may be part of a UTF-8 character).
-
-        Mirrors the ``ByteLevel`` decoder: each character of the token string is mapped back
-        through :func:`bytes_to_unicode`; characters outside that table (e.g. in a special
-        token) contribute their UTF-8 encoding.
-
-        Raises:
-            ValueError: ``token_id`` outside ``[0, vocab_size)``.
-        """
-        cached = self._bytes_cache.get(token_id)
-        if cached is not None:
-            return cached
-        i = _check_ids([token_id], self.vocab_size)[0]
-        s = self.hf.id_to_token(i)
-        if s is None:
-            raise ValueError(f"token id {i} has no token in this vocabulary (a gap in the ids).")
-        table = _unicode_to_bytes()
-        out = bytearray()
-        for c in s:
-            b = table.get(c)
-            if b is None:
-                out += c.encode("utf-8")
-            else:
-                out.append(b)
-        self._bytes_cache[i] = bytes(out)
-        return self._bytes_cache[i]
-
-    def is_special(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a special token (e.g. ``<|endoftext|>``)."""
-        return int(token_id) in self._special
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        """``{special token string: id}``."""
-        return {self.hf.id_to_token(i): i for i in sorted(self._special)}
-
-    # ---- persistence -----------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form: ``{"kind": "bpe", "version": 1, "tokenizer_json": str}``,
-        the last being the Hugging Face ``tokenizer.json`` text."""
-        return {"kind": "bpe", "version": _FORMAT_VERSION, "tokenizer_json": self.hf.to_str()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BPETokenizer:
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: wrong ``kind``/``version``, or ``tokenizer_json`` that does not parse.
-        """
-        _check_kind(d, "bpe")
-        s = d.get("tokenizer_json")
-        if not isinstance(s, str):
-            raise ValueError('bpe tokenizer dict needs a "tokenizer_json" string.')
-        try:
-            tok = _HFTokenizer.from_str(s)
-        except Exception as e:
-            raise ValueError(f"bpe tokenizer dict holds an invalid tokenizer_json: {e}") from None
-        return cls(tok)
-
-    def save(self, path: PathLike) -> None:
-        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
-        created). Use ``self.hf.save(path)`` instead for a plain Hugging Face ``tokenizer.json``.
-
-        Raises:
-            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
-        """
-        _save_json(self.to_dict(), path)
-
-    @classmethod
-    def load(cls, path: PathLike) -> BPETokenizer:
-        """Read a file written by :meth:`save` (or a plain ``tokenizer.json``).
-
-        Raises:
-            FileNotFoundError: no such file. ValueError: not a BPE tokenizer file.
-        """
-        tok = load_tokenizer(path)
-        if not isinstance(tok, BPETokenizer):
-            raise ValueError(f"{path} holds a {type(tok).__name__}, not a BPETokenizer.")
-        return tok
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BPETokenizer) and self.hf.to_str() == other.hf.to_str()
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"BPETokenizer(vocab_size={self.vocab_size})"
-
 
 Tokenizer = Union[CharTokenizer, BPETokenizer]
 
@@ -758,25 +92,59 @@ class StreamDecoder:
         return out
 
 
-# --------------------------------------------------------------------------------------------
-# Persistence helpers
-# --------------------------------------------------------------------------------------------
+class StopText:
+    """The text of one generated row, cut right before the first stop string.
 
+    Stop strings are matched on the decoded text, whatever its split into tokens: the text ends
+    right before the stop string that is completed first, reading character by character (of
+    two completed at the same character, the longer). Text is released as soon as it is
+    decided: only the longest tail that is still the beginning of a stop string is held back,
+    so a match always starts in the held tail or in the new text.
 
-def _check_kind(d: Any, kind: str) -> None:
-    if not isinstance(d, dict):
-        raise ValueError(f"tokenizer dict must be a dict, got {type(d).__name__}")
-    if d.get("kind") != kind:
-        raise ValueError(f'expected a tokenizer dict with "kind": "{kind}", got kind={d.get("kind")!r}')
-    if d.get("version", _FORMAT_VERSION) != _FORMAT_VERSION:
-        raise ValueError(
-            f"tokenizer dict has version {d.get('version')!r}; this pedestrian reads version "
-            f"{_FORMAT_VERSION}. Upgrade pedestrian or re-save the tokenizer."
-        )
+    Args:
+        tokenizer: a Char/BPE tokenizer (decoded with :class:`StreamDecoder`,
+            special tokens skipped).
+        stops: non-empty stop strings (may be empty: then text passes straight through).
+    """
 
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
 
-def _save_json(d: dict[str, Any], path: PathLike) -> None:
-    write_file(path, json.dumps(d, ensure_ascii=False, indent=1) + "\n", what="the tokenizer file")
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text now known to come before any stop string."""
+        return self._feed(self.decoder.push(token_id), final=False)
+
+    def finish(self) -> str:
+        """End of generation: the rest of the text (up to a stop string found in it)."""
+        return self._feed(self.decoder.flush(), final=True)
+
+    def _feed(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        pending = self.pending + text
+        # the match that ends first (ties: the longest), as if the text came one character at a
+        # time -- so the cut does not depend on how the text is split into tokens
+        found = [(i + len(s), -len(s)) for s, i in ((s, pending.find(s)) for s in self.stops) if i >= 0]
+        if found:
+            end, minus_len = min(found)
+            self.stopped, self.pending = True, ""
+            return pending[:end + minus_len]
+        held = 0 if final else self._held(pending)
+        self.pending = pending[len(pending) - held:]
+        return pending[:len(pending) - held]
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
 
 
 def load_tokenizer(obj_or_path: Tokenizer | dict[str, Any] | PathLike) -> Tokenizer:
@@ -802,13 +170,7 @@ def load_tokenizer(obj_or_path: Tokenizer | dict[str, Any] | PathLike) -> Tokeni
     if isinstance(obj_or_path, (CharTokenizer, BPETokenizer)):
         return obj_or_path
     if isinstance(obj_or_path, (str, os.PathLike)):
-        p = Path(obj_or_path).expanduser()
-        if p.is_dir():
-            if not (p / "tokenizer.json").is_file():
-                raise FileNotFoundError(f"folder {p} has no tokenizer.json; pass the tokenizer file itself.")
-            p = p / "tokenizer.json"
-        d = _read_json(p, "tokenizer file")
-        source = str(p)
+        d, source = read_tokenizer_file(obj_or_path)
     elif isinstance(obj_or_path, dict):
         d, source = obj_or_path, "the tokenizer dict"
     else:
@@ -816,21 +178,6 @@ def load_tokenizer(obj_or_path: Tokenizer | dict[str, Any] | PathLike) -> Tokeni
             "load_tokenizer takes a tokenizer, a dict or a path, got "
             f"{type(obj_or_path).__name__}"
         )
-    if not isinstance(d, dict):
-        raise ValueError(f"{source} does not hold a JSON object, so it is not a tokenizer.")
-    kind = d.get("kind")
-    if kind == "char":
+    if d.get("kind") == "char":
         return CharTokenizer.from_dict(d)
-    if kind == "bpe":
-        return BPETokenizer.from_dict(d)
-    if kind is None and "model" in d:  # plain Hugging Face tokenizer.json
-        try:
-            tok = _HFTokenizer.from_str(json.dumps(d))
-        except Exception as e:
-            raise ValueError(f"{source} is not a valid Hugging Face tokenizer.json: {e}") from None
-        _require_byte_level(tok, source)
-        return BPETokenizer(tok)
-    raise ValueError(
-        f'{source} is not a pedestrian tokenizer: expected "kind" to be "char" or "bpe" (or a '
-        f'Hugging Face tokenizer.json with a "model"), got kind={kind!r}.'
-    )
+    return BPETokenizer.from_json(d, source)

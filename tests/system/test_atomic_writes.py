@@ -22,7 +22,7 @@ from pedestrian.atomic import AppendLog, WriteError, atomic_dir, write_file
 from pedestrian.checkpoint import copy_checkpoint, load_checkpoint, save_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
-from pedestrian.data import encode_to_token_file
+from pedestrian.tokens import encode_to_token_file
 from pedestrian.interop.hf import load_hf_model, save_pretrained
 from pedestrian.interop.peft import save_peft_adapter
 from pedestrian.model import GPT

@@ -14,13 +14,12 @@ import pedestrian.data as data
 from pedestrian.data import (
     BUNDLED_CORPUS,
     CorpusError,
-    TokenDataset,
     bundled_corpus,
-    encode_to_token_file,
     iter_corpus_pieces,
     load_corpus,
     split_train_val,
 )
+from pedestrian.tokens import TokenDataset, encode_to_token_file
 from pedestrian.tokenizer import BPETokenizer, CharTokenizer
 
 # --------------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 
 from pedestrian.cli import build_parser
-from pedestrian.commands.train import read_config_file, settings_from_args
+from pedestrian.commands.train import settings_from_args
 from pedestrian.finetune import FinetuneSettings
 from pedestrian.settings import OPEN_UNIT, POSITIVE_INT, add_flags, check, config_value, flag, setting, specs
-from pedestrian.training import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainingError, TrainSettings
+from pedestrian.training import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainingError, TrainSettings, read_config_file
 
 
 def _default(cls, name):

@@ -15,8 +15,9 @@ import pedestrian
 from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
-from pedestrian.data import (CorpusError, corpus_digest, encode_to_token_file, iter_corpus_pieces,
-                             iter_train_pieces, load_corpus, split_train_val)
+from pedestrian.data import (CorpusError, corpus_digest, iter_corpus_pieces, iter_train_pieces, load_corpus,
+                             split_train_val)
+from pedestrian.tokens import encode_to_token_file
 from pedestrian.model import GPT
 from pedestrian.tokenizer import BPETokenizer, CharTokenizer, LoneSurrogateError, find_lone_surrogate
 

@@ -14,7 +14,7 @@ random model (--random: GPT-2's initialisation with --seed, widths --n-blocks, -
 --d-model; a character tokenizer of the prompt's own characters) -- no training needed.
 A prompt longer than the context keeps its last context_length tokens (a note says so).
 Characters are labelled as themselves, with '⏎' for a newline and '␣' for a space. The PNG is
-written atomically (matplotlib, Agg).
+written atomically (matplotlib, Agg; the drawing is :mod:`pedestrian.pictures`).
 
 Examples:
   pedestrian attention --checkpoint runs/shakespeare_char/best --prompt "ROMEO: But soft" --out attn.png
@@ -26,12 +26,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from ..pictures import plot_attention, plot_step, token_labels
 
 #: --random's widths when not given
 RANDOM_DEFAULTS = dict(n_blocks=2, n_heads=2, d_model=16)
@@ -51,136 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=None,
                         help="--random: width d, divisible by --n-heads (default 16)")
     parser.add_argument("--seed", type=int, default=None, help="--random: initialisation seed (default 0)")
-
-
-def token_labels(tokenizer, ids) -> list[str]:
-    """A short printable label per token: its own text, ⏎ for newlines, ␣ for spaces."""
-    out = []
-    for i in ids:
-        text = tokenizer.decode([int(i)])
-        text = text.replace("\n", "⏎").replace(" ", "␣").replace("\t", "⇥") or "∅"
-        out.append(text if len(text) <= 8 else text[:7] + "…")
-    return out
-
-
-def plot_attention(weights: list, labels: list[str], path, *, title: str = "", dpi: int = 110) -> Path:
-    """One heat map per block (rows) and head (columns) of ``P``.
-
-    Args:
-        weights: list over blocks of ``(n_heads, T, T)`` arrays (one sequence).
-        labels: ``T`` token labels (both axes).
-        path: the PNG to write (atomically, :func:`pedestrian.atomic.write_file`).
-        title: figure title.
-
-    Returns:
-        the path written.
-
-    Raises:
-        WriteError (an ``OSError``): the OS refused the write; the old file is unchanged.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n_blocks, n_heads, T = len(weights), weights[0].shape[0], len(labels)
-    font = 7 if T <= 48 else 6
-    cell = min(8.0, max(2.6, T * (font + 2) / 72))           # inches per map: room for every label
-    stride = max(1, math.ceil(T / (cell * 72 / (font + 2))))  # up to ~64 tokens; then every k-th
-    fig, axes = plt.subplots(n_blocks, n_heads, figsize=(n_heads * cell + 1.4, n_blocks * cell + 1.0),
-                             dpi=dpi, squeeze=False, constrained_layout=True)
-    fig.get_layout_engine().set(h_pad=0.12, hspace=0.04)    # room between a row's labels and the next titles
-    ticks = np.arange(0, T, stride)
-    image = None
-    for i in range(n_blocks):
-        for h in range(n_heads):
-            ax = axes[i, h]
-            image = ax.imshow(np.asarray(weights[i][h], dtype=np.float64), cmap="viridis", vmin=0.0,
-                              vmax=1.0, interpolation="nearest", aspect="equal")
-            ax.set_title(f"block {i}, head {h}", fontsize=9)
-            ax.set_xticks(ticks, [labels[t] for t in ticks], fontsize=font, rotation=90)
-            ax.set_yticks(ticks, [labels[t] for t in ticks], fontsize=font)
-            if i == n_blocks - 1:
-                ax.set_xlabel("key (attended to)", fontsize=8)
-            if h == 0:
-                ax.set_ylabel("query", fontsize=8)
-    bar = fig.colorbar(image, ax=axes, shrink=0.6, pad=0.01)
-    bar.set_label("attention weight P", fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return _write_png(fig, path)
-
-
-def _write_png(fig, path) -> Path:
-    """Render ``fig`` to PNG, close it, and write it through the one atomic writer: a full disk or
-    a read-only folder is one WriteError that says the old picture is unchanged (issue 13, part 3)."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    from ..atomic import write_file
-
-    png = io.BytesIO()
-    try:
-        fig.savefig(png, format="png")
-    finally:
-        plt.close(fig)
-    return write_file(Path(path), png.getvalue(), what="the attention picture")
-
-
-def plot_step(weights: list, delta_causal: list, labels: list[str], path, *, title: str = "",
-              dpi: int = 110) -> Path:
-    """One training step, per block (rows) and head: ``P`` and, beside it, ``Δcausal`` (paper 3.2).
-
-    Args:
-        weights: list over blocks of ``(n_heads, T, T)`` arrays, ``P`` of one sequence.
-        delta_causal: the same shapes: ``Δcausal = ∂L/∂ρ_causal`` of that sequence.
-        labels: ``T`` token labels (both axes).
-        path, title, dpi: as :func:`plot_attention`.
-
-    Returns:
-        the path written: a grid of ``n_blocks`` rows and ``2 · n_heads`` heat maps per row.
-
-    Raises:
-        WriteError (an ``OSError``): the OS refused the write; the old file is unchanged.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n_blocks, n_heads, T = len(weights), weights[0].shape[0], len(labels)
-    font = 7 if T <= 48 else 6
-    cell = min(6.0, max(2.4, T * (font + 2) / 72))
-    stride = max(1, math.ceil(T / (cell * 72 / (font + 2))))
-    fig, axes = plt.subplots(n_blocks, 2 * n_heads, figsize=(2 * n_heads * cell + 1.6, n_blocks * cell + 1.0),
-                             dpi=dpi, squeeze=False, constrained_layout=True)
-    fig.get_layout_engine().set(h_pad=0.12, hspace=0.04)
-    ticks = np.arange(0, T, stride)
-    p_image = None
-    for i in range(n_blocks):
-        for h in range(n_heads):
-            p = np.asarray(weights[i][h], dtype=np.float64)
-            dc = np.asarray(delta_causal[i][h], dtype=np.float64)
-            scale = float(np.max(np.abs(dc))) or 1.0
-            for ax, data, kind in ((axes[i, 2 * h], p, "P"), (axes[i, 2 * h + 1], dc, "Δcausal")):
-                if kind == "P":
-                    p_image = ax.imshow(data, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-                    ax.set_title(f"block {i}, head {h}: P", fontsize=9)
-                else:
-                    ax.imshow(data, cmap="RdBu_r", vmin=-scale, vmax=scale, interpolation="nearest")
-                    ax.set_title(f"block {i}, head {h}: Δcausal (±{scale:.1e})", fontsize=9)
-                ax.set_xticks(ticks, [labels[t] for t in ticks], fontsize=font, rotation=90)
-                ax.set_yticks(ticks, [labels[t] for t in ticks], fontsize=font)
-                if i == n_blocks - 1:
-                    ax.set_xlabel("key β", fontsize=8)
-                if ax is axes[i, 0]:
-                    ax.set_ylabel("query α", fontsize=8)
-    bar = fig.colorbar(p_image, ax=axes, shrink=0.6, pad=0.01)
-    bar.set_label("attention weight P", fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return _write_png(fig, path)
 
 
 def _random_model(args: argparse.Namespace):

@@ -28,156 +28,10 @@ Examples:
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from ..config import GPTConfig, count_params
-from .params import CONFIG_FIELDS, add_config_arguments, config_from_args
-
-#: arithmetic operations per element of the reference layers (see the module docstring);
-#: ``"fwd"`` per output element, ``"bwd"`` per element of the incoming signal
-ELEMENTWISE = {
-    "layernorm": {"fwd": 7, "bwd": 10, "bias": 1, "per_row_fwd": 3},   # +1 each way with a bias
-    "bias": {"fwd": 1, "bwd": 1},                 # y + b; db = Σ_tokens Δ
-    "add": {"fwd": 1, "bwd": 1},                  # a5 = x + a4 (backward: the skip's sum)
-    "position": {"fwd": 1, "bwd": 1},             # + W_pos[t]; dW_pos += Δ1
-    "embedding": {"fwd": 0, "bwd": 1},            # gather; dW_tok scatter-add
-    "rope": {"fwd": 3, "bwd": 3},                 # per rotated q/k element: 2 ×, 1 ±
-    "scores": {"fwd": 6, "bwd": 5},               # ÷√d_qk, softmax (max, −, exp, Σ, ÷); bwd: 4 + ÷√d_qk
-    "relu": {"fwd": 1, "bwd": 1},
-    "gelu": {"fwd": 5, "bwd": 11},
-    "gelu_tanh": {"fwd": 9, "bwd": 19},
-    "cross_entropy": {"fwd": 9, "bwd": 3},         # per logit
-}
-
-
-@dataclass
-class Row:
-    """One line of the table: activation ``name`` (and its error signal)."""
-
-    name: str
-    shape: tuple
-    forward: str
-    params: str
-    fwd_flops: int
-    backward: str
-    bwd_flops: int
-    memory: int                                   # bytes the forward keeps
-    per_block: bool = False
-
-
-def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4) -> list[Row]:
-    """The table's rows for one training step of ``batch_size`` sequences of ``seq_len`` tokens.
-
-    Raises:
-        ValueError: ``batch_size < 1`` or ``seq_len`` outside ``[1, context_length]``.
-    """
-    c = config
-    B, T = batch_size, seq_len
-    if B < 1:
-        raise ValueError(f"--batch-size must be a positive integer, got {B}")
-    if not 1 <= T <= c.context_length:
-        raise ValueError(f"--seq-len must be in [1, context_length={c.context_length}], got {T}")
-    d, H, dqk, dh, V, dm = c.d_model, c.n_heads, c.d_qk, c.d_head, c.vocab_size, c.d_mlp
-    N = B * T
-    w_qkv = H * (2 * dqk + dh)
-    bias = 1 if c.bias else 0
-    E = ELEMENTWISE
-    ln = E["layernorm"]
-    ln_fwd = N * d * (ln["fwd"] + bias * ln["bias"]) + N * ln["per_row_fwd"]
-    ln_bwd = N * d * (ln["bwd"] + bias * ln["bias"])
-    ln_params = "γ, β" if c.bias else "γ"
-
-    def fc(f_in, f_out):                          # forward, backward FLOPs of y = x W + b
-        fwd = 2 * N * f_in * f_out + bias * N * f_out
-        bwd = 4 * N * f_in * f_out + bias * N * f_out   # Δ_in = Δ Wᵀ and dW = xᵀ Δ (every layer
-        return fwd, bwd                                 # needs Δ_in: Δ1 feeds the embedding)
-
-    rows = [Row("a0", (B, T), "token ids", "-", 0, "-", 0, N * 8)]
-    learned = c.learned_positions
-    rows.append(Row("a1", (B, T, d), "W_tok[a0] + W_pos[t]" if learned else "W_tok[a0]",
-                    "tok_emb, pos_emb" if learned else "tok_emb",
-                    N * d * (E["embedding"]["fwd"] + learned * E["position"]["fwd"]),
-                    "dW_tok += ohe(a0)ᵀ Δ1" + ("; dW_pos += Σ_b Δ1" if learned else ""),
-                    N * d * (E["embedding"]["bwd"] + learned * E["position"]["bwd"]), N * d * itemsize))
-    rows.append(Row("a2", (B, T, d), "LN1(x)", ln_params, ln_fwd, "Δx += LN1ᵀ(Δ2); dγ, dβ",
-                    ln_bwd, N * d * itemsize, True))
-    fwd, bwd = fc(d, w_qkv)
-    rope = c.position_encoding == "rope"          # then the rotated copy is kept, not this one
-    rows.append(Row("qkv", (B, T, w_qkv), "a2 [Wq|Wk|Wv] + [bq|bk|bv]", "attn.q, attn.k, attn.v",
-                    fwd, "Δ2 = Δqkv Wᵀ; dW = a2ᵀ Δqkv", bwd, 0 if rope else N * w_qkv * itemsize, True))
-    if rope:
-        r = c.rope_dims
-        per = 2 * N * H * r                       # rotated q and k elements
-        rows.append(Row("rope", (B, T, w_qkv), f"q, k ← R(tθ) (first {r} of {dqk} per head)", "-",
-                        per * E["rope"]["fwd"], "Δq, Δk ← R(−tθ) Δ", per * E["rope"]["bwd"],
-                        N * w_qkv * itemsize, True))
-    scores = B * H * T * T
-    mask = " + causal mask" if c.causal else ""
-    rows.append(Row("P", (B, H, T, T), f"softmax(q kᵀ/√d_qk{mask})", "-",
-                    2 * scores * dqk + scores * E["scores"]["fwd"],
-                    "Δcausal = P∘(dP − rowsum(dP∘P))", scores * E["scores"]["bwd"],
-                    scores * itemsize, True))
-    rows.append(Row("a3", (B, T, H * dh), "P v, heads side by side", "-", 2 * scores * dh,
-                    "dv = PᵀΔ3, dP = Δ3 vᵀ; dq = Δraw k, dk = Δrawᵀ q",
-                    2 * scores * dh * 2 + 2 * scores * dqk * 2, N * H * dh * itemsize, True))
-    fwd, bwd = fc(H * dh, d)
-    rows.append(Row("a4", (B, T, d), "a3 W_proj + b", "attn_proj", fwd, "Δ3 = Δ4 Wᵀ; dW = a3ᵀ Δ4", bwd,
-                    N * d * itemsize, True))
-    rows.append(Row("a5", (B, T, d), "x + a4", "-", N * d * E["add"]["fwd"], "Δx += Δ5; Δ4 = Δ5",
-                    N * d * E["add"]["bwd"], N * d * itemsize, True))
-    rows.append(Row("a6", (B, T, d), "LN2(a5)", ln_params, ln_fwd, "Δ5 += LN2ᵀ(Δ6); dγ, dβ", ln_bwd,
-                    N * d * itemsize, True))
-    fwd, bwd = fc(d, dm)
-    rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
-                    N * dm * itemsize, True))
-    g = E[c.activation]
-    rows.append(Row("a8", (B, T, dm), f"g(a7), g = {c.activation}", "-", N * dm * g["fwd"],
-                    "Δ7 = g'(a7) ∘ Δ8", N * dm * g["bwd"], N * dm * itemsize, True))
-    fwd, bwd = fc(dm, d)
-    rows.append(Row("a9", (B, T, d), "a8 W_contract + b", "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd,
-                    N * d * itemsize, True))
-    rows.append(Row("a10", (B, T, d), "a5 + a9", "-", N * d * E["add"]["fwd"], "Δ5 += Δ10; Δ9 = Δ10",
-                    N * d * E["add"]["bwd"], N * d * itemsize, True))
-    rows.append(Row("a11", (B, T, d), "LN_final(a10)", ln_params, ln_fwd, "Δ10 = LNᵀ(Δ11); dγ, dβ", ln_bwd,
-                    N * d * itemsize))
-    tied = c.tie_weights
-    lb = 1 if c.logits_bias else 0
-    rows.append(Row("a12", (B, T, V), "a11 W_tokᵀ (tied)" if tied else "a11 W_logits" + (" + b" if lb else ""),
-                    "tok_emb" if tied else "logits", 2 * N * d * V + lb * N * V,
-                    "Δ11 = Δ12 W; dW_tok += Δ12ᵀ a11" if tied else "Δ11 = Δ12 Wᵀ; dW = a11ᵀ Δ12",
-                    4 * N * d * V + lb * N * V, N * V * itemsize))
-    ce = E["cross_entropy"]
-    rows.append(Row("loss", (), "mean −log softmax(a12)[y]", "-", N * V * ce["fwd"],
-                    "Δ12 = (softmax(a12) − ohe(y)) / N", N * V * ce["bwd"], N * V * itemsize))
-    return rows
-
-
-def totals(config: GPTConfig, rows: list[Row], batch_size: int, seq_len: int, itemsize: int = 4) -> dict:
-    """Sums over one step (block rows counted ``n_blocks`` times), the matrix-product part alone,
-    and the 6·N·tokens estimate (N = every parameter)."""
-    k = config.n_blocks
-    mult = [k if r.per_block else 1 for r in rows]
-    fwd = sum(m * r.fwd_flops for m, r in zip(mult, rows))
-    bwd = sum(m * r.bwd_flops for m, r in zip(mult, rows))
-    memory = sum(m * r.memory for m, r in zip(mult, rows))
-    n_params = count_params(config)
-    tokens = batch_size * seq_len
-    matmul = matmul_flops(config, batch_size, seq_len)
-    return dict(fwd=fwd, bwd=bwd, step=fwd + bwd, memory=memory, n_params=n_params, tokens=tokens,
-                six_n=6 * n_params * tokens, matmul_step=matmul, params_memory=4 * n_params * itemsize)
-
-
-def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int) -> int:
-    """Matrix-product FLOPs of one step (forward + backward): the part the 6·N·tokens rule models.
-    The first layer (qkv of block 0) still needs Δ_in: the embedding gradient depends on it."""
-    c = config
-    N = batch_size * seq_len
-    H = c.n_heads
-    per_block = 2 * N * (c.d_model * H * (2 * c.d_qk + c.d_head) + H * c.d_head * c.d_model
-                         + 2 * c.d_model * c.d_mlp)
-    attention = 2 * batch_size * H * seq_len * seq_len * (c.d_qk + c.d_head)
-    forward = c.n_blocks * (per_block + attention) + 2 * N * c.d_model * c.vocab_size
-    return 3 * forward
+from ..config import CONFIG_FIELDS, GPTConfig
+from ..explain import ELEMENTWISE, explain_rows, totals
+from .params import add_config_arguments, config_from_args
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -220,8 +74,7 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str]:
         settings = (state.get("meta") or {}).get("settings") or {}
         return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32")
     if args.config:
-        from ..training import DEFAULT_MODEL, TrainSettings
-        from .train import read_config_file
+        from ..training import DEFAULT_MODEL, TrainSettings, read_config_file
 
         given = read_config_file(args.config)
         settings = TrainSettings(**{k: v for k, v in given.items()

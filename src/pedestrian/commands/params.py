@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import LORA_LAYER_KINDS, POSITION_ENCODINGS, PRESETS, GPTConfig, lora_specs, param_specs, preset
+from ..config import CONFIG_FIELDS, LORA_LAYER_KINDS, POSITION_ENCODINGS, PRESETS, GPTConfig, lora_specs, param_specs
 
 
 def add_config_arguments(parser: argparse.ArgumentParser):
@@ -39,11 +39,6 @@ def add_config_arguments(parser: argparse.ArgumentParser):
     g.add_argument("--rope-base", type=float, help="RoPE base b: pair j turns by b^(-2j/r) per position (10000)")
     g.add_argument("--rope-fraction", type=float, help="fraction of each head's d_qk RoPE rotates (1.0)")
     return g
-
-
-CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
-                 "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
-                 "position_encoding", "rope_base", "rope_fraction")
 
 
 def config_from_args(args: argparse.Namespace, base: dict | None = None) -> GPTConfig:

@@ -51,6 +51,8 @@ from typing import TextIO
 
 import numpy as np
 
+from ..tokenizer import StopText
+
 EOT = "<|endoftext|>"
 
 
@@ -141,63 +143,6 @@ def _stop_ids(tokenizer, args) -> list[int]:
     return stops
 
 
-class StopText:
-    """The text of one generated row, cut right before the first stop string.
-
-    Stop strings are matched on the decoded text, whatever its split into tokens: the text ends
-    right before the stop string that is completed first, reading character by character (of
-    two completed at the same character, the longer). Text is released as soon as it is
-    decided: only the longest tail that is still the beginning of a stop string is held back,
-    so a match always starts in the held tail or in the new text.
-
-    Args:
-        tokenizer: a Char/BPE tokenizer (decoded with :class:`~pedestrian.tokenizer.StreamDecoder`,
-            special tokens skipped).
-        stops: non-empty stop strings (may be empty: then text passes straight through).
-    """
-
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        from ..tokenizer import StreamDecoder
-
-        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text now known to come before any stop string."""
-        return self._feed(self.decoder.push(token_id), final=False)
-
-    def finish(self) -> str:
-        """End of generation: the rest of the text (up to a stop string found in it)."""
-        return self._feed(self.decoder.flush(), final=True)
-
-    def _feed(self, text: str, final: bool) -> str:
-        if self.stopped:
-            return ""
-        pending = self.pending + text
-        # the match that ends first (ties: the longest), as if the text came one character at a
-        # time -- so the cut does not depend on how the text is split into tokens
-        found = [(i + len(s), -len(s)) for s, i in ((s, pending.find(s)) for s in self.stops) if i >= 0]
-        if found:
-            end, minus_len = min(found)
-            self.stopped, self.pending = True, ""
-            return pending[:end + minus_len]
-        held = 0 if final else self._held(pending)
-        self.pending = pending[len(pending) - held:]
-        return pending[:len(pending) - held]
-
-    def _held(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
-
-
 def _prompt_texts(args: argparse.Namespace) -> list[str]:
     """The prompts of ``--prompt`` (repeatable) and ``--prompts-file`` (one per line), in that order;
     ``[""]`` when none is given."""
@@ -251,7 +196,7 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
 
     Only ids below ``tokenizer.vocab_size`` are sampled (``generate(vocab_limit=...)``), so a
     model with a padded vocabulary never produces an id the tokenizer cannot decode. ``--stop``
-    strings are matched on the decoded text (:class:`StopText`).
+    strings are matched on the decoded text (:class:`~pedestrian.tokenizer.StopText`).
 
     Raises:
         ValueError: bad sampling settings, an empty prompt without ``<|endoftext|>``, an

@@ -36,29 +36,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
 from pathlib import Path
 
-from ..config import PRESETS, GPTConfig
-from ..settings import add_flags, config_value, kind_of, specs
+from ..config import PRESETS
+from ..settings import add_flags, specs
 from ..training import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
-from .params import CONFIG_FIELDS, add_config_arguments
-
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-#: TrainSettings fields with a flag / config key (each declared once, in pedestrian.training)
-_TRAIN_FIELDS = tuple(name for name, spec in specs(TrainSettings).items() if spec.flag)
-#: model keys: GPTConfig fields (their types come from GPTConfig) and a preset name
-_MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
-_TABLES = ("data", "model", "optim", "train")
-#: the type every TOML value must have (that of its flag)
-_KINDS = {**{name: specs(TrainSettings)[name].kind for name in _TRAIN_FIELDS},
-          **{name: kind_of(hint) for name, hint in typing.get_type_hints(GPTConfig).items()},
-          "preset": str}
-
+from ..training.settings import MODEL_KEYS, TRAIN_KEYS, read_config_file
+from .params import add_config_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="settings file (TOML; flags override it)")
@@ -74,54 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help="do not print samples of the trained model at the end")
 
 
-def read_config_file(path) -> dict:
-    """Flatten a TOML settings file into ``{setting: value}`` (tables data/model/optim/train).
-
-    Raises:
-        FileNotFoundError: no such file. ValueError: invalid TOML, an unknown key, or a value
-            whose type is not that of its flag (the message names the key and the type).
-    """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"config file not found: {p}")
-    try:
-        # utf-8-sig: a byte-order mark (Windows editors) is dropped, as for corpus files
-        raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"config file {p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {p} is not valid TOML: {exc}") from None
-    flat: dict = {}
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            if key not in _TABLES:
-                raise ValueError(f"config file {p}: unknown table [{key}]; use {list(_TABLES)} or none")
-            items = value.items()
-        else:
-            items = [(key, value)]
-        for k, v in items:
-            if k == "vocab_size":
-                raise ValueError(f"config file {p}: vocab_size is set by the tokenizer; remove it")
-            if k not in _TRAIN_FIELDS and k not in _MODEL_KEYS:
-                raise ValueError(f"config file {p}: unknown setting {k!r}; known: "
-                                 f"{sorted(set(_TRAIN_FIELDS) | set(_MODEL_KEYS))}")
-            if k in flat:
-                raise ValueError(f"config file {p}: {k!r} is given twice")
-            flat[k] = config_value(p, k, v, _KINDS[k])
-    return flat
-
-
 def settings_from_args(args: argparse.Namespace):
     """``(TrainSettings, explicit setting names)`` from defaults < --config file < flags."""
     given = read_config_file(args.config) if args.config else {}
-    for name in _TRAIN_FIELDS + _MODEL_KEYS:
+    for name in TRAIN_KEYS + MODEL_KEYS:
         value = getattr(args, name, None)
         if value is not None:
             given[name] = value
     if getattr(args, "vocab_size", None) is not None or given.get("vocab_size") is not None:
         raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
     preset = given.pop("preset", None)
-    model_given = {k: given.pop(k) for k in list(given) if k in _MODEL_KEYS}
+    model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
     if preset is not None and preset not in PRESETS:
         raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     model = dict(DEFAULT_MODEL)

@@ -50,7 +50,8 @@ import numpy as np
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
 from ..inputs import check_finite_state
-from .hf import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
+from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
+from .hf_config import export_problems
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
            "lora_state_to_peft", "peft_module", "peft_scaling"]
@@ -387,10 +388,8 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
 
     Raises:
         ValueError: the model has no adapters, or its base is not a Hugging Face GPT-2
-            (:func:`pedestrian.interop.hf.export_problems`).
+            (:func:`pedestrian.interop.hf_config.export_problems`).
     """
-    from .hf import export_problems
-
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
     problems = export_problems(model.config)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import BUNDLED_CORPUS, encode_to_token_file, iter_corpus_pieces, iter_train_pieces
+from ..data import BUNDLED_CORPUS, iter_corpus_pieces, iter_train_pieces
+from ..tokens import encode_to_token_file
 from .settings import TrainSettings
 from .step import TrainingError
 
@@ -48,7 +49,7 @@ def prepare_data(settings: TrainSettings, tokenizer=None):
     """Tokenizer and the encoded train / validation token streams of the corpus.
 
     The corpus is encoded once into a token file cached beside it (memory-mapped; see
-    :func:`pedestrian.data.encode_to_token_file`).
+    :func:`pedestrian.tokens.encode_to_token_file`).
 
     Args:
         settings: uses ``data``, ``tokenizer``, ``bpe_vocab_size``, ``val_fraction`` and the

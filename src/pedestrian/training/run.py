@@ -1,16 +1,17 @@
 """``pedestrian train``: the settings, the data, and :func:`train`, which wires the shared loop.
 
 :func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG, and
-runs :class:`pedestrian.training.loop.Trainer` with callbacks that log every step to ``<out>/log.jsonl``,
-evaluate a fixed set of validation batches every ``eval_interval`` steps (and then log the norms
-of every block's error signals and gradients on that step's batch, :func:`gradient_record`), keep
-``<out>/latest`` and ``<out>/best`` checkpoints and stop in time (``max_minutes``); it draws
+runs :class:`pedestrian.training.loop.Trainer`, which logs every step to ``<out>/log.jsonl``,
+evaluates a fixed set of validation batches every ``eval_interval`` steps (after which a callback
+logs the norms of every block's error signals and gradients on that step's batch,
+:func:`gradient_record`), keeps ``<out>/latest`` and ``<out>/best`` checkpoints (the ``save``
+function here) and stops in time (``max_minutes``); :func:`train` draws
 ``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
 steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
-AdamW) is :func:`pedestrian.training.loop.train_step`.
+AdamW) is :func:`pedestrian.training.step.train_step`.
 
-Non-finite numbers (the rule of :mod:`pedestrian.training.loop`): a step whose loss or gradient norm is
+Non-finite numbers (the rule of :mod:`pedestrian.training.step`): a step whose loss or gradient norm is
 NaN or inf is skipped -- no update, weights and AdamW moments untouched -- with a warning naming
 the step; ``max_skipped_steps`` (default 5) skipped steps in a row stop the run with an error
 that names the last good checkpoint. A non-finite validation loss never makes a "best"
@@ -52,12 +53,13 @@ import numpy as np
 from ..atomic import WriteError
 from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
 from ..config import GPTConfig
-from ..data import BUNDLED_CORPUS, TokenDataset
+from ..data import BUNDLED_CORPUS
 from ..distributed import CommunicationError, process_group, reports_to_launcher
 from ..finite import finite_or_none
+from ..tokens import TokenDataset
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
-from .loop import Checkpoints, Evaluation, Progress, StepLog, TimeGuard, Trainer, finish
+from .loop import Checkpoints, Trainer
 from .optim import AdamW, CosineSchedule
 from .parallel import runner_for
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
@@ -266,17 +268,6 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     model, optimizer, data_rng = _start(settings, config, ckpt, group)
     runner, context, split = _runner(settings, model, ckpt, group)
     end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
-    trainer = Trainer(runner, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
-                                                        settings.min_lr),
-                      lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
-                      step=ckpt.step if ckpt else 0, end=end,
-                      end_reason="max_steps" if end == settings.max_steps else "stop_step",
-                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k, context=context,
-                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
-                      group=group, dropout_seed=settings.seed)
-    if ckpt is not None:
-        trainer.last_eval = trainer.last_save = ckpt.step
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
@@ -302,26 +293,34 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     elif group.world_size > 1:
         resume_command = f"torchrun <the same options> -m {resume_command}"
     resume_command += per_run_flags(settings)
-    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
-    progress = Progress(trainer, "train", settings.progress and group.is_writer)
-    evaluation = Evaluation(runner, val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                            settings.eval_interval, files, progress, context, group)
     checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
                               previous=f"the previous run in {out} is left as it was" if had_run else None,
                               model=model, go_on=f"continue from it with: {resume_command} "
                               "(the same settings redo the same steps), or start again with a lower --lr "
                               "(--overwrite, or --out NEW_DIR)")
-    guard = TimeGuard(settings.max_minutes, t_start)
-    if group.is_writer:                       # rank 0's clock decides for every rank
-        trainer.stop_checks.append(guard)
+    trainer = Trainer(runner, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
+                                                        settings.min_lr),
+                      lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
+                      step=ckpt.step if ckpt else 0, end=end,
+                      end_reason="max_steps" if end == settings.max_steps else "stop_step",
+                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
+                      tokens_per_step=B * T * k, context=context,
+                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
+                      group=group, dropout_seed=settings.seed, files=files,
+                      progress="train" if settings.progress and group.is_writer else None,
+                      val_batches=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                      eval_interval=settings.eval_interval, checkpoints=checkpoints,
+                      max_minutes=settings.max_minutes if group.is_writer else None,   # rank 0's clock decides
+                      t_start=t_start)
+    if ckpt is not None:
+        trainer.last_eval = trainer.last_save = ckpt.step
+    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
 
     def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
         if group.is_writer and t.step % settings.eval_interval == 0 and t.skipped is None:
             files.log(gradient_record(model, *t.batches[0], t.step))
 
-    trainer.on("step_end", StepLog(files, t_start), progress, guard.mark, evaluation, gradient_norms, checkpoints,
-               guard.measure)
-    trainer.on("stop", finish(evaluation, checkpoints))
+    trainer.on("step_end", gradient_norms)
     try:
         reason = trainer.run()
     except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
@@ -334,7 +333,6 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         raise TrainingError(f"{exc} at step {trainer.step + 1}; the run stopped; {checkpoints.kept(trainer)}"
                             f"{then}") from exc
     finally:
-        progress.close()
         files.close()
         if runner is not model:
             runner.close()

@@ -6,17 +6,22 @@ them a resumed run may change.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from ..config import GPTConfig
+from ..config import CONFIG_FIELDS, GPTConfig
 from ..data import BUNDLED_CORPUS
 from ..distributed import DEVICES
 from ..settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
-                        check, setting, specs)
+                        check, config_value, kind_of, setting, specs)
 from .parallel import DATA_PARALLEL_MODES
 from .step import TrainingError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 #: The default model of ``pedestrian train`` (vocab_size comes from the tokenizer): 812,288
 #: parameters with the 84-character Shakespeare vocabulary, sized so that the default
@@ -167,3 +172,52 @@ PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tag
 #: first N steps computed): given explicitly they win, otherwise the checkpoint's are kept.
 #: Any other explicitly given setting must match the checkpoint.
 RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {n for n, s in specs(TrainSettings).items() if s.tags & _RESUMABLE}
+
+
+# ---------------------------------------------------------------------------------------- a settings file
+#: TrainSettings fields with a flag / config key (each declared once, above)
+TRAIN_KEYS = tuple(name for name, spec in specs(TrainSettings).items() if spec.flag)
+#: model keys: GPTConfig fields (their types come from GPTConfig) and a preset name
+MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
+_TABLES = ("data", "model", "optim", "train")
+#: the type every TOML value must have (that of its flag)
+_KINDS = {**{name: specs(TrainSettings)[name].kind for name in TRAIN_KEYS},
+          **{name: kind_of(hint) for name, hint in typing.get_type_hints(GPTConfig).items()},
+          "preset": str}
+
+
+def read_config_file(path) -> dict:
+    """Flatten a TOML settings file into ``{setting: value}`` (tables data/model/optim/train).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: invalid TOML, an unknown key, or a value
+            whose type is not that of its flag (the message names the key and the type).
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p}")
+    try:
+        # utf-8-sig: a byte-order mark (Windows editors) is dropped, as for corpus files
+        raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {p} is not valid TOML: {exc}") from None
+    flat: dict = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            if key not in _TABLES:
+                raise ValueError(f"config file {p}: unknown table [{key}]; use {list(_TABLES)} or none")
+            items = value.items()
+        else:
+            items = [(key, value)]
+        for k, v in items:
+            if k == "vocab_size":
+                raise ValueError(f"config file {p}: vocab_size is set by the tokenizer; remove it")
+            if k not in TRAIN_KEYS and k not in MODEL_KEYS:
+                raise ValueError(f"config file {p}: unknown setting {k!r}; known: "
+                                 f"{sorted(set(TRAIN_KEYS) | set(MODEL_KEYS))}")
+            if k in flat:
+                raise ValueError(f"config file {p}: {k!r} is given twice")
+            flat[k] = config_value(p, k, v, _KINDS[k])
+    return flat

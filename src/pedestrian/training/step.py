@@ -225,7 +225,3 @@ def non_finite_tensors(model, optimizer: AdamW) -> str:
         tensors.update({f"optimizer {g.name}.m": m, f"optimizer {g.name}.v": v})
     return non_finite_report(non_finite_counts(tensors), tensors)
 
-
-# ---------------------------------------------------------------------------------------- the loop
-#: stop reasons, least urgent first: when ranks disagree (a signal reached one, rank 0's time
-#: guard ran out) the most urgent one wins, on every rank
