@@ -66,6 +66,11 @@ def plot_attention(weights: list, labels: list[str], path, *, title: str = "", d
                 ax.set_xlabel("key (attended to)", fontsize=8)
             if h == 0:
                 ax.set_ylabel("query", fontsize=8)
+    return _finish(fig, axes, image, title, path)
+
+
+def _finish(fig, axes, image, title: str | None, path):
+    """The colour bar of the weights ``P`` (``image``), the title, and the PNG written."""
     bar = fig.colorbar(image, ax=axes, shrink=0.6, pad=0.01)
     bar.set_label("attention weight P", fontsize=9)
     if title:
@@ -138,8 +143,4 @@ def plot_step(weights: list, delta_causal: list, labels: list[str], path, *, tit
                     ax.set_xlabel("key β", fontsize=8)
                 if ax is axes[i, 0]:
                     ax.set_ylabel("query α", fontsize=8)
-    bar = fig.colorbar(p_image, ax=axes, shrink=0.6, pad=0.01)
-    bar.set_label("attention weight P", fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return _write_png(fig, path)
+    return _finish(fig, axes, p_image, title, path)

@@ -213,6 +213,23 @@ def test_state_dict_round_trip_and_mismatch():
     assert other.step_count == 0
 
 
+def test_state_dict_with_a_non_finite_moment_is_refused_and_loads_nothing():
+    """A NaN or inf moment would make every later update NaN: refused, named as the other loaders
+    name it (pedestrian.finite), the optimizer unchanged."""
+    rng = np.random.default_rng(6)
+    opt = AdamW(_groups(rng), lr=0.01)
+    for g in opt.groups:
+        g.grads[...] = 1.0
+    opt.step()
+    state = opt.state_dict()
+    state["g1.v"] = state["g1.v"].copy()
+    state["g1.v"].reshape(-1)[:2] = [np.nan, np.inf]
+    fresh = AdamW(_groups(rng), lr=0.01)
+    with pytest.raises(ValueError, match=r"g1\.v \(1 NaN, 1 inf of \d+ values\); nothing was loaded"):
+        fresh.load_state_dict(state)
+    assert fresh.step_count == 0 and all(not np.any(m) for m in fresh.m)
+
+
 def test_param_groups_follow_lora_freezing():
     model = GPT(GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1))
     assert [g.name for g in param_groups(model)] == ["base"]

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..backend import is_torch_array, to_numpy
+from ..finite import non_finite_counts, non_finite_report
 from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
 from ..kernels.jit import kernel, prange
 
@@ -442,7 +443,7 @@ class AdamW:
         """
         names = {f"{g.name}.{k}" for g in self.groups for k in "mv"}
         given = {k for k in state if k not in ("step", "hyper")}
-        problems, non_finite = [], []
+        problems, moments = [], {}
         if names - given:
             problems.append(f"missing {sorted(names - given)}")
         if given - names:
@@ -454,19 +455,15 @@ class AdamW:
                     problems.append(f"{key} has shape {tuple(np.shape(state[key]))}, the parameters "
                                     f"{tuple(group.params.shape)}")
                 elif key in state:                  # a NaN moment makes every later update NaN
-                    a = np.asarray(to_numpy(state[key]))
-                    finite = np.isfinite(a)
-                    if not finite.all():
-                        n_nan = int(np.count_nonzero(np.isnan(a)))
-                        non_finite.append(f"{key} ({n_nan} NaN, "
-                                          f"{a.size - n_nan - int(np.count_nonzero(finite))} inf of {a.size} values)")
+                    moments[key] = state[key]
         if "step" not in state:
             problems.append("missing step")
         if problems:
             raise ValueError("optimizer state does not match this model: " + "; ".join(problems))
+        non_finite = non_finite_counts(moments)
         if non_finite:
-            raise ValueError("optimizer state holds non-finite values: " + ", ".join(non_finite)
-                             + "; nothing was loaded")
+            raise ValueError("optimizer state holds non-finite values: "
+                             + non_finite_report(non_finite, moments, limit=None) + "; nothing was loaded")
         for group, m, v in zip(self.groups, self.m, self.v):
             for dst, key in ((m, f"{group.name}.m"), (v, f"{group.name}.v")):
                 src = to_numpy(state[key])
