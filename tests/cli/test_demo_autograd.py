@@ -1,14 +1,15 @@
 """``pedestrian demo --check autograd``: the paper's verification printout, one line per tensor.
 
-Checked against the suite's own oracle, ``tests/oracles/torch_reference.py`` (an independent
-PyTorch model that imports nothing from pedestrian), not against the command's torch restatement:
+The command runs the suite's own oracle, ``tests/oracles/torch_reference.py`` (an independent
+PyTorch model that imports nothing from pedestrian; the library runs no autograd). Checked here:
 
 - the set of tensors printed is complete: every parameter of the oracle's model, every error
   signal Δ1 … Δ12 and each block's Δcausal, each exactly once;
 - every line passes, and the size it prints is the oracle's (2 significant digits);
 - the demo model's own tensors (the ones the lines describe) agree with the oracle to 1e-9, the
   project's autograd bound -- Δcausal against autograd of the oracle's heads, from its a2 and Δ3;
-- a wrong backward (layer-norm weight gradient off by 0.1 %) fails exactly its lines.
+- a wrong backward (layer-norm weight gradient off by 0.1 %) fails exactly its lines;
+- outside a source checkout (no oracle) the command says so in one error line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_helpers import break_layernorm_backward
+from cli_helpers import break_layernorm_backward, one_line_error
 from pedestrian.cli import main
 from pedestrian.commands import demo
 from torch_reference import delta_names, param_shapes, reference_forward, reference_loss_and_grads
@@ -154,11 +155,8 @@ def demo_cfg() -> dict:
     return oracle_cfg(model.config)
 
 
-def test_the_oracle_module_refuses_what_it_does_not_restate():
-    from pedestrian import GPT, GPTConfig
-    from pedestrian.commands.demo_autograd import autograd_gradients
-
-    model = GPT(GPTConfig(vocab_size=5, context_length=4, d_model=4, n_heads=1, n_blocks=1,
-                          position_encoding="rope"), dtype="float64")
-    with pytest.raises(ValueError, match="RoPE"):
-        autograd_gradients(model, np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64))
+def test_without_the_oracle_one_error_line(monkeypatch, tmp_path, capsys):
+    """An installed package has no tests/oracles/: one error line, status 2, nothing printed."""
+    monkeypatch.setattr(demo, "ORACLE", tmp_path / "torch_reference.py")
+    assert main(["demo", "--check", "autograd"]) == 2
+    assert "only a source checkout has" in one_line_error(capsys)

@@ -291,6 +291,8 @@ def delta_names(cfg: dict) -> list[str]:
 
 def _delta_name(act_name: str) -> str:
     head, _, last = act_name.rpartition(".")
+    if last == "causal":                                 # the masked scores: Δcausal
+        return f"{head}.Δcausal"
     assert last.startswith("a")
     d = "Δ" + last[1:]
     return f"{head}.{d}" if head else d
@@ -365,7 +367,7 @@ def _rope(x: torch.Tensor, n_heads: int, d_qk: int, pos: torch.Tensor, base: flo
 
 def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_alpha: float | dict = 1.0,
                       return_activations: bool = False, lora_masks: dict | None = None, positions=None,
-                      key_start=None):
+                      key_start=None, keep_scores: bool = False):
     """Logits ``(B, T, V)``; with ``return_activations=True`` returns ``(logits, acts)`` where
     ``acts`` maps "a1", "blocks.{i}.a2" .. "blocks.{i}.a10", "a11", "a12" to the activations,
     each ``retain_grad()``-ed when it requires grad (so ``acts[n].grad`` is Δ after backward).
@@ -375,6 +377,8 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
     mask of the adapter input}`` (absent layers: no dropout).
     ``positions``: ``(T,)`` position of each token (default ``0 … T-1``). ``key_start``: ``(T,)``
     ints, the first key each query may attend to (a causal sliding window; default 0).
+    ``keep_scores``: ``acts`` also holds each block's masked, scaled scores ``(B, H, T, T)`` as
+    "blocks.{i}.causal" (its grad after backward is Δcausal; ``pedestrian demo --check autograd``).
     """
     check_params(params, cfg)
     dd = derived_dims(cfg)
@@ -424,16 +428,18 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
         if encoding == "rope":
             q = _rope(q, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]))
             k = _rope(k, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]))
-        heads = []
+        scores = []
         for h in range(H):
             qh = q[..., h * dqk:(h + 1) * dqk]
             kh = k[..., h * dqk:(h + 1) * dqk]
-            vh = v[..., h * dh:(h + 1) * dh]
             S = (qh @ kh.transpose(-1, -2)) / math.sqrt(dqk)  # (B, T, T)
             if cfg["causal"]:
                 S = S.masked_fill(future, float("-inf"))
-            P = torch.softmax(S, dim=-1)
-            heads.append(P @ vh)
+            scores.append(S)
+        if keep_scores:                                # one (B, H, T, T) tensor the heads read from
+            stacked = keep(f"{p}.causal", torch.stack(scores, dim=1))
+            scores = [stacked[:, h] for h in range(H)]
+        heads = [torch.softmax(S, dim=-1) @ v[..., h * dh:(h + 1) * dh] for h, S in enumerate(scores)]
         a3 = keep(f"{p}.a3", torch.cat(heads, dim=-1))
         a4 = keep(f"{p}.a4", _fc(params, f"{p}.attn_proj", a3, alpha, masks))
         a5 = keep(f"{p}.a5", x + a4)
@@ -478,7 +484,7 @@ def reference_loss(logits: torch.Tensor, targets) -> torch.Tensor:
 
 def reference_loss_and_grads(params_np: dict[str, np.ndarray], cfg: dict, tokens, targets,
                              lora_alpha: float | dict = 1.0, dtype: torch.dtype = torch.float64,
-                             lora_masks: dict | None = None):
+                             lora_masks: dict | None = None, keep_scores: bool = False):
     """Forward + loss + backward in torch.
 
     Returns ``(loss, logits, grads, deltas)``:
@@ -487,10 +493,11 @@ def reference_loss_and_grads(params_np: dict[str, np.ndarray], cfg: dict, tokens
       * ``grads``  {param name: np.ndarray} for EVERY parameter (zeros where autograd gave none);
       * ``deltas`` {"Δ1", "blocks.{i}.Δ2" .. "blocks.{i}.Δ10", "Δ11", "Δ12": np.ndarray}, the
         total gradient of the loss w.r.t. each activation (Δ1 includes both uses of a1).
+        With ``keep_scores``, also "blocks.{i}.Δcausal" ``(B, H, T, T)``, at the masked scores.
     """
     params = {k: torch.tensor(np.asarray(v), dtype=dtype).requires_grad_(True) for k, v in params_np.items()}
     logits, acts = reference_forward(params, cfg, tokens, lora_alpha=lora_alpha, return_activations=True,
-                                     lora_masks=lora_masks)
+                                     lora_masks=lora_masks, keep_scores=keep_scores)
     loss = reference_loss(logits, targets)
     loss.backward()
     grads = {k: (np.zeros(tuple(p.shape), dtype=np.asarray(params_np[k]).dtype) if p.grad is None

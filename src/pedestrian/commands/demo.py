@@ -16,11 +16,12 @@ of its largest entry and how well it agrees with an independent check (--check):
             |numeric - analytic| <= atol + rtol·|numeric| (default rtol 1e-6); finite
             differences are only good to about h² + ε/h ≈ 1e-10 absolute. The error signals Δi
             are not parameters: they show '-' and are checked through the parameter gradients.
-  autograd  the paper's own check: the same model restated in PyTorch, every tensor -- each
-            Δi, each block's Δcausal, every parameter gradient -- against autograd's; the column
-            is max |ours - autograd|, and a line passes when that is <= 1e-9 · max |autograd|.
-            Needs PyTorch (pip install -e ".[torch]"), imported only for this check: the library
-            itself runs no autograd.
+  autograd  the paper's own check: every tensor -- each Δi, each block's Δcausal, every
+            parameter gradient -- against PyTorch autograd of the test suite's independent
+            model (tests/oracles/torch_reference.py, which imports nothing from pedestrian);
+            the column is max |ours - autograd|, and a line passes when that is <= 1e-9 ·
+            max |autograd|. Needs a source checkout (the oracle is the suite's, not the
+            library's: the library runs no autograd) and PyTorch (pip install -e ".[torch]").
 
 The key bias gets no relative error: its gradient is identically zero (paper section 3: every
 row of Δcausal sums to zero), so with fd its line shows the largest entry, which must be rounding
@@ -67,7 +68,9 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -80,6 +83,11 @@ from ..tokens import TokenDataset
 
 #: key-bias gradient / query-bias gradient above which the "≡ 0" line fails (rounding is ~1e-16)
 KEY_BIAS_RATIO = 1e-12
+#: --check autograd: per tensor, max|ours − autograd| <= AUTOGRAD_RTOL · max|autograd| passes
+#: (float64: the two differ by rounding only; tests/paper/test_model.py holds them to the same bound)
+AUTOGRAD_RTOL = 1e-9
+#: the test suite's autograd oracle, in a source checkout (src/pedestrian/commands/ -> the root)
+ORACLE = Path(__file__).resolve().parents[3] / "tests" / "oracles" / "torch_reference.py"
 
 #: model parameter -> the paper's symbol (layer norms: w, b; fully connected layers: W, b)
 _SYMBOLS = {
@@ -236,6 +244,28 @@ def gradient_lines(model: GPT) -> list:
     return out
 
 
+def _autograd_oracle():
+    """The test suite's independent PyTorch model (:data:`ORACLE`), loaded as a module.
+
+    Raises:
+        ValueError: not a source checkout (the oracle is not installed with the package), or
+            PyTorch missing; the message says how to go on.
+    """
+    if not ORACLE.is_file():
+        raise ValueError(f"--check autograd runs the test suite's autograd oracle ({ORACLE.name} in tests/oracles/), "
+                         "which only a source checkout has -- the library itself runs no autograd; run it from "
+                         "a checkout, or use --check fd (finite differences)")
+    try:
+        __import__("torch")
+    except ImportError:
+        raise ValueError('--check autograd needs PyTorch: install it with pip install -e ".[torch]", '
+                         "or use --check fd (finite differences, NumPy only)") from None
+    spec = importlib.util.spec_from_file_location("pedestrian_autograd_oracle", ORACLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(args: argparse.Namespace) -> int:
     _check_modes(args)
     if args.head or args.mask:
@@ -246,14 +276,7 @@ def run(args: argparse.Namespace) -> int:
         return run_properties(args)
     _check_flags(args)
     oracle = None
-    if args.check == "autograd":
-        try:
-            from .demo_autograd import AUTOGRAD_RTOL, autograd_gradients
-
-            __import__("torch")                   # the oracle's only dependency: say so now, not mid-way
-        except ImportError:
-            raise ValueError('--check autograd needs PyTorch: install it with pip install -e ".[torch]", '
-                             "or use --check fd (finite differences, NumPy only)") from None
+    torch_reference = _autograd_oracle() if args.check == "autograd" else None   # say what is missing now
     rng = np.random.default_rng(args.seed)         # the weights, the batch, then the fd entries
     model, x, y, tokenizer, text = demo_model(args.data, args.seed, args.kernels, rng)
     config = model.config
@@ -266,9 +289,12 @@ def run(args: argparse.Namespace) -> int:
     deltas = {k: np.array(v) for k, v in model.deltas().items()}
     print(f"loss L = {loss:.6f} nats/char (uniform guess: ln {tokenizer.vocab_size} = "
           f"{math.log(tokenizer.vocab_size):.4f})")
-    if args.check == "autograd":
-        oracle = autograd_gradients(model, x, y)
-        print(f"check: PyTorch autograd of the same model restated in torch (float64; its loss "
+    if torch_reference is not None:
+        cfg = {k: getattr(config, k) for k in torch_reference.default_cfg()}
+        o_loss, _, o_grads, o_deltas = torch_reference.reference_loss_and_grads(
+            model.state_dict(), cfg, x, y, keep_scores=True)
+        oracle = (o_loss, o_grads, o_deltas)
+        print(f"check: PyTorch autograd of the test suite's independent model (float64; its loss "
               f"{oracle[0]:.6f}); pass max |ours - autograd| <= {AUTOGRAD_RTOL:g}·max |autograd| per tensor\n")
         column = "autograd"
     else:
