@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: PEDESTRIAN_KERNELS, else fast)")
     parser.add_argument("--check", choices=["fd", "autograd"], default=None,
                         help="fd: finite differences (default); autograd: every tensor against "
-                             "PyTorch autograd (needs PyTorch)")
+                             "PyTorch autograd of the test suite's oracle (needs PyTorch and a source checkout)")
     parser.add_argument("--entries", type=int, default=None,
                         help="finite differences: entries checked per parameter tensor (>= 1, default 3)")
     parser.add_argument("--step", type=float, default=None, help="finite-difference step h (> 0, default 1e-5)")
