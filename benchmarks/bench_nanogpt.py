@@ -61,7 +61,7 @@ RECIPES = {
 
 #: nanoGPT's whole-validation loss of its checkpoint, run inside the nanoGPT copy with its model.py
 _NANOGPT_EVAL = r"""
-import sys, math, numpy as np, torch
+import sys, numpy as np, torch
 from model import GPTConfig, GPT
 ckpt = torch.load(sys.argv[1], map_location="cpu")
 model = GPT(GPTConfig(**ckpt["model_args"]))

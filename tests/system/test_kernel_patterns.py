@@ -9,7 +9,7 @@ The smallest reproduction is :func:`_numpy_negative_is_wrong`.
 
 The kernels now hand NumPy's arithmetic loops (``elementwise_lib``: add, subtract, multiply,
 divide, exp, log, sqrt, tanh, reductions) only arrays whose innermost loop is unit-stride
-(:func:`pedestrian.kernels.blas.unit_inner_stride`); a column of an augmented array, or a head of
+(:func:`unit_inner_stride`); a column of an augmented array, or a head of
 width 1 seen across its rows, is written by a plain copy (``copy_into``) from a contiguous
 array. :func:`test_kernels_never_loop_over_a_column` checks every call over shapes that make
 such views (head widths 1, 3, 7; tiled and full attention; a KV-cache step; batch 1 on the
@@ -23,10 +23,16 @@ import pytest
 
 import pedestrian.kernels.blas as blas
 from gradcheck import build_model, token_batch
-from pedestrian.kernels.blas import unit_inner_stride
 from pedestrian.kernels.threads import OwnCores
 from pedestrian.kv_cache import KVCache
 from torch_reference import default_cfg, random_params
+
+
+def unit_inner_stride(a: np.ndarray) -> bool:
+    """Whether the innermost loop an elementwise function runs over ``a`` is unit-stride: the last
+    axis longer than 1 has a stride of one element (or 0, a broadcast), or ``a`` holds one element."""
+    axes = [st for n, st in zip(a.shape, a.strides) if n > 1]
+    return not axes or axes[-1] in (a.itemsize, 0)
 
 
 def _numpy_negative_is_wrong(dtype) -> bool:

@@ -16,7 +16,7 @@ from ..backend import is_numpy_array, is_torch_array
 from .workspace import empty_array
 
 __all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "uses_exp2", "softmax_exp", "LOG2_E",
-           "copy_into", "unit_inner_stride"]
+           "copy_into"]
 
 #: ``log₂e``: ``e^x = 2^(x·log₂e)`` (:func:`uses_exp2`)
 LOG2_E = math.log2(math.e)
@@ -57,25 +57,11 @@ def elementwise_lib(x):
     return _NUMPY_LIB
 
 
-def unit_inner_stride(a) -> bool:
-    """Whether the innermost loop an elementwise function runs over ``a`` is unit-stride: the
-    last axis longer than 1 has a stride of one element (or 0, a broadcast), or ``a`` holds one
-    element. The fast kernels hand NumPy's and torch's arithmetic functions only such arrays
-    (``tests/system/test_kernel_patterns.py`` checks every call): a column of a wider array, or a
-    head of width 1 seen across its rows, is written by :func:`copy_into` from a contiguous
-    array instead. NumPy 2.4.6's ``np.negative`` gets a column wrong (docs/kernels.md,
-    "Patterns the fast kernels avoid")."""
-    shape, strides = tuple(a.shape), (a.strides if is_numpy_array(a) else
-                                      tuple(s * a.element_size() for s in a.stride()))
-    item = a.itemsize if is_numpy_array(a) else a.element_size()
-    axes = [st for n, st in zip(shape, strides) if n > 1]
-    return not axes or axes[-1] in (item, 0)
-
-
 def copy_into(dst, src) -> None:
     """``dst[...] = src`` (broadcasting ``src``): the one way the fast kernels write a strided
     view (a column of an augmented array, heads interleaved in a row) elementwise -- a plain
-    copy, never an arithmetic loop (:func:`unit_inner_stride`)."""
+    copy, never an arithmetic loop over a strided innermost axis: docs/kernels.md, "Patterns the
+    fast kernels avoid"; tests/system/test_kernel_patterns.py checks every elementwise call)."""
     if is_numpy_array(dst):
         np.copyto(dst, src)
     else:

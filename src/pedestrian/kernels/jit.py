@@ -114,7 +114,7 @@ if AVAILABLE:
 class _SerialOrParallel:
     """A ``prange`` kernel compiled twice: the parallel version on the calling thread, the
     serial one inside a worker thread (:func:`pedestrian.kernels.threads.is_worker_thread`: a
-    :class:`~pedestrian.parallel.DataParallel` slice already has a core of its own, and numba's
+    :class:`~pedestrian.training.parallel.DataParallel` slice already has a core of its own, and numba's
     default threading layer must not be entered by two Python threads at once)."""
 
     def __init__(self, f):

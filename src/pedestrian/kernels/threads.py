@@ -4,7 +4,7 @@ NumPy's elementwise functions are single-threaded but release the GIL, so a kern
 row block by row block (:func:`for_row_blocks`) can share its blocks over a few threads.
 PyTorch threads each of its own operations, so there the kernel runs as one call.
 :func:`single_threaded_blas` holds the BLAS library (and torch) to one thread while a caller
-runs its own threads (:class:`pedestrian.parallel.DataParallel`).
+runs its own threads (:class:`pedestrian.training.parallel.DataParallel`).
 
 Bookkeeping only; no formula lives here.
 """
@@ -82,7 +82,7 @@ def _get_pool(threads: int) -> ThreadPoolExecutor:
 def single_threaded_blas() -> Iterator[None]:
     """Hold the BLAS library and PyTorch's intra-op pool to one thread inside the block.
 
-    For code that runs its own threads (:class:`pedestrian.parallel.DataParallel`: one
+    For code that runs its own threads (:class:`pedestrian.training.parallel.DataParallel`: one
     thread per slice of the batch, each calling single-threaded BLAS), so that no BLAS worker
     competes with them for the cores. Inside the block :func:`for_row_blocks` also shares
     smaller jobs (:data:`QUIET_PARALLEL_MIN_ELEMENTS`) over its threads, since no BLAS worker
@@ -124,7 +124,7 @@ class OwnCores:
     their own threads on every core meanwhile (the row blocks of :func:`for_row_blocks` from
     :data:`QUIET_PARALLEL_MIN_ELEMENTS`, matrix products cut by :func:`product_parts`, the tiled
     attention's units). For one sequence at a time (batch 1), where
-    :class:`pedestrian.parallel.DataParallel` has no second row to give a core."""
+    :class:`pedestrian.training.parallel.DataParallel` has no second row to give a core."""
 
     def __init__(self) -> None:
         self._contexts: list = []
