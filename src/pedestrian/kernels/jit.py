@@ -29,14 +29,15 @@ import threading
 import time
 import types
 
-from .threads import is_worker_thread, num_threads, threads_pay
+import os
 
 try:
     import numba
 except ImportError:  # pragma: no cover - exercised by a test that hides numba
     numba = None
 
-__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers"]
+__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "blas_one_thread",
+           "PARALLEL_MIN_ELEMENTS"]
 
 #: numba can be imported
 AVAILABLE = numba is not None
@@ -111,46 +112,62 @@ if AVAILABLE:
     atexit.register(_notice.say)
 
 
-class _SerialOrParallel:
-    """A ``prange`` kernel compiled twice: the parallel version on the calling thread, the
-    serial one inside a worker thread (:func:`pedestrian.kernels.threads.is_worker_thread`: a
-    :class:`~pedestrian.training.parallel.DataParallel` slice already has a core of its own, and numba's
-    default threading layer must not be entered by two Python threads at once)."""
+def num_threads() -> int:
+    """Threads of the fast kernels (numba's ``prange`` loops, and the products they share out):
+    ``PEDESTRIAN_NUM_THREADS``, or the usable cores.
 
-    def __init__(self, f):
-        serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-        serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
-        self.serial, self.parallel = _njit(serial, False), _njit(f, True)
-        functools.update_wrapper(self, f)
-
-    def __call__(self, *args):
-        if is_worker_thread():
-            return self.serial(*args)
-        _use_threads(_team_size())
-        return self.parallel(*args)
-
-    def sized(self, n_elements: int):
-        """The version for a job of ``n_elements``. Outside a worker thread the parallel one, on
-        numba's threads where a second thread pays (:func:`~pedestrian.kernels.threads.threads_pay`),
-        else on one: the same compiled loops whatever the thread count, so the same bits (the
-        serial compilation may vectorise a row's sum differently). A job under
-        :data:`SERIAL_BELOW` elements (one generated token) runs the serial version: a parallel
-        region costs a few microseconds more, whatever its threads."""
-        if n_elements < SERIAL_BELOW or is_worker_thread():
-            return self.serial
-        _use_threads(_team_size() if threads_pay(n_elements) else 1)
-        return self.parallel
+    Raises:
+        ValueError: ``PEDESTRIAN_NUM_THREADS`` is not a positive integer.
+    """
+    value = os.environ.get("PEDESTRIAN_NUM_THREADS")
+    if value is None:
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - not Linux
+            return max(1, os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"PEDESTRIAN_NUM_THREADS must be a positive integer, got {value!r}; "
+                         "unset it to use every available core")
+    return int(value)
 
 
-#: :meth:`_SerialOrParallel.sized`: smaller jobs run the serial version (2.2 against 4.3 µs for a
-#: layer norm of one 768-wide row)
+_blas_held: list = []                                  # the pid for which the BLAS was held
+
+
+def blas_one_thread() -> None:
+    """Hold the BLAS library that numba's ``np.dot`` calls (SciPy's, through
+    ``scipy.linalg.cython_blas``) to one thread, once per process.
+
+    The fast kernels share a product over numba's threads themselves (row blocks, or one head
+    per iteration), each block one single-threaded BLAS call: one pool of threads for all the
+    work. A BLAS with threads of its own would compete with numba's for the cores (on 2 cores,
+    OpenBLAS's and OpenMP's idle threads spinning side by side made a product 5.6x and a row
+    kernel 33x slower: docs/kernels.md, "One pool of threads"). NumPy's own BLAS (``a @ b`` in
+    your code) keeps its threads; where NumPy and SciPy share one BLAS library (some conda
+    builds) it is held too. Uses ``threadpoolctl``.
+    """
+    if _blas_held and _blas_held[0] == os.getpid():
+        return
+    import scipy.linalg.cython_blas  # noqa: F401  (loads the library numba calls)
+    from threadpoolctl import ThreadpoolController
+
+    site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(scipy.linalg.cython_blas.__file__))))
+    blas = ThreadpoolController().select(user_api="blas").lib_controllers
+    own = [lib for lib in blas if os.path.abspath(lib.filepath).startswith(os.path.join(site, "scipy"))]
+    for lib in own or blas:                  # SciPy's own copy (pip wheels), else the shared one
+        lib.set_num_threads(1)
+    _blas_held[:] = [os.getpid()]
+
+
+#: a ``prange`` job of fewer elements runs on one thread (a parallel region costs ~3-5 µs to
+#: start and join: docs/kernels.md)
+PARALLEL_MIN_ELEMENTS = 1 << 15
+#: :meth:`_Parallel.sized`: smaller jobs run the serial compilation (2.2 against 4.3 µs for a
+#: layer norm of one 768-wide row: one generated token)
 SERIAL_BELOW = 1 << 12
 
 _threads_now = threading.local()
-
-
-def _team_size() -> int:
-    return max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS))
+_workqueue_lock = threading.Lock()
 
 
 def _use_threads(n: int) -> None:
@@ -160,18 +177,66 @@ def _use_threads(n: int) -> None:
         _threads_now.n = n
 
 
+class _Parallel:
+    """A ``prange`` kernel, compiled twice: the parallel version on ``num_threads()`` threads, and
+    a serial one for jobs too small for a parallel region (:meth:`sized`).
+
+    numba's threading layer: its default choice (``tbb``, then ``omp``, then ``workqueue``).
+    ``workqueue`` must not be entered by two Python threads at once, so where numba fell back to
+    it, parallel calls take a lock (threads of your own calling one model at once then wait for
+    each other instead of crashing the process)."""
+
+    def __init__(self, f):
+        serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
+        self.serial, self.parallel = _njit(serial, False), _njit(f, True)
+        functools.update_wrapper(self, f)
+
+    def __call__(self, *args):
+        return self.sized(PARALLEL_MIN_ELEMENTS)(*args)
+
+    def sized(self, n_elements: int):
+        """The version for a job of ``n_elements``: the serial one under :data:`SERIAL_BELOW`,
+        else the parallel one, on ``num_threads()`` threads from :data:`PARALLEL_MIN_ELEMENTS`
+        and on one below (the same compiled loops whatever the thread count, so the same bits)."""
+        if n_elements < SERIAL_BELOW:
+            return self.serial
+        _use_threads(max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS))
+                     if n_elements >= PARALLEL_MIN_ELEMENTS else 1)
+        return _locked(self.parallel) if _layer_is_workqueue() else self.parallel
+
+
+_layer: list = []
+
+
+def _layer_is_workqueue() -> bool:
+    if not _layer:
+        try:
+            _layer.append(numba.threading_layer())
+        except ValueError:                                 # no parallel region has run yet
+            return False
+    return _layer[0] == "workqueue"
+
+
+def _locked(f):
+    def call(*args):
+        with _workqueue_lock:
+            return f(*args)
+    return call
+
+
 def kernel(func=None, *, parallel: bool = False):
     """``@kernel`` / ``@kernel(parallel=True)``: ``numba.njit`` with :data:`FASTMATH`, the disk
     cache and no GIL; ``parallel`` kernels share their ``prange`` loops over
-    ``PEDESTRIAN_NUM_THREADS`` threads, or run serially inside a worker thread
-    (:class:`_SerialOrParallel`; call them from Python -- ``kernel.sized(n)(...)`` picks the
-    threads for a job of ``n`` elements -- not from another kernel: use ``.serial`` there).
+    :func:`num_threads` threads (:class:`_Parallel`; call them from Python --
+    ``kernel.sized(n)(...)`` picks the threads for a job of ``n`` elements -- not from another
+    kernel: use ``.serial`` there).
     Without numba the function is returned as it is (plain Python)."""
     def wrap(f):
         if not AVAILABLE:                             # plain Python, the same attributes
             f.serial = f.parallel = f
             f.sized = lambda n_elements: f
             return f
-        return _SerialOrParallel(f) if parallel else _njit(f, False)
+        return _Parallel(f) if parallel else _njit(f, False)
 
     return wrap if func is None else wrap(func)
