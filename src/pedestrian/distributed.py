@@ -18,8 +18,7 @@ micro-batches is the step's mean loss and gradient::
     L = (1/N) Σ_rows ℓ_row = Σ_r L_r,   ∂L/∂θ = Σ_r ∂L_r/∂θ      (one all_reduce, SUM)
 
 Dropout masks are drawn *per global row* (:class:`RowKeyedRNG`), so a row gets the same mask
-however the batch is split -- one rank, threads (:class:`~pedestrian.training.parallel.DataParallel`),
-or ranks. A run with ``W`` ranks therefore computes what one process computes with the same
+however the batch is split over ranks. A run with ``W`` ranks therefore computes what one process computes with the same
 ``B``, up to the order of float additions.
 
 **The interface** (the loop never asks for the world size; one process is :class:`SingleProcess`,

@@ -377,18 +377,6 @@ class GPT(FlatParameters, LoRAAdapters):
         """``"fast"`` or ``"reference"``: which layer functions this model runs."""
         return "reference" if self.kernels.__name__.endswith(".layers") else "fast"
 
-    def replica(self) -> "GPT":
-        """A model that shares this one's parameter arrays but has its own activations, gradient
-        buffers and memory pool: one slice of a batch split over threads
-        (:class:`pedestrian.training.parallel.DataParallel`). Adapters added or removed later are not
-        seen by an existing replica (make a new one).
-        """
-        r = object.__new__(GPT)
-        own = dict(_grad_base=None, _grad_lora=None, _grad_lookup=None, _acts=None, _deltas={},
-                   _workspace=Workspace(), params=dict(self.params))
-        r.__dict__.update({**self.__dict__, **own})
-        return r
-
 
 def _named_deltas(top, blocks) -> dict:
     """:meth:`GPT.deltas`' dictionary from what :meth:`GPT._backward` returned."""

@@ -9,8 +9,7 @@ code. Both branches must give the reference's numbers:
   loops against without them (float64: 1e-12 of the largest entry; float32: a few ε32);
 - the KV-cache step (one to :data:`DECODE_MAX_T` new tokens, padded rows, causal or not) against
   the reference layer, cache contents included;
-- the parallel softmax loops against their serial twin (run inside a worker thread), and a NaN
-  still reaching the output.
+- the parallel head loops against their serial twin, and a NaN still reaching the output.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from pedestrian.kernels import attention as fast_attention
 from pedestrian.kernels import attention_loops
 from pedestrian.kernels.attention import DECODE_MAX_T
 from pedestrian.kernels.attention_tiled import tiled_attention_backward, tiled_attention_forward
-from pedestrian.kernels.threads import in_worker_thread
 from pedestrian.layers import KVBlock
 from pedestrian.layers import attention as reference_attention
 
@@ -147,14 +145,25 @@ def test_kv_cache_step_matches_reference(T, causal, padded, dtype):
         fast_attention.multi_head_attention_backward(out, cache)
 
 
-def test_parallel_loops_match_their_serial_twin():
+class _Serial:
+    """A parallel kernel whose every call runs its serial compilation."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def sized(self, n_elements):
+        return self.kernel.serial
+
+
+def test_parallel_loops_match_their_serial_twin(monkeypatch):
     qkv, delta = _qkv(4, 50, 3, 4, 4, np.float64, seed=4)
     out, cache = fast_attention.multi_head_attention_forward(qkv, 3, 4, 4)
     dqkv, _ = fast_attention.multi_head_attention_backward(delta, cache)
     out, dqkv = out.copy(), dqkv.copy()
-    with in_worker_thread():                                            # the serial versions
-        out_1, cache_1 = fast_attention.multi_head_attention_forward(qkv, 3, 4, 4)
-        dqkv_1, _ = fast_attention.multi_head_attention_backward(delta, cache_1)
+    for name in ("heads_forward", "heads_backward"):                    # the serial versions
+        monkeypatch.setattr(attention_loops, name, _Serial(getattr(attention_loops, name)))
+    out_1, cache_1 = fast_attention.multi_head_attention_forward(qkv, 3, 4, 4)
+    dqkv_1, _ = fast_attention.multi_head_attention_backward(delta, cache_1)
     _close(out_1, out, np.float64, "out")
     _close(dqkv_1, dqkv, np.float64, "dqkv")
 

@@ -3,8 +3,7 @@
 One step of ``k`` micro-batches must be the step of their concatenation: the loss is the token
 mean over every counted target of the step, the gradient that of that mean, and so the gradient
 norm, the clipping and the AdamW update are the one-batch ones -- also when the micro-batches
-count different numbers of targets (ignore index ``-100``), one of them none at all, and when
-each micro-batch is split over threads (:class:`~pedestrian.training.parallel.DataParallel`). Over ranks:
+count different numbers of targets (ignore index ``-100``), one of them none at all. Over ranks:
 ``tests/helpers/dist_scenarios.py`` (``ACCUM_*``), run by ``tests/system/test_distributed.py``.
 
 Tolerance: ``RTOL = 1e-12`` (float64), relative to each compared quantity's magnitude (per tensor
@@ -28,7 +27,6 @@ from pedestrian.config import GPTConfig
 from pedestrian.training.step import TrainingError, count_targets, estimate_loss, train_step
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
-from pedestrian.training.parallel import DataParallel
 
 RTOL = 1e-12
 #: no q/k/v biases: the key bias's gradient is 0 in exact arithmetic (paper section 3), pure
@@ -69,15 +67,14 @@ def _warm_state() -> tuple[np.ndarray, dict]:
     return model.flat.copy(), opt.state_dict()
 
 
-def _step(batches: list, clip: float, threads: int = 1) -> tuple[float, float, dict]:
+def _step(batches: list, clip: float) -> tuple[float, float, dict]:
     """``(loss, grad_norm, weights)`` after one :func:`train_step` from the warm state."""
     flat, state = _warm_state()
     model = GPT(CFG, seed=3, dtype="float64")
     model.flat[...] = flat
     opt = AdamW(model, lr=1e-2, weight_decay=0.1)
     opt.load_state_dict(state)
-    runner = DataParallel(model, threads=threads) if threads > 1 else model
-    loss, norm = train_step(runner, opt, batches, 1e-2, grad_clip=clip)
+    loss, norm = train_step(model, opt, batches, 1e-2, grad_clip=clip)
     assert opt.step_count == state["step"] + 1                    # an update was made
     return loss, norm, {k: v.copy() for k, v in model.params.items()}
 
@@ -101,16 +98,6 @@ def test_micro_batches_with_different_ignored_counts_equal_one_batch(name, bound
     got = _step([(x[lo:hi], y[lo:hi]) for lo, hi in zip(bounds, bounds[1:])], clip)
     if clip:
         assert want[1] > 2 * clip                                 # the clipping is exercised
-    _assert_same_step(got, want)
-
-
-@pytest.mark.parametrize("name,bounds,ignored", SPLITS[1:3], ids=[s[0] for s in SPLITS[1:3]])
-def test_micro_batches_split_over_threads_equal_one_batch(name, bounds, ignored):
-    """The same with every micro-batch's rows split over 2 threads (DataParallel): its slices
-    divide by the step's count too."""
-    x, y = _concatenated(bounds, ignored)
-    want = _step([(x, y)], 0.05)
-    got = _step([(x[lo:hi], y[lo:hi]) for lo, hi in zip(bounds, bounds[1:])], 0.05, threads=2)
     _assert_same_step(got, want)
 
 

@@ -360,8 +360,8 @@ def test_token_cache_failure_leaves_no_partial_file(tmp_path, monkeypatch, stage
 # ------------------------------------------------------------------------------------ command line
 TINY = ["--context-length", "16", "--d-model", "16", "--n-heads", "2", "--n-blocks", "1", "--batch-size", "4",
         "--eval-interval", "3", "--eval-batches", "2", "--warmup-steps", "1", "--max-minutes", "0",
-        "--no-progress", "--no-plot", "--data-parallel", "off"]
-RESUME = ["--no-progress", "--no-plot", "--data-parallel", "off"]
+        "--no-progress", "--no-plot"]
+RESUME = ["--no-progress", "--no-plot"]
 
 
 @pytest.fixture

@@ -322,7 +322,7 @@ def test_train_whose_weights_turn_non_finite_keeps_the_last_good_checkpoint(tmp_
     code = main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "9", "--context-length", "8",
                  "--d-model", "8", "--n-heads", "2", "--n-blocks", "1", "--batch-size", "2",
                  "--eval-interval", "3", "--eval-batches", "1", "--warmup-steps", "1", "--no-progress",
-                 "--no-plot", "--data-parallel", "off"])
+                 "--no-plot"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and err.startswith("error: refusing to save a checkpoint")
     assert "ln_final.bias (1 NaN, 0 inf of 8 values)" in err

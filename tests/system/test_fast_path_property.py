@@ -5,9 +5,9 @@
 every parameter and the same ``Δ1`` for every model and batch a user can build -- not only the
 suite's small shapes. The fast kernels change strategy at thresholds (tiled attention from
 ``T = 256``; query and key tiles of 128 and 256; the backward's four runs of query blocks; the
-"few rows" limits of the layer norm, linear layer and activations; row blocks of ``2^18``
-elements; the memory pool from 64 KiB; batch 1 on the kernels' own threads, batch >= 2 split
-over threads), so the search space puts ``T`` on both sides of each (:data:`THRESHOLD_T`) and
+"few rows" limits of the layer norm, linear layer and activations; products shared over the
+threads in row blocks from ``2^18`` multiply-adds; the memory pool from 64 KiB; parallel loops
+from ``2^15`` elements), so the search space puts ``T`` on both sides of each (:data:`THRESHOLD_T`) and
 draws every other axis the issue names (issue 22):
 
 - ``B`` 1-3; ``T`` 1-600; 1-3 heads of width ``d_head`` 1-16 and ``d_qk`` 1-16 (odd and even,
@@ -15,9 +15,8 @@ draws every other axis the issue names (issue 22):
   blocks at the larger ``B·T``); 1 or 2 blocks; causal or not; learned, RoPE or no positions;
   LoRA on every layer or none; GELU, GELU-tanh or ReLU; layer-norm ``eps`` 0 (the paper's) or
   1e-5; biases on or off; float64 and float32;
-- each case twice: the plain model (``model.backward(keep_deltas=True)``, for ``Δ1``) and the
-  way the training loop runs it (:func:`pedestrian.training.parallel.runner_for`: the batch split over
-  threads for ``B >= 2``, the kernels' own threads at ``B = 1`` when there are two threads);
+- each case as the training loop runs it (``model.loss``, ``model.backward(keep_deltas=True)``,
+  with ``Δ1``);
 - with ``PEDESTRIAN_NUM_THREADS`` = 1 and = 2, each in a subprocess of its own
   (:func:`test_property_with_threads`), so the thread pools really differ.
 
@@ -62,7 +61,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradcheck import build_model, token_batch
-from pedestrian.training.parallel import runner_for
 from torch_reference import default_cfg, fc_layer_names, random_params
 
 #: examples per thread count in CI (two subprocesses: ~1 min in all on two cores)
@@ -96,21 +94,14 @@ def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, 
     return cfg, params, spec, tokens, targets
 
 
-def gradients(cfg, params, spec, tokens, targets, *, kernels, dtype, runner=False):
-    """``(loss, {name: grad}, Δ1 or None)`` as float64 NumPy arrays: the plain model (with Δ1),
-    or the model as the training loop runs it (``runner``: :func:`runner_for`, no Δ1)."""
+def gradients(cfg, params, spec, tokens, targets, *, kernels, dtype):
+    """``(loss, {name: grad}, Δ1)`` as float64 NumPy arrays (the training loop runs the same
+    ``model.loss`` / ``model.backward``)."""
     model = build_model(cfg, {k: v.astype(dtype) for k, v in params.items()}, dtype=dtype, lora=spec,
                         kernels=kernels)
-    if runner:
-        run, context = runner_for(model, "auto", tokens.shape[0])
-        with context:
-            loss = run.loss(tokens, targets)
-            grads = run.backward()
-        delta1 = None
-    else:
-        loss = model.loss(tokens, targets)
-        grads = model.backward(keep_deltas=True)
-        delta1 = np.asarray(model.deltas()["Δ1"], dtype=np.float64)
+    loss = model.loss(tokens, targets)
+    grads = model.backward(keep_deltas=True)
+    delta1 = np.asarray(model.deltas()["Δ1"], dtype=np.float64)
     return float(loss), {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}, delta1
 
 
@@ -119,7 +110,7 @@ def _worst(a: dict, b: dict) -> tuple[str, float]:
 
 
 def check_case(case: dict, dtype: str) -> dict:
-    """Fast (plain and as the loop runs it) against reference; returns the worst relative
+    """Fast against reference; returns the worst relative
     differences (float64: against the reference; float32: fast's and reference's errors
     against a float64 reference). Raises AssertionError past the tolerances (module docstring)."""
     cfg, params, spec, tokens, targets = make_case(**case)
@@ -129,35 +120,34 @@ def check_case(case: dict, dtype: str) -> dict:
     scale = max(float(np.max(np.abs(g), initial=0.0)) for g in ref[1].values())
     assert scale > 0, f"{case}: every gradient is zero, the comparison would prove nothing"
     report = {}
-    for runner in (False, True):
-        fast = gradients(cfg, params, spec, tokens, targets, kernels="fast", dtype=dtype, runner=runner)
-        how = "runner" if runner else "plain"
-        if dtype == "float64":
-            name, err = _worst(fast[1], ref[1])
-            report[how] = err / scale
-            assert err <= RTOL_FLOAT64 * scale, f"{case} ({how}): ∂L/∂{name} differs by {err:.3e} > 1e-10 × {scale:.3e}"
-            assert abs(fast[0] - ref[0]) <= RTOL_FLOAT64 * abs(ref[0]), f"{case} ({how}): loss {fast[0]} vs {ref[0]}"
-            if fast[2] is not None:
-                d_err = float(np.max(np.abs(fast[2] - ref[2])))
-                d_scale = float(np.max(np.abs(ref[2])))
-                assert d_err <= RTOL_FLOAT64 * d_scale, f"{case}: Δ1 differs by {d_err:.3e} > 1e-10 × {d_scale:.3e}"
-            continue
-        exact = gradients(cfg, params, spec, tokens, targets, kernels="reference", dtype="float64")
-        floor = FLOAT32_FLOOR_ROUNDINGS * EPS32 * scale
-        worst = 0.0
-        for k, g in exact[1].items():
-            err_fast = float(np.max(np.abs(fast[1][k] - g), initial=0.0))
-            err_ref = float(np.max(np.abs(ref[1][k] - g), initial=0.0))
-            assert err_fast <= FLOAT32_SPREAD * err_ref + floor, (
-                f"{case} ({how}, float32): ∂L/∂{k} errs by {err_fast:.3e}, the reference by {err_ref:.3e} "
-                f"(bound {FLOAT32_SPREAD} × {err_ref:.3e} + {floor:.3e})")
-            worst = max(worst, err_fast / scale)
+    how = "plain"
+    fast = gradients(cfg, params, spec, tokens, targets, kernels="fast", dtype=dtype)
+    if dtype == "float64":
+        name, err = _worst(fast[1], ref[1])
+        report[how] = err / scale
+        assert err <= RTOL_FLOAT64 * scale, f"{case} ({how}): ∂L/∂{name} differs by {err:.3e} > 1e-10 × {scale:.3e}"
+        assert abs(fast[0] - ref[0]) <= RTOL_FLOAT64 * abs(ref[0]), f"{case} ({how}): loss {fast[0]} vs {ref[0]}"
         if fast[2] is not None:
-            err_fast, err_ref = (float(np.max(np.abs(d - exact[2]))) for d in (fast[2], ref[2]))
-            d_floor = FLOAT32_FLOOR_ROUNDINGS * EPS32 * float(np.max(np.abs(exact[2])))
-            assert err_fast <= FLOAT32_SPREAD * err_ref + d_floor, (
-                f"{case} (float32): Δ1 errs by {err_fast:.3e}, reference {err_ref:.3e}")
-        report[how] = worst
+            d_err = float(np.max(np.abs(fast[2] - ref[2])))
+            d_scale = float(np.max(np.abs(ref[2])))
+            assert d_err <= RTOL_FLOAT64 * d_scale, f"{case}: Δ1 differs by {d_err:.3e} > 1e-10 × {d_scale:.3e}"
+        return report
+    exact = gradients(cfg, params, spec, tokens, targets, kernels="reference", dtype="float64")
+    floor = FLOAT32_FLOOR_ROUNDINGS * EPS32 * scale
+    worst = 0.0
+    for k, g in exact[1].items():
+        err_fast = float(np.max(np.abs(fast[1][k] - g), initial=0.0))
+        err_ref = float(np.max(np.abs(ref[1][k] - g), initial=0.0))
+        assert err_fast <= FLOAT32_SPREAD * err_ref + floor, (
+            f"{case} ({how}, float32): ∂L/∂{k} errs by {err_fast:.3e}, the reference by {err_ref:.3e} "
+            f"(bound {FLOAT32_SPREAD} × {err_ref:.3e} + {floor:.3e})")
+        worst = max(worst, err_fast / scale)
+    if fast[2] is not None:
+        err_fast, err_ref = (float(np.max(np.abs(d - exact[2]))) for d in (fast[2], ref[2]))
+        d_floor = FLOAT32_FLOOR_ROUNDINGS * EPS32 * float(np.max(np.abs(exact[2])))
+        assert err_fast <= FLOAT32_SPREAD * err_ref + d_floor, (
+            f"{case} (float32): Δ1 errs by {err_fast:.3e}, reference {err_ref:.3e}")
+    report[how] = worst
     return report
 
 
@@ -226,7 +216,7 @@ def test_property_in_process(case, dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_property_with_threads(threads, tmp_path):
     """The property test in a fresh interpreter with ``PEDESTRIAN_NUM_THREADS = threads`` (and
-    the BLAS on as many), so its thread pools and the runner's choices are those of such a
+    the BLAS on as many), so its thread pools are those of such a
     machine. Prints the worst relative differences it met (``pytest -s`` shows them)."""
     report = tmp_path / "worst.json"
     env = dict(os.environ, PEDESTRIAN_PROPERTY="1", PEDESTRIAN_NUM_THREADS=str(threads),

@@ -5,7 +5,7 @@
 - no module reads another module's private names: no ``from x import _name``, and no access
   ``obj._name`` unless ``obj`` is ``self`` / ``cls`` / a class of the same module, or ``_name``
   is a private name this module defines itself (an attribute it assigns on ``self``, a method,
-  a module-level name) -- e.g. ``GPT.replica`` setting up another ``GPT``'s private state.
+  a module-level name) -- e.g. a method setting up another instance's private state.
   Dunders are public.
 
 Exceptions are listed below, each with its reason: third-party privates that have no public

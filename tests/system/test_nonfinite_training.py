@@ -260,7 +260,7 @@ def corpus(tmp_path):
 def _settings(corpus, out, **kw):
     base = dict(data=str(corpus), out=str(out), model=dict(context_length=16, d_model=16, n_heads=2, n_blocks=2),
                 batch_size=4, max_steps=8, warmup_steps=2, lr=1e-2, min_lr=1e-3, eval_interval=2,
-                eval_batches=2, max_minutes=None, progress=False, plot=False, data_parallel="off")
+                eval_batches=2, max_minutes=None, progress=False, plot=False)
     base.update(kw)
     return TrainSettings(**base)
 
@@ -319,8 +319,7 @@ def test_nan_from_step_k_stops_the_run_naming_the_last_good_checkpoint(corpus, t
     argv = ["train", "--data", str(corpus), "--out", str(out), "--context-length", "16", "--d-model", "16",
             "--n-heads", "2", "--n-blocks", "2", "--batch-size", "4", "--max-steps", "20", "--eval-interval", "4",
             "--eval-batches", "1", "--warmup-steps", "2", "--max-minutes", "0", "--max-skipped-steps", "3",
-            "--no-progress",
-            "--data-parallel", "off"]
+            "--no-progress"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line.split(":")[:2] for line in err[:3]] == [["warning", f" step {s}"] for s in (5, 6, 7)]

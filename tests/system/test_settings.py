@@ -111,7 +111,6 @@ def test_validation_words_follow_the_rule():
              "beta2": (1.0, "--beta2 must be in [0, 1), got 1.0"),
              "eps": (0.0, "--eps must be a finite number > 0, got 0.0"),
              "tokenizer": ("words", "--tokenizer must be 'char' or 'bpe', got 'words'"),
-             "data_parallel": ("yes", "--data-parallel must be one of auto, on, off, got 'yes'"),
              "max_minutes": (math.nan, "--max-minutes must be a finite number > 0, got nan"),
              "progress": (1, "--progress must be true or false, got 1")}
     for name, (bad, message) in cases.items():
@@ -142,7 +141,7 @@ def test_resumable_and_per_run_settings_are_the_declared_tags():
     """The sets the resume logic uses (before the declarations they were written out by hand,
     with the same members; max_skipped_steps is new and resumable; the ranks, the device and the
     exchange timeout belong to one invocation: a run may resume with others)."""
-    assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "data_parallel", "nproc",
+    assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "nproc",
                                 "device", "dist_timeout"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
                                                      "max_skipped_steps"}

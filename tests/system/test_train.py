@@ -207,47 +207,38 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
     assert ca.model.dropout_rng.bit_generator.state == cb.model.dropout_rng.bit_generator.state
 
 
-def test_resume_with_the_batch_split_over_threads(corpus, tmp_path, monkeypatch, caplog):
-    """With DataParallel (2 slices) N + N steps still equal 2N bit for bit; resuming with another
-    slice count continues the same run (same batches, dropout masks keyed by row) up to the order
-    of float additions, and says so."""
+def test_resume_with_another_thread_count(corpus, tmp_path, monkeypatch, caplog):
+    """N + N steps equal 2N bit for bit at one thread count; resumed with another the run goes on
+    (same batches, same dropout masks) equal up to the order of float additions; the plan says
+    how many threads run."""
+    caplog.set_level(logging.INFO, logger="pedestrian")
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
     common = dict(model=model, checkpoint_interval=3)
-    common["data_parallel"] = "on"
     train(_settings(corpus, tmp_path / "one", **common))
+    assert any("threads: 2 (the fast kernels' numba threads" in r.getMessage() for r in caplog.records)
     train(_settings(corpus, tmp_path / "two", stop_step=3, **common))
     train(_settings(corpus, tmp_path / "two", **common), resume=True, explicit={"out"})
     assert _train_losses(tmp_path / "one") == _train_losses(tmp_path / "two")
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
     train(_settings(corpus, tmp_path / "three", stop_step=3, **common))
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     r = train(_settings(corpus, tmp_path / "three", **common), resume=True, explicit={"out"})
     assert r.step == 6
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "split into 1 slice(s) per rank; this run has 1 rank(s) and 2" in warnings[0]
-    assert "not bit for bit" in warnings[0] and "PEDESTRIAN_NUM_THREADS" in warnings[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     # float32 sums in another order: ~1e-7 relative per step, over 6 AdamW steps of a 3-nat loss
     a, c = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "three")
     assert a.keys() == c.keys()
     assert max(abs(a[s] - c[s]) / a[s] for s in a) <= 1e-5
 
 
-def test_data_parallel_modes_checked(corpus, tmp_path):
-    with pytest.raises(TrainingError, match="--data-parallel must be one of auto, on, off"):
-        _settings(corpus, tmp_path / "a", data_parallel="yes").validate()
-    assert not (tmp_path / "a").exists()
-
-
-def test_checkpoint_records_the_slices_actually_used(corpus, tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "3")
-    caplog.set_level(logging.INFO, logger="pedestrian")
-    r = train(_settings(corpus, tmp_path / "a", batch_size=2, max_steps=2, data_parallel="on"))
-    assert load_checkpoint(r.out / "latest").meta["data_parallel_threads"] == 2      # min(3 slices, 2 rows)
-    assert any("split into 2 slices" in r.getMessage() for r in caplog.records)
-    assert all(r.name == "pedestrian.train" for r in caplog.records)
+def test_a_checkpoint_of_an_earlier_version_with_data_parallel_still_loads(corpus, tmp_path):
+    """``data_parallel`` (the batch split over threads, retired) in a checkpoint's settings is read
+    and ignored; any other unknown setting is still refused."""
+    s = _settings(corpus, tmp_path / "a").to_dict()
+    assert TrainSettings.from_dict({**s, "data_parallel": "auto"}) == TrainSettings.from_dict(s)
+    with pytest.raises(TrainingError, match="unknown training setting"):
+        TrainSettings.from_dict({**s, "data_paralel": "auto"})
 
 
 def test_a_closed_stdout_stops_the_run_like_ctrl_c(corpus, tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def test_installed_wheel_trains_from_another_folder(wheel, tmp_path):
     script = bin_dir / ("pedestrian.exe" if os.name == "nt" else "pedestrian")
     run = _run([str(script), "train", "--max-steps", "3", "--batch-size", "2", "--context-length", "16",
                 "--d-model", "16", "--n-heads", "2", "--n-blocks", "1", "--eval-interval", "3",
-                "--eval-batches", "1", "--no-progress", "--no-plot", "--no-sample", "--data-parallel", "off",
+                "--eval-batches", "1", "--no-progress", "--no-plot", "--no-sample",
                 "--out", "run"], cwd=elsewhere, env=env)
     assert (elsewhere / "run" / "log.jsonl").is_file(), run.stdout + run.stderr
     assert "shakespeare" in run.stdout + run.stderr

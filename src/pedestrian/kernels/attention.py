@@ -6,10 +6,10 @@ for a third to a half of the cost, :func:`pedestrian.kernels.blas.uses_exp2`; ``
 with that ``q``, is divided by ``log₂e``), the scores are overwritten in place by the softmax (one
 ``(B, H, T, T)`` array per block instead of three), ``dP`` becomes ``Δcausal`` in place, heads
 are written straight into their column blocks of ``a3`` and of the signal at ``qkv`` (no
-concatenation copies), and the batch rows are shared over threads in blocks
-(:func:`pedestrian.kernels.threads.for_row_blocks`). On NumPy arrays the softmax, its backward
-and a KV-cache step of a few tokens are numba loops (:mod:`pedestrian.kernels.attention_loops`:
-one pass per row, the causal mask a loop bound); products stay on BLAS.
+concatenation copies). On NumPy arrays each head's forward and backward is one iteration of a
+numba loop over the heads (:mod:`pedestrian.kernels.attention_loops`: heads over the threads,
+products on a single-threaded BLAS, the softmax one pass per row, the causal mask a loop bound),
+and so is a KV-cache step of a few tokens.
 
 From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
 kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks
@@ -27,12 +27,10 @@ from ..layers.attention import KVBlock, attention_mask
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import attention_loops, blas
 from .blas import copy_into, elementwise_lib, matmul_into, rowdot
-from .threads import for_row_blocks
+from .jit import blas_one_thread
 from .workspace import empty_array, scratch
 
 _MASKS: dict = {}
-#: elements of (B, H, T, T) per block: batched matmuls of small matrices want few, large calls
-_BLOCK = 1 << 20
 #: a KV-cache step of at most this many new tokens runs as one numba loop nest
 #: (:func:`pedestrian.kernels.attention_loops.decode_attention`; its products are loops, not BLAS)
 DECODE_MAX_T = 8
@@ -78,36 +76,34 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     def heads(lo, width):                                    # (B, T, H·w) -> (B, H, T, w) view
         return qkv[..., lo:lo + n_heads * width].reshape(B, T, n_heads, width).swapaxes(1, 2)
 
+    unit, exp, _ = blas.softmax_exp(qkv)                     # scores in units of ln 2, or 1
+    if attention_loops.USE and is_numpy_array(qkv) and unit == 1.0:      # numba: heads over the threads
+        blas_one_thread()
+        q, k = (empty_array((B, n_heads, T, d_qk), qkv) for _ in range(2))
+        v, p = empty_array((B, n_heads, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
+        out = empty_array((B, T, hv), qkv)
+        attention_loops.heads_forward.sized(p.size)(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
+        return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=unit, causal=causal)
     q_raw, k, v = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
     if is_torch_array(qkv):
         # torch's batched matmul copies a head-interleaved operand on every use (it needs one
         # stride over (B, H)); one copy each here also serves the backward's three uses
         k, v = k.contiguous(), v.contiguous()
-    unit, exp, _ = blas.softmax_exp(qkv)                     # scores in units of ln 2, or 1
     q = empty_array((B, n_heads, T, d_qk), qkv)              # q · unit / √d_qk (the scale folded in)
     p = empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, hv), qkv)                       # heads' P v side by side (a3)
     out_heads = out.reshape(B, T, n_heads, d_head).swapaxes(1, 2)
-    loops = attention_loops.USE and is_numpy_array(qkv) and unit == 1.0    # numba: the fused softmax
-    mask = causal_mask(T, qkv) if causal and not loops else None
+    mask = causal_mask(T, qkv) if causal else None
     lib = elementwise_lib(qkv)
-
-    def kernel(lo: int, hi: int) -> None:                    # batch rows lo:hi
-        qb, sb = q[lo:hi], p[lo:hi]
-        copy_into(qb, q_raw[lo:hi])                          # (a head of width 1 is a column:
-        lib.multiply(qb, unit / math.sqrt(d_qk), out=qb)     # scaled once contiguous)
-        matmul_into(sb, qb, k[lo:hi].mT)                     # scores S (B, H, T, T), × unit
-        if loops:                                            # softmax in place, masked
-            attention_loops.softmax_rows(sb.reshape(-1, T), T, causal)
-        else:
-            if mask is not None:
-                lib.add(sb, mask, out=sb)
-            lib.subtract(sb, lib.amax(sb, axis=-1, keepdims=True), out=sb)
-            exp(sb, out=sb)
-            lib.divide(sb, lib.sum(sb, axis=-1, keepdims=True), out=sb)
-        matmul_into(out_heads[lo:hi], sb, v[lo:hi])          # P v
-
-    for_row_blocks(qkv, kernel, B, n_heads * T * T, block=_BLOCK)
+    copy_into(q, q_raw)                                      # (a head of width 1 is a column:
+    lib.multiply(q, unit / math.sqrt(d_qk), out=q)           # scaled once contiguous)
+    matmul_into(p, q, k.mT)                                  # scores S (B, H, T, T), × unit
+    if mask is not None:
+        lib.add(p, mask, out=p)
+    lib.subtract(p, lib.amax(p, axis=-1, keepdims=True), out=p)
+    exp(p, out=p)
+    lib.divide(p, lib.sum(p, axis=-1, keepdims=True), out=p)
+    matmul_into(out_heads, p, v)                             # P v
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=unit, causal=causal)
 
 
@@ -175,7 +171,12 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     delta_qkv = empty_array((B, T, 2 * hq + hv), p)
     kept = empty_array(p.shape, p) if keep_delta_causal else None
     lib = elementwise_lib(p)
-    loops, causal = attention_loops.USE and is_numpy_array(p), cache.get("causal", True)
+    if attention_loops.USE and is_numpy_array(p) and unit == 1.0:        # numba: heads over the threads
+        blas_one_thread()
+        attention_loops.heads_backward.sized(p.size)(
+            delta, q, k, v, p, cache.get("causal", True), 1.0 / math.sqrt(d_qk), keep_delta_causal,
+            kept if keep_delta_causal else p[:1, :1, :1, :1], delta_qkv)
+        return delta_qkv, kept
 
     def heads(lo, width):                                     # column block as (B, H, T, w) view
         return delta_qkv[..., lo:lo + H * width].reshape(B, T, H, width).swapaxes(1, 2)
@@ -185,28 +186,19 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         d_out = d_out.contiguous()                            # used twice (see the forward)
     dq_all, dk_all, dv_all = heads(0, d_qk), heads(hq, d_qk), heads(2 * hq, d_head)
 
-    def kernel(lo: int, hi: int) -> None:                     # batch rows lo:hi
-        pb, db = p[lo:hi], d_out[lo:hi]
-        matmul_into(dv_all[lo:hi], pb.mT, db)                 # dv = Pᵀ Δ
-        delta_causal = kept[lo:hi] if kept is not None else scratch(pb.shape, pb, "attention.dP")
-        matmul_into(delta_causal, db, v[lo:hi].mT)            # dP = Δ vᵀ
-        if loops:                                             # Δcausal; masked entries 0
-            attention_loops.softmax_backward_rows(delta_causal.reshape(-1, T), pb.reshape(-1, T), T, causal)
-        else:
-            softmax_backward_into(delta_causal, pb, delta_causal)
-        dq = scratch(q[lo:hi].shape, pb, "attention.dq")      # contiguous, then into its columns
-        matmul_into(dq, delta_causal, k[lo:hi])               # dq = Δraw k
-        lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
-        copy_into(dq_all[lo:hi], dq)
-        if unit == 1.0:                                       # dk = Δrawᵀ q (q carries 1/√d_qk)
-            matmul_into(dk_all[lo:hi], delta_causal.mT, q[lo:hi])
-        else:                                                 # and log₂e: take it out
-            dk = scratch(dk_all[lo:hi].shape, pb, "attention.dk")
-            matmul_into(dk, delta_causal.mT, q[lo:hi])
-            lib.multiply(dk, 1.0 / unit, out=dk)
-            copy_into(dk_all[lo:hi], dk)
-
-    for_row_blocks(p, kernel, B, H * T * T, block=_BLOCK)
+    matmul_into(dv_all, p.mT, d_out)                          # dv = Pᵀ Δ
+    delta_causal = kept if kept is not None else scratch(p.shape, p, "attention.dP")
+    matmul_into(delta_causal, d_out, v.mT)                    # dP = Δ vᵀ
+    softmax_backward_into(delta_causal, p, delta_causal)      # Δcausal
+    dq = scratch(q.shape, p, "attention.dq")                  # contiguous, then into its columns
+    matmul_into(dq, delta_causal, k)                          # dq = Δraw k
+    lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
+    copy_into(dq_all, dq)
+    dk = scratch(dk_all.shape, p, "attention.dk")             # dk = Δrawᵀ q (q carries 1/√d_qk
+    matmul_into(dk, delta_causal.mT, q)                       # and unit: take it out)
+    if unit != 1.0:
+        lib.multiply(dk, 1.0 / unit, out=dk)
+    copy_into(dk_all, dk)
     return delta_qkv, kept
 
 

@@ -1,8 +1,9 @@
 """numba loops of the attention kernels (NumPy arrays): the softmax rows, the tiles' ``exp``, a KV-cache step.
 
-The products stay on BLAS (:mod:`pedestrian.kernels.attention`, :mod:`.attention_tiled`); these
-loops do what lies between them in one pass per row, with the causal mask as a loop bound
-(masked entries are written 0 and never computed). ``exp`` is :mod:`.vecmath`'s polynomial the
+:func:`heads_forward` and :func:`heads_backward` are a whole head's attention per iteration, the
+heads over numba's threads, each head's products one single-threaded BLAS call (``np.dot``); the
+loops do what lies between the products in one pass per row, with the causal mask as a loop
+bound (masked entries are written 0 and never computed). ``exp`` is :mod:`.vecmath`'s polynomial the
 compiler vectorises: numba's ``math.exp`` is a scalar call (the PyPI llvmlite has no SVML) and
 measured 2x slower than NumPy's ``np.exp`` here, the polynomial 2x faster (docs/kernels.md).
 
@@ -19,10 +20,39 @@ import numpy as np
 from .jit import AVAILABLE, kernel, prange
 from .vecmath import exp
 
-__all__ = ["USE", "exp", "softmax_rows", "softmax_backward_rows", "exp_tile", "decode_attention"]
+__all__ = ["USE", "exp", "heads_forward", "heads_backward", "softmax_rows", "softmax_backward_rows", "exp_tile",
+           "decode_attention"]
 
 #: the attention kernels run these loops on NumPy arrays (numba can be imported)
 USE = AVAILABLE
+
+
+@kernel
+def _softmax_row(row, n):
+    """``row[:n] = softmax(row[:n])`` in place, ``row[n:] = 0`` (the causal mask as a loop bound)."""
+    m = row[0]
+    for j in range(1, n):
+        m = max(m, row[j])
+    total = np.zeros(1, dtype=row.dtype)[0]     # the row's dtype: a sum of positive terms, vectorised
+    for j in range(n):
+        e = exp(row[j] - m)
+        row[j] = e
+        total += e
+    inv = 1 / total
+    for j in range(n):
+        row[j] *= inv
+    row[n:] = 0.0
+
+
+@kernel
+def _softmax_backward_row(d_row, p_row, n):
+    """``Δcausal = P ∘ (dP − Σ dP ∘ P)`` in place of ``dP`` (the sum in float64), masked entries 0."""
+    total = 0.0
+    for j in range(n):
+        total += d_row[j] * p_row[j]
+    for j in range(n):
+        d_row[j] = p_row[j] * (d_row[j] - total)
+    d_row[n:] = 0.0
 
 
 @kernel(parallel=True)
@@ -30,22 +60,8 @@ def softmax_rows(s, T, causal):
     """``P = softmax(S)`` in place, row by row: ``s`` ``(N, L)``, row ``r`` is query ``r mod T``
     of ``T`` at position ``L − T + r mod T``; with ``causal`` the keys after it are 0."""
     N, L = s.shape
-    zero = np.zeros(1, dtype=s.dtype)[0]
     for r in prange(N):
-        n = L - T + r % T + 1 if causal else L                      # allowed keys 0 … n-1
-        row = s[r]
-        m = row[0]
-        for j in range(1, n):
-            m = max(m, row[j])
-        total = zero                  # in the rows' dtype: a sum of positive terms, vectorised
-        for j in range(n):
-            e = exp(row[j] - m)
-            row[j] = e
-            total += e
-        inv = 1 / total
-        for j in range(n):
-            row[j] *= inv
-        row[n:] = 0.0
+        _softmax_row(s[r], L - T + r % T + 1 if causal else L)
 
 
 @kernel(parallel=True)
@@ -54,14 +70,65 @@ def softmax_backward_rows(dp, p, T, causal):
     masked entries 0)."""
     N, L = dp.shape
     for r in prange(N):
-        n = L - T + r % T + 1 if causal else L
-        d_row, p_row = dp[r], p[r]
-        total = 0.0
-        for j in range(n):
-            total += d_row[j] * p_row[j]
-        for j in range(n):
-            d_row[j] = p_row[j] * (d_row[j] - total)
-        d_row[n:] = 0.0
+        _softmax_backward_row(dp[r], p[r], L - T + r % T + 1 if causal else L)
+
+
+@kernel(parallel=True)
+def heads_forward(qkv, causal, scale, q, k, v, p, out):
+    """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·(2·d_qk + d_head))``: its ``q · scale``, ``k``,
+    ``v`` copied out ``(B, H, T, d)``, ``P = softmax(q kᵀ)`` (masked) into ``p`` ``(B, H, T, T)``,
+    ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the threads, products on BLAS."""
+    B, H, T, d_qk = q.shape
+    d_head = v.shape[3]
+    for u in prange(B * H):
+        b, h = u // H, u % H
+        qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
+        for t in range(T):
+            for c in range(d_qk):
+                qh[t, c] = qkv[b, t, h * d_qk + c] * scale
+                kh[t, c] = qkv[b, t, (H + h) * d_qk + c]
+            for c in range(d_head):
+                vh[t, c] = qkv[b, t, 2 * H * d_qk + h * d_head + c]
+        np.dot(qh, kh.T, ph)                                         # S = q kᵀ / √d_qk
+        for t in range(T):
+            _softmax_row(ph[t], t + 1 if causal else T)
+        o = np.empty((T, d_head), dtype=out.dtype)
+        np.dot(ph, vh, o)                                            # P v
+        for t in range(T):
+            for c in range(d_head):
+                out[b, t, h * d_head + c] = o[t, c]
+
+
+@kernel(parallel=True)
+def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
+    """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
+    ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
+    into their column blocks of ``delta_qkv`` ``(B, T, H·(2·d_qk + d_head))``."""
+    B, H, T, d_qk = q.shape
+    d_head = v.shape[3]
+    for u in prange(B * H):
+        b, h = u // H, u % H
+        qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
+        d = np.empty((T, d_head), dtype=delta.dtype)
+        for t in range(T):
+            for c in range(d_head):
+                d[t, c] = delta[b, t, h * d_head + c]
+        dv = np.empty((T, d_head), dtype=delta.dtype)
+        np.dot(ph.T, d, dv)                                          # dv = Pᵀ Δ
+        dp = kept[b, h] if keep else np.empty((T, T), dtype=delta.dtype)
+        np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
+        for t in range(T):
+            _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
+        dq = np.empty((T, d_qk), dtype=delta.dtype)
+        np.dot(dp, kh, dq)                                           # dq = Δcausal k
+        dk = np.empty((T, d_qk), dtype=delta.dtype)
+        np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
+        for t in range(T):
+            for c in range(d_qk):
+                delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
+                delta_qkv[b, t, (H + h) * d_qk + c] = dk[t, c]
+            for c in range(d_head):
+                delta_qkv[b, t, 2 * H * d_qk + h * d_head + c] = dv[t, c]
 
 
 @kernel

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ..backend import is_numpy_array, is_torch_array
+from .jit import AVAILABLE, blas_one_thread, kernel, num_threads, prange
 from .workspace import empty_array
 
 __all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "uses_exp2", "softmax_exp", "LOG2_E",
@@ -98,8 +99,60 @@ def softmax_exp(x, unit: float | None = None):
     return (unit, lib.exp, lib.log) if unit == 1.0 else (unit, lib.exp2, lib.log2)
 
 
+#: a 2-D NumPy product is shared over numba's threads from this many multiply-adds, in row
+#: blocks of at least :data:`MIN_PART_ROWS` rows
+PARALLEL_MIN_MACS = 1 << 18
+MIN_PART_ROWS = 16
+
+
+@kernel(parallel=True)
+def _gemm(a, b, bias, out, parts):
+    """``out = a @ b (+ bias)``, 2-D: ``out``'s rows in ``parts`` blocks, one single-threaded BLAS
+    call each (a transposed ``a``'s block is copied first: ``k × rows`` numbers against the block's
+    ``k × rows × n`` multiply-adds)."""
+    m, n = out.shape
+    for part in prange(parts):
+        lo, hi = m * part // parts, m * (part + 1) // parts
+        np.dot(np.ascontiguousarray(a[lo:hi]), b, out[lo:hi])
+        if bias.shape[0]:
+            for i in range(lo, hi):
+                for j in range(n):
+                    out[i, j] += bias[j]
+
+
+_NO_BIAS: dict = {}
+
+
+def _numba_matmul(out, a, b, bias) -> bool:
+    """:func:`matmul_into` of 2-D NumPy arrays on numba's threads; False where it does not apply
+    (batched operands, mixed dtypes, a strided ``out``)."""
+    if not (AVAILABLE and out.ndim == 2 and a.ndim == 2 and b.ndim == 2 and type(a) is np.ndarray
+            and type(b) is np.ndarray and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"):
+        return False
+    if not out.flags.c_contiguous:
+        if not out.flags.f_contiguous:
+            return False
+        if bias is not None:
+            return False
+        out, a, b = out.T, b.T, a.T                        # outᵀ = bᵀ aᵀ, rows of outᵀ
+    if not (b.flags.c_contiguous or b.flags.f_contiguous):
+        b = np.ascontiguousarray(b)
+    blas_one_thread()
+    m, k = a.shape
+    parts = 1
+    if m * k * out.shape[1] >= PARALLEL_MIN_MACS:
+        parts = max(1, min(num_threads(), m // MIN_PART_ROWS))
+    if bias is None:
+        bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype))
+    (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts)
+    return True
+
+
 def matmul_into(out, a, b, *, bias=None) -> None:
     """``out[...] = a @ b (+ bias)`` without an intermediate when the backend allows it.
+
+    NumPy, 2-D: numba's threads share the product out in row blocks, each one single-threaded
+    BLAS call (:func:`pedestrian.kernels.jit.blas_one_thread`), the bias added in the same loop.
 
     Args:
         out: preallocated array of the product's shape (may be a strided view into a flat
@@ -107,9 +160,11 @@ def matmul_into(out, a, b, *, bias=None) -> None:
             ``(B, H, T, w)``: NumPy's BLAS path writes any view whose rows have unit stride).
         a, b: operands (2-D, or batched with matching leading axes).
         bias: optional ``(n,)`` row added to every row of the 2-D product (PyTorch: one
-            ``addmm``; NumPy: an in-place add after the product).
+            ``addmm``).
     """
     if is_numpy_array(out):
+        if _numba_matmul(out, a, b, bias):
+            return
         if out.strides[-1] == out.itemsize or out.flags.c_contiguous:
             np.matmul(a, b, out=out)
         else:
@@ -148,17 +203,37 @@ def matmul_into(out, a, b, *, bias=None) -> None:
 _ONES: dict = {}                                   # (n, dtype) -> a (1, n) row of ones
 
 
+@kernel(parallel=True)
+def _colsum(a, out, parts):
+    """``out = Σ_rows a``: the columns in ``parts`` blocks, each summed row after row in float64."""
+    m, n = a.shape
+    for part in prange(parts):
+        lo, hi = n * part // parts, n * (part + 1) // parts
+        acc = np.zeros(hi - lo, np.float64)
+        for i in range(m):
+            row = a[i, lo:hi]
+            for j in range(hi - lo):
+                acc[j] += row[j]
+        for j in range(hi - lo):
+            out[lo + j] = acc[j]
+
+
 def colsum(a, *, out=None):
     """``Σ_rows a`` of a 2-D ``(n, f)`` array: ``(f,)`` (bias and layer-norm gradients).
 
-    NumPy: as the product ``1ᵀ a`` (``(1, n) @ (n, f)``), one BLAS call: measured 19 µs
-    against 42 µs for ``np.sum(a, axis=0)`` on a (384, 512) float32 array, and it releases
-    the GIL for the whole computation. PyTorch: ``torch.sum(a, 0)``.
+    NumPy: a numba loop, columns in blocks over the threads (else the product ``1ᵀ a``, one
+    BLAS call). PyTorch: ``torch.sum(a, 0)``.
     """
     if is_torch_array(a):
         import torch
 
         return torch.sum(a, 0) if out is None else torch.sum(a, 0, out=out)
+    if out is None:
+        out = np.empty(a.shape[1], dtype=a.dtype)
+    if AVAILABLE and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
+        parts = max(1, min(num_threads(), a.shape[1] // 64)) if a.size >= 1 << 15 else 1
+        (_colsum if parts > 1 else _colsum.serial)(a, out, parts)
+        return out
     n = a.shape[0]
     key = (n, a.dtype)
     ones = _ONES.get(key)

@@ -2,7 +2,8 @@
 :mod:`pedestrian.layers.linear`, :mod:`pedestrian.layers.residual`).
 
 Products go straight into preallocated arrays (the model's gradient buffer for ``dW``, ``db``;
-pooled arrays for outputs), bias sums are one BLAS product with a row of ones.
+pooled arrays for outputs), shared over numba's threads in row blocks
+(:func:`pedestrian.kernels.blas.matmul_into`); the bias rides on the forward product's loop.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import numpy as np
 
 from ..backend import is_torch_array
 from .blas import colsum, elementwise_lib, matmul_into
-from .threads import product_parts, run_units
 from .workspace import empty_array
 
 
@@ -35,18 +35,8 @@ def linear_forward(x, weight, bias=None):
     f_in, f_out = weight.shape
     x2 = x.reshape(-1, f_in)
     y = empty_array((x2.shape[0], f_out), x2)
-    _in_parts(x2, x2.shape[0], lambda lo, hi: matmul_into(y[lo:hi], x2[lo:hi], weight, bias=bias))
+    matmul_into(y, x2, weight, bias=bias)
     return y.reshape(*x.shape[:-1], f_out), x
-
-
-def _in_parts(like, n: int, kernel) -> None:
-    """``kernel(lo, hi)`` over ``0 … n`` in :func:`product_parts` contiguous blocks, one per thread
-    (batch 1 on a single-threaded BLAS: each part is a product of its own rows or columns)."""
-    parts = product_parts(like, n)
-    if parts == 1:
-        kernel(0, n)
-    else:
-        run_units(like, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)], kernel, parts)
 
 
 def _transposed_contiguous(a) -> bool:
@@ -59,33 +49,21 @@ def _transposed_contiguous(a) -> bool:
 def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_input=True):
     """Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
     straight into ``dweight`` / ``dbias`` (for a transposed ``dweight`` -- the tied logits'
-    share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows). Batch 1 on our own
-    threads (:func:`~pedestrian.kernels.threads.product_parts`): ``dW`` and ``Δ_in``, products of
-    the same size, run side by side, one per thread (T = 1024, 128 × 512: 1.44 ms against 1.63
-    cutting each product in two)."""
+    share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows)."""
     f_in, f_out = weight.shape
     d2 = delta.reshape(-1, f_out)
     x2 = cache.reshape(-1, f_in)
     delta_in = empty_array((d2.shape[0], f_in), d2) if need_input else None
 
-    def weight_grads() -> None:
-        if dweight is not None:
-            if _transposed_contiguous(dweight):
-                matmul_into(dweight.mT, d2.mT, x2)
-            else:
-                matmul_into(dweight, x2.mT, d2)                  # dW = xᵀ Δ
-        if dbias is not None:
-            colsum(d2, out=dbias)                                # db = Σ_rows Δ
-
-    def input_grad() -> None:
+    if dweight is not None:
+        if _transposed_contiguous(dweight):
+            matmul_into(dweight.mT, d2.mT, x2)
+        else:
+            matmul_into(dweight, x2.mT, d2)                      # dW = xᵀ Δ
+    if dbias is not None:
+        colsum(d2, out=dbias)                                    # db = Σ_rows Δ
+    if need_input:
         matmul_into(delta_in, d2, weight.mT)                     # Δ_in = Δ Wᵀ
-
-    if need_input and product_parts(d2, d2.shape[0]) > 1:       # our threads: one product each
-        run_units(d2, [(weight_grads,), (input_grad,)], lambda job: job(), 2)
-    else:
-        weight_grads()
-        if need_input:
-            input_grad()
     return None if delta_in is None else delta_in.reshape(*delta.shape[:-1], f_in)
 
 

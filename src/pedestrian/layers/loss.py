@@ -21,8 +21,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
         logits: ``(B, T, V)`` float array (``a12``).
         targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index`` (validated by the model).
         n_total: divide by this many counted targets instead of the number counted here: for one
-            slice of a larger batch (:class:`pedestrian.training.parallel.DataParallel`, or one rank of a
-            distributed batch) the loss and gradient are then this slice's share of the whole
+            slice of a larger batch (one rank of a distributed batch) the loss and gradient are then this slice's share of the whole
             batch's mean, and the slices' losses and gradients simply add up.
 
     Returns:

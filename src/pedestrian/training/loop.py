@@ -30,7 +30,6 @@ progress finishes, then a checkpoint of it is saved. A second ``Ctrl-C`` stops a
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
@@ -70,7 +69,7 @@ class Trainer:
     """Steps until a stop, logging, validating and saving on the way.
 
     The step:
-        runner: the model, or a :class:`~pedestrian.training.parallel.DataParallel` over it.
+        runner: the model (:class:`~pedestrian.model.GPT`).
         optimizer: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers.
         schedule: ``schedule(step) -> lr`` (e.g. :class:`~pedestrian.training.optim.CosineSchedule`).
         next_batches: ``() -> [(x, y), ...]``, the global micro-batches of one step (the same on
@@ -81,7 +80,6 @@ class Trainer:
         grad_clip: global gradient-norm threshold (0 = off).
         max_skipped_steps: stop after this many skipped steps in a row (``"non_finite"``).
         tokens_per_step: tokens of one global step, for the tokens/s figures.
-        context: entered around every model pass (DataParallel's one-BLAS-thread-per-slice).
         group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
         dropout_seed: draw dropout masks keyed by ``(dropout_seed, step, micro-batch)`` and the
             global row (module docstring); ``None``: from the model's own ``dropout_rng``.
@@ -106,7 +104,7 @@ class Trainer:
     def __init__(self, runner, optimizer: AdamW, schedule: Callable[[int], float],
                  next_batches: Callable[[], list], *, step: int, end: int, end_reason: str = "max_steps",
                  grad_clip: float = 0.0, max_skipped_steps: int = 5, tokens_per_step: int = 0,
-                 skipped_total: int = 0, context=None, group=None, dropout_seed: int | None = None,
+                 skipped_total: int = 0, group=None, dropout_seed: int | None = None,
                  files=None, progress: str | None = None, val_batches=(), eval_interval: int = 0,
                  checkpoints: Checkpoints | None = None, max_minutes: float | None = None,
                  t_start: float | None = None):
@@ -114,7 +112,6 @@ class Trainer:
         self.step, self.end, self.end_reason = step, end, end_reason
         self.grad_clip, self.max_skipped_steps = grad_clip, max_skipped_steps
         self.tokens_per_step = tokens_per_step
-        self.context = context if context is not None else contextlib.nullcontext()
         self.group = SingleProcess() if group is None else group
         self.dropout_seed = dropout_seed
         self.files = NoFiles() if files is None else files
@@ -163,10 +160,9 @@ class Trainer:
                 self.lr = self.schedule(self.step)
                 self.batches = self.next_batches()
                 t0 = time.perf_counter()
-                with self.context:
-                    self.loss, self.grad_norm = train_step(self.runner, self.optimizer, self.batches, self.lr,
-                                                           self.grad_clip, self._accumulator(), self.group,
-                                                           self._dropout_key())
+                self.loss, self.grad_norm = train_step(self.runner, self.optimizer, self.batches, self.lr,
+                                                       self.grad_clip, self._accumulator(), self.group,
+                                                       self._dropout_key())
                 self.step_seconds = time.perf_counter() - t0
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
                 self._count_skip()
@@ -232,8 +228,7 @@ class Trainer:
         rank its rows of each batch). Writes ``{"step", "val_loss"}`` to the log (``say``: and
         to the logger); a non-finite result is warned about and recorded as ``null`` (it never
         becomes the best)."""
-        with self.context:
-            loss = estimate_loss(self.runner, self.val_batches, self.group)
+        loss = estimate_loss(self.runner, self.val_batches, self.group)
         self.val_loss, self.last_eval = loss, self.step
         self.files.log({"step": self.step, "val_loss": finite_or_none(loss)})
         self._postfix(refresh=not say)

@@ -61,7 +61,7 @@ from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .loop import Checkpoints, Trainer
 from .optim import AdamW, CosineSchedule
-from .parallel import runner_for
+from ..kernels.jit import num_threads
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
@@ -154,24 +154,13 @@ def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, 
     return model, optimizer, data_rng
 
 
-def _runner(settings: TrainSettings, model, ckpt: Checkpoint | None, group):
-    """``(runner, context, slices)`` of :func:`pedestrian.training.parallel.runner_for` for this rank's rows,
-    with a warning when a resumed run splits its batches differently from the checkpoint's steps."""
-    rows = group.rows(settings.batch_size)
-    try:
-        runner, context = runner_for(model, settings.data_parallel, rows.stop - rows.start)
-    except ValueError as exc:                 # e.g. an unknown mode
-        raise TrainingError(f"--data-parallel {settings.data_parallel}: {exc}") from None
-    split = runner.slices_for(rows.stop - rows.start) if runner is not model else 1
-    if ckpt is not None:
-        then = (ckpt.meta.get("world_size", 1), ckpt.meta.get("data_parallel_threads"))
-        if then[0] != group.world_size or then[1] not in (None, split):
-            log.warning(f"the checkpoint's steps ran on {then[0]} rank(s), each batch split into {then[1] or 1} "
-                        f"slice(s) per rank; this run has {group.world_size} rank(s) and {split} slice(s): it "
-                        "continues the same run (same batches, same dropout masks), equal up to the order of "
-                        "float additions but not bit for bit; for that, resume with the same --nproc and "
-                        "PEDESTRIAN_NUM_THREADS")
-    return runner, context, split
+def _warn_other_ranks(ckpt: Checkpoint | None, group) -> None:
+    """A warning when a resumed run has another number of ranks than the checkpoint's steps."""
+    then = ckpt.meta.get("world_size", 1) if ckpt is not None else group.world_size
+    if then != group.world_size:
+        log.warning(f"the checkpoint's steps ran on {then} rank(s); this run has {group.world_size}: it "
+                    "continues the same run (same batches, same dropout masks), equal up to the order of "
+                    "float additions but not bit for bit; for that, resume with the same --nproc")
 
 
 def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
@@ -266,7 +255,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
     model, optimizer, data_rng = _start(settings, config, ckpt, group)
-    runner, context, split = _runner(settings, model, ckpt, group)
+    _warn_other_ranks(ckpt, group)
     end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
@@ -281,7 +270,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
                 "val_loss": finite_or_none(val), "train_loss": finite_or_none(t.loss),
                 "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
-                "world_size": group.world_size, "data_parallel_threads": split, "skipped_steps": t.skipped_total}
+                "world_size": group.world_size, "skipped_steps": t.skipped_total}
         files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
         t.last_save = t.step                  # kept even if copying it to best/ fails
         if is_best:
@@ -298,13 +287,13 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
                               model=model, go_on=f"continue from it with: {resume_command} "
                               "(the same settings redo the same steps), or start again with a lower --lr "
                               "(--overwrite, or --out NEW_DIR)")
-    trainer = Trainer(runner, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
+    trainer = Trainer(model, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
                                                         settings.min_lr),
                       lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
                       step=ckpt.step if ckpt else 0, end=end,
                       end_reason="max_steps" if end == settings.max_steps else "stop_step",
                       grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k, context=context,
+                      tokens_per_step=B * T * k,
                       skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
                       group=group, dropout_seed=settings.seed, files=files,
                       progress="train" if settings.progress and group.is_writer else None,
@@ -314,7 +303,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
                       t_start=t_start)
     if ckpt is not None:
         trainer.last_eval = trainer.last_save = ckpt.step
-    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group)
+    _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group)
 
     def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
         if group.is_writer and t.step % settings.eval_interval == 0 and t.skipped is None:
@@ -334,8 +323,6 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
                             f"{then}") from exc
     finally:
         files.close()
-        if runner is not model:
-            runner.close()
     if reason == "non_finite":
         raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     if settings.plot:
@@ -366,7 +353,7 @@ def _fmt(x: float) -> str:
     return f"{x:.4f}" if math.isfinite(x) else "-"
 
 
-def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, split, ckpt, out, group) -> None:
+def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group) -> None:
     """The opening lines of a run: model, data, steps, ranks and threads (and a warm-up warning)."""
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
@@ -379,9 +366,8 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, spl
         rows = group.rows(B)
         log.info(f"ranks: {group.world_size} ({group.backend} on {group.device}), each computing about "
                  f"{rows.stop - rows.start} of the {B} rows of every batch; rank 0 writes the files")
-    log.info(f"threads: each batch split into {split} slices, one on this thread and {split - 1} in other "
-             f"thread(s) (data-parallel {settings.data_parallel})" if split > 1 else
-             f"threads: one model pass per step (data-parallel {settings.data_parallel}); BLAS threads the products")
+    if model.backend == "numpy" and model.kernels.__name__ == "pedestrian.kernels":
+        log.info(f"threads: {num_threads()} (the fast kernels' numba threads; PEDESTRIAN_NUM_THREADS sets them)")
     if settings.warmup_steps >= settings.max_steps:
         log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
                     f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps")

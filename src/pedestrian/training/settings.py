@@ -15,7 +15,6 @@ from ..data import BUNDLED_CORPUS
 from ..distributed import DEVICES
 from ..settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
                         check, config_value, kind_of, setting, specs)
-from .parallel import DATA_PARALLEL_MODES
 from .step import TrainingError
 
 try:  # Python 3.11+
@@ -39,19 +38,21 @@ _PER_RUN, _RESUMABLE = {"per_run"}, {"resumable"}
 _DATA, _MODEL, _OPTIM, _LOOP = "data", "model", "optimisation", "loop"
 
 
+#: settings of earlier versions that a checkpoint may still hold; read and ignored
+#: (``data_parallel``: the batch split over threads, replaced by the fast kernels' own threads)
+RETIRED_SETTINGS = frozenset({"data_parallel"})
+
+
 @dataclass
 class TrainSettings:
     """Every setting of a training run: the ``pedestrian train`` flags and TOML keys, each
     declared once below (type, default, help, valid values; see :mod:`pedestrian.settings`).
 
     ``model`` holds the :class:`GPTConfig` fields except ``vocab_size`` (set from the
-    tokenizer). ``data_parallel`` (``"auto"``, ``"on"``, ``"off"``) splits each batch over
-    threads with :class:`pedestrian.training.parallel.DataParallel`; ``"auto"`` does so for models under
-    :data:`pedestrian.training.parallel.SMALL_MODEL_PARAMS` parameters when there are two or more cores
-    (:func:`pedestrian.training.parallel.use_data_parallel`). ``nproc`` > 1 starts that many ranks on
-    this machine through PyTorch's launcher (``pedestrian train --nproc N``; see
-    :mod:`pedestrian.distributed`). Resuming reproduces a run bit for bit when the number of ranks
-    and of slices is the same.
+    tokenizer). ``nproc`` > 1 starts that many ranks on this machine through PyTorch's launcher
+    (``pedestrian train --nproc N``; see :mod:`pedestrian.distributed`). Resuming reproduces a run
+    bit for bit when the number of ranks is the same. (The cores of one process are shared by the
+    fast kernels themselves: ``PEDESTRIAN_NUM_THREADS``.)
     """
 
     data: str | None = setting(None, "UTF-8 text file or folder of *.txt files (default: the bundled "
@@ -103,10 +104,6 @@ class TrainSettings:
                               group=_LOOP, tags=_PER_RUN)
     progress: bool = setting(True, "no progress bar", group=_LOOP, tags=_PER_RUN)
     plot: bool = setting(True, "no loss_curve.png", group=_LOOP, tags=_PER_RUN)
-    data_parallel: str = setting("auto", "split each batch into slices, one per core, each on its own thread "
-                                 "with single-threaded BLAS (auto: NumPy models under 20M parameters; slices: "
-                                 "PEDESTRIAN_NUM_THREADS or the cores)", choices=DATA_PARALLEL_MODES,
-                                 group=_LOOP, tags=_PER_RUN)
     nproc: int = setting(1, "processes (ranks) on this machine, each computing its share of every batch; "
                          "started through PyTorch's launcher (needs the torch extra); under torchrun "
                          "leave it out", rule=POSITIVE_INT, metavar="N", group=_LOOP, tags=_PER_RUN)
@@ -144,6 +141,7 @@ class TrainSettings:
     def from_dict(cls, data: dict) -> "TrainSettings":
         """From :meth:`to_dict` (a checkpoint's); settings it lacks (added later) get their defaults."""
         known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k not in RETIRED_SETTINGS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise TrainingError(f"unknown training setting(s) {unknown}")

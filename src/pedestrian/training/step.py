@@ -113,8 +113,7 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     """One optimizer update from ``k = len(batches)`` micro-batches (module docstring).
 
     Args:
-        model: a :class:`~pedestrian.model.GPT` (or a :class:`~pedestrian.training.parallel.DataParallel`)
-            in training mode (or not: dropout follows ``model.training``).
+        model: a :class:`~pedestrian.model.GPT` in training mode (or not: dropout follows ``model.training``).
         optimizer: an :class:`~pedestrian.training.optim.AdamW` over the model's flat buffers.
         batches: list of ``(x, y)`` int arrays ``(B_i, T_i)``, the *global* micro-batches (every
             rank passes the same ones and computes its rows, ``group.rows(B_i)``); targets may

@@ -1,0 +1,101 @@
+"""One pool of threads: numba's, for every kernel of the fast path (issue 23).
+
+The fast kernels share rows, heads and the row blocks of products over numba's threads
+(``PEDESTRIAN_NUM_THREADS``), each block of a product one call of a BLAS held to one thread.
+What that promises, and what these tests check:
+
+- a step is the same bits every time at a given number of threads; at another it differs only
+  by rounding (rows and heads are shared out, never the terms of one sum, but a product cut
+  into row blocks may take BLAS's small-matrix code, which orders its sums differently);
+- the BLAS numba calls (SciPy's) runs one thread once a fast kernel has run; NumPy's own BLAS
+  keeps its threads (``a @ b`` in a user's code is not slowed down);
+- several Python threads may call models at once (numba's threading layer is thread-safe, or,
+  where numba fell back to its ``workqueue`` layer, the parallel calls take a lock);
+- a bad ``PEDESTRIAN_NUM_THREADS`` is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pedestrian.config import GPTConfig
+from pedestrian.kernels import jit
+from pedestrian.model import GPT
+
+CFG = GPTConfig(vocab_size=50, context_length=320, d_model=48, n_heads=3, n_blocks=2, dropout=0.0)
+
+pytestmark = pytest.mark.skipif(not jit.AVAILABLE, reason="numba is not installed")
+
+
+def _step(dtype: str, B: int, T: int) -> tuple[float, dict]:
+    model = GPT(CFG, seed=0, dtype=dtype)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 50, (B, T)), rng.integers(0, 50, (B, T))
+    loss = model.loss(x, y)
+    return loss, {k: v.copy() for k, v in model.backward().items()}
+
+
+@pytest.mark.parametrize("B,T", [(8, 64), (1, 64), (2, 300)], ids=["batch", "one-sequence", "tiled"])
+def test_thread_counts_differ_only_by_rounding(B, T, monkeypatch):
+    """float64, 1 against 2 threads, relative to the largest entry: sums of at most B·T = 600
+    terms in another order differ by a few hundred ε64 of the terms' scale at most (1e-12), and
+    the same thread count gives the same bits (float32 too)."""
+    runs = {}
+    for threads in ("1", "2", "2"):
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", threads)
+        runs.setdefault(threads, []).append(_step("float64", B, T))
+        runs.setdefault(threads + "/32", []).append(_step("float32", B, T))
+    for key in ("2", "2/32"):                                   # rerun: the same bits
+        (l1, g1), (l2, g2) = runs[key]
+        assert l1 == l2 and all(np.array_equal(g, g2[k]) for k, g in g1.items()), key
+    (l1, g1), (l2, g2) = runs["1"][0], runs["2"][0]
+    assert abs(l1 - l2) <= 1e-12 * abs(l1)
+    scale = max(float(np.max(np.abs(g))) for g in g1.values())
+    for k, g in g1.items():
+        assert float(np.max(np.abs(g - g2[k]))) <= 1e-12 * scale, k
+
+
+def test_only_the_blas_numba_calls_is_held_to_one_thread():
+    from threadpoolctl import ThreadpoolController
+
+    _step("float32", 4, 64)
+    numpy_blas = [lib for lib in ThreadpoolController().select(user_api="blas").lib_controllers
+                  if "numpy" in lib.filepath]
+    scipy_blas = [lib for lib in ThreadpoolController().select(user_api="blas").lib_controllers
+                  if "scipy" in lib.filepath and "numpy" not in lib.filepath]
+    if not numpy_blas or not scipy_blas:
+        pytest.skip("NumPy and SciPy share one BLAS library here (not the pip wheels' layout)")
+    assert all(lib.num_threads == 1 for lib in scipy_blas)
+    assert all(lib.num_threads == jit.num_threads() for lib in numpy_blas) or jit.num_threads() == 1
+
+
+@pytest.mark.parametrize("workqueue", [False, True], ids=["numba's layer", "workqueue lock"])
+def test_python_threads_may_call_models_at_once(workqueue, monkeypatch):
+    if workqueue:                                          # as where numba fell back to workqueue
+        monkeypatch.setattr(jit, "_layer", ["workqueue"])
+    want = _step("float64", 4, 64)
+    results, errors = [], []
+
+    def worker() -> None:
+        try:
+            results.append(_step("float64", 4, 64))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 3
+    for loss, grads in results:
+        assert loss == want[0] and all(np.array_equal(g, want[1][k]) for k, g in grads.items())
+
+
+def test_bad_thread_count_is_refused(monkeypatch):
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="PEDESTRIAN_NUM_THREADS must be a positive integer, got 'two'; unset it"):
+        jit.num_threads()
