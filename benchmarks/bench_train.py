@@ -1,9 +1,9 @@
 """Training-step benchmark: pedestrian's hand-written backward against PyTorch eager autograd.
 
 Both sides hold the same weights (copied from pedestrian's parameters), see the same batches and
-run the same AdamW update; they take turns in one process (rounds in ABBA order, a pause before
-each turn so that the other library's idle threads have stopped spinning) so that machine load
-hits both alike, and every figure is a median. Peak memory is measured for each side in its
+run the same AdamW update; they take turns (rounds in ABBA order, a pause before each turn so
+that the other library's idle threads have stopped spinning) so that machine load hits both
+alike, and every figure is a median. Peak memory is measured for each side in its
 own subprocess (``VmHWM``, the peak resident set), so the two never mix.
 
 Run (about 2 minutes per backend on 2 cores)::
@@ -12,16 +12,16 @@ Run (about 2 minutes per backend on 2 cores)::
     python3 benchmarks/bench_train.py --config all --backend torch   # torch tensors as plain arrays
     python3 benchmarks/bench_train.py --config char-small --steps 10 --no-memory   # quick look
     python3 benchmarks/bench_train.py --config all --threads 1       # single-threaded, both sides
-    python3 benchmarks/bench_train.py --config char-small --parallel off   # without DataParallel
-    python3 benchmarks/bench_train.py --config char-small --parallel threads   # slices on threads
 
 Configs: char-small (GPT-2's layout at 4 x 128, tanh GELU, biases), nanogpt-recipe (the model of
 nanoGPT's README CPU recipe: the same widths, exact GELU, no biases) and gpt2-124M. Each is
 timed twice: paused (a pause before each timed step) and back to back (steps in a row, as the
 training loop runs them; the sides alternate in blocks).
 
-The pedestrian side runs as ``pedestrian train`` does: small NumPy models with
-:class:`pedestrian.training.parallel.DataParallel` (``--parallel auto``, the library's own rule).
+Each side runs in a process of its own (spawned), as in a user's training run: the parent
+only sends "run N steps" and collects the times and losses. The pedestrian side runs as
+``pedestrian train`` does: the model's own loss, backward and AdamW, the fast kernels on numba's
+threads.
 
 Writes ``benchmarks/results/train_<backend>.json`` and ``.md`` and refreshes the matching table
 in ``docs/performance.md``.
@@ -34,7 +34,6 @@ transpose of our ``(f_in, f_out)`` weights) with its fastest eager settings: fus
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import math
@@ -87,10 +86,10 @@ def make_optimizer(model):
     return AdamW(model, **HPARAMS), "pedestrian.training.optim.AdamW"
 
 
-def pedestrian_step(runner, opt, x, y) -> float:
-    """One step; ``runner`` is the model or a :class:`pedestrian.training.parallel.DataParallel`."""
-    loss = runner.loss(x, y)
-    runner.backward()
+def pedestrian_step(model, opt, x, y) -> float:
+    """One training step of a :class:`pedestrian.model.GPT`."""
+    loss = model.loss(x, y)
+    model.backward()
     opt.step()
     return loss
 
@@ -287,12 +286,9 @@ class LayerTimer:
 
 def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
     """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
-    function inside, and the GFLOP/s of the matrix products.
-
-    With a :class:`~pedestrian.training.parallel.DataParallel` runner on threads the layer times are
-    *summed over its threads* (each ran its slice of the batch at the same time as the others),
-    so they add up to more than the wall-clock phases. The glue rows are then left out."""
-    threads = getattr(runner, "threads", 1) if runner is not model else 1
+    function inside (wall clock: each kernel shares its own work over the threads), and the
+    GFLOP/s of the matrix products."""
+    threads = 1
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     with LayerTimer(model.config, model.kernels) as timer:
         for i in range(steps):
@@ -353,72 +349,147 @@ def pick_torch_attention(tmodel, batches, reps: int) -> tuple[str, dict]:
     return best, med
 
 
+class _Side:
+    """One side of the comparison in a process of its own (spawned: nothing inherited), driven
+    over a pipe. Each side's thread pools then live alone in their process, as in a user's
+    training run: numba's OpenMP threads and PyTorch's spin for a while after each parallel
+    region, so in one process each side's idle threads would slow the other's steps several-fold
+    (measured: 2.3 s against 70 ms per step, back to back)."""
+
+    def __init__(self, side: str, config, B: int, T: int, backend: str, *, reps: int = 2, attention: str = "auto"):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(side, config, B, T, backend, reps, attention, child),
+                                daemon=True)
+        self.proc.start()
+        self.info = self._recv()
+
+    def _recv(self):
+        reply = self.conn.recv()
+        if isinstance(reply, BaseException):
+            raise RuntimeError(f"benchmark side failed: {reply!r}")
+        return reply
+
+    def ask(self, *command):
+        self.conn.send(command)
+        return self._recv()
+
+    def close(self) -> None:
+        self.conn.send(("exit",))
+        self.proc.join(timeout=60)
+
+
+def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention: str, conn) -> None:
+    """The side's process (``"pedestrian"`` or ``"torch"``): build its model from pedestrian's
+    seed-0 weights, then answer ``("steps", n, lead_in)`` with ``[(seconds, loss), …]`` of the
+    ``n`` timed steps, ``("block", n)``, ``("breakdown",)``, ``("profile",)``, ``("exit",)``.
+    ``attention``: pedestrian's attention kernel, ``"auto"`` (the library's choice), ``"full"``
+    or ``"tiled"`` (``bench_context.py --kernels``)."""
+    try:
+        from pedestrian.kernels.attention_tiled import TILED_MIN_T
+        from pedestrian.model import GPT
+
+        if attention != "auto":
+            TILED_MIN_T.update({k: (1 << 40 if attention == "full" else 1) for k in TILED_MIN_T})
+        batches = make_batches(config, B, T, n=2 if T > 256 else 4)
+        model = GPT(config, seed=0, backend=backend if side == "pedestrian" else "numpy")
+        info: dict = {}
+        if side == "pedestrian":
+            opt, info["optimizer"] = make_optimizer(model)
+            if backend == "torch":
+                import torch
+
+                batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+
+            def step(k: int) -> float:
+                return float(pedestrian_step(model, opt, *batches[k % len(batches)]))
+        else:
+            import torch
+
+            torch.manual_seed(0)
+            batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+            tmodel = build_torch_model(config, "sdpa")
+            copy_weights_to_torch(model.params, tmodel, config)
+            topt, info["optimizer"] = make_torch_optimizer(tmodel)
+            info["optimizer"] = f"torch.optim.AdamW({info['optimizer']})"
+            info["attention"], info["attention_ms"] = pick_torch_attention(tmodel, batches, reps=reps)
+
+            def step(k: int) -> float:
+                return torch_step(tmodel, topt, *batches[k % len(batches)])
+        done = 0
+        conn.send(info)
+        while True:
+            command = conn.recv()
+            if command[0] == "exit":
+                return
+            if command[0] == "steps":
+                n, lead_in = command[1], command[2]
+                out = []
+                for j in range(lead_in + n):
+                    t0 = time.perf_counter()
+                    loss = step(done)
+                    done += 1
+                    if j >= lead_in:
+                        out.append((time.perf_counter() - t0, loss))
+                conn.send(out)
+            elif command[0] == "block":                      # n steps in a row, one time for all
+                t0 = time.perf_counter()
+                losses = [step(done + j) for j in range(command[1])]
+                done += command[1]
+                conn.send(((time.perf_counter() - t0) / command[1], losses))
+            elif command[0] == "breakdown":
+                conn.send(layer_breakdown(model, model, opt, batches))
+            elif command[0] == "profile":
+                import cProfile
+                import io
+                import pstats
+
+                pr, text = cProfile.Profile(), io.StringIO()
+                pr.enable()
+                for i in range(3):
+                    step(done + i)
+                pr.disable()
+                done += 3
+                pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+                conn.send(text.getvalue())
+    except BaseException as exc:  # reported by the parent
+        conn.send(exc)
+
+
 def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
-               breakdown: bool, profile: bool, parallel: str = "auto") -> dict:
-    import torch
-
-    torch.manual_seed(0)
-    from pedestrian.model import GPT
-    from pedestrian.training.parallel import runner_for
-
+               breakdown: bool, profile: bool) -> dict:
     config, B, T = make_config(name)
-    model = GPT(config, seed=0, backend=backend)
-    opt, opt_name = make_optimizer(model)
-    runner, ped_context = runner_for(model, parallel, B)
-    batches_np = make_batches(config, B, T)
-    if backend == "torch":
-        batches_ped = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
-    else:
-        batches_ped = batches_np
-    batches_t = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
-
-    tmodel = build_torch_model(config, "sdpa")
-    copy_weights_to_torch(model.params, tmodel, config)
-    topt, topt_kind = make_torch_optimizer(tmodel)
-    attention, attention_ms = pick_torch_attention(tmodel, batches_t, reps=2 if name != "gpt2-124M" else 1)
-
+    reps = 2 if name != "gpt2-124M" else 1
+    sides = (_Side("pedestrian", config, B, T, backend, reps=reps), _Side("torch", config, B, T, backend, reps=reps))
+    attention, attention_ms = sides[1].info["attention"], sides[1].info["attention_ms"]
     per_round, lead_in = ROUNDS[name]
     times: tuple[list, list] = ([], [])
     losses: tuple[list, list] = ([], [])
-
-    def one_step(side: int) -> float:
-        k = len(losses[side])                               # both sides see the same batches
-        if side == 0:
-            loss = float(pedestrian_step(runner, opt, *batches_ped[k % len(batches_ped)]))
-        else:
-            loss = torch_step(tmodel, topt, *batches_t[k % len(batches_t)])
-        losses[side].append(loss)
-        return loss
-
-    for _ in range(warmup):
-        with ped_context:
-            one_step(0)
-        one_step(1)
+    for side in (0, 1):
+        sides[side].ask("steps", warmup, 0)                 # (both sides see the same batches)
     rounds = max(1, -(-steps // per_round))
     for r in range(rounds):
         for side in ((0, 1) if r % 2 == 0 else (1, 0)):      # ABBA: neither side always goes first
             time.sleep(SETTLE_S)                            # the other side's threads go idle
-            with ped_context if side == 0 else contextlib.nullcontext():
-                for j in range(lead_in + per_round):
-                    t0 = time.perf_counter()
-                    one_step(side)
-                    if j >= lead_in:
-                        times[side].append(time.perf_counter() - t0)
+            for seconds, loss in sides[side].ask("steps", per_round, lead_in):
+                times[side].append(seconds)
+                losses[side].append(loss)
     b2b: tuple[list, list] = ([], [])
     blocks, per_block = BACK_TO_BACK[name]
     for r in range(2 * blocks):
         side = (0, 1, 1, 0)[r % 4]
-        with ped_context if side == 0 else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            for _ in range(per_block):
-                one_step(side)
-            b2b[side].append((time.perf_counter() - t0) / per_block)
+        b2b[side].append(sides[side].ask("block", per_block)[0])
     ped_t, tor_t = times
     ped_loss, tor_loss = losses
     steps = len(ped_t)
     ped_ms, tor_ms = common.median_ms(ped_t), common.median_ms(tor_t)
     tokens = B * T
     flops = common.training_flops(config, B, T)["step"]
+    from pedestrian.model import GPT
+
+    model = GPT(config, seed=0)
     result = {
         "config": name, "backend": backend, "kernels": model.kernels_name, "batch_size": B, "seq_len": T,
         "n_params": model.num_params(), "steps_timed": steps, "warmup": warmup,
@@ -434,55 +505,49 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
         "step_gflop": round(flops / 1e9, 2),
         "pedestrian_gflops": round(flops / ped_ms / 1e6, 1),
         "torch_gflops": round(flops / tor_ms / 1e6, 1),
-        "pedestrian_optimizer": opt_name,
-        "pedestrian_data_parallel_threads": getattr(runner, "threads", 1),
-        "torch_optimizer": f"torch.optim.AdamW({topt_kind})",
+        "pedestrian_optimizer": sides[0].info["optimizer"],
+        "pedestrian_threads": _threads(),
+        "torch_optimizer": sides[1].info["optimizer"],
         "torch_attention": attention, "torch_attention_fwd_bwd_ms": attention_ms,
         "max_loss_difference": float(f"{max(abs(a - b) for a, b in zip(ped_loss, tor_loss)):.3g}"),
         "losses_first_last": [round(ped_loss[0], 4), round(ped_loss[-1], 4)],
     }
     if breakdown:
-        with ped_context:
-            result["pedestrian_breakdown"] = layer_breakdown(model, runner, opt, batches_ped)
+        result["pedestrian_breakdown"] = sides[0].ask("breakdown")
     if profile:
-        import cProfile
-        import pstats
-
-        pr = cProfile.Profile()
-        pr.enable()
-        with ped_context:
-            for i in range(3):
-                pedestrian_step(runner, opt, *batches_ped[i % len(batches_ped)])
-        pr.disable()
-        pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    del model, opt, tmodel, topt, runner, ped_context
+        print(sides[0].ask("profile"), file=sys.stderr)
+    for side in sides:
+        side.close()
     if memory:
         for side in ("pedestrian", "torch"):
             result[f"{side}_peak_rss_mib"] = common.child_json(
                 [__file__, "--child-memory", side, "--config", name, "--backend", backend,
-                 "--torch-attention", attention, "--parallel", parallel])
+                 "--torch-attention", attention])
     return result
 
 
-def child_memory(side: str, name: str, backend: str, attention: str, parallel: str = "auto") -> dict:
+def _threads() -> int:
+    from pedestrian.kernels.jit import num_threads
+
+    return num_threads()
+
+
+def child_memory(side: str, name: str, backend: str, attention: str) -> dict:
     """Peak RSS of 3 training steps of one side alone (this runs in its own process)."""
     base = common.peak_rss_mib()
     config, B, T = make_config(name)
     batches = make_batches(config, B, T, n=3)
     if side == "pedestrian":
         from pedestrian.model import GPT
-        from pedestrian.training.parallel import runner_for
 
         model = GPT(config, seed=0, backend=backend)
         opt, _ = make_optimizer(model)
-        runner, context = runner_for(model, parallel, B)
         if backend == "torch":
             import torch
 
             batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-        with context:
-            for x, y in batches:
-                pedestrian_step(runner, opt, x, y)
+        for x, y in batches:
+            pedestrian_step(model, opt, x, y)
     else:
         import torch
 
@@ -522,10 +587,9 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
     lines += ["", "PyTorch side: " + ", ".join(
         f"{r['config']}: {r['torch_optimizer']}, attention `{r['torch_attention']}` "
         f"(fwd+bwd ms {r['torch_attention_fwd_bwd_ms']})" for r in results) + ".",
-        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + "; data-parallel slices "
-        "(`pedestrian.training.parallel.DataParallel`, one slice of the batch per core, single-threaded BLAS): " + ", ".join(
-            f"{r['config']} {r.get('pedestrian_data_parallel_threads', 1)}" for r in results)
-        + " (1 = the plain model, BLAS threading its own products). Largest |loss difference| "
+        "pedestrian optimizer: " + results[0]["pedestrian_optimizer"] + f"; threads: "
+        f"{results[0].get('pedestrian_threads', 1)} (numba's, every kernel; products in row blocks of "
+        "one-thread BLAS calls). Each side runs in a process of its own. Largest |loss difference| "
         "between the two sides over the run: " + ", ".join(
             f"{r['config']} {r['max_loss_difference']:.1e}" for r in results) + "."]
     for r in results:
@@ -569,11 +633,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="run both sides with this many threads (re-executes with OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS and PEDESTRIAN_NUM_THREADS set; default: as the machine has it)")
-    from pedestrian.training.parallel import DATA_PARALLEL_MODES
-
-    ap.add_argument("--parallel", default="auto", choices=DATA_PARALLEL_MODES,
-                    help="pedestrian's data-parallel slices (pedestrian.training.parallel.DataParallel): "
-                         "auto = the library's own rule (small models only), on, off")
     ap.add_argument("--kernels", default="fast", choices=["fast", "reference"],
                     help="pedestrian's layer functions: the fast kernels (default) or the reference layers")
     ap.add_argument("--child-memory", choices=["pedestrian", "torch"], help=argparse.SUPPRESS)
@@ -585,8 +644,7 @@ def main(argv=None) -> int:
 
     if args.child_memory:
         config_name = args.config
-        print(json.dumps(child_memory(args.child_memory, config_name, args.backend,
-                                      args.torch_attention, args.parallel)))
+        print(json.dumps(child_memory(args.child_memory, config_name, args.backend, args.torch_attention)))
         return 0
 
     info = common.machine_info()
@@ -597,8 +655,7 @@ def main(argv=None) -> int:
     for name in names:
         w, s = DEFAULT_STEPS[name]
         r = run_config(name, args.backend, args.warmup if args.warmup is not None else w,
-                       args.steps or s, not args.no_memory, not args.no_breakdown, args.profile,
-                       args.parallel)
+                       args.steps or s, not args.no_memory, not args.no_breakdown, args.profile)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "pedestrian_breakdown"}), file=sys.stderr)
     # the peak again at the end: the larger of the two is the less disturbed measurement
