@@ -42,8 +42,7 @@ class Workspace:
     """Arrays handed out by :func:`empty_array` while this workspace is :meth:`active`.
 
     An array is handed out again only when nothing outside the pool refers to it or to a view
-    of it (NumPy: ``sys.getrefcount``, views count through their ``base``; PyTorch: also no
-    other tensor shares its storage, ``torch._C._storage_Use_Count``). Shapes not asked for
+    of it (``sys.getrefcount``; views count through their ``base``). NumPy only. Shapes not asked for
     during a whole step are dropped at :meth:`new_step`, so the pool does not grow when shapes
     change. Without ``sys.getrefcount`` (not CPython) nothing is pooled.
     """
@@ -62,10 +61,9 @@ class Workspace:
         return sum(a.nbytes for v in self._pool.values() for a in v)
 
     def take(self, shape, like):
-        """A free pooled array of ``shape`` with ``like``'s dtype (and device), else a new one
-        that joins the pool."""
-        torch_like = type(like) is not np.ndarray and is_torch_array(like)
-        key = (shape, like.dtype, str(like.device)) if torch_like else (shape, like.dtype)
+        """A free pooled NumPy array of ``shape`` with ``like``'s dtype, else a new one that joins
+        the pool."""
+        key = (shape, like.dtype)
         self._asked.add(key)
         arrays = self._pool.get(key)
         if arrays is None:
@@ -75,16 +73,11 @@ class Workspace:
         for i in range(n):                                 # a step takes them in the same order
             j = (start + i) % n                            # as the last: start after the last one
             a = arrays[j]
-            if sys.getrefcount(a) == _FREE_REFCOUNT + 1 and (not torch_like or _sole_storage_owner(a)):
+            if sys.getrefcount(a) == _FREE_REFCOUNT + 1:
                 self._next[key] = j + 1
                 return a
             del a
-        if torch_like:
-            import torch
-
-            a = torch.empty(shape, dtype=like.dtype, device=like.device)
-        else:
-            a = np.empty(shape, dtype=like.dtype)
+        a = np.empty(shape, dtype=like.dtype)
         if _POOLING and n < MAX_PER_SHAPE:
             arrays.append(a)
             self._next[key] = n + 1
@@ -118,31 +111,23 @@ class Workspace:
 _POOLING = hasattr(sys, "getrefcount")
 
 
-def _sole_storage_owner(t) -> bool:
-    """Whether no tensor but ``t`` uses ``t``'s storage (the temporary storage object counts 1)."""
-    import torch
-
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:                                  # a PyTorch without it: never reuse
-        return False
-    return use_count(t.untyped_storage()._cdata) == 2
-
-
 def empty_array(shape, like):
     """A C-contiguous array of ``shape`` with ``like``'s dtype, backend and device; contents
     undefined (the caller overwrites every entry).
 
-    Inside :meth:`Workspace.active` a pooled array nobody uses any more is returned when there
-    is one. (Unlike ``empty_like``, the result is always C-contiguous, so its reshapes are views.)
+    Inside :meth:`Workspace.active` a pooled NumPy array nobody uses any more is returned when
+    there is one. PyTorch tensors are never pooled (whether another tensor shares a storage
+    is not in torch's public API; on a GPU its caching allocator does this job). (Unlike
+    ``empty_like``, the result is always C-contiguous, so its reshapes are views.)
     """
     shape = tuple(shape)
-    workspace = _ACTIVE.get()
-    if workspace is not None and math.prod(shape) * like.dtype.itemsize >= MIN_POOLED_BYTES:
-        return workspace.take(shape, like)
     if type(like) is not np.ndarray and is_torch_array(like):
         import torch
 
         return torch.empty(shape, dtype=like.dtype, device=like.device)
+    workspace = _ACTIVE.get()
+    if workspace is not None and math.prod(shape) * like.dtype.itemsize >= MIN_POOLED_BYTES:
+        return workspace.take(shape, like)
     return np.empty(shape, dtype=like.dtype)
 
 
