@@ -9,8 +9,8 @@ Run (about 5 minutes on 2 cores)::
 Measures, alternating the configurations ``--reps`` times (medians):
 
 - ``pedestrian train`` (the default model and data, ``--stop-step --steps``) in one process with
-  its default threads over the batch (``DataParallel``), in one process without them
-  (``--data-parallel off``), and as 2 ranks (``--nproc 2``: gloo, one thread each); tokens/s of
+  its default threads (the fast kernels' numba threads), in one process on one thread
+  (``PEDESTRIAN_NUM_THREADS=1``), and as 2 ranks (``--nproc 2``: gloo, one thread each); tokens/s of
   the steady part (log.jsonl, step 50 to the end);
 - one ``all_reduce`` (SUM) of a float32 buffer the size of the gradients of char-small and of
   gpt2-124M between 2 gloo ranks on this machine (this script under ``torchrun``).
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: trainable parameters (float32 gradients): the presets of benchmarks/bench_train.py
 PARAMS = {"char-small": 809_856, "gpt2-124M": 124_439_808}
 RANKS = (2, 4, 8, 16, 32, 64)
-CONFIGS = {"1 rank, threads (default)": [], "1 rank, no threads": ["--data-parallel", "off"],
+CONFIGS = {"1 rank, threads (default)": [], "1 rank, one thread": ["PEDESTRIAN_NUM_THREADS=1"],
            "2 ranks (--nproc 2)": ["--nproc", "2"]}
 
 
@@ -60,10 +60,13 @@ def train_tokens_per_s(extra: list, steps: int, folder: Path) -> dict:
     """One short default run; steady tokens/s from its log."""
     out = folder / "run"
     shutil.rmtree(out, ignore_errors=True)
+    env = _env()
+    env.update(a.split("=", 1) for a in extra if "=" in a)                # NAME=value: the environment
+    flags = [a for a in extra if "=" not in a]
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pedestrian", "train", "--out", str(out), "--stop-step", str(steps),
-                           "--no-progress", "--no-sample", "--no-plot", "--max-minutes", "0", *extra],
-                          env=_env(), capture_output=True, text=True)
+                           "--no-progress", "--no-sample", "--no-plot", "--max-minutes", "0", *flags],
+                          env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])

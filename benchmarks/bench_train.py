@@ -271,7 +271,7 @@ class LayerTimer:
                     out = __fn(*args, **kw)
                     dt = time.perf_counter() - t0
                     label, flops = self._label_flops(__name, args, kw)
-                    with self._lock:                    # DataParallel calls from several threads
+                    with self._lock:                    # (calls may come from several threads)
                         self.totals[label] = self.totals.get(label, 0.0) + dt
                         self.flops[label] = self.flops.get(label, 0.0) + flops
                     return out
@@ -288,7 +288,6 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
     """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
     function inside (wall clock: each kernel shares its own work over the threads), and the
     GFLOP/s of the matrix products."""
-    threads = 1
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     with LayerTimer(model.config, model.kernels) as timer:
         for i in range(steps):
@@ -303,14 +302,13 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
             phases["optimizer"] += t3 - t2
-    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}, "threads": threads}
+    out = {"phases_ms": {k: round(1e3 * v / steps, 2) for k, v in phases.items()}}
     layers = {k: round(1e3 * v / steps, 2) for k, v in sorted(timer.totals.items(),
                                                                key=lambda kv: -kv[1])}
     fwd = sum(v for k, v in layers.items() if "_forward" in k)
     bwd = sum(v for k, v in layers.items() if "_forward" not in k)
-    if threads == 1:
-        layers["(forward glue: residual adds, validation, …)"] = round(out["phases_ms"]["forward"] - fwd, 2)
-        layers["(backward glue: skips, LoRA, …)"] = round(out["phases_ms"]["backward"] - bwd, 2)
+    layers["(forward glue: residual adds, validation, …)"] = round(out["phases_ms"]["forward"] - fwd, 2)
+    layers["(backward glue: skips, LoRA, …)"] = round(out["phases_ms"]["backward"] - bwd, 2)
     out["layers_ms"] = layers
     out["matmul_gflops"] = {k: round(timer.flops[k] / timer.totals[k] / 1e9, 1)
                             for k in layers if timer.flops.get(k)}
@@ -597,26 +595,14 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
         if not bd:
             continue
         ph = bd["phases_ms"]
-        threads = bd.get("threads", 1)
-        rows = f"{r['batch_size'] // threads}-{-(-r['batch_size'] // threads)} of the {r['batch_size']} sequences"
-        if threads > 1:
-            summed = (f" Layer times are summed over the {threads} data-parallel threads, each running "
-                      f"{rows} at the same time, so they add up to more than the wall-clock phases.")
-        else:
-            summed = ""
         lines += ["", f"Per-layer time of one pedestrian step, {r['config']} (wall-clock ms: forward "
-                  f"{ph['forward']:.1f}, backward {ph['backward']:.1f}, optimizer {ph['optimizer']:.1f}).{summed}",
+                  f"{ph['forward']:.1f}, backward {ph['backward']:.1f}, optimizer {ph['optimizer']:.1f}).",
                   "", "| layer function | ms/step | GFLOP/s |", "|---|---|---|"]
         lines += [f"| {k} | {v:.2f} | {bd['matmul_gflops'].get(k, '')} |" for k, v in bd["layers_ms"].items()]
         total = ph["forward"] + ph["backward"] + ph["optimizer"]
-        if threads == 1:
-            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} ms of {total:.1f} ms "
-                      f"({100 * bd['matmul_ms'] / total:.0f}%); the rest is elementwise work, attention's "
-                      "small batched products and softmax, Python overhead and the optimizer."]
-        else:
-            work = sum(bd["layers_ms"].values())
-            lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} of the {work:.1f} thread-ms spent in "
-                      f"layer functions ({100 * bd['matmul_ms'] / work:.0f}%), in a step of {total:.1f} ms."]
+        lines += ["", f"Matrix products: {bd['matmul_ms']:.1f} ms of {total:.1f} ms "
+                  f"({100 * bd['matmul_ms'] / total:.0f}%); the rest is elementwise work, attention's "
+                  "small per-head products and softmax, Python overhead and the optimizer."]
     return "\n".join(lines) + "\n"
 
 
