@@ -1,4 +1,4 @@
-"""numba loops of the attention kernels (NumPy arrays): the softmax rows, the tiles' ``exp``, a KV-cache step.
+"""numba loops of the attention kernels (NumPy arrays): each head's forward and backward, a KV-cache step.
 
 :func:`heads_forward` and :func:`heads_backward` are a whole head's attention per iteration, the
 heads over numba's threads, each head's products one single-threaded BLAS call (``np.dot``); the
@@ -20,8 +20,7 @@ import numpy as np
 from .jit import AVAILABLE, kernel, prange
 from .vecmath import exp
 
-__all__ = ["USE", "exp", "heads_forward", "heads_backward", "softmax_rows", "softmax_backward_rows", "exp_tile",
-           "decode_attention"]
+__all__ = ["USE", "exp", "heads_forward", "heads_backward", "decode_attention"]
 
 #: the attention kernels run these loops on NumPy arrays (numba can be imported)
 USE = AVAILABLE
@@ -56,47 +55,36 @@ def _softmax_backward_row(d_row, p_row, n):
 
 
 @kernel(parallel=True)
-def softmax_rows(s, T, causal):
-    """``P = softmax(S)`` in place, row by row: ``s`` ``(N, L)``, row ``r`` is query ``r mod T``
-    of ``T`` at position ``L − T + r mod T``; with ``causal`` the keys after it are 0."""
-    N, L = s.shape
-    for r in prange(N):
-        _softmax_row(s[r], L - T + r % T + 1 if causal else L)
-
-
-@kernel(parallel=True)
-def softmax_backward_rows(dp, p, T, causal):
-    """``Δcausal = P ∘ (dP − rowsum(dP ∘ P))`` into ``dp`` ``(N, L)`` (rows as in :func:`softmax_rows`;
-    masked entries 0)."""
-    N, L = dp.shape
-    for r in prange(N):
-        _softmax_backward_row(dp[r], p[r], L - T + r % T + 1 if causal else L)
-
-
-@kernel(parallel=True)
 def heads_forward(qkv, causal, scale, q, k, v, p, out):
     """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·(2·d_qk + d_head))``: its ``q · scale``, ``k``,
     ``v`` copied out ``(B, H, T, d)``, ``P = softmax(q kᵀ)`` (masked) into ``p`` ``(B, H, T, T)``,
     ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the threads, products on BLAS."""
+    for u in prange(q.shape[0] * q.shape[1]):
+        _head_forward(u, qkv, causal, scale, q, k, v, p, out)
+
+
+@kernel
+def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
+    """:func:`heads_forward` of head ``u = b·H + h`` (a function of its own: numba compiles a
+    ``prange`` body slowly)."""
     B, H, T, d_qk = q.shape
     d_head = v.shape[3]
-    for u in prange(B * H):
-        b, h = u // H, u % H
-        qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
-        for t in range(T):
-            for c in range(d_qk):
-                qh[t, c] = qkv[b, t, h * d_qk + c] * scale
-                kh[t, c] = qkv[b, t, (H + h) * d_qk + c]
-            for c in range(d_head):
-                vh[t, c] = qkv[b, t, 2 * H * d_qk + h * d_head + c]
-        np.dot(qh, kh.T, ph)                                         # S = q kᵀ / √d_qk
-        for t in range(T):
-            _softmax_row(ph[t], t + 1 if causal else T)
-        o = np.empty((T, d_head), dtype=out.dtype)
-        np.dot(ph, vh, o)                                            # P v
-        for t in range(T):
-            for c in range(d_head):
-                out[b, t, h * d_head + c] = o[t, c]
+    b, h = u // H, u % H
+    qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
+    for t in range(T):
+        for c in range(d_qk):
+            qh[t, c] = qkv[b, t, h * d_qk + c] * scale
+            kh[t, c] = qkv[b, t, (H + h) * d_qk + c]
+        for c in range(d_head):
+            vh[t, c] = qkv[b, t, 2 * H * d_qk + h * d_head + c]
+    np.dot(qh, kh.T, ph)                                         # S = q kᵀ / √d_qk
+    for t in range(T):
+        _softmax_row(ph[t], t + 1 if causal else T)
+    o = np.empty((T, d_head), dtype=out.dtype)
+    np.dot(ph, vh, o)                                            # P v
+    for t in range(T):
+        for c in range(d_head):
+            out[b, t, h * d_head + c] = o[t, c]
 
 
 @kernel(parallel=True)
@@ -104,46 +92,37 @@ def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv)
     """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
     into their column blocks of ``delta_qkv`` ``(B, T, H·(2·d_qk + d_head))``."""
-    B, H, T, d_qk = q.shape
-    d_head = v.shape[3]
-    for u in prange(B * H):
-        b, h = u // H, u % H
-        qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
-        d = np.empty((T, d_head), dtype=delta.dtype)
-        for t in range(T):
-            for c in range(d_head):
-                d[t, c] = delta[b, t, h * d_head + c]
-        dv = np.empty((T, d_head), dtype=delta.dtype)
-        np.dot(ph.T, d, dv)                                          # dv = Pᵀ Δ
-        dp = kept[b, h] if keep else np.empty((T, T), dtype=delta.dtype)
-        np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
-        for t in range(T):
-            _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
-        dq = np.empty((T, d_qk), dtype=delta.dtype)
-        np.dot(dp, kh, dq)                                           # dq = Δcausal k
-        dk = np.empty((T, d_qk), dtype=delta.dtype)
-        np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
-        for t in range(T):
-            for c in range(d_qk):
-                delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
-                delta_qkv[b, t, (H + h) * d_qk + c] = dk[t, c]
-            for c in range(d_head):
-                delta_qkv[b, t, 2 * H * d_qk + h * d_head + c] = dv[t, c]
+    for u in prange(q.shape[0] * q.shape[1]):
+        _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv)
 
 
 @kernel
-def exp_tile(s, offset, causal):
-    """``s = exp(s)`` in place on a tile ``(g, r, c)`` of scores; with ``causal``, key ``j`` after
-    query ``i`` (``j > i + offset``: the tile's first query sits ``offset`` after its first key)
-    gets 0 (the mask, fused)."""
-    g, R, C = s.shape
-    for h in range(g):
-        for i in range(R):
-            n = min(C, max(0, i + offset + 1)) if causal else C
-            row = s[h, i]
-            for j in range(n):
-                row[j] = exp(row[j])
-            row[n:] = 0.0
+def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
+    """:func:`heads_backward` of head ``u = b·H + h``."""
+    B, H, T, d_qk = q.shape
+    d_head = v.shape[3]
+    b, h = u // H, u % H
+    qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
+    d = np.empty((T, d_head), dtype=delta.dtype)
+    for t in range(T):
+        for c in range(d_head):
+            d[t, c] = delta[b, t, h * d_head + c]
+    dv = np.empty((T, d_head), dtype=delta.dtype)
+    np.dot(ph.T, d, dv)                                          # dv = Pᵀ Δ
+    dp = kept[b, h] if keep else np.empty((T, T), dtype=delta.dtype)
+    np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
+    for t in range(T):
+        _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
+    dq = np.empty((T, d_qk), dtype=delta.dtype)
+    np.dot(dp, kh, dq)                                           # dq = Δcausal k
+    dk = np.empty((T, d_qk), dtype=delta.dtype)
+    np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
+    for t in range(T):
+        for c in range(d_qk):
+            delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
+            delta_qkv[b, t, (H + h) * d_qk + c] = dk[t, c]
+        for c in range(d_head):
+            delta_qkv[b, t, 2 * H * d_qk + h * d_head + c] = dv[t, c]
 
 
 @kernel

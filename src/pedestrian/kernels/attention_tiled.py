@@ -123,44 +123,50 @@ def _allowed(i, i0, j0, c, causal):
 def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
     ``o = softmax(q kᵀ) v``, ``lse = m + log Σ exp(q kᵀ − m)``. ``q`` ``(G, T, d_qk)`` already
-    ``÷ √d_qk``, ``k`` ``(G, T, d_qk)``, ``v``, ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``."""
+    ``÷ √d_qk``, ``k`` ``(G, T, d_qk)``, ``v``, ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``.
+    (Each lane's work is a function of its own: numba compiles a ``prange`` body slowly.)"""
+    for lane in prange(lanes):                       # units lane, lane + lanes, … (largest first)
+        _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse)
+
+
+@kernel
+def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
     G, T, d_head = v.shape
     n_blocks, zero = -(-T // bq), np.zeros(1, dtype=q.dtype)[0]
-    for lane in prange(lanes):                       # units lane, lane + lanes, … (largest first)
-        s_flat = np.empty(bq * bk, dtype=q.dtype)
-        acc, t = np.empty((bq, d_head), dtype=q.dtype), np.empty((bq, d_head), dtype=q.dtype)
-        m, l = np.empty(bq, dtype=q.dtype), np.empty(bq, dtype=q.dtype)
-        for u in range(lane, len(units), lanes):
-            g, i0 = units[u] // n_blocks, units[u] % n_blocks * bq
-            i1 = min(i0 + bq, T)
-            r, end = i1 - i0, i1 if causal else T                # keys seen: 0 … end-1
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:] = 0.0
-            for j0 in range(0, end, bk):
-                c = min(bk, end - j0)
-                s = s_flat[:r * c].reshape((r, c))
-                np.dot(q[g, i0:i1], k[g, j0:j0 + c].T, s)        # S (r, c)
-                for i in range(r):                               # e = exp(S − m_new), sums rescaled
-                    n, row = _allowed(i, i0, j0, c, causal), s[i]
-                    m_new = m[i]
-                    for j in range(n):
-                        m_new = max(m_new, row[j])
-                    total = zero
-                    for j in range(n):
-                        e = exp(row[j] - m_new)
-                        row[j] = e
-                        total += e
-                    row[n:] = 0.0
-                    alpha = exp(m[i] - m_new)                    # exp(m_old − m_new) <= 1
-                    l[i] = l[i] * alpha + total
-                    m[i] = m_new
-                    acc[i] *= alpha
-                np.dot(s, v[g, j0:j0 + c], t[:r])                # e v (r, d_head)
-                acc[:r] += t[:r]
-            for i in range(r):
-                o[g, i0 + i] = acc[i] / l[i]
-                lse[g, i0 + i] = m[i] + np.log(l[i])
+    s_flat = np.empty(bq * bk, dtype=q.dtype)
+    acc, t = np.empty((bq, d_head), dtype=q.dtype), np.empty((bq, d_head), dtype=q.dtype)
+    m, l = np.empty(bq, dtype=q.dtype), np.empty(bq, dtype=q.dtype)
+    for u in range(lane, len(units), lanes):
+        g, i0 = units[u] // n_blocks, units[u] % n_blocks * bq
+        i1 = min(i0 + bq, T)
+        r, end = i1 - i0, i1 if causal else T                # keys seen: 0 … end-1
+        m[:] = -np.inf
+        l[:] = 0.0
+        acc[:] = 0.0
+        for j0 in range(0, end, bk):
+            c = min(bk, end - j0)
+            s = s_flat[:r * c].reshape((r, c))
+            np.dot(q[g, i0:i1], k[g, j0:j0 + c].T, s)        # S (r, c)
+            for i in range(r):                               # e = exp(S − m_new), sums rescaled
+                n, row = _allowed(i, i0, j0, c, causal), s[i]
+                m_new = m[i]
+                for j in range(n):
+                    m_new = max(m_new, row[j])
+                total = zero
+                for j in range(n):
+                    e = exp(row[j] - m_new)
+                    row[j] = e
+                    total += e
+                row[n:] = 0.0
+                alpha = exp(m[i] - m_new)                    # exp(m_old − m_new) <= 1
+                l[i] = l[i] * alpha + total
+                m[i] = m_new
+                acc[i] *= alpha
+            np.dot(s, v[g, j0:j0 + c], t[:r])                # e v (r, d_head)
+            acc[:r] += t[:r]
+        for i in range(r):
+            o[g, i0 + i] = acc[i] / l[i]
+            lse[g, i0 + i] = m[i] + np.log(l[i])
 
 
 @kernel(parallel=True)
@@ -169,44 +175,49 @@ def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dq = Δcausal k``, ``dk = Δcausalᵀ q`` (shapes of
     :func:`_forward_units`; ``d`` = Δ ``(G, T, d_head)``; ``kept`` ``(G, T, T)`` when ``keep``;
     outputs ``dq``, ``dk`` ``(G, T, d_qk)``, ``dv``; ``dq`` still to be ``÷ √d_qk``)."""
+    for g in prange(q.shape[0]):
+        _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv)
+
+
+@kernel
+def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     G, T, d_qk = q.shape
     d_head = v.shape[2]
-    for g in prange(G):
-        minus_d = np.empty(T, dtype=q.dtype)                     # −D = −rowsum(Δ ∘ o), in float64
-        for i in range(T):
-            total = 0.0
-            for c in range(d_head):
-                total += np.float64(d[g, i, c]) * np.float64(o[g, i, c])
-            minus_d[i] = -total
-        dq[g] = 0.0
-        p_flat, dp_flat = np.empty(bq * bk, dtype=q.dtype), np.empty(bq * bk, dtype=q.dtype)
-        t_q, t_k = np.empty((bq, d_qk), dtype=q.dtype), np.empty((bk, d_qk), dtype=q.dtype)
-        t_v = np.empty((bk, d_head), dtype=q.dtype)
-        for j0 in range(0, T, bk):                               # one key block: its dk, dv
-            c = min(bk, T - j0)
-            dk[g, j0:j0 + c] = 0.0
-            dv[g, j0:j0 + c] = 0.0
-            for i0 in range(j0 // bq * bq if causal else 0, T, bq):   # the query blocks that see it
-                r = min(bq, T - i0)
-                p, dp = p_flat[:r * c].reshape((r, c)), dp_flat[:r * c].reshape((r, c))
-                np.dot(q[g, i0:i0 + r], k[g, j0:j0 + c].T, p)   # S
-                np.dot(d[g, i0:i0 + r], v[g, j0:j0 + c].T, dp)  # dP
-                for i in range(r):                               # P, then Δcausal into dp
-                    n, row, drow = _allowed(i, i0, j0, c, causal), p[i], dp[i]
-                    ell, md = lse[g, i0 + i], minus_d[i0 + i]
-                    for j in range(n):
-                        row[j] = exp(row[j] - ell)
-                        drow[j] = row[j] * (drow[j] + md)
-                    row[n:] = 0.0
-                    drow[n:] = 0.0
-                if keep:
-                    kept[g, i0:i0 + r, j0:j0 + c] = dp
-                np.dot(p.T, d[g, i0:i0 + r], t_v[:c])            # dv += Pᵀ Δ
-                dv[g, j0:j0 + c] += t_v[:c]
-                np.dot(dp.T, q[g, i0:i0 + r], t_k[:c])           # dk += Δcausalᵀ q
-                dk[g, j0:j0 + c] += t_k[:c]
-                np.dot(dp, k[g, j0:j0 + c], t_q[:r])             # dq += Δcausal k
-                dq[g, i0:i0 + r] += t_q[:r]
+    minus_d = np.empty(T, dtype=q.dtype)                     # −D = −rowsum(Δ ∘ o), in float64
+    for i in range(T):
+        total = 0.0
+        for c in range(d_head):
+            total += np.float64(d[g, i, c]) * np.float64(o[g, i, c])
+        minus_d[i] = -total
+    dq[g] = 0.0
+    p_flat, dp_flat = np.empty(bq * bk, dtype=q.dtype), np.empty(bq * bk, dtype=q.dtype)
+    t_q, t_k = np.empty((bq, d_qk), dtype=q.dtype), np.empty((bk, d_qk), dtype=q.dtype)
+    t_v = np.empty((bk, d_head), dtype=q.dtype)
+    for j0 in range(0, T, bk):                               # one key block: its dk, dv
+        c = min(bk, T - j0)
+        dk[g, j0:j0 + c] = 0.0
+        dv[g, j0:j0 + c] = 0.0
+        for i0 in range(j0 // bq * bq if causal else 0, T, bq):   # the query blocks that see it
+            r = min(bq, T - i0)
+            p, dp = p_flat[:r * c].reshape((r, c)), dp_flat[:r * c].reshape((r, c))
+            np.dot(q[g, i0:i0 + r], k[g, j0:j0 + c].T, p)   # S
+            np.dot(d[g, i0:i0 + r], v[g, j0:j0 + c].T, dp)  # dP
+            for i in range(r):                               # P, then Δcausal into dp
+                n, row, drow = _allowed(i, i0, j0, c, causal), p[i], dp[i]
+                ell, md = lse[g, i0 + i], minus_d[i0 + i]
+                for j in range(n):
+                    row[j] = exp(row[j] - ell)
+                    drow[j] = row[j] * (drow[j] + md)
+                row[n:] = 0.0
+                drow[n:] = 0.0
+            if keep:
+                kept[g, i0:i0 + r, j0:j0 + c] = dp
+            np.dot(p.T, d[g, i0:i0 + r], t_v[:c])            # dv += Pᵀ Δ
+            dv[g, j0:j0 + c] += t_v[:c]
+            np.dot(dp.T, q[g, i0:i0 + r], t_k[:c])           # dk += Δcausalᵀ q
+            dk[g, j0:j0 + c] += t_k[:c]
+            np.dot(dp, k[g, j0:j0 + c], t_q[:r])             # dq += Δcausal k
+            dq[g, i0:i0 + r] += t_q[:r]
 
 
 def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,

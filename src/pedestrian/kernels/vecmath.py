@@ -77,7 +77,7 @@ if AVAILABLE:
             p = p * t + k
         return p
 
-    @overload(exp, inline="always")
+    @overload(exp)
     def _exp_overload(x):
         if x == types.float32:
             def exp32(x):
@@ -117,7 +117,7 @@ if AVAILABLE:
             return exp64
         return None
 
-    @overload(normal_cdf_pdf, inline="always")
+    @overload(normal_cdf_pdf)
     def _normal_cdf_pdf(x):
         if x == types.float64:
             def impl(x):
