@@ -31,6 +31,8 @@ import types
 
 import os
 
+import numpy as np
+
 try:
     import numba
 except ImportError:  # pragma: no cover - exercised by a test that hides numba
@@ -211,11 +213,32 @@ _layer: list = []
 
 def _layer_is_workqueue() -> bool:
     if not _layer:
-        try:
-            _layer.append(numba.threading_layer())
-        except ValueError:                                 # no parallel region has run yet
-            return False
+        _start_threads()
+        _layer.append(numba.threading_layer())
     return _layer[0] == "workqueue"
+
+
+@numba.njit(parallel=True, cache=True) if AVAILABLE else (lambda f: f)
+def _touch(a):
+    for i in numba.prange(a.shape[0]):
+        a[i] = i
+
+
+def _start_threads() -> None:
+    """Start numba's threads (its first parallel call) with OpenMP's idle threads waiting
+    passively -- ``OMP_WAIT_POLICY=PASSIVE`` for this one start, unless set by you: OpenMP
+    reads it once, when numba loads it. By default GNU OpenMP's idle threads spin; on a machine
+    whose cores are busy with other work a spinning thread holds a core the others need, and
+    every parallel region then waits for a time slice (measured: docs/kernels.md, "One pool of
+    threads"). The environment is restored at once (a PyTorch imported later keeps its own)."""
+    if os.environ.get("PEDESTRIAN_OMP_PASSIVE", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
+        _touch(np.zeros(2))
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        _touch(np.zeros(2))
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
 
 
 def _locked(f):
