@@ -3,9 +3,9 @@
 char-small widths (d_model 128, 4 heads, 4 blocks, vocab 65), float32, ``context_length = T``,
 1,024 tokens per step (``B · T = 1024``: T = 64 … 2048, batch 16 … 1) and, with ``--long``,
 T = 4096 at batch 1. Each T is measured as ``bench_train.py`` measures (its model, weights
-copy, batches, fused AdamW and the faster of SDPA and manual attention for PyTorch): both
-sides take turns in one process, rounds in ABBA order, a pause before each turn, figures are
-medians. The ratio of each T is the median over rounds of (pedestrian ÷ PyTorch) within a
+copy, batches, fused AdamW and the faster of SDPA and manual attention for PyTorch): each
+side in a process of its own, taking turns in rounds in ABBA order, a pause before each turn;
+figures are medians. The ratio of each T is the median over rounds of (pedestrian ÷ PyTorch) within a
 round, and its quartiles are reported: on a shared machine the absolute times drift, the
 ratio of neighbouring turns much less. Peak memory (``VmHWM``) of each side alone is measured
 in its own subprocess.
@@ -30,7 +30,6 @@ with ``--kernels``) and refreshes the matching section of ``docs/performance.md`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
 import common  # noqa: E402
+import numpy as np  # noqa: E402
 
 #: (T, B) with B·T = 1024 tokens per step
 SIZES = [(64, 16), (128, 8), (256, 4), (512, 2), (1024, 1), (2048, 1)]
@@ -52,22 +52,6 @@ def make_config(T: int):
     return preset("char-small", context_length=T)
 
 
-@contextlib.contextmanager
-def attention_kernel(kind: str):
-    """Force the fast path's attention: ``"auto"`` (the library's choice), ``"full"``, ``"tiled"``."""
-    from pedestrian.kernels.attention_tiled import TILED_MIN_T
-
-    saved = dict(TILED_MIN_T)
-    if kind == "full":
-        TILED_MIN_T.update({k: 1 << 40 for k in TILED_MIN_T})
-    elif kind == "tiled":
-        TILED_MIN_T.update({k: 1 for k in TILED_MIN_T})
-    try:
-        yield
-    finally:
-        TILED_MIN_T.update(saved)
-
-
 def plan(T: int) -> tuple[int, int, int]:
     """``(warm-up steps, rounds, timed steps per round)``: about the same seconds per T."""
     if T <= 512:
@@ -78,57 +62,33 @@ def plan(T: int) -> tuple[int, int, int]:
 
 
 def measure(T: int, B: int, backend: str, sides: list[str], rounds: int | None) -> dict:
-    """Alternate the ``sides`` (``"torch"`` or a pedestrian attention kind) on one (T, B)."""
-    import torch
-
-    from pedestrian.model import GPT
-    from pedestrian.training.parallel import runner_for
-
-    torch.manual_seed(0)
-    config = make_config(T)
-    model = GPT(config, seed=0, backend=backend)
-    opt, _ = bench_train.make_optimizer(model)
-    runner, ped_context = runner_for(model, "auto", B)
-    batches_np = bench_train.make_batches(config, B, T, n=2)
-    batches_t = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches_np]
-    batches_ped = batches_t if backend == "torch" else batches_np
+    """Alternate the ``sides`` (``"torch"`` or a pedestrian attention kind: ``"auto"``, ``"full"``,
+    ``"tiled"``) on one (T, B), each in a process of its own (``bench_train._Side``)."""
     from pedestrian.kernels.attention_tiled import use_tiled
 
-    result: dict = {"T": T, "B": B, "data_parallel_slices": getattr(runner, "threads", 1),
-                    "pedestrian_attention": "tiled" if use_tiled(T, next(iter(model.params.values()))) else "full"}
-    tmodel = topt = None
-    if "torch" in sides:
-        tmodel = bench_train.build_torch_model(config, "sdpa")
-        bench_train.copy_weights_to_torch(model.params, tmodel, config)
-        topt, kind = bench_train.make_torch_optimizer(tmodel)
-        attention, attention_ms = bench_train.pick_torch_attention(tmodel, batches_t, reps=1)
-        result.update(torch_optimizer=kind, torch_attention=attention, torch_attention_fwd_bwd_ms=attention_ms)
-
-    def step(side: str, k: int) -> None:
-        if side == "torch":
-            bench_train.torch_step(tmodel, topt, *batches_t[k % 2])
-        else:
-            with ped_context, attention_kernel(side):
-                bench_train.pedestrian_step(runner, opt, *batches_ped[k % 2])
-
+    config = make_config(T)
+    procs = {s: bench_train._Side("torch" if s == "torch" else "pedestrian", config, B, T, backend, reps=1,
+                                  attention="auto" if s == "torch" else s) for s in sides}
+    result: dict = {"T": T, "B": B, "threads": bench_train._threads(),
+                    "pedestrian_attention": "tiled" if use_tiled(T, np.zeros(1, np.float32)) else "full"}
+    if "torch" in procs:
+        info = procs["torch"].info
+        result.update(torch_optimizer=info["optimizer"], torch_attention=info["attention"],
+                      torch_attention_fwd_bwd_ms=info["attention_ms"])
     warmup, n_rounds, per_round = plan(T)
     n_rounds = rounds or n_rounds
     for side in sides:
-        for k in range(warmup):
-            step(side, k)
+        procs[side].ask("steps", warmup, 0)
     times: dict = {s: [] for s in sides}
     per_round_ms: dict = {s: [] for s in sides}
     for r in range(n_rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):    # ABBA
             time.sleep(bench_train.SETTLE_S)                   # the other side's threads go idle
-            step(side, r)                                      # untimed lead-in after the pause
-            mine = []
-            for j in range(per_round):
-                t0 = time.perf_counter()
-                step(side, r + j)
-                mine.append(time.perf_counter() - t0)
+            mine = [t for t, _ in procs[side].ask("steps", per_round, 1)]   # after an untimed lead-in
             times[side] += mine
             per_round_ms[side].append(common.median_ms(mine))
+    for proc in procs.values():
+        proc.close()
     a, b = sides[0], sides[1]
     ratios = [x / y for x, y in zip(per_round_ms[a], per_round_ms[b])]
     quart = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
@@ -153,19 +113,19 @@ def child_memory(side: str, T: int, B: int, backend: str, attention: str) -> dic
         for x, y in batches:
             bench_train.torch_step(tmodel, topt, torch.from_numpy(x), torch.from_numpy(y))
     else:
+        from pedestrian.kernels.attention_tiled import TILED_MIN_T
         from pedestrian.model import GPT
-        from pedestrian.training.parallel import runner_for
 
+        if side != "auto":
+            TILED_MIN_T.update({k: (1 << 40 if side == "full" else 1) for k in TILED_MIN_T})
         model = GPT(config, seed=0, backend=backend)
         opt, _ = bench_train.make_optimizer(model)
-        runner, context = runner_for(model, "auto", B)
         if backend == "torch":
             import torch
 
             batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-        with context, attention_kernel(side):
-            for x, y in batches:
-                bench_train.pedestrian_step(runner, opt, x, y)
+        for x, y in batches:
+            bench_train.pedestrian_step(model, opt, x, y)
     return {"peak_rss_mib": round(common.peak_rss_mib(), 1), "rss_before_model_mib": round(base, 1)}
 
 
@@ -194,10 +154,9 @@ def markdown(results: list[dict], info: dict, backend: str, kernels: bool, threa
                      f"| {r['ratio_quartiles'][0]:.2f}–{r['ratio_quartiles'][1]:.2f} "
                      f"| {r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f} "
                      f"| {r['pedestrian_attention']} / {r['torch_attention']} | {mem} |")
-    lines += ["", "pedestrian: `pedestrian.training.optim.AdamW`; data-parallel slices (`pedestrian.training.parallel.DataParallel`, "
-              "one per core where the batch has rows to share): " + ", ".join(
-                  f"T = {r['T']}: {r['data_parallel_slices']}" for r in results)
-              + ". PyTorch: fused AdamW and the faster of SDPA and manual attention, measured at each T."]
+    lines += ["", f"pedestrian: `pedestrian.training.optim.AdamW`, the fast kernels on {results[0]['threads']} "
+              "numba thread(s). PyTorch: fused AdamW and the faster of SDPA and manual attention, measured at "
+              "each T. Each side runs in a process of its own."]
     return "\n".join(lines) + "\n"
 
 
