@@ -306,9 +306,11 @@ def record_error(message: str, lost_contact: bool = False, crashed: bool = False
         return
     kind = "lost_contact" if lost_contact else "crash" if crashed else "error"
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time())), "pedestrian": kind}}}
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
+    try:                      # whole or absent: the launcher may read it while this rank is stopped
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
+        os.replace(tmp, path)
     except OSError:  # pragma: no cover - the launcher's folder is gone
         pass
 
