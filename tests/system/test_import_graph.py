@@ -24,14 +24,7 @@ SRC = Path(pedestrian.__file__).parent
 PACKAGE = SRC.name
 
 #: (module, accessed name) -> why it is unavoidable
-THIRD_PARTY_PRIVATE = {
-    ("pedestrian.kernels.workspace", "torch._C"):
-        "PyTorch has no public storage use count; without it the memory pool could hand out a "
-        "tensor whose storage a view the caller holds still uses (the code falls back to never "
-        "reusing when the function is missing)",
-    ("pedestrian.kernels.workspace", "t.untyped_storage()._cdata"):
-        "the storage handle torch._C._storage_Use_Count takes (same reason)",
-}
+THIRD_PARTY_PRIVATE: dict = {}
 
 #: (module, accessed name) -> who removes it. Issue 11, item 6 and the helpers' own files.
 PENDING_PRIVATE: dict = {}
