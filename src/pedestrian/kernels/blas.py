@@ -103,17 +103,23 @@ def softmax_exp(x, unit: float | None = None):
 #: blocks of at least :data:`MIN_PART_ROWS` rows
 PARALLEL_MIN_MACS = 1 << 18
 MIN_PART_ROWS = 16
+#: rows of a transposed left operand copied at a time (:func:`_gemm`)
+COPY_ROWS = 1024
 
 
 @kernel(parallel=True)
 def _gemm(a, b, bias, out, parts):
     """``out = a @ b (+ bias)``, 2-D: ``out``'s rows in ``parts`` blocks, one single-threaded BLAS
-    call each (a transposed ``a``'s block is copied first: ``k × rows`` numbers against the block's
-    ``k × rows × n`` multiply-adds)."""
+    call each (a transposed ``a`` is copied first, :data:`COPY_ROWS` rows at a time: ``k × rows``
+    numbers against ``k × rows × n`` multiply-adds, and no copy of the whole operand -- the tied
+    logits' ``(V, B·T)``)."""
     m, n = out.shape
     for part in prange(parts):
         lo, hi = m * part // parts, m * (part + 1) // parts
-        np.dot(np.ascontiguousarray(a[lo:hi]), b, out[lo:hi])
+        step = hi - lo if a.flags.c_contiguous else COPY_ROWS
+        for i in range(lo, hi, max(step, 1)):
+            j = min(i + step, hi)
+            np.dot(np.ascontiguousarray(a[i:j]), b, out[i:j])
         if bias.shape[0]:
             for i in range(lo, hi):
                 for j in range(n):
