@@ -27,20 +27,32 @@ USE = AVAILABLE
 
 
 @kernel
-def _softmax_row(row, n):
-    """``row[:n] = softmax(row[:n])`` in place, ``row[n:] = 0`` (the causal mask as a loop bound)."""
-    m = row[0]
-    for j in range(1, n):
+def row_max(row, n, m):
+    """``max(m, row[0], …, row[n−1])``."""
+    for j in range(n):
         m = max(m, row[j])
-    total = np.zeros(1, dtype=row.dtype)[0]     # the row's dtype: a sum of positive terms, vectorised
+    return m
+
+
+@kernel
+def exp_shifted(row, n, m):
+    """``row[j] = exp(row[j] − m)`` for ``j < n``, ``row[n:] = 0`` (the causal mask as a loop
+    bound); returns their sum, in the row's dtype (a sum of positive terms: vectorised)."""
+    total = np.zeros(1, dtype=row.dtype)[0]
     for j in range(n):
         e = exp(row[j] - m)
         row[j] = e
         total += e
-    inv = 1 / total
+    row[n:] = 0.0
+    return total
+
+
+@kernel
+def _softmax_row(row, n):
+    """``row[:n] = softmax(row[:n])`` in place, ``row[n:] = 0``."""
+    inv = 1 / exp_shifted(row, n, row_max(row, n, row[0]))
     for j in range(n):
         row[j] *= inv
-    row[n:] = 0.0
 
 
 @kernel
@@ -161,14 +173,7 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, zero, 
                 for c in range(d_qk):
                     dot += q[c] * kj[c]
                 p[j] = dot
-            m = p[pos]                                               # (its own key: always allowed)
-            for j in range(L):
-                m = max(m, p[j])
-            total = zero
-            for j in range(L):
-                e = exp(p[j] - m)
-                p[j] = e
-                total += e
+            total = exp_shifted(p, L, row_max(p, L, p[pos]))         # (its own key: always allowed)
             acc[:] = 0.0
             for j in range(L):
                 p[j] /= total

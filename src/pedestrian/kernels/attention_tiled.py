@@ -42,6 +42,7 @@ import numpy as np
 from ..backend import is_numpy_array, is_torch_array
 from . import attention_loops, blas
 from .blas import copy_into, elementwise_lib, rowdot
+from .attention_loops import exp_shifted, row_max
 from .jit import blas_one_thread, kernel, num_threads, prange
 from .vecmath import exp
 from .workspace import empty_array
@@ -141,7 +142,7 @@ def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
 @kernel
 def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
     G, T, d_head = v.shape
-    n_blocks, zero = -(-T // bq), np.zeros(1, dtype=q.dtype)[0]
+    n_blocks = -(-T // bq)
     s_flat = np.empty(bq * bk, dtype=q.dtype)
     acc, t = np.empty((bq, d_head), dtype=q.dtype), np.empty((bq, d_head), dtype=q.dtype)
     m, l = np.empty(bq, dtype=q.dtype), np.empty(bq, dtype=q.dtype)
@@ -158,15 +159,8 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
             np.dot(q[g, i0:i1], k[g, j0:j0 + c].T, s)        # S (r, c)
             for i in range(r):                               # e = exp(S − m_new), sums rescaled
                 n, row = _allowed(i, i0, j0, c, causal), s[i]
-                m_new = m[i]
-                for j in range(n):
-                    m_new = max(m_new, row[j])
-                total = zero
-                for j in range(n):
-                    e = exp(row[j] - m_new)
-                    row[j] = e
-                    total += e
-                row[n:] = 0.0
+                m_new = row_max(row, n, m[i])
+                total = exp_shifted(row, n, m_new)
                 alpha = exp(m[i] - m_new)                    # exp(m_old − m_new) <= 1
                 l[i] = l[i] * alpha + total
                 m[i] = m_new
