@@ -525,9 +525,9 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
 
 
 def _threads() -> int:
-    from pedestrian.kernels.jit import num_threads
+    from pedestrian.kernels.jit import threads_used
 
-    return num_threads()
+    return threads_used()
 
 
 def child_memory(side: str, name: str, backend: str, attention: str) -> dict:

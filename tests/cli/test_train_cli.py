@@ -203,6 +203,9 @@ def test_unknown_flag_values(tmp_path, corpus, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--max-steps", "many"])
     assert "invalid int value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                      # removed: says so, and what replaced it
+        main(["train", "--data-parallel", "off"])
+    assert "--data-parallel was removed" in capsys.readouterr().err
     _bad(capsys, ["train", "--data", str(corpus), "--lr", "-1", *TINY[:-6]], "--lr must be a finite number > 0")
     _bad(capsys, ["train", "--data", str(corpus), "--batch-size", "0"], "--batch-size must be a positive integer")
     _bad(capsys, ["train", "--data", str(corpus), "--vocab-size", "50"], "set by the tokenizer")
@@ -211,6 +214,8 @@ def test_unknown_flag_values(tmp_path, corpus, capsys):
     _bad(capsys, ["train", "--config", str(cfg)], "--tokenizer must be 'char' or 'bpe'")
     cfg.write_text("learning_rate = 3\n")
     _bad(capsys, ["train", "--config", str(cfg)], "unknown setting 'learning_rate'")
+    cfg.write_text('data_parallel = "off"\n')
+    _bad(capsys, ["train", "--config", str(cfg)], "'data_parallel' was removed")
     cfg.write_text("lr = \n")
     _bad(capsys, ["train", "--config", str(cfg)], "not valid TOML")
     _bad(capsys, ["train", "--config", str(tmp_path / "missing.toml")], "config file not found")

@@ -38,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - exercised by a test that hides numba
     numba = None
 
-__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "blas_one_thread",
+__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used", "blas_one_thread",
            "PARALLEL_MIN_ELEMENTS"]
 
 #: numba can be imported
@@ -133,6 +133,12 @@ def num_threads() -> int:
     return int(value)
 
 
+def threads_used() -> int:
+    """The threads a parallel kernel runs on: :func:`num_threads`, at most numba's own limit
+    (``NUMBA_NUM_THREADS``, by default the machine's cores); 1 without numba."""
+    return max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS)) if AVAILABLE else 1
+
+
 _blas_held: list = []                                  # the pid for which the BLAS was held
 
 
@@ -203,8 +209,7 @@ class _Parallel:
         and on one below (the same compiled loops whatever the thread count, so the same bits)."""
         if n_elements < SERIAL_BELOW:
             return self.serial
-        _use_threads(max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS))
-                     if n_elements >= PARALLEL_MIN_ELEMENTS else 1)
+        _use_threads(threads_used() if n_elements >= PARALLEL_MIN_ELEMENTS else 1)
         return _locked(self.parallel) if _layer_is_workqueue() else self.parallel
 
 

@@ -61,7 +61,7 @@ from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .loop import Checkpoints, Trainer
 from .optim import AdamW, CosineSchedule
-from ..kernels.jit import num_threads
+from ..kernels.jit import threads_used
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
@@ -367,7 +367,7 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
         log.info(f"ranks: {group.world_size} ({group.backend} on {group.device}), each computing about "
                  f"{rows.stop - rows.start} of the {B} rows of every batch; rank 0 writes the files")
     if model.backend == "numpy" and model.kernels.__name__ == "pedestrian.kernels":
-        log.info(f"threads: {num_threads()} (the fast kernels' numba threads; PEDESTRIAN_NUM_THREADS sets them)")
+        log.info(f"threads: {threads_used()} (the fast kernels' numba threads; PEDESTRIAN_NUM_THREADS sets them)")
     if settings.warmup_steps >= settings.max_steps:
         log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
                     f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps")

@@ -212,6 +212,9 @@ def read_config_file(path) -> dict:
         for k, v in items:
             if k == "vocab_size":
                 raise ValueError(f"config file {p}: vocab_size is set by the tokenizer; remove it")
+            if k in RETIRED_SETTINGS:
+                raise ValueError(f"config file {p}: {k!r} was removed (the fast kernels share the cores "
+                                 "themselves; PEDESTRIAN_NUM_THREADS sets how many); remove it")
             if k not in TRAIN_KEYS and k not in MODEL_KEYS:
                 raise ValueError(f"config file {p}: unknown setting {k!r}; known: "
                                  f"{sorted(set(TRAIN_KEYS) | set(MODEL_KEYS))}")
