@@ -100,7 +100,7 @@ class FinetuneSettings:
     overwrite: bool = setting(False, "replace an existing run in --out (kept until the first checkpoint)",
                               group=_LOOP)
     progress: bool = setting(True, "no progress bar", group=_LOOP)
-    plot: bool = setting(True, "no loss_curve.png", group=_LOOP)
+    plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values."""

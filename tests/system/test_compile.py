@@ -62,11 +62,12 @@ def test_first_run_says_once_that_it_compiles_and_later_runs_load_the_cache(tmp_
     assert first.returncode == 0, first.stderr
     lines = [line for line in first.stderr.splitlines() if "compiled" in line]
     assert len(lines) == 1 and lines[0].startswith("pedestrian: compiled ") and " s (first use" in lines[0], first.stderr
+    assert "compiling" not in first.stderr                                 # (a terminal's line only)
     assert "kernels fast" in first.stdout
     assert any((tmp_path / "cache").rglob("*.nbi"))                       # numba's cache index
     second = _run(STEP, env)
     assert second.returncode == 0, second.stderr
-    assert "compiled" not in second.stderr, second.stderr
+    assert "compiled" not in second.stderr and "compiling" not in second.stderr, second.stderr
     assert second.stdout == first.stdout                                 # the same loss
 
 
@@ -112,3 +113,33 @@ def test_without_numba_the_fast_kernels_fall_back_to_the_reference_after_one_war
     assert "kernels reference" in r.stdout and "kernels2 reference" in r.stdout
     warnings = [line for line in r.stderr.splitlines() if "numba cannot be imported" in line]
     assert len(warnings) == 1, r.stderr
+
+
+def test_a_terminal_is_told_before_the_first_compile(monkeypatch):
+    """On a terminal the first compile of our kernels is announced as it starts (the first step
+    waits for it), once; numba's compiles of other code are not announced."""
+    import io
+
+    from pedestrian.kernels import jit
+
+    if not jit.AVAILABLE:
+        pytest.skip("numba is not installed")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    class Event:
+        def __init__(self, dispatcher):
+            self.data = {"dispatcher": dispatcher}
+
+    term = Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    notice = jit._CompileNotice()
+    notice.on_start(Event(object()))                  # someone else's function: nothing said
+    notice.on_end(Event(object()))
+    assert term.getvalue() == ""
+    for _ in range(2):
+        notice.on_start(Event(jit.dispatchers()[0]))
+        notice.depth = 0
+    assert term.getvalue().count("pedestrian: compiling the fast kernels") == 1

@@ -74,20 +74,25 @@ if AVAILABLE:
     from numba.core import event as _event
 
     class _CompileNotice(_event.Listener):
-        """One line on stderr, once per process, when our kernels had to be compiled (a disk-cache
-        hit is not a compile): how many and how long, printed :data:`NOTICE_AFTER_S` after the
-        first burst of compiles ends (or at exit, whichever comes first). Compiles run under
-        numba's compiler lock, one at a time; nested ones (a kernel's callees) count once."""
+        """Lines on stderr, once per process, when our kernels have to be compiled (a disk-cache
+        hit is not a compile): on a terminal, one as the first compile starts (the first step
+        waits for it); always, how many and how long, printed :data:`NOTICE_AFTER_S` after the first burst
+        of compiles ends (or at exit, whichever comes first). Compiles run under numba's compiler
+        lock, one at a time; nested ones (a kernel's callees) count once."""
 
         def __init__(self) -> None:
             self.depth, self.count, self.seconds, self.start = 0, 0, 0.0, 0.0
-            self.done, self.timer, self.lock = False, None, threading.Lock()
+            self.done, self.timer, self.lock, self.started = False, None, threading.Lock(), False
 
         def on_start(self, event) -> None:
             if self.depth == 0:
                 self.start = time.perf_counter()
                 if self.timer is not None:
                     self.timer.cancel()
+                if not self.started and event.data["dispatcher"] in _DISPATCHERS and sys.stderr.isatty():
+                    self.started = True                      # (for a person watching a terminal)
+                    print("pedestrian: compiling the fast kernels with numba (first use only; up to a "
+                          "minute)", file=sys.stderr, flush=True)
             self.depth += 1
 
         def on_end(self, event) -> None:

@@ -103,7 +103,7 @@ class TrainSettings:
     out: str | None = setting(None, "run folder (default runs/<corpus>_<tokenizer>)", kind=str, metavar="DIR",
                               group=_LOOP, tags=_PER_RUN)
     progress: bool = setting(True, "no progress bar", group=_LOOP, tags=_PER_RUN)
-    plot: bool = setting(True, "no loss_curve.png", group=_LOOP, tags=_PER_RUN)
+    plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP, tags=_PER_RUN)
     nproc: int = setting(1, "processes (ranks) on this machine, each computing its share of every batch; "
                          "started through PyTorch's launcher (needs the torch extra); under torchrun "
                          "leave it out", rule=POSITIVE_INT, metavar="N", group=_LOOP, tags=_PER_RUN)
