@@ -20,8 +20,8 @@ import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .tokenizer_base import (FORMAT_VERSION, PathLike, check_ids, check_kind, check_text, read_tokenizer_file,
-                             save_json)
+from .tokenizer_base import (FORMAT_VERSION, PathLike, SavesJSON, check_ids, check_kind, check_text,
+                             read_tokenizer_file)
 
 
 
@@ -75,9 +75,12 @@ def _require_byte_level(tok: _HFTokenizer, source: str) -> None:
         )
 
 
-class BPETokenizer:
+class BPETokenizer(SavesJSON):
     """Byte-level BPE tokenizer (as GPT-2), a thin wrapper around a Hugging Face
     ``tokenizers.Tokenizer`` with a ``ByteLevel`` pre-tokenizer and decoder.
+
+    :meth:`save` writes pedestrian's tokenizer file; ``self.hf.save(path)`` writes a plain Hugging
+    Face ``tokenizer.json`` instead (:meth:`load` reads both).
 
     Any text, in any script, encodes without unknown tokens (every byte has a token), and
     ``decode(encode(s)) == s``. Special tokens (e.g. ``"<|endoftext|>"``) written literally in
@@ -381,15 +384,6 @@ class BPETokenizer:
         except Exception as e:
             raise ValueError(f"bpe tokenizer dict holds an invalid tokenizer_json: {e}") from None
         return cls(tok)
-
-    def save(self, path: PathLike) -> None:
-        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
-        created). Use ``self.hf.save(path)`` instead for a plain Hugging Face ``tokenizer.json``.
-
-        Raises:
-            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
-        """
-        save_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: PathLike) -> BPETokenizer:

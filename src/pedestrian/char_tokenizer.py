@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .tokenizer_base import FORMAT_VERSION, PathLike, check_ids, check_kind, check_text, read_json, save_json
+from .tokenizer_base import FORMAT_VERSION, PathLike, SavesJSON, check_ids, check_kind, check_text, read_json
 
 
 class UnknownCharacterError(ValueError):
@@ -22,7 +22,7 @@ class UnknownCharacterError(ValueError):
         self.unknown = unknown
 
 
-class CharTokenizer:
+class CharTokenizer(SavesJSON):
     """Character-level tokenizer: id ``i`` is the ``i``-th character of :attr:`chars`.
 
     The vocabulary is fixed when the tokenizer is built (:meth:`from_text` takes the sorted set
@@ -153,15 +153,6 @@ class CharTokenizer:
         if not isinstance(d.get("chars"), list):
             raise ValueError('char tokenizer dict needs a "chars" list of single characters.')
         return cls(d["chars"])
-
-    def save(self, path: PathLike) -> None:
-        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
-        created).
-
-        Raises:
-            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
-        """
-        save_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: PathLike) -> CharTokenizer:

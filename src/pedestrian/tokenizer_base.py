@@ -132,6 +132,19 @@ def save_json(d: dict[str, Any], path: PathLike) -> None:
     write_file(path, json.dumps(d, ensure_ascii=False, indent=1) + "\n", what="the tokenizer file")
 
 
+class SavesJSON:
+    """``save``, shared by the tokenizers: :meth:`to_dict` written as a file."""
+
+    def save(self, path: PathLike) -> None:
+        """Write :meth:`to_dict` as UTF-8 JSON to ``path``, atomically (parent folders are
+        created); ``load`` reads it back.
+
+        Raises:
+            WriteError (an ``OSError``): the OS refused; an existing ``path`` is left as it was.
+        """
+        save_json(self.to_dict(), path)
+
+
 def read_tokenizer_file(path: PathLike) -> tuple[dict, str]:
     """The JSON object of a tokenizer file -- or of a folder's ``tokenizer.json`` -- and the
     file's name for messages.

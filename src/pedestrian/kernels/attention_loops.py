@@ -77,8 +77,7 @@ def heads_forward(qkv, causal, scale, q, k, v, p, out):
 
 @kernel
 def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
-    """:func:`heads_forward` of head ``u = b·H + h`` (a function of its own: numba compiles a
-    ``prange`` body slowly)."""
+    """:func:`heads_forward` of head ``u = b·H + h``."""
     B, H, T, d_qk = q.shape
     d_head = v.shape[3]
     b, h = u // H, u % H

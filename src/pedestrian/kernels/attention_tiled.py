@@ -43,7 +43,7 @@ from ..backend import is_numpy_array, is_torch_array
 from . import attention_loops, blas
 from .blas import copy_into, elementwise_lib, rowdot
 from .attention_loops import exp_shifted, row_max
-from .jit import blas_one_thread, kernel, num_threads, prange
+from .jit import blas_one_thread, kernel, prange, threads_used
 from .vecmath import exp
 from .workspace import empty_array
 
@@ -134,7 +134,7 @@ def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
     ``o = softmax(q kᵀ) v``, ``lse = m + log Σ exp(q kᵀ − m)``. ``q`` ``(G, T, d_qk)`` already
     ``÷ √d_qk``, ``k`` ``(G, T, d_qk)``, ``v``, ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``.
-    (Each lane's work is a function of its own: numba compiles a ``prange`` body slowly.)"""
+    (Each lane's work is :func:`_forward_lane`.)"""
     for lane in prange(lanes):                       # units lane, lane + lanes, … (largest first)
         _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse)
 
@@ -265,7 +265,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         work = np.arange(G * n_blocks)                                       # unit g·n_blocks + block
         units = work[np.argsort(-(work % n_blocks), kind="stable")] if causal else work
         _forward_units.sized(G * T * (T if causal else 2 * T) // 2)(
-            q, k, v, units, max(1, min(num_threads(), len(units))), bq, bk, causal, o, lse)
+            q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
     else:                                                                    # torch: all heads per call
         for i0 in range(0, T, bq):
             i1 = min(i0 + bq, T)

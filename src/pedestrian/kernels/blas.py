@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from ..backend import is_numpy_array, is_torch_array
-from .jit import AVAILABLE, blas_one_thread, kernel, num_threads, prange
+from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
 from .workspace import empty_array
 
 __all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "uses_exp2", "softmax_exp", "LOG2_E",
@@ -147,7 +147,7 @@ def _numba_matmul(out, a, b, bias) -> bool:
     m, k = a.shape
     parts = 1
     if m * k * out.shape[1] >= PARALLEL_MIN_MACS:
-        parts = max(1, min(num_threads(), m // MIN_PART_ROWS))
+        parts = max(1, min(threads_used(), m // MIN_PART_ROWS))
     if bias is None:
         bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype))
     (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts)
@@ -237,7 +237,7 @@ def colsum(a, *, out=None):
     if out is None:
         out = np.empty(a.shape[1], dtype=a.dtype)
     if AVAILABLE and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
-        parts = max(1, min(num_threads(), a.shape[1] // 64)) if a.size >= 1 << 15 else 1
+        parts = max(1, min(threads_used(), a.shape[1] // 64)) if a.size >= 1 << 15 else 1
         (_colsum if parts > 1 else _colsum.serial)(a, out, parts)
         return out
     n = a.shape[0]
@@ -245,8 +245,6 @@ def colsum(a, *, out=None):
     ones = _ONES.get(key)
     if ones is None:
         ones = _ONES[key] = np.ones((1, n), dtype=a.dtype)
-    if out is None:
-        out = np.empty(a.shape[1], dtype=a.dtype)
     np.matmul(ones, a, out=out[None, :])
     return out
 

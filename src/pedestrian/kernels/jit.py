@@ -241,7 +241,7 @@ def _start_threads() -> None:
     whose cores are busy with other work a spinning thread holds a core the others need, and
     every parallel region then waits for a time slice (measured: docs/kernels.md, "One pool of
     threads"). The environment is restored at once (a PyTorch imported later keeps its own)."""
-    if os.environ.get("PEDESTRIAN_OMP_PASSIVE", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ:
         _touch(np.zeros(2))
         return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -135,11 +135,10 @@ _scratch_local = threading.local()
 
 
 def scratch(shape, like, slot: str):
-    """A temporary for a row-block kernel, reused by later calls from the same thread.
-
-    Kernels run on the thread pool and need block-sized temporaries. A view of a per-thread
-    buffer kept under ``slot`` (two live temporaries need two slots); contents undefined, valid
-    until the next call with the same slot on the same thread.
+    """A temporary of a kernel's NumPy or torch chain (not of its numba loops), reused by later
+    calls from the same thread: a view of a per-thread buffer kept under ``slot`` (two live
+    temporaries need two slots; a thread of your own calling a model gets its own buffers);
+    contents undefined, valid until the next call with the same slot on the same thread.
     """
     store = getattr(_scratch_local, "arrays", None)
     if store is None:
