@@ -56,12 +56,12 @@ from ..config import GPTConfig
 from ..data import BUNDLED_CORPUS
 from ..distributed import CommunicationError, process_group, reports_to_launcher
 from ..finite import finite_or_none
+from ..kernels.jit import threads_used
 from ..tokens import TokenDataset
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .loop import Checkpoints, Trainer
 from .optim import AdamW, CosineSchedule
-from ..kernels.jit import threads_used
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
