@@ -12,8 +12,8 @@ same things faster, and every difference from the reference earns its lines by a
 - :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in place;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;
-- :mod:`.threads` -- the thread count, BLAS throttling, and when a kernel's threads pay;
-- :mod:`.blas` -- products and reductions written into preallocated arrays.
+- :mod:`.blas` -- products and reductions written into preallocated arrays, shared over the
+  same threads as the loops (:func:`.jit.num_threads`, a BLAS held to one thread).
 
 Dropout, LoRA and RoPE gain nothing measurable from a second version: the reference ones are
 used (RoPE on char-small's (16, 64, 384) float32 q/k/v: 0.49 ms forward per block; the same
