@@ -284,7 +284,7 @@ class LayerTimer:
             setattr(self.kernels, name, fn)
 
 
-def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
+def layer_breakdown(model, opt, batches, steps: int = 3) -> dict:
     """Milliseconds per step (means over ``steps``): forward / backward / optimizer, each layer
     function inside (wall clock: each kernel shares its own work over the threads), and the
     GFLOP/s of the matrix products."""
@@ -293,9 +293,9 @@ def layer_breakdown(model, runner, opt, batches, steps: int = 3) -> dict:
         for i in range(steps):
             x, y = batches[i % len(batches)]
             t0 = time.perf_counter()
-            runner.loss(x, y)
+            model.loss(x, y)
             t1 = time.perf_counter()
-            runner.backward()
+            model.backward()
             t2 = time.perf_counter()
             opt.step()
             t3 = time.perf_counter()
@@ -438,7 +438,7 @@ def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention
                 done += command[1]
                 conn.send(((time.perf_counter() - t0) / command[1], losses))
             elif command[0] == "breakdown":
-                conn.send(layer_breakdown(model, model, opt, batches))
+                conn.send(layer_breakdown(model, opt, batches))
             elif command[0] == "profile":
                 import cProfile
                 import io

@@ -103,8 +103,12 @@ class FinetuneSettings:
     plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values."""
+        """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values
+        (or a bad ``PEDESTRIAN_NUM_THREADS``), before any file is written."""
         check(self)
+        from .kernels.jit import num_threads
+
+        num_threads()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

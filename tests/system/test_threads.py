@@ -107,3 +107,15 @@ def test_bad_thread_count_is_refused(monkeypatch):
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "two")
     with pytest.raises(ValueError, match="PEDESTRIAN_NUM_THREADS must be a positive integer, got 'two'; unset it"):
         jit.num_threads()
+
+
+def test_bad_thread_count_refuses_a_training_run_before_it_writes_anything(monkeypatch, tmp_path):
+    from pedestrian.training.run import train
+    from pedestrian.training.settings import TrainSettings
+    from pedestrian.training.step import TrainingError
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "0")
+    out = tmp_path / "run"
+    with pytest.raises(TrainingError, match="PEDESTRIAN_NUM_THREADS must be a positive integer, got '0'"):
+        train(TrainSettings(out=str(out), max_steps=1, progress=False, plot=False))
+    assert not out.exists()

@@ -70,21 +70,11 @@ def copy_into(dst, src) -> None:
 
 
 def uses_exp2(x) -> bool:
-    """Whether the softmax kernels take ``2^(x·log₂e)`` instead of ``e^x`` for ``x``: the same
-    numbers. In the attention ``log₂e`` rides on a multiplication the kernel does anyway (the
-    scale of ``q``; ``dk`` is divided by it); in the cross-entropy it costs one more pass over
-    the shifted logits (torch, one thread, 1024 × 50257 logits of spread 3: shift, scale and
-    ``exp2`` 37 ms against shift and ``exp`` 56).
-
-    PyTorch on the CPU: yes. Its ``exp`` measured 3× slower than ``exp2`` on ordinary float32
-    arguments (4 × 256 × 512, one thread: 430 against 149 µs), 15× on the ``−∞`` of a causal
-    mask (2,266 against 148) and on arguments whose result underflows (5,200 against 330);
-    float64 850 against 443. NumPy: no. Its float32 ``exp2`` is 2× faster than ``exp`` on
-    ordinary arguments where it is vectorised (AVX-512), but 4× slower on ``−∞`` and on results
-    that underflow to 0, 35× on results in the subnormal range, and 2× slower everywhere on AVX2
-    (NumPy 2.4; every causal tile holds ``−∞``). Other torch devices: no (these are the
-    CPU's figures; nothing was measured elsewhere, and there the extra passes may not pay).
-    """
+    """Whether the softmax kernels take ``2^(x·log₂e)`` instead of ``e^x`` for ``x`` (the same
+    numbers): for torch tensors on the CPU, whose ``exp`` measured 3-15x slower than ``exp2``;
+    never for NumPy, nor on other torch devices (docs/kernels.md, "softmax on torch tensors").
+    ``log₂e`` rides on the scale of ``q`` in the attention (``dk`` is divided by it); the
+    cross-entropy pays one more pass."""
     return type(x) is not np.ndarray and is_torch_array(x) and x.device.type == "cpu"
 
 

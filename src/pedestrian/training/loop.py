@@ -69,7 +69,7 @@ class Trainer:
     """Steps until a stop, logging, validating and saving on the way.
 
     The step:
-        runner: the model (:class:`~pedestrian.model.GPT`).
+        model: the model (:class:`~pedestrian.model.GPT`).
         optimizer: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers.
         schedule: ``schedule(step) -> lr`` (e.g. :class:`~pedestrian.training.optim.CosineSchedule`).
         next_batches: ``() -> [(x, y), ...]``, the global micro-batches of one step (the same on
@@ -101,14 +101,14 @@ class Trainer:
     ``stop_reason``, ``interrupted_by``, ``batches`` (the last step's global micro-batches).
     """
 
-    def __init__(self, runner, optimizer: AdamW, schedule: Callable[[int], float],
+    def __init__(self, model, optimizer: AdamW, schedule: Callable[[int], float],
                  next_batches: Callable[[], list], *, step: int, end: int, end_reason: str = "max_steps",
                  grad_clip: float = 0.0, max_skipped_steps: int = 5, tokens_per_step: int = 0,
                  skipped_total: int = 0, group=None, dropout_seed: int | None = None,
                  files=None, progress: str | None = None, val_batches=(), eval_interval: int = 0,
                  checkpoints: Checkpoints | None = None, max_minutes: float | None = None,
                  t_start: float | None = None):
-        self.runner, self.optimizer, self.schedule, self.next_batches = runner, optimizer, schedule, next_batches
+        self.model, self.optimizer, self.schedule, self.next_batches = model, optimizer, schedule, next_batches
         self.step, self.end, self.end_reason = step, end, end_reason
         self.grad_clip, self.max_skipped_steps = grad_clip, max_skipped_steps
         self.tokens_per_step = tokens_per_step
@@ -153,14 +153,14 @@ class Trainer:
             TrainingError: a checkpoint refused (a weight or AdamW moment is not finite).
             CommunicationError: another rank failed (nothing is written after it).
         """
-        own_rng, old_handlers = getattr(self.runner, "dropout_rng", None), _install_stop_handlers()
+        own_rng, old_handlers = getattr(self.model, "dropout_rng", None), _install_stop_handlers()
         try:
             self.bar, self.t_loop = self._progress_bar(), time.perf_counter()
             while (reason := self.should_stop()) is None:
                 self.lr = self.schedule(self.step)
                 self.batches = self.next_batches()
                 t0 = time.perf_counter()
-                self.loss, self.grad_norm = train_step(self.runner, self.optimizer, self.batches, self.lr,
+                self.loss, self.grad_norm = train_step(self.model, self.optimizer, self.batches, self.lr,
                                                        self.grad_clip, self._accumulator(), self.group,
                                                        self._dropout_key())
                 self.step_seconds = time.perf_counter() - t0
@@ -191,7 +191,7 @@ class Trainer:
                 self.bar.close()
                 self.bar = None
             if own_rng is not None:
-                self.runner.dropout_rng = own_rng
+                self.model.dropout_rng = own_rng
             _restore_handlers(old_handlers)
 
     def should_stop(self) -> str | None:
@@ -228,7 +228,7 @@ class Trainer:
         rank its rows of each batch). Writes ``{"step", "val_loss"}`` to the log (``say``: and
         to the logger); a non-finite result is warned about and recorded as ``null`` (it never
         becomes the best)."""
-        loss = estimate_loss(self.runner, self.val_batches, self.group)
+        loss = estimate_loss(self.model, self.val_batches, self.group)
         self.val_loss, self.last_eval = loss, self.step
         self.files.log({"step": self.step, "val_loss": finite_or_none(loss)})
         self._postfix(refresh=not say)

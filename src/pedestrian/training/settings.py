@@ -125,6 +125,12 @@ class TrainSettings:
             self.model_config(vocab_size=1)
         except (TypeError, ValueError) as exc:
             raise TrainingError(f"invalid model settings: {exc}") from None
+        from ..kernels.jit import num_threads
+
+        try:
+            num_threads()                                  # a bad PEDESTRIAN_NUM_THREADS, before any file
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         """The :class:`GPTConfig` for a tokenizer of ``vocab_size`` ids."""
