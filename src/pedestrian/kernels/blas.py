@@ -170,7 +170,10 @@ def matmul_into(out, a, b, *, bias=None) -> None:
     """``out[...] = a @ b (+ bias)`` without an intermediate when the backend allows it.
 
     NumPy, 2-D: numba's threads share the product out in row blocks, each one single-threaded
-    BLAS call (:func:`pedestrian.kernels.jit.blas_one_thread`), the bias added in the same loop.
+    BLAS call (:func:`pedestrian.kernels.jit.blas_one_thread`), the bias added in the same loop;
+    a product ``xᵀ Δ`` of a transposed C-contiguous ``x`` (a weight gradient) narrower than the
+    shared axis is cut along that axis instead (:func:`_gemm_split_k`). The bits depend on the
+    shapes and the thread count only.
 
     Args:
         out: preallocated array of the product's shape (may be a strided view into a flat
