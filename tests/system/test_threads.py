@@ -5,8 +5,11 @@ The fast kernels share rows, heads and the row blocks of products over numba's t
 What that promises, and what these tests check:
 
 - a step is the same bits every time at a given number of threads; at another it differs only
-  by rounding (rows and heads are shared out, never the terms of one sum, but a product cut
-  into row blocks may take BLAS's small-matrix code, which orders its sums differently);
+  by rounding (rows and heads are shared out; a product cut into row blocks may take BLAS's
+  small-matrix code, which orders its sums differently; a weight gradient ``xᵀ Δ`` is cut along
+  the tokens, one block per thread, the partial sums added in block order);
+- each route of such a weight-gradient product (one call, cut along the tokens, row blocks)
+  computes the product;
 - the BLAS numba calls (SciPy's) runs one thread once a fast kernel has run; NumPy's own BLAS
   keeps its threads (``a @ b`` in a user's code is not slowed down);
 - several Python threads may call models at once (numba's threading layer is thread-safe, or,
@@ -119,3 +122,41 @@ def test_bad_thread_count_refuses_a_training_run_before_it_writes_anything(monke
     with pytest.raises(TrainingError, match="PEDESTRIAN_NUM_THREADS must be a positive integer, got '0'"):
         train(TrainSettings(out=str(out), max_steps=1, progress=False, plot=False))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("route", ["one call", "split along the shared axis", "row blocks (partials too large)"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route, dtype):
+    """``xᵀ Δ`` with ``x`` stored (a weight gradient) takes one of three routes in
+    ``blas._numba_matmul``; each must be the product. Tolerance: each entry is a sum of ``k``
+    products, ``k·ε`` of ``Σ|x||Δ|`` bounds any order of summation (Higham, ch. 3)."""
+    from pedestrian.kernels import blas
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1" if route == "one call" else "2")
+    if route != "one call" and jit.threads_used() < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    if route == "row blocks (partials too large)":
+        monkeypatch.setattr(blas, "SPLIT_K_MAX_PARTIAL", 0)
+    taken = []
+
+    class Spy:                                              # records which kernel ran
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+            self.serial = lambda *args: (taken.append(name + ".serial"), kernel.serial(*args))
+
+        def __call__(self, *args):
+            taken.append(self.name)
+            return self.kernel(*args)
+
+    monkeypatch.setattr(blas, "_gemm_split_k", Spy("split", blas._gemm_split_k))
+    monkeypatch.setattr(blas, "_gemm", Spy("rows", blas._gemm))
+    rng = np.random.default_rng(7)
+    k, m, n = 777, 65, 129                                  # odd widths, n < k
+    x, d = rng.standard_normal((k, m)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+    blas.matmul_into(out, x.T, d)
+    assert taken == [{"one call": "split.serial", "split along the shared axis": "split",
+                      "row blocks (partials too large)": "rows"}[route]]
+    exact = x.T.astype(np.float64) @ d.astype(np.float64)
+    bound = k * np.finfo(dtype).eps * (np.abs(x.T).astype(np.float64) @ np.abs(d).astype(np.float64))
+    assert np.all(np.abs(out - exact) <= bound)

@@ -95,6 +95,9 @@ PARALLEL_MIN_MACS = 1 << 18
 MIN_PART_ROWS = 16
 #: rows of a transposed left operand copied at a time (:func:`_gemm`)
 COPY_ROWS = 1024
+#: numbers of the partial outputs of :func:`_gemm_split_k` at most (a per-thread scratch kept
+#: for reuse: 16 MiB of float32)
+SPLIT_K_MAX_PARTIAL = 1 << 22
 
 
 @kernel(parallel=True)
@@ -152,13 +155,17 @@ def _numba_matmul(out, a, b, bias) -> bool:
     blas_one_thread()
     (m, k), n = a.shape, out.shape[1]
     big = m * k * n >= PARALLEL_MIN_MACS
-    if bias is None and a.T.flags.c_contiguous and b.flags.c_contiguous and (n < k or not big):
-        # aᵀ stored (a weight gradient xᵀ Δ): no copy of a; in parts, the partial outputs (m·n
-        # numbers each) cost less to add than a's copy (m·k) -- char-small's: 0.89 against 1.44 ms
-        parts = max(1, min(threads_used(), k // MIN_PART_ROWS)) if big else 1
-        (_gemm_split_k if parts > 1 else _gemm_split_k.serial)(
-            a.T, b, out, scratch((parts - 1, m, n), out, "gemm.partial"))
-        return True
+    if bias is None and a.T.flags.c_contiguous and b.flags.c_contiguous:
+        # aᵀ stored (a weight gradient xᵀ Δ): no copy of a; in parts, where the partial outputs
+        # (m·n numbers each) cost less to add than a's copy (m·k) and fit SPLIT_K_MAX_PARTIAL
+        # (not the tied logits' (V, d) at large batches) -- char-small's: 0.89 against 1.44 ms
+        parts = min(threads_used(), k // MIN_PART_ROWS) if big else 1
+        if parts <= 1 and (not big or threads_used() == 1):              # one BLAS call
+            _gemm_split_k.serial(a.T, b, out, scratch((0, m, n), out, "gemm.partial"))
+            return True
+        if parts > 1 and n < k and (parts - 1) * m * n <= SPLIT_K_MAX_PARTIAL:
+            _gemm_split_k(a.T, b, out, scratch((parts - 1, m, n), out, "gemm.partial"))
+            return True
     parts = max(1, min(threads_used(), m // MIN_PART_ROWS)) if big else 1
     if bias is None:
         bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype))
