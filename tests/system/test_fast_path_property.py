@@ -28,14 +28,17 @@ Tolerances:
   products of <= 192 terms) that is a few thousand operations of ``ε = 2.2e-16`` relative to
   the scale: <= ~1e-12, so 1e-10 holds on any IEEE-754 machine. A wrong formula errs by O(1).
 - float32: the float32 fast path against a float64 reference of the same (float32) weights, per
-  tensor, at most :data:`FLOAT32_SPREAD` = 4 times the float32 *reference* path's own error plus
+  tensor, at most :data:`FLOAT32_SPREAD` = 8 times the float32 *reference* path's own error plus
   ``64·ε32`` of the largest gradient entry. Both float32 computations round the same operations
   on the same data, only in another order, so their forward-error bounds are the same (Higham,
   "Accuracy and Stability", ch. 3: the bound of a sum or product does not depend on the order).
   That bound cannot be evaluated for a whole network, so the reference's measured error stands
-  for it; each side's error is a sample below the common bound, and the factor 4 allows for the
+  for it; each side's error is a sample below the common bound, and the factor 8 allows for the
   spread of such samples (measured: the fast path needed at most 3.0 over 1,700 random cases,
-  on ``Δ1`` of long non-causal sequences; 95 % of cases needed nothing beyond the floor), and
+  on ``Δ1`` of long non-causal sequences, 95 % of them nothing beyond the floor; then 7.7 on
+  ``∂L/∂W_tok`` where the paper's layer norm without ``eps`` over 4 features amplifies its
+  input's rounding by ``|x|/σ ≈ 20`` in a few rows -- the fast path's layer norm is the more
+  accurate one on the same input, the two inputs' roundings differ: ``REGRESSIONS``), and
   ``64·ε32·scale`` (a few dozen roundings on the largest entry) covers a reference that happens
   to be nearly exact. A wrong gradient errs by O(scale); the fault this test found erred by
   10^100 or NaN.
@@ -77,7 +80,7 @@ THRESHOLD_T = (1, 2, 3, 63, 64, 65, 127, 128, 129, 255, 256, 257, 383, 384, 385,
 RTOL_FLOAT64 = 1e-10
 EPS32 = float(np.finfo(np.float32).eps)
 FLOAT32_FLOOR_ROUNDINGS = 64
-FLOAT32_SPREAD = 4
+FLOAT32_SPREAD = 8
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -185,6 +188,12 @@ REGRESSIONS = [
                                          seed=55), "float32",
      "not a fault: the float32 case that measured the spread of two orders' errors (Δ1 3.0x the "
      "reference's), kept so the float32 bound is not tightened below it"),
+    ("eps0-d4-f32-spread", _case(2, 352, 2, 2, 13, d_model=4, position="none", activation="gelu", ln_eps=0.0,
+                                 seed=1530), "float32",
+     "not a fault: the largest spread found (∂L/∂W_tok 7.7x the reference's error, Δ1 8.0x normwise): "
+     "the final layer norm, eps 0 over 4 features, multiplies a10's rounding by |x|/σ ≈ 20 in a few "
+     "rows, and which side's rounding lands there is chance (on the same a10 the fast layer norm errs "
+     "6.5x less than the reference's)"),
     ("tiled-dhead1-B3-noncausal", _case(3, 256, 2, 1, 1, causal=False), "float64",
      "not a failure: heads of width 1, where every head view is a column -- the pattern the "
      "kernels now avoid everywhere -- kept beside the cases above"),
