@@ -155,7 +155,7 @@ class Trainer:
         """
         own_rng, old_handlers = getattr(self.model, "dropout_rng", None), _install_stop_handlers()
         try:
-            self.bar, self.t_loop = self._progress_bar(), time.perf_counter()
+            self.t_loop = time.perf_counter()
             while (reason := self.should_stop()) is None:
                 self.lr = self.schedule(self.step)
                 self.batches = self.next_batches()
@@ -167,7 +167,10 @@ class Trainer:
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
                 self._count_skip()
                 self.files.log(self._step_record())
-                self.bar.update(1)
+                if self.bar is None:         # from the end of the first step: its compile is in
+                    self.bar = self._progress_bar()      # no rate and no time left
+                else:
+                    self.bar.update(1)
                 self._postfix()
                 t_chores = time.perf_counter()
                 if self.eval_interval and self.step % self.eval_interval == 0:
