@@ -152,7 +152,7 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     p = np.empty((B, n_heads, T, L), dtype=qkv.dtype)
     out = np.empty((B, T, n_heads * d_head), dtype=qkv.dtype)
     attention_loops.decode_attention(np.ascontiguousarray(qkv), kv_cache.keys, kv_cache.values, L0, key_start,
-                                     causal, 1.0 / math.sqrt(d_qk), qkv.dtype.type(0), q, p, out)
+                                     causal, 1.0 / math.sqrt(d_qk), q, p, out)
     k, v = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :]
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, unit=1.0, kv_cache=True)
 

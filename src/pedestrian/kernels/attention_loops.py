@@ -38,7 +38,7 @@ def row_max(row, n, m):
 def exp_shifted(row, n, m):
     """``row[j] = exp(row[j] − m)`` for ``j < n``, ``row[n:] = 0`` (the causal mask as a loop
     bound); returns their sum, in the row's dtype (a sum of positive terms: vectorised)."""
-    total = np.zeros(1, dtype=row.dtype)[0]
+    total = row[:0].sum()                    # 0 in the row's dtype, no allocation (called per row)
     for j in range(n):
         e = exp(row[j] - m)
         row[j] = e
@@ -137,7 +137,7 @@ def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_q
 
 
 @kernel
-def decode_attention(qkv, keys, values, length, key_start, causal, scale, zero, q_out, p_out, out):
+def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out, p_out, out):
     """A KV-cache step: the ``T`` new tokens' keys and values written into the cache at
     ``length …``, then ``out = softmax(q kᵀ · scale, masked) v`` against all ``L = length + T``.
 
@@ -149,6 +149,7 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, zero, 
     d_head = values.shape[3]
     T = qkv.shape[1]
     L = length + T
+    zero = np.zeros(1, q_out.dtype)[0]               # 0 in the dtype (a float32 loop stays float32)
     for bh in range(B * H):                  # serial: a token's work is smaller than a parallel region's cost
         b, h = bh // H, bh % H
         for t in range(T):                                           # this head's new keys, values
@@ -168,7 +169,7 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, zero, 
                     p[j] = -np.inf
                     continue
                 kj = keys[b, h, j]
-                dot = zero                                           # (the dtype's: vectorised)
+                dot = zero
                 for c in range(d_qk):
                     dot += q[c] * kj[c]
                 p[j] = dot

@@ -154,19 +154,19 @@ def _numba_matmul(out, a, b, bias) -> bool:
         b = np.ascontiguousarray(b)
     blas_one_thread()
     (m, k), n = a.shape, out.shape[1]
-    big = m * k * n >= PARALLEL_MIN_MACS
+    threads = threads_used() if m * k * n >= PARALLEL_MIN_MACS else 1
     if bias is None and a.T.flags.c_contiguous and b.flags.c_contiguous:
         # aᵀ stored (a weight gradient xᵀ Δ): no copy of a; in parts, where the partial outputs
         # (m·n numbers each) cost less to add than a's copy (m·k) and fit SPLIT_K_MAX_PARTIAL
         # (not the tied logits' (V, d) at large batches) -- char-small's: 0.89 against 1.44 ms
-        parts = min(threads_used(), k // MIN_PART_ROWS) if big else 1
-        if parts <= 1 and (not big or threads_used() == 1):              # one BLAS call
-            _gemm_split_k.serial(a.T, b, out, scratch((0, m, n), out, "gemm.partial"))
+        parts = min(threads, k // MIN_PART_ROWS)
+        if threads == 1:                                                  # one BLAS call
+            _gemm_split_k.serial(a.T, b, out, np.empty((0, m, n), out.dtype))
             return True
         if parts > 1 and n < k and (parts - 1) * m * n <= SPLIT_K_MAX_PARTIAL:
             _gemm_split_k(a.T, b, out, scratch((parts - 1, m, n), out, "gemm.partial"))
             return True
-    parts = max(1, min(threads_used(), m // MIN_PART_ROWS)) if big else 1
+    parts = max(1, min(threads, m // MIN_PART_ROWS))
     if bias is None:
         bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype))
     (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts)

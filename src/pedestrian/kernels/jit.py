@@ -249,14 +249,14 @@ def _start_threads() -> None:
     whose cores are busy with other work a spinning thread holds a core the others need, and
     every parallel region then waits for a time slice (measured: docs/kernels.md, "One pool of
     threads"). The environment is restored at once (a PyTorch imported later keeps its own)."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        _touch(np.zeros(2))
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    ours = "OMP_WAIT_POLICY" not in os.environ
+    if ours:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         _touch(np.zeros(2))
     finally:
-        del os.environ["OMP_WAIT_POLICY"]
+        if ours:
+            del os.environ["OMP_WAIT_POLICY"]
 
 
 def _locked(f):
