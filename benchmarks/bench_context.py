@@ -113,11 +113,9 @@ def child_memory(side: str, T: int, B: int, backend: str, attention: str) -> dic
         for x, y in batches:
             bench_train.torch_step(tmodel, topt, torch.from_numpy(x), torch.from_numpy(y))
     else:
-        from pedestrian.kernels.attention_tiled import TILED_MIN_T
         from pedestrian.model import GPT
 
-        if side != "auto":
-            TILED_MIN_T.update({k: (1 << 40 if side == "full" else 1) for k in TILED_MIN_T})
+        bench_train.force_attention(side)
         model = GPT(config, seed=0, backend=backend)
         opt, _ = bench_train.make_optimizer(model)
         if backend == "torch":

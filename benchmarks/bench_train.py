@@ -379,6 +379,15 @@ class _Side:
         self.proc.join(timeout=60)
 
 
+def force_attention(kind: str) -> None:
+    """Make pedestrian's fast path in this process run ``kind`` attention: ``"auto"`` (the
+    library's choice, left as it is), ``"full"`` (the full-matrix kernel) or ``"tiled"``."""
+    from pedestrian.kernels.attention_tiled import TILED_MIN_T
+
+    if kind != "auto":
+        TILED_MIN_T.update({k: (1 << 40 if kind == "full" else 1) for k in TILED_MIN_T})
+
+
 def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention: str, conn) -> None:
     """The side's process (``"pedestrian"`` or ``"torch"``): build its model from pedestrian's
     seed-0 weights, then answer ``("steps", n, lead_in)`` with ``[(seconds, loss), …]`` of the
@@ -386,11 +395,9 @@ def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention
     ``attention``: pedestrian's attention kernel, ``"auto"`` (the library's choice), ``"full"``
     or ``"tiled"`` (``bench_context.py --kernels``)."""
     try:
-        from pedestrian.kernels.attention_tiled import TILED_MIN_T
         from pedestrian.model import GPT
 
-        if attention != "auto":
-            TILED_MIN_T.update({k: (1 << 40 if attention == "full" else 1) for k in TILED_MIN_T})
+        force_attention(attention)
         batches = make_batches(config, B, T, n=2 if T > 256 else 4)
         model = GPT(config, seed=0, backend=backend if side == "pedestrian" else "numpy")
         info: dict = {}

@@ -64,9 +64,12 @@ class _Parser(argparse.ArgumentParser):
     prints ``error: ...`` naming the command and where its flags are listed, not the usage block."""
 
     def error(self, message: str):
-        if "--data-parallel" in message:                 # removed 2026-12: say so, and what replaced it
-            message += (" (--data-parallel was removed: the fast kernels share the cores themselves; "
-                        "PEDESTRIAN_NUM_THREADS sets how many)")
+        from .training.settings import RETIRED_SETTINGS
+
+        for name, why in RETIRED_SETTINGS.items():        # a removed flag: say so, and what replaced it
+            flag = "--" + name.replace("_", "-")
+            if flag in message:
+                message += f" ({flag} was removed: {why})"
         self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
 
 

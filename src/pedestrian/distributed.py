@@ -50,6 +50,7 @@ import uuid
 
 import numpy as np
 
+from .atomic import write_file
 from .backend import is_torch_array
 
 __all__ = ["SingleProcess", "TorchProcessGroup", "CommunicationError", "RowKeyedRNG", "process_group",
@@ -307,10 +308,7 @@ def record_error(message: str, lost_contact: bool = False, crashed: bool = False
     kind = "lost_contact" if lost_contact else "crash" if crashed else "error"
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time())), "pedestrian": kind}}}
     try:                      # whole or absent: the launcher may read it while this rank is stopped
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
+        write_file(path, json.dumps(data), what="the launcher's error file")
     except OSError:  # pragma: no cover - the launcher's folder is gone
         pass
 

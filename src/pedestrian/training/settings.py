@@ -38,9 +38,11 @@ _PER_RUN, _RESUMABLE = {"per_run"}, {"resumable"}
 _DATA, _MODEL, _OPTIM, _LOOP = "data", "model", "optimisation", "loop"
 
 
-#: settings of earlier versions that a checkpoint may still hold; read and ignored
-#: (``data_parallel``: the batch split over threads, replaced by the fast kernels' own threads)
-RETIRED_SETTINGS = frozenset({"data_parallel"})
+#: settings of earlier versions, and what replaced them: a checkpoint that still holds one loads
+#: (the setting is ignored); a flag or config-file key naming one is refused with this reason
+RETIRED_SETTINGS = {
+    "data_parallel": "the fast kernels share the cores themselves; PEDESTRIAN_NUM_THREADS sets how many",
+}
 
 
 @dataclass
@@ -219,8 +221,7 @@ def read_config_file(path) -> dict:
             if k == "vocab_size":
                 raise ValueError(f"config file {p}: vocab_size is set by the tokenizer; remove it")
             if k in RETIRED_SETTINGS:
-                raise ValueError(f"config file {p}: {k!r} was removed (the fast kernels share the cores "
-                                 "themselves; PEDESTRIAN_NUM_THREADS sets how many); remove it")
+                raise ValueError(f"config file {p}: {k!r} was removed ({RETIRED_SETTINGS[k]}); remove it")
             if k not in TRAIN_KEYS and k not in MODEL_KEYS:
                 raise ValueError(f"config file {p}: unknown setting {k!r}; known: "
                                  f"{sorted(set(TRAIN_KEYS) | set(MODEL_KEYS))}")
