@@ -68,16 +68,6 @@ ONE_TORCH_THREAD = ("paper/", "oracles/", "system/test_interop_hf.py", "system/t
 
 
 @pytest.fixture(autouse=True)
-def _softmax_in_powers_of_two(request, monkeypatch):
-    """Tests marked ``exp2`` (gradcheck.FAST_EXP2) run the fast kernels' softmax as ``2^(x·log₂e)``
-    on every backend (``pedestrian.kernels.blas.uses_exp2``; by default only PyTorch on the CPU)."""
-    if request.node.get_closest_marker("exp2") is not None:
-        from pedestrian.kernels import blas
-
-        monkeypatch.setattr(blas, "uses_exp2", lambda x: True)
-
-
-@pytest.fixture(autouse=True)
 def _one_torch_thread_where_torch_is_an_oracle(request):
     """:func:`one_torch_thread` for every test under :data:`ONE_TORCH_THREAD` (when torch is installed)."""
     try:

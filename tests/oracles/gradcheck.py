@@ -56,19 +56,10 @@ RTOL_ROUNDING = 1e-12
 EPS64 = float(np.finfo(np.float64).eps)
 
 
-#: the fast kernels once more with the softmax in powers of 2 forced on (what they take on
-#: PyTorch's CPU, ``pedestrian.kernels.blas.uses_exp2``), so that the float64 NumPy grid checks
-#: that algebra too (tests/conftest.py applies the ``exp2`` mark). ``2^(x·log₂e)`` against
-#: ``e^x``: the argument differs by a few rounding errors of ``|x|``, so ``P`` by a relative
-#: ``~|x|·2⁻⁵²`` (below 1e-13 for any score under 400), inside every tolerance of this module.
-FAST_EXP2 = pytest.param(fast_kernels, id="fast-exp2", marks=pytest.mark.exp2)
-
-
-def kernels_param(softmax: bool = False):
-    """``pytest.mark.parametrize`` over the two kernel modules, as argument ``K``; with
-    ``softmax`` (tests of the attention and the loss) also over :data:`FAST_EXP2`."""
+def kernels_param():
+    """``pytest.mark.parametrize`` over the two kernel modules, as argument ``K``."""
     params = [pytest.param(m, id=i) for m, i in zip(KERNEL_MODULES, KERNEL_IDS)]
-    return pytest.mark.parametrize("K", params + [FAST_EXP2] if softmax else params)
+    return pytest.mark.parametrize("K", params)
 
 
 def kernels_name(K) -> str:

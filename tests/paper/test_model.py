@@ -62,7 +62,7 @@ from torch_reference import (
 CTX = default_cfg()["context_length"]  # 8
 LORA_ALPHA = 0.7                        # not 1, so a missing α factor would show
 RTOL_PATHS = 1e-12                      # fast vs reference: see the module docstring
-KERNELS = pytest.mark.parametrize("kernels", [*KERNEL_IDS, pytest.param("fast", id="fast-exp2", marks=pytest.mark.exp2)])
+KERNELS = pytest.mark.parametrize("kernels", KERNEL_IDS)
 
 
 def lora_spec(cfg: dict, targets, rank: int = 2) -> dict:

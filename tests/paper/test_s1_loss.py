@@ -41,7 +41,7 @@ def case(seed=0, B=2, T=4, V=5):
     return logits, targets
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_loss_and_delta12_match_autograd(K):
     logits, targets = case()
     loss, cache = K.cross_entropy_forward(logits, targets)
@@ -52,7 +52,7 @@ def test_loss_and_delta12_match_autograd(K):
     assert delta.shape == logits.shape and delta.dtype == logits.dtype
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_delta12_matches_finite_differences(K):
     rng = np.random.default_rng(1)
     logits = 2.0 * rng.standard_normal((1, 3, 5))
@@ -65,7 +65,7 @@ def test_delta12_matches_finite_differences(K):
     assert_fd_close(delta, numerical_grad(f, logits), "cross_entropy.logits")
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_ignored_targets_get_exactly_zero_signal_and_do_not_count(K):
     logits, targets = case(seed=2)
     loss, cache = K.cross_entropy_forward(logits, targets)
@@ -83,7 +83,7 @@ def test_ignored_targets_get_exactly_zero_signal_and_do_not_count(K):
     assert np.max(np.abs(rows)) <= float(sum_rounding_bound(logits.shape[-1] + 2, 2.0 / (~ignored).sum()))
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_all_ignored_batch_has_loss_zero_and_zero_gradients(K):
     logits, _ = case(seed=3)
     targets = np.full(logits.shape[:2], IGNORE)
@@ -95,7 +95,7 @@ def test_all_ignored_batch_has_loss_zero_and_zero_gradients(K):
     assert float(ref_loss) == 0.0 and np.all(grads["z"] == 0.0)
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_slices_with_n_total_add_up_to_the_whole_batch(K):
     """``n_total``: one slice's loss and gradient are its share of the whole batch's mean."""
     logits, targets = case(seed=4, B=4)
@@ -128,7 +128,7 @@ def reference_log_softmax_loss(logits: np.ndarray, targets: np.ndarray):
     return nll.mean(), delta.reshape(logits.shape)
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_logits_of_magnitude_1e4_give_a_finite_loss_and_gradient(K, dtype):
     rng = np.random.default_rng(7)

@@ -130,7 +130,7 @@ CAUSAL = pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-ca
 
 
 # =========================================================================== autograd, FD
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_head_matches_autograd(K, causal):
     _, x, weights, delta = head_case(0)                           # d_qk = 3 != d_head = 4
@@ -148,7 +148,7 @@ def test_head_matches_autograd(K, causal):
     assert np.all(np.abs(grads["bk"]) <= bound) and np.all(np.abs(ref["bk"]) <= bound)   # both ≡ 0
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_head_matches_finite_differences(K, causal):
     rng = np.random.default_rng(11)
@@ -192,7 +192,7 @@ def test_reference_head_is_the_section_3_code(causal):
 
 
 # =========================================================================== key bias
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_key_bias_gradient_is_zero_and_output_ignores_key_bias(K, causal):
     rng, x, weights, delta = head_case(0)
@@ -211,7 +211,7 @@ def test_key_bias_gradient_is_zero_and_output_ignores_key_bias(K, causal):
     assert np.max(np.abs(out_q - out)) > 1e3 * tol
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), T=st.integers(1, 7), d=st.integers(1, 5),
        d_qk=st.integers(1, 4), d_head=st.integers(1, 4), causal=st.booleans(),
@@ -231,7 +231,7 @@ def test_key_bias_properties_random_shapes(K, seed, T, d, d_qk, d_head, causal, 
 
 
 # =========================================================================== Δcausal rows
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_delta_causal_rows_sum_to_zero(K, causal):
     _, x, weights, delta = head_case(1, T=6)
@@ -252,7 +252,7 @@ def test_delta_causal_rows_sum_to_zero(K, causal):
 
 
 # =========================================================================== permutations
-@kernels_param(softmax=True)
+@kernels_param()
 def test_permutation_equivariance_without_the_mask_and_not_with_it(K):
     _, x, weights, _ = head_case(2, T=6)
     perm = np.array([3, 0, 5, 1, 4, 2])
@@ -266,7 +266,7 @@ def test_permutation_equivariance_without_the_mask_and_not_with_it(K):
 
 
 # =========================================================================== extreme scores
-@kernels_param(softmax=True)
+@kernels_param()
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_scores_of_magnitude_1e4_give_future_tokens_exactly_zero_weight(K, dtype):
     rng = np.random.default_rng(8)
@@ -305,7 +305,7 @@ def model_case(build_model, token_batch, K, **overrides):
 RTOL_MODEL_ROUNDING = 1e-10
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_key_bias_gradient_is_zero_and_logits_ignore_key_bias_in_the_model(K, build_model, token_batch):
     cfg, model, tokens, targets = model_case(build_model, token_batch, K, n_blocks=2, d_qk=5, d_head=3)
     logits = as_np(model.forward(tokens, targets))
@@ -320,7 +320,7 @@ def test_key_bias_gradient_is_zero_and_logits_ignore_key_bias_in_the_model(K, bu
     assert max_rel_err(model.forward(tokens), logits) <= RTOL_MODEL_ROUNDING
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_delta_causal_rows_sum_to_zero_in_the_model(K, causal, build_model, token_batch):
     cfg, model, tokens, targets = model_case(build_model, token_batch, K, causal=causal)
@@ -346,7 +346,7 @@ def test_delta_causal_rows_sum_to_zero_in_the_model(K, causal, build_model, toke
             assert np.max(np.abs(dc[..., future])) > 1e-3 * scale
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
 def test_permutation_equivariance_of_the_model_without_positions(K, causal, build_model, token_batch):
     """With position embeddings zeroed, only attention mixes tokens: a non-causal model is

@@ -1,12 +1,12 @@
 """The numba loops of the fast attention (`pedestrian.kernels.attention_loops`, sections 3-4).
 
-On NumPy arrays the fast attention runs its softmax, the tiles' ``exp`` and a KV-cache step as
-numba loops; without numba (``attention_loops.USE = False``) the same kernels run their NumPy
-code. Both branches must give the reference's numbers:
+The fast attention runs its softmax, the tiles' ``exp`` and a KV-cache step as numba loops.
+They must give the reference's numbers:
 
 - the vectorised ``exp`` against ``np.exp`` over the whole float range (subnormals, ±∞, NaN);
-- the full-matrix and the tiled attention, forward, backward, ``Δcausal`` and ``P``, with the
-  loops against without them (float64: 1e-12 of the largest entry; float32: a few ε32);
+- the full-matrix attention, forward, backward, ``Δcausal`` and ``P``, against the reference
+  layer; the tiled one against the kernel's torch loop (what a GPU runs) (float64: 1e-12 of
+  the largest entry; float32: a few ε32);
 - the KV-cache step (one to :data:`DECODE_MAX_T` new tokens, padded rows, causal or not) against
   the reference layer, cache contents included;
 - the parallel head loops against their serial twin, and a NaN still reaching the output.
@@ -17,14 +17,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pedestrian.backend import to_numpy
 from pedestrian.kernels import attention as fast_attention
 from pedestrian.kernels import attention_loops
 from pedestrian.kernels.attention import DECODE_MAX_T
+from pedestrian.kernels.jit import AVAILABLE
 from pedestrian.kernels.attention_tiled import tiled_attention_backward, tiled_attention_forward
 from pedestrian.layers import KVBlock
 from pedestrian.layers import attention as reference_attention
 
-pytestmark = pytest.mark.skipif(not attention_loops.USE, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32])
 
@@ -43,7 +45,7 @@ def _close(a, b, dtype, name) -> None:
     assert err <= _tol(dtype) * scale, f"{name}: {err:.2e} > {_tol(dtype):.0e} × {scale:.2e}"
 
 
-if attention_loops.USE:
+if AVAILABLE:
     from pedestrian.kernels.jit import kernel
 
     @kernel
@@ -80,53 +82,43 @@ def _qkv(B, T, H, d_qk, d_head, dtype, seed=0):
     return qkv, delta
 
 
-def _both(monkeypatch, run):
-    """``run()`` with the numba loops, then with the NumPy code."""
-    with_loops = run()
-    monkeypatch.setattr(attention_loops, "USE", False)
-    without = run()
-    monkeypatch.setattr(attention_loops, "USE", True)
-    return with_loops, without
-
-
 @DTYPES
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 @pytest.mark.parametrize("shape", [(2, 7, 3, 4, 5), (1, 33, 2, 1, 3), (3, 64, 4, 8, 8)])
-def test_full_matrix_loops_match_numpy(shape, causal, dtype, monkeypatch):
+def test_full_matrix_loops_match_reference(shape, causal, dtype):
     B, T, H, d_qk, d_head = shape
     qkv, delta = _qkv(B, T, H, d_qk, d_head, dtype)
-
-    def run():
-        out, cache = fast_attention.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=causal)
-        dqkv, kept = fast_attention.multi_head_attention_backward(delta, cache, keep_delta_causal=True)
-        dqkv_only, _ = fast_attention.multi_head_attention_backward(delta, cache)
-        return [a.copy() for a in (out, fast_attention.attention_weights(cache), dqkv, kept, dqkv_only)]
-
-    ours, numpy_code = _both(monkeypatch, run)
-    for name, a, b in zip(("out", "P", "dqkv", "Δcausal", "dqkv (Δcausal not kept)"), ours, numpy_code):
+    out, cache = fast_attention.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=causal)
+    dqkv, kept = fast_attention.multi_head_attention_backward(delta, cache, keep_delta_causal=True)
+    dqkv_only, _ = fast_attention.multi_head_attention_backward(delta, cache)
+    ours = [a.copy() for a in (out, fast_attention.attention_weights(cache), dqkv, kept, dqkv_only)]
+    ref_out, ref_cache = reference_attention.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=causal)
+    ref_dqkv, ref_kept = reference_attention.multi_head_attention_backward(delta, ref_cache, keep_delta_causal=True)
+    refs = (ref_out, ref_cache["p"], ref_dqkv, ref_kept, ref_dqkv)
+    for name, a, b in zip(("out", "P", "dqkv", "Δcausal", "dqkv (Δcausal not kept)"), ours, refs):
         _close(a, b, dtype, name)
     if causal:                                                          # masked entries exactly 0
         upper = np.triu(np.ones((T, T), bool), 1)
         assert not ours[1][..., upper].any() and not ours[3][..., upper].any()
-    ref_out, ref_cache = reference_attention.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=causal)
-    _close(ours[0], ref_out, dtype, "out vs reference")
-    _close(ours[1], ref_cache["p"], dtype, "P vs reference")
 
 
 @DTYPES
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 @pytest.mark.parametrize("T, blocks", [(100, (16, 32)), (70, (32, 16)), (256, (128, 256))])
-def test_tiled_loops_match_numpy(T, blocks, causal, dtype, monkeypatch):
+def test_tiled_loops_match_the_torch_loop(T, blocks, causal, dtype):
+    import torch
+
     H, d_qk, d_head = 2, 3, 5
     qkv, delta = _qkv(2, T, H, d_qk, d_head, dtype, seed=1)
 
-    def run():
+    def run(qkv, delta):
         out, cache = tiled_attention_forward(qkv, H, d_qk, d_head, causal=causal,
                                              block_q=blocks[0], block_k=blocks[1])
         dqkv, kept = tiled_attention_backward(delta, cache, keep_delta_causal=True)
-        return out.copy(), dqkv.copy(), kept.copy()
+        return [to_numpy(a).copy() for a in (out, dqkv, kept)]
 
-    for name, a, b in zip(("out", "dqkv", "Δcausal"), *_both(monkeypatch, run)):
+    loops, torch_loop = run(qkv, delta), run(torch.from_numpy(qkv), torch.from_numpy(delta))
+    for name, a, b in zip(("out", "dqkv", "Δcausal"), loops, torch_loop):
         _close(a, b, dtype, name)
 
 

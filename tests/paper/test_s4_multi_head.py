@@ -51,7 +51,7 @@ def torch_multi_head(qkv, n_heads, d_qk, d_head, causal):
     return torch.cat(outs, dim=-1)
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_multi_head_attention_matches_autograd(K, causal):
     rng = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def test_multi_head_attention_matches_autograd(K, causal):
     assert K.multi_head_attention_backward(R, cache)[1] is None               # kept only when asked
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_multi_head_attention_matches_finite_differences(K, causal):
     rng = np.random.default_rng(1)
@@ -164,13 +164,13 @@ def check_multi_head_equals_heads(K, seed: int, B: int, T: int, d: int, n_heads:
     assert_rounding_close(d_causal, dcs, scales["d_causal"], "Δcausal per head")
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @CAUSAL
 def test_multi_head_is_the_concat_of_heads_and_its_input_signal_is_their_sum(K, causal):
     check_multi_head_equals_heads(K, seed=3, B=2, T=5, d=6, n_heads=3, d_qk=2, d_head=4, causal=causal)
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 3), T=st.integers(1, 6), d=st.integers(1, 6),
        n_heads=st.integers(1, 3), d_qk=st.integers(1, 4), d_head=st.integers(1, 4), causal=st.booleans())
@@ -196,7 +196,7 @@ def attention_scales(qkv, H, d_qk):
     return cond, cond * float(np.max(a[..., 2 * hq:]))
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @pytest.mark.parametrize("chunks", [(3, 1, 1, 1, 2), (8,), (1,) * 8], ids=["prefix-then-steps", "one-call", "token-by-token"])
 @pytest.mark.parametrize("d_qk", [3, 4])                            # d_head = 4: both head layouts
 def test_kv_cache_path_equals_the_full_forward(K, chunks, d_qk):
@@ -226,7 +226,7 @@ def test_kv_cache_path_equals_the_full_forward(K, chunks, d_qk):
             K.multi_head_attention_backward(np.ones_like(out), c)
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 def test_kv_cache_with_left_padding_ignores_the_padding(K):
     """Row 1 is left-padded by 2 junk tokens (``key_start = [0, 2]``): its real tokens' outputs
     are those of the unpadded sequence alone (no query attends to the padding)."""
@@ -244,7 +244,7 @@ def test_kv_cache_with_left_padding_ignores_the_padding(K):
     assert_rounding_close(out[:1], full, out_scale, "unpadded row")
 
 
-@kernels_param(softmax=True)
+@kernels_param()
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_scores_of_magnitude_1e4_in_every_head(K, dtype):
     """The fused path (the fast one folds 1/√d_qk into q) keeps scores of magnitude 1e4 finite in

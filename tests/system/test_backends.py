@@ -1,5 +1,6 @@
-"""The NumPy and the PyTorch-tensor backends run the same hand-written code (array API; the fast
-kernels add torch-specific fused operations) and must agree, for both kernel modules: same loss,
+"""The NumPy and the PyTorch-tensor backends run the same hand-written code (the reference layers
+in array-API form; the fast kernels run torch CPU tensors through NumPy views of their memory,
+tensors on other devices through the reference) and must agree, for both kernel modules: same loss,
 logits, gradients and error signals in float64 to a relative 1e-12 per tensor (only the order of
 rounded operations differs: a few hundred operations along a chain, <= ~1e-13; see
 tests/paper/test_model.py), LoRA included. No autograd is involved on either side.
@@ -92,8 +93,8 @@ def _torch(*arrays):
 @kernels_param()
 def test_every_layer_function_runs_on_torch_tensors(K, max_rel_err):
     """Each layer's forward/backward on torch tensors equals the NumPy result (float64), for both
-    kernel modules (the fast ones have torch-specific branches: fused operations, var_mean for
-    a few rows, contiguous copies of heads)."""
+    kernel modules; the gradients land in the caller's torch tensors (the fast kernels write
+    them through NumPy views)."""
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 4, 6))
     W, b, R = rng.standard_normal((6, 5)), rng.standard_normal(5), rng.standard_normal((2, 4, 5))
@@ -127,7 +128,7 @@ def test_every_layer_function_runs_on_torch_tensors(K, max_rel_err):
         same(K.activation_backward(x, c, name), K.activation_backward(*_torch(x), ct, name), name + " bwd")
 
     w = 1 + 0.1 * rng.standard_normal(6)
-    x_rows = rng.standard_normal((3, 5, 6))          # > 8 rows: the torch path's other statistics
+    x_rows = rng.standard_normal((3, 5, 6))
     shapes = dict(dweight=(6,), dbias=(6,))
     for xs, eps in ((x, 0.0), (x, 1e-5), (x_rows, 1e-5)):
         y, c = K.layernorm_forward(xs, w, b[:1].repeat(6), eps)
@@ -195,16 +196,24 @@ def test_reference_head_runs_on_torch_tensors(max_rel_err):
             assert max_rel_err(to_numpy(g_t[k]), g[k]) <= RTOL, k
 
 
-def test_large_product_with_transposed_right_operand_in_blocks():
-    """matmul_into's torch path for big ``a @ Wᵀ`` (tied logits) computes it in row blocks of W."""
-    from pedestrian.kernels.blas import matmul_into
+def test_fast_kernels_run_tensors_off_the_cpu_through_the_reference():
+    """Torch tensors on another device (torch's shape-only ``meta`` device here: no data, so no
+    NumPy view of it can exist) run the reference layers, and attention from
+    ``TILED_MIN_T["torch"]`` tokens on the tiled kernel's torch loop; CPU tensors run the numba
+    kernels (whose layer-norm cache holds ``1/σ`` where the reference's holds ``σ``)."""
+    import pedestrian.kernels as fast
+    from pedestrian.kernels.attention_tiled import TILED_MIN_T
 
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(64, 32, generator=gen, dtype=torch.float64)
-    w = torch.randn(70_001, 32, generator=gen, dtype=torch.float64)   # 4.5M outputs: the blocked path
-    out = torch.empty(64, 70_001, dtype=torch.float64)
-    matmul_into(out, a, w.mT)
-    # the same 32-term dot products, possibly in another order: Higham's bound 2·32·ε of the
-    # absolute terms, which are <= 32·max|a|·max|w|
-    bound = 2 * 32 * torch.finfo(torch.float64).eps * (a.abs() @ w.abs().mT)
-    assert bool(((out - a @ w.mT).abs() <= bound).all())
+    x, w = torch.empty((2, 4, 6), device="meta", dtype=torch.float64), torch.empty(6, device="meta", dtype=torch.float64)
+    y, (_, sigma, _) = fast.layernorm_forward(x, w, w, 1e-5)
+    assert y.device.type == "meta" and sigma.shape == (2, 4, 1)               # the reference's cache: σ
+    for T, tiled in ((4, False), (TILED_MIN_T["torch"], True)):
+        qkv = torch.empty((1, T, 2 * (2 * 3 + 2)), device="meta", dtype=torch.float64)
+        out, cache = fast.multi_head_attention_forward(qkv, 2, 3, 2)
+        assert out.shape == (1, T, 4) and bool(cache.get("tiled")) == tiled
+        d_qkv, _ = fast.multi_head_attention_backward(out, cache)
+        assert d_qkv.shape == qkv.shape and d_qkv.device.type == "meta"
+    x = torch.arange(48, dtype=torch.float64).reshape(2, 4, 6) ** 2
+    y, (_, inv_sigma, _) = fast.layernorm_forward(x, torch.ones(6, dtype=torch.float64), None, 1e-5)
+    assert isinstance(y, torch.Tensor) and isinstance(inv_sigma, torch.Tensor)
+    assert torch.allclose(inv_sigma * (x.var(-1, correction=0, keepdim=True) + 1e-5).sqrt(), torch.ones(1, dtype=torch.float64))

@@ -1,7 +1,7 @@
 """The fast kernels' machinery must never change a result or a caller's array.
 
 - ``kernels.workspace.Workspace``: an array is handed out again only once nothing outside the pool
-  refers to it (no variable, view, list or dict; NumPy only: torch tensors are never pooled); the
+  refers to it (no variable, view, list or dict; nor a torch CPU tensor made from it); the
   model's logits, activations and error signals the caller kept stay intact; results with reuse
   equal those without; memory stays bounded step after step and when shapes change.
 - the kernels' numba threads, forced on for the smallest jobs: 1 and 2 threads give the same
@@ -208,15 +208,21 @@ def test_the_pool_holds_at_most_max_per_shape_arrays_of_one_shape(pool_every_siz
     assert len(ws) == MAX_PER_SHAPE
 
 
-def test_torch_tensors_are_never_pooled(pool_every_size):
+def test_a_torch_tensor_keeps_its_pooled_array_in_use(pool_every_size):
+    """Torch CPU tensors run the fast kernels through NumPy views, and their results are tensors
+    made from the pool's arrays (``torch.from_numpy``): while the caller holds such a tensor its
+    array is never handed out again; once it is gone, the array is."""
     torch = pytest.importorskip("torch")
     ws = Workspace()
-    like = torch.zeros(1, dtype=torch.float64)
-    first, = _ask(ws, like.new_zeros(4, 3))
-    assert len(ws) == 0                                     # (a pooled array would be held: 1)
+    x = torch.ones((64, 65), dtype=torch.float64)      # (above linear.SMALL_ELEMENTS: pooled)
+    with ws.active():
+        first = fast.add(x, x)
+        second = fast.add(x, 2 * x)
+    assert len(ws) == 2 and torch.equal(first, 2 * x) and torch.equal(second, 3 * x)
     del first
-    again, = _ask(ws, like.new_zeros(4, 3))
-    assert torch.is_tensor(again) and len(ws) == 0
+    with ws.active():
+        again = fast.add(x, 3 * x)
+    assert len(ws) == 2 and torch.equal(second, 3 * x) and torch.equal(again, 4 * x)
 
 
 def test_arrays_of_a_kv_cache_step_are_not_overwritten_by_the_next():

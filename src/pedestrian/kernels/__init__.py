@@ -8,8 +8,8 @@ same things faster, and every difference from the reference earns its lines by a
   compiled on first use and cached on disk), and :mod:`.vecmath` -- ``exp``, ``Φ``, ``φ`` as
   polynomials the compiler vectorises;
 - :mod:`.layernorm`, :mod:`.activations`, :mod:`.loss`, :mod:`.embedding` -- numba loops over
-  rows (llm.c's layout) for NumPy arrays; torch tensors keep NumPy-style ``out=`` chains;
-- :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in place;
+  rows (llm.c's layout);
+- :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in numba loops;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;
 - :mod:`.blas` -- products and reductions written into preallocated arrays, shared over the
@@ -20,22 +20,27 @@ used (RoPE on char-small's (16, 64, 384) float32 q/k/v: 0.49 ms forward per bloc
 arithmetic written into preallocated arrays with ``out=`` took 0.55 ms).
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
 name to the module (the reference where numba cannot be imported).
+
+The kernels are written for NumPy arrays. PyTorch tensors on the CPU run them too, through
+zero-copy NumPy views of the same memory (results are tensors again, sharing the kernels'
+arrays); tensors on any other device (a GPU) run the reference layers, and from
+:data:`.attention_tiled.TILED_MIN_T` tokens on the tiled attention's torch loop (``O(T)`` memory).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
+import numpy as np
+
+from .. import layers
+from ..backend import is_torch_array
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from ..layers.lora import lora_backward, lora_forward
 from ..layers.rope import rope_backward, rope_forward
-from .activations import activation_backward, activation_forward
-from .attention import attention_weights, multi_head_attention_backward, multi_head_attention_forward
-from .embedding import embedding_backward, embedding_forward
-from .layernorm import layernorm_backward, layernorm_forward
-from .linear import add, linear_backward, linear_forward
-from .loss import cross_entropy_backward, cross_entropy_forward
+from . import activations, attention, embedding, layernorm, linear, loss
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -48,6 +53,66 @@ __all__ = [
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
 ]
+
+
+def _tree(obj, leaf):
+    """``obj`` with ``leaf`` applied to every array inside its tuples (named too), lists and dicts."""
+    if isinstance(obj, tuple):
+        items = [_tree(o, leaf) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_tree(o, leaf) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _tree(v, leaf) for k, v in obj.items()}
+    return leaf(obj)
+
+
+def _first_array(obj):
+    if isinstance(obj, (tuple, list)):
+        return next((a for a in map(_first_array, obj) if a is not None), None)
+    if isinstance(obj, dict):
+        return _first_array(list(obj.values()))
+    return obj if isinstance(obj, np.ndarray) or is_torch_array(obj) else None
+
+
+def _as_numpy(x):
+    return x.detach().numpy() if is_torch_array(x) else x
+
+
+def _as_torch(x):
+    import torch
+
+    return torch.from_numpy(np.asarray(x)) if isinstance(x, (np.ndarray, np.floating)) else x
+
+
+def _seam(fast, other):
+    """``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
+    torch tensors on the CPU; ``other`` for torch tensors on any other device."""
+    @functools.wraps(fast)
+    def call(*args, **kwargs):
+        like = _first_array(args)
+        if like is None or type(like) is np.ndarray or not is_torch_array(like):
+            return fast(*args, **kwargs)
+        if like.device.type != "cpu":
+            return other(*args, **kwargs)
+        return _tree(fast(*_tree(args, _as_numpy), **_tree(kwargs, _as_numpy)), _as_torch)
+    return call
+
+
+activation_forward = _seam(activations.activation_forward, layers.activation_forward)
+activation_backward = _seam(activations.activation_backward, layers.activation_backward)
+multi_head_attention_forward = _seam(attention.multi_head_attention_forward, attention.on_device_forward)
+multi_head_attention_backward = _seam(attention.multi_head_attention_backward, attention.on_device_backward)
+attention_weights = _seam(attention.attention_weights, attention.on_device_weights)
+embedding_forward = _seam(embedding.embedding_forward, layers.embedding_forward)
+embedding_backward = _seam(embedding.embedding_backward, layers.embedding_backward)
+layernorm_forward = _seam(layernorm.layernorm_forward, layers.layernorm_forward)
+layernorm_backward = _seam(layernorm.layernorm_backward, layers.layernorm_backward)
+linear_forward = _seam(linear.linear_forward, layers.linear_forward)
+linear_backward = _seam(linear.linear_backward, layers.linear_backward)
+add = _seam(linear.add, layers.add)
+cross_entropy_forward = _seam(loss.cross_entropy_forward, layers.cross_entropy_forward)
+cross_entropy_backward = _seam(loss.cross_entropy_backward, layers.cross_entropy_backward)
 
 
 def default_kernels() -> str:
@@ -81,13 +146,9 @@ def kernels_for(name: str | None = None):
                               "results). Install numba (pip install numba) for the fast path",
                               RuntimeWarning, stacklevel=2)
                 _warned_no_numba.append(True)
-            from .. import layers
-
             return layers
         return sys.modules[__name__]
     if name == "reference":
-        from .. import layers
-
         return layers
     raise ValueError(f"unknown kernels {name!r}; choose one of {KERNELS} "
                      "(PEDESTRIAN_KERNELS or GPT(..., kernels=...))")

@@ -3,9 +3,8 @@
 NumPy arrays: one numba pass per direction. The forward computes ``g(x)`` and ``g'(x)`` together
 (they share ``Φ``, ``φ`` or ``tanh u``) and keeps ``g'(x)``, so the backward is ``Δ ∘ g'``; ``Φ``,
 ``φ`` and ``exp`` are polynomials the compiler vectorises (:mod:`.vecmath`), so the exact GELU
-costs what the tanh one does. PyTorch tensors: the same formulas as fewer, multi-operand
-operations (``addcmul``, ``sigmoid``); the GELU tanh approximation through the identity
-``½(1 + tanh u) = σ(2u)`` (one ``exp`` costs about half a ``tanh``).
+costs what the tanh one does; the GELU tanh approximation goes through the identity
+``½(1 + tanh u) = σ(2u)`` (one ``exp``, no ``tanh``).
 """
 
 from __future__ import annotations
@@ -14,15 +13,12 @@ import math
 
 import numpy as np
 
-from ..backend import array_namespace, erf, is_torch_array
 from ..layers.activations import check_activation
 from .jit import kernel, prange
 from .vecmath import exp, normal_cdf_pdf
-from .workspace import empty_array, scratch
+from .workspace import empty_array
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_C = 0.044715
 _MINUS_2K = -2.0 * _SQRT_2_OVER_PI                 # −2u = x(_MINUS_2K_C·x² + _MINUS_2K)
 _MINUS_2K_C = -2.0 * _SQRT_2_OVER_PI * _GELU_C
@@ -88,26 +84,13 @@ def activation_forward(x, name: str):
             ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``, HF ``gelu_new``).
 
     Returns:
-        ``(y, cache)``. NumPy: ``cache = x`` for ReLU, ``(x, g'(x))`` for both GELUs. Torch:
-        ``cache = x``, except for ``"gelu_tanh"``: ``(x, s)``, ``s = ½(1 + tanh u)``.
+        ``(y, cache)``: ``cache = x`` for ReLU, ``(x, g'(x))`` for both GELUs.
         :func:`activation_backward` takes the cache, or ``x`` alone.
 
     Raises:
         ValueError: unknown activation name.
     """
     check_activation(name)
-    if is_torch_array(x):
-        if name == "relu":
-            return x * (x > 0), x
-        if name == "gelu":
-            return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2)), x
-        import torch                                   # s = σ(2u), 2u = x(2k + 2k·c·x²): 4 operations
-
-        y, s = empty_array(x.shape, x), empty_array(x.shape, x)
-        torch.addcmul(x.new_tensor(-_MINUS_2K), x, x, value=-_MINUS_2K_C, out=s)
-        s.mul_(x).sigmoid_()
-        torch.mul(x, s, out=y)
-        return y, (x, s)
     y = empty_array(x.shape, x)
     if name == "relu":
         _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))
@@ -131,8 +114,6 @@ def activation_backward(delta, cache, name: str):
     """
     check_activation(name)
     x, s = cache if isinstance(cache, tuple) else (cache, None)
-    if is_torch_array(x):
-        return _torch_backward(delta, x, s, name)
     out = empty_array(x.shape, x)
     if name == "relu":
         _relu_backward.sized(x.size)(_flat(delta), _flat(x), out.reshape(-1))
@@ -141,25 +122,3 @@ def activation_backward(delta, cache, name: str):
         s = activation_forward(x, name)[1][1]
     _times.sized(x.size)(_flat(delta), _flat(s), out.reshape(-1))
     return out
-
-
-def _torch_backward(delta, x, s, name: str):
-    if name == "relu":
-        return delta * (x > 0)
-    if name == "gelu":
-        xp = array_namespace(x)
-        cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
-        pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
-        return delta * (cdf + x * pdf)
-    import torch
-    # with s = ½(1 + t) = σ(2u): 1 − t² = 4s(1 − s), so g'(x) = s (1 + 2(1 − s) A),
-    # A = x√(2/π)(1 + 3·0.044715x²): 6 operations
-    if s is None:
-        s = torch.sigmoid(x * (-_MINUS_2K - _MINUS_2K_C * x * x))
-    a, b = empty_array(x.shape, x), scratch(x.shape, x, "gelu.1-s")
-    torch.addcmul(x.new_tensor(2.0 * _SQRT_2_OVER_PI), x, x, value=6.0 * _GELU_C * _SQRT_2_OVER_PI, out=a)
-    a.mul_(x)                                          # 2A
-    one = x.new_tensor(1.0)
-    torch.sub(one, s, out=b)
-    torch.addcmul(one, a, b, out=a)                    # 1 + 2A(1 − s)
-    return a.mul_(s).mul_(delta)

@@ -8,8 +8,7 @@ compiler vectorises: numba's ``math.exp`` is a scalar call (the PyPI llvmlite ha
 measured 2x slower than NumPy's ``np.exp`` here, the polynomial 2x faster (docs/kernels.md).
 
 Sums with cancellation (the softmax backward's row sums) accumulate float32 in float64; sums of
-positive terms (the softmax's) and the decode step's products in the arrays' dtype, vectorised. :data:`USE` is False where numba is
-missing; the callers then run their NumPy (or torch) code.
+positive terms (the softmax's) and the decode step's products in the arrays' dtype, vectorised.
 """
 
 from __future__ import annotations
@@ -17,13 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import AVAILABLE, kernel, prange
+from .jit import kernel, prange
 from .vecmath import exp
 
-__all__ = ["USE", "exp", "heads_forward", "heads_backward", "decode_attention"]
-
-#: the attention kernels run these loops on NumPy arrays (numba can be imported)
-USE = AVAILABLE
+__all__ = ["exp", "heads_forward", "heads_backward", "decode_attention"]
 
 
 @kernel

@@ -19,12 +19,8 @@ backward, computed in a different order (docs/EQUATIONS.md, "Tiled attention"):
   (``np.dot`` into per-unit scratch, :func:`pedestrian.kernels.jit.blas_one_thread`), the mask,
   ``exp`` (:mod:`.vecmath`) and the softmax's sums one loop per row between them. No unit reads
   another's results, so the bits are the same for any number of threads.
-- **torch tensors** (and NumPy without numba, or with the powers of 2 forced): the same blocks,
-  all heads of a block in one batched call, one after another (PyTorch threads each operation).
-  On PyTorch's CPU the tiles take ``2^x`` instead of ``e^x`` (:func:`pedestrian.kernels.blas.uses_exp2`):
-  ``q`` carries ``log₂e`` besides ``1/√d_qk``, so ``S`` and ``ℓ`` are in units of ``ln 2`` and
-  ``P = 2^(S·log₂e − ℓ·log₂e)`` is the same number; ``dk``, a product with that ``q``, is
-  divided by ``log₂e`` at the end.
+- **torch tensors** (a GPU's: :mod:`pedestrian.kernels` gives CPU tensors to the numba loops):
+  the same blocks, all heads of a block in one batched call, one after another.
 
 ``Δcausal`` (``backward(keep_delta_causal=True)``) and ``P`` (:func:`tiled_attention_weights`)
 are computed on request only, as full ``(B, n_heads, T, T)`` arrays.
@@ -39,9 +35,7 @@ import math
 
 import numpy as np
 
-from ..backend import is_numpy_array, is_torch_array
-from . import attention_loops, blas
-from .blas import copy_into, elementwise_lib, rowdot
+from ..backend import is_torch_array
 from .attention_loops import exp_shifted, row_max
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .vecmath import exp
@@ -50,12 +44,11 @@ from .workspace import empty_array
 __all__ = ["BLOCKS", "TILED_MIN_T", "use_tiled", "tiled_attention_forward", "tiled_attention_backward",
            "tiled_attention_weights"]
 
-#: ``(block_q, block_k)`` per backend: query rows and key columns of one tile. NumPy (numba, one
-#: head per tile): measured docs/kernels.md, "Tiled attention"; torch tensors pay more per call
-#: (~5-10 µs) and thread each one: 256 × 512 was as fast as 128 × 256 on one thread and faster on two.
+#: ``(block_q, block_k)`` per backend: query rows and key columns of one tile; NumPy: the numba
+#: loops, torch: the batched loop (docs/kernels.md, "Tiled attention")
 BLOCKS = {"numpy": (128, 256), "torch": (256, 512)}
-#: the shortest sequence for which the fast path uses this kernel (below it, the full-matrix
-#: kernel of :mod:`pedestrian.kernels.attention` is faster). Measured, docs/performance.md.
+#: the shortest sequence for which the fast path uses this kernel, per backend (below it, the
+#: full-matrix attention is faster: docs/performance.md)
 TILED_MIN_T = {"numpy": 256, "torch": 512}
 
 
@@ -75,43 +68,42 @@ _MASKS: dict = {}
 def _tile_mask(rows: int, cols: int, offset: int, like):
     """Additive ``(rows, cols)`` causal mask of a tile whose first query sits ``offset`` positions
     after its first key: ``−∞`` where key ``c`` comes after query ``r`` (``c > r + offset``)."""
-    key = (rows, cols, offset, like.dtype, like.device)                  # dtypes differ by backend
+    key = (rows, cols, offset, str(like.dtype), str(like.device))
     mask = _MASKS.get(key)
     if mask is None:
+        mask = np.where(np.arange(cols)[None, :] > np.arange(rows)[:, None] + offset, -math.inf, 0.0)
         if is_torch_array(like):
             import torch
 
-            pos_r = torch.arange(rows, device=like.device)[:, None]
-            pos_c = torch.arange(cols, device=like.device)[None, :]
-            mask = torch.zeros((rows, cols), dtype=like.dtype, device=like.device)
-            mask.masked_fill_(pos_c > pos_r + offset, -math.inf)
+            mask = torch.from_numpy(mask).to(dtype=like.dtype, device=like.device)
         else:
-            mask = np.zeros((rows, cols), dtype=like.dtype)
-            mask[np.arange(cols)[None, :] > np.arange(rows)[:, None] + offset] = -math.inf
+            mask = mask.astype(like.dtype)
         if len(_MASKS) > 256:                              # many sequence lengths: start again
             _MASKS.clear()
         _MASKS[key] = mask
     return mask
 
 
-def _zeros(shape, like):
-    if is_numpy_array(like):
-        return np.zeros(shape, dtype=like.dtype)
-    import torch
-
-    return torch.zeros(shape, dtype=like.dtype, device=like.device)
+def _empty(shape, like):
+    return like.new_empty(shape) if is_torch_array(like) else empty_array(shape, like)
 
 
-def _split_heads_into(dst, src, B: int, n_heads: int) -> None:
-    """``src`` ``(B, T, n_heads·w)`` (a column block of ``qkv``) into ``dst`` ``(B·n_heads, T, w)``."""
+def _copy(dst, src) -> None:
+    dst.copy_(src) if is_torch_array(dst) else np.copyto(dst, src)
+
+
+def _split_heads(src, B: int, n_heads: int):
+    """``src`` ``(B, T, n_heads·w)`` (a column block of ``qkv``) as a new ``(B·n_heads, T, w)``."""
     T, w = src.shape[1], src.shape[2] // n_heads
-    copy_into(dst.reshape(B, n_heads, T, w), src.reshape(B, T, n_heads, w).swapaxes(1, 2))
+    dst = _empty((B * n_heads, T, w), src)
+    _copy(dst.reshape(B, n_heads, T, w), src.reshape(B, T, n_heads, w).swapaxes(1, 2))
+    return dst
 
 
 def _merge_heads_into(dst, src, B: int, n_heads: int) -> None:
     """``src`` ``(B·n_heads, T, w)`` into ``dst`` ``(B, T, n_heads·w)`` (head ``h``: columns ``h·w …``)."""
     T, w = src.shape[1], src.shape[2]
-    copy_into(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
+    _copy(dst.reshape(B, T, n_heads, w).swapaxes(1, 2), src.reshape(B, n_heads, T, w))
 
 
 @kernel
@@ -238,9 +230,8 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
-        cache holds, per head (``B·n_heads`` of them), ``q·unit/√d_qk``, ``k`` ``(B·n_heads, T, d_qk)``,
-        ``v`` and the outputs ``o`` ``(B·n_heads, T, d_head)``, and ``ℓ·unit`` ``(B·n_heads, T)``
-        (``unit = log₂e`` where the tiles take powers of 2, the module docstring; else 1): ``O(T)``.
+        cache holds, per head (``B·n_heads`` of them), ``q/√d_qk``, ``k`` ``(B·n_heads, T, d_qk)``,
+        ``v`` and the outputs ``o`` ``(B·n_heads, T, d_head)``, and ``ℓ`` ``(B·n_heads, T)``: ``O(T)``.
 
     Raises:
         ValueError: a block size below 1.
@@ -251,45 +242,49 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
-    unit, exp_, log = blas.softmax_exp(qkv)                                  # scores in units of ln 2, or 1
-    q, k = empty_array((G, T, d_qk), qkv), empty_array((G, T, d_qk), qkv)
-    v, o, lse = empty_array((G, T, d_head), qkv), empty_array((G, T, d_head), qkv), empty_array((G, T), qkv)
-    _split_heads_into(q, qkv[..., :hq], B, n_heads)
-    _split_heads_into(k, qkv[..., hq:2 * hq], B, n_heads)
-    _split_heads_into(v, qkv[..., 2 * hq:], B, n_heads)
-    lib = elementwise_lib(qkv)
-    lib.multiply(q, unit / math.sqrt(d_qk), out=q)
-    if attention_loops.USE and is_numpy_array(qkv) and unit == 1.0:
+    q, k, v = (_split_heads(qkv[..., lo:hi], B, n_heads) for lo, hi in ((0, hq), (hq, 2 * hq), (2 * hq, None)))
+    q *= 1.0 / math.sqrt(d_qk)
+    if is_torch_array(qkv):
+        o, lse = _torch_forward(q, k, v, bq, bk, causal)
+    else:
         blas_one_thread()
+        o, lse = empty_array((G, T, d_head), qkv), empty_array((G, T), qkv)
         n_blocks = -(-T // bq)
         work = np.arange(G * n_blocks)                                       # unit g·n_blocks + block
         units = work[np.argsort(-(work % n_blocks), kind="stable")] if causal else work
         _forward_units.sized(G * T * (T if causal else 2 * T) // 2)(
             q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
-    else:                                                                    # torch: all heads per call
-        for i0 in range(0, T, bq):
-            i1 = min(i0 + bq, T)
-            m = l = acc = None
-            for j0 in range(0, i1 if causal else T, bk):
-                j1 = min(j0 + bk, i1 if causal else T)
-                s = q[:, i0:i1] @ k[:, j0:j1].mT                             # S (G, r, c)
-                if causal and j1 - 1 > i0:                                   # the tile crosses the diagonal
-                    s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
-                m_new = lib.amax(s, axis=-1, keepdims=True)
-                m_new = m_new if m is None else lib.maximum(m, m_new)
-                e = exp_(s - m_new)                                          # exp(S − m_new)
-                if m is None:
-                    l, acc = lib.sum(e, axis=-1, keepdims=True), e @ v[:, j0:j1]
-                else:
-                    alpha = exp_(m - m_new)                                  # rescale the sums so far
-                    l, acc = l * alpha + lib.sum(e, axis=-1, keepdims=True), acc * alpha + e @ v[:, j0:j1]
-                m = m_new
-            copy_into(o[:, i0:i1], acc / l)
-            copy_into(lse[:, i0:i1], (m + log(l))[..., 0])                   # ℓ = m + log l
-    out = empty_array((B, T, n_heads * d_head), qkv)
+    out = _empty((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads, causal=causal,
-                     blocks=(bq, bk), unit=unit)
+                     blocks=(bq, bk))
+
+
+def _torch_forward(q, k, v, bq, bk, causal):
+    """The online softmax of :func:`_forward_lane` on torch tensors, all heads of a tile at once."""
+    import torch
+
+    G, T, d_head = v.shape
+    o, lse = torch.empty_like(v), q.new_empty((G, T))
+    for i0 in range(0, T, bq):
+        i1 = min(i0 + bq, T)
+        m = l = acc = None
+        for j0 in range(0, i1 if causal else T, bk):
+            j1 = min(j0 + bk, i1 if causal else T)
+            s = q[:, i0:i1] @ k[:, j0:j1].mT                                 # S (G, r, c)
+            if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
+                s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
+            m_new = s.amax(-1, keepdim=True) if m is None else torch.maximum(m, s.amax(-1, keepdim=True))
+            e = torch.exp(s - m_new)                                         # exp(S − m_new)
+            if m is None:
+                l, acc = e.sum(-1, keepdim=True), e @ v[:, j0:j1]
+            else:
+                alpha = torch.exp(m - m_new)                                 # rescale the sums so far
+                l, acc = l * alpha + e.sum(-1, keepdim=True), acc * alpha + e @ v[:, j0:j1]
+            m = m_new
+        o[:, i0:i1] = acc / l
+        lse[:, i0:i1] = (m + torch.log(l))[..., 0]                           # ℓ = m + log l
+    return o, lse
 
 
 def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -310,47 +305,48 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     """
     q, k, v, o, lse = cache["q"], cache["k"], cache["v"], cache["o"], cache["lse"]
     G, T, d_head = o.shape
-    d_qk, n_heads, causal, unit = cache["d_qk"], cache["n_heads"], cache["causal"], cache["unit"]
+    d_qk, n_heads, causal = cache["d_qk"], cache["n_heads"], cache["causal"]
     bq, bk = cache["blocks"]
     B, hq = G // n_heads, n_heads * d_qk
-    d = empty_array((G, T, d_head), o)                                       # Δ per head, contiguous
-    _split_heads_into(d, delta, B, n_heads)
-    dq, dk, dv = empty_array((G, T, d_qk), o), empty_array((G, T, d_qk), o), empty_array((G, T, d_head), o)
-    kept = _zeros((B, n_heads, T, T), o) if keep_delta_causal else None
-    lib = elementwise_lib(o)
-    if attention_loops.USE and is_numpy_array(o) and unit == 1.0:
+    d = _split_heads(delta, B, n_heads)                                      # Δ per head, contiguous
+    if is_torch_array(o):
+        kept = o.new_zeros((G, T, T)) if keep_delta_causal else None
+        dq, dk, dv = _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept)
+    else:
         blas_one_thread()
-        kept3 = np.zeros((1, 1, 1), o.dtype) if kept is None else kept.reshape(G, T, T)
-        _backward_heads.sized(G * T * T)(q, k, v, d, o, lse, bq, bk, causal, kept is not None, kept3, dq, dk, dv)
-    else:                                                                    # torch: all heads per call
-        _, exp_, _ = blas.softmax_exp(o, unit)
-        minus_d = rowdot(d, o)                                               # D = rowsum(Δ ∘ out)
-        lib.multiply(minus_d, -1.0, out=minus_d)
-        dk[...], dv[...] = 0, 0
-        for i0 in range(0, T, bq):
-            i1 = min(i0 + bq, T)
-            for j0 in range(0, i1 if causal else T, bk):
-                j1 = min(j0 + bk, i1 if causal else T)
-                s = q[:, i0:i1] @ k[:, j0:j1].mT - lse[:, i0:i1, None]     # S − ℓ
-                if causal and j1 - 1 > i0:
-                    s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
-                p = exp_(s)
-                dv[:, j0:j1] += p.mT @ d[:, i0:i1]                           # dv += Pᵀ Δ
-                ds = p * (d[:, i0:i1] @ v[:, j0:j1].mT + minus_d[:, i0:i1])  # Δcausal = P ∘ (dP − D)
-                if kept is not None:
-                    kept.reshape(G, T, T)[:, i0:i1, j0:j1] = ds
-                if j0 == 0:
-                    copy_into(dq[:, i0:i1], ds @ k[:, j0:j1])                # dq += Δcausal k
-                else:
-                    dq[:, i0:i1] += ds @ k[:, j0:j1]
-                dk[:, j0:j1] += ds.mT @ q[:, i0:i1]                          # dk += Δcausalᵀ q (× unit)
-    lib.multiply(dq, 1.0 / math.sqrt(d_qk), out=dq)
-    if unit != 1.0:                                                          # q carried log₂e: take it out
-        lib.multiply(dk, 1.0 / unit, out=dk)
-    delta_qkv = empty_array((B, T, 2 * hq + n_heads * d_head), o)
+        kept = np.zeros((G, T, T), o.dtype) if keep_delta_causal else None
+        dq, dk, dv = empty_array(q.shape, o), empty_array(k.shape, o), empty_array(o.shape, o)
+        _backward_heads.sized(G * T * T)(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
+                                         np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
+    dq *= 1.0 / math.sqrt(d_qk)
+    delta_qkv = _empty((B, T, 2 * hq + n_heads * d_head), o)
     for part, lo, width in ((dq, 0, d_qk), (dk, hq, d_qk), (dv, 2 * hq, d_head)):
         _merge_heads_into(delta_qkv[..., lo:lo + n_heads * width], part, B, n_heads)
-    return delta_qkv, kept
+    return delta_qkv, None if kept is None else kept.reshape(B, n_heads, T, T)
+
+
+def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept):
+    """:func:`_backward_head` on torch tensors, all heads of a tile at once."""
+    import torch
+
+    G, T, _ = o.shape
+    minus_d = -(d * o).sum(-1, keepdim=True)                                 # −D = −rowsum(Δ ∘ out)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i0 in range(0, T, bq):
+        i1 = min(i0 + bq, T)
+        for j0 in range(0, i1 if causal else T, bk):
+            j1 = min(j0 + bk, i1 if causal else T)
+            s = q[:, i0:i1] @ k[:, j0:j1].mT - lse[:, i0:i1, None]          # S − ℓ
+            if causal and j1 - 1 > i0:
+                s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
+            p = torch.exp(s)
+            dv[:, j0:j1] += p.mT @ d[:, i0:i1]                               # dv += Pᵀ Δ
+            ds = p * (d[:, i0:i1] @ v[:, j0:j1].mT + minus_d[:, i0:i1])      # Δcausal = P ∘ (dP − D)
+            if kept is not None:
+                kept[:, i0:i1, j0:j1] = ds
+            dq[:, i0:i1] += ds @ k[:, j0:j1]                                 # dq += Δcausal k
+            dk[:, j0:j1] += ds.mT @ q[:, i0:i1]                              # dk += Δcausalᵀ q
+    return dq, dk, dv
 
 
 def tiled_attention_weights(cache):
@@ -359,11 +355,8 @@ def tiled_attention_weights(cache):
     when causal (``O(T²)`` memory, on request only)."""
     q, k, lse = cache["q"], cache["k"], cache["lse"]
     G, T, _ = q.shape
-    lib = elementwise_lib(q)
-    p = q @ k.mT                                                             # S (G, T, T)
-    lib.subtract(p, lse[..., None], out=p)                                   # S − ℓ
+    s = q @ k.swapaxes(-1, -2) - lse[..., None]                              # S − ℓ (G, T, T)
     if cache["causal"]:
-        lib.add(p, _tile_mask(T, T, 0, p), out=p)
-    _, exp_, _ = blas.softmax_exp(p, cache["unit"])
-    exp_(p, out=p)                                                           # P
+        s += _tile_mask(T, T, 0, s)
+    p = s.exp() if is_torch_array(s) else np.exp(s)                          # P
     return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)

@@ -1,92 +1,15 @@
-"""Micro-kernels of the fast path: products and reductions written into preallocated arrays.
-
-NumPy and PyTorch share the names and ``out=`` signatures of their elementwise functions
-(``np.multiply(a, b, out=c)`` / ``torch.mul``...), so :func:`elementwise_lib` lets one kernel run
-in place on either. The rest are the few operations where a BLAS call or an ``out=`` argument
-saves a pass over memory: :func:`matmul_into`, :func:`colsum`, :func:`rowdot`.
+"""Products and reductions of the fast path, written into preallocated arrays: :func:`matmul_into`
+(2-D products shared over numba's threads as single-threaded BLAS calls) and :func:`colsum`.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ..backend import is_numpy_array, is_torch_array
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
-from .workspace import empty_array, scratch
+from .workspace import scratch
 
-__all__ = ["elementwise_lib", "matmul_into", "colsum", "rowdot", "uses_exp2", "softmax_exp", "LOG2_E",
-           "copy_into"]
-
-#: ``log₂e``: ``e^x = 2^(x·log₂e)`` (:func:`uses_exp2`)
-LOG2_E = math.log2(math.e)
-
-
-class _NumpyElementwise:
-    """NumPy's functions, with ``sum`` / ``amax`` bound straight to the ufunc reductions
-    (``np.add.reduce``, ``np.maximum.reduce``: the same results, without ``np.sum``'s Python
-    wrapper -- a few microseconds that every one of a step's hundreds of calls would pay).
-
-    Kernels always pass ``axis`` (the ufunc reductions default to ``axis=0``, not ``None``)."""
-
-    sum = staticmethod(np.add.reduce)
-    amax = staticmethod(np.maximum.reduce)
-    add, subtract, multiply, divide = np.add, np.subtract, np.multiply, np.divide
-    exp, log, sqrt, reciprocal, tanh = np.exp, np.log, np.sqrt, np.reciprocal, np.tanh
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
-_NUMPY_LIB = _NumpyElementwise()
-
-
-def elementwise_lib(x):
-    """``numpy`` or ``torch``: the library whose elementwise functions take ``out=`` for ``x``.
-
-    ``multiply, add, subtract, divide, exp, log, tanh, sqrt, sum, amax`` have the same names
-    and ``out=`` / ``axis=`` / ``keepdims=`` arguments in both, so a kernel written as
-    ``lib.tanh(u, out=u)`` runs in place on either.
-    """
-    if type(x) is np.ndarray:
-        return _NUMPY_LIB
-    if is_torch_array(x):
-        import torch
-
-        return torch
-    return _NUMPY_LIB
-
-
-def copy_into(dst, src) -> None:
-    """``dst[...] = src`` (broadcasting ``src``): the one way the fast kernels write a strided
-    view (a column of an augmented array, heads interleaved in a row) elementwise -- a plain
-    copy, never an arithmetic loop over a strided innermost axis: docs/kernels.md, "Patterns the
-    fast kernels avoid"; tests/system/test_kernel_patterns.py checks every elementwise call)."""
-    if is_numpy_array(dst):
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)
-
-
-def uses_exp2(x) -> bool:
-    """Whether the softmax kernels take ``2^(x·log₂e)`` instead of ``e^x`` for ``x`` (the same
-    numbers): for torch tensors on the CPU, whose ``exp`` measured 3-15x slower than ``exp2``;
-    never for NumPy, nor on other torch devices (docs/kernels.md, "softmax on torch tensors").
-    ``log₂e`` rides on the scale of ``q`` in the attention (``dk`` is divided by it); the
-    cross-entropy pays one more pass."""
-    return type(x) is not np.ndarray and is_torch_array(x) and x.device.type == "cpu"
-
-
-def softmax_exp(x, unit: float | None = None):
-    """``(unit, exp, log)`` of the softmax kernels on ``x``'s backend: scores multiplied by
-    ``unit`` go through ``exp`` (and sums back through ``log``): ``(log₂e, exp2, log2)`` where
-    :func:`uses_exp2`, else ``(1.0, exp, log)``. ``unit`` given (read from a forward's cache):
-    the functions that go with it."""
-    if unit is None:
-        unit = LOG2_E if uses_exp2(x) else 1.0
-    lib = elementwise_lib(x)
-    return (unit, lib.exp, lib.log) if unit == 1.0 else (unit, lib.exp2, lib.log2)
+__all__ = ["matmul_into", "colsum"]
 
 
 #: a 2-D NumPy product is shared over numba's threads from this many multiply-adds, in row
@@ -187,43 +110,14 @@ def matmul_into(out, a, b, *, bias=None) -> None:
             gradient buffer, or a head-interleaved view such as ``(B, T, H, w)`` permuted to
             ``(B, H, T, w)``: NumPy's BLAS path writes any view whose rows have unit stride).
         a, b: operands (2-D, or batched with matching leading axes).
-        bias: optional ``(n,)`` row added to every row of the 2-D product (PyTorch: one
-            ``addmm``).
+        bias: optional ``(n,)`` row added to every row of the 2-D product.
     """
-    if is_numpy_array(out):
-        if _numba_matmul(out, a, b, bias):
-            return
-        if out.strides[-1] == out.itemsize or out.flags.c_contiguous:
-            np.matmul(a, b, out=out)
-        else:
-            out[...] = a @ b
-        if bias is not None:
-            out += bias
+    if _numba_matmul(out, a, b, bias):
         return
-    import torch
-
-    if (bias is None and out.ndim == 2 and out.is_contiguous() and b.ndim == 2
-            and b.stride(0) == 1 and b.stride(1) != 1 and out.numel() >= 1 << 22):
-        # a large product with a transposed right operand (the tied logits a11 W_tokᵀ):
-        # MKL computes (W a.mT), W = b.mT, plus a transposing copy faster, best in blocks
-        # of 2048 rows of W (measured on (256, 768) @ (768, 50257): 64-69 GFLOP/s as
-        # a @ b, 76-91 in one piece, 105-114 in blocks); the block goes into a reused array
-        w, at = b.mT, a.mT
-        n = w.shape[0]
-        block = min(n, 2048)
-        tmp = empty_array((block, out.shape[0]), out)
-        for lo in range(0, n, block):
-            hi = min(lo + block, n)
-            torch.matmul(w[lo:hi], at, out=tmp[:hi - lo])
-            out[:, lo:hi].copy_(tmp[:hi - lo].mT)
-        return
-    if bias is not None and out.ndim == 2 and out.is_contiguous():
-        torch.addmm(bias, a, b, out=out)
-        return
-    if out.is_contiguous():
-        torch.matmul(a, b, out=out)
+    if out.strides[-1] == out.itemsize or out.flags.c_contiguous:
+        np.matmul(a, b, out=out)
     else:
-        out.copy_(a @ b)
+        out[...] = a @ b
     if bias is not None:
         out += bias
 
@@ -249,13 +143,8 @@ def _colsum(a, out, parts):
 def colsum(a, *, out=None):
     """``Σ_rows a`` of a 2-D ``(n, f)`` array: ``(f,)`` (bias and layer-norm gradients).
 
-    NumPy: a numba loop, columns in blocks over the threads (else the product ``1ᵀ a``, one
-    BLAS call). PyTorch: ``torch.sum(a, 0)``.
+    A numba loop, columns in blocks over the threads (else the product ``1ᵀ a``, one BLAS call).
     """
-    if is_torch_array(a):
-        import torch
-
-        return torch.sum(a, 0) if out is None else torch.sum(a, 0, out=out)
     if out is None:
         out = np.empty(a.shape[1], dtype=a.dtype)
     if AVAILABLE and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
@@ -269,12 +158,3 @@ def colsum(a, *, out=None):
         ones = _ONES[key] = np.ones((1, n), dtype=a.dtype)
     np.matmul(ones, a, out=out[None, :])
     return out
-
-
-def rowdot(a, b):
-    """``Σ_last a ∘ b`` with the last axis kept (size 1), without an ``a ∘ b`` temporary."""
-    if is_torch_array(a):
-        import torch
-
-        return torch.linalg.vecdot(a, b).unsqueeze(-1)
-    return np.vecdot(a, b)[..., None]

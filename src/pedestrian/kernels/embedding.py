@@ -2,17 +2,14 @@
 
 NumPy arrays: the forward gathers both tables' rows and adds them in one pass; the backward zeroes
 both tables' gradients and adds each row of ``Δ1`` into them in one serial pass (in token order:
-the same bits every run). PyTorch tensors: the reference (``index_add_`` for the scatter), the
-position gradient for ``0 … T-1`` as a sum over the batch.
+the same bits every run).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..backend import array_namespace, is_torch_array, scatter_add_rows
 from ..layers import embedding as reference
-from .blas import elementwise_lib
 from .jit import kernel
 
 
@@ -53,11 +50,6 @@ def _positions(positions, B: int, T: int, n: int):
 
 def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     """Fast :func:`pedestrian.layers.embedding.embedding_forward` (same arguments and results)."""
-    if is_torch_array(tok_weight):
-        B, T = tokens.shape
-        if B * T <= 16 and pos_weight is not None and positions is not None:   # a few tokens:
-            return tok_weight[tokens] + pos_weight[positions], (tokens, positions)   # plain indexing
-        return reference.embedding_forward(tokens, tok_weight, pos_weight, positions)
     if pos_weight is None:
         return reference.embedding_forward(tokens, tok_weight, pos_weight, positions)
     B, T = tokens.shape
@@ -72,19 +64,6 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
     """Fast :func:`pedestrian.layers.embedding.embedding_backward` (writes ``dtok``, ``dpos``)."""
     tokens, positions = cache
     B, T, d = delta.shape
-    if is_torch_array(delta):
-        rows = delta.reshape(B * T, d)
-        if dtok is not None:
-            dtok[...] = 0
-            scatter_add_rows(dtok, tokens.reshape(-1), rows)
-        if dpos is not None and positions is None:       # 0 … T-1: a sum over the batch
-            dpos[T:] = 0
-            elementwise_lib(delta).sum(delta, axis=0, out=dpos[:T])
-        elif dpos is not None:
-            dpos[...] = 0
-            index = array_namespace(positions).broadcast_to(positions, (B, T))
-            scatter_add_rows(dpos, index.reshape(-1), rows)
-        return
     rows = np.ascontiguousarray(delta).reshape(B * T, d)
     if dtok is not None:
         dtok[...] = 0

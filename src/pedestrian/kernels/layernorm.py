@@ -6,7 +6,6 @@ rows. Sums in float64 (for float32 rows too: the row is in L1 and the conversion
 mean corrected once (the mean of ``x − μ`` added back: Chan, Golub and LeVeque's corrected
 two-pass), so float32 stays within PyTorch's accuracy when ``|μ| ≫ σ`` (the paper's ``eps = 0``;
 ``tests/paper/test_float32_accuracy.py``). The cache holds ``1/σ`` in float64.
-PyTorch tensors: the reference formulas in fewer operations, ``σ`` kept.
 """
 
 from __future__ import annotations
@@ -15,11 +14,9 @@ import math
 
 import numpy as np
 
-from ..backend import is_torch_array
 from ..layers.layernorm import check_eps
-from .blas import colsum, elementwise_lib, rowdot
 from .jit import kernel, prange
-from .workspace import empty_array, scratch
+from .workspace import empty_array
 
 #: rows per block of the backward's ``dw``, ``db`` partial sums: the blocks, and so the bits of
 #: ``dw``, do not depend on the number of threads
@@ -78,10 +75,8 @@ def _backward(delta, xhat, rstd, weight, out, dw_part, db_part):
 
 def layernorm_forward(x, weight, bias, eps: float):
     """Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results;
-    the cache holds ``1/σ`` in float64 for NumPy arrays, ``σ`` for torch tensors)."""
+    the cache holds ``1/σ`` in float64)."""
     check_eps(eps)
-    if is_torch_array(x):
-        return _torch_forward(x, weight, bias, eps)
     d = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
@@ -95,8 +90,6 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
     """Fast :func:`pedestrian.layers.layernorm.layernorm_backward` (same arguments and result):
     ``Δ_in = (g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂)) / σ``, ``g = Δ ∘ w``; ``dw``, ``db`` as fixed-order
     sums of per-block partial sums (the same bits for any thread count)."""
-    if is_torch_array(delta):
-        return _torch_backward(delta, cache, dweight, dbias)
     xhat, rstd, weight = cache
     d = delta.shape[-1]
     delta2 = np.ascontiguousarray(delta).reshape(-1, d)
@@ -110,47 +103,3 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
     if dbias is not None:
         dbias[...] = db_part.sum(axis=0)
     return delta_in
-
-
-def _torch_forward(x, weight, bias, eps: float):
-    # the same formulas in fewer operations (torch's per-operation cost dominates small
-    # inputs). A few rows (one token while generating): torch.var_mean gives both
-    # statistics in one call (1 row: 25 vs 38 µs). More rows: its last-axis reduction is
-    # slow, mean + square + mean is faster ((12, 64, 128): 1005 vs 145 µs, one thread)
-    import torch
-
-    if x.numel() <= 8 * x.shape[-1]:                     # new arrays, not the pool's: a few
-        var, mean = torch.var_mean(x, dim=-1, correction=0, keepdim=True)   # rows cost less
-        sigma = torch.sqrt(var.add_(eps))                                   # than its lookup
-        xhat = (x - mean).div_(sigma)
-        y = xhat * weight if bias is None else torch.addcmul(bias, xhat, weight)
-        return y, (xhat, sigma, weight)
-    xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
-    torch.sub(x, x.mean(-1, keepdim=True), out=xhat)                    # x − μ
-    sq = scratch(x.shape, x, "layernorm.sq")
-    torch.mul(xhat, xhat, out=sq)
-    sigma = sq.mean(-1, keepdim=True).add_(eps).sqrt_()                 # σ
-    xhat.div_(sigma)
-    if bias is None:
-        torch.mul(xhat, weight, out=y)
-    else:
-        torch.addcmul(bias, xhat, weight, out=y)
-    return y, (xhat, sigma, weight)
-
-
-def _torch_backward(delta, cache, dweight, dbias):
-    xhat, sigma, weight = cache
-    lib = elementwise_lib(delta)
-    d = delta.shape[-1]
-    delta2, xhat2 = delta.reshape(-1, d), xhat.reshape(-1, d)
-    if dweight is not None:
-        colsum(xhat2 * delta2, out=dweight)
-    if dbias is not None:
-        colsum(delta2, out=dbias)
-    g = delta * weight                                     # g = Δ ∘ w
-    mean_g = lib.sum(g, axis=-1, keepdims=True) / d
-    mean_gx = rowdot(g, xhat) / d
-    out = empty_array(delta.shape, delta)
-    lib.subtract(g, mean_g, out=out)
-    lib.subtract(out, xhat * mean_gx, out=out)
-    return lib.divide(out, sigma, out=out)

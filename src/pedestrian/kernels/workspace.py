@@ -20,8 +20,6 @@ import sys
 import threading
 import numpy as np
 
-from ..backend import is_torch_array
-
 __all__ = ["Workspace", "empty_array", "scratch"]
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pedestrian_workspace", default=None)
@@ -112,19 +110,15 @@ _POOLING = hasattr(sys, "getrefcount")
 
 
 def empty_array(shape, like):
-    """A C-contiguous array of ``shape`` with ``like``'s dtype, backend and device; contents
-    undefined (the caller overwrites every entry).
+    """A C-contiguous NumPy array of ``shape`` with ``like``'s dtype; contents undefined (the
+    caller overwrites every entry).
 
-    Inside :meth:`Workspace.active` a pooled NumPy array nobody uses any more is returned when
-    there is one. PyTorch tensors are never pooled (whether another tensor shares a storage
-    is not in torch's public API; on a GPU its caching allocator does this job). (Unlike
-    ``empty_like``, the result is always C-contiguous, so its reshapes are views.)
+    Inside :meth:`Workspace.active` a pooled array nobody uses any more is returned when there is
+    one (a torch tensor made from it by :mod:`pedestrian.kernels` holds it as its base, so it
+    counts as in use). (Unlike ``empty_like``, the result is always C-contiguous, so its reshapes
+    are views.)
     """
     shape = tuple(shape)
-    if type(like) is not np.ndarray and is_torch_array(like):
-        import torch
-
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
     workspace = _ACTIVE.get()
     if workspace is not None and math.prod(shape) * like.dtype.itemsize >= MIN_POOLED_BYTES:
         return workspace.take(shape, like)
@@ -135,8 +129,7 @@ _scratch_local = threading.local()
 
 
 def scratch(shape, like, slot: str):
-    """A temporary of a kernel's NumPy or torch chain (not of its numba loops), reused by later
-    calls from the same thread: a view of a per-thread buffer kept under ``slot`` (two live
+    """A temporary of a kernel (not of its numba loops), reused by later calls from the same thread: a view of a per-thread buffer kept under ``slot`` (two live
     temporaries need two slots; a thread of your own calling a model gets its own buffers);
     contents undefined, valid until the next call with the same slot on the same thread.
     """
@@ -146,14 +139,8 @@ def scratch(shape, like, slot: str):
     n = 1
     for s in shape:
         n *= s
-    torch_like = type(like) is not np.ndarray and is_torch_array(like)
-    key = (slot, like.dtype, str(like.device)) if torch_like else (slot, like.dtype)
+    key = (slot, like.dtype)
     buf = store.get(key)
     if buf is None or buf.shape[0] < n:
-        if torch_like:
-            import torch
-
-            buf = store[key] = torch.empty(n, dtype=like.dtype, device=like.device)
-        else:
-            buf = store[key] = np.empty(n, dtype=like.dtype)
+        buf = store[key] = np.empty(n, dtype=like.dtype)
     return buf[:n].reshape(shape)
