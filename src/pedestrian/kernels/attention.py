@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from .. import layers
-from ..layers.attention import KVBlock, attention_mask
+from ..layers.attention import KVBlock
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import attention_loops
 from .jit import blas_one_thread
@@ -53,32 +53,13 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
 
 
 def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
-    """Attention of ``T`` new tokens against every cached one; writes their keys and values."""
-    B, T, _ = qkv.shape
-    hq, hv = n_heads * d_qk, n_heads * d_head
-    L0, L = kv_cache.length, kv_cache.length + T
+    """Attention of ``T`` new tokens against every cached one; writes their keys and values. A
+    few tokens: one numba loop nest; more (a prompt): the reference (batched products)."""
     keys, values = kv_cache.keys, kv_cache.values
-    if T <= DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
+    if qkv.shape[1] <= DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
         return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache)
-    if d_qk == d_head:                                       # q, k, v heads at once: (B, 3H, T, d)
-        heads = qkv.reshape(B, T, 3 * n_heads, d_qk).swapaxes(1, 2)
-        keys[:, :, L0:L, :] = heads[:, n_heads:2 * n_heads]
-        values[:, :, L0:L, :] = heads[:, 2 * n_heads:]
-        q = heads[:, :n_heads] * (1.0 / math.sqrt(d_qk))
-    else:
-        keys[:, :, L0:L, :] = qkv[..., hq:2 * hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2)
-        values[:, :, L0:L, :] = qkv[..., 2 * hq:].reshape(B, T, n_heads, d_head).swapaxes(1, 2)
-        q = qkv[..., :hq].reshape(B, T, n_heads, d_qk).swapaxes(1, 2) * (1.0 / math.sqrt(d_qk))
-    k, v = keys[:, :, :L, :], values[:, :, :L, :]
-    s = q @ k.swapaxes(-1, -2)                               # (B, H, T, L)
-    if (causal and T > 1) or kv_cache.key_start is not None:
-        allowed = attention_mask(T, L, causal=causal, key_start=kv_cache.key_start, like=qkv)
-        s = np.where(allowed, s, -np.inf)                    # (NEP 50: s's dtype kept)
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    out = (s @ v).swapaxes(1, 2).reshape(B, T, hv)           # (B, T, H·d_head)
-    return out, dict(q=q, k=k, v=v, p=s, d_qk=d_qk, kv_cache=True)
+    out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache)
+    return out, dict(cache, kv_cache=True)
 
 
 def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):

@@ -4,8 +4,7 @@
 heads over numba's threads, each head's products one single-threaded BLAS call (``np.dot``); the
 loops do what lies between the products in one pass per row, with the causal mask as a loop
 bound (masked entries are written 0 and never computed). ``exp`` is :mod:`.vecmath`'s polynomial the
-compiler vectorises: numba's ``math.exp`` is a scalar call (the PyPI llvmlite has no SVML) and
-measured 2x slower than NumPy's ``np.exp`` here, the polynomial 2x faster (docs/kernels.md).
+compiler vectorises (numba's ``math.exp`` is a scalar call: docs/kernels.md).
 
 Sums with cancellation (the softmax backward's row sums) accumulate float32 in float64; sums of
 positive terms (the softmax's) and the decode step's products in the arrays' dtype, vectorised.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
-from .workspace import scratch
+from .workspace import empty_array
 
 __all__ = ["matmul_into", "colsum"]
 
@@ -18,8 +18,7 @@ PARALLEL_MIN_MACS = 1 << 18
 MIN_PART_ROWS = 16
 #: rows of a transposed left operand copied at a time (:func:`_gemm`)
 COPY_ROWS = 1024
-#: numbers of the partial outputs of :func:`_gemm_split_k` at most (a per-thread scratch kept
-#: for reuse: 16 MiB of float32)
+#: numbers of the partial outputs of :func:`_gemm_split_k` at most (16 MiB of float32)
 SPLIT_K_MAX_PARTIAL = 1 << 22
 
 
@@ -87,7 +86,7 @@ def _numba_matmul(out, a, b, bias) -> bool:
             _gemm_split_k.serial(a.T, b, out, np.empty((0, m, n), out.dtype))
             return True
         if parts > 1 and n < k and (parts - 1) * m * n <= SPLIT_K_MAX_PARTIAL:
-            _gemm_split_k(a.T, b, out, scratch((parts - 1, m, n), out, "gemm.partial"))
+            _gemm_split_k(a.T, b, out, empty_array((parts - 1, m, n), out))      # (pooled in a step)
             return True
     parts = max(1, min(threads, m // MIN_PART_ROWS))
     if bias is None:
@@ -122,9 +121,6 @@ def matmul_into(out, a, b, *, bias=None) -> None:
         out += bias
 
 
-_ONES: dict = {}                                   # (n, dtype) -> a (1, n) row of ones
-
-
 @kernel(parallel=True)
 def _colsum(a, out, parts):
     """``out = Σ_rows a``: the columns in ``parts`` blocks, each summed row after row in float64."""
@@ -143,7 +139,7 @@ def _colsum(a, out, parts):
 def colsum(a, *, out=None):
     """``Σ_rows a`` of a 2-D ``(n, f)`` array: ``(f,)`` (bias and layer-norm gradients).
 
-    A numba loop, columns in blocks over the threads (else the product ``1ᵀ a``, one BLAS call).
+    A numba loop, columns in blocks over the threads (else NumPy's ``sum``).
     """
     if out is None:
         out = np.empty(a.shape[1], dtype=a.dtype)
@@ -151,10 +147,4 @@ def colsum(a, *, out=None):
         parts = max(1, min(threads_used(), a.shape[1] // 64)) if a.size >= 1 << 15 else 1
         (_colsum if parts > 1 else _colsum.serial)(a, out, parts)
         return out
-    n = a.shape[0]
-    key = (n, a.dtype)
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = _ONES[key] = np.ones((1, n), dtype=a.dtype)
-    np.matmul(ones, a, out=out[None, :])
-    return out
+    return np.sum(a, axis=0, out=out)

@@ -2,8 +2,7 @@
 
 A training step allocates the same arrays every time. Freeing and re-allocating tens of
 megabytes per step makes the C library hand the memory back to the operating system and fault
-it in again, page by page, which can cost as much as the arithmetic (measured on gpt2-124M with
-PyTorch tensors: 50,000 minor page faults per step). A :class:`Workspace` keeps every array it
+it in again, page by page, which can cost as much as the arithmetic (docs/kernels.md). A :class:`Workspace` keeps every array it
 has handed out; :func:`empty_array` returns one of them again as soon as nothing outside the pool
 refers to it (no variable, no view, no dict -- checked with the reference count), so no kernel
 and no model code ever has to say when an array is finished: an array the caller still holds is
@@ -17,10 +16,9 @@ from __future__ import annotations
 import contextvars
 import math
 import sys
-import threading
 import numpy as np
 
-__all__ = ["Workspace", "empty_array", "scratch"]
+__all__ = ["Workspace", "empty_array"]
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pedestrian_workspace", default=None)
 #: sys.getrefcount of a pooled array nobody else holds: the pool's list and getrefcount's own
@@ -88,11 +86,6 @@ class Workspace:
         self._next = {}
         self._asked = set()
 
-    def clear(self) -> None:
-        self._pool.clear()
-        self._next = {}
-        self._asked = set()
-
     def active(self) -> "Workspace":
         """``with workspace.active():`` (or ``with workspace:``) makes :func:`empty_array` use this
         workspace, in this thread / context only; the blocks may nest."""
@@ -123,24 +116,3 @@ def empty_array(shape, like):
     if workspace is not None and math.prod(shape) * like.dtype.itemsize >= MIN_POOLED_BYTES:
         return workspace.take(shape, like)
     return np.empty(shape, dtype=like.dtype)
-
-
-_scratch_local = threading.local()
-
-
-def scratch(shape, like, slot: str):
-    """A temporary of a kernel (not of its numba loops), reused by later calls from the same thread: a view of a per-thread buffer kept under ``slot`` (two live
-    temporaries need two slots; a thread of your own calling a model gets its own buffers);
-    contents undefined, valid until the next call with the same slot on the same thread.
-    """
-    store = getattr(_scratch_local, "arrays", None)
-    if store is None:
-        store = _scratch_local.arrays = {}
-    n = 1
-    for s in shape:
-        n *= s
-    key = (slot, like.dtype)
-    buf = store.get(key)
-    if buf is None or buf.shape[0] < n:
-        buf = store[key] = np.empty(n, dtype=like.dtype)
-    return buf[:n].reshape(shape)
