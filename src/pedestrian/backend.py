@@ -11,7 +11,7 @@ does not offer lives here:
 - dtype / namespace resolution for the ``backend=`` and ``dtype=`` arguments, and
   conversions to and from NumPy.
 
-The fast path's machinery (memory pool, threads, ``out=`` micro-kernels) lives in
+The fast path's machinery (memory pool, threads, numba kernels) lives in
 :mod:`pedestrian.kernels`, not here.
 """
 

@@ -66,7 +66,8 @@ class GPT(FlatParameters, LoRAAdapters):
             seeds the dropout generator. Models that differ only in ``position_encoding`` get
             the same weights (the learned table aside).
         dtype: ``"float32"`` (default) or ``"float64"``.
-        backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays).
+        backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays; on the CPU
+            the fast kernels run them through NumPy views of their memory, elsewhere the reference).
         device: where every array lives: ``None`` / ``"cpu"``, or for the torch backend any torch
             device (``"cuda"``, ``"cuda:1"``); parameters, gradients, activations and KV caches
             are made there, and NumPy token ids are moved there.
