@@ -17,6 +17,8 @@ The fast path's machinery (memory pool, threads, numba kernels) lives in
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ __all__ = [
     "scatter_add_rows",
     "erf",
     "to_numpy",
+    "persistent",
     "asarray_like",
     "is_numpy_array",
     "is_torch_array",
@@ -145,6 +148,17 @@ def erf(x):
     from scipy.special import erf as _erf
 
     return _erf(x)
+
+
+def persistent(xp):
+    """A context in which ``xp`` makes arrays that outlive it: for torch, tensors made outside
+    ``torch.inference_mode`` even inside one (a model's buffers first made during an inference-mode
+    call stay usable after it); for NumPy nothing."""
+    if "torch" in getattr(xp, "__name__", ""):
+        import torch
+
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 def to_numpy(x) -> np.ndarray:

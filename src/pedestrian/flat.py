@@ -15,7 +15,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from .backend import to_numpy
+from .backend import persistent, to_numpy
 from .config import GPTConfig, lora_specs, param_specs
 from .inputs import check_finite_state
 
@@ -54,6 +54,10 @@ class FlatParams:
     """
 
     def __init__(self, xp, dtype, regions, device=None):
+        with persistent(xp):                                       # (views made inside too)
+            self._build(xp, dtype, regions, device)
+
+    def _build(self, xp, dtype, regions, device) -> None:
         regions = sorted(regions, key=lambda r: not r[1])          # decayed first, stable
         total = sum(math.prod(shape) for shape, _, _ in regions)
         self.flat = xp.zeros((total,), dtype=dtype, device=device)
@@ -262,6 +266,7 @@ class FlatParameters:
             table.tok_lookup = table.tok_emb
             if c.tie_weights and table.tok_emb is not None:
                 if self._grad_lookup is None:
-                    self._grad_lookup = self.xp.zeros(table.tok_emb.shape, dtype=self.dtype, device=self.device)
+                    with persistent(self.xp):
+                        self._grad_lookup = self.xp.zeros(table.tok_emb.shape, dtype=self.dtype, device=self.device)
                 table.tok_lookup = self._grad_lookup
         return table

@@ -217,3 +217,33 @@ def test_fast_kernels_run_tensors_off_the_cpu_through_the_reference():
     y, (_, inv_sigma, _) = fast.layernorm_forward(x, torch.ones(6, dtype=torch.float64), None, 1e-5)
     assert isinstance(y, torch.Tensor) and isinstance(inv_sigma, torch.Tensor)
     assert torch.allclose(inv_sigma * (x.var(-1, correction=0, keepdim=True) + 1e-5).sqrt(), torch.ones(1, dtype=torch.float64))
+
+
+def test_fast_kernels_take_torch_tensors_by_keyword_and_hand_inputs_back_as_given():
+    """The seam finds the tensors among keyword arguments too, and an input a kernel returns as it
+    came (the ReLU cache holds ``x``) is the caller's own tensor, not a new one around its view
+    (a result fed back in then never nests views call after call)."""
+    import pedestrian.kernels as fast
+
+    x, w = torch.randn((3, 5), dtype=torch.float64), torch.randn((5, 4), dtype=torch.float64)
+    y, cache = fast.linear_forward(x=x, weight=w, bias=None)
+    assert torch.allclose(y, x @ w) and cache is x
+    y, cache = fast.activation_forward(x, "relu")
+    assert cache is x and torch.equal(y, x.clamp(min=0))
+
+
+@pytest.mark.parametrize("kernels", KERNEL_IDS)
+def test_a_backward_under_inference_mode_leaves_the_model_usable(kernels):
+    """The gradient buffers are made on the first backward; made inside ``torch.inference_mode``
+    they would be inference tensors that no later backward outside it may write."""
+    from pedestrian import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=2, n_blocks=1, tie_weights=True)
+    model = GPT(cfg, seed=0, backend="torch", kernels=kernels, dtype="float64")
+    tokens = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model.loss(tokens, tokens)
+        first = {k: v.clone() for k, v in model.backward().items()}
+    model.loss(tokens, tokens)
+    again = model.backward()
+    assert all(torch.equal(first[k], again[k]) for k in first)

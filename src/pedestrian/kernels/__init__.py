@@ -20,10 +20,13 @@ reference ones are used.
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
 name to the module (the reference where numba cannot be imported).
 
-The kernels are written for NumPy arrays. PyTorch tensors on the CPU run them too, through
-zero-copy NumPy views of the same memory (results are tensors again, sharing the kernels'
-arrays); tensors on any other device (a GPU) run the reference layers, and from
+The kernels are written for NumPy arrays of float32 or float64. PyTorch tensors on the CPU run
+them too, through zero-copy NumPy views of the same memory (results are tensors again, sharing
+the kernels' arrays; writes into the caller's tensors, such as ``dweight=``, go through the
+views and so past torch's version counter and autograd's in-place checks: pedestrian runs no
+autograd); tensors on any other device (a GPU) run the reference layers, and from
 :data:`.attention_tiled.TILED_MIN_T` tokens on the tiled attention's torch loop (``O(T)`` memory).
+The first array among a call's arguments decides, so one call takes one backend's arrays.
 """
 
 from __future__ import annotations
@@ -74,27 +77,36 @@ def _first_array(obj):
     return obj if isinstance(obj, np.ndarray) or is_torch_array(obj) else None
 
 
-def _as_numpy(x):
-    return x.detach().numpy() if is_torch_array(x) else x
-
-
-def _as_torch(x):
-    import torch
-
-    return torch.from_numpy(np.asarray(x)) if isinstance(x, (np.ndarray, np.floating)) else x
-
-
 def _seam(fast, other):
     """``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
-    torch tensors on the CPU; ``other`` for torch tensors on any other device."""
+    torch tensors on the CPU; ``other`` for torch tensors on any other device. Which one runs
+    follows the first array among the arguments (one backend per call). An input returned as it
+    came (a cache holding ``x``) is the caller's own tensor again."""
     @functools.wraps(fast)
     def call(*args, **kwargs):
-        like = _first_array(args)
+        like = _first_array((args, kwargs))
         if like is None or type(like) is np.ndarray or not is_torch_array(like):
             return fast(*args, **kwargs)
         if like.device.type != "cpu":
             return other(*args, **kwargs)
-        return _tree(fast(*_tree(args, _as_numpy), **_tree(kwargs, _as_numpy)), _as_torch)
+        import torch
+
+        given: dict = {}                                   # id(view) -> (view, its tensor)
+
+        def as_numpy(x):
+            if not is_torch_array(x):
+                return x
+            view = x.detach().numpy()
+            given[id(view)] = (view, x)
+            return view
+
+        def as_torch(x):
+            if isinstance(x, np.ndarray):
+                view, tensor = given.get(id(x), (None, None))
+                return tensor if view is x else torch.from_numpy(x if x.flags.writeable else x.copy())
+            return torch.from_numpy(np.asarray(x)) if isinstance(x, np.floating) else x
+
+        return _tree(fast(*_tree(args, as_numpy), **_tree(kwargs, as_numpy)), as_torch)
     return call
 
 

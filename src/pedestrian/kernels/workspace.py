@@ -107,8 +107,8 @@ def empty_array(shape, like):
     caller overwrites every entry).
 
     Inside :meth:`Workspace.active` a pooled array nobody uses any more is returned when there is
-    one (a torch tensor made from it by :mod:`pedestrian.kernels` holds it as its base, so it
-    counts as in use). (Unlike ``empty_like``, the result is always C-contiguous, so its reshapes
+    one (a torch tensor made from it by :mod:`pedestrian.kernels` keeps a reference to it, so
+    it counts as in use). (Unlike ``empty_like``, the result is always C-contiguous, so its reshapes
     are views.)
     """
     shape = tuple(shape)
