@@ -18,7 +18,6 @@ The fast path's machinery (memory pool, threads, numba kernels) lives in
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import numpy as np

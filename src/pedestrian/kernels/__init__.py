@@ -70,6 +70,7 @@ def _tree(obj, leaf):
 
 
 def _first_array(obj):
+    """The first NumPy array or torch tensor in ``obj`` (depth first), else ``None``."""
     if isinstance(obj, (tuple, list)):
         return next((a for a in map(_first_array, obj) if a is not None), None)
     if isinstance(obj, dict):
