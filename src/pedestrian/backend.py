@@ -24,6 +24,7 @@ import numpy as np
 from array_api_compat import array_namespace as _compat_array_namespace
 from array_api_compat import is_numpy_array as _compat_is_numpy_array
 from array_api_compat import is_torch_array as _compat_is_torch_array
+from array_api_compat import is_torch_namespace
 
 __all__ = [
     "array_namespace",
@@ -153,7 +154,7 @@ def persistent(xp):
     """A context in which ``xp`` makes arrays that outlive it: for torch, tensors made outside
     ``torch.inference_mode`` even inside one (a model's buffers first made during an inference-mode
     call stay usable after it); for NumPy nothing."""
-    if "torch" in getattr(xp, "__name__", ""):
+    if is_torch_namespace(xp):
         import torch
 
         return torch.inference_mode(False)

@@ -55,25 +55,22 @@ class FlatParams:
 
     def __init__(self, xp, dtype, regions, device=None):
         with persistent(xp):                                       # (views made inside too)
-            self._build(xp, dtype, regions, device)
-
-    def _build(self, xp, dtype, regions, device) -> None:
-        regions = sorted(regions, key=lambda r: not r[1])          # decayed first, stable
-        total = sum(math.prod(shape) for shape, _, _ in regions)
-        self.flat = xp.zeros((total,), dtype=dtype, device=device)
-        self.views: dict = {}
-        self.regions: dict = {}
-        self.n_decay = 0
-        offset = 0
-        for shape, decay, members in regions:
-            size = math.prod(shape)
-            region = xp.reshape(self.flat[offset:offset + size], shape)
-            for name, cols in members:
-                self.views[name] = region if cols is None else region[..., cols[0]:cols[1]]
-            self.regions[members[0][0] if len(members) == 1 else _fused_name(members[0][0])] = region
-            if decay:
-                self.n_decay = offset + size
-            offset += size
+            regions = sorted(regions, key=lambda r: not r[1])      # decayed first, stable
+            total = sum(math.prod(shape) for shape, _, _ in regions)
+            self.flat = xp.zeros((total,), dtype=dtype, device=device)
+            self.views: dict = {}
+            self.regions: dict = {}
+            self.n_decay = 0
+            offset = 0
+            for shape, decay, members in regions:
+                size = math.prod(shape)
+                region = xp.reshape(self.flat[offset:offset + size], shape)
+                for name, cols in members:
+                    self.views[name] = region if cols is None else region[..., cols[0]:cols[1]]
+                self.regions[members[0][0] if len(members) == 1 else _fused_name(members[0][0])] = region
+                if decay:
+                    self.n_decay = offset + size
+                offset += size
 
 
 def _fused_name(member: str) -> str:

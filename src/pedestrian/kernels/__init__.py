@@ -37,7 +37,7 @@ import os
 import numpy as np
 
 from .. import layers
-from ..backend import is_torch_array
+from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from ..layers.lora import lora_backward, lora_forward
@@ -99,7 +99,7 @@ def _seam(fast, other):
         def as_numpy(x):
             if not is_torch_array(x):
                 return x
-            view = x.detach().numpy()
+            view = to_numpy(x)                             # (a CPU tensor: a view, no copy)
             given[id(view)] = (view, x)
             return view
 

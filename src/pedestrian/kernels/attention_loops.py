@@ -33,7 +33,7 @@ def row_max(row, n, m):
 def exp_shifted(row, n, m):
     """``row[j] = exp(row[j] − m)`` for ``j < n``, ``row[n:] = 0`` (the causal mask as a loop
     bound); returns their sum, in the row's dtype (a sum of positive terms: vectorised)."""
-    total = row[:0].sum()                    # 0 in the row's dtype, no allocation (called per row)
+    total = row.dtype.type(0.0)              # 0 in the row's dtype (a float32 sum stays float32)
     for j in range(n):
         e = exp(row[j] - m)
         row[j] = e
@@ -144,7 +144,7 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out,
     d_head = values.shape[3]
     T = qkv.shape[1]
     L = length + T
-    zero = np.zeros(1, q_out.dtype)[0]               # 0 in the dtype (a float32 loop stays float32)
+    zero = q_out.dtype.type(0.0)                     # 0 in the dtype (a float32 loop stays float32)
     for bh in range(B * H):                  # serial: a token's work is smaller than a parallel region's cost
         b, h = bh // H, bh % H
         for t in range(T):                                           # this head's new keys, values
