@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["GradientReport", "TensorCheck", "check_gradients"]
+__all__ = ["GradientReport", "LAYER_FUNCTIONS", "TensorCheck", "check_gradients", "load_layer"]
 
 EPS = float(np.finfo(np.float64).eps)
 #: two calls of one deterministic computation must agree to this many ε of its largest value (a
@@ -35,6 +35,8 @@ BASE_STEP = EPS ** (1 / 3)
 #: complex step (Squire & Trapp 1998): Im f(x + i·h)/h has no subtraction, so h can be tiny
 COMPLEX_STEP = 1e-20
 PILOT_ENTRIES = 8
+#: what a layer module defines (``pedestrian check my_layer.py``; docs/guide.md)
+LAYER_FUNCTIONS = ("example", "forward", "backward")
 
 
 @dataclass
@@ -179,6 +181,47 @@ def check_gradients(forward, backward, inputs: dict, params: dict | None = None,
     return report
 
 
+def load_layer(path) -> tuple:
+    """``(inputs, params, forward, backward)`` of a layer module: a Python file defining
+    ``example() -> (inputs, params)`` (dicts of name -> ndarray), ``forward(inputs, params) ->
+    (output, cache)`` and ``backward(delta, cache) -> (input_deltas, param_grads)``. The file runs
+    as a module of its own (``import``-ed by path, not installed); ``example()`` is called once.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a ``.py`` file, the module raised on import or in ``example()``, it lacks
+            one of :data:`LAYER_FUNCTIONS` (the message names which), or ``example()`` returned
+            something else than two dicts.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no layer module {path}" + (" (a directory)" if path.is_dir() else ""))
+    spec = importlib.util.spec_from_file_location(f"pedestrian_layer_{path.stem}", path)
+    if path.suffix != ".py" or spec is None:
+        raise ValueError(f"{path} is not a Python file (.py)")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ValueError(f"{path} raised {_one_line(exc)} when imported") from exc
+    missing = [f"{n}()" for n in LAYER_FUNCTIONS if not callable(getattr(module, n, None))]
+    if missing:
+        raise ValueError(f"{path} defines no {', '.join(missing)}: a layer module defines example() -> (inputs, "
+                         "params), forward(inputs, params) -> (output, cache) and backward(delta, cache) -> "
+                         "(input_deltas, param_grads) (docs/guide.md, \"Check your own layer\")")
+    try:
+        example = module.example()
+    except Exception as exc:
+        raise ValueError(f"{path}: example() raised {_one_line(exc)}") from exc
+    if not (isinstance(example, tuple) and len(example) == 2 and all(isinstance(d, dict) for d in example)):
+        raise ValueError(f"{path}: example() must return (inputs, params), two dicts of name -> ndarray; "
+                         f"got {type(example).__name__}")
+    return example[0], example[1], module.forward, module.backward
+
+
 def _as_arrays(values, what: str) -> dict:
     if not isinstance(values, dict):
         raise TypeError(f"{what} must be a dict of name -> ndarray, got {type(values).__name__}")
@@ -289,7 +332,7 @@ def _check(forward, backward, arrays, checked, rng, max_entries, complex_step, a
         bad = [m for m, d in diffs.items() if not d <= t.bound]
         t.passed = not bad
         if bad:
-            worst = max(bad, key=diffs.get)
+            worst = t.method if t.method in bad else bad[0]
             t.problem = (f"differs from {worst} by {diffs[worst]:.2e} > bound {t.bound:.2e} "
                          f"(largest |gradient| {float(np.max(np.abs(ga))):.2e})")
     return report
@@ -437,5 +480,5 @@ def _autograd_grads(forward, arrays, checked, delta, autograd, notes):
         grads = pullback(torch.as_tensor(delta, dtype=out.dtype))
         return {key: g.detach().cpu().numpy().astype(np.float64) for key, g in zip(checked, grads)}
     except Exception as exc:
-        notes.append(f"autograd not used: {_one_line(exc)}")
+        notes.append(f"autograd not used: the forward did not run on torch tensors ({_one_line(exc)})")
         return None
