@@ -1,4 +1,4 @@
-"""Check the hand-written backward of your own layer, tensor by tensor (issue 34).
+"""Check the hand-written backward of your own layer, tensor by tensor.
 
 The file is a plain NumPy module that defines three functions:
 

@@ -126,8 +126,8 @@ def check_gradients(forward, backward, inputs: dict, params: dict | None = None,
       itself, ``n`` output entries) and 4σ, σ the noise of ``L`` measured along a random direction
       of the tensor from 6th-order differences of 7 evaluations (Moré & Wild's ECnoise);
     - *step* ``h``: ``(3ρ/M)^(1/3)``, which balances the truncation ``h²M/6`` against the rounding
-      ``ρ/h``, ``M`` = ``|L'''|`` estimated by Richardson from ``D_h`` and ``D_2h`` on a few entries;
-      clipped to ``[0.1, 10]·ε^(1/3)·max(1, max|x|)``;
+      ``ρ/h``, ``M`` = ``|L‴|`` estimated by Richardson from ``D_h`` and ``D_2h`` on a few entries
+      at a pilot step ``100·h₀``; clipped to ``[0.1, 10]·h₀``, ``h₀ = ε^(1/3)·max(1, max|x|)``;
     - *bound* ``max_i |D_2h,i − D_h,i| + 3ρ/h``: ``D_2h − D_h ≈ 3·(truncation of D_h)``, so the
       first term is ≥ 3× the truncation left in ``D_h`` (plus its rounding), the second 3× the
       rounding ``ρ/h`` of ``D_h``; the backward's own rounding (``~ ε|∂L/∂x|``) is far below both.
@@ -333,8 +333,9 @@ def _check(forward, backward, arrays, checked, rng, max_entries, complex_step, a
         t.passed = not bad
         if bad:
             worst = t.method if t.method in bad else bad[0]
+            ref = dict(used)[worst]
             t.problem = (f"differs from {worst} by {diffs[worst]:.2e} > bound {t.bound:.2e} "
-                         f"(largest |gradient| {float(np.max(np.abs(ga))):.2e})")
+                         f"(the gradient by {worst} is up to {float(np.max(np.abs(ref))):.2e})")
     return report
 
 
@@ -411,11 +412,14 @@ def _noise(f, x: np.ndarray, size: float, rng) -> float:
 
 
 def _choose_step(f, x, entries, rho: float, s: float, rng) -> float:
-    """``h = (3ρ/M)^(1/3)`` (module docstring), ``M ≈ |f'''|`` from Richardson on a few entries."""
+    """``h = (3ρ/M)^(1/3)`` (module docstring), ``M ≈ |L‴|`` from Richardson on a few entries at
+    the pilot step ``100·h₀``, where the truncation ``~ (100h₀)²M/2`` stands well above the
+    rounding ``1.5ρ/(100h₀)`` (at ``h₀`` itself it is mostly below it)."""
     h0 = BASE_STEP * s
+    hp = 100 * h0
     pilot = [entries[i] for i in rng.choice(len(entries), min(PILOT_ENTRIES, len(entries)), replace=False)]
-    gap = np.abs(_central(f, x, pilot, 2 * h0) - _central(f, x, pilot, h0))    # ≈ 3·h0²·M/6 ± 1.5ρ/h0
-    m = 2 * max(0.0, float(np.max(gap)) - 1.5 * rho / h0) / h0 ** 2
+    gap = np.abs(_central(f, x, pilot, 2 * hp) - _central(f, x, pilot, hp))    # ≈ 3·hp²·M/6 ± 1.5ρ/hp
+    m = 2 * max(0.0, float(np.max(gap)) - 1.5 * rho / hp) / hp ** 2
     h = (3 * rho / m) ** (1 / 3) if m > 0 else 10 * h0
     return float(min(max(h, h0 / 10), 10 * h0))
 
