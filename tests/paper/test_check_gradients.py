@@ -307,6 +307,10 @@ def test_random_forward_and_raising_backward_are_named():
     assert r.problems == ["backward raised KeyError: 'w'"]
     r = check((lambda i, p: i["x"], backward, inputs, params))
     assert r.problems == ["forward must return (output, cache), got ndarray"]
+    with np.errstate(invalid="ignore"):             # √x one step left of x = 1e-12: NaN
+        r = check((lambda i, p: (np.sqrt(i["x"]), i["x"]), lambda d, x: ({"x": 0.5 * d / np.sqrt(x)}, {}),
+                   {"x": np.array([1e-12, 1.0])}, {}), complex_step=False, autograd=False)
+    assert r.failed == ["x"] and r.tensors[0].problem.startswith("the forward is not finite within a step of")
 
 
 def test_usage_errors_raise():
