@@ -1,4 +1,4 @@
-"""Check a hand-written backward against numbers: :func:`check_gradients` (issue 34).
+"""Check a hand-written backward against numbers: :func:`check_gradients`.
 
 The paper's habit -- derive a layer's backward by hand, then check it before trusting it -- for
 any layer written to this contract (plain NumPy; the guide's "Check your own layer")::
@@ -96,6 +96,7 @@ class GradientReport:
         return [t.name for t in self.tensors if not t.passed]
 
     def lines(self) -> list:
+        """The printed report: a header, one line per tensor, the problems and notes, a verdict."""
         width = max([len(t.name) for t in self.tensors] + [6])
         out = [f"{'tensor':<{width}} {'kind':<6} {'shape':<14}{'largest diff':>12} {'bound':>10}  "
                f"{'reference':<12}  result"]
