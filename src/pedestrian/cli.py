@@ -47,6 +47,7 @@ COMMANDS = {
     "explain": ("explain", "the paper's table: every a_i and Δ_i with shape, formula, FLOPs and memory"),
     "attention": ("attention", "PNG of the attention weights of every block and head for a prompt "
                                "(--gradients: beside Δcausal; --random: no checkpoint needed)"),
+    "check": ("check", "check the hand-written backward of your own layer (a NumPy module) tensor by tensor"),
 }
 
 
