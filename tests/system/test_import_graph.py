@@ -178,7 +178,7 @@ def test_the_scans_can_fail():
               "    def f(self, other, thing):\n"
               "        other._state, Mine._g, self._h\n"     # own names: fine
               "        return thing._foreign, thing.__class__\n")
-    assert private_accesses("pedestrian.model", source) == {
-        ("pedestrian.model", "from pedestrian.other import _hidden"),
-        ("pedestrian.model", "thing._foreign"),
+    assert private_accesses("pedestrian.model.gpt", source) == {
+        ("pedestrian.model.gpt", "from pedestrian.model.other import _hidden"),
+        ("pedestrian.model.gpt", "thing._foreign"),
     }

@@ -14,7 +14,7 @@ random model (--random: GPT-2's initialisation with --seed, widths --n-blocks, -
 --d-model; a character tokenizer of the prompt's own characters) -- no training needed.
 A prompt longer than the context keeps its last context_length tokens (a note says so).
 Characters are labelled as themselves, with '⏎' for a newline and '␣' for a space. The PNG is
-written atomically (matplotlib, Agg; the drawing is :mod:`pedestrian.pictures`).
+written atomically (matplotlib, Agg; the drawing is :mod:`pedestrian.paper.pictures`).
 
 Examples:
   pedestrian attention --checkpoint runs/shakespeare_char/best --prompt "ROMEO: But soft" --out attn.png
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..pictures import plot_attention, plot_step, token_labels
+from ..paper.pictures import plot_attention, plot_step, token_labels
 
 #: --random's widths when not given
 RANDOM_DEFAULTS = dict(n_blocks=2, n_heads=2, d_model=16)
@@ -57,7 +57,7 @@ def _random_model(args: argparse.Namespace):
     """``--random``: a fresh model and a character tokenizer of the prompt's characters."""
     from ..config import GPTConfig
     from ..model import GPT
-    from ..tokenizer import CharTokenizer
+    from ..text.tokenizer import CharTokenizer
 
     widths = {k: (RANDOM_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in RANDOM_DEFAULTS}
     if not args.prompt:

@@ -35,7 +35,7 @@ x = a_{i-1}, w_q, b_q, w_k, b_k, w_v, b_v; q, k, v; ρ_raw = q kᵀ, ρ_scaled =
 (−∞ where masked), ρ = softmax(ρ_causal), a = ρ v; the upstream Δ; Δv, Δρ, Δcausal (and its row
 sums, which are 0), Δraw, Δq, Δk; the three branches Δq w_qᵀ, Δk w_kᵀ, Δv w_vᵀ into the input and
 their sum Δ_{i-1}^h; the six parameter gradients (∂L/∂b_k ≡ 0). Computed through the library's
-reference layer functions (pedestrian.walkthrough), no autograd. --json prints one JSON object
+reference layer functions (pedestrian.paper.walkthrough), no autograd. --json prints one JSON object
 instead: float64 nested lists (row-major), keys x w_q b_q w_k b_k w_v b_v delta q k v rho_raw
 rho_scaled rho_causal rho a delta_v delta_rho delta_causal delta_raw delta_q delta_k delta_in_q
 delta_in_k delta_in_v delta_in dw_q db_q dw_k db_k dw_v db_v, masked entries of rho_causal null.
@@ -74,12 +74,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import load_corpus
-from ..demo import demo_model, measure_properties
+from ..text.data import load_corpus
+from ..paper.demo import demo_model, measure_properties
 from ..kernels import KERNELS
 from ..model import GPT
-from ..tokenizer import CharTokenizer
-from ..tokens import TokenDataset
+from ..text.tokenizer import CharTokenizer
+from ..text.tokens import TokenDataset
 
 #: key-bias gradient / query-bias gradient above which the "≡ 0" line fails (rounding is ~1e-16)
 KEY_BIAS_RATIO = 1e-12

@@ -1,6 +1,6 @@
 """``pedestrian demo --head`` and ``--mask``: one attention head on numbers, every matrix on screen.
 
-The computation is :mod:`pedestrian.walkthrough` (the library's reference layer functions, one
+The computation is :mod:`pedestrian.paper.walkthrough` (the library's reference layer functions, one
 step at a time); this module only prints it, as text or as one JSON object.
 """
 
@@ -12,7 +12,7 @@ import json
 import numpy as np
 
 from ..layers import attention_head_backward, attention_head_forward
-from ..walkthrough import HEAD_INPUTS, HEAD_KEYS, HEAD_LABELS, head_example, mask_comparison
+from ..paper.walkthrough import HEAD_INPUTS, HEAD_KEYS, HEAD_LABELS, head_example, mask_comparison
 
 #: |value| under which a number that must be 0 (row sums of Δcausal, ∂L/∂b_k) counts as rounding:
 #: the sums in question are of O(1) terms, each rounded to ~1e-16
@@ -52,7 +52,7 @@ def _json_value(a: np.ndarray):
 
 
 def run_head(args: argparse.Namespace) -> int:
-    """Print :func:`pedestrian.walkthrough.head_example` (text, or ``--json``)."""
+    """Print :func:`pedestrian.paper.walkthrough.head_example` (text, or ``--json``)."""
     causal = not args.no_causal
     ex = head_example(**_sizes(args), causal=causal)
     if args.json:
@@ -110,7 +110,7 @@ def run_head(args: argparse.Namespace) -> int:
 
 
 def run_mask(args: argparse.Namespace) -> int:
-    """Print :func:`pedestrian.walkthrough.mask_comparison` (text, or ``--json``)."""
+    """Print :func:`pedestrian.paper.walkthrough.mask_comparison` (text, or ``--json``)."""
     cmp = mask_comparison(**_sizes(args))
     if args.json:
         out = {k: _json_value(cmp[k]) for k in ("mask", "rho_scaled", "delta_rho")}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import CONFIG_FIELDS, GPTConfig
-from ..explain import ELEMENTWISE, explain_rows, totals
+from ..paper.explain import ELEMENTWISE, explain_rows, totals
 from .params import add_config_arguments, config_from_args
 
 
@@ -98,8 +98,8 @@ def _vocab_size(settings) -> int:
     """The vocabulary a training run would get: BPE's size setting, or the corpus' characters."""
     if settings.tokenizer == "bpe":
         return settings.bpe_vocab_size
-    from ..data import load_corpus
-    from ..tokenizer import CharTokenizer
+    from ..text.data import load_corpus
+    from ..text.tokenizer import CharTokenizer
 
     return CharTokenizer.from_text(load_corpus(settings.data)).vocab_size
 

@@ -39,7 +39,7 @@ Behaviour:
     inside a "\\n\\n" token; a stop may span several tokens), and only on the generated text,
     not on the prompt. The output ends right before the first stop: neither the stop token nor
     the stop text is printed (text that may still begin a stop string is held back until it
-    is decided). Past the context length the window slides (see pedestrian.generate).
+    is decided). Past the context length the window slides (see pedestrian.generation.generate).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import TextIO
 
 import numpy as np
 
-from ..tokenizer import StopText
+from ..text.tokenizer import StopText
 
 EOT = "<|endoftext|>"
 
@@ -166,7 +166,7 @@ def _prompt_texts(args: argparse.Namespace) -> list[str]:
 
 def _encode_prompt(tokenizer, text: str, what: str) -> list[int]:
     """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` when there is one."""
-    from ..tokenizer import UnknownCharacterError, check_text
+    from ..text.tokenizer import UnknownCharacterError, check_text
 
     check_text(text, what)                              # bytes that are not UTF-8 on the command line
     try:
@@ -196,16 +196,16 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
 
     Only ids below ``tokenizer.vocab_size`` are sampled (``generate(vocab_limit=...)``), so a
     model with a padded vocabulary never produces an id the tokenizer cannot decode. ``--stop``
-    strings are matched on the decoded text (:class:`~pedestrian.tokenizer.StopText`).
+    strings are matched on the decoded text (:class:`~pedestrian.text.tokenizer.StopText`).
 
     Raises:
         ValueError: bad sampling settings, an empty prompt without ``<|endoftext|>``, an
             unknown character for a char tokenizer, an empty ``--stop``, a tokenizer larger
-            than the model; NaN logits while generating (see :mod:`pedestrian.sampling`).
+            than the model; NaN logits while generating (see :mod:`pedestrian.generation.sampling`).
     """
-    from ..generate import generate
-    from ..sampling import check_sampling
-    from ..tokenizer import check_text
+    from ..generation.generate import generate
+    from ..generation.sampling import check_sampling
+    from ..text.tokenizer import check_text
 
     import warnings
 

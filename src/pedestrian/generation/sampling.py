@@ -50,7 +50,7 @@ import numbers
 
 import numpy as np
 
-from .backend import is_torch_array, to_numpy
+from ..backend import is_torch_array, to_numpy
 
 __all__ = ["sample_next", "sample_unchecked", "filter_logits", "check_sampling", "NonFiniteLogitsError"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import GPTConfig
-from .data import load_corpus
-from .model import GPT
-from .tokenizer import CharTokenizer
-from .tokens import TokenDataset
+from ..config import GPTConfig
+from ..text.data import load_corpus
+from ..model import GPT
+from ..text.tokenizer import CharTokenizer
+from ..text.tokens import TokenDataset
 
 
 def demo_model(data=None, seed: int = 0, kernels=None, rng=None):
@@ -83,7 +83,7 @@ def measure_properties(tokens: np.ndarray, vocab_size: int, seed: int = 0) -> li
     attention weights ``P`` of every block compared with those at ``0 … T-1``. KV cache: the
     tokens fed one at a time through a cache against one full forward.
     """
-    from .kv_cache import KVCache
+    from ..model.kv_cache import KVCache
 
     B, T = tokens.shape
     perm = np.random.default_rng(seed).permutation(T)

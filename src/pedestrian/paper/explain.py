@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import GPTConfig, count_params
+from ..config import GPTConfig, count_params
 
 
 #: arithmetic operations per element of the reference layers (see the module docstring);

@@ -85,7 +85,7 @@ def _write_png(fig, path) -> Path:
 
     import matplotlib.pyplot as plt
 
-    from .atomic import write_file
+    from ..atomic import write_file
 
     png = io.BytesIO()
     try:

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .layers import attention_mask, linear_backward, linear_forward, softmax_backward, softmax_forward
+from ..layers import attention_mask, linear_backward, linear_forward, softmax_backward, softmax_forward
 
 __all__ = ["HEAD_INPUTS", "HEAD_KEYS", "HEAD_LABELS", "head_inputs", "head_example", "mask_comparison"]
 

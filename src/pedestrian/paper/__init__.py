@@ -1,0 +1,4 @@
+"""The paper on screen: its table of activations and FLOPs (``explain.py``), one attention head
+step by step (``walkthrough.py``), the demo's model and measured properties (``demo.py``) and the
+pictures of attention and of one training step (``pictures.py``).
+"""
