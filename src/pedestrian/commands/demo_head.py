@@ -11,8 +11,7 @@ import json
 
 import numpy as np
 
-from ..layers import attention_head_backward, attention_head_forward
-from ..paper.walkthrough import HEAD_INPUTS, HEAD_KEYS, HEAD_LABELS, head_example, mask_comparison
+from ..paper.walkthrough import HEAD_INPUTS, HEAD_KEYS, HEAD_LABELS, against_the_layer, head_example, mask_comparison
 
 #: |value| under which a number that must be 0 (row sums of Δcausal, ∂L/∂b_k) counts as rounding:
 #: the sums in question are of O(1) terms, each rounded to ~1e-16
@@ -94,13 +93,7 @@ def run_head(args: argparse.Namespace) -> int:
     print("== parameter gradients ==\n")
     for key in ("dw_q", "db_q", "dw_k", "db_k", "dw_v", "db_v"):
         show(key, fmt="{:9.1e}" if key == "db_k" else "{:9.4f}")
-    # the same numbers through the library's one-call reference layer (layers/attention.py)
-    out, cache = attention_head_forward(ex["x"][None], *(ex[k] for k in HEAD_INPUTS[1:-1]), causal=causal)
-    delta_in, grads, delta_causal = attention_head_backward(ex["delta"][None], cache)
-    pairs = [(out[0], ex["a"]), (delta_in[0], ex["delta_in"]), (delta_causal[0], ex["delta_causal"])]
-    pairs += [(grads[k.replace("_", "")], ex["d" + k]) for k in ("w_q", "b_q", "w_k", "b_k", "w_v", "b_v")]
-    diff = max(float(np.max(np.abs(np.asarray(u) - w))) for u, w in pairs)
-    zero = max(float(np.max(np.abs(sums))), float(np.max(np.abs(ex["db_k"]))))
+    diff, zero = against_the_layer(ex, causal)      # the one-call reference layer, the zeros
     print(f"The library's reference layer on the same inputs (pedestrian.layers.attention_head_forward / "
           f"_backward): a, Δcausal, Δ_{{i-1}}^h and the six gradients agree to {diff:.1e}.")
     print(f"∂L/∂b_k and the row sums of Δcausal are rounding: largest |·| = {zero:.1e} "

@@ -44,14 +44,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .adapters import LoRAAdapters
 from ..backend import namespace_for, resolve_dtype
 from ..config import GPTConfig, param_specs
-from .params import FC, FlatBuffer, FlatParameters, FlatParams, base_regions
-from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
+from .adapters import LoRAAdapters
+from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .kv_cache import KVCache
+from .params import FC, FlatBuffer, FlatParameters, FlatParams, base_regions
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import GPTConfig
-from ..text.data import load_corpus
 from ..model import GPT
+from ..text.data import load_corpus
 from ..text.tokenizer import CharTokenizer
 from ..text.tokens import TokenDataset
 
