@@ -68,6 +68,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import numpy as np
@@ -75,6 +76,8 @@ import numpy as np
 from ..kernels import KERNELS
 from ..paper.demo import demo_model, measure_properties
 from ..paper.gradients import AUTOGRAD_RTOL, autograd_oracle, check_gradients
+from ..paper.head_text import head_json, head_text, mask_json, mask_text
+from ..paper.walkthrough import head_example, mask_comparison
 from ..text.data import load_corpus
 from ..text.tokenizer import CharTokenizer
 from ..text.tokens import TokenDataset
@@ -173,9 +176,15 @@ def _check_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_modes(args)
     if args.head or args.mask:
-        from .demo_head import run_head, run_mask
-
-        return run_head(args) if args.head else run_mask(args)
+        sizes = dict(T=args.T, d=args.d, d_rho=args.d_rho, d_h=args.d_h, seed=args.seed)
+        if args.head:
+            ex = head_example(**sizes, causal=not args.no_causal)
+            text, ok = (json.dumps(head_json(ex)), True) if args.json else head_text(ex, args.seed, not args.no_causal)
+        else:
+            cmp = mask_comparison(**sizes)
+            text, ok = (json.dumps(mask_json(cmp)), True) if args.json else mask_text(cmp, args.seed)
+        print(text)
+        return 0 if ok else 1
     if args.properties:
         return run_properties(args)
     _check_flags(args)
