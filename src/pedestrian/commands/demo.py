@@ -74,13 +74,10 @@ import math
 import numpy as np
 
 from ..kernels import KERNELS
-from ..paper.demo import demo_model, measure_properties
+from ..paper.demo import demo_model, properties_text
 from ..paper.gradients import AUTOGRAD_RTOL, autograd_oracle, check_gradients
 from ..paper.head_text import head_json, head_text, mask_json, mask_text
 from ..paper.walkthrough import head_example, mask_comparison
-from ..text.data import load_corpus
-from ..text.tokenizer import CharTokenizer
-from ..text.tokens import TokenDataset
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder (default: the bundled Shakespeare)")
@@ -186,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
         print(text)
         return 0 if ok else 1
     if args.properties:
-        return run_properties(args)
+        text, ok = properties_text(args.data, args.seed)
+        print(text)
+        return 0 if ok else 1
     _check_flags(args)
     oracle = autograd_oracle() if args.check == "autograd" else None   # say what is missing now
     rng = np.random.default_rng(args.seed)         # the weights, the batch, then the fd entries
@@ -212,24 +211,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"{g.label:<37}{str(g.shape):<14}{g.size:>10.1e}{g.shown:>11}" + ("  <- FAILED" if g.failed else ""))
     failed = sum(g.failed for g in lines)
     print(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
-    return 0 if not failed else 1
-
-
-def run_properties(args: argparse.Namespace) -> int:
-    """``pedestrian demo --properties``: print :func:`measure_properties` on a window of text."""
-    text = load_corpus(args.data)[:200_000]
-    tokenizer = CharTokenizer.from_text(text)
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-    x, _ = TokenDataset(ids).get_batch(np.random.default_rng(args.seed), 2, 12)
-    print(f"text windows {x.shape}, first: {tokenizer.decode(x[0])!r}; float64 models with 2 blocks, "
-          "3 heads, d_model 24 (RoPE rotates half of each head's d_qk)")
-    print(f"\n{'positions':<10}{'mask':<8}{'property':<52}{'deviation':>10}  {'bound':<10}result")
-    rows = measure_properties(x, tokenizer.vocab_size, seed=args.seed)
-    for r in rows:
-        bound = ("<= " if r["kind"] == "equal" else ">  ") + f"{r['bound']:.0e}"
-        verdict = ("holds" if r["kind"] == "equal" else "broken, as stated") if r["ok"] else "NOT AS STATED"
-        print(f"{r['encoding']:<10}{r['mask']:<8}{r['claim']:<52}{r['deviation']:>10.2e}  {bound:<10}{verdict}")
-    failed = sum(not r["ok"] for r in rows)
-    print(f"\ndeviation: max|a − b| / max|b| over the compared arrays. {len(rows) - failed} of {len(rows)} "
-          f"properties as the paper states -> {'OK' if not failed else 'FAILED'}")
     return 0 if not failed else 1
