@@ -47,10 +47,10 @@ LAYERS = {
     "config": {"layers"},                                  # GPTConfig, presets, parameter specs
     "model": {"backend", "config", "layers", "kernels"},   # the GPT, its parameters, its KV cache
     "text": {"atomic"},                                    # corpus, token files, tokenizers
-    "generation": {"backend", "config", "model", "text"},  # decoding and sampling
+    "generation": {"backend", "model", "text"},            # decoding, sampling, prompts in and text out
     "checkpoint": {"atomic", "backend", "config", "model", "text"},
     "interop": {"atomic", "backend", "config", "model", "text"},      # Hugging Face, PEFT
-    "paper": {"atomic", "backend", "config", "layers", "model", "text"},   # explain, walkthrough, demo
+    "paper": {"atomic", "config", "layers", "model", "text"},  # the paper on screen: tables, demo, pictures
     # the training run; distributed, settings and finetune move into training/ (issue 32)
     "settings": set(),
     "distributed": {"atomic", "backend"},
@@ -59,8 +59,9 @@ LAYERS = {
     "training": {"atomic", "backend", "checkpoint", "config", "distributed", "interop", "kernels", "layers",
                  "model", "settings", "text"},
     "cli": {"atomic", "distributed", "training"},
-    "commands": {"atomic", "backend", "checkpoint", "cli", "config", "distributed", "finetune", "generation",
-                 "interop", "kernels", "layers", "model", "paper", "settings", "text", "training"},
+    # the commands parse and print: they reach the math only through the model and paper/
+    "commands": {"checkpoint", "cli", "config", "distributed", "finetune", "generation", "interop", "kernels",
+                 "model", "paper", "settings", "text", "training"},
     "__init__": {"config", "model"},                       # ``from pedestrian import GPT``
     "__main__": {"cli"},
 }
