@@ -1,7 +1,7 @@
 """Generation benchmark: time per new token against position, KV cache vs full recomputation.
 
 For each position ``L`` (the number of tokens the model conditions on) it measures the time
-``pedestrian.generate`` spends producing one new token: the forward (one cached step, or a full
+``pedestrian.generation.generate`` spends producing one new token: the forward (one cached step, or a full
 ``GPT.forward`` over all ``L`` tokens when uncached) plus greedy sampling. The timestamps come
 from the ``on_token`` callback, so what is timed is exactly the generation loop users run.
 Cached and uncached repetitions alternate in one process so that machine load hits both alike;
@@ -44,7 +44,7 @@ import common  # noqa: E402
 def per_token_seconds(model, n_new: int, use_cache: bool, batch: int = 1) -> np.ndarray:
     """Seconds between consecutive new tokens; entry ``j`` is the step whose window held
     ``1 + j`` tokens (prompt of one token). Entry 0 also holds the cache allocation."""
-    from pedestrian.generate import generate
+    from pedestrian.generation.generate import generate
 
     prompt = np.zeros((batch, 1), dtype=np.int64)
     stamps = [time.perf_counter()]
@@ -60,7 +60,7 @@ def rolling_median(x: np.ndarray, width: int = 9) -> np.ndarray:
 
 def end_to_end(model, n_new: int, use_cache: bool, reps: int) -> float:
     """tokens/s of ``generate`` for ``n_new`` greedy tokens from a one-token prompt (median)."""
-    from pedestrian.generate import generate
+    from pedestrian.generation.generate import generate
 
     prompt = np.zeros((1, 1), dtype=np.int64)
     times = []

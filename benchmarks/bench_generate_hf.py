@@ -47,10 +47,10 @@ PROMPT_LEN = 8
 
 def _training_text() -> str:
     """Some fixed English text for the tokenizer (the package's own docstrings)."""
-    import pedestrian.generate
-    import pedestrian.model
+    import pedestrian.generation.generate
+    import pedestrian.model.gpt
 
-    return (pedestrian.model.__doc__ or "") + (pedestrian.generate.__doc__ or "")
+    return (pedestrian.model.gpt.__doc__ or "") + (pedestrian.generation.generate.__doc__ or "")
 
 
 def build_hf_dir(directory: Path, seed: int = 0, size: str = "tiny"):
@@ -58,7 +58,7 @@ def build_hf_dir(directory: Path, seed: int = 0, size: str = "tiny"):
     import torch
     import transformers
 
-    from pedestrian.tokenizer import BPETokenizer
+    from pedestrian.text.tokenizer import BPETokenizer
 
     transformers.logging.set_verbosity_error()
     tok = BPETokenizer.train(_training_text(), vocab_size=VOCAB)
@@ -120,7 +120,7 @@ def _timed(f) -> float:
 def run(backend: str, lengths: list[int], repeats: int, hf_no_cache: bool, size: str = "tiny") -> dict:
     import torch
 
-    from pedestrian.generate import generate
+    from pedestrian.generation.generate import generate
     from pedestrian.interop.hf import load_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:

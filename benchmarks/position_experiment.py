@@ -94,7 +94,7 @@ def order_use(folder: str, n_windows: int = 2048, seed: int = 0) -> dict:
 
     sys.path.insert(0, str(ROOT / "src"))
     from pedestrian.checkpoint import load_checkpoint
-    from pedestrian.data import load_corpus
+    from pedestrian.text.data import load_corpus
     from pedestrian.training import split_tokens
 
     ckpt = load_checkpoint(Path(folder) / "latest", dtype="float64")

@@ -40,7 +40,7 @@ import numpy as np
 
 from .atomic import atomic_dir, interrupted_copy
 from .config import GPTConfig
-from .finite import non_finite_counts, non_finite_report
+from .model.finite import non_finite_counts, non_finite_report
 
 __all__ = ["Checkpoint", "CheckpointError", "NonFiniteError", "save_checkpoint", "load_checkpoint",
            "copy_checkpoint", "resolve_checkpoint_dir", "read_state", "FORMAT", "VERSION"]
@@ -351,7 +351,7 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
             message names the tensors and counts).
     """
     from .model import GPT
-    from .tokenizer import load_tokenizer
+    from .text.tokenizer import load_tokenizer
 
     folder, state = read_state(path)
     try:

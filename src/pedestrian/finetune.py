@@ -247,7 +247,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
     from .atomic import WriteError
-    from .tokens import TokenDataset, encode_to_token_file
+    from .text.tokens import TokenDataset, encode_to_token_file
     from .distributed import launched_rank
     from .interop.hf import load_pretrained
     from .interop.peft import save_peft_adapter

@@ -10,7 +10,7 @@ from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.tokenizer import CharTokenizer
+from pedestrian.text.tokenizer import CharTokenizer
 
 
 def _one_line_error(capsys, *fragments) -> str:

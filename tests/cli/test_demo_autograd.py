@@ -22,11 +22,13 @@ import torch
 
 from cli_helpers import break_layernorm_backward, one_line_error
 from pedestrian.cli import main
-from pedestrian.commands import demo
+from pedestrian.paper.demo import demo_model
+from pedestrian.paper import gradients
+from pedestrian.paper.gradients import SYMBOLS
 from torch_reference import delta_names, param_shapes, reference_forward, reference_loss_and_grads
 
 RTOL = 1e-9
-SYMBOL_TO_PARAM = {v: k for k, v in demo._SYMBOLS.items()}
+SYMBOL_TO_PARAM = {v: k for k, v in SYMBOLS.items()}
 
 
 def lines_of(out: str) -> list[str]:
@@ -95,7 +97,7 @@ def printed():
 @pytest.fixture(scope="module")
 def oracle():
     """The demo's model and batch, its own backward, and the oracle's loss, gradients and Δ's."""
-    model, x, y, _, _ = demo.demo_model(None, 0, "fast")
+    model, x, y, _, _ = demo_model(None, 0, "fast")
     model.loss(x, y)
     grads = {k: np.array(v) for k, v in model.backward(keep_deltas=True).items()}
     deltas = {k: np.array(v) for k, v in model.deltas().items()}
@@ -151,12 +153,12 @@ def test_a_wrong_gradient_fails_its_lines(monkeypatch, capsys):
 
 
 def demo_cfg() -> dict:
-    model, *_ = demo.demo_model(None, 0, "fast")
+    model, *_ = demo_model(None, 0, "fast")
     return oracle_cfg(model.config)
 
 
 def test_without_the_oracle_one_error_line(monkeypatch, tmp_path, capsys):
     """An installed package has no tests/oracles/: one error line, status 2, nothing printed."""
-    monkeypatch.setattr(demo, "ORACLE", tmp_path / "torch_reference.py")
+    monkeypatch.setattr(gradients, "ORACLE", tmp_path / "torch_reference.py")
     assert main(["demo", "--check", "autograd"]) == 2
     assert "only a source checkout has" in one_line_error(capsys)

@@ -210,7 +210,7 @@ def test_bad_flags_are_one_error_line(argv, fragment, capsys):
 def test_head_example_uses_the_library_layers():
     """The worked example, computed step by step, equals the one-call reference layer
     (layers/attention.py) on a larger example; bad shapes are named."""
-    from pedestrian import walkthrough
+    from pedestrian.paper import walkthrough
     from pedestrian.layers import attention_head_backward, attention_head_forward
 
     ex = walkthrough.head_example(T=6, d=4, d_rho=3, d_h=5, seed=11)

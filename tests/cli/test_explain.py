@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pedestrian.cli import main as cli_main
-from pedestrian.explain import explain_rows, matmul_flops, totals
+from pedestrian.paper.explain import explain_rows, matmul_flops, totals
 from pedestrian.config import GPTConfig
 
 TINY = dict(vocab_size=5, context_length=3, d_model=4, n_heads=2, n_blocks=1, mlp_ratio=4,

@@ -248,7 +248,7 @@ def test_sample_and_eval_accept_a_finetune_run(run_all, tmp_path, capsys):
         texts.append(stdout)
     assert texts[0].startswith("the quick") and texts[0] == texts[1] == texts[2]
     model, tok = load_finetuned(out)                                   # the same text as the library
-    from pedestrian.generate import generate
+    from pedestrian.generation.generate import generate
 
     ids = generate(model, np.array(tok.encode("the quick")), 5, temperature=0)
     assert texts[0] == tok.decode(ids) + "\n"

@@ -16,7 +16,7 @@ from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.tokenizer import CharTokenizer
+from pedestrian.text.tokenizer import CharTokenizer
 
 TEXT = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
 

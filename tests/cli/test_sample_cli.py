@@ -12,9 +12,9 @@ import pytest
 from pedestrian import cli
 from pedestrian.commands import sample as sample_cmd
 from pedestrian.config import GPTConfig
-from pedestrian.generate import generate
+from pedestrian.generation.generate import generate
 from pedestrian.model import GPT
-from pedestrian.tokenizer import BPETokenizer, CharTokenizer, bytes_to_unicode
+from pedestrian.text.tokenizer import BPETokenizer, CharTokenizer, bytes_to_unicode
 from sample_helpers import Chunks, forced_model, parse
 
 TEXT = "hello world, the quick brown fox jumps over the lazy dog.\n" * 4

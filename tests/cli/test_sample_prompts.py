@@ -10,7 +10,7 @@ import pytest
 from pedestrian.commands import sample as sample_cmd
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
-from pedestrian.tokenizer import CharTokenizer
+from pedestrian.text.tokenizer import CharTokenizer
 from sample_helpers import parse
 
 TEXT = "hello world, the quick brown fox jumps over the lazy dog.\n" * 4

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from pedestrian.tokenizer import BPETokenizer  # noqa: E402
+from pedestrian.text.tokenizer import BPETokenizer  # noqa: E402
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 20
         + "pack my box with five dozen liquor jugs! " * 20

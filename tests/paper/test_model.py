@@ -47,7 +47,7 @@ from gradcheck import (
     model_key_bias_bounds,
     token_batch,
 )
-from pedestrian.kv_cache import KVCache
+from pedestrian.model.kv_cache import KVCache
 from torch_reference import (
     default_cfg,
     delta_names,

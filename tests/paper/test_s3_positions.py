@@ -20,7 +20,7 @@ import pytest
 from gradcheck import model_key_bias_bounds
 
 from pedestrian.cli import main as cli_main
-from pedestrian.kv_cache import KVCache
+from pedestrian.model.kv_cache import KVCache
 from torch_reference import default_cfg, random_params
 
 EQUAL, SHIFT, BROKEN = 1e-12, 1e-10, 1e-3

@@ -22,12 +22,12 @@ from pedestrian.atomic import AppendLog, WriteError, atomic_dir, write_file
 from pedestrian.checkpoint import copy_checkpoint, load_checkpoint, save_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
-from pedestrian.tokens import encode_to_token_file
+from pedestrian.text.tokens import encode_to_token_file
 from pedestrian.interop.hf import load_hf_model, save_pretrained
 from pedestrian.interop.peft import save_peft_adapter
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
-from pedestrian.tokenizer import CharTokenizer
+from pedestrian.text.tokenizer import CharTokenizer
 from pedestrian.training import plot_loss_curve
 
 ERRNOS = [errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EROFS]
@@ -310,7 +310,7 @@ class _FullDiskTokenizer:
 def test_hf_export_with_a_bpe_tokenizer_whose_writer_fails(tmp_path, monkeypatch, code):
     """``tokenizer.json`` is written by the ``tokenizers`` library, whose I/O errors are plain
     Exceptions naming the OS error: one WriteError, the old directory kept."""
-    from pedestrian.tokenizer import BPETokenizer
+    from pedestrian.text.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train("abc abd abe " * 30, vocab_size=262)
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=6, d_model=8, n_heads=2, n_blocks=1))

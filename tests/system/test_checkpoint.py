@@ -16,7 +16,7 @@ from pedestrian.checkpoint import CheckpointError, copy_checkpoint, load_checkpo
 from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
-from pedestrian.tokenizer import CharTokenizer
+from pedestrian.text.tokenizer import CharTokenizer
 
 CFG = GPTConfig(vocab_size=7, context_length=6, d_model=8, n_heads=2, n_blocks=1, dropout=0.1)
 X = np.array([[0, 1, 2, 3, 4, 5]])

@@ -1,4 +1,4 @@
-"""Tests for pedestrian.data: corpus loading, split, token files, batches."""
+"""Tests for pedestrian.text.data: corpus loading, split, token files, batches."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pedestrian.data as data
-from pedestrian.data import (
+import pedestrian.text.data as data
+from pedestrian.text.data import (
     BUNDLED_CORPUS,
     CorpusError,
     bundled_corpus,
@@ -19,8 +19,8 @@ from pedestrian.data import (
     load_corpus,
     split_train_val,
 )
-from pedestrian.tokens import TokenDataset, encode_to_token_file
-from pedestrian.tokenizer import BPETokenizer, CharTokenizer
+from pedestrian.text.tokens import TokenDataset, encode_to_token_file
+from pedestrian.text.tokenizer import BPETokenizer, CharTokenizer
 
 # --------------------------------------------------------------------------------------------
 # Corpus
@@ -95,7 +95,7 @@ def test_load_corpus_small_read_blocks(tmp_path, monkeypatch):
 
 
 def test_bundled_corpus_facts():
-    """The numbers stated in src/pedestrian/corpus/shakespeare/PROVENANCE.md."""
+    """The numbers stated in src/pedestrian/text/corpus/shakespeare/PROVENANCE.md."""
     assert bundled_corpus() == BUNDLED_CORPUS
     files = sorted(BUNDLED_CORPUS.glob("*.txt"))
     assert len(files) == 42

@@ -441,7 +441,7 @@ def test_device_settings_are_checked():
 def test_torch_model_keeps_every_array_on_its_device():
     """GPT(backend="torch", device=...): parameters, gradients, AdamW moments, activations and the
     KV cache are made on the device (here the CPU; the same code on a GPU: test below)."""
-    from pedestrian.generate import generate
+    from pedestrian.generation.generate import generate
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=2, n_blocks=1, dropout=0.1)

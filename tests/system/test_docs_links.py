@@ -46,7 +46,7 @@ def test_relative_links_resolve(path, text):
 
 
 def test_equations_sheet_is_the_rosetta_stone():
-    from pedestrian.walkthrough import HEAD_KEYS
+    from pedestrian.paper.walkthrough import HEAD_KEYS
 
     text = (REPO / "docs" / "EQUATIONS.md").read_text(encoding="utf-8")
     assert "](seed/" not in text and "`seed/`" not in text.replace("`../shared/seed/`", "")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pedestrian.config import GPTConfig
-from pedestrian.generate import KVCache, generate, model_step
+from pedestrian.generation.generate import KVCache, generate, model_step
 from pedestrian.model import GPT
 
 TOL = {"float64": 1e-10, "float32": 1e-5}

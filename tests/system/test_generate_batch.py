@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pedestrian import GPT, GPTConfig
-from pedestrian.generate import generate
-from pedestrian.kv_cache import KVCache
+from pedestrian.generation.generate import generate
+from pedestrian.model.kv_cache import KVCache
 
 CFG = GPTConfig(vocab_size=23, context_length=16, d_model=16, n_heads=2, n_blocks=2)
 

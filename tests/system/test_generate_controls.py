@@ -3,7 +3,7 @@ generated token of its row, vocab_limit keeps undecodable ids out, on_token can 
 hook stop strings use), and NaN logits stop generation with a clear error.
 
 The reference for the loop is a replay: the logits generate() drew each token from
-(``return_logits``) fed to :func:`pedestrian.sampling.sample_next` with the seen tokens given
+(``return_logits``) fed to :func:`pedestrian.generation.sampling.sample_next` with the seen tokens given
 explicitly must give the same tokens, draw for draw.
 """
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pedestrian.config import GPTConfig
-from pedestrian.generate import generate
+from pedestrian.generation.generate import generate
 from pedestrian.model import GPT
-from pedestrian.sampling import NonFiniteLogitsError, sample_next
+from pedestrian.generation.sampling import NonFiniteLogitsError, sample_next
 
 C = 12
 

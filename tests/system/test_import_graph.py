@@ -1,5 +1,9 @@
 """The shape of the import graph of ``src/pedestrian``, read from the source (``ast``):
 
+- the package is laid out by capability, in layers: each part (a subpackage, or a module of the
+  top level) imports only the parts :data:`LAYERS` allows it (the paper's layers import nothing
+  of the package but the backend; the kernels only the layers; the model neither text nor
+  generation; the command line everything), and the top level holds only the modules listed there;
 - no import cycle between modules (every ``import`` counts, also those inside functions: a lazy
   import hides a cycle, it does not remove it);
 - no module reads another module's private names: no ``from x import _name``, and no access
@@ -31,6 +35,35 @@ PENDING_PRIVATE: dict = {}
 
 #: import cycles (as sorted tuples of modules) -> who removes them
 PENDING_CYCLES = {
+}
+
+#: part of the package (a subpackage, or a top-level module) -> the parts it may import, bottom up.
+#: A part not listed here fails the test: a new top-level module, or a new package, is a decision.
+LAYERS = {
+    "backend": set(),                                      # NumPy / torch / array-API glue
+    "atomic": set(),                                       # crash-safe writes
+    "layers": {"backend"},                                 # the paper's math, the reference
+    "kernels": {"backend", "layers"},                      # the fast path, same signatures
+    "config": {"layers"},                                  # GPTConfig, presets, parameter specs
+    "model": {"backend", "config", "layers", "kernels"},   # the GPT, its parameters, its KV cache
+    "text": {"atomic"},                                    # corpus, token files, tokenizers
+    "generation": {"backend", "model", "text"},            # decoding, sampling, prompts in and text out
+    "checkpoint": {"atomic", "backend", "config", "model", "text"},
+    "interop": {"atomic", "backend", "config", "model", "text"},      # Hugging Face, PEFT
+    "paper": {"atomic", "config", "layers", "model", "text"},  # the paper on screen: tables, demo, pictures
+    # the training run; distributed, settings and finetune move into training/ (issue 32)
+    "settings": set(),
+    "distributed": {"atomic", "backend"},
+    "finetune": {"atomic", "checkpoint", "config", "distributed", "interop", "kernels", "settings", "text",
+                 "training"},
+    "training": {"atomic", "backend", "checkpoint", "config", "distributed", "interop", "kernels", "layers",
+                 "model", "settings", "text"},
+    "cli": {"atomic", "distributed", "training"},
+    # the commands parse and print: they reach the math only through the model and paper/
+    "commands": {"checkpoint", "cli", "config", "distributed", "finetune", "generation", "interop", "kernels",
+                 "model", "paper", "settings", "text", "training"},
+    "__init__": {"config", "model"},                       # ``from pedestrian import GPT``
+    "__main__": {"cli"},
 }
 
 
@@ -148,6 +181,21 @@ def private_accesses(module: str, source: str | None = None) -> set:
     return found
 
 
+def part(module: str) -> str:
+    """``pedestrian.model.gpt`` -> ``model``; ``pedestrian`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_each_part_imports_only_the_parts_below_it():
+    unknown = sorted({part(m) for m in MODULES} - set(LAYERS))
+    assert not unknown, f"parts of the package not in LAYERS (declare where they sit): {unknown}"
+    found = {(m, e) for m in MODULES for e in import_edges(m)
+             if part(e) != part(m) and part(e) not in LAYERS[part(m)]}
+    assert not found, "imports across the layers:\n" + "\n".join(f"  {m} -> {e}" for m, e in sorted(found))
+    assert {part(e) for e in import_edges("pedestrian.model.gpt")} >= {"config", "kernels"}, "the scan is broken"
+
+
 def test_no_import_cycle():
     graph = {m: import_edges(m) for m in MODULES}
     assert len(graph) > 30 and graph["pedestrian.model"], "the scan finds nothing: it is broken"
@@ -178,7 +226,7 @@ def test_the_scans_can_fail():
               "    def f(self, other, thing):\n"
               "        other._state, Mine._g, self._h\n"     # own names: fine
               "        return thing._foreign, thing.__class__\n")
-    assert private_accesses("pedestrian.model", source) == {
-        ("pedestrian.model", "from pedestrian.other import _hidden"),
-        ("pedestrian.model", "thing._foreign"),
+    assert private_accesses("pedestrian.model.gpt", source) == {
+        ("pedestrian.model.gpt", "from pedestrian.model.other import _hidden"),
+        ("pedestrian.model.gpt", "thing._foreign"),
     }

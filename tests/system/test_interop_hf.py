@@ -12,7 +12,7 @@ from hf_fixtures import (edit_config, hf_logits, hf_model, rel_err, save_hf_dir,
                          tiny_tokenizer, torch, transformers)
 
 from pedestrian.config import GPTConfig
-from pedestrian.generate import generate
+from pedestrian.generation.generate import generate
 from pedestrian.interop.hf import (config_from_hf, load_hf_model, load_hf_tokenizer, load_pretrained,
                                    save_pretrained, state_from_hf, state_to_hf)
 from pedestrian.model import GPT
@@ -238,7 +238,7 @@ def test_round_trip_hf_pedestrian_hf_tensors_identical(saved, tmp_path):
 
 
 def test_character_tokenizer_travels_as_a_pedestrian_file(tmp_path):
-    from pedestrian.tokenizer import CharTokenizer
+    from pedestrian.text.tokenizer import CharTokenizer
 
     tok = CharTokenizer.from_text("hello world")
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=8, d_model=8, n_heads=2, n_blocks=1))

@@ -215,7 +215,7 @@ def test_state_dict_round_trip_and_mismatch():
 
 def test_state_dict_with_a_non_finite_moment_is_refused_and_loads_nothing():
     """A NaN or inf moment would make every later update NaN: refused, named as the other loaders
-    name it (pedestrian.finite), the optimizer unchanged."""
+    name it (pedestrian.model.finite), the optimizer unchanged."""
     rng = np.random.default_rng(6)
     opt = AdamW(_groups(rng), lr=0.01)
     for g in opt.groups:

@@ -1,6 +1,6 @@
 """KV cache and generation past the context length, for each position encoding (issue 14).
 
-Rules under test (``pedestrian.generate`` module docstring):
+Rules under test (``pedestrian.generation.generate`` module docstring):
 
 - ``"rebuild"`` (learned positions; any encoding without a cache): each token is predicted from a
   full forward over its window -- the reference is ``GPT.forward`` over that window.
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from pedestrian.generate import KVCache, generate, model_step
+from pedestrian.generation.generate import KVCache, generate, model_step
 from pedestrian.kernels import kernels_for
 from pedestrian.layers.rope import rope_forward
 from torch_reference import default_cfg, random_params, reference_forward

@@ -1,7 +1,7 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, vocab_limit, their
 combinations, non-finite logits, edge values, bad input.
 
-Expected distributions are computed here independently of ``pedestrian.generate``, by the
+Expected distributions are computed here independently of ``pedestrian.generation.generate``, by the
 definitions: top-k keeps the k largest logits; the nucleus is the smallest set of the most
 likely tokens whose probabilities add up to at least p (Holtzman et al. 2020; HF
 ``TopPLogitsWarper``); min-p keeps tokens at least min_p times as likely as the top one (HF
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from pedestrian.sampling import NonFiniteLogitsError, check_sampling, filter_logits, sample_next
+from pedestrian.generation.sampling import NonFiniteLogitsError, check_sampling, filter_logits, sample_next
 
 ALPHA = 1e-3        # significance of the chi-square goodness-of-fit tests (seeded: deterministic)
 

@@ -1,6 +1,6 @@
 """Repetition penalty, min-p and their order against Hugging Face ``transformers`` (the oracle).
 
-- On random logits, the distribution :func:`pedestrian.sampling.filter_logits` leaves equals the
+- On random logits, the distribution :func:`pedestrian.generation.sampling.filter_logits` leaves equals the
   one HF's logits processors leave, with the processors and their order taken from HF itself
   (``GenerationMixin._get_logits_processor`` for a ``GenerationConfig``), alone and combined with
   temperature, top-k and top-p.
@@ -22,9 +22,9 @@ from hf_fixtures import hf_model, save_hf_dir, tiny_tokenizer, torch, transforme
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pedestrian.generate import generate
+from pedestrian.generation.generate import generate
 from pedestrian.interop.hf import load_pretrained
-from pedestrian.sampling import filter_logits
+from pedestrian.generation.sampling import filter_logits
 
 PROB_TOL = 1e-12
 
@@ -164,7 +164,7 @@ def test_min_p_keeps_every_token_tied_with_the_cut_as_hf(hf_tiny, min_p):
 def test_min_p_one_draws_among_the_tied_top_tokens():
     """sample_next with ``min_p=1``: only tokens tied with the most likely one are ever drawn,
     each of them (uniformly), while ``temperature=0`` takes the lowest id."""
-    from pedestrian.sampling import sample_next
+    from pedestrian.generation.sampling import sample_next
 
     logits = np.tile([[2.0, 2.0, 1.0, 2.0, -1.0, 1.0]], (600, 1))
     drawn = sample_next(logits, rng=0, min_p=1.0)

@@ -14,7 +14,7 @@ from cli_helpers import one_line_error
 from pedestrian import GPT, GPTConfig
 from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main
-from pedestrian.tokenizer import CharTokenizer
+from pedestrian.text.tokenizer import CharTokenizer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PROMPT = "to be or not to be"

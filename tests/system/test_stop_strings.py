@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pedestrian.commands import sample as sample_cmd
-from pedestrian.tokenizer import BPETokenizer, StopText, bytes_to_unicode
+from pedestrian.text.tokenizer import BPETokenizer, StopText, bytes_to_unicode
 from sample_helpers import Chunks, forced_model, parse
 
 CORPUS = "one line\nanother line\n\n\npara two: the end\n\n\n" * 30

@@ -15,11 +15,11 @@ import pedestrian
 from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
-from pedestrian.data import (CorpusError, corpus_digest, iter_corpus_pieces, iter_train_pieces, load_corpus,
+from pedestrian.text.data import (CorpusError, corpus_digest, iter_corpus_pieces, iter_train_pieces, load_corpus,
                              split_train_val)
-from pedestrian.tokens import encode_to_token_file
+from pedestrian.text.tokens import encode_to_token_file
 from pedestrian.model import GPT
-from pedestrian.tokenizer import BPETokenizer, CharTokenizer, LoneSurrogateError, find_lone_surrogate
+from pedestrian.text.tokenizer import BPETokenizer, CharTokenizer, LoneSurrogateError, find_lone_surrogate
 
 BOM = b"\xef\xbb\xbf"
 SRC = Path(pedestrian.__file__).parent
@@ -224,7 +224,7 @@ def test_build_tokenizer_streams_the_training_split(tmp_path, monkeypatch):
 
 
 def _imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth of its code (``.data`` -> ``pedestrian.data``)."""
+    """Every module a file imports, at any depth of its code (``.data`` -> ``pedestrian.text.data``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     out = set()
     for node in ast.walk(tree):
@@ -237,5 +237,5 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_tokenizer_does_not_import_data_and_atomic_imports_nothing_of_ours():
-    assert "pedestrian.data" not in _imports(SRC / "tokenizer.py")
+    assert "pedestrian.text.data" not in _imports(SRC / "text" / "tokenizer.py")
     assert not {m for m in _imports(SRC / "atomic.py") if m.startswith("pedestrian")}

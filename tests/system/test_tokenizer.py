@@ -1,4 +1,4 @@
-"""Tests for pedestrian.tokenizer: CharTokenizer, BPETokenizer, StreamDecoder, load_tokenizer."""
+"""Tests for pedestrian.text.tokenizer: CharTokenizer, BPETokenizer, StreamDecoder, load_tokenizer."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pedestrian.data import BUNDLED_CORPUS, iter_corpus_pieces, load_corpus
-from pedestrian.tokenizer import (
+from pedestrian.text.data import BUNDLED_CORPUS, iter_corpus_pieces, load_corpus
+from pedestrian.text.tokenizer import (
     BPETokenizer,
     CharTokenizer,
     StreamDecoder,

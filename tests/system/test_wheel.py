@@ -51,9 +51,9 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_holds_the_corpus(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    texts = [n for n in names if n.startswith("pedestrian/corpus/shakespeare/") and n.endswith(".txt")]
+    texts = [n for n in names if n.startswith("pedestrian/text/corpus/shakespeare/") and n.endswith(".txt")]
     assert len(texts) == 42, texts
-    assert "pedestrian/corpus/shakespeare/PROVENANCE.md" in names
+    assert "pedestrian/text/corpus/shakespeare/PROVENANCE.md" in names
     assert not [n for n in names if ".pedestrian_cache" in n or n.startswith("tests/")]
 
 

@@ -227,7 +227,7 @@ def test_a_torch_tensor_keeps_its_pooled_array_in_use(pool_every_size):
 
 def test_arrays_of_a_kv_cache_step_are_not_overwritten_by_the_next():
     """Generation: each step's logits the caller keeps stay intact while later steps run."""
-    from pedestrian.kv_cache import KVCache
+    from pedestrian.model.kv_cache import KVCache
 
     model = GPT(CFG, dtype="float64", seed=2)
     cache = KVCache(model, 1)

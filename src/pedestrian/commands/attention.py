@@ -14,7 +14,7 @@ random model (--random: GPT-2's initialisation with --seed, widths --n-blocks, -
 --d-model; a character tokenizer of the prompt's own characters) -- no training needed.
 A prompt longer than the context keeps its last context_length tokens (a note says so).
 Characters are labelled as themselves, with '⏎' for a newline and '␣' for a space. The PNG is
-written atomically (matplotlib, Agg; the drawing is :mod:`pedestrian.pictures`).
+written atomically (matplotlib, Agg; the drawing is :mod:`pedestrian.paper.pictures`).
 
 Examples:
   pedestrian attention --checkpoint runs/shakespeare_char/best --prompt "ROMEO: But soft" --out attn.png
@@ -29,9 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from ..pictures import plot_attention, plot_step, token_labels
+from ..paper.pictures import attention_maps, plot_attention, plot_step, token_labels
 
 #: --random's widths when not given
 RANDOM_DEFAULTS = dict(n_blocks=2, n_heads=2, d_model=16)
@@ -57,7 +55,7 @@ def _random_model(args: argparse.Namespace):
     """``--random``: a fresh model and a character tokenizer of the prompt's characters."""
     from ..config import GPTConfig
     from ..model import GPT
-    from ..tokenizer import CharTokenizer
+    from ..text.tokenizer import CharTokenizer
 
     widths = {k: (RANDOM_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in RANDOM_DEFAULTS}
     if not args.prompt:
@@ -108,23 +106,15 @@ def run(args: argparse.Namespace) -> int:
         ids = ids[-C:]
     if args.gradients and len(ids) < 2:
         raise ValueError("--gradients needs a prompt of at least 2 tokens (one to read, one to predict)")
-    model.training = False
     c = model.config
     shape = f"{c.n_blocks} blocks × {c.n_heads} heads, positions {c.position_encoding}" + ("" if c.causal else ", non-causal")
+    weights, delta_causal, loss = attention_maps(model, ids, args.gradients)
     if not args.gradients:
-        model.forward(np.asarray([ids], dtype=np.int64))
-        weights = [np.asarray(p)[0] for p in model.attention_weights()]          # (n_heads, T, T) each
         title = f"attention weights P of {source}: {shape}, {len(ids)} tokens"
         plot_attention(weights, token_labels(tokenizer, ids), out, title=title, dpi=args.dpi)
         print(f"wrote {out} ({c.n_blocks} × {c.n_heads} maps of {len(ids)} × {len(ids)} weights)")
         return 0
-    x, y = np.asarray([ids[:-1]], dtype=np.int64), np.asarray([ids[1:]], dtype=np.int64)
-    loss = model.loss(x, y)
-    model.backward(keep_deltas=True)
-    weights = [np.asarray(p)[0] for p in model.attention_weights()]
-    deltas = model.deltas()
-    delta_causal = [np.asarray(deltas[f"blocks.{i}.Δcausal"])[0] for i in range(c.n_blocks)]
-    T = x.shape[1]
+    T = len(ids) - 1
     title = (f"one step of {source}: {shape}\nnext-token loss {loss:.3f} on {T} tokens; beside each P "
              "its Δcausal = ∂L/∂ρ_causal (blue < 0 < red, own scale per map)")
     plot_step(weights, delta_causal, token_labels(tokenizer, ids[:-1]), out, title=title, dpi=args.dpi)

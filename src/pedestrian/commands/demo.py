@@ -35,7 +35,7 @@ x = a_{i-1}, w_q, b_q, w_k, b_k, w_v, b_v; q, k, v; ρ_raw = q kᵀ, ρ_scaled =
 (−∞ where masked), ρ = softmax(ρ_causal), a = ρ v; the upstream Δ; Δv, Δρ, Δcausal (and its row
 sums, which are 0), Δraw, Δq, Δk; the three branches Δq w_qᵀ, Δk w_kᵀ, Δv w_vᵀ into the input and
 their sum Δ_{i-1}^h; the six parameter gradients (∂L/∂b_k ≡ 0). Computed through the library's
-reference layer functions (pedestrian.walkthrough), no autograd. --json prints one JSON object
+reference layer functions (pedestrian.paper.walkthrough), no autograd. --json prints one JSON object
 instead: float64 nested lists (row-major), keys x w_q b_q w_k b_k w_v b_v delta q k v rho_raw
 rho_scaled rho_causal rho a delta_v delta_rho delta_causal delta_raw delta_q delta_k delta_in_q
 delta_in_k delta_in_v delta_in dw_q db_q dw_k db_k dw_v db_v, masked entries of rho_causal null.
@@ -68,40 +68,16 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import math
-from pathlib import Path
 
 import numpy as np
 
-from ..data import load_corpus
-from ..demo import demo_model, measure_properties
 from ..kernels import KERNELS
-from ..model import GPT
-from ..tokenizer import CharTokenizer
-from ..tokens import TokenDataset
-
-#: key-bias gradient / query-bias gradient above which the "≡ 0" line fails (rounding is ~1e-16)
-KEY_BIAS_RATIO = 1e-12
-#: --check autograd: per tensor, max|ours − autograd| <= AUTOGRAD_RTOL · max|autograd| passes
-#: (float64: the two differ by rounding only; tests/paper/test_model.py holds them to the same bound)
-AUTOGRAD_RTOL = 1e-9
-#: the test suite's autograd oracle, in a source checkout (src/pedestrian/commands/ -> the root)
-ORACLE = Path(__file__).resolve().parents[3] / "tests" / "oracles" / "torch_reference.py"
-
-#: model parameter -> the paper's symbol (layer norms: w, b; fully connected layers: W, b)
-_SYMBOLS = {
-    "ln1.weight": "w_LN1", "ln1.bias": "b_LN1", "ln2.weight": "w_LN2", "ln2.bias": "b_LN2",
-    "attn.q.weight": "W_q", "attn.q.bias": "b_q", "attn.k.weight": "W_k", "attn.k.bias": "b_k",
-    "attn.v.weight": "W_v", "attn.v.bias": "b_v",
-    "attn_proj.weight": "W_attProj", "attn_proj.bias": "b_attProj",
-    "mlp_expand.weight": "W_expand", "mlp_expand.bias": "b_expand",
-    "mlp_contract.weight": "W_contract", "mlp_contract.bias": "b_contract",
-    "ln_final.weight": "w_LNfinal", "ln_final.bias": "b_LNfinal",
-    "logits.weight": "W_logits", "logits.bias": "b_logits",
-    "tok_emb.weight": "W_tok", "pos_emb.weight": "W_pos",
-}
-
+from ..paper.demo import demo_model, properties_text
+from ..paper.gradients import AUTOGRAD_RTOL, autograd_oracle, check_model_gradients
+from ..paper.head_text import head_json, head_text, mask_json, mask_text
+from ..paper.walkthrough import head_example, mask_comparison
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder (default: the bundled Shakespeare)")
@@ -194,177 +170,45 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be a finite number >= 0, got {v}")
 
 
-def gradient_lines(model: GPT) -> list:
-    """``(label, kind, key)`` in the order the backward produces them, Δ12 first.
-
-    ``kind`` is ``"delta"`` (``key`` into :meth:`GPT.deltas`) or ``"param"`` (into the grads).
-    """
-    c, names = model.config, set(model.params)
-    out = []
-
-    def params(prefix, *suffixes, where=""):
-        for s in suffixes:
-            name = f"{prefix}{s}"
-            if name in names:
-                label = f"∂L/∂{_SYMBOLS[s]}"
-                if s == "attn.k.bias":
-                    label += " (≡ 0, §3)"
-                out.append((f"{label:<24}{where}", "param", name))
-
-    def delta(n, key, where=""):
-        out.append((f"{f'Δ{n} = ∂L/∂a{n}':<24}{where}", "delta", key))
-
-    delta(12, "Δ12", "(logits)")
-    params("", "logits.weight", "logits.bias")
-    delta(11, "Δ11")
-    params("", "ln_final.weight", "ln_final.bias")
-    for i in reversed(range(c.n_blocks)):
-        p, where = f"blocks.{i}.", f"block {i}"
-        delta(10, p + "Δ10", where)
-        delta(9, p + "Δ9", where)
-        params(p, "mlp_contract.weight", "mlp_contract.bias", where=where)
-        delta(8, p + "Δ8", where)
-        delta(7, p + "Δ7", where)
-        params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
-        delta(6, p + "Δ6", where)
-        params(p, "ln2.weight", "ln2.bias", where=where)
-        delta(5, p + "Δ5", where)
-        delta(4, p + "Δ4", where)
-        params(p, "attn_proj.weight", "attn_proj.bias", where=where)
-        delta(3, p + "Δ3", where)
-        out.append((f"{'Δcausal = ∂L/∂S':<24}{where}", "delta", p + "Δcausal"))
-        params(p, "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.v.weight",
-               "attn.v.bias", where=where)
-        delta(2, p + "Δ2", where)
-        params(p, "ln1.weight", "ln1.bias", where=where)
-    delta(1, "Δ1")
-    params("", "tok_emb.weight", "pos_emb.weight")
-    if c.tie_weights:                                      # W_tok's gradient sums both of its uses
-        out[-2] = (out[-2][0].rstrip() + "  (embedding + tied logits)", "param", "tok_emb.weight")
-    return out
-
-
-def _autograd_oracle():
-    """The test suite's independent PyTorch model (:data:`ORACLE`), loaded as a module.
-
-    Raises:
-        ValueError: not a source checkout (the oracle is not installed with the package), or
-            PyTorch missing; the message says how to go on.
-    """
-    if not ORACLE.is_file():
-        raise ValueError(f"--check autograd runs the test suite's autograd oracle ({ORACLE.name} in tests/oracles/), "
-                         "which only a source checkout has -- the library itself runs no autograd; run it from "
-                         "a checkout, or use --check fd (finite differences)")
-    try:
-        __import__("torch")
-    except ImportError:
-        raise ValueError('--check autograd needs PyTorch: install it with pip install -e ".[torch]", '
-                         "or use --check fd (finite differences, NumPy only)") from None
-    spec = importlib.util.spec_from_file_location("pedestrian_autograd_oracle", ORACLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run(args: argparse.Namespace) -> int:
     _check_modes(args)
     if args.head or args.mask:
-        from .demo_head import run_head, run_mask
-
-        return run_head(args) if args.head else run_mask(args)
+        sizes = dict(T=args.T, d=args.d, d_rho=args.d_rho, d_h=args.d_h, seed=args.seed)
+        if args.head:
+            ex = head_example(**sizes, causal=not args.no_causal)
+            text, ok = (json.dumps(head_json(ex)), True) if args.json else head_text(ex, args.seed, not args.no_causal)
+        else:
+            cmp = mask_comparison(**sizes)
+            text, ok = (json.dumps(mask_json(cmp)), True) if args.json else mask_text(cmp, args.seed)
+        print(text)
+        return 0 if ok else 1
     if args.properties:
-        return run_properties(args)
+        text, ok = properties_text(args.data, args.seed)
+        print(text)
+        return 0 if ok else 1
     _check_flags(args)
-    oracle = None
-    torch_reference = _autograd_oracle() if args.check == "autograd" else None   # say what is missing now
+    oracle = autograd_oracle() if args.check == "autograd" else None   # say what is missing now
     rng = np.random.default_rng(args.seed)         # the weights, the batch, then the fd entries
     model, x, y, tokenizer, text = demo_model(args.data, args.seed, args.kernels, rng)
-    config = model.config
     source = args.data or "the bundled Shakespeare"
     print(f"text: {len(text):,} characters of {source}, vocabulary {tokenizer.vocab_size}; "
           f"batch {x.shape}, first window: {tokenizer.decode(x[0])!r}")
-    print(f"model: {config}, float64, kernels: {model.kernels_name} ({model.kernels.__name__})")
-    loss = model.loss(x, y)
-    grads = {k: np.array(v) for k, v in model.backward(keep_deltas=True).items()}
-    deltas = {k: np.array(v) for k, v in model.deltas().items()}
+    print(f"model: {model.config}, float64, kernels: {model.kernels_name} ({model.kernels.__name__})")
+    loss, lines, oracle_loss = check_model_gradients(model, x, y, args.check, entries=args.entries, step=args.step,
+                                               rtol=args.rtol, atol=args.atol, rng=rng, oracle=oracle)
     print(f"loss L = {loss:.6f} nats/char (uniform guess: ln {tokenizer.vocab_size} = "
           f"{math.log(tokenizer.vocab_size):.4f})")
-    if torch_reference is not None:
-        cfg = {k: getattr(config, k) for k in torch_reference.default_cfg()}
-        o_loss, _, o_grads, o_deltas = torch_reference.reference_loss_and_grads(
-            model.state_dict(), cfg, x, y, keep_scores=True)
-        oracle = (o_loss, o_grads, o_deltas)
+    if oracle is not None:
         print(f"check: PyTorch autograd of the test suite's independent model (float64; its loss "
-              f"{oracle[0]:.6f}); pass max |ours - autograd| <= {AUTOGRAD_RTOL:g}·max |autograd| per tensor\n")
-        column = "autograd"
+              f"{oracle_loss:.6f}); pass max |ours - autograd| <= {AUTOGRAD_RTOL:g}·max |autograd| per tensor\n")
     else:
         print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
               f"pass |numeric - analytic| <= {args.atol:g} + {args.rtol:g}·|numeric|\n")
-        column = "check"
-    print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{column:>11}")
-    failed = 0
-    kq = {i: float(np.max(np.abs(grads[f"blocks.{i}.attn.q.bias"])))
-          for i in range(config.n_blocks) if f"blocks.{i}.attn.q.bias" in grads}
-    for label, kind, key in gradient_lines(model):
-        value = deltas[key] if kind == "delta" else grads[key]
-        size = float(np.max(np.abs(value)))
-        if oracle is not None:                             # max |ours - autograd|
-            truth = oracle[2][key] if kind == "delta" else oracle[1][key]
-            diff = float(np.max(np.abs(value - truth)))
-            bad, shown = diff > AUTOGRAD_RTOL * float(np.max(np.abs(truth))), f"{diff:.1e}"
-        if key.endswith("attn.k.bias"):                    # ≡ 0: only rounding noise may show
-            bad = size > KEY_BIAS_RATIO * kq[int(key.split(".")[1])]
-            if oracle is None:
-                shown = "rounding" if not bad else "NOT ZERO"
-        elif oracle is not None:
-            pass
-        elif kind == "delta":
-            bad, shown = False, "-"
-        else:
-            bad, shown = _finite_differences(model, key, grads[key], x, y, args, args.rtol, rng)
-        failed += bad
+    print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{'autograd' if oracle else 'check':>11}")
+    for g in lines:
         # a failing line says so: in fd mode the column (a relative error) alone cannot tell,
         # since an entry near --atol passes on its absolute error
-        print(f"{label:<37}{str(tuple(value.shape)):<14}{size:>10.1e}{shown:>11}" + ("  <- FAILED" if bad else ""))
+        print(f"{g.label:<37}{str(g.shape):<14}{g.size:>10.1e}{g.shown:>11}" + ("  <- FAILED" if g.failed else ""))
+    failed = sum(g.failed for g in lines)
     print(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
-    return 0 if not failed else 1
-
-
-def _finite_differences(model, name, grad, x, y, args, rtol, rng) -> tuple[bool, str]:
-    """Central differences on ``--entries`` entries of parameter ``name``: (failed, column)."""
-    p = model.params[name]
-    rel_errs, failed = [], False
-    for fi in rng.choice(p.size, size=min(args.entries, p.size), replace=False):
-        idx = np.unravel_index(fi, p.shape)
-        old = p[idx]
-        p[idx] = old + args.step
-        up = model.loss(x, y)
-        p[idx] = old - args.step
-        down = model.loss(x, y)
-        p[idx] = old
-        numeric = (up - down) / (2 * args.step)
-        err = abs(numeric - grad[idx])
-        if abs(numeric) >= args.atol and abs(numeric) > 0:
-            rel_errs.append(err / abs(numeric))
-        failed |= bool(err > args.atol + rtol * abs(numeric))
-    return failed, (f"{max(rel_errs):.1e}" if rel_errs else "-")
-
-
-def run_properties(args: argparse.Namespace) -> int:
-    """``pedestrian demo --properties``: print :func:`measure_properties` on a window of text."""
-    text = load_corpus(args.data)[:200_000]
-    tokenizer = CharTokenizer.from_text(text)
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-    x, _ = TokenDataset(ids).get_batch(np.random.default_rng(args.seed), 2, 12)
-    print(f"text windows {x.shape}, first: {tokenizer.decode(x[0])!r}; float64 models with 2 blocks, "
-          "3 heads, d_model 24 (RoPE rotates half of each head's d_qk)")
-    print(f"\n{'positions':<10}{'mask':<8}{'property':<52}{'deviation':>10}  {'bound':<10}result")
-    rows = measure_properties(x, tokenizer.vocab_size, seed=args.seed)
-    for r in rows:
-        bound = ("<= " if r["kind"] == "equal" else ">  ") + f"{r['bound']:.0e}"
-        verdict = ("holds" if r["kind"] == "equal" else "broken, as stated") if r["ok"] else "NOT AS STATED"
-        print(f"{r['encoding']:<10}{r['mask']:<8}{r['claim']:<52}{r['deviation']:>10.2e}  {bound:<10}{verdict}")
-    failed = sum(not r["ok"] for r in rows)
-    print(f"\ndeviation: max|a − b| / max|b| over the compared arrays. {len(rows) - failed} of {len(rows)} "
-          f"properties as the paper states -> {'OK' if not failed else 'FAILED'}")
     return 0 if not failed else 1

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _tokens(data, tokenizer, val_fraction: float, split: str):
     from pathlib import Path
 
-    from ..data import BUNDLED_CORPUS
-    from ..tokens import encode_to_token_file
+    from ..text.data import BUNDLED_CORPUS
+    from ..text.tokens import encode_to_token_file
     from ..training import TrainingError, split_tokens
 
     corpus = Path(data).expanduser() if data else BUNDLED_CORPUS

@@ -30,19 +30,8 @@ from __future__ import annotations
 import argparse
 
 from ..config import CONFIG_FIELDS, GPTConfig
-from ..explain import ELEMENTWISE, explain_rows, totals
+from ..paper.explain import explain_table
 from .params import add_config_arguments, config_from_args
-
-
-def _human(n: float, unit: str = "") -> str:
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= factor:
-            return f"{n / factor:.2f} {prefix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**14 else f"{n} B"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +87,8 @@ def _vocab_size(settings) -> int:
     """The vocabulary a training run would get: BPE's size setting, or the corpus' characters."""
     if settings.tokenizer == "bpe":
         return settings.bpe_vocab_size
-    from ..data import load_corpus
-    from ..tokenizer import CharTokenizer
+    from ..text.data import load_corpus
+    from ..text.tokenizer import CharTokenizer
 
     return CharTokenizer.from_text(load_corpus(settings.data)).vocab_size
 
@@ -108,41 +97,5 @@ def run(args: argparse.Namespace) -> int:
     config, run_batch, dtype = _resolve(args)
     B = args.batch_size if args.batch_size is not None else (run_batch or 1)
     T = args.seq_len if args.seq_len is not None else config.context_length
-    itemsize = 8 if dtype == "float64" else 4
-    rows = explain_rows(config, B, T, itemsize)
-    tot = totals(config, rows, B, T, itemsize)
-    c = config
-    print(f"config: {c}")
-    print(f"B={B} T={T} d={c.d_model} H={c.n_heads} d_qk={c.d_qk} d_h={c.d_head} d_mlp={c.d_mlp} V={c.vocab_size} "
-          f"n_blocks={c.n_blocks}, {dtype}, positions: {c.position_encoding}")
-    header = (f"{'a_i':<5}{'shape':<18}{'forward':<40}{'parameters':<24}{'fwd FLOPs':>12}  "
-              f"{'Δ_i (backward)':<48}{'bwd FLOPs':>12}{'memory':>12}")
-    print("\n" + header + "\n" + "-" * len(header))
-    in_block = False
-    for r in rows:
-        if r.per_block and not in_block:
-            print(f"  block i, for i = 0 … {c.n_blocks - 1} (x = a1, then the previous block's a10):")
-            in_block = True
-        elif not r.per_block and in_block:
-            in_block = False
-        shape = "()" if not r.shape else "(" + ", ".join(str(s) for s in r.shape) + ")"
-        print(f"{r.name:<5}{shape:<18}{r.forward:<40}{r.params:<24}{_human(r.fwd_flops):>12}  "
-              f"{r.backward:<48}{_human(r.bwd_flops):>12}{_mib(r.memory):>12}")
-    print("-" * len(header))
-    print(f"one step: forward {_human(tot['fwd'], 'FLOP')}, backward {_human(tot['bwd'], 'FLOP')}, "
-          f"total {tot['step']:,} FLOPs ({_human(tot['step'], 'FLOP')}); block rows × {c.n_blocks}")
-    print(f"  matrix products alone: {tot['matmul_step']:,} ({_human(tot['matmul_step'], 'FLOP')}, "
-          f"{100 * tot['matmul_step'] / tot['step']:.1f}% of the total)")
-    print(f"  6·N·tokens rule: 6 × {tot['n_params']:,} parameters × {tot['tokens']:,} tokens = "
-          f"{tot['six_n']:,} ({_human(tot['six_n'], 'FLOP')}); exact / rule = {tot['step'] / tot['six_n']:.3f}")
-    print("    (the rule is 2 FLOPs per parameter per token forward and 4 backward: it leaves out the attention's\n"
-          "    q kᵀ and P v and the elementwise work, and counts the embedding tables as if they were products)")
-    print(f"memory kept by the forward: {_mib(tot['memory'])}; parameters, gradients and the two AdamW "
-          f"moments: {_mib(tot['params_memory'])} ({tot['n_params']:,} parameters, {itemsize} bytes each)")
-    print("elementwise costs (operations per element, forward / backward): "
-          + ", ".join(f"{k} {v['fwd']}/{v['bwd']}" for k, v in ELEMENTWISE.items() if k != "layernorm")
-          + f", layernorm {ELEMENTWISE['layernorm']['fwd']}/{ELEMENTWISE['layernorm']['bwd']} (+1/+1 with β, "
-          f"+{ELEMENTWISE['layernorm']['per_row_fwd']} per row forward)")
-    if c.dropout > 0:
-        print(f"dropout {c.dropout}: its masks (three per block and one after the embedding) are not in the table")
+    print(explain_table(config, B, T, dtype))
     return 0

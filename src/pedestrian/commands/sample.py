@@ -39,21 +39,17 @@ Behaviour:
     inside a "\\n\\n" token; a stop may span several tokens), and only on the generated text,
     not on the prompt. The output ends right before the first stop: neither the stop token nor
     the stop text is printed (text that may still begin a stop string is held back until it
-    is decided). Past the context length the window slides (see pedestrian.generate).
+    is decided). Past the context length the window slides (see pedestrian.generation.generate).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+import warnings
 from typing import TextIO
 
-import numpy as np
-
-from ..tokenizer import StopText
-
-EOT = "<|endoftext|>"
+from ..generation.prompts import check_completion, complete, encode_prompt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,18 +127,6 @@ def _load_model(args: argparse.Namespace):
                     "GPT-2 directory)")
 
 
-def _special_id(tokenizer, text: str) -> int | None:
-    return getattr(tokenizer, "special_tokens", {}).get(text)
-
-
-def _stop_ids(tokenizer, args) -> list[int]:
-    stops = list(args.stop_id)
-    eot = _special_id(tokenizer, EOT)
-    if eot is not None and not args.ignore_eot:
-        stops.append(eot)
-    return stops
-
-
 def _prompt_texts(args: argparse.Namespace) -> list[str]:
     """The prompts of ``--prompt`` (repeatable) and ``--prompts-file`` (one per line), in that order;
     ``[""]`` when none is given."""
@@ -164,154 +148,63 @@ def _prompt_texts(args: argparse.Namespace) -> list[str]:
     return texts or [""]
 
 
-def _encode_prompt(tokenizer, text: str, what: str) -> list[int]:
-    """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` when there is one."""
-    from ..tokenizer import UnknownCharacterError, check_text
-
-    check_text(text, what)                              # bytes that are not UTF-8 on the command line
-    try:
-        ids = tokenizer.encode(text)                    # a char tokenizer raises on unknown chars
-    except UnknownCharacterError as exc:
-        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
-        raise ValueError(f"{what} has {len(exc.unknown)} character(s) this model's character vocabulary "
-                         f"lacks ({shown}); use only characters that occur in its training text, or "
-                         "train with --tokenizer bpe (which encodes any text)") from None
-    if not ids:
-        eot = _special_id(tokenizer, EOT)
-        if eot is None:
-            raise ValueError(f"{what} is empty and this tokenizer has no <|endoftext|> token to "
-                             "start from; give at least one character")
-        ids = [eot]
-    return ids
+def flag(name: str) -> str:
+    """A setting's flag, for the library's messages: ``top_p`` -> ``--top-p``."""
+    return "--" + {"stop_ids": "stop_id"}.get(name, name).replace("_", "-")
 
 
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
                err: TextIO | None = None) -> int:
-    """The body of ``pedestrian sample`` once the model and tokenizer are loaded.
-
-    Args:
-        model: a :class:`~pedestrian.model.GPT`; tokenizer: a Char/BPE tokenizer.
-        args: parsed ``pedestrian sample`` arguments (the model-source flags are not used).
-        out / err: text streams (default ``sys.stdout`` / ``sys.stderr``).
-
-    Only ids below ``tokenizer.vocab_size`` are sampled (``generate(vocab_limit=...)``), so a
-    model with a padded vocabulary never produces an id the tokenizer cannot decode. ``--stop``
-    strings are matched on the decoded text (:class:`~pedestrian.tokenizer.StopText`).
+    """The body of ``pedestrian sample`` once the model and tokenizer are loaded: the prompts,
+    :func:`pedestrian.generation.prompts.complete`, and the printing (to ``out`` / ``err``,
+    default ``sys.stdout`` / ``sys.stderr``). One prompt and sample streams its text as it comes.
 
     Raises:
-        ValueError: bad sampling settings, an empty prompt without ``<|endoftext|>``, an
-            unknown character for a char tokenizer, an empty ``--stop``, a tokenizer larger
-            than the model; NaN logits while generating (see :mod:`pedestrian.sampling`).
+        ValueError: a bad setting (named by its flag) or prompt (see
+            :mod:`pedestrian.generation.prompts`); NaN logits while generating.
     """
-    from ..generate import generate
-    from ..sampling import check_sampling
-    from ..tokenizer import check_text
-
-    import warnings
-
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1] (1 = no nucleus filter), got {args.top_p:g}; "
-                         "for greedy decoding use --temperature 0")
-    if args.top_k is not None and args.top_k < 1:
-        raise ValueError(f"--top-k must be a positive integer, got {args.top_k}")
-    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
-        raise ValueError(f"--min-p must be in [0, 1] (0 = no min-p filter), got {args.min_p:g}")
-    if args.repetition_penalty is not None and not (np.isfinite(args.repetition_penalty)
-                                                    and args.repetition_penalty > 0):
-        raise ValueError(f"--repetition-penalty must be a finite number > 0 (1 = none, e.g. 1.2), "
-                         f"got {args.repetition_penalty:g}")
-    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty)
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if any(text == "" for text in args.stop):
-        raise ValueError("--stop needs a non-empty text (an empty stop string would end every sample "
-                         "before its first token)")
-    for i, text in enumerate(args.stop):            # bytes that are not UTF-8: it could never match
-        check_text(text, "--stop" if len(args.stop) == 1 else f"--stop {i + 1}")
-    C = model.config.context_length
-    if not 1 <= args.window_shift <= C:
-        raise ValueError(f"--window-shift must be in [1, context_length={C}] (window_shift), "
-                         f"got {args.window_shift}")
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                         f"{model.config.vocab_size}; they do not belong together")
+    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repetition_penalty, num_samples=args.num_samples,
+                    stop=list(args.stop), stop_ids=list(args.stop_id), window_shift=args.window_shift)
+    check_completion(model, tokenizer, max_new_tokens=args.max_new_tokens, named=flag, **settings)
     prompts = _prompt_texts(args)
     given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
     only = "the --prompt" if given else "no --prompt was given, so the prompt"      # a single prompt
-    prompt_ids = [_encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
+    prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]
-    stops = _stop_ids(tokenizer, args)
-    V = model.config.vocab_size
-    bad = [i for i in args.stop_id if not 0 <= i < V]
-    if bad:
-        raise ValueError(f"--stop-id {bad[0]} is not a token id of this model: ids are 0 ... {V - 1}")
-    stop_set = set(stops)
+    C = model.config.context_length
     for i, ids in enumerate(prompt_ids):
         if len(ids) > C:
             which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
             err.write(f"warning: {which} has {len(ids)} tokens but the model's context is {C}: "
                       f"only the last {C} condition the generation\n")
             err.flush()
-    row_prompts = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
-    B = len(row_prompts)
-    row_ids = [np.asarray(prompt_ids[i], dtype=np.int64) for i, _ in row_prompts]
-    prompt = row_ids if len({len(r) for r in row_ids}) > 1 else np.stack(row_ids)
+    streaming = len(prompts) * args.num_samples == 1
 
-    streaming = B == 1
-    rows = [StopText(tokenizer, list(args.stop)) for _ in range(B)]
-    texts: list[list[str]] = [[] for _ in range(B)]
-    done = np.zeros(B, dtype=bool)
-
-    def emit(i: int, text: str) -> None:
-        if not text:
-            return
-        if streaming:
-            out.write(text)
-            out.flush()
-        else:
-            texts[i].append(text)
-
-    def on_token(ids):
-        for i, token in enumerate(ids.tolist()):
-            if done[i]:
-                continue
-            if token in stop_set:                      # generate() ends the row too
-                done[i] = True
-                continue
-            emit(i, rows[i].push(token))
-            done[i] = rows[i].stopped
-        return done.copy()
+    def stream(row: int, text: str) -> None:
+        out.write(text)
+        out.flush()
 
     if streaming:
-        out.write(prompts[0])
-        out.flush()
-    t0 = time.perf_counter()
+        stream(0, prompts[0])
     with warnings.catch_warnings():                     # already said above, in one line
         warnings.filterwarnings("ignore", message="the prompt has", category=UserWarning)
-        tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          stop_tokens=stops or None, use_cache=not args.no_cache, on_token=on_token,
-                          window_shift=args.window_shift, vocab_limit=tokenizer.vocab_size)
-    seconds = time.perf_counter() - t0
-    for i in range(B):
-        emit(i, rows[i].finish())
+        done = complete(model, tokenizer, prompt_ids, args.max_new_tokens, seed=args.seed,
+                        ignore_eot=args.ignore_eot, use_cache=not args.no_cache,
+                        on_text=stream if streaming else None, **settings)
     if streaming:
         out.write("\n")
-    else:
-        for b, (i, j) in enumerate(row_prompts):
-            label = (f"sample {j + 1}" if len(prompts) == 1 else
-                     f"prompt {i + 1}" if args.num_samples == 1 else f"prompt {i + 1}, sample {j + 1}")
-            out.write(f"--- {label} ---\n{prompts[i]}{''.join(texts[b])}\n")
+    for (i, j), text in zip(done.rows, done.texts) if not streaming else ():
+        label = (f"sample {j + 1}" if len(prompts) == 1 else
+                 f"prompt {i + 1}" if args.num_samples == 1 else f"prompt {i + 1}, sample {j + 1}")
+        out.write(f"--- {label} ---\n{prompts[i]}{text}\n")
     out.flush()
     if args.stats:
-        n_new = len(tokens[0]) - len(row_ids[0])
-        err.write(f"[{n_new} new tokens x {B} in {seconds:.3f} s: "
-                  f"{n_new * B / max(seconds, 1e-12):.1f} tokens/s, "
+        B = len(done.rows)
+        err.write(f"[{done.new_tokens} new tokens x {B} in {done.seconds:.3f} s: "
+                  f"{done.new_tokens * B / max(done.seconds, 1e-12):.1f} tokens/s, "
                   f"{'uncached' if args.no_cache else 'KV cache'}]\n")
     return 0
 

@@ -88,11 +88,11 @@ def settings_from_args(args: argparse.Namespace):
 
 def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
     """``n`` samples of about ``chars`` characters from ``out/best`` (or ``out/latest``):
-    temperature 0.8, top-k 40, seed 0 (:func:`pedestrian.generate.generate`)."""
+    temperature 0.8, top-k 40, seed 0 (:func:`pedestrian.generation.generate.generate`)."""
     import numpy as np
 
     from ..checkpoint import load_checkpoint
-    from ..generate import generate
+    from ..generation.generate import generate
 
     folder = out / "best" if (out / "best" / "state.json").is_file() else out / "latest"
     ckpt = load_checkpoint(folder)

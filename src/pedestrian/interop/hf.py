@@ -168,7 +168,7 @@ def load_hf_tokenizer(hf_dir):
         FileNotFoundError: none of those files.
         ValueError: a file ``tokenizers`` cannot read, or one that is not byte-level BPE.
     """
-    from ..tokenizer import BPETokenizer, load_tokenizer
+    from ..text.tokenizer import BPETokenizer, load_tokenizer
 
     d = Path(hf_dir).expanduser()
     if (d / "tokenizer.json").is_file():
@@ -203,11 +203,11 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Path], None]]:
     """Files that describe ``tokenizer`` in a Hugging Face directory.
 
-    A :class:`~pedestrian.tokenizer.BPETokenizer` becomes ``tokenizer.json`` (plus
+    A :class:`~pedestrian.text.tokenizer.BPETokenizer` becomes ``tokenizer.json`` (plus
     ``vocab.json``/``merges.txt`` and a ``tokenizer_config.json`` naming ``GPT2Tokenizer``); a
     character tokenizer, which GPT-2 has no format for, becomes ``pedestrian_tokenizer.json``.
     """
-    from ..tokenizer import BPETokenizer
+    from ..text.tokenizer import BPETokenizer
 
     if tokenizer is None:
         return {}

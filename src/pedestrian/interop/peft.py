@@ -49,7 +49,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..config import GPTConfig, fc_layers
-from ..inputs import check_finite_state
+from ..model.inputs import check_finite_state
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
 

@@ -81,7 +81,7 @@ def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 
             ``h`` owns columns ``h·d_qk …`` of the q and of the k part), float.
         n_heads, d_qk: the head layout.
         positions: integer positions ``(T,)`` or ``(B, T)``; ``None`` for ``0 … T-1``. A KV-cache
-            step passes the cache's positions (:meth:`pedestrian.kv_cache.KVCache.positions`), so
+            step passes the cache's positions (:meth:`pedestrian.model.kv_cache.KVCache.positions`), so
             cached keys are stored already rotated.
         base: RoPE's base (10,000 in RoFormer and GPT-NeoX).
         rotated: ``r``, the even number of dimensions rotated per head (``None``: ``d_qk``, or

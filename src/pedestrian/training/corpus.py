@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import BUNDLED_CORPUS, iter_corpus_pieces, iter_train_pieces
-from ..tokens import encode_to_token_file
+from ..text.data import BUNDLED_CORPUS, iter_corpus_pieces, iter_train_pieces
+from ..text.tokens import encode_to_token_file
 from .settings import TrainSettings
 from .step import TrainingError
 
@@ -21,9 +21,9 @@ def build_tokenizer(settings: TrainSettings, corpus: Path):
     ``char``: the sorted set of characters of the whole corpus (train and validation, so the
     validation text never holds an unknown character), read piece by piece. ``bpe``: byte-level
     BPE of ``bpe_vocab_size`` ids trained on the training split only, streamed piece by piece
-    (:func:`pedestrian.data.iter_train_pieces`).
+    (:func:`pedestrian.text.data.iter_train_pieces`).
     """
-    from ..tokenizer import BPETokenizer, CharTokenizer
+    from ..text.tokenizer import BPETokenizer, CharTokenizer
 
     if settings.tokenizer == "char":
         chars: set[str] = set()
@@ -37,7 +37,7 @@ def build_tokenizer(settings: TrainSettings, corpus: Path):
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """``(train, val)`` views: the last ``round(n · val_fraction)`` tokens are validation.
 
-    For the character tokenizer this is exactly :func:`pedestrian.data.split_train_val` (one
+    For the character tokenizer this is exactly :func:`pedestrian.text.data.split_train_val` (one
     token per character).
     """
     n = int(tokens.shape[0])
@@ -49,7 +49,7 @@ def prepare_data(settings: TrainSettings, tokenizer=None):
     """Tokenizer and the encoded train / validation token streams of the corpus.
 
     The corpus is encoded once into a token file cached beside it (memory-mapped; see
-    :func:`pedestrian.tokens.encode_to_token_file`).
+    :func:`pedestrian.text.tokens.encode_to_token_file`).
 
     Args:
         settings: uses ``data``, ``tokenizer``, ``bpe_vocab_size``, ``val_fraction`` and the
@@ -66,7 +66,7 @@ def prepare_data(settings: TrainSettings, tokenizer=None):
     """
     corpus = Path(settings.data).expanduser() if settings.data else BUNDLED_CORPUS
     if settings.data is None and not BUNDLED_CORPUS.is_dir():
-        from ..data import bundled_corpus
+        from ..text.data import bundled_corpus
 
         bundled_corpus()  # raises the explanatory error
     if tokenizer is None:

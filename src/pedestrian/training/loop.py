@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable
 
 from ..distributed import SingleProcess
-from ..finite import finite_or_none
+from ..model.finite import finite_or_none
 from .files import NoFiles
 from .optim import AdamW
 from .step import (TrainingError, empty_like, estimate_loss, non_finite_tensors, skip_reason, state_is_finite,

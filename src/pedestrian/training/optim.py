@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..backend import is_torch_array, to_numpy
-from ..finite import non_finite_counts, non_finite_report
+from ..model.finite import non_finite_counts, non_finite_report
 from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
 from ..kernels.jit import kernel, prange
 

@@ -53,11 +53,11 @@ import numpy as np
 from ..atomic import WriteError
 from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
 from ..config import GPTConfig
-from ..data import BUNDLED_CORPUS
+from ..text.data import BUNDLED_CORPUS
 from ..distributed import CommunicationError, process_group, reports_to_launcher
-from ..finite import finite_or_none
+from ..model.finite import finite_or_none
 from ..kernels.jit import threads_used
-from ..tokens import TokenDataset
+from ..text.tokens import TokenDataset
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .loop import Checkpoints, Trainer
@@ -245,7 +245,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         tokenizer, train_tokens, val_tokens = prepare_data(settings, tokenizer)
     shared = group.broadcast(tokenizer.to_dict() if group.is_writer else None, "the tokenizer")
     if not group.is_writer:
-        from ..tokenizer import load_tokenizer
+        from ..text.tokenizer import load_tokenizer
 
         tokenizer, train_tokens, val_tokens = prepare_data(settings, load_tokenizer(shared))
     config = settings.model_config(tokenizer.vocab_size)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import CONFIG_FIELDS, GPTConfig
-from ..data import BUNDLED_CORPUS
+from ..text.data import BUNDLED_CORPUS
 from ..distributed import DEVICES
 from ..settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
                         check, config_value, kind_of, setting, specs)

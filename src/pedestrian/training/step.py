@@ -46,7 +46,7 @@ import math
 import numpy as np
 
 from ..backend import is_torch_array
-from ..finite import non_finite_counts, non_finite_report
+from ..model.finite import non_finite_counts, non_finite_report
 from ..distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
 from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm

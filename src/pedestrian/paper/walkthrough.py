@@ -25,9 +25,11 @@ import math
 
 import numpy as np
 
-from .layers import attention_mask, linear_backward, linear_forward, softmax_backward, softmax_forward
+from ..layers import (attention_head_backward, attention_head_forward, attention_mask, linear_backward,
+                      linear_forward, softmax_backward, softmax_forward)
 
-__all__ = ["HEAD_INPUTS", "HEAD_KEYS", "HEAD_LABELS", "head_inputs", "head_example", "mask_comparison"]
+__all__ = ["HEAD_INPUTS", "HEAD_KEYS", "HEAD_LABELS", "head_inputs", "head_example", "mask_comparison",
+           "against_the_layer"]
 
 #: the inputs of the worked example: the head's input ``x = a_{i-1}``, its six parameters and the
 #: upstream error signal ``Δ = Δ_i^h``
@@ -222,3 +224,21 @@ def mask_comparison(inputs: dict | None = None, *, T: int = 4, d: int = 3, d_rho
                          delta_causal=delta_causal, delta_scaled=delta_scaled,
                          max_scaled_minus_causal=float(np.max(np.abs(delta_scaled - delta_causal))))
     return out
+
+
+def against_the_layer(ex: dict, causal: bool = True) -> tuple[float, float]:
+    """The example ``ex`` of :func:`head_example` checked: ``(diff, zero)``.
+
+    ``diff``: the largest ``|difference|`` between the step-by-step ``a``, ``Δ_{i-1}^h``,
+    ``Δcausal`` and six parameter gradients and those of the library's one-call reference layer
+    (:func:`pedestrian.layers.attention_head_forward` / ``_backward``) on the same inputs;
+    ``zero``: the largest ``|entry|`` of what must be 0 (the row sums of ``Δcausal``, ``∂L/∂b_k``).
+    Both are rounding in float64 (``pedestrian demo --head`` holds them to 1e-12).
+    """
+    out, cache = attention_head_forward(ex["x"][None], *(ex[k] for k in HEAD_INPUTS[1:-1]), causal=causal)
+    delta_in, grads, delta_causal = attention_head_backward(ex["delta"][None], cache)
+    pairs = [(out[0], ex["a"]), (delta_in[0], ex["delta_in"]), (delta_causal[0], ex["delta_causal"])]
+    pairs += [(grads[k.replace("_", "")], ex["d" + k]) for k in ("w_q", "b_q", "w_k", "b_k", "w_v", "b_v")]
+    diff = max(float(np.max(np.abs(np.asarray(u) - w))) for u, w in pairs)
+    zero = max(float(np.max(np.abs(ex["delta_causal"].sum(axis=1)))), float(np.max(np.abs(ex["db_k"]))))
+    return diff, zero

@@ -50,7 +50,7 @@ import numbers
 
 import numpy as np
 
-from .backend import is_torch_array, to_numpy
+from ..backend import is_torch_array, to_numpy
 
 __all__ = ["sample_next", "sample_unchecked", "filter_logits", "check_sampling", "NonFiniteLogitsError"]
 
@@ -60,8 +60,11 @@ class NonFiniteLogitsError(ValueError):
 
 
 def check_sampling(temperature, top_k, top_p, min_p=None, repetition_penalty=None,
-                   vocab_limit=None) -> None:
+                   vocab_limit=None, named=None) -> None:
     """Validate sampling settings (see :func:`sample_next` for their meaning).
+
+    ``named``: how a message names a setting, ``named("top_p")`` (default: the keyword itself;
+    ``pedestrian sample`` passes its flags, ``--top-p``), so one check serves both.
 
     Raises:
         ValueError: ``temperature`` negative or not finite; ``top_k < 1``; ``top_p`` outside
@@ -70,38 +73,47 @@ def check_sampling(temperature, top_k, top_p, min_p=None, repetition_penalty=Non
             finite number ``> 0``; ``vocab_limit < 1``.
         TypeError: ``top_k`` / ``vocab_limit`` not integers, the others not real numbers.
     """
-    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool):
-        raise TypeError(f"temperature must be a real number >= 0, got {temperature!r}")
+    n = named or str
+
+    def real(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+    def integer(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if not real(temperature):
+        raise TypeError(f"{n('temperature')} must be a real number >= 0, got {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        raise ValueError(f"{n('temperature')} must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None:
-        if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool):
-            raise TypeError(f"top_k must be a positive integer or None, got {top_k!r}")
+        if not integer(top_k):
+            raise TypeError(f"{n('top_k')} must be a positive integer or None, got {top_k!r}")
         if top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (or None for no top-k filter), got {top_k}")
+            raise ValueError(f"{n('top_k')} must be >= 1 (leave it unset for no top-k filter), got {top_k}")
     if top_p is not None:
-        if not isinstance(top_p, numbers.Real) or isinstance(top_p, bool):
-            raise TypeError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+        if not real(top_p):
+            raise TypeError(f"{n('top_p')} must be a number in (0, 1] or None, got {top_p!r}")
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p}; "
-                             "top_p=0 would keep no token -- for greedy decoding use temperature=0")
+            raise ValueError(f"{n('top_p')} must be in (0, 1] (1 = no nucleus filter), got {top_p:g}; "
+                             f"{n('top_p')}=0 would keep no token -- for greedy decoding use "
+                             f"{n('temperature')}=0")
     if min_p is not None:
-        if not isinstance(min_p, numbers.Real) or isinstance(min_p, bool):
-            raise TypeError(f"min_p must be a number in [0, 1] or None, got {min_p!r}")
+        if not real(min_p):
+            raise TypeError(f"{n('min_p')} must be a number in [0, 1] or None, got {min_p!r}")
         if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 = no min-p filter; it is a fraction of the "
-                             f"most likely token's probability), got {min_p}")
+            raise ValueError(f"{n('min_p')} must be in [0, 1] (0 = no min-p filter; it is a fraction of the "
+                             f"most likely token's probability), got {min_p:g}")
     if repetition_penalty is not None:
-        if not isinstance(repetition_penalty, numbers.Real) or isinstance(repetition_penalty, bool):
-            raise TypeError(f"repetition_penalty must be a number > 0 or None, got {repetition_penalty!r}")
+        if not real(repetition_penalty):
+            raise TypeError(f"{n('repetition_penalty')} must be a number > 0 or None, got {repetition_penalty!r}")
         if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = no penalty, > 1 "
-                             f"discourages repeats, e.g. 1.2), got {repetition_penalty}")
+            raise ValueError(f"{n('repetition_penalty')} must be a finite number > 0 (1 = no penalty, > 1 "
+                             f"discourages repeats, e.g. 1.2), got {repetition_penalty:g}")
     if vocab_limit is not None:
-        if not isinstance(vocab_limit, numbers.Integral) or isinstance(vocab_limit, bool):
-            raise TypeError(f"vocab_limit must be a positive integer or None, got {vocab_limit!r}")
+        if not integer(vocab_limit):
+            raise TypeError(f"{n('vocab_limit')} must be a positive integer or None, got {vocab_limit!r}")
         if vocab_limit < 1:
-            raise ValueError(f"vocab_limit must be >= 1 (the number of ids that may be sampled), "
+            raise ValueError(f"{n('vocab_limit')} must be >= 1 (the number of ids that may be sampled), "
                              f"got {vocab_limit}")
 
 

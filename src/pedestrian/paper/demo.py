@@ -2,18 +2,19 @@
 initialisation, so every path carries a visible signal (:func:`demo_model`, what ``pedestrian
 demo`` checks every gradient of), and the paper's statements about positions measured on such
 models (:func:`measure_properties`, sections 2-3: permutation equivariance and what breaks it,
-RoPE scores that depend only on offsets, the KV cache equal to a full forward).
+RoPE scores that depend only on offsets, the KV cache equal to a full forward), as text by
+:func:`properties_text`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .config import GPTConfig
-from .data import load_corpus
-from .model import GPT
-from .tokenizer import CharTokenizer
-from .tokens import TokenDataset
+from ..config import GPTConfig
+from ..model import GPT
+from ..text.data import load_corpus
+from ..text.tokenizer import CharTokenizer
+from ..text.tokens import TokenDataset
 
 
 def demo_model(data=None, seed: int = 0, kernels=None, rng=None):
@@ -83,7 +84,7 @@ def measure_properties(tokens: np.ndarray, vocab_size: int, seed: int = 0) -> li
     attention weights ``P`` of every block compared with those at ``0 … T-1``. KV cache: the
     tokens fed one at a time through a cache against one full forward.
     """
-    from .kv_cache import KVCache
+    from ..model.kv_cache import KVCache
 
     B, T = tokens.shape
     perm = np.random.default_rng(seed).permutation(T)
@@ -129,3 +130,32 @@ def measure_properties(tokens: np.ndarray, vocab_size: int, seed: int = 0) -> li
         record(encoding, True, "KV cache, token by token = full forward (§3)", "equal",
                _rel(stepped, full), EQUAL_BOUND)
     return out
+
+
+def properties_text(data=None, seed: int = 0) -> tuple[str, bool]:
+    """``(text, ok)``: :func:`measure_properties` on two windows of ``data`` (default: the bundled
+    Shakespeare; ``seed`` draws them and the models), one line per property with its deviation,
+    bound and verdict -- what ``pedestrian demo --properties`` prints; ``ok``: every property
+    behaves as the paper states.
+
+    Raises:
+        FileNotFoundError, UnicodeDecodeError, ValueError: ``data`` cannot be read as a corpus.
+    """
+    lines = []
+    say = lines.append
+    text = load_corpus(data)[:200_000]
+    tokenizer = CharTokenizer.from_text(text)
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    x, _ = TokenDataset(ids).get_batch(np.random.default_rng(seed), 2, 12)
+    say(f"text windows {x.shape}, first: {tokenizer.decode(x[0])!r}; float64 models with 2 blocks, "
+        "3 heads, d_model 24 (RoPE rotates half of each head's d_qk)")
+    say(f"\n{'positions':<10}{'mask':<8}{'property':<52}{'deviation':>10}  {'bound':<10}result")
+    rows = measure_properties(x, tokenizer.vocab_size, seed=seed)
+    for r in rows:
+        bound = ("<= " if r["kind"] == "equal" else ">  ") + f"{r['bound']:.0e}"
+        verdict = ("holds" if r["kind"] == "equal" else "broken, as stated") if r["ok"] else "NOT AS STATED"
+        say(f"{r['encoding']:<10}{r['mask']:<8}{r['claim']:<52}{r['deviation']:>10.2e}  {bound:<10}{verdict}")
+    failed = sum(not r["ok"] for r in rows)
+    say(f"\ndeviation: max|a − b| / max|b| over the compared arrays. {len(rows) - failed} of {len(rows)} "
+        f"properties as the paper states -> {'OK' if not failed else 'FAILED'}")
+    return "\n".join(lines), not failed

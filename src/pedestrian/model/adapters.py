@@ -14,9 +14,9 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .backend import to_numpy
-from .config import fc_layers, lora_layer_values, lora_specs
-from .flat import FlatParams, lora_regions
+from ..backend import to_numpy
+from ..config import fc_layers, lora_layer_values, lora_specs
+from .params import FlatParams, lora_regions
 
 __all__ = ["LoRAAdapters"]
 

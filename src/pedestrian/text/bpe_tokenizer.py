@@ -4,7 +4,7 @@ all the BPE work: a ``ByteLevel`` pre-tokenizer and decoder as in GPT-2, trained
 ``merges.txt`` pair.
 
 This module reads no files of a corpus: :meth:`BPETokenizer.train` takes an iterable of texts
-(stream a corpus into it with :func:`pedestrian.data.iter_corpus_pieces`).
+(stream a corpus into it with :func:`pedestrian.text.data.iter_corpus_pieces`).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class BPETokenizer(SavesJSON):
         Args:
             texts: one training text (a ``str``), or an iterable of texts consumed once, piece by
                 piece, so a corpus never has to be in memory: e.g.
-                ``pedestrian.data.iter_corpus_pieces(path)`` (whose pieces end where byte-level
+                ``pedestrian.text.data.iter_corpus_pieces(path)`` (whose pieces end where byte-level
                 pre-tokenisation cuts anyway, so the result equals training on their join).
             vocab_size: target vocabulary size, ``>= 256 + len(special_tokens)``.
             special_tokens: tokens never split or merged, e.g. an end-of-text marker.
@@ -173,7 +173,7 @@ class BPETokenizer(SavesJSON):
         elif isinstance(texts, os.PathLike):
             raise TypeError(
                 f"BPETokenizer.train takes texts, not a path ({os.fspath(texts)!r}); stream a corpus "
-                "file or folder with BPETokenizer.train(pedestrian.data.iter_corpus_pieces(path), ...)"
+                "file or folder with BPETokenizer.train(pedestrian.text.data.iter_corpus_pieces(path), ...)"
             )
         seen = [0]  # characters handed to the trainer so far
 
@@ -182,7 +182,7 @@ class BPETokenizer(SavesJSON):
                 if not isinstance(t, str):
                     raise TypeError(
                         f"BPETokenizer.train takes str texts, got {type(t).__name__}"
-                        + ("; stream a path with pedestrian.data.iter_corpus_pieces(path)"
+                        + ("; stream a path with pedestrian.text.data.iter_corpus_pieces(path)"
                            if isinstance(t, os.PathLike) else "")
                     )
                 check_text(t, "the training text", offset=seen[0])

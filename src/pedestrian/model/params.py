@@ -15,8 +15,8 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from .backend import persistent, to_numpy
-from .config import GPTConfig, lora_specs, param_specs
+from ..backend import persistent, to_numpy
+from ..config import GPTConfig, lora_specs, param_specs
 from .inputs import check_finite_state
 
 __all__ = ["FC", "FlatBuffer", "FlatParams", "FlatParameters", "Norm", "base_regions", "lora_regions"]
@@ -129,7 +129,7 @@ class FlatParameters:
 
     Expects ``config``, ``xp``, ``dtype``, ``dtype_name``, ``device``, ``backend``, ``params``,
     ``_base`` / ``_grad_base`` (base :class:`FlatParams`), ``_base_names`` and the adapters'
-    ``_lora`` / ``_grad_lora`` / ``freeze_base`` (:class:`~pedestrian.adapters.LoRAAdapters`).
+    ``_lora`` / ``_grad_lora`` / ``freeze_base`` (:class:`~pedestrian.model.adapters.LoRAAdapters`).
     """
 
     def to_xp(self, value):
@@ -164,7 +164,7 @@ class FlatParameters:
         Raises:
             ValueError: missing or unexpected names (when ``strict``) or shape mismatches; the
                 message lists every problem, and no parameter has been changed. Also a value that
-                is NaN or ±inf in the model's dtype (:func:`check_finite_state <pedestrian.inputs.check_finite_state>`), nothing changed.
+                is NaN or ±inf in the model's dtype (:func:`check_finite_state <pedestrian.model.inputs.check_finite_state>`), nothing changed.
         """
         problems = []
         missing = [k for k in self.params if k not in state]

@@ -10,9 +10,9 @@ from typing import Mapping
 
 import numpy as np
 
-from .backend import array_namespace, is_torch_array, to_numpy
+from ..backend import array_namespace, is_torch_array, to_numpy
+from ..layers.loss import IGNORE_INDEX
 from .finite import non_finite_counts, non_finite_report
-from .layers.loss import IGNORE_INDEX
 
 __all__ = ["check_tokens", "check_targets", "check_cache", "check_finite_state", "as_tokens", "as_signal"]
 

@@ -30,10 +30,10 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     blocks.{i}.mlp_expand.weight (d, d_mlp)  .bias     blocks.{i}.mlp_contract.weight (d_mlp, d) .bias
     ln_final.weight / .bias
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
-    X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (:mod:`pedestrian.adapters`)
+    X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (:mod:`pedestrian.model.adapters`)
 
-Storage: :mod:`pedestrian.flat` (every parameter and gradient a view into one flat buffer; a
-block's q, k, v one fused ``attn.qkv`` layer). Input checks: :mod:`pedestrian.inputs`.
+Storage: :mod:`pedestrian.model.params` (every parameter and gradient a view into one flat buffer; a
+block's q, k, v one fused ``attn.qkv`` layer). Input checks: :mod:`pedestrian.model.inputs`.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ..backend import namespace_for, resolve_dtype
+from ..config import GPTConfig, param_specs
+from ..kernels import kernels_for
+from ..kernels.workspace import Workspace
 from .adapters import LoRAAdapters
-from .backend import namespace_for, resolve_dtype
-from .config import GPTConfig, param_specs
-from .flat import FC, FlatBuffer, FlatParameters, FlatParams, base_regions
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
-from .kernels import kernels_for
-from .kernels.workspace import Workspace
 from .kv_cache import KVCache
+from .params import FC, FlatBuffer, FlatParameters, FlatParams, base_regions
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer"]
 
@@ -139,7 +139,7 @@ class GPT(FlatParameters, LoRAAdapters):
                 (NumPy array, list, or -- on the torch backend -- a tensor).
             targets: optional ``(B, T)`` ids (``tokens`` shifted by one) or ``-100`` to ignore;
                 when given the mean loss is computed (:meth:`loss`).
-            kv_cache: a :class:`~pedestrian.kv_cache.KVCache`: the tokens continue the cached
+            kv_cache: a :class:`~pedestrian.model.kv_cache.KVCache`: the tokens continue the cached
                 ones (positions from ``kv_cache.positions``; RoPE rotates the new keys by them
                 before they are cached), their keys and values are appended,
                 and ``kv_cache.length`` grows by ``T`` (generation; no backward follows).
@@ -147,7 +147,7 @@ class GPT(FlatParameters, LoRAAdapters):
                 (one slice of a larger batch: the slices' losses and gradients then add up).
             keep_activations: ``False`` keeps only the logits (no :meth:`activations`,
                 :meth:`attention_weights` or backward for this step): each block's arrays are
-                let go when the block ends. For inference loops (:func:`pedestrian.generate.generate`
+                let go when the block ends. For inference loops (:func:`pedestrian.generation.generate.generate`
                 passes it: measured 10 µs of ~340 per token at char-small widths).
 
         Returns:

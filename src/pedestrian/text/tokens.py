@@ -4,7 +4,7 @@ random training windows from it.
     tokens = encode_to_token_file(path, tokenizer)        # 1-D uint16/uint32 np.memmap, cached
     x, y   = TokenDataset(tokens).get_batch(rng, B, T)    # int64 (B, T) each, y = x shifted
 
-The corpus is read by :mod:`pedestrian.data` (its rules: strict UTF-8, a folder's ``*.txt``
+The corpus is read by :mod:`pedestrian.text.data` (its rules: strict UTF-8, a folder's ``*.txt``
 files joined with ``"\\n"``); this module only encodes what it yields.
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .atomic import reporting, write_all, write_file
+from ..atomic import reporting, write_all, write_file
 from .data import CorpusError, PathLike, corpus_digest, corpus_files, iter_corpus_pieces, iter_text_pieces
 from .tokenizer_base import check_text
 
@@ -100,8 +100,8 @@ def encode_to_token_file(
         text_or_path: an ``os.PathLike`` (e.g. ``pathlib.Path``) to a corpus file or folder
             (rules as in :func:`load_corpus`), or a ``str`` holding the text itself. A plain
             ``str`` is always treated as text, never as a path -- wrap paths in ``Path``.
-        tokenizer: a :class:`~pedestrian.tokenizer.CharTokenizer` or
-            :class:`~pedestrian.tokenizer.BPETokenizer` (anything with ``encode``,
+        tokenizer: a :class:`~pedestrian.text.tokenizer.CharTokenizer` or
+            :class:`~pedestrian.text.tokenizer.BPETokenizer` (anything with ``encode``,
             ``vocab_size`` and ``to_dict``).
         cache_dir: explicit folder for the token file.
 

@@ -1,7 +1,8 @@
 """The paper's table for a model: every activation a_i and error signal Δ_i of one training step,
 with its shape, formula, the parameters it touches, forward and backward FLOPs and the memory the
 forward keeps for it (:func:`explain_rows`), and the step's totals beside the 6·N·tokens rule
-(:func:`totals`). Nothing is allocated; ``pedestrian explain`` prints it.
+(:func:`totals`), laid out as text by :func:`explain_table`. Nothing is allocated; ``pedestrian
+explain`` prints it.
 
 FLOPs: every matrix product exactly, 2 per multiply-add (forward; the backward computes two
 products per fully connected layer, Δ_in = Δ Wᵀ and dW = xᵀ Δ, and four in the attention).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import GPTConfig, count_params
+from ..config import GPTConfig, count_params
 
 
 #: arithmetic operations per element of the reference layers (see the module docstring);
@@ -165,3 +166,62 @@ def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int) -> int:
     attention = 2 * batch_size * H * seq_len * seq_len * (c.d_qk + c.d_head)
     forward = c.n_blocks * (per_block + attention) + 2 * N * c.d_model * c.vocab_size
     return 3 * forward
+
+
+def _human(n: float, unit: str = "") -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**14 else f"{n} B"
+
+
+def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str = "float32") -> str:
+    """The table ``pedestrian explain`` prints: a header with the config, one line per row of
+    :func:`explain_rows` (one block's rows once), and the :func:`totals` (FLOPs beside the
+    6·N·tokens rule, the memory kept, the elementwise costs). ``dtype``: ``"float32"`` or
+    ``"float64"``, the memory column's."""
+    B, T = batch_size, seq_len
+    itemsize = 8 if dtype == "float64" else 4
+    lines = []
+    say = lines.append
+    rows = explain_rows(config, B, T, itemsize)
+    tot = totals(config, rows, B, T, itemsize)
+    c = config
+    say(f"config: {c}")
+    say(f"B={B} T={T} d={c.d_model} H={c.n_heads} d_qk={c.d_qk} d_h={c.d_head} d_mlp={c.d_mlp} V={c.vocab_size} "
+        f"n_blocks={c.n_blocks}, {dtype}, positions: {c.position_encoding}")
+    header = (f"{'a_i':<5}{'shape':<18}{'forward':<40}{'parameters':<24}{'fwd FLOPs':>12}  "
+              f"{'Δ_i (backward)':<48}{'bwd FLOPs':>12}{'memory':>12}")
+    say("\n" + header + "\n" + "-" * len(header))
+    in_block = False
+    for r in rows:
+        if r.per_block and not in_block:
+            say(f"  block i, for i = 0 … {c.n_blocks - 1} (x = a1, then the previous block's a10):")
+            in_block = True
+        elif not r.per_block and in_block:
+            in_block = False
+        shape = "()" if not r.shape else "(" + ", ".join(str(s) for s in r.shape) + ")"
+        say(f"{r.name:<5}{shape:<18}{r.forward:<40}{r.params:<24}{_human(r.fwd_flops):>12}  "
+            f"{r.backward:<48}{_human(r.bwd_flops):>12}{_mib(r.memory):>12}")
+    say("-" * len(header))
+    say(f"one step: forward {_human(tot['fwd'], 'FLOP')}, backward {_human(tot['bwd'], 'FLOP')}, "
+        f"total {tot['step']:,} FLOPs ({_human(tot['step'], 'FLOP')}); block rows × {c.n_blocks}")
+    say(f"  matrix products alone: {tot['matmul_step']:,} ({_human(tot['matmul_step'], 'FLOP')}, "
+        f"{100 * tot['matmul_step'] / tot['step']:.1f}% of the total)")
+    say(f"  6·N·tokens rule: 6 × {tot['n_params']:,} parameters × {tot['tokens']:,} tokens = "
+        f"{tot['six_n']:,} ({_human(tot['six_n'], 'FLOP')}); exact / rule = {tot['step'] / tot['six_n']:.3f}")
+    say("    (the rule is 2 FLOPs per parameter per token forward and 4 backward: it leaves out the attention's\n"
+        "    q kᵀ and P v and the elementwise work, and counts the embedding tables as if they were products)")
+    say(f"memory kept by the forward: {_mib(tot['memory'])}; parameters, gradients and the two AdamW "
+        f"moments: {_mib(tot['params_memory'])} ({tot['n_params']:,} parameters, {itemsize} bytes each)")
+    say("elementwise costs (operations per element, forward / backward): "
+        + ", ".join(f"{k} {v['fwd']}/{v['bwd']}" for k, v in ELEMENTWISE.items() if k != "layernorm")
+        + f", layernorm {ELEMENTWISE['layernorm']['fwd']}/{ELEMENTWISE['layernorm']['bwd']} (+1/+1 with β, "
+        f"+{ELEMENTWISE['layernorm']['per_row_fwd']} per row forward)")
+    if c.dropout > 0:
+        say(f"dropout {c.dropout}: its masks (three per block and one after the embedding) are not in the table")
+    return "\n".join(lines)

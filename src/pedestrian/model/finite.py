@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
-from .backend import to_numpy
+from ..backend import to_numpy
 
 __all__ = ["non_finite_counts", "non_finite_report", "finite_or_none"]
 

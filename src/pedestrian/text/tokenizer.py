@@ -1,9 +1,9 @@
 """Tokenizers: a character-level one and byte-level BPE (GPT-2 style, via Hugging Face
 ``tokenizers``), a streaming decoder for generation, and saving/loading beside a checkpoint.
 
-- :class:`~pedestrian.char_tokenizer.CharTokenizer` -- one id per Unicode code point seen in the
+- :class:`~pedestrian.text.char_tokenizer.CharTokenizer` -- one id per Unicode code point seen in the
   training text.
-- :class:`~pedestrian.bpe_tokenizer.BPETokenizer` -- byte-level BPE: ``ByteLevel`` pre-tokenizer
+- :class:`~pedestrian.text.bpe_tokenizer.BPETokenizer` -- byte-level BPE: ``ByteLevel`` pre-tokenizer
   and decoder as in GPT-2, trained with ``BPETokenizer.train`` or read from a ``tokenizer.json``
   or a GPT-2 ``vocab.json`` + ``merges.txt`` pair. All the BPE work is done by ``tokenizers``.
 - :class:`StreamDecoder` -- turns generated ids into text one id at a time without ever
@@ -14,7 +14,7 @@
 Both classes share the interface ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``vocab_size``, ``token_bytes(id) -> bytes``, ``to_dict()`` / ``from_dict()``, ``save(path)`` /
 ``load(path)``; what they share in code (the text they accept, the ids they decode, the file
-format) is :mod:`pedestrian.tokenizer_base`. This module is where a reader imports them from.
+format) is :mod:`pedestrian.text.tokenizer_base`. This module is where a reader imports them from.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Text generation: the generation loop over the KV cache (paper section 3, side note).
 
 Each step is ``model.forward(new_tokens, kv_cache=cache)``: the same layer forwards as training,
-with every block's attention reading and extending the cache (:mod:`pedestrian.kv_cache`). A
+with every block's attention reading and extending the cache (:mod:`pedestrian.model.kv_cache`). A
 new token computes only its own ``q, k, v`` and takes one softmax row against the cached keys:
 O(current length) work per token instead of the O(length²) of a full forward pass, with the
 same logits (tested to 1e-10 relative in float64).
@@ -30,7 +30,7 @@ make it hold ``context_length + 1``:
 
 ``use_cache=False`` recomputes the window at every step, i.e. the ``"rebuild"`` rule.
 
-Sampling (temperature, top-k, top-p, greedy) lives in :mod:`pedestrian.sampling`.
+Sampling (temperature, top-k, top-p, greedy) lives in :mod:`pedestrian.generation.sampling`.
 
 Public API::
 
@@ -50,8 +50,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .backend import is_torch_array, to_numpy
-from .kv_cache import KVCache
+from ..backend import is_torch_array, to_numpy
+from ..model.kv_cache import KVCache
 from .sampling import check_sampling, filter_logits, sample_next, sample_unchecked  # noqa: F401 (re-exported)
 
 #: what generation does past the context length (module docstring)
@@ -208,9 +208,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             ``context_length`` tokens only, with a ``UserWarning``; the returned array still
             starts with the whole prompt.
         max_new_tokens: ``>= 0`` tokens to generate per row.
-        temperature, top_k, top_p, min_p: see :func:`~pedestrian.sampling.sample_next`
+        temperature, top_k, top_p, min_p: see :func:`~pedestrian.generation.sampling.sample_next`
             (``temperature=0``: greedy); applied in Hugging Face's order (see
-            :mod:`pedestrian.sampling`).
+            :mod:`pedestrian.generation.sampling`).
         repetition_penalty: ``None`` / ``1``: none; ``r > 0``: each row's seen tokens -- its
             whole prompt (also the part beyond the context) and every token generated so far,
             each counted once -- have a positive logit divided by ``r``, a negative one

@@ -4,11 +4,11 @@ The pipeline is::
 
     text   = load_corpus(path)                      # str (a file, or a folder of *.txt)
     train, val = split_train_val(text, 0.1)         # last 10 % of the characters -> val
-    tokens = encode_to_token_file(path, tokenizer)  # pedestrian.tokens: 1-D np.memmap, cached
-    x, y   = TokenDataset(tokens).get_batch(rng, B, T)   # pedestrian.tokens: int64 (B, T) each
+    tokens = encode_to_token_file(path, tokenizer)  # pedestrian.text.tokens: 1-D np.memmap, cached
+    x, y   = TokenDataset(tokens).get_batch(rng, B, T)   # pedestrian.text.tokens: int64 (B, T) each
 
 Corpus rules (shared by :func:`load_corpus`, :func:`iter_corpus_pieces`,
-:func:`iter_train_pieces` and :func:`pedestrian.tokens.encode_to_token_file`):
+:func:`iter_train_pieces` and :func:`pedestrian.text.tokens.encode_to_token_file`):
 
 - a *file* is read as strict UTF-8, byte for byte (no newline translation), except that a
   UTF-8 byte-order mark (``EF BB BF``) at the very start of a file is dropped, as Python's
@@ -19,7 +19,7 @@ Corpus rules (shared by :func:`load_corpus`, :func:`iter_corpus_pieces`,
 - a corpus with no text (no characters, or only whitespace) is an error.
 
 The bundled corpus (:data:`BUNDLED_CORPUS`) is 42 Shakespeare plays and poems from Project
-Gutenberg; it ships inside the package (``pedestrian/corpus/shakespeare``, with its
+Gutenberg; it ships inside the package (``pedestrian/text/corpus/shakespeare``, with its
 ``PROVENANCE.md``), so a wheel install trains on it too.
 """
 
@@ -48,7 +48,7 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: The bundled Shakespeare corpus: package data, ``pedestrian/corpus/shakespeare`` beside this
+#: The bundled Shakespeare corpus: package data, ``pedestrian/text/corpus/shakespeare`` beside this
 #: file, in a source checkout and in an installed wheel alike.
 BUNDLED_CORPUS: Path = Path(__file__).resolve().parent / "corpus" / "shakespeare"
 
@@ -80,7 +80,7 @@ def bundled_corpus() -> Path:
     """Return :data:`BUNDLED_CORPUS` after checking that it is there.
 
     Returns:
-        Path to the folder ``pedestrian/corpus/shakespeare`` of the installed package.
+        Path to the folder ``pedestrian/text/corpus/shakespeare`` of the installed package.
 
     Raises:
         CorpusNotFoundError (a ``FileNotFoundError``): the folder is missing (a damaged install,
@@ -338,7 +338,7 @@ def corpus_digest(path: PathLike | None = None) -> str:
     """A hex SHA-256 of a corpus's content: of each file's bytes, in corpus order (see
     :func:`load_corpus`), streamed in blocks. Two corpora with the same digest read as the same
     text; names, sizes and modification times play no part. This is the corpus part of the
-    token-cache key of :func:`pedestrian.tokens.encode_to_token_file`.
+    token-cache key of :func:`pedestrian.text.tokens.encode_to_token_file`.
 
     Raises:
         CorpusNotFoundError / CorpusError: as :func:`load_corpus` (a missing path, a folder

@@ -4,7 +4,8 @@
 training run (loss curve, gradient norms) are :mod:`pedestrian.training.files`'.
 
 Characters are labelled as themselves, with '⏎' for a newline and '␣' for a space
-(:func:`token_labels`). A PNG is written atomically (matplotlib, Agg).
+(:func:`token_labels`). A PNG is written atomically (matplotlib, Agg). What they show is
+computed by :func:`attention_maps`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,27 @@ def token_labels(tokenizer, ids) -> list[str]:
         text = text.replace("\n", "⏎").replace(" ", "␣").replace("\t", "⇥") or "∅"
         out.append(text if len(text) <= 8 else text[:7] + "…")
     return out
+
+
+def attention_maps(model, ids, gradients: bool = False) -> tuple[list, list | None, float | None]:
+    """``(weights, delta_causal, loss)`` of ``model`` on the token ids ``ids`` (one sequence).
+
+    ``weights``: per block, ``P`` as a float NumPy array ``(n_heads, T, T)``. Without
+    ``gradients`` a forward of ``ids`` (``T = len(ids)``; ``delta_causal`` and ``loss`` are
+    ``None``); with it one training step (paper section 3.2): the next-token loss of ``ids[:-1]``
+    predicting ``ids[1:]`` (``T = len(ids) - 1``) and, per block, ``Δcausal = ∂L/∂ρ_causal``
+    ``(n_heads, T, T)``. The model is put in evaluation mode (no dropout).
+    """
+    model.training = False
+    ids = np.asarray([ids], dtype=np.int64)
+    if not gradients:
+        model.forward(ids)
+        return [np.asarray(p)[0] for p in model.attention_weights()], None, None
+    loss = model.loss(ids[:, :-1], ids[:, 1:])
+    model.backward(keep_deltas=True)
+    deltas = model.deltas()
+    delta_causal = [np.asarray(deltas[f"blocks.{i}.Δcausal"])[0] for i in range(model.config.n_blocks)]
+    return [np.asarray(p)[0] for p in model.attention_weights()], delta_causal, float(loss)
 
 
 def plot_attention(weights: list, labels: list[str], path, *, title: str = "", dpi: int = 110) -> Path:
@@ -85,7 +107,7 @@ def _write_png(fig, path) -> Path:
 
     import matplotlib.pyplot as plt
 
-    from .atomic import write_file
+    from ..atomic import write_file
 
     png = io.BytesIO()
     try:

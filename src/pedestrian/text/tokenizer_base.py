@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from .atomic import write_file
+from ..atomic import write_file
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: the version of the tokenizer file format

@@ -26,7 +26,7 @@ kept keys stay valid because RoPE scores depend only on the offset between query
 (``"none"``: on nothing positional at all), and the positions of new tokens keep counting up
 (``offset``). A ``"learned"`` model cannot: its positions are absolute indices into a table of
 ``context_length`` rows, so past the context the cache is rebuilt from scratch
-(:mod:`pedestrian.generate`).
+(:mod:`pedestrian.generation.generate`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import numbers
 
 import numpy as np
 
-from .backend import asarray_like
-from .layers.attention import KVBlock
+from ..backend import asarray_like
+from ..layers.attention import KVBlock
 
 __all__ = ["KVCache", "KVBlock"]
 
@@ -121,7 +121,7 @@ class KVCache:
         (``offset`` grows by ``n``). A kept token's key and value are those it got when it was
         computed, with every earlier token (dropped ones included) in its context -- a sliding
         window over the keys, as in Mistral's rolling-buffer cache, not a recompute of the
-        window from scratch (module docstring; :mod:`pedestrian.generate`).
+        window from scratch (module docstring; :mod:`pedestrian.generation.generate`).
 
         Raises:
             ValueError: a learned-position model (its positions are absolute indices into a

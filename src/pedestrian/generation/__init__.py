@@ -1,0 +1,3 @@
+"""Generation: the decoding loop (``generate.py``) and the sampling rules it applies to each
+step's logits (``sampling.py``: temperature, top-k, top-p, min-p, repetition penalty).
+"""

@@ -1,0 +1,185 @@
+"""Text in, text out: prompts encoded, settings checked once, continuations decoded and cut at
+their stop strings -- what ``pedestrian sample`` runs, for any caller.
+
+Usage::
+
+    ids = [encode_prompt(tokenizer, text) for text in prompts]
+    check_completion(model, tokenizer, max_new_tokens=200, temperature=0.8, stop=["\\n\\n"])
+    done = complete(model, tokenizer, ids, 200, temperature=0.8, stop=["\\n\\n"], seed=0)
+    done.texts[row]                                   # the continuation of row ``row``, as text
+
+Rows are ``num_samples`` samples of each prompt, prompt by prompt (``done.rows[row] =
+(prompt, sample)``); prompts of different lengths are left-padded into one batch, each row
+computing what it would alone (:func:`pedestrian.generation.generate.generate`). A row ends at
+``<|endoftext|>`` (when the tokenizer has it and ``ignore_eot`` is false), at a ``stop_ids``
+token, or right before the first ``stop`` text it generates (matched on the decoded text however
+it is split into tokens, :class:`~pedestrian.text.tokenizer.StopText`); neither the stop token
+nor the stop text is part of the continuation. Only ids below ``tokenizer.vocab_size`` are
+sampled, so a model with a padded vocabulary (GPT-2's 50,304) never produces an id the tokenizer
+cannot decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..text.tokenizer import StopText, UnknownCharacterError, check_text
+from .generate import generate
+from .sampling import check_sampling
+
+EOT = "<|endoftext|>"
+
+__all__ = ["EOT", "Completion", "check_completion", "complete", "encode_prompt", "eot_id"]
+
+
+def eot_id(tokenizer) -> int | None:
+    """The id of ``<|endoftext|>`` in ``tokenizer``, or ``None`` when it has none."""
+    return getattr(tokenizer, "special_tokens", {}).get(EOT)
+
+
+def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
+    """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` (GPT-2's convention).
+
+    ``what`` names the prompt in messages (``"prompt 2"``, ``"the --prompt"``).
+
+    Raises:
+        ValueError: text that is not valid Unicode (a lone surrogate); characters a character
+            tokenizer lacks (the message lists up to 10); an empty prompt and no ``<|endoftext|>``.
+    """
+    check_text(text, what)
+    try:
+        ids = tokenizer.encode(text)                    # a char tokenizer raises on unknown chars
+    except UnknownCharacterError as exc:
+        shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
+        raise ValueError(f"{what} has {len(exc.unknown)} character(s) this model's character vocabulary "
+                         f"lacks ({shown}); use only characters that occur in its training text, or "
+                         "train with --tokenizer bpe (which encodes any text)") from None
+    if not ids:
+        if eot_id(tokenizer) is None:
+            raise ValueError(f"{what} is empty and this tokenizer has no <|endoftext|> token to "
+                             "start from; give at least one character")
+        ids = [eot_id(tokenizer)]
+    return list(ids)
+
+
+def check_completion(model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0, top_k=None,
+                     top_p=None, min_p=None, repetition_penalty=None, num_samples: int = 1,
+                     stop: Sequence[str] = (), stop_ids: Sequence[int] = (), window_shift: int = 1,
+                     named: Callable[[str], str] | None = None) -> None:
+    """Check every setting of :func:`complete` before anything is generated.
+
+    ``named``: how a message names a setting (default: the keyword; ``pedestrian sample`` passes
+    its flags). The sampling settings are those of
+    :func:`~pedestrian.generation.sampling.check_sampling`.
+
+    Raises:
+        ValueError: a bad sampling setting; ``max_new_tokens < 0``; ``num_samples < 1``; an
+            empty or non-Unicode stop text; ``window_shift`` outside ``[1, context_length]``; a
+            tokenizer larger than the model's vocabulary; a stop id that is not a token id.
+    """
+    n = named or str
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, named=n)
+    if max_new_tokens < 0:
+        raise ValueError(f"{n('max_new_tokens')} must be >= 0, got {max_new_tokens}")
+    if num_samples < 1:
+        raise ValueError(f"{n('num_samples')} must be >= 1, got {num_samples}")
+    if any(text == "" for text in stop):
+        raise ValueError(f"{n('stop')} needs a non-empty text (an empty stop string would end every sample "
+                         "before its first token)")
+    for i, text in enumerate(stop):                 # bytes that are not UTF-8: it could never match
+        check_text(text, n("stop") if len(stop) == 1 else f"{n('stop')} {i + 1}")
+    C, V = model.config.context_length, model.config.vocab_size
+    if not 1 <= window_shift <= C:
+        raise ValueError(f"{n('window_shift')} must be in [1, context_length={C}] (window_shift), "
+                         f"got {window_shift}")
+    if tokenizer.vocab_size > V:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{V}; they do not belong together")
+    bad = [i for i in stop_ids if not 0 <= i < V]
+    if bad:
+        raise ValueError(f"{n('stop_ids')} {bad[0]} is not a token id of this model: ids are 0 ... {V - 1}")
+
+
+@dataclass
+class Completion:
+    """What :func:`complete` generated.
+
+    ``rows[r] = (prompt index, sample index)``; ``texts[r]``: row ``r``'s continuation (without the
+    prompt, cut before its stop); ``ids``: ``generate``'s ids, prompt included (one array per row
+    when the prompts differ in length); ``new_tokens``: tokens generated for row 0 (its stop
+    token included); ``seconds``: the wall time of the generation.
+    """
+
+    rows: list
+    texts: list
+    ids: object
+    new_tokens: int
+    seconds: float
+
+
+def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+             seed=None, num_samples: int = 1, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
+             ignore_eot: bool = False, window_shift: int = 1, use_cache: bool = True,
+             on_text: Callable[[int, str], None] | None = None) -> Completion:
+    """Continue each prompt ``num_samples`` times, as one batch, and decode the continuations.
+
+    Args:
+        model: a :class:`~pedestrian.model.GPT`; tokenizer: a Char/BPE tokenizer (see the module).
+        prompt_ids: one list of token ids per prompt (:func:`encode_prompt`).
+        max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, window_shift,
+            use_cache: as :func:`~pedestrian.generation.generate.generate`.
+        stop / stop_ids / ignore_eot: where a row ends (module docstring).
+        on_text: called as ``on_text(row, text)`` with each piece of decoded text as soon as it
+            is certain (a character complete, no stop string that it may begin).
+
+    The settings are checked first (:func:`check_completion`, keyword names). A prompt longer
+    than the context keeps its last ``context_length`` tokens (``generate`` warns).
+
+    Raises:
+        ValueError: as :func:`check_completion`; NaN logits while generating
+            (:class:`~pedestrian.generation.sampling.NonFiniteLogitsError`).
+    """
+    check_completion(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, num_samples=num_samples,
+                     stop=stop, stop_ids=stop_ids, window_shift=window_shift)
+    stops = list(stop_ids) + ([eot_id(tokenizer)] if eot_id(tokenizer) is not None and not ignore_eot else [])
+    stop_set = set(stops)
+    rows = [(i, j) for i in range(len(prompt_ids)) for j in range(num_samples)]
+    row_ids = [np.asarray(prompt_ids[i], dtype=np.int64) for i, _ in rows]
+    prompt = row_ids if len({len(r) for r in row_ids}) > 1 else np.stack(row_ids)
+    decoders = [StopText(tokenizer, list(stop)) for _ in rows]
+    texts: list[list[str]] = [[] for _ in rows]
+    done = np.zeros(len(rows), dtype=bool)
+
+    def emit(r: int, text: str) -> None:
+        if text:
+            texts[r].append(text)
+            if on_text is not None:
+                on_text(r, text)
+
+    def on_token(ids):
+        for r, token in enumerate(ids.tolist()):
+            if done[r]:
+                continue
+            if token in stop_set:                      # generate() ends the row too
+                done[r] = True
+                continue
+            emit(r, decoders[r].push(token))
+            done[r] = decoders[r].stopped
+        return done.copy()
+
+    t0 = time.perf_counter()
+    ids = generate(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stops or None,
+                   use_cache=use_cache, on_token=on_token, window_shift=window_shift,
+                   vocab_limit=tokenizer.vocab_size)
+    seconds = time.perf_counter() - t0
+    for r in range(len(rows)):
+        emit(r, decoders[r].finish())
+    return Completion(rows=rows, texts=["".join(t) for t in texts], ids=ids,
+                      new_tokens=len(ids[0]) - len(row_ids[0]), seconds=seconds)
