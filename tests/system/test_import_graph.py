@@ -62,7 +62,7 @@ LAYERS = {
     # the commands parse and print: they reach the math only through the model and paper/
     "commands": {"checkpoint", "cli", "config", "distributed", "finetune", "generation", "interop", "kernels",
                  "model", "paper", "settings", "text", "training"},
-    "__init__": {"config", "model"},                       # ``from pedestrian import GPT``
+    "__init__": {"config", "model", "paper"},              # ``from pedestrian import GPT``, check_gradients (lazily)
     "__main__": {"cli"},
 }
 
