@@ -102,7 +102,7 @@ def accumulation(group) -> dict:
 
 
 if __name__ == "__main__":
-    from pedestrian.distributed import process_group
+    from pedestrian.training.distributed import process_group
 
     group = process_group("cpu", timeout=60)
     try:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..finetune import FinetuneSettings
-from ..settings import add_flags, specs
+from ..training.finetune import FinetuneSettings
+from ..training.specs import add_flags, specs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..finetune import finetune
+    from ..training.finetune import finetune
 
     given = {name: getattr(args, name) for name in specs(FinetuneSettings)}
     settings = FinetuneSettings(**{name: value for name, value in given.items() if value is not None})

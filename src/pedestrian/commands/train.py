@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from ..config import PRESETS
-from ..settings import add_flags, specs
+from ..training.specs import add_flags, specs
 from ..training import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
 from ..training.settings import MODEL_KEYS, TRAIN_KEYS, read_config_file
 from .params import add_config_arguments
@@ -115,9 +115,9 @@ def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
 
 def _launch(settings, args: argparse.Namespace) -> int:
     """``--nproc N`` outside a launcher: start N ranks of this same command through PyTorch's
-    launcher (:func:`pedestrian.distributed.launch`) and report their failure in one line."""
+    launcher (:func:`pedestrian.training.distributed.launch`) and report their failure in one line."""
     from ..checkpoint import read_state
-    from ..distributed import LaunchFailure, launch
+    from ..training.distributed import LaunchFailure, launch
 
     settings.validate()
     out = settings.run_dir()
@@ -146,7 +146,7 @@ def _no_sample(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import launched_rank, reports_to_launcher
+    from ..training.distributed import launched_rank, reports_to_launcher
     from ..training import train
 
     settings, explicit = settings_from_args(args)

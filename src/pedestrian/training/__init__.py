@@ -1,7 +1,7 @@
 """Training, read top to bottom as one run goes: :mod:`.settings` (what a run is asked to do),
 :mod:`.run` (:func:`train`: build or resume, then the loop), :mod:`.corpus` (its tokens),
 :mod:`.loop` (the loop and its stop decisions), :mod:`.step` (one step: accumulation, clipping,
-AdamW), :mod:`.optim` (AdamW, the schedule) and :mod:`.files` (the log, checkpoints and plots). :mod:`pedestrian.finetune` runs the same loop.
+AdamW), :mod:`.optim` (AdamW, the schedule) and :mod:`.files` (the log, checkpoints and plots). :mod:`pedestrian.training.finetune` runs the same loop.
 """
 
 from .corpus import build_tokenizer, evaluate_tokens, prepare_data, split_tokens

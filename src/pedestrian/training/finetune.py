@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LORA_LAYER_KINDS
-from .settings import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
+from ..config import LORA_LAYER_KINDS
+from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, at_most, check, setting
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
@@ -51,7 +51,7 @@ _LORA, _OPTIM, _LOOP = "LoRA", "optimisation", "loop"
 @dataclass
 class FinetuneSettings:
     """Settings of a LoRA fine-tuning run: the ``pedestrian finetune`` flags, each declared once
-    below (type, default, help, valid values; see :mod:`pedestrian.settings`).
+    below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
 
     ``lora_alpha`` is the paper's scalar ``α`` (PEFT's ``lora_alpha / r``); ``lora_targets`` are
     layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``) or full layer names.
@@ -106,7 +106,7 @@ class FinetuneSettings:
         """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values
         (or a bad ``PEDESTRIAN_NUM_THREADS``), before any file is written."""
         check(self)
-        from .kernels.jit import num_threads
+        from ..kernels.jit import num_threads
 
         num_threads()
 
@@ -135,7 +135,7 @@ def base_fingerprint(hf_dir) -> dict:
     """``{"hf_dir", "weights", "sha256"}`` of a base model directory: which weight file holds
     its tensors (see :func:`pedestrian.interop.hf.open_hf_weights`) and that file's SHA-256, so
     an adapter can later be matched against the very weights it was trained on."""
-    from .interop.hf import open_hf_weights
+    from ..interop.hf import open_hf_weights
 
     source = Path(open_hf_weights(hf_dir).source)
     h = hashlib.sha256()
@@ -153,7 +153,7 @@ def adapter_checkpoint_dir(path) -> Path | None:
     folder itself, or one of its files. Never raises for a path that is something else
     (a full checkpoint, a train run folder, nothing at all): it returns ``None`` then.
     """
-    from .checkpoint import read_state
+    from ..checkpoint import read_state
 
     p = Path(path).expanduser()
     if p.is_file():
@@ -169,7 +169,7 @@ def adapter_checkpoint_dir(path) -> Path | None:
 
 
 def _adapter_state(adapter_dir) -> tuple[Path, dict]:
-    from .checkpoint import read_state
+    from ..checkpoint import read_state
 
     p = Path(adapter_dir).expanduser()
     if not (p / "state.json").is_file() and (p / "adapter" / "state.json").is_file():
@@ -204,8 +204,8 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
             ones the adapters were trained on (SHA-256 of the weight file) or whose config
             differs.
     """
-    from .checkpoint import load_checkpoint
-    from .interop.hf import load_pretrained
+    from ..checkpoint import load_checkpoint
+    from ..interop.hf import load_pretrained
 
     folder, state = _adapter_state(adapter_dir)
     recorded = state.get("base") or {}
@@ -246,14 +246,14 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         WriteError (an ``OSError``): a file of the run cannot be written (no space, no
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
-    from .atomic import WriteError
-    from .tokens import TokenDataset, encode_to_token_file
+    from ..atomic import WriteError
+    from ..tokens import TokenDataset, encode_to_token_file
     from .distributed import launched_rank
-    from .interop.hf import load_pretrained
-    from .interop.peft import save_peft_adapter
-    from .training.loop import Checkpoints, Trainer, TrainingError
-    from .training.optim import AdamW, CosineSchedule
-    from .training import RunFiles, split_tokens
+    from ..interop.hf import load_pretrained
+    from ..interop.peft import save_peft_adapter
+    from .loop import Checkpoints, Trainer, TrainingError
+    from .optim import AdamW, CosineSchedule
+    from . import RunFiles, split_tokens
 
     t_start = time.perf_counter()
     settings.validate()

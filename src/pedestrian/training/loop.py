@@ -8,17 +8,17 @@ are handed in: what a checkpoint holds (:class:`Checkpoints`' ``save`` function)
 after a step (:meth:`Trainer.on`: ``pedestrian train``'s gradient-norm record). Every file goes
 through one object, ``files`` (:class:`pedestrian.training.files.RunFiles`).
 
-Several processes (:mod:`pedestrian.distributed`): every rank gets the same global micro-batches
+Several processes (:mod:`pedestrian.training.distributed`): every rank gets the same global micro-batches
 and computes its rows of each (``rows = group.rows(B)``), dividing by the counted targets ``n``
 of the whole step (all ranks, all micro-batches); the gradients and the loss are summed over the
 ranks between the backward and the norm (:func:`train_step`), so every rank sees the same
 numbers and takes the same update. The loop never asks how many ranks there are: one process has a
-:class:`~pedestrian.distributed.SingleProcess` group whose sums are the identity. Stop decisions
+:class:`~pedestrian.training.distributed.SingleProcess` group whose sums are the identity. Stop decisions
 are agreed (:meth:`Trainer.should_stop`: the most urgent reason of any rank wins, through one tiny
 all_reduce), and a rank that writes nothing gets a ``files`` object that does nothing.
 
 Dropout: with a ``dropout_seed`` the loop gives the model a
-:class:`~pedestrian.distributed.RowKeyedRNG` per micro-batch, keyed by ``(seed, step,
+:class:`~pedestrian.training.distributed.RowKeyedRNG` per micro-batch, keyed by ``(seed, step,
 micro-batch)`` and the global row, so masks depend neither on how the batch is split (threads,
 ranks) nor on anything but the step: a resumed run draws the same masks.
 
@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..distributed import SingleProcess
+from .distributed import SingleProcess
 from ..finite import finite_or_none
 from .files import NoFiles
 from .optim import AdamW
@@ -80,7 +80,7 @@ class Trainer:
         grad_clip: global gradient-norm threshold (0 = off).
         max_skipped_steps: stop after this many skipped steps in a row (``"non_finite"``).
         tokens_per_step: tokens of one global step, for the tokens/s figures.
-        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
         dropout_seed: draw dropout masks keyed by ``(dropout_seed, step, micro-batch)`` and the
             global row (module docstring); ``None``: from the model's own ``dropout_rng``.
 

@@ -29,7 +29,7 @@ Messages go to the logger ``pedestrian.train`` (INFO: what the run does; WARNING
 and settings worth a second look); ``pedestrian train`` prints them, ``logging.basicConfig(level=
 logging.INFO)`` shows them in a program of your own.
 
-Several processes (ranks; :mod:`pedestrian.distributed`): started by ``torchrun`` or
+Several processes (ranks; :mod:`pedestrian.training.distributed`): started by ``torchrun`` or
 ``pedestrian train --nproc N``, :func:`train` joins the process group its environment names.
 Every rank draws the same global batches of ``batch_size`` rows and computes its share of the
 rows; gradients and losses are summed over the ranks once per step. Rank 0 alone writes the
@@ -54,7 +54,7 @@ from ..atomic import WriteError
 from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
 from ..config import GPTConfig
 from ..data import BUNDLED_CORPUS
-from ..distributed import CommunicationError, process_group, reports_to_launcher
+from .distributed import CommunicationError, process_group, reports_to_launcher
 from ..finite import finite_or_none
 from ..kernels.jit import threads_used
 from ..tokens import TokenDataset
@@ -178,7 +178,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
             ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
             checkpoint; the new log goes to ``log.jsonl.new`` until then).
-        group: the process group (:mod:`pedestrian.distributed`); ``None``: the one this
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: the one this
             process's environment names (one process, or a rank started by ``torchrun``), joined
             here and left at the end.
 

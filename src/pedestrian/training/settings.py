@@ -1,5 +1,5 @@
 """The settings of a training run: :class:`TrainSettings`, each ``pedestrian train`` flag and TOML
-key declared once (type, default, help, valid values; :mod:`pedestrian.settings`), and which of
+key declared once (type, default, help, valid values; :mod:`pedestrian.training.specs`), and which of
 them a resumed run may change.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..config import CONFIG_FIELDS, GPTConfig
 from ..data import BUNDLED_CORPUS
-from ..distributed import DEVICES
-from ..settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
+from .distributed import DEVICES
+from .specs import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
                         check, config_value, kind_of, setting, specs)
 from .step import TrainingError
 
@@ -48,11 +48,11 @@ RETIRED_SETTINGS = {
 @dataclass
 class TrainSettings:
     """Every setting of a training run: the ``pedestrian train`` flags and TOML keys, each
-    declared once below (type, default, help, valid values; see :mod:`pedestrian.settings`).
+    declared once below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
 
     ``model`` holds the :class:`GPTConfig` fields except ``vocab_size`` (set from the
     tokenizer). ``nproc`` > 1 starts that many ranks on this machine through PyTorch's launcher
-    (``pedestrian train --nproc N``; see :mod:`pedestrian.distributed`). Resuming reproduces a run
+    (``pedestrian train --nproc N``; see :mod:`pedestrian.training.distributed`). Resuming reproduces a run
     bit for bit when the number of ranks is the same. (The cores of one process are shared by the
     fast kernels themselves: ``PEDESTRIAN_NUM_THREADS``.)
     """
@@ -114,7 +114,7 @@ class TrainSettings:
 
     def validate(self) -> None:
         """Raise :class:`TrainingError` naming the first bad setting (by its flag) and its valid
-        values (:func:`pedestrian.settings.check`), or a bad model setting."""
+        values (:func:`pedestrian.training.specs.check`), or a bad model setting."""
         try:
             check(self)
         except ValueError as exc:

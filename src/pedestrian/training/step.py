@@ -47,7 +47,7 @@ import numpy as np
 
 from ..backend import is_torch_array
 from ..finite import non_finite_counts, non_finite_report
-from ..distributed import RowKeyedRNG, SingleProcess
+from .distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
 from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
 
@@ -123,9 +123,9 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         grad_clip: global-norm threshold (``0`` = no clipping).
         accum_buffers: optional preallocated arrays shaped like each group's gradients (saves
             an allocation per step when ``k > 1``).
-        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
         dropout_key: ``(seed, step)``: micro-batch ``i`` draws its dropout masks from a
-            :class:`~pedestrian.distributed.RowKeyedRNG` keyed ``(seed, step, i)`` (``None``:
+            :class:`~pedestrian.training.distributed.RowKeyedRNG` keyed ``(seed, step, i)`` (``None``:
             from the model's own ``dropout_rng``).
 
     Returns:
@@ -138,7 +138,7 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         ValueError: no micro-batch.
         TrainingError: every target of every micro-batch is ``-100`` (nothing to train on;
             raised before any forward, on every rank alike, and nothing is changed).
-        CommunicationError: another rank failed (:mod:`pedestrian.distributed`).
+        CommunicationError: another rank failed (:mod:`pedestrian.training.distributed`).
     """
     group = _ONE if group is None else group
     groups: list[ParamGroup] = optimizer.groups
