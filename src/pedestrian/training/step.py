@@ -49,6 +49,7 @@ from ..backend import is_torch_array
 from ..finite import non_finite_counts, non_finite_report
 from .distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
+from ..model import eval_mode
 from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
 
 class TrainingError(ValueError):
@@ -196,16 +197,12 @@ def estimate_loss(model, batches, group=None) -> float:
         raise TrainingError(f"every target of the {len(batches)} validation batch(es) is the ignore index "
                             f"{IGNORE_INDEX}, so there is no validation loss; give validation windows with "
                             "targets that count")
-    was_training = model.training
-    model.training = False
-    try:
+    with eval_mode(model):
         parts = []
         for x, y in batches:
             rows = group.rows(x.shape[0])
             parts.append(model.loss(x[rows], y[rows], n_total=n_total))    # its share of the mean
-        return float(sum(group.sum(parts, "the validation loss")))
-    finally:
-        model.training = was_training
+    return float(sum(group.sum(parts, "the validation loss")))
 
 
 def state_is_finite(optimizer: AdamW) -> bool:
