@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from pedestrian.cli import build_parser
-from pedestrian.commands.train import settings_from_args
+from pedestrian.training.settings import settings_from_args
 from pedestrian.training.finetune import FinetuneSettings
 from pedestrian.training.specs import OPEN_UNIT, POSITIVE_INT, add_flags, check, config_value, flag, setting, specs
 from pedestrian.training import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainingError, TrainSettings, read_config_file

@@ -38,10 +38,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import PRESETS
 from ..training.specs import add_flags, specs
-from ..training import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
-from ..training.settings import MODEL_KEYS, TRAIN_KEYS, read_config_file
+from ..training import TrainingError, TrainSettings, per_run_flags
+from ..training.settings import settings_from_args
 from .params import add_config_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,34 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups = add_flags(parser, TrainSettings, groups={"data": data, "model": model})
     groups["loop"].add_argument("--no-sample", dest="sample", action="store_false", default=True,
                                 help="do not print samples of the trained model at the end")
-
-
-def settings_from_args(args: argparse.Namespace):
-    """``(TrainSettings, explicit setting names)`` from defaults < --config file < flags."""
-    given = read_config_file(args.config) if args.config else {}
-    for name in TRAIN_KEYS + MODEL_KEYS:
-        value = getattr(args, name, None)
-        if value is not None:
-            given[name] = value
-    if getattr(args, "vocab_size", None) is not None or given.get("vocab_size") is not None:
-        raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
-    preset = given.pop("preset", None)
-    model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
-    if preset is not None and preset not in PRESETS:
-        raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    model = dict(DEFAULT_MODEL)
-    if preset is not None:
-        model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
-        model.setdefault("dropout", 0.0)
-    model.update(model_given)
-    for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
-        if spec.none_means is not None and name in given and given[name] == spec.none_means:
-            given[name] = None
-    settings = TrainSettings(**given, model=model)
-    # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
-    model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
-    explicit = set(given) | {f"model.{k}" for k in model_keys}
-    return settings, explicit
 
 
 def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:

@@ -8,10 +8,11 @@ from .corpus import build_tokenizer, evaluate_tokens, prepare_data, split_tokens
 from .files import RunFiles, gradient_record, plot_gradients, plot_loss_curve, read_log
 from .run import TrainResult, train
 from .settings import (DEFAULT_MODEL, PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags,
-                       read_config_file)
+                       read_config_file, settings_from_args)
 from .step import TrainingError, estimate_loss, train_step
 
 __all__ = ["TrainSettings", "DEFAULT_MODEL", "TrainResult", "TrainingError", "train", "train_step",
            "estimate_loss", "evaluate_tokens", "prepare_data", "build_tokenizer", "split_tokens",
            "read_log", "plot_loss_curve", "gradient_record", "plot_gradients", "RunFiles",
-           "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS", "per_run_flags", "read_config_file"]
+           "RESUMABLE_SETTINGS", "PER_RUN_SETTINGS", "per_run_flags", "read_config_file",
+           "settings_from_args"]

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
-    POSITIVE_INT, PROBABILITY, at_most, check, setting
+    POSITIVE_INT, PROBABILITY, at_most, check, setting, specs
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
            "adapter_checkpoint_dir",
@@ -112,6 +112,13 @@ class FinetuneSettings:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_args(cls, args) -> "FinetuneSettings":
+        """The settings of ``pedestrian finetune``'s parsed arguments (an ``argparse.Namespace``
+        from :func:`pedestrian.training.specs.add_flags`): the flags given, the defaults for the rest."""
+        given = {name: getattr(args, name) for name in specs(cls)}
+        return cls(**{name: value for name, value in given.items() if value is not None})
 
 
 @dataclass

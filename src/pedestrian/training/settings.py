@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CONFIG_FIELDS, GPTConfig
+from ..config import CONFIG_FIELDS, PRESETS, GPTConfig
 from ..data import BUNDLED_CORPUS
 from .distributed import DEVICES
 from .specs import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
@@ -229,3 +229,41 @@ def read_config_file(path) -> dict:
                 raise ValueError(f"config file {p}: {k!r} is given twice")
             flat[k] = config_value(p, k, v, _KINDS[k])
     return flat
+
+
+# ---------------------------------------------------------------------------------------- the flag merge
+def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
+    """``(TrainSettings, explicit setting names)`` from defaults < ``--config`` file < flags: the
+    merge of ``pedestrian train``'s parsed arguments (``args``: an ``argparse.Namespace`` whose
+    unset flags are ``None``). The explicit names are those :func:`pedestrian.training.train`
+    checks against a checkpoint on resume: field names, and ``"model.<field>"`` per model field
+    (a preset gives all of its fields).
+
+    Raises:
+        TrainingError: ``--vocab-size`` given, or an unknown preset.
+        FileNotFoundError / ValueError: the config file (:func:`read_config_file`).
+    """
+    given = read_config_file(args.config) if args.config else {}
+    for name in TRAIN_KEYS + MODEL_KEYS:
+        value = getattr(args, name, None)
+        if value is not None:
+            given[name] = value
+    if getattr(args, "vocab_size", None) is not None or given.get("vocab_size") is not None:
+        raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
+    preset = given.pop("preset", None)
+    model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
+    if preset is not None and preset not in PRESETS:
+        raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    model = dict(DEFAULT_MODEL)
+    if preset is not None:
+        model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
+        model.setdefault("dropout", 0.0)
+    model.update(model_given)
+    for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
+        if spec.none_means is not None and name in given and given[name] == spec.none_means:
+            given[name] = None
+    settings = TrainSettings(**given, model=model)
+    # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
+    model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
+    explicit = set(given) | {f"model.{k}" for k in model_keys}
+    return settings, explicit
