@@ -19,7 +19,7 @@ from pedestrian.checkpoint import load_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
 from pedestrian.training.distributed import RowKeyedRNG, SingleProcess, process_group
-from pedestrian.training.loop import Trainer
+from pedestrian.training.loop import Batches, Optimization, StopRules, Trainer
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
 from pedestrian.training import TrainingError, TrainSettings, read_log, train
@@ -121,13 +121,12 @@ def test_the_most_urgent_stop_reason_of_any_rank_wins():
 
     model = GPT(GPTConfig(vocab_size=5, context_length=4, d_model=4, n_heads=1, n_blocks=1))
     opt = AdamW(model, lr=1e-3)
-    trainer = Trainer(model, opt, lambda s: 1e-3, lambda: [], step=0, end=10,
-                      group=_OtherRanks(STOP_REASONS.index("interrupted") + 1))
+    parts = Optimization(opt, lambda s: 1e-3), Batches(lambda: []), StopRules(end=10)
+    trainer = Trainer(model, *parts, group=_OtherRanks(STOP_REASONS.index("interrupted") + 1))
     assert trainer.should_stop() == "interrupted" and trainer.interrupted_by == "another rank"
-    trainer = Trainer(model, opt, lambda s: 1e-3, lambda: [], step=10, end=10,
-                      group=_OtherRanks(STOP_REASONS.index("max_minutes") + 1))
+    trainer = Trainer(model, *parts, group=_OtherRanks(STOP_REASONS.index("max_minutes") + 1)).resume(10)
     assert trainer.should_stop() == "max_minutes"                 # rank 0's time guard ran out
-    trainer = Trainer(model, opt, lambda s: 1e-3, lambda: [], step=3, end=10, group=_OtherRanks(0))
+    trainer = Trainer(model, *parts, group=_OtherRanks(0)).resume(3)
     assert trainer.should_stop() is None
 
 

@@ -38,7 +38,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..training.specs import add_flags, specs
+from ..training.specs import add_flags
 from ..training import TrainingError, TrainSettings, per_run_flags
 from ..training.settings import settings_from_args
 from .params import add_config_arguments

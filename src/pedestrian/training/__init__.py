@@ -1,7 +1,10 @@
-"""Training, read top to bottom as one run goes: :mod:`.settings` (what a run is asked to do),
+"""Training, read top to bottom as one run goes: :mod:`.settings` (what a run is asked to do, and
+the merge of defaults, a TOML file and the flags; each setting declared once with :mod:`.specs`),
 :mod:`.run` (:func:`train`: build or resume, then the loop), :mod:`.corpus` (its tokens),
-:mod:`.loop` (the loop and its stop decisions), :mod:`.step` (one step: accumulation, clipping,
-AdamW), :mod:`.optim` (AdamW, the schedule) and :mod:`.files` (the log, checkpoints and plots). :mod:`pedestrian.training.finetune` runs the same loop.
+:mod:`.job` (the :class:`~.loop.Trainer` built from the settings, and its failures explained:
+shared with :mod:`.finetune`, the LoRA fine-tuning), :mod:`.loop` (the loop and its stop
+decisions), :mod:`.step` (one step: accumulation, clipping, AdamW), :mod:`.optim` (AdamW, the
+schedule), :mod:`.files` (the log, checkpoints and plots) and :mod:`.distributed` (several ranks).
 """
 
 from .corpus import build_tokenizer, evaluate_tokens, prepare_data, split_tokens

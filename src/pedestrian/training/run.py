@@ -51,17 +51,16 @@ from typing import Any
 import numpy as np
 
 from ..atomic import WriteError
-from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
+from ..checkpoint import Checkpoint, load_checkpoint, read_state
 from ..config import GPTConfig
 from ..data import BUNDLED_CORPUS
 from .distributed import CommunicationError, process_group, reports_to_launcher
 from ..finite import finite_or_none
 from ..kernels.jit import threads_used
-from ..tokens import TokenDataset
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
+from .job import build_trainer, failures_explained, new_optimizer
 from .loop import Checkpoints, Trainer
-from .optim import AdamW, CosineSchedule
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
@@ -143,8 +142,7 @@ def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, 
         data_rng.bit_generator.state = ckpt.meta["data_rng"]
     model.training = True
     group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
-    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                      weight_decay=settings.weight_decay)
+    optimizer = new_optimizer(settings, model)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt.optimizer_state())
         skipped = int(ckpt.meta.get("skipped_steps", 0))
@@ -252,11 +250,8 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
-    B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
-    train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
     model, optimizer, data_rng = _start(settings, config, ckpt, group)
     _warn_other_ranks(ckpt, group)
-    end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
@@ -269,9 +264,9 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         best_val = val if is_best else best_val
         meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
                 "val_loss": finite_or_none(val), "train_loss": finite_or_none(t.loss),
-                "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
+                "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.data.tokens_per_step,
                 "world_size": group.world_size, "skipped_steps": t.skipped_total}
-        files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
+        files.save_checkpoint("latest", model, t.optimizer, tokenizer, t.step, meta)
         t.last_save = t.step                  # kept even if copying it to best/ fails
         if is_best:
             files.copy_checkpoint("latest", "best")
@@ -282,27 +277,15 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     elif group.world_size > 1:
         resume_command = f"torchrun <the same options> -m {resume_command}"
     resume_command += per_run_flags(settings)
-    checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
+    checkpoints = Checkpoints(files, save, out / "latest", interval=settings.checkpoint_interval,
                               previous=f"the previous run in {out} is left as it was" if had_run else None,
-                              model=model, go_on=f"continue from it with: {resume_command} "
+                              go_on=f"continue from it with: {resume_command} "
                               "(the same settings redo the same steps), or start again with a lower --lr "
-                              "(--overwrite, or --out NEW_DIR)")
-    trainer = Trainer(model, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
-                                                        settings.min_lr),
-                      lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
-                      step=ckpt.step if ckpt else 0, end=end,
-                      end_reason="max_steps" if end == settings.max_steps else "stop_step",
-                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k,
-                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
-                      group=group, dropout_seed=settings.seed, files=files,
-                      progress="train" if settings.progress and group.is_writer else None,
-                      val_batches=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                      eval_interval=settings.eval_interval, checkpoints=checkpoints,
-                      max_minutes=settings.max_minutes if group.is_writer else None,   # rank 0's clock decides
-                      t_start=t_start)
+                              "(--overwrite, or --out NEW_DIR)", resume_command=resume_command)
+    trainer = build_trainer(settings, model, optimizer, (train_tokens, val_tokens), data_rng, checkpoints,
+                            label="train", group=group, t_start=t_start)
     if ckpt is not None:
-        trainer.last_eval = trainer.last_save = ckpt.step
+        trainer.resume(ckpt.step, int(ckpt.meta.get("skipped_steps", 0)))
     _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group)
 
     def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
@@ -310,21 +293,8 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
             files.log(gradient_record(model, *t.batches[0], t.step))
 
     trainer.on("step_end", gradient_norms)
-    try:
+    with failures_explained(trainer):
         reason = trainer.run()
-    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
-        raise exc.advise(checkpoints.kept(trainer), f"continue with: {resume_command}"
-                         if trainer.last_save >= 0 else "start again") from exc
-    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
-        raise TrainingError(f"{exc}; {checkpoints.kept(trainer, good=True)}; start again with a lower --lr") from exc
-    except CommunicationError as exc:         # another rank died or stopped answering
-        then = f"; continue with: {resume_command}" if trainer.last_save >= 0 else "; start again"
-        raise TrainingError(f"{exc} at step {trainer.step + 1}; the run stopped; {checkpoints.kept(trainer)}"
-                            f"{then}") from exc
-    finally:
-        files.close()
-    if reason == "non_finite":
-        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     if settings.plot:
         try:
             files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
@@ -359,7 +329,7 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
     log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
              f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
-    log.info(f"steps {trainer.step} -> {trainer.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
+    log.info(f"steps {trainer.step} -> {trainer.stop.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
              f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
              f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
     if group.world_size > 1:

@@ -142,6 +142,10 @@ class TrainSettings:
     def context_length(self) -> int:
         return int(self.model["context_length"])
 
+    def window(self, model) -> int:
+        """Tokens of a training window: the model's context length."""
+        return self.context_length
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
