@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from ..training.specs import add_flags
-from ..training import TrainingError, TrainSettings, per_run_flags
+from ..training import TrainSettings
 from ..training.settings import settings_from_args
 from .params import add_config_arguments
 
@@ -84,52 +84,23 @@ def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
         print(f"--- sample {i + 1} ---\n{text.strip()}")
 
 
-def _launch(settings, args: argparse.Namespace) -> int:
-    """``--nproc N`` outside a launcher: start N ranks of this same command through PyTorch's
-    launcher (:func:`pedestrian.training.distributed.launch`) and report their failure in one line."""
-    from ..checkpoint import read_state
-    from ..training.distributed import LaunchFailure, launch
-
-    settings.validate()
-    out = settings.run_dir()
-
-    def on_disk() -> str:
-        try:
-            folder, state = read_state(out / "latest")
-        except (FileNotFoundError, ValueError):
-            return f"no checkpoint was written in {out}"
-        return (f"the checkpoint of step {state.get('step')} in {folder} is kept; continue with: pedestrian train "
-                f"--out {out} --resume --nproc {settings.nproc}{per_run_flags(settings)}{_no_sample(args)}")
-
-    try:
-        launch(settings.nproc, args.argv, on_disk)
-    except LaunchFailure as exc:
-        if exc.interrupted:
-            print(f"interrupted: {exc}", file=sys.stderr)
-            return 130
-        raise TrainingError(str(exc)) from None
-    return 0
-
-
 def _no_sample(args: argparse.Namespace) -> str:
     """``" --no-sample"`` when this command was given it (a printed resume command repeats it)."""
     return "" if args.sample else " --no-sample"
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training.distributed import launched_rank, reports_to_launcher
     from ..training import train
+    from ..training.distributed import LaunchFailure, reports_to_launcher
+    from ..training.run import launch_ranks
 
     settings, explicit = settings_from_args(args)
-    if launched_rank():
-        import os
-
-        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if settings.nproc not in (1, here):
-            raise TrainingError(f"--nproc {settings.nproc}, but the launcher started {here} ranks on this machine; "
-                                "leave --nproc out under torchrun (--nproc-per-node sets it)")
-    elif settings.nproc > 1:
-        return _launch(settings, args)
+    try:
+        if launch_ranks(settings, args.argv, _no_sample(args)):
+            return 0
+    except LaunchFailure as exc:                # the ranks stopped on Ctrl-C / SIGTERM and saved
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 130
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
     out = result.out
     resume_command = result.resume_command + _no_sample(args)

@@ -34,8 +34,8 @@ def new_optimizer(settings, model) -> AdamW:
 
 
 def build_trainer(settings, model, optimizer: AdamW, tokens: tuple[np.ndarray, np.ndarray],
-                  data_rng: np.random.Generator, checkpoints: Checkpoints, *, label: str, group=None,
-                  t_start: float | None = None) -> Trainer:
+                  data_rng: np.random.Generator, checkpoints: Checkpoints, *, label: str, t_start: float,
+                  group=None) -> Trainer:
     """The :class:`Trainer` of a run, its parts made from ``settings``.
 
     Optimization: ``optimizer`` with a :class:`~pedestrian.training.optim.CosineSchedule`
@@ -50,6 +50,7 @@ def build_trainer(settings, model, optimizer: AdamW, tokens: tuple[np.ndarray, n
         tokens: ``(train, validation)`` token arrays.
         checkpoints: the run's files and what a checkpoint holds (the caller's).
         label: the progress bar's label (shown when ``settings.progress``, on rank 0).
+        t_start: when the run started (a ``time.perf_counter()``): the origin of ``max_minutes``.
         group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
 
     Returns:
@@ -67,9 +68,7 @@ def build_trainer(settings, model, optimizer: AdamW, tokens: tuple[np.ndarray, n
                       validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
                       eval_interval=settings.eval_interval, dropout_seed=settings.seed)
     stop = StopRules(end, end_reason, settings.max_skipped_steps,
-                     settings.max_minutes if group.is_writer else None)        # rank 0's clock decides
-    if t_start is not None:
-        stop.t_start = t_start
+                     settings.max_minutes if group.is_writer else None, t_start)    # rank 0's clock decides
     return Trainer(model, optimization, batches, stop, checkpoints, group=group,
                    progress=label if settings.progress and group.is_writer else None)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,8 @@ from ..atomic import WriteError
 from ..checkpoint import Checkpoint, load_checkpoint, read_state
 from ..config import GPTConfig
 from ..data import BUNDLED_CORPUS
-from .distributed import CommunicationError, process_group, reports_to_launcher
+from .distributed import (CommunicationError, LaunchFailure, launch, launched_rank, process_group,
+                          reports_to_launcher)
 from ..finite import finite_or_none
 from ..kernels.jit import threads_used
 from .corpus import prepare_data
@@ -159,6 +161,55 @@ def _warn_other_ranks(ckpt: Checkpoint | None, group) -> None:
         log.warning(f"the checkpoint's steps ran on {then} rank(s); this run has {group.world_size}: it "
                     "continues the same run (same batches, same dropout masks), equal up to the order of "
                     "float additions but not bit for bit; for that, resume with the same --nproc")
+
+
+def launch_ranks(settings: TrainSettings, argv: list[str], resume_flags: str = "") -> bool:
+    """Start the ranks ``--nproc N`` asks for, when no launcher started this process: ``N`` ranks
+    of ``pedestrian ARGV`` on this machine through PyTorch's launcher
+    (:func:`pedestrian.training.distributed.launch`). Under a launcher (``torchrun``, or this
+    function's own ranks) nothing is started, and ``--nproc`` must be 1 or the launcher's ranks
+    on this machine.
+
+    Args:
+        argv: the command line of every rank (``pedestrian``'s, without the program name).
+        resume_flags: more flags for the resume command a failure prints (``" --no-sample"``).
+
+    Returns:
+        ``True`` when ranks were started and all finished; ``False`` when this process is to
+        train itself (one process, or a rank).
+
+    Raises:
+        TrainingError: bad settings, an ``--nproc`` that contradicts the launcher, or a rank that
+            failed (one line: which, why, the checkpoint kept and how to continue).
+        LaunchFailure: ``interrupted``: the ranks stopped on Ctrl-C / SIGTERM (each saved a
+            checkpoint; the message says how to continue).
+    """
+    if launched_rank():
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if settings.nproc not in (1, here):
+            raise TrainingError(f"--nproc {settings.nproc}, but the launcher started {here} ranks on this machine; "
+                                "leave --nproc out under torchrun (--nproc-per-node sets it)")
+        return False
+    if settings.nproc == 1:
+        return False
+    settings.validate()
+    out = settings.run_dir()
+
+    def on_disk() -> str:
+        try:
+            folder, state = read_state(out / "latest")
+        except (FileNotFoundError, ValueError):
+            return f"no checkpoint was written in {out}"
+        return (f"the checkpoint of step {state.get('step')} in {folder} is kept; continue with: pedestrian train "
+                f"--out {out} --resume --nproc {settings.nproc}{per_run_flags(settings)}{resume_flags}")
+
+    try:
+        launch(settings.nproc, argv, on_disk)
+    except LaunchFailure as exc:
+        if exc.interrupted:
+            raise
+        raise TrainingError(str(exc)) from None
+    return True
 
 
 def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
