@@ -6,7 +6,7 @@ A checkpoint is a folder (``runs/NAME/latest``, ``runs/NAME/best``)::
     optimizer.safetensors   AdamW moments "base.m", "base.v" (and "lora.m", "lora.v")
     state.json              format/version, model config, dtype, step, tokenizer, the state of
                             the model's dropout generator (``null`` when training drew masks
-                            keyed by step and row: pedestrian.distributed.RowKeyedRNG needs no
+                            keyed by step and row: pedestrian.training.distributed.RowKeyedRNG needs no
                             state), optimizer step and hyper-parameters, LoRA settings, which
                             base model an adapter-only checkpoint belongs to, the byte size and
                             SHA-256 of both .safetensors files, and a free-form "meta" dict
@@ -367,7 +367,7 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
             base_dir = (state.get("base") or {}).get("hf_dir")
             raise CheckpointError(
                 f"{folder} holds only LoRA adapters (base model: {base_dir or 'not recorded'}); load it "
-                "with base_model=<its base GPT> or pedestrian.finetune.load_finetuned (on the command line: "
+                "with base_model=<its base GPT> or pedestrian.training.finetune.load_finetuned (on the command line: "
                 "pass it as is, with --hf-dir BASE_DIR if the base moved)")
         if base_model.config != config:
             raise CheckpointError(f"the adapters in {folder} belong to a base model with config {config}, "

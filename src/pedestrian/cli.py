@@ -167,7 +167,7 @@ def _error(message: str, exc: BaseException) -> int:
     """Print ``error: message`` (exit status 2). A rank of several (torchrun, ``--nproc``) also
     records it for the launcher, and prints it only as rank 0 of a torchrun job: under
     ``pedestrian train --nproc`` the launcher prints one line for the whole run."""
-    from .distributed import CommunicationError, launched_rank, record_error, reports_to_launcher
+    from .training.distributed import CommunicationError, launched_rank, record_error, reports_to_launcher
 
     if launched_rank():
         record_error(message, lost_contact=isinstance(exc.__cause__, CommunicationError))
@@ -238,7 +238,7 @@ def _record_crash(exc: Exception) -> None:
     """A rank of several that raises an unexpected exception writes it for the launcher before
     its traceback is printed: a rank killed while exiting (the launcher stops the others as soon
     as one ends) is then still reported by its real cause."""
-    from .distributed import CommunicationError, launched_rank, record_error
+    from .training.distributed import CommunicationError, launched_rank, record_error
 
     if not launched_rank():
         return

@@ -12,7 +12,7 @@ from hf_fixtures import TEXT, hf_logits, hf_model, save_hf_dir, tiny_tokenizer, 
 
 from pedestrian import cli
 from pedestrian.checkpoint import save_checkpoint
-from pedestrian.finetune import adapter_base, load_finetuned
+from pedestrian.training.finetune import adapter_base, load_finetuned
 from pedestrian.interop.hf import load_hf_model, load_pretrained
 from pedestrian.interop.peft import read_peft_adapter
 from pedestrian.model import GPT

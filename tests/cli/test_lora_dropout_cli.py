@@ -11,7 +11,7 @@ import pytest
 from hf_fixtures import TEXT, hf_logits, hf_model, save_hf_dir, transformers
 
 from pedestrian import cli
-from pedestrian.finetune import load_finetuned
+from pedestrian.training.finetune import load_finetuned
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:peft"),
               pytest.mark.filterwarnings("ignore::FutureWarning:transformers")]

@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import one_line_error
 
 from pedestrian.cli import build_parser, main
-from pedestrian.commands.train import settings_from_args
+from pedestrian.training.settings import settings_from_args
 from pedestrian.training import TrainSettings, read_log
 
 REPO = Path(__file__).resolve().parents[2]

@@ -37,7 +37,7 @@ def _batches(rng: np.random.Generator, k: int) -> list:
 def run(group) -> dict:
     """``{"dtype dropout k": {"losses": [...], "params_sha256": ...}}`` for every scenario."""
     from pedestrian.config import GPTConfig
-    from pedestrian.training.loop import Trainer
+    from pedestrian.training.loop import Batches, Optimization, StopRules, Trainer
     from pedestrian.model import GPT
     from pedestrian.training.optim import AdamW, CosineSchedule
 
@@ -46,8 +46,8 @@ def run(group) -> dict:
         model = GPT(GPTConfig(**CFG, dropout=dropout), seed=5, dtype=dtype)
         optimizer = AdamW(model, lr=1e-2, weight_decay=0.1)
         data_rng = np.random.default_rng(7)
-        trainer = Trainer(model, optimizer, CosineSchedule(1e-2, 2, STEPS, 1e-3), lambda: _batches(data_rng, k),
-                          step=0, end=STEPS, grad_clip=1.0, group=group, dropout_seed=11)
+        trainer = Trainer(model, Optimization(optimizer, CosineSchedule(1e-2, 2, STEPS, 1e-3), grad_clip=1.0),
+                          Batches(lambda: _batches(data_rng, k), dropout_seed=11), StopRules(end=STEPS), group=group)
         losses = []
         trainer.on("step_end", lambda t: losses.append(t.loss))
         assert trainer.run() == "max_steps"
@@ -102,7 +102,7 @@ def accumulation(group) -> dict:
 
 
 if __name__ == "__main__":
-    from pedestrian.distributed import process_group
+    from pedestrian.training.distributed import process_group
 
     group = process_group("cpu", timeout=60)
     try:

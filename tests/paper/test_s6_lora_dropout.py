@@ -176,10 +176,10 @@ def test_dropout_only_touches_the_adapter_branch_and_only_in_training():
 
 def test_slices_of_a_batch_draw_the_masks_of_their_rows():
     """With adapter dropout on, a slice of a batch (a rank's rows) draws its rows' masks from a
-    generator keyed by the row (pedestrian.distributed.RowKeyedRNG, ``rows_from`` its first row):
+    generator keyed by the row (pedestrian.training.distributed.RowKeyedRNG, ``rows_from`` its first row):
     the slices' losses and gradients, each divided by the whole batch's count, add up to those of
     the unsplit batch with the same keyed generator."""
-    from pedestrian.distributed import RowKeyedRNG
+    from pedestrian.training.distributed import RowKeyedRNG
 
     cfg = GPTConfig(vocab_size=40, context_length=8, d_model=12, n_heads=3, n_blocks=2)
     x = np.random.default_rng(0).integers(0, 40, (4, 9))

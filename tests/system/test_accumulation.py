@@ -133,3 +133,20 @@ def test_validation_loss_is_the_token_mean_over_its_batches():
     assert abs(got - want) <= RTOL * want, (got, want)
     with pytest.raises(TrainingError, match="every target of the 2 validation batch"):
         estimate_loss(model, [(x[:2], np.full((2, T), -100)), (x[2:], np.full((4, T), -100))])
+
+
+def test_eval_mode_turns_training_off_and_restores_it_even_on_error():
+    """``eval_mode(model)``: dropout off inside, the model's own flag back afterwards (also after
+    an exception), the one way evaluation, the gradient record and generation switch it."""
+    from pedestrian.model import eval_mode
+
+    model = GPT(GPTConfig(vocab_size=11, context_length=4, d_model=8, n_heads=2, n_blocks=1, dropout=0.5),
+                seed=0, dtype="float64")
+    for flag in (True, False):
+        model.training = flag
+        with eval_mode(model) as m:
+            assert m is model and model.training is False
+        assert model.training is flag
+        with pytest.raises(RuntimeError), eval_mode(model):
+            raise RuntimeError("inside")
+        assert model.training is flag

@@ -1,4 +1,4 @@
-"""Data parallel over ranks (pedestrian.distributed): 2 ranks == 1 rank, exact resume, a killed
+"""Data parallel over ranks (pedestrian.training.distributed): 2 ranks == 1 rank, exact resume, a killed
 rank, one writer, and the pieces that make it so (row-keyed dropout, the agreed stop)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pedestrian
 from pedestrian.checkpoint import load_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
-from pedestrian.distributed import RowKeyedRNG, SingleProcess, process_group
-from pedestrian.training.loop import Trainer
+from pedestrian.training.distributed import RowKeyedRNG, SingleProcess, process_group
+from pedestrian.training.loop import Batches, Optimization, StopRules, Trainer
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
 from pedestrian.training import TrainingError, TrainSettings, read_log, train
@@ -121,13 +121,12 @@ def test_the_most_urgent_stop_reason_of_any_rank_wins():
 
     model = GPT(GPTConfig(vocab_size=5, context_length=4, d_model=4, n_heads=1, n_blocks=1))
     opt = AdamW(model, lr=1e-3)
-    trainer = Trainer(model, opt, lambda s: 1e-3, lambda: [], step=0, end=10,
-                      group=_OtherRanks(STOP_REASONS.index("interrupted") + 1))
+    parts = Optimization(opt, lambda s: 1e-3), Batches(lambda: []), StopRules(end=10)
+    trainer = Trainer(model, *parts, group=_OtherRanks(STOP_REASONS.index("interrupted") + 1))
     assert trainer.should_stop() == "interrupted" and trainer.interrupted_by == "another rank"
-    trainer = Trainer(model, opt, lambda s: 1e-3, lambda: [], step=10, end=10,
-                      group=_OtherRanks(STOP_REASONS.index("max_minutes") + 1))
+    trainer = Trainer(model, *parts, group=_OtherRanks(STOP_REASONS.index("max_minutes") + 1)).resume(10)
     assert trainer.should_stop() == "max_minutes"                 # rank 0's time guard ran out
-    trainer = Trainer(model, opt, lambda s: 1e-3, lambda: [], step=3, end=10, group=_OtherRanks(0))
+    trainer = Trainer(model, *parts, group=_OtherRanks(0)).resume(3)
     assert trainer.should_stop() is None
 
 
@@ -313,7 +312,7 @@ def _launch_failing_with(monkeypatch, exitcodes: dict):
     import torch.distributed.launcher.api as api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from pedestrian.distributed import LaunchFailure, launch
+    from pedestrian.training.distributed import LaunchFailure, launch
 
     def fake(config, entrypoint):
         def run(*args):
@@ -342,7 +341,7 @@ def test_a_rank_stopped_by_the_launcher_after_the_others_saved_is_an_interrupt(m
 
 def _failure(tmp_path, rank: int, exitcode: int, record: tuple | None = None):
     """A launcher's exit record of ``rank``; ``record``: ``(kind, message, timestamp)`` of the
-    error file the rank wrote (:func:`pedestrian.distributed.record_error`), ``None``: none."""
+    error file the rank wrote (:func:`pedestrian.training.distributed.record_error`), ``None``: none."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     error_file = "<N/A>"
@@ -361,7 +360,7 @@ def test_the_failure_report_names_the_rank_that_failed_first_not_the_ones_stoppe
     1 while it was still exiting, and the run was reported as 'rank 1 of 2 was killed by
     SIGTERM'. The rank that raises now records its exception first (next test), and the report
     prefers a rank's own error, then a rank that ended on its own, the earliest first."""
-    from pedestrian.distributed import _failure_line
+    from pedestrian.training.distributed import _failure_line
 
     kept = "the checkpoint of step 7 is kept"
     crash = ("crash", "rank 1 of 2 raised RuntimeError: boom (its traceback is printed above)", 100)
@@ -471,7 +470,7 @@ def test_the_same_numbers_on_the_gpu():
 
 def test_finetune_refuses_to_run_as_one_of_several_ranks(tmp_path, monkeypatch):
     """N copies of a fine-tuning run would all write the same files: it runs in one process."""
-    from pedestrian.finetune import FinetuneSettings, finetune
+    from pedestrian.training.finetune import FinetuneSettings, finetune
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -51,17 +51,13 @@ LAYERS = {
     "checkpoint": {"atomic", "backend", "config", "model", "text"},
     "interop": {"atomic", "backend", "config", "model", "text"},      # Hugging Face, PEFT
     "paper": {"atomic", "config", "layers", "model", "text"},  # the paper on screen: tables, demo, pictures
-    # the training run; distributed, settings and finetune move into training/ (issue 32)
-    "settings": set(),
-    "distributed": {"atomic", "backend"},
-    "finetune": {"atomic", "checkpoint", "config", "distributed", "interop", "kernels", "settings", "text",
-                 "training"},
-    "training": {"atomic", "backend", "checkpoint", "config", "distributed", "interop", "kernels", "layers",
-                 "model", "settings", "text"},
-    "cli": {"atomic", "distributed", "training"},
+    # the training run: settings and the flag merge, ranks, the trainer, LoRA fine-tuning
+    "training": {"atomic", "backend", "checkpoint", "config", "generation", "interop", "kernels", "layers",
+                 "model", "text"},
+    "cli": {"atomic", "training"},
     # the commands parse and print: they reach the math only through the model and paper/
-    "commands": {"checkpoint", "cli", "config", "distributed", "finetune", "generation", "interop", "kernels",
-                 "model", "paper", "settings", "text", "training"},
+    "commands": {"checkpoint", "cli", "config", "generation", "interop", "kernels", "model", "paper", "text",
+                 "training"},
     "__init__": {"config", "model", "paper"},              # ``from pedestrian import GPT``, check_gradients (lazily)
     "__main__": {"cli"},
 }

@@ -1,4 +1,4 @@
-"""Each training setting is declared once (pedestrian.settings): the flag, the config-file key
+"""Each training setting is declared once (pedestrian.training.specs): the flag, the config-file key
 and type, the validation message and the checkpointed value all follow from the declaration.
 The tests walk every declared setting, so a new one is covered without a new test."""
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import pytest
 
 from pedestrian.cli import build_parser
-from pedestrian.commands.train import settings_from_args
-from pedestrian.finetune import FinetuneSettings
-from pedestrian.settings import OPEN_UNIT, POSITIVE_INT, add_flags, check, config_value, flag, setting, specs
+from pedestrian.training.settings import settings_from_args
+from pedestrian.training.finetune import FinetuneSettings
+from pedestrian.training.specs import OPEN_UNIT, POSITIVE_INT, add_flags, check, config_value, flag, setting, specs
 from pedestrian.training import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainingError, TrainSettings, read_config_file
 
 
@@ -153,7 +153,7 @@ REQUIRED = ["--hf-dir", "base", "--data", "d.txt", "--lora-rank", "8"]
 
 @pytest.mark.parametrize("name", FINETUNE_FLAGS)
 def test_each_finetune_setting_reaches_the_settings_from_its_flag(name, monkeypatch):
-    import pedestrian.finetune as finetune_module
+    import pedestrian.training.finetune as finetune_module
     from pedestrian import cli
 
     spec = specs(FinetuneSettings)[name]

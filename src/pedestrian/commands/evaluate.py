@@ -62,7 +62,7 @@ def _tokens(data, tokenizer, val_fraction: float, split: str):
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import load_checkpoint, read_state
-    from ..finetune import adapter_checkpoint_dir, load_finetuned
+    from ..training.finetune import adapter_checkpoint_dir, load_finetuned
     from ..training import TrainingError, evaluate_tokens
 
     if args.batch_size < 1:

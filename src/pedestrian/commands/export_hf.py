@@ -52,7 +52,7 @@ def _export(args: argparse.Namespace) -> int:
     from ..interop.hf import merged_for_export, save_pretrained
     from ..interop.peft import save_peft_adapter
 
-    from ..finetune import adapter_base, adapter_checkpoint_dir, load_finetuned
+    from ..training.finetune import adapter_base, adapter_checkpoint_dir, load_finetuned
 
     if args.checkpoint and adapter_checkpoint_dir(args.checkpoint) is not None:
         args.adapter, args.checkpoint = args.checkpoint, None      # an adapter: same as --adapter

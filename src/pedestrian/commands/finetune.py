@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..finetune import FinetuneSettings
-from ..settings import add_flags, specs
+from ..training.finetune import FinetuneSettings
+from ..training.specs import add_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,11 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..finetune import finetune
+    from ..training.finetune import finetune
 
-    given = {name: getattr(args, name) for name in specs(FinetuneSettings)}
-    settings = FinetuneSettings(**{name: value for name, value in given.items() if value is not None})
-    result = finetune(settings)
+    result = finetune(FinetuneSettings.from_args(args))
     if result.stop_reason == "interrupted":
         print(f"interrupted: the adapters of step {result.step} are saved in {result.out / 'adapter'} and "
               f"{result.out / 'peft'}", file=sys.stderr)

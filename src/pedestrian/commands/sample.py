@@ -104,7 +104,7 @@ def _load_model(args: argparse.Namespace):
     from ..cli import UserError
 
     if args.checkpoint:
-        from ..finetune import adapter_checkpoint_dir, load_finetuned
+        from ..training.finetune import adapter_checkpoint_dir, load_finetuned
 
         adapter = adapter_checkpoint_dir(args.checkpoint)
         if adapter is not None:

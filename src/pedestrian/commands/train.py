@@ -38,10 +38,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import PRESETS
-from ..settings import add_flags, specs
-from ..training import DEFAULT_MODEL, TrainingError, TrainSettings, per_run_flags
-from ..training.settings import MODEL_KEYS, TRAIN_KEYS, read_config_file
+from ..training.specs import add_flags
+from ..training import TrainSettings
+from ..training.settings import settings_from_args
 from .params import add_config_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,34 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     groups = add_flags(parser, TrainSettings, groups={"data": data, "model": model})
     groups["loop"].add_argument("--no-sample", dest="sample", action="store_false", default=True,
                                 help="do not print samples of the trained model at the end")
-
-
-def settings_from_args(args: argparse.Namespace):
-    """``(TrainSettings, explicit setting names)`` from defaults < --config file < flags."""
-    given = read_config_file(args.config) if args.config else {}
-    for name in TRAIN_KEYS + MODEL_KEYS:
-        value = getattr(args, name, None)
-        if value is not None:
-            given[name] = value
-    if getattr(args, "vocab_size", None) is not None or given.get("vocab_size") is not None:
-        raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
-    preset = given.pop("preset", None)
-    model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
-    if preset is not None and preset not in PRESETS:
-        raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    model = dict(DEFAULT_MODEL)
-    if preset is not None:
-        model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
-        model.setdefault("dropout", 0.0)
-    model.update(model_given)
-    for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
-        if spec.none_means is not None and name in given and given[name] == spec.none_means:
-            given[name] = None
-    settings = TrainSettings(**given, model=model)
-    # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
-    model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
-    explicit = set(given) | {f"model.{k}" for k in model_keys}
-    return settings, explicit
 
 
 def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
@@ -113,52 +84,23 @@ def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
         print(f"--- sample {i + 1} ---\n{text.strip()}")
 
 
-def _launch(settings, args: argparse.Namespace) -> int:
-    """``--nproc N`` outside a launcher: start N ranks of this same command through PyTorch's
-    launcher (:func:`pedestrian.distributed.launch`) and report their failure in one line."""
-    from ..checkpoint import read_state
-    from ..distributed import LaunchFailure, launch
-
-    settings.validate()
-    out = settings.run_dir()
-
-    def on_disk() -> str:
-        try:
-            folder, state = read_state(out / "latest")
-        except (FileNotFoundError, ValueError):
-            return f"no checkpoint was written in {out}"
-        return (f"the checkpoint of step {state.get('step')} in {folder} is kept; continue with: pedestrian train "
-                f"--out {out} --resume --nproc {settings.nproc}{per_run_flags(settings)}{_no_sample(args)}")
-
-    try:
-        launch(settings.nproc, args.argv, on_disk)
-    except LaunchFailure as exc:
-        if exc.interrupted:
-            print(f"interrupted: {exc}", file=sys.stderr)
-            return 130
-        raise TrainingError(str(exc)) from None
-    return 0
-
-
 def _no_sample(args: argparse.Namespace) -> str:
     """``" --no-sample"`` when this command was given it (a printed resume command repeats it)."""
     return "" if args.sample else " --no-sample"
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import launched_rank, reports_to_launcher
     from ..training import train
+    from ..training.distributed import LaunchFailure, reports_to_launcher
+    from ..training.run import launch_ranks
 
     settings, explicit = settings_from_args(args)
-    if launched_rank():
-        import os
-
-        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if settings.nproc not in (1, here):
-            raise TrainingError(f"--nproc {settings.nproc}, but the launcher started {here} ranks on this machine; "
-                                "leave --nproc out under torchrun (--nproc-per-node sets it)")
-    elif settings.nproc > 1:
-        return _launch(settings, args)
+    try:
+        if launch_ranks(settings, args.argv, _no_sample(args)):
+            return 0
+    except LaunchFailure as exc:                # the ranks stopped on Ctrl-C / SIGTERM and saved
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 130
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
     out = result.out
     resume_command = result.resume_command + _no_sample(args)

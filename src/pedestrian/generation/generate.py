@@ -51,6 +51,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..backend import is_torch_array, to_numpy
+from ..model import eval_mode
 from ..model.kv_cache import KVCache
 from .sampling import check_sampling, filter_logits, sample_next, sample_unchecked  # noqa: F401 (re-exported)
 
@@ -318,9 +319,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             return model.xp.concat([model.forward(seq[b:b + 1, max(start, int(padding[b])):n])[:, -1, :]
                                     for b in range(B)], axis=0)
 
-    was_training = model.training
-    model.training = False
-    try:
+    with eval_mode(model):
         logits = window_logits(True) if max_new_tokens > 0 else None
         for step in range(max_new_tokens):
             if return_logits:
@@ -354,8 +353,6 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
                 if keep_cache:                         # relative positions: the kept keys stay valid
                     cache.drop_oldest(window_shift)
             logits = window_logits(slide and not keep_cache)
-    finally:
-        model.training = was_training
     out = seq[:, :n]
     if ragged is not None:
         out = [out[b, padding[b]:] for b in range(B)]

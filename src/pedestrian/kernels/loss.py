@@ -67,7 +67,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
         targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index`` (validated by the
             caller, see ``GPT.forward``).
         n_total: divide by this many counted targets instead of the number counted here: for
-            one slice of a larger batch (a rank's rows, :mod:`pedestrian.distributed`) the loss
+            one slice of a larger batch (a rank's rows, :mod:`pedestrian.training.distributed`) the loss
             and its gradient are then this slice's share of the whole batch's mean, and the
             slices' losses and gradients simply add up.
 

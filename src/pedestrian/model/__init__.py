@@ -3,6 +3,6 @@ flat buffers (``params.py``), its LoRA adapters (``adapters.py``), the checks of
 (``inputs.py``, ``finite.py``) and the KV cache its attention reads and extends (``kv_cache.py``).
 """
 
-from .gpt import GPT
+from .gpt import GPT, eval_mode
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "eval_mode"]

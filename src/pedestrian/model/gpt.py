@@ -38,6 +38,7 @@ block's q, k, v one fused ``attn.qkv`` layer). Input checks: :mod:`pedestrian.mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -53,7 +54,7 @@ from .inputs import as_signal, as_tokens, check_cache, check_targets, check_toke
 from .kv_cache import KVCache
 from .params import FC, FlatBuffer, FlatParameters, FlatParams, base_regions
 
-__all__ = ["GPT", "GPTConfig", "FlatBuffer"]
+__all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
 
 
 class GPT(FlatParameters, LoRAAdapters):
@@ -398,3 +399,16 @@ def _resolve_device(backend: str, device):
     import torch
 
     return torch.device(device)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """``with eval_mode(model):`` runs its body with ``model.training = False`` (dropout off, no
+    random state drawn) and puts the model's own ``training`` flag back afterwards, also when
+    the body raises. For evaluation, the gradient-norm record and generation."""
+    was_training = model.training
+    model.training = False
+    try:
+        yield model
+    finally:
+        model.training = was_training

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model import eval_mode
 from ..text.data import BUNDLED_CORPUS, iter_corpus_pieces, iter_train_pieces
 from ..text.tokens import encode_to_token_file
 from .settings import TrainSettings
@@ -105,8 +106,6 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
     if n < 2:
         raise ValueError(f"need at least 2 tokens to evaluate, got {n}")
     n_windows = (n - 1) // T
-    was_training = model.training
-    model.training = False
     total, count = 0.0, 0
     starts = list(range(0, n_windows * T, T))
     chunks = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
@@ -114,7 +113,7 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
         chunks = chunks[:max_batches]
     from tqdm import tqdm
 
-    try:
+    with eval_mode(model):
         for chunk in tqdm(chunks, desc="eval", unit="batch", disable=not progress, file=sys.stderr):
             idx = np.asarray(chunk)[:, None] + np.arange(T + 1)
             w = np.asarray(tokens[idx], dtype=np.int64)
@@ -125,6 +124,4 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
             w = np.asarray(tokens[n_windows * T:], dtype=np.int64)[None, :]
             total += model.loss(w[:, :-1], w[:, 1:]) * rest
             count += rest
-    finally:
-        model.training = was_training
     return total / count, count

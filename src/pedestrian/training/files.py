@@ -17,6 +17,7 @@ import numpy as np
 
 from ..atomic import AppendLog, make_dirs, write_file
 from ..checkpoint import copy_checkpoint, save_checkpoint
+from ..model import eval_mode
 
 log = logging.getLogger("pedestrian.train")
 
@@ -195,14 +196,10 @@ def gradient_record(model, x, y, step: int) -> dict:
                               for a in arrays))
         return value if math.isfinite(value) else None
 
-    was_training = model.training
-    model.training = False
-    try:
+    with eval_mode(model):
         model.loss(x, y)
         grads = model.backward(keep_deltas=True)
         deltas = model.deltas()
-    finally:
-        model.training = was_training
     delta_norms: dict = {"Δ1": norm(deltas["Δ1"]), "Δ11": norm(deltas["Δ11"])}
     grad_groups: dict = {}
     for name, g in grads.items():

@@ -8,17 +8,17 @@ are handed in: what a checkpoint holds (:class:`Checkpoints`' ``save`` function)
 after a step (:meth:`Trainer.on`: ``pedestrian train``'s gradient-norm record). Every file goes
 through one object, ``files`` (:class:`pedestrian.training.files.RunFiles`).
 
-Several processes (:mod:`pedestrian.distributed`): every rank gets the same global micro-batches
+Several processes (:mod:`pedestrian.training.distributed`): every rank gets the same global micro-batches
 and computes its rows of each (``rows = group.rows(B)``), dividing by the counted targets ``n``
 of the whole step (all ranks, all micro-batches); the gradients and the loss are summed over the
 ranks between the backward and the norm (:func:`train_step`), so every rank sees the same
 numbers and takes the same update. The loop never asks how many ranks there are: one process has a
-:class:`~pedestrian.distributed.SingleProcess` group whose sums are the identity. Stop decisions
+:class:`~pedestrian.training.distributed.SingleProcess` group whose sums are the identity. Stop decisions
 are agreed (:meth:`Trainer.should_stop`: the most urgent reason of any rank wins, through one tiny
 all_reduce), and a rank that writes nothing gets a ``files`` object that does nothing.
 
 Dropout: with a ``dropout_seed`` the loop gives the model a
-:class:`~pedestrian.distributed.RowKeyedRNG` per micro-batch, keyed by ``(seed, step,
+:class:`~pedestrian.training.distributed.RowKeyedRNG` per micro-batch, keyed by ``(seed, step,
 micro-batch)`` and the global row, so masks depend neither on how the batch is split (threads,
 ranks) nor on anything but the step: a resumed run draws the same masks.
 
@@ -36,10 +36,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from ..distributed import SingleProcess
 from ..model.finite import finite_or_none
+from .distributed import SingleProcess
 from .files import NoFiles
 from .optim import AdamW
 from .step import (TrainingError, empty_like, estimate_loss, non_finite_tensors, skip_reason, state_is_finite,
@@ -65,35 +66,77 @@ def request_stop(reason: str) -> None:
 STOP_REASONS = ("max_steps", "stop_step", "max_minutes", "non_finite", "interrupted")
 
 
+@dataclass
+class Optimization:
+    """The update of a step: the optimizer, its learning-rate schedule and the gradient clip.
+
+    Attributes:
+        optimizer: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers.
+        schedule: ``schedule(step) -> lr`` (:class:`~pedestrian.training.optim.CosineSchedule`).
+        grad_clip: global gradient-norm threshold (0 = off).
+    """
+
+    optimizer: AdamW
+    schedule: Callable[[int], float]
+    grad_clip: float = 0.0
+
+
+@dataclass
+class Batches:
+    """What the steps read: the training micro-batches, the dropout masks' seed, the fixed
+    validation batches and how often they are read.
+
+    Attributes:
+        next: ``() -> [(x, y), ...]``, the global micro-batches of one step (the same on every rank).
+        tokens_per_step: tokens of one global step, for the tokens/s figures.
+        validation, eval_interval: the fixed validation batches, evaluated every
+            ``eval_interval`` steps (0: never) and at the end (:meth:`Trainer.evaluate`).
+        dropout_seed: draw dropout masks keyed by ``(dropout_seed, step, micro-batch)`` and the
+            global row (module docstring); ``None``: from the model's own ``dropout_rng``.
+    """
+
+    next: Callable[[], list]
+    tokens_per_step: int = 0
+    validation: Sequence = ()
+    eval_interval: int = 0
+    dropout_seed: int | None = None
+
+
+@dataclass
+class StopRules:
+    """When the loop stops (:meth:`Trainer.should_stop` reads them before every step).
+
+    Attributes:
+        end: the last step; ``end_reason`` is the stop reason when it is reached.
+        max_skipped_steps: stop after this many skipped steps in a row (``"non_finite"``).
+        max_minutes, t_start: stop with ``"max_minutes"`` once ``max_minutes`` since ``t_start``
+            (a ``time.perf_counter()``, default now) are used up, keeping a reserve for the final
+            validation and checkpoint (1.5 × the longest validation + save seen); ``None``: no
+            limit. ``t_start`` is also the origin of the log's ``time_s``.
+    """
+
+    end: int
+    end_reason: str = "max_steps"
+    max_skipped_steps: int = 5
+    max_minutes: float | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+
+
 class Trainer:
     """Steps until a stop, logging, validating and saving on the way.
 
-    The step:
+    Args:
         model: the model (:class:`~pedestrian.model.GPT`).
-        optimizer: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers.
-        schedule: ``schedule(step) -> lr`` (e.g. :class:`~pedestrian.training.optim.CosineSchedule`).
-        next_batches: ``() -> [(x, y), ...]``, the global micro-batches of one step (the same on
-            every rank).
-        step: steps done before this run (a resumed run's checkpoint step); ``skipped_total``:
-            how many of them were skipped (from the checkpoint).
-        end: the last step; ``end_reason`` is the stop reason when it is reached.
-        grad_clip: global gradient-norm threshold (0 = off).
-        max_skipped_steps: stop after this many skipped steps in a row (``"non_finite"``).
-        tokens_per_step: tokens of one global step, for the tokens/s figures.
-        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
-        dropout_seed: draw dropout masks keyed by ``(dropout_seed, step, micro-batch)`` and the
-            global row (module docstring); ``None``: from the model's own ``dropout_rng``.
-
-    Around it (each off by default):
-        files: where the log records go (:class:`~pedestrian.training.files.RunFiles`).
+        optimization: the optimizer, its schedule and the clip (:class:`Optimization`).
+        batches: what the steps read (:class:`Batches`).
+        stop: when to stop (:class:`StopRules`).
+        checkpoints: the run's files (:class:`Checkpoints`: the log and what a checkpoint holds);
+            ``None``: nothing is written.
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
         progress: the label of a progress bar on stderr; ``None``: no bar.
-        val_batches, eval_interval: the fixed validation batches, evaluated every
-            ``eval_interval`` steps and at the end (:meth:`evaluate`).
-        checkpoints: a :class:`Checkpoints`, saved every ``checkpoints.interval`` steps and at
-            the end.
-        max_minutes, t_start: stop with ``"max_minutes"`` once ``max_minutes`` since ``t_start``
-            (a ``time.perf_counter()``, default now) are used up, keeping a reserve for the
-            final validation and checkpoint (1.5 × the longest validation + save seen).
+
+    A resumed run starts at its checkpoint's step: :meth:`resume`. :func:`pedestrian.training.job.build_trainer`
+    builds all of it from a run's settings, for ``pedestrian train`` and ``pedestrian finetune`` alike.
 
     Attributes a caller reads (the ``save`` function and the ``on`` callbacks too): ``step``,
     ``lr``, ``loss``, ``grad_norm``, ``skipped`` (the last step's reason, or ``None``),
@@ -101,30 +144,20 @@ class Trainer:
     ``stop_reason``, ``interrupted_by``, ``batches`` (the last step's global micro-batches).
     """
 
-    def __init__(self, model, optimizer: AdamW, schedule: Callable[[int], float],
-                 next_batches: Callable[[], list], *, step: int, end: int, end_reason: str = "max_steps",
-                 grad_clip: float = 0.0, max_skipped_steps: int = 5, tokens_per_step: int = 0,
-                 skipped_total: int = 0, group=None, dropout_seed: int | None = None,
-                 files=None, progress: str | None = None, val_batches=(), eval_interval: int = 0,
-                 checkpoints: Checkpoints | None = None, max_minutes: float | None = None,
-                 t_start: float | None = None):
-        self.model, self.optimizer, self.schedule, self.next_batches = model, optimizer, schedule, next_batches
-        self.step, self.end, self.end_reason = step, end, end_reason
-        self.grad_clip, self.max_skipped_steps = grad_clip, max_skipped_steps
-        self.tokens_per_step = tokens_per_step
-        self.group = SingleProcess() if group is None else group
-        self.dropout_seed = dropout_seed
-        self.files = NoFiles() if files is None else files
-        self.progress, self.val_batches, self.eval_interval = progress, val_batches, eval_interval
+    def __init__(self, model, optimization: Optimization, batches: Batches, stop: StopRules,
+                 checkpoints: Checkpoints | None = None, *, group=None, progress: str | None = None):
+        self.model, self.optimization, self.data, self.stop = model, optimization, batches, stop
         self.checkpoints = checkpoints
-        self.time_limit = None if max_minutes is None else max_minutes * 60.0
-        self.t_start = time.perf_counter() if t_start is None else t_start
+        self.files = NoFiles() if checkpoints is None else checkpoints.files
+        self.group = SingleProcess() if group is None else group
+        self.progress = progress
+        self.step = 0
         self.reserve = 0.0                          # seconds kept for the final validation and save
         self.accum: list | None = None              # gradient-accumulation buffers (k > 1)
         self.lr = math.nan
         self.loss = self.grad_norm = self.val_loss = math.nan
         self.skipped: str | None = None
-        self.skipped_in_a_row, self.skipped_total = 0, skipped_total
+        self.skipped_in_a_row, self.skipped_total = 0, 0
         self.last_eval = self.last_save = -1
         self.step_seconds, self.steps_this_run = 0.0, 0
         self.t_loop = time.perf_counter()
@@ -134,6 +167,17 @@ class Trainer:
         self.after_step: list[Callable[[Trainer], Any]] = []
         self.bar = None                             # the progress bar while run() runs
         _stop_requests.clear()                      # a new run starts without requests
+
+    def resume(self, step: int, skipped_total: int = 0) -> "Trainer":
+        """Start after ``step`` steps, ``skipped_total`` of them skipped (a checkpoint's), the
+        checkpoint counting as this step's validation and save."""
+        self.step, self.skipped_total = step, skipped_total
+        self.last_eval = self.last_save = step
+        return self
+
+    @property
+    def optimizer(self) -> AdamW:
+        return self.optimization.optimizer
 
     def on(self, event: str, *callbacks: Callable[["Trainer"], Any]) -> "Trainer":
         """Call ``callback(trainer)`` after every step (``event`` ``"step_end"``, the only one),
@@ -157,11 +201,12 @@ class Trainer:
         try:
             self.t_loop = time.perf_counter()
             while (reason := self.should_stop()) is None:
-                self.lr = self.schedule(self.step)
-                self.batches = self.next_batches()
+                self.lr = self.optimization.schedule(self.step)
+                self.batches = self.data.next()
                 t0 = time.perf_counter()
                 self.loss, self.grad_norm = train_step(self.model, self.optimizer, self.batches, self.lr,
-                                                       self.grad_clip, self._accumulator(), self.group,
+                                                       self.optimization.grad_clip, self._accumulator(),
+                                                       self.group,
                                                        self._dropout_key())
                 self.step_seconds = time.perf_counter() - t0
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
@@ -173,17 +218,17 @@ class Trainer:
                     self.bar.update(1)
                 self._postfix()
                 t_chores = time.perf_counter()
-                if self.eval_interval and self.step % self.eval_interval == 0:
+                if self.data.eval_interval and self.step % self.data.eval_interval == 0:
                     self.evaluate(say=True)
                 for callback in self.after_step:
                     callback(self)
-                if self.checkpoints is not None and self.step % self.checkpoints.interval == 0:
+                if self.checkpoints is not None and self._checkpoint_due():
                     self.checkpoints.save_now(self)
                 if self.step in (self.last_eval, self.last_save):       # the time guard's reserve
                     self.reserve = max(self.reserve, 1.5 * (time.perf_counter() - t_chores))
             self.stop_reason = reason
             if reason != "non_finite":
-                if reason != "interrupted" and self.val_batches and (
+                if reason != "interrupted" and self.data.validation and (
                         self.last_eval != self.step or not math.isfinite(self.val_loss)):
                     self.evaluate()
                 if self.checkpoints is not None and self.last_save != self.step:
@@ -218,11 +263,12 @@ class Trainer:
         if _stop_requests:
             self.interrupted_by = _stop_requests[0]
             return "interrupted"
-        if self.skipped_in_a_row >= self.max_skipped_steps:
+        if self.skipped_in_a_row >= self.stop.max_skipped_steps:
             return "non_finite"
-        if self.step >= self.end:
-            return self.end_reason
-        if self.time_limit is not None and time.perf_counter() - self.t_start + self.reserve >= self.time_limit:
+        if self.step >= self.stop.end:
+            return self.stop.end_reason
+        limit = self.stop.max_minutes
+        if limit is not None and time.perf_counter() - self.stop.t_start + self.reserve >= limit * 60.0:
             return "max_minutes"
         return None
 
@@ -231,7 +277,7 @@ class Trainer:
         rank its rows of each batch). Writes ``{"step", "val_loss"}`` to the log (``say``: and
         to the logger); a non-finite result is warned about and recorded as ``null`` (it never
         becomes the best)."""
-        loss = estimate_loss(self.model, self.val_batches, self.group)
+        loss = estimate_loss(self.model, self.data.validation, self.group)
         self.val_loss, self.last_eval = loss, self.step
         self.files.log({"step": self.step, "val_loss": finite_or_none(loss)})
         self._postfix(refresh=not say)
@@ -244,7 +290,7 @@ class Trainer:
 
     def tokens_per_second(self) -> float:
         """Mean training throughput of this run so far (validation and saving included)."""
-        return self.tokens_per_step * self.steps_this_run / max(time.perf_counter() - self.t_loop, 1e-9)
+        return self.data.tokens_per_step * self.steps_this_run / max(time.perf_counter() - self.t_loop, 1e-9)
 
     def non_finite_message(self, kept: str) -> str:
         """The error of a ``"non_finite"`` stop; ``kept`` says which checkpoint is the last good
@@ -262,10 +308,15 @@ class Trainer:
         return self.accum
 
     def _dropout_key(self) -> tuple[int, int] | None:
-        return None if self.dropout_seed is None else (self.dropout_seed, self.step)
+        seed = self.data.dropout_seed
+        return None if seed is None else (seed, self.step)
+
+    def _checkpoint_due(self) -> bool:
+        every = self.checkpoints.interval or self.data.eval_interval    # 0: at every validation
+        return bool(every) and self.step % every == 0
 
     def _count_skip(self) -> None:
-        self.skipped = skip_reason(self.loss, self.grad_norm, self.grad_clip, self.optimizer)
+        self.skipped = skip_reason(self.loss, self.grad_norm, self.optimization.grad_clip, self.optimizer)
         if self.skipped is None:
             self.skipped_in_a_row = 0
             return
@@ -273,7 +324,7 @@ class Trainer:
         self.skipped_total += 1
         log.warning(f"step {self.step}: {self.skipped}; the update is skipped (weights and AdamW moments "
                     f"unchanged), {self.skipped_in_a_row} in a row (the run stops at "
-                    f"{self.max_skipped_steps}: --max-skipped-steps)")
+                    f"{self.stop.max_skipped_steps}: --max-skipped-steps)")
 
     def _step_record(self) -> dict:
         """The step's ``log.jsonl`` record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``time_s``
@@ -281,8 +332,8 @@ class Trainer:
         skipped step (its non-finite numbers are written as ``null``)."""
         record = {"step": self.step, "loss": finite_or_none(self.loss), "lr": self.lr,
                   "grad_norm": finite_or_none(self.grad_norm),
-                  "time_s": round(time.perf_counter() - self.t_start, 4),
-                  "tokens_per_s": round(self.tokens_per_step / max(self.step_seconds, 1e-9), 1)}
+                  "time_s": round(time.perf_counter() - self.stop.t_start, 4),
+                  "tokens_per_s": round(self.data.tokens_per_step / max(self.step_seconds, 1e-9), 1)}
         if self.skipped:
             record["skipped"] = True
         return record
@@ -290,7 +341,7 @@ class Trainer:
     def _progress_bar(self):
         from tqdm import tqdm
 
-        return tqdm(total=self.end, initial=self.step, desc=self.progress or "", unit="step",
+        return tqdm(total=self.stop.end, initial=self.step, desc=self.progress or "", unit="step",
                     disable=self.progress is None, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
     def _postfix(self, refresh: bool = False) -> None:
@@ -302,32 +353,39 @@ class Trainer:
 
 
 class Checkpoints:
-    """A run's checkpoints as the loop sees them: :meth:`save_now` checks that the weights and
-    AdamW moments are finite (:func:`state_is_finite`; if not, :class:`TrainingError` naming the
-    last good checkpoint, and nothing is written), then calls ``save``.
+    """A run's files as the loop sees them: the log (``files``) and its checkpoints.
+    :meth:`save_now` checks that the weights and AdamW moments are finite
+    (:func:`state_is_finite`; if not, :class:`TrainingError` naming the last good checkpoint, and
+    nothing is written), then calls ``save``.
 
     Args:
-        save: ``save(trainer)`` writes the checkpoint of the trainer's current step (and may set
-            ``trainer.last_save`` as soon as the checkpoint proper is on disk).
-        interval: the loop saves every ``interval`` steps.
+        files: where every file of the run goes (:class:`~pedestrian.training.files.RunFiles`;
+            :class:`~pedestrian.training.files.NoFiles` on a rank that writes nothing).
+        save: ``save(trainer)`` writes the checkpoint of the trainer's current step through
+            ``files`` (and may set ``trainer.last_save`` as soon as the checkpoint proper is on disk).
         folder: where it goes, and name: what it is (``"checkpoint"``), for messages.
+        interval: the loop saves every ``interval`` steps; 0: at every validation.
         previous: a description of what was there before this run saved anything (``None``:
             nothing), e.g. ``"the previous run in runs/x is left as it was"``.
-        model: names the tensors in the message (else the flat buffers are named).
-        go_on: how to go on from a saved checkpoint (the end of the message).
+        go_on: how to go on from a saved checkpoint after a non-finite weight (the end of that message).
+        resume_command: the command that continues the run from its last checkpoint (``None``:
+            the run cannot be resumed); start_again: what to do when there is nothing to resume
+            (:meth:`retry`).
     """
 
-    def __init__(self, save: Callable[[Trainer], None], interval: int, folder, previous: str | None = None,
-                 name: str = "checkpoint", model=None,
-                 go_on: str = "start again with a lower --lr (--overwrite, or --out NEW_DIR)"):
-        self.save, self.interval, self.folder, self.previous = save, interval, folder, previous
-        self.name, self.model, self.go_on = name, model, go_on
+    def __init__(self, files, save: Callable[[Trainer], None], folder, *, interval: int = 0,
+                 previous: str | None = None, name: str = "checkpoint",
+                 go_on: str = "start again with a lower --lr (--overwrite, or --out NEW_DIR)",
+                 resume_command: str | None = None, start_again: str = "start again"):
+        self.files, self.save, self.folder, self.interval = files, save, folder, interval
+        self.previous, self.name, self.go_on = previous, name, go_on
+        self.resume_command, self.start_again = resume_command, start_again
 
     def save_now(self, t: Trainer) -> None:
         if not state_is_finite(t.optimizer):
             then = self.go_on if t.last_save >= 0 else "start again with a lower --lr"
             raise TrainingError(f"refusing to save a checkpoint after step {t.step}, a weight or an AdamW "
-                                f"moment is not finite: {non_finite_tensors(self.model, t.optimizer)}; the run "
+                                f"moment is not finite: {non_finite_tensors(t.model, t.optimizer)}; the run "
                                 f"stopped and {self.kept(t, good=True)}. To go on, {then}")
         self.save(t)
         t.last_save = t.step
@@ -340,6 +398,12 @@ class Checkpoints:
         if self.previous:
             return f"nothing was saved ({self.previous})"
         return f"no {self.name} was written"
+
+    def retry(self, t: Trainer) -> str:
+        """How to go on after a failure now: continue from the last checkpoint, or start again."""
+        if self.resume_command and t.last_save >= 0:
+            return f"continue with: {self.resume_command}"
+        return self.start_again
 
 
 def _install_stop_handlers() -> dict:

@@ -29,7 +29,7 @@ Messages go to the logger ``pedestrian.train`` (INFO: what the run does; WARNING
 and settings worth a second look); ``pedestrian train`` prints them, ``logging.basicConfig(level=
 logging.INFO)`` shows them in a program of your own.
 
-Several processes (ranks; :mod:`pedestrian.distributed`): started by ``torchrun`` or
+Several processes (ranks; :mod:`pedestrian.training.distributed`): started by ``torchrun`` or
 ``pedestrian train --nproc N``, :func:`train` joins the process group its environment names.
 Every rank draws the same global batches of ``batch_size`` rows and computes its share of the
 rows; gradients and losses are summed over the ranks once per step. Rank 0 alone writes the
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,17 +52,17 @@ from typing import Any
 import numpy as np
 
 from ..atomic import WriteError
-from ..checkpoint import Checkpoint, NonFiniteError, load_checkpoint, read_state
+from ..checkpoint import Checkpoint, load_checkpoint, read_state
 from ..config import GPTConfig
 from ..text.data import BUNDLED_CORPUS
-from ..distributed import CommunicationError, process_group, reports_to_launcher
+from .distributed import (CommunicationError, LaunchFailure, launch, launched_rank, process_group,
+                          reports_to_launcher)
 from ..model.finite import finite_or_none
 from ..kernels.jit import threads_used
-from ..text.tokens import TokenDataset
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
+from .job import build_trainer, failures_explained, new_optimizer
 from .loop import Checkpoints, Trainer
-from .optim import AdamW, CosineSchedule
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
@@ -143,8 +144,7 @@ def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, 
         data_rng.bit_generator.state = ckpt.meta["data_rng"]
     model.training = True
     group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
-    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                      weight_decay=settings.weight_decay)
+    optimizer = new_optimizer(settings, model)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt.optimizer_state())
         skipped = int(ckpt.meta.get("skipped_steps", 0))
@@ -163,6 +163,55 @@ def _warn_other_ranks(ckpt: Checkpoint | None, group) -> None:
                     "float additions but not bit for bit; for that, resume with the same --nproc")
 
 
+def launch_ranks(settings: TrainSettings, argv: list[str], resume_flags: str = "") -> bool:
+    """Start the ranks ``--nproc N`` asks for, when no launcher started this process: ``N`` ranks
+    of ``pedestrian ARGV`` on this machine through PyTorch's launcher
+    (:func:`pedestrian.training.distributed.launch`). Under a launcher (``torchrun``, or this
+    function's own ranks) nothing is started, and ``--nproc`` must be 1 or the launcher's ranks
+    on this machine.
+
+    Args:
+        argv: the command line of every rank (``pedestrian``'s, without the program name).
+        resume_flags: more flags for the resume command a failure prints (``" --no-sample"``).
+
+    Returns:
+        ``True`` when ranks were started and all finished; ``False`` when this process is to
+        train itself (one process, or a rank).
+
+    Raises:
+        TrainingError: bad settings, an ``--nproc`` that contradicts the launcher, or a rank that
+            failed (one line: which, why, the checkpoint kept and how to continue).
+        LaunchFailure: ``interrupted``: the ranks stopped on Ctrl-C / SIGTERM (each saved a
+            checkpoint; the message says how to continue).
+    """
+    if launched_rank():
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if settings.nproc not in (1, here):
+            raise TrainingError(f"--nproc {settings.nproc}, but the launcher started {here} ranks on this machine; "
+                                "leave --nproc out under torchrun (--nproc-per-node sets it)")
+        return False
+    if settings.nproc == 1:
+        return False
+    settings.validate()
+    out = settings.run_dir()
+
+    def on_disk() -> str:
+        try:
+            folder, state = read_state(out / "latest")
+        except (FileNotFoundError, ValueError):
+            return f"no checkpoint was written in {out}"
+        return (f"the checkpoint of step {state.get('step')} in {folder} is kept; continue with: pedestrian train "
+                f"--out {out} --resume --nproc {settings.nproc}{per_run_flags(settings)}{resume_flags}")
+
+    try:
+        launch(settings.nproc, argv, on_disk)
+    except LaunchFailure as exc:
+        if exc.interrupted:
+            raise
+        raise TrainingError(str(exc)) from None
+    return True
+
+
 def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] | None = None,
           overwrite: bool = False, group=None) -> TrainResult:
     """Run (or resume) a training job (module docstring; messages go to the ``pedestrian.train`` logger).
@@ -178,7 +227,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
         overwrite: start afresh even if ``<out>`` already holds a checkpoint (it -- and its
             ``log.jsonl`` and ``best/`` -- is replaced only when the new run writes its first
             checkpoint; the new log goes to ``log.jsonl.new`` until then).
-        group: the process group (:mod:`pedestrian.distributed`); ``None``: the one this
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: the one this
             process's environment names (one process, or a rank started by ``torchrun``), joined
             here and left at the end.
 
@@ -252,11 +301,8 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
-    B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
-    train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
     model, optimizer, data_rng = _start(settings, config, ckpt, group)
     _warn_other_ranks(ckpt, group)
-    end = settings.max_steps if settings.stop_step is None else min(settings.stop_step, settings.max_steps)
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=ckpt is None and had_run,
@@ -269,9 +315,9 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         best_val = val if is_best else best_val
         meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
                 "val_loss": finite_or_none(val), "train_loss": finite_or_none(t.loss),
-                "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.tokens_per_step,
+                "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.data.tokens_per_step,
                 "world_size": group.world_size, "skipped_steps": t.skipped_total}
-        files.save_checkpoint("latest", model, optimizer, tokenizer, t.step, meta)
+        files.save_checkpoint("latest", model, t.optimizer, tokenizer, t.step, meta)
         t.last_save = t.step                  # kept even if copying it to best/ fails
         if is_best:
             files.copy_checkpoint("latest", "best")
@@ -282,27 +328,15 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     elif group.world_size > 1:
         resume_command = f"torchrun <the same options> -m {resume_command}"
     resume_command += per_run_flags(settings)
-    checkpoints = Checkpoints(save, settings.checkpoint_interval or settings.eval_interval, out / "latest",
+    checkpoints = Checkpoints(files, save, out / "latest", interval=settings.checkpoint_interval,
                               previous=f"the previous run in {out} is left as it was" if had_run else None,
-                              model=model, go_on=f"continue from it with: {resume_command} "
+                              go_on=f"continue from it with: {resume_command} "
                               "(the same settings redo the same steps), or start again with a lower --lr "
-                              "(--overwrite, or --out NEW_DIR)")
-    trainer = Trainer(model, optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
-                                                        settings.min_lr),
-                      lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)],
-                      step=ckpt.step if ckpt else 0, end=end,
-                      end_reason="max_steps" if end == settings.max_steps else "stop_step",
-                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k,
-                      skipped_total=int(ckpt.meta.get("skipped_steps", 0)) if ckpt else 0,
-                      group=group, dropout_seed=settings.seed, files=files,
-                      progress="train" if settings.progress and group.is_writer else None,
-                      val_batches=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                      eval_interval=settings.eval_interval, checkpoints=checkpoints,
-                      max_minutes=settings.max_minutes if group.is_writer else None,   # rank 0's clock decides
-                      t_start=t_start)
+                              "(--overwrite, or --out NEW_DIR)", resume_command=resume_command)
+    trainer = build_trainer(settings, model, optimizer, (train_tokens, val_tokens), data_rng, checkpoints,
+                            label="train", group=group, t_start=t_start)
     if ckpt is not None:
-        trainer.last_eval = trainer.last_save = ckpt.step
+        trainer.resume(ckpt.step, int(ckpt.meta.get("skipped_steps", 0)))
     _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group)
 
     def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
@@ -310,21 +344,8 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
             files.log(gradient_record(model, *t.batches[0], t.step))
 
     trainer.on("step_end", gradient_norms)
-    try:
+    with failures_explained(trainer):
         reason = trainer.run()
-    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
-        raise exc.advise(checkpoints.kept(trainer), f"continue with: {resume_command}"
-                         if trainer.last_save >= 0 else "start again") from exc
-    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
-        raise TrainingError(f"{exc}; {checkpoints.kept(trainer, good=True)}; start again with a lower --lr") from exc
-    except CommunicationError as exc:         # another rank died or stopped answering
-        then = f"; continue with: {resume_command}" if trainer.last_save >= 0 else "; start again"
-        raise TrainingError(f"{exc} at step {trainer.step + 1}; the run stopped; {checkpoints.kept(trainer)}"
-                            f"{then}") from exc
-    finally:
-        files.close()
-    if reason == "non_finite":
-        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     if settings.plot:
         try:
             files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
@@ -359,7 +380,7 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
     log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
              f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
-    log.info(f"steps {trainer.step} -> {trainer.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
+    log.info(f"steps {trainer.step} -> {trainer.stop.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
              f"lr {settings.lr:g} (warm-up {settings.warmup_steps}, cosine to {settings.min_lr:g}); "
              f"out: {out}" + (f"; resumed from {ckpt.path}" if ckpt else ""))
     if group.world_size > 1:

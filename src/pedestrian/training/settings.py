@@ -1,5 +1,5 @@
 """The settings of a training run: :class:`TrainSettings`, each ``pedestrian train`` flag and TOML
-key declared once (type, default, help, valid values; :mod:`pedestrian.settings`), and which of
+key declared once (type, default, help, valid values; :mod:`pedestrian.training.specs`), and which of
 them a resumed run may change.
 """
 
@@ -10,10 +10,10 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CONFIG_FIELDS, GPTConfig
+from ..config import CONFIG_FIELDS, PRESETS, GPTConfig
 from ..text.data import BUNDLED_CORPUS
-from ..distributed import DEVICES
-from ..settings import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
+from .distributed import DEVICES
+from .specs import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
                         check, config_value, kind_of, setting, specs)
 from .step import TrainingError
 
@@ -48,11 +48,11 @@ RETIRED_SETTINGS = {
 @dataclass
 class TrainSettings:
     """Every setting of a training run: the ``pedestrian train`` flags and TOML keys, each
-    declared once below (type, default, help, valid values; see :mod:`pedestrian.settings`).
+    declared once below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
 
     ``model`` holds the :class:`GPTConfig` fields except ``vocab_size`` (set from the
     tokenizer). ``nproc`` > 1 starts that many ranks on this machine through PyTorch's launcher
-    (``pedestrian train --nproc N``; see :mod:`pedestrian.distributed`). Resuming reproduces a run
+    (``pedestrian train --nproc N``; see :mod:`pedestrian.training.distributed`). Resuming reproduces a run
     bit for bit when the number of ranks is the same. (The cores of one process are shared by the
     fast kernels themselves: ``PEDESTRIAN_NUM_THREADS``.)
     """
@@ -114,7 +114,7 @@ class TrainSettings:
 
     def validate(self) -> None:
         """Raise :class:`TrainingError` naming the first bad setting (by its flag) and its valid
-        values (:func:`pedestrian.settings.check`), or a bad model setting."""
+        values (:func:`pedestrian.training.specs.check`), or a bad model setting."""
         try:
             check(self)
         except ValueError as exc:
@@ -141,6 +141,10 @@ class TrainSettings:
     @property
     def context_length(self) -> int:
         return int(self.model["context_length"])
+
+    def window(self, model) -> int:
+        """Tokens of a training window: the model's context length."""
+        return self.context_length
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -229,3 +233,41 @@ def read_config_file(path) -> dict:
                 raise ValueError(f"config file {p}: {k!r} is given twice")
             flat[k] = config_value(p, k, v, _KINDS[k])
     return flat
+
+
+# ---------------------------------------------------------------------------------------- the flag merge
+def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
+    """``(TrainSettings, explicit setting names)`` from defaults < ``--config`` file < flags: the
+    merge of ``pedestrian train``'s parsed arguments (``args``: an ``argparse.Namespace`` whose
+    unset flags are ``None``). The explicit names are those :func:`pedestrian.training.train`
+    checks against a checkpoint on resume: field names, and ``"model.<field>"`` per model field
+    (a preset gives all of its fields).
+
+    Raises:
+        TrainingError: ``--vocab-size`` given, or an unknown preset.
+        FileNotFoundError / ValueError: the config file (:func:`read_config_file`).
+    """
+    given = read_config_file(args.config) if args.config else {}
+    for name in TRAIN_KEYS + MODEL_KEYS:
+        value = getattr(args, name, None)
+        if value is not None:
+            given[name] = value
+    if getattr(args, "vocab_size", None) is not None or given.get("vocab_size") is not None:
+        raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
+    preset = given.pop("preset", None)
+    model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
+    if preset is not None and preset not in PRESETS:
+        raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    model = dict(DEFAULT_MODEL)
+    if preset is not None:
+        model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
+        model.setdefault("dropout", 0.0)
+    model.update(model_given)
+    for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
+        if spec.none_means is not None and name in given and given[name] == spec.none_means:
+            given[name] = None
+    settings = TrainSettings(**given, model=model)
+    # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
+    model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
+    explicit = set(given) | {f"model.{k}" for k in model_keys}
+    return settings, explicit

@@ -47,8 +47,9 @@ import numpy as np
 
 from ..backend import is_torch_array
 from ..model.finite import non_finite_counts, non_finite_report
-from ..distributed import RowKeyedRNG, SingleProcess
+from .distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
+from ..model import eval_mode
 from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
 
 class TrainingError(ValueError):
@@ -123,9 +124,9 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         grad_clip: global-norm threshold (``0`` = no clipping).
         accum_buffers: optional preallocated arrays shaped like each group's gradients (saves
             an allocation per step when ``k > 1``).
-        group: the process group (:mod:`pedestrian.distributed`); ``None``: one process.
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
         dropout_key: ``(seed, step)``: micro-batch ``i`` draws its dropout masks from a
-            :class:`~pedestrian.distributed.RowKeyedRNG` keyed ``(seed, step, i)`` (``None``:
+            :class:`~pedestrian.training.distributed.RowKeyedRNG` keyed ``(seed, step, i)`` (``None``:
             from the model's own ``dropout_rng``).
 
     Returns:
@@ -138,7 +139,7 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         ValueError: no micro-batch.
         TrainingError: every target of every micro-batch is ``-100`` (nothing to train on;
             raised before any forward, on every rank alike, and nothing is changed).
-        CommunicationError: another rank failed (:mod:`pedestrian.distributed`).
+        CommunicationError: another rank failed (:mod:`pedestrian.training.distributed`).
     """
     group = _ONE if group is None else group
     groups: list[ParamGroup] = optimizer.groups
@@ -196,16 +197,12 @@ def estimate_loss(model, batches, group=None) -> float:
         raise TrainingError(f"every target of the {len(batches)} validation batch(es) is the ignore index "
                             f"{IGNORE_INDEX}, so there is no validation loss; give validation windows with "
                             "targets that count")
-    was_training = model.training
-    model.training = False
-    try:
+    with eval_mode(model):
         parts = []
         for x, y in batches:
             rows = group.rows(x.shape[0])
             parts.append(model.loss(x[rows], y[rows], n_total=n_total))    # its share of the mean
-        return float(sum(group.sum(parts, "the validation loss")))
-    finally:
-        model.training = was_training
+    return float(sum(group.sum(parts, "the validation loss")))
 
 
 def state_is_finite(optimizer: AdamW) -> bool:

@@ -28,13 +28,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
 
-from .config import LORA_LAYER_KINDS
-from .settings import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
-    POSITIVE_INT, PROBABILITY, at_most, check, setting
+from ..config import LORA_LAYER_KINDS
+from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
+    POSITIVE_INT, PROBABILITY, at_most, check, setting, specs
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
            "adapter_checkpoint_dir",
@@ -51,7 +52,7 @@ _LORA, _OPTIM, _LOOP = "LoRA", "optimisation", "loop"
 @dataclass
 class FinetuneSettings:
     """Settings of a LoRA fine-tuning run: the ``pedestrian finetune`` flags, each declared once
-    below (type, default, help, valid values; see :mod:`pedestrian.settings`).
+    below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
 
     ``lora_alpha`` is the paper's scalar ``α`` (PEFT's ``lora_alpha / r``); ``lora_targets`` are
     layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``) or full layer names.
@@ -102,16 +103,41 @@ class FinetuneSettings:
     progress: bool = setting(True, "no progress bar", group=_LOOP)
     plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP)
 
+    #: ``pedestrian train`` flags that fine-tuning fixes (class attributes, not settings: no
+    #: flag, not in :meth:`to_dict`): no ``--stop-step``, no time budget, AdamW's default epsilon
+    stop_step: ClassVar[None] = None
+    max_minutes: ClassVar[None] = None
+    eps: ClassVar[float] = 1e-8
+
+    def window(self, model) -> int:
+        """Tokens of a training window: ``context_length``, default ``min(256, the model's context)``.
+
+        Raises:
+            ValueError: longer than the model's context.
+        """
+        C = model.config.context_length
+        T = self.context_length or min(256, C)
+        if T > C:
+            raise ValueError(f"--context-length {T} is longer than the model's context ({C} positions)")
+        return T
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values
         (or a bad ``PEDESTRIAN_NUM_THREADS``), before any file is written."""
         check(self)
-        from .kernels.jit import num_threads
+        from ..kernels.jit import num_threads
 
         num_threads()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_args(cls, args) -> "FinetuneSettings":
+        """The settings of ``pedestrian finetune``'s parsed arguments (an ``argparse.Namespace``
+        from :func:`pedestrian.training.specs.add_flags`): the flags given, the defaults for the rest."""
+        given = {name: getattr(args, name) for name in specs(cls)}
+        return cls(**{name: value for name, value in given.items() if value is not None})
 
 
 @dataclass
@@ -135,7 +161,7 @@ def base_fingerprint(hf_dir) -> dict:
     """``{"hf_dir", "weights", "sha256"}`` of a base model directory: which weight file holds
     its tensors (see :func:`pedestrian.interop.hf.open_hf_weights`) and that file's SHA-256, so
     an adapter can later be matched against the very weights it was trained on."""
-    from .interop.hf import open_hf_weights
+    from ..interop.hf import open_hf_weights
 
     source = Path(open_hf_weights(hf_dir).source)
     h = hashlib.sha256()
@@ -153,7 +179,7 @@ def adapter_checkpoint_dir(path) -> Path | None:
     folder itself, or one of its files. Never raises for a path that is something else
     (a full checkpoint, a train run folder, nothing at all): it returns ``None`` then.
     """
-    from .checkpoint import read_state
+    from ..checkpoint import read_state
 
     p = Path(path).expanduser()
     if p.is_file():
@@ -169,7 +195,7 @@ def adapter_checkpoint_dir(path) -> Path | None:
 
 
 def _adapter_state(adapter_dir) -> tuple[Path, dict]:
-    from .checkpoint import read_state
+    from ..checkpoint import read_state
 
     p = Path(adapter_dir).expanduser()
     if not (p / "state.json").is_file() and (p / "adapter" / "state.json").is_file():
@@ -204,8 +230,8 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
             ones the adapters were trained on (SHA-256 of the weight file) or whose config
             differs.
     """
-    from .checkpoint import load_checkpoint
-    from .interop.hf import load_pretrained
+    from ..checkpoint import load_checkpoint
+    from ..interop.hf import load_pretrained
 
     folder, state = _adapter_state(adapter_dir)
     recorded = state.get("base") or {}
@@ -246,14 +272,14 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         WriteError (an ``OSError``): a file of the run cannot be written (no space, no
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
-    from .atomic import WriteError
-    from .text.tokens import TokenDataset, encode_to_token_file
+    from ..interop.hf import load_pretrained
+    from ..interop.peft import save_peft_adapter
+    from ..text.tokens import encode_to_token_file
+    from .corpus import split_tokens
     from .distributed import launched_rank
-    from .interop.hf import load_pretrained
-    from .interop.peft import save_peft_adapter
-    from .training.loop import Checkpoints, Trainer, TrainingError
-    from .training.optim import AdamW, CosineSchedule
-    from .training import RunFiles, split_tokens
+    from .files import RunFiles
+    from .job import build_trainer, failures_explained, new_optimizer
+    from .loop import Checkpoints, Trainer
 
     t_start = time.perf_counter()
     settings.validate()
@@ -265,10 +291,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     if had_run and not settings.overwrite:
         raise ValueError(f"{out} already holds a run; choose another --out or pass --overwrite")
     model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
-    C = model.config.context_length
-    T = settings.context_length or min(256, C)
-    if T > C:
-        raise ValueError(f"--context-length {T} is longer than the model's context ({C} positions)")
+    T = settings.window(model)
     tokens = encode_to_token_file(Path(settings.data).expanduser(), tokenizer)
     train_tokens, val_tokens = split_tokens(tokens, settings.val_fraction)
     for name, part in (("training", train_tokens), ("validation", val_tokens)):
@@ -279,38 +302,28 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
                    dropout=settings.lora_dropout, freeze_base=True)
     base = base_fingerprint(settings.hf_dir)
-    train_ds, val_ds = TokenDataset(train_tokens), TokenDataset(val_tokens)
-    B, k = settings.batch_size, settings.grad_accum
-    rng = np.random.default_rng(settings.seed)
-    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2),
-                      weight_decay=settings.weight_decay)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
              f"({100 * n_train / n_total:.2f}%); base frozen")
     log.info(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
-             f"tokens; batch {B}x{k}x{T}; {settings.max_steps} steps; out: {out}")
+             f"tokens; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; out: {out}")
     files = RunFiles(out, replacing=had_run, stale=("peft",))
 
     def save(t: Trainer) -> None:
         finite = {name: (x if math.isfinite(x) else None) for name, x in (("val_loss", t.val_loss),
                                                                            ("train_loss", t.loss))}
         meta = {"finetune": settings.to_dict(), **finite, "skipped_steps": t.skipped_total}
-        files.save_checkpoint("adapter", model, optimizer, tokenizer, t.step, meta, params="lora", base=base)
+        files.save_checkpoint("adapter", model, t.optimizer, tokenizer, t.step, meta, params="lora", base=base)
         t.last_save = t.step
 
-    checkpoints = Checkpoints(save, settings.eval_interval, out / "adapter", name="adapter checkpoint",
+    checkpoints = Checkpoints(files, save, out / "adapter", name="adapter checkpoint",
                               previous=f"the previous run in {out} is left as it was" if had_run else None,
-                              model=model, go_on="run the fine-tuning again with a lower --lr and --overwrite")
-    trainer = Trainer(model, optimizer,
-                      CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps, settings.min_lr),
-                      lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], step=0, end=settings.max_steps,
-                      grad_clip=settings.grad_clip, max_skipped_steps=settings.max_skipped_steps,
-                      tokens_per_step=B * T * k, dropout_seed=settings.seed, files=files,
-                      progress="finetune" if settings.progress else None,
-                      val_batches=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                      eval_interval=settings.eval_interval, checkpoints=checkpoints, t_start=t_start)
-    try:
+                              go_on="run the fine-tuning again with a lower --lr and --overwrite",
+                              start_again="run the fine-tuning again with --overwrite")
+    trainer = build_trainer(settings, model, new_optimizer(settings, model), (train_tokens, val_tokens),
+                            np.random.default_rng(settings.seed), checkpoints, label="finetune", t_start=t_start)
+    with failures_explained(trainer):
         initial_val = trainer.evaluate()
         if math.isfinite(initial_val):
             log.info(f"step 0: val loss {initial_val:.4f}")
@@ -319,12 +332,6 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
             save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
             if settings.plot:
                 files.plot(f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
-    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
-        raise exc.advise(checkpoints.kept(trainer), "run the fine-tuning again with --overwrite") from exc
-    finally:
-        files.close()
-    if reason == "non_finite":
-        raise TrainingError(trainer.non_finite_message(checkpoints.kept(trainer, good=True)))
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "

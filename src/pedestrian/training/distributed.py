@@ -50,8 +50,8 @@ import uuid
 
 import numpy as np
 
-from .atomic import write_file
-from .backend import is_torch_array
+from ..atomic import write_file
+from ..backend import is_torch_array
 
 __all__ = ["SingleProcess", "TorchProcessGroup", "CommunicationError", "RowKeyedRNG", "process_group",
            "launched_rank", "require_torch", "launch", "LaunchFailure", "record_error", "reports_to_launcher",

@@ -1,7 +1,7 @@
 """Settings declared once: name, type, default, help and valid values in one place.
 
 A settings class (:class:`pedestrian.training.TrainSettings`,
-:class:`pedestrian.finetune.FinetuneSettings`) is a dataclass whose fields are made with
+:class:`pedestrian.training.finetune.FinetuneSettings`) is a dataclass whose fields are made with
 :func:`setting`. Everything else follows from those declarations:
 
 - :func:`check` -- the validation, whose messages name the flag (``--lr must be a finite

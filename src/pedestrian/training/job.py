@@ -1,0 +1,101 @@
+"""What ``pedestrian train`` and ``pedestrian finetune`` share around the loop: the
+:class:`~pedestrian.training.loop.Trainer` built from a run's settings (:func:`build_trainer`,
+the one place where a setting such as ``lr`` becomes a part of the loop), its optimizer
+(:func:`new_optimizer`), and its failures, each turned into one message that names what is kept
+on disk and how to go on (:func:`failures_explained`).
+
+The settings are a :class:`~pedestrian.training.settings.TrainSettings` or a
+:class:`~pedestrian.training.finetune.FinetuneSettings`: the fields they share mean the same
+thing in both (``lr``, ``batch_size``, ``eval_interval``, ...), and ``stop_step``,
+``max_minutes`` and ``eps``, flags of ``pedestrian train`` only, are fixed class attributes of
+the fine-tuning settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..atomic import WriteError
+from ..checkpoint import NonFiniteError
+from ..text.tokens import TokenDataset
+from .distributed import CommunicationError, SingleProcess
+from .loop import Batches, Checkpoints, Optimization, StopRules, Trainer
+from .optim import AdamW, CosineSchedule
+from .step import TrainingError
+
+
+def new_optimizer(settings, model) -> AdamW:
+    """AdamW over ``model``'s trainable buffers with the run's ``lr``, ``beta1``, ``beta2``,
+    ``eps`` and ``weight_decay`` (a resumed run then loads the checkpoint's state into it)."""
+    return AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
+                 weight_decay=settings.weight_decay)
+
+
+def build_trainer(settings, model, optimizer: AdamW, tokens: tuple[np.ndarray, np.ndarray],
+                  data_rng: np.random.Generator, checkpoints: Checkpoints, *, label: str, t_start: float,
+                  group=None) -> Trainer:
+    """The :class:`Trainer` of a run, its parts made from ``settings``.
+
+    Optimization: ``optimizer`` with a :class:`~pedestrian.training.optim.CosineSchedule`
+    (``lr`` after ``warmup_steps`` down to ``min_lr`` at ``max_steps``) and ``grad_clip``.
+    Batches: ``grad_accum`` micro-batches of ``batch_size`` windows of ``settings.window(model)``
+    tokens drawn from the training tokens with ``data_rng``, dropout keyed by ``seed``, and
+    ``eval_batches`` fixed validation batches (seed ``seed + 1``) every ``eval_interval`` steps.
+    Stop: ``max_steps`` (or ``stop_step``, before it), ``max_skipped_steps``, and ``max_minutes``
+    since ``t_start`` on rank 0 (whose clock decides for every rank).
+
+    Args:
+        tokens: ``(train, validation)`` token arrays.
+        checkpoints: the run's files and what a checkpoint holds (the caller's).
+        label: the progress bar's label (shown when ``settings.progress``, on rank 0).
+        t_start: when the run started (a ``time.perf_counter()``): the origin of ``max_minutes``.
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
+
+    Returns:
+        the trainer at step 0 (:meth:`Trainer.resume` moves a resumed run to its checkpoint's step).
+    """
+    group = SingleProcess() if group is None else group
+    B, T, k = settings.batch_size, settings.window(model), settings.grad_accum
+    train_ds, val_ds = TokenDataset(tokens[0]), TokenDataset(tokens[1])
+    end, end_reason = settings.max_steps, "max_steps"
+    if settings.stop_step is not None and settings.stop_step < settings.max_steps:
+        end, end_reason = settings.stop_step, "stop_step"
+    optimization = Optimization(optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
+                                                          settings.min_lr), settings.grad_clip)
+    batches = Batches(lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
+                      validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                      eval_interval=settings.eval_interval, dropout_seed=settings.seed)
+    stop = StopRules(end, end_reason, settings.max_skipped_steps,
+                     settings.max_minutes if group.is_writer else None, t_start)    # rank 0's clock decides
+    return Trainer(model, optimization, batches, stop, checkpoints, group=group,
+                   progress=label if settings.progress and group.is_writer else None)
+
+
+@contextlib.contextmanager
+def failures_explained(trainer: Trainer):
+    """``with failures_explained(trainer): trainer.run() ...``: a failure in the body becomes one
+    message naming what is kept (:meth:`Checkpoints.kept`) and how to go on
+    (:meth:`Checkpoints.retry`); the run's files are closed at the end; a run that stopped on
+    ``max_skipped_steps`` non-finite steps raises after the body.
+
+    Raises:
+        WriteError: a file could not be written (the advice added).
+        TrainingError: a refused non-finite checkpoint, another rank that failed
+            (:class:`CommunicationError`), or a ``"non_finite"`` stop.
+    """
+    c = trainer.checkpoints
+    try:
+        yield trainer
+    except WriteError as exc:                 # a full disk, ...: say what is kept and how to go on
+        raise exc.advise(c.kept(trainer), c.retry(trainer)) from exc
+    except NonFiniteError as exc:             # save_checkpoint refused a NaN / inf (the loop checks first)
+        raise TrainingError(f"{exc}; {c.kept(trainer, good=True)}; start again with a lower --lr") from exc
+    except CommunicationError as exc:         # another rank died or stopped answering
+        raise TrainingError(f"{exc} at step {trainer.step + 1}; the run stopped; {c.kept(trainer)}; "
+                            f"{c.retry(trainer)}") from exc
+    finally:
+        trainer.files.close()
+    if trainer.stop_reason == "non_finite":
+        raise TrainingError(trainer.non_finite_message(c.kept(trainer, good=True)))
