@@ -21,8 +21,8 @@ def rmsnorm_forward(x, weight, eps: float):
     Computed in ``x``'s own dtype (float32 or float64). Hugging Face's ``LlamaRMSNorm`` computes
     in float32 whatever the input (it upcasts float16 / bfloat16 so ``x²`` cannot overflow, and
     downcasts float64), then rounds ``x̂`` to the input dtype and multiplies by ``w``: the same
-    order as here (``x̂`` first, then ``∘ w``), so float32 results agree to a few float32 ulp and
-    float64 ones are float32's error more accurate than HF's.
+    order as here (``x̂`` first, then ``∘ w``), so float32 results agree to a few float32 roundings,
+    and float64 ones keep float64 accuracy where HF's carry float32's error.
 
     Args:
         x: ``(..., d)`` float array.
