@@ -78,9 +78,10 @@ def swiglu_mlp_bounds(x, w_gate, w_up, w_down, delta, dtype) -> dict:
     :data:`SILU_ROUNDINGS` plus the gate's error times ``silu'`` (``silu''``); ``a8`` one product;
     ``a9`` ``m`` terms; backward the same rules through ``Δ8 = Δ9 W_downᵀ``, ``Δ7_up = Δ8 ∘ silu``,
     ``Δ7_gate = Δ8 ∘ a7_up ∘ silu'``, the three weight gradients (``N`` terms) and ``Δ6`` (``2m``
-    terms and one addition).
+    terms and one addition). Where ``σ`` underflows (gates below about −87 in float32, −708 in
+    float64) each pointwise result carries the smallest subnormal's rounding too (times ``|x|``).
     """
-    u = float(np.finfo(dtype).eps) / 2
+    u, tiny = float(np.finfo(dtype).eps) / 2, float(np.finfo(dtype).smallest_subnormal)
     (N, d), m, d_out = x.shape, w_gate.shape[1], w_down.shape[1]
     ax, ag, au, ad = np.abs(x), np.abs(w_gate), np.abs(w_up), np.abs(w_down)
     G, U = x @ w_gate, x @ w_up
@@ -88,17 +89,18 @@ def swiglu_mlp_bounds(x, w_gate, w_up, w_down, delta, dtype) -> dict:
     s = _sigmoid(G)
     silu, dsilu = G * s, s * (1 + G * (1 - s))
     d2silu = s * (1 - s) * (2 + G * (1 - 2 * s))
-    err_silu = np.abs(dsilu) * err_G + SILU_ROUNDINGS * u * np.abs(silu)
-    err_dsilu = np.abs(d2silu) * err_G + SILU_ROUNDINGS * u * s * (1 + np.abs(G) * (1 - s))
+    under = 4 * tiny * (1 + np.abs(G))                     # σ underflowing (a few subnormal ulp), times x
+    err_silu = np.abs(dsilu) * err_G + SILU_ROUNDINGS * u * np.abs(silu) + under
+    err_dsilu = np.abs(d2silu) * err_G + SILU_ROUNDINGS * u * s * (1 + np.abs(G) * (1 - s)) + under
     H = silu * U
-    err_H = err_silu * np.abs(U) + np.abs(silu) * err_U + u * np.abs(H)
+    err_H = err_silu * np.abs(U) + np.abs(silu) * err_U + u * np.abs(H) + tiny
     err_Y = (m + 1) * u * (np.abs(H) @ ad) + err_H @ ad
     D8 = delta @ w_down.T
     err_D8 = (d_out + 1) * u * (np.abs(delta) @ ad.T)
     Dup, Dg = D8 * silu, D8 * U * dsilu
-    err_Dup = err_D8 * np.abs(silu) + np.abs(D8) * err_silu + u * np.abs(Dup)
+    err_Dup = err_D8 * np.abs(silu) + np.abs(D8) * err_silu + u * np.abs(Dup) + tiny
     err_Dg = (err_D8 * np.abs(U * dsilu) + np.abs(D8) * err_U * np.abs(dsilu) + np.abs(D8 * U) * err_dsilu
-              + 2 * u * np.abs(Dg))
+              + 2 * u * np.abs(Dg) + 2 * tiny)
     dWd = (N + 1) * u * (np.abs(H).T @ np.abs(delta)) + err_H.T @ np.abs(delta)
     dWg = (N + 1) * u * (ax.T @ np.abs(Dg)) + ax.T @ err_Dg
     dWu = (N + 1) * u * (ax.T @ np.abs(Dup)) + ax.T @ err_Dup
