@@ -1,6 +1,6 @@
 """Paper section 2 (EQUATIONS.md "Fully connected, activations, residual"): the MLP's pieces --
 the fully connected layer ``y = x W + b`` (``dW = xᵀ Δ``, ``db = Σ_tokens Δ``, ``Δ_in = Δ Wᵀ``),
-ReLU / exact GELU / GELU-tanh, inverted dropout with a fixed mask, and the skip addition --
+ReLU / exact GELU / GELU-tanh / SiLU, inverted dropout with a fixed mask, and the skip addition --
 for both kernel modules, against torch autograd (float64; ``torch.nn.functional``'s own ReLU and
 GELUs are the oracle), finite differences, and each piece's properties.
 Tolerances: tests/oracles/gradcheck.py.
@@ -97,6 +97,7 @@ ACTIVATIONS = {
     "relu": F.relu,
     "gelu": lambda x: F.gelu(x, approximate="none"),
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,                       # Llama's (its tails: test_s2_swiglu.py)
 }
 
 

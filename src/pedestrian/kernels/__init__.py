@@ -9,6 +9,7 @@ same things faster, and every difference from the reference earns its lines by a
   polynomials the compiler vectorises;
 - :mod:`.layernorm`, :mod:`.activations`, :mod:`.loss`, :mod:`.embedding` -- numba loops over
   rows (llm.c's layout);
+- :mod:`.rmsnorm` (rows, as the layer norm) and :mod:`.swiglu` (products on BLAS, the gate in numba loops);
 - :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in numba loops;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;
@@ -43,6 +44,7 @@ from ..layers.dropout import dropout_backward, dropout_forward
 from ..layers.lora import lora_backward, lora_forward
 from ..layers.rope import rope_backward, rope_forward
 from . import activations, attention, embedding, layernorm, linear, loss
+from . import rmsnorm, swiglu
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -54,6 +56,7 @@ __all__ = [
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
+    "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward", "swiglu_mlp_backward", "swiglu_mlp_forward",
 ]
 
 
@@ -122,6 +125,12 @@ embedding_forward = _seam(embedding.embedding_forward, layers.embedding_forward)
 embedding_backward = _seam(embedding.embedding_backward, layers.embedding_backward)
 layernorm_forward = _seam(layernorm.layernorm_forward, layers.layernorm_forward)
 layernorm_backward = _seam(layernorm.layernorm_backward, layers.layernorm_backward)
+rmsnorm_forward = _seam(rmsnorm.rmsnorm_forward, layers.rmsnorm_forward)
+rmsnorm_backward = _seam(rmsnorm.rmsnorm_backward, layers.rmsnorm_backward)
+swiglu_forward = _seam(swiglu.swiglu_forward, layers.swiglu_forward)
+swiglu_backward = _seam(swiglu.swiglu_backward, layers.swiglu_backward)
+swiglu_mlp_forward = _seam(swiglu.swiglu_mlp_forward, layers.swiglu_mlp_forward)
+swiglu_mlp_backward = _seam(swiglu.swiglu_mlp_backward, layers.swiglu_mlp_backward)
 linear_forward = _seam(linear.linear_forward, layers.linear_forward)
 linear_backward = _seam(linear.linear_backward, layers.linear_backward)
 add = _seam(linear.add, layers.add)

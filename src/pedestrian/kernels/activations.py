@@ -4,7 +4,8 @@ NumPy arrays: one numba pass per direction. The forward computes ``g(x)`` and ``
 (they share ``Φ``, ``φ`` or ``tanh u``) and keeps ``g'(x)``, so the backward is ``Δ ∘ g'``; ``Φ``,
 ``φ`` and ``exp`` are polynomials the compiler vectorises (:mod:`.vecmath`), so the exact GELU
 costs what the tanh one does; the GELU tanh approximation goes through the identity
-``½(1 + tanh u) = σ(2u)`` (one ``exp``, no ``tanh``).
+``½(1 + tanh u) = σ(2u)`` (one ``exp``, no ``tanh``). SiLU's ``σ(x)`` and ``1 − σ(x)`` come from
+one ``exp(−|x|)`` (:func:`silu_parts`, shared with :mod:`.swiglu`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..layers.activations import check_activation
+from ..layers.activations import SILU_SATURATE, check_activation
 from .jit import kernel, prange
 from .vecmath import exp, normal_cdf_pdf
 from .workspace import empty_array
@@ -64,6 +65,31 @@ def _gelu_tanh_forward(x, y, dg):
         dg[i] = s * (one + (one - s) * xi * (a1 * x2 + a0))
 
 
+@kernel
+def silu_parts(x, one, lo, hi):
+    """``(silu(x), silu'(x))`` of one number, ``one, lo, hi`` = ``1, −SILU_SATURATE, SILU_SATURATE``
+    in ``x``'s dtype: ``e = exp(−|x|)``, ``σ(|x|) = 1/(1 + e)``, ``σ(−|x|) = e σ(|x|)`` (no
+    overflow, no ``1 − σ`` cancellation), ``x`` clipped where ``σ`` is exactly 0 or 1 (so
+    ``silu(−inf) = −0``, ``silu'(±inf) = 0, 1``); NaN passes every comparison through."""
+    xc = lo if x < lo else (hi if x > hi else x)
+    e = exp(-abs(xc))
+    p = one / (one + e)                                    # σ(|x|)
+    q = e * p                                              # σ(−|x|) = 1 − σ(|x|)
+    pos = x >= 0.0
+    s = p if pos else q                                    # σ(x)
+    s_bar = q if pos else p                                # 1 − σ(x)
+    return (lo if x < lo else x) * s, s * (one + xc * s_bar)
+
+
+@kernel(parallel=True)
+def _silu_forward(x, y, dg):
+    """``y = x σ(x)``, ``g'(x) = σ(x)(1 + x(1 − σ(x)))`` (:func:`silu_parts`)."""
+    T = x.dtype.type
+    one, lo, hi = T(1.0), T(-SILU_SATURATE), T(SILU_SATURATE)
+    for i in prange(x.shape[0]):
+        y[i], dg[i] = silu_parts(x[i], one, lo, hi)
+
+
 @kernel(parallel=True)
 def _times(delta, dg, out):
     """``Δ_in = Δ ∘ g'``."""
@@ -81,10 +107,11 @@ def activation_forward(x, name: str):
     Args:
         x: float array of any shape (the paper's ``a7``, ``(B, T, d_mlp)``).
         name: ``"relu"``; ``"gelu"`` (exact, ``x Φ(x)``); ``"gelu_tanh"`` (GPT-2's
-            ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``, HF ``gelu_new``).
+            ``½x(1 + tanh(√(2/π)(x + 0.044715x³)))``, HF ``gelu_new``); ``"silu"`` (``x σ(x)``;
+            ``silu(−inf) = −0``).
 
     Returns:
-        ``(y, cache)``: ``cache = x`` for ReLU, ``(x, g'(x))`` for both GELUs.
+        ``(y, cache)``: ``cache = x`` for ReLU, ``(x, g'(x))`` for the GELUs and SiLU.
         :func:`activation_backward` takes the cache, or ``x`` alone.
 
     Raises:
@@ -96,7 +123,8 @@ def activation_forward(x, name: str):
         _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))
         return y, x
     dg = empty_array(x.shape, x)
-    (_gelu_forward if name == "gelu" else _gelu_tanh_forward).sized(x.size)(_flat(x), y.reshape(-1), dg.reshape(-1))
+    forward = {"gelu": _gelu_forward, "gelu_tanh": _gelu_tanh_forward, "silu": _silu_forward}[name]
+    forward.sized(x.size)(_flat(x), y.reshape(-1), dg.reshape(-1))
     return y, (x, dg)
 
 
@@ -106,6 +134,7 @@ def activation_backward(delta, cache, name: str):
     - ReLU: ``g'(x) = [x > 0]``.
     - GELU exact: ``g'(x) = Φ(x) + x φ(x)``.
     - GELU tanh: ``g'(x) = ½(1 + tanh u) + ½x(1 − tanh² u)√(2/π)(1 + 3·0.044715x²)``.
+    - SiLU: ``g'(x) = σ(x)(1 + x(1 − σ(x)))`` (``0`` at ``−inf``, ``1`` at ``+inf``).
 
     Args:
         delta: error signal, same shape as ``x``.

@@ -34,6 +34,8 @@ from .lora import lora_backward, lora_forward
 from .loss import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
 from .residual import add
 from .rope import rope_angles, rope_backward, rope_forward
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .swiglu import SwiGLUCache, swiglu_backward, swiglu_forward, swiglu_mlp_backward, swiglu_mlp_forward
 
 #: the functions a model calls; :mod:`pedestrian.kernels` defines each with the same signature
 MODEL_FUNCTIONS = (
@@ -42,6 +44,8 @@ MODEL_FUNCTIONS = (
     "dropout_forward", "dropout_backward", "lora_forward", "lora_backward",
     "multi_head_attention_forward", "multi_head_attention_backward", "attention_weights",
     "cross_entropy_forward", "cross_entropy_backward", "add", "rope_forward", "rope_backward",
+    "rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward",
+    "swiglu_mlp_forward", "swiglu_mlp_backward",
 )
 
 __all__ = [
@@ -55,4 +59,6 @@ __all__ = [
     "rope_angles", "rope_backward", "rope_forward",
     "scaled_dot_product_attention_backward", "scaled_dot_product_attention_forward",
     "softmax_backward", "softmax_forward",
+    "SwiGLUCache", "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward",
+    "swiglu_mlp_backward", "swiglu_mlp_forward",
 ]

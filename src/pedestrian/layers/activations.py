@@ -1,5 +1,5 @@
-"""Pointwise non-linearities: ReLU, exact GELU, GPT-2's GELU tanh approximation
-(paper section 2; EQUATIONS.md "Fully connected, activations, residual").
+"""Pointwise non-linearities: ReLU, exact GELU, GPT-2's GELU tanh approximation, and Llama's SiLU
+(paper section 2; EQUATIONS.md "Fully connected, activations, residual" and "SiLU and the SwiGLU MLP").
 
 Reference implementation: the paper's math only, written against the array API standard.
 """
@@ -10,16 +10,29 @@ import math
 
 from ..backend import array_namespace, erf
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
+#: |x| from which σ(x) is exactly 0 or 1 in float32 and float64 (e^-1000 underflows to 0, below
+#: float64's smallest subnormal e^-744.4): clipping x there changes no σ, and keeps ±inf out of x·σ
+SILU_SATURATE = 1000.0
 
 
 def check_activation(name: str) -> None:
     """Raises ``ValueError`` naming the choices when ``name`` is not one of :data:`ACTIVATIONS`."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; choose one of {ACTIVATIONS}")
+
+
+def sigmoid_pair(x):
+    """``(σ(x), 1 − σ(x))``, each to a few ulp relative (no ``1 − σ`` cancellation) and without
+    overflow: ``e = exp(−|x|) ∈ [0, 1]``, ``σ(|x|) = 1/(1 + e)``, ``σ(−|x|) = e/(1 + e)``. NaN stays NaN."""
+    xp = array_namespace(x)
+    e = xp.exp(-xp.abs(x))                                                   # e^{−|x|} in [0, 1]
+    p = 1.0 / (1.0 + e)                                                      # σ(|x|)
+    q = e * p                                                                # σ(−|x|) = 1 − σ(|x|)
+    return xp.where(x >= 0, p, q), xp.where(x >= 0, q, p)                   # σ(x), 1 − σ(x)
 
 
 def activation_forward(x, name: str):
@@ -42,6 +55,8 @@ def activation_forward(x, name: str):
         return xp.where(x > 0, x, xp.zeros_like(x)), x                      # max(x, 0)
     if name == "gelu":
         return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0))), x                 # x Φ(x)
+    if name == "silu":
+        return xp.clip(x, min=-SILU_SATURATE) * sigmoid_pair(x)[0], x       # x σ(x) (−inf -> −0)
     u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)                          # u = √(2/π)(x + 0.044715x³)
     return 0.5 * x * (1.0 + xp.tanh(u)), x                                  # ½x(1 + tanh u)
 
@@ -52,6 +67,7 @@ def activation_backward(delta, cache, name: str):
     - ReLU: ``g'(x) = [x > 0]``.
     - GELU exact: ``g'(x) = Φ(x) + x φ(x)``.
     - GELU tanh: ``g'(x) = ½(1 + tanh u) + ½x(1 − tanh² u)√(2/π)(1 + 3·0.044715x²)``.
+    - SiLU: ``g'(x) = σ(x)(1 + x(1 − σ(x)))`` (``0`` at ``−inf``, ``1`` at ``+inf``, where PyTorch gives NaN).
 
     Args:
         delta: error signal, ``x``'s shape.
@@ -67,6 +83,9 @@ def activation_backward(delta, cache, name: str):
         cdf = 0.5 * (1.0 + erf(x / math.sqrt(2.0)))                         # Φ(x)
         pdf = xp.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)               # φ(x)
         return delta * (cdf + x * pdf)
+    if name == "silu":
+        s, s_bar = sigmoid_pair(x)                                           # σ(x), 1 − σ(x)
+        return delta * (s * (1.0 + xp.clip(x, min=-SILU_SATURATE, max=SILU_SATURATE) * s_bar))
     t = xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x))                 # tanh u
     du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
     return delta * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx)
