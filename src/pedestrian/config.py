@@ -14,6 +14,9 @@ from typing import Mapping, NamedTuple
 from .layers.activations import ACTIVATIONS
 
 LORA_LAYER_KINDS = ("q", "k", "v", "attn_proj", "mlp_gate", "mlp_expand", "mlp_contract", "logits")
+#: Hugging Face Llama's module names (PEFT's ``target_modules``), accepted as LoRA kinds
+HF_LORA_KINDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "attn_proj", "gate_proj": "mlp_gate",
+                 "up_proj": "mlp_expand", "down_proj": "mlp_contract", "lm_head": "logits"}
 #: the GPTConfig fields a user sets by name (a command-line flag, a TOML key); the rest follow
 CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
                  "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
@@ -358,8 +361,9 @@ def arch_fields(arch: str, d_model: int, n_heads: int) -> dict:
 # the Llama-style character model: char-small's widths with arch_fields("llama", 128, 4)
 PRESETS["llama-char"] = dict(PRESETS["char-small"], **arch_fields("llama", 128, 4))
 # SmolLM2-135M's shape (HF HuggingFaceTB/SmolLM2-135M config.json: 30 layers, hidden 576, 9 heads,
-# 3 key/value heads, intermediate 1536, vocabulary 49,152, tied, rms_norm_eps 1e-5, rope_theta
-# 100,000); the context is kept at 2,048 -> 134,515,008 parameters (EQUATIONS.md)
+# 3 key/value heads, head_dim 64, intermediate 1536, vocabulary 49,152, tied, rms_norm_eps 1e-5,
+# rope_theta 100,000; max_position_embeddings 2,048 in the transformers-4.48 copy, later revisions
+# say 8,192 -- no parameter depends on it) -> 134,515,008 parameters (EQUATIONS.md)
 PRESETS["smollm2-135m"] = dict(vocab_size=49152, context_length=2048, d_model=576, n_heads=9, n_blocks=30,
                                n_kv_heads=3, d_mlp=1536, norm="rmsnorm", mlp="swiglu", activation="silu",
                                position_encoding="rope", rope_base=100_000.0, bias=False, tie_weights=True)
@@ -428,8 +432,9 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
 
     Args:
         targets: iterable of kinds (``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``, ``"mlp_gate"``
-            (SwiGLU only), ``"mlp_expand"``, ``"mlp_contract"``, ``"logits"``; ``"all"`` for
-            every one) or full layer names like ``"blocks.0.attn.q"``.
+            (SwiGLU only), ``"mlp_expand"``, ``"mlp_contract"``, ``"logits"``, or their Hugging
+            Face Llama names :data:`HF_LORA_KINDS`: ``"q_proj"`` … ``"down_proj"``, ``"lm_head"``;
+            ``"all"`` for every one) or full layer names like ``"blocks.0.attn.q"``.
 
     Raises:
         ValueError: an unknown name (the message lists the valid kinds).
@@ -440,6 +445,7 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
         return layers
     chosen = []
     for t in targets:
+        t = HF_LORA_KINDS.get(t, t)
         if t in LORA_LAYER_KINDS:
             chosen += [name for name in layers if fc_kind(name) == t]
         elif t in layers:
@@ -521,6 +527,7 @@ def lora_layer_values(config: GPTConfig, targets, default, pattern=None, *, what
     layers = [name for name, _, _ in fc_layers(config)]
     by_kind, by_name = {}, {}
     for key, value in dict(pattern).items():
+        key = HF_LORA_KINDS.get(key, key)
         if key in LORA_LAYER_KINDS:
             by_kind[key] = value
         elif key in layers:

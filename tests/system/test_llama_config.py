@@ -11,7 +11,7 @@ import json
 import pytest
 
 from pedestrian.config import (CONFIG_FIELDS, LORA_LAYER_KINDS, PRESETS, GPTConfig, RopeScaling, arch_fields,
-                               count_params, fc_layers, lora_specs, param_specs, preset, resolve_lora_targets,
+                               count_params, fc_layers, lora_ranks, lora_specs, param_specs, preset, resolve_lora_targets,
                                swiglu_width)
 
 TINY = dict(vocab_size=50, context_length=16, d_model=24, n_heads=4, n_blocks=2)
@@ -122,8 +122,12 @@ def test_lora_kinds_cover_the_gate():
     assert resolve_lora_targets(c, "mlp_gate") == ["blocks.0.mlp_gate", "blocks.1.mlp_gate"]
     k = {s.name: s.shape for s in lora_specs(c, ["k"], 2)}
     assert k["blocks.0.attn.k.lora_U"] == (2, 6)                # one key head of width 6
-    with pytest.raises(ValueError, match="unknown LoRA target"):
-        resolve_lora_targets(GPTConfig(**TINY), "gate_proj")
+    hf_names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert resolve_lora_targets(c, hf_names) == layers[:-1]     # PEFT's Llama target_modules
+    ranks = lora_ranks(c, hf_names, 2, {"gate_proj": 4})
+    assert ranks["blocks.1.mlp_gate"] == 4 and ranks["blocks.1.mlp_expand"] == 2
+    with pytest.raises(ValueError, match="unknown LoRA target 'c_attn'"):
+        resolve_lora_targets(c, "c_attn")
     assert resolve_lora_targets(GPTConfig(**TINY), "mlp_gate") == []   # a standard MLP has none
 
 
