@@ -35,6 +35,7 @@ CASES = {
     "llama-all-biases": ("llama", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
     "qwen2-biases-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2-untied": ("qwen2", dict(num_key_value_heads=1)),
+    "qwen2-head_dim10": ("qwen2", dict(num_key_value_heads=2, head_dim=10)),   # Qwen2 reads head_dim if present
     "mistral-no-window": ("mistral", dict(num_key_value_heads=2, sliding_window=None, head_dim=8)),
 }
 
@@ -214,6 +215,8 @@ def test_legacy_rope_keys_and_nanotron_extras():
         config_from_hf(llama32)
     no_type = {k: v for k, v in smol.items() if k != "model_type"}
     assert config_from_hf(no_type) == c
+    with pytest.raises(ValueError, match=r"no model_type and architectures=\['Qwen2MoeForCausalLM'\]"):
+        config_from_hf(dict(no_type, architectures=["Qwen2MoeForCausalLM"]))
 
 
 def test_defaults_match_transformers():

@@ -85,8 +85,10 @@ def hf_family(hf_config: Mapping, *, source: str = "config.json") -> str:
                          f"{sorted(ARCHITECTURES)}")
     archs = [str(a) for a in hf_config.get("architectures") or []]
     for a in archs:
+        if a.startswith("GPT2"):
+            return "gpt2"
         for prefix, family in _ARCH_PREFIX.items():
-            if a.startswith(prefix) and not a.startswith(prefix + "Moe"):
+            if a in (prefix + "ForCausalLM", prefix + "Model"):
                 return family
     raise ValueError(f"{source}: no model_type and architectures={archs}; pedestrian reads "
                      f"{sorted(ARCHITECTURES.values())}")
