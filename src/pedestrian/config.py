@@ -9,18 +9,108 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 from .layers.activations import ACTIVATIONS
 
-LORA_LAYER_KINDS = ("q", "k", "v", "attn_proj", "mlp_expand", "mlp_contract", "logits")
+LORA_LAYER_KINDS = ("q", "k", "v", "attn_proj", "mlp_gate", "mlp_expand", "mlp_contract", "logits")
+#: Hugging Face Llama's module names (PEFT's ``target_modules``), accepted as LoRA kinds
+HF_LORA_KINDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "attn_proj", "gate_proj": "mlp_gate",
+                 "up_proj": "mlp_expand", "down_proj": "mlp_contract", "lm_head": "logits"}
 #: the GPTConfig fields a user sets by name (a command-line flag, a TOML key); the rest follow
 CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
                  "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
-                 "position_encoding", "rope_base", "rope_fraction")
+                 "position_encoding", "rope_base", "rope_fraction", "norm", "mlp", "n_kv_heads")
 #: how token positions reach the model: a learned table added to the embedding (GPT-2), rotary
 #: embeddings of every head's queries and keys (RoPE), or nothing but the causal mask
 POSITION_ENCODINGS = ("learned", "rope", "none")
+#: the block's normalization: layer norm (GPT-2, paper section 5) or RMS norm (Llama: no mean, no bias)
+NORMS = ("layernorm", "rmsnorm")
+#: the block's MLP: expand, activation, contract (GPT-2) or the gated SwiGLU (Llama:
+#: ``(silu(x W_gate) ∘ x W_expand) W_contract``, Hugging Face's gate_proj, up_proj, down_proj)
+MLPS = ("standard", "swiglu")
+#: the activation each MLP kind uses when ``activation`` is not given
+DEFAULT_ACTIVATION = {"standard": "gelu_tanh", "swiglu": "silu"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (Hugging Face ``rope_scaling`` / ``rope_parameters`` with
+    ``rope_type: "llama3"``; EQUATIONS.md "RoPE as Hugging Face Llama applies it").
+
+    With ``L = original_max_position_embeddings`` and the wavelength ``λ_i = 2π / θ_i`` of pair
+    ``i``: ``θ_i / factor`` where ``λ_i > L / low_freq_factor``, ``θ_i`` where
+    ``λ_i < L / high_freq_factor``, and in between ``(1 − s) θ_i / factor + s θ_i`` with
+    ``s = (L / λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor)``.
+
+    Frozen (so :class:`GPTConfig` stays hashable); :class:`GPTConfig` also accepts the Hugging
+    Face dict (``{"rope_type": "llama3", "factor": 32.0, ...}``) and converts it.
+
+    Raises:
+        ValueError: a type other than ``"llama3"``, a missing or unknown key, ``factor < 1``,
+            ``low_freq_factor <= 0``, ``high_freq_factor <= low_freq_factor``, or
+            ``original_max_position_embeddings`` not a positive integer.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ValueError(f"rope_scaling rope_type={self.rope_type!r} is not implemented; pedestrian "
+                             "implements only 'llama3' (or rope_scaling=None)")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"rope_scaling {name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        L = self.original_max_position_embeddings
+        if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+            raise ValueError(f"rope_scaling original_max_position_embeddings must be a positive integer "
+                             f"(the pre-training context, 8192 in Llama 3), got {L!r}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"rope_scaling factor must be >= 1 (it divides the low frequencies; Llama 3.1 "
+                             f"uses 8), got {self.factor}")
+        if not 0.0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"rope_scaling needs 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1 and 4), "
+                             f"got {self.low_freq_factor} and {self.high_freq_factor}")
+
+    @classmethod
+    def from_value(cls, value) -> "RopeScaling | None":
+        """``None``, a :class:`RopeScaling`, or a dict with the Hugging Face keys (``rope_type``
+        or the older ``type``; ``rope_theta`` is ignored, it is :attr:`GPTConfig.rope_base`).
+
+        Raises:
+            ValueError: not one of those, or a dict with unknown or missing keys.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"rope_scaling must be None or a dict like {{'rope_type': 'llama3', 'factor': 8.0, "
+                             f"'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
+                             f"'original_max_position_embeddings': 8192}}, got {value!r}")
+        d = {k: v for k, v in value.items() if k != "rope_theta"}
+        old_name = d.pop("type", None)
+        kind = d.pop("rope_type", old_name or "llama3")
+        if kind != "llama3":
+            raise ValueError(f"rope_scaling rope_type={kind!r} is not implemented; pedestrian implements "
+                             "only 'llama3' (or rope_scaling=None)")
+        known = [f.name for f in dataclasses.fields(cls)][:4]
+        unknown = sorted(set(d) - set(known))
+        missing = [k for k in known if k not in d]
+        if unknown or missing:
+            raise ValueError(f"rope_scaling of type 'llama3' needs exactly the keys {known}; "
+                             + (f"unknown {unknown}" if unknown else f"missing {missing}"))
+        return cls(**d)
+
+    def to_hf(self) -> dict:
+        """The Hugging Face dict (``rope_type`` first)."""
+        return {"rope_type": self.rope_type, "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
 
 
 @dataclass(frozen=True)
@@ -37,10 +127,14 @@ class GPTConfig:
             divisible by ``n_heads``).
         d_qk: query/key width per head, the paper's ``d_ρ`` (default ``d_head``).
         mlp_ratio: ``d_mlp = mlp_ratio · d_model`` (4 in GPT-2) when ``d_mlp`` is not given.
-        activation: ``"gelu_tanh"`` (GPT-2), ``"gelu"`` (exact) or ``"relu"``.
-        ln_eps: layer-norm epsilon inside the square root, ``>= 0`` (paper 0, GPT-2 1e-5).
-        bias: biases on every fully connected layer and layer norm (the q, k, v biases follow
-            ``qkv_bias``).
+        activation: the MLP's nonlinearity: ``"gelu_tanh"`` (GPT-2), ``"gelu"`` (exact) or
+            ``"relu"`` for the standard MLP; the SwiGLU gate's, which must be ``"silu"``.
+            ``None`` (default): ``"gelu_tanh"`` for ``mlp="standard"``, ``"silu"`` for ``"swiglu"``.
+        ln_eps: the norm's epsilon inside the square root, ``>= 0``: layer norm's (paper 0,
+            GPT-2 1e-5) or RMS norm's (Hugging Face ``rms_norm_eps``: 1e-5 SmolLM2, 1e-6 Llama 3
+            and Qwen2). One field for both because a model has one kind of norm.
+        bias: biases on every fully connected layer and on layer norms (the q, k, v biases
+            follow ``qkv_bias``; RMS norm has no bias whatever this says).
         tie_weights: logits use ``W_tokᵀ`` and no bias (GPT-2); else a separate
             ``logits.weight`` (and ``logits.bias`` if ``logits_bias``).
         logits_bias: ``logits.bias`` exists (untied logits only); ``None`` (default) means
@@ -64,6 +158,19 @@ class GPTConfig:
         rope_fraction: fraction of each head's ``d_qk`` query/key dimensions that RoPE rotates
             (GPT-NeoX's ``rotary_pct``): the first ``r = 2·⌊rope_fraction·d_qk / 2⌋`` of them
             (:attr:`rope_dims`), the rest pass through unchanged.
+        norm: ``"layernorm"`` (default; GPT-2, paper section 5: weight and bias) or ``"rmsnorm"``
+            (Llama: ``x / sqrt(mean_f x² + eps) ∘ w``, a weight and no bias) -- the
+            ``ln1``, ``ln2`` and ``ln_final`` slots of every model.
+        mlp: ``"standard"`` (default; ``mlp_expand``, activation, ``mlp_contract``) or
+            ``"swiglu"`` (Llama: ``(silu(a6 W_gate) ∘ a6 W_expand) W_contract``, three matrices
+            of ``d_mlp`` columns/rows; ``mlp_gate`` is Hugging Face's ``gate_proj``,
+            ``mlp_expand`` its ``up_proj``, ``mlp_contract`` its ``down_proj``).
+        n_kv_heads: key/value heads (grouped-query attention): divides ``n_heads``; query head
+            ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``; 1 is multi-query.
+            ``None`` (default) means ``n_heads`` (multi-head attention, GPT-2).
+        rope_scaling: ``None`` (default) or Llama 3's frequency scaling, a :class:`RopeScaling`
+            (a Hugging Face ``{"rope_type": "llama3", ...}`` dict is converted); needs
+            ``position_encoding="rope"``.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -77,7 +184,7 @@ class GPTConfig:
     d_head: int | None = None
     d_qk: int | None = None
     mlp_ratio: int = 4
-    activation: str = "gelu_tanh"
+    activation: str | None = None
     ln_eps: float = 1e-5
     bias: bool = True
     tie_weights: bool = True
@@ -89,6 +196,10 @@ class GPTConfig:
     position_encoding: str = "learned"
     rope_base: float = 10_000.0
     rope_fraction: float = 1.0
+    norm: str = "layernorm"
+    mlp: str = "standard"
+    n_kv_heads: int | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -110,8 +221,23 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.activation not in ACTIVATIONS:
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {NORMS}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {MLPS}")
+        if self.activation is None:
+            object.__setattr__(self, "activation", DEFAULT_ACTIVATION[self.mlp])
+        if self.mlp == "swiglu" and self.activation != "silu":
+            raise ValueError(f"mlp='swiglu' gates with silu, got activation={self.activation!r}; set "
+                             "activation='silu' (or leave it out), or use mlp='standard'")
+        if self.mlp == "standard" and self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        kv = self.n_kv_heads
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_heads % kv:
+            raise ValueError(f"n_kv_heads must be a positive integer dividing n_heads={self.n_heads} "
+                             f"(1: multi-query, n_heads: multi-head), got {kv!r}")
         if not self.ln_eps >= 0:
             raise ValueError(f"ln_eps must be >= 0 (the paper uses 0, GPT-2 1e-5), got {self.ln_eps}")
         if not 0.0 <= self.dropout < 1.0:
@@ -139,6 +265,10 @@ class GPTConfig:
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ValueError(f"rope_fraction must be in (0, 1] (the fraction of d_qk rotated), "
                              f"got {self.rope_fraction}")
+        object.__setattr__(self, "rope_scaling", RopeScaling.from_value(self.rope_scaling))
+        if self.rope_scaling is not None and self.position_encoding != "rope":
+            raise ValueError(f"rope_scaling scales RoPE's frequencies but position_encoding="
+                             f"{self.position_encoding!r}; set position_encoding='rope' or rope_scaling=None")
         if self.position_encoding == "rope" and self.rope_dims < 2:
             raise ValueError(
                 f"rope_fraction={self.rope_fraction} rotates no pair of the d_qk={self.d_qk} "
@@ -159,11 +289,14 @@ class GPTConfig:
         return self.position_encoding == "learned"
 
     def to_dict(self) -> dict:
+        """Every field, JSON-ready (``rope_scaling`` as a dict or ``None``)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "GPTConfig":
-        """Build from a dict (e.g. a checkpoint's JSON); unknown keys are an error."""
+        """Build from a dict (e.g. a checkpoint's JSON); unknown keys are an error. Dicts written
+        before ``norm``, ``mlp``, ``n_kv_heads``, ``rope_scaling`` existed get their defaults
+        (GPT-2's layer norm, standard MLP, multi-head attention, no scaling)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -184,6 +317,56 @@ PRESETS: dict[str, dict] = {
     # the small character model of the benchmarks
     "char-small": dict(vocab_size=65, context_length=64, d_model=128, n_heads=4, n_blocks=4),
 }
+
+
+#: what ``--arch NAME`` sets beside the widths (see :func:`arch_fields`)
+ARCHS = ("gpt2", "llama")
+
+
+def swiglu_width(d_model: int, multiple_of: int = 8) -> int:
+    """The SwiGLU width Llama derives from GPT-2's ``4·d``: ``int(2/3 · 4·d)`` rounded up to a
+    multiple of ``multiple_of`` (Meta's ``llama/model.py`` FeedForward; it uses 256 for the
+    released widths). Three ``d × m`` matrices with ``m ≈ 8d/3`` hold as many weights as GPT-2's
+    two ``d × 4d`` ones (SmolLM2-135M: ``d = 576`` gives 1,536).
+
+    Raises:
+        ValueError: ``d_model`` or ``multiple_of`` not a positive integer.
+    """
+    for name, v in (("d_model", d_model), ("multiple_of", multiple_of)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    m = int(2 * 4 * d_model / 3)
+    return multiple_of * -(-m // multiple_of)
+
+
+def arch_fields(arch: str, d_model: int, n_heads: int) -> dict:
+    """The :class:`GPTConfig` fields an architecture sets beside the widths (``--arch``).
+
+    ``"gpt2"``: ``{}`` (the defaults: layer norm, standard MLP, learned positions, biases).
+    ``"llama"``: RMS norm, SwiGLU of width :func:`swiglu_width` (``d_mlp``), RoPE, no biases,
+    tied embeddings, ``n_kv_heads = n_heads / 2`` when ``n_heads`` is even (else ``n_heads``).
+
+    Raises:
+        ValueError: an unknown architecture (the message lists :data:`ARCHS`).
+    """
+    if arch == "gpt2":
+        return {}
+    if arch == "llama":
+        return dict(norm="rmsnorm", mlp="swiglu", activation="silu", d_mlp=swiglu_width(d_model),
+                    position_encoding="rope", bias=False, tie_weights=True,
+                    n_kv_heads=n_heads // 2 if n_heads % 2 == 0 else n_heads)
+    raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
+
+
+# the Llama-style character model: char-small's widths with arch_fields("llama", 128, 4)
+PRESETS["llama-char"] = dict(PRESETS["char-small"], **arch_fields("llama", 128, 4))
+# SmolLM2-135M's shape (HF HuggingFaceTB/SmolLM2-135M config.json: 30 layers, hidden 576, 9 heads,
+# 3 key/value heads, head_dim 64, intermediate 1536, vocabulary 49,152, tied, rms_norm_eps 1e-5,
+# rope_theta 100,000; max_position_embeddings 2,048 in the transformers-4.48 copy, later revisions
+# say 8,192 -- no parameter depends on it) -> 134,515,008 parameters (EQUATIONS.md)
+PRESETS["smollm2-135m"] = dict(vocab_size=49152, context_length=2048, d_model=576, n_heads=9, n_blocks=30,
+                               n_kv_heads=3, d_mlp=1536, norm="rmsnorm", mlp="swiglu", activation="silu",
+                               position_encoding="rope", rope_base=100_000.0, bias=False, tie_weights=True)
 
 
 def preset(name: str, **overrides) -> GPTConfig:
@@ -213,21 +396,29 @@ class ParamSpec(NamedTuple):
         return n
 
 
+def block_fc_layers(config: GPTConfig, i: int) -> list[tuple[str, int, int]]:
+    """Block ``i``'s fully connected layers in order, ``(name, f_in, f_out)``: ``attn.q``
+    ``(d, n_heads·d_qk)``, ``attn.k`` ``(d, n_kv_heads·d_qk)``, ``attn.v`` ``(d, n_kv_heads·d_head)``,
+    ``attn_proj`` ``(n_heads·d_head, d)``, then ``mlp_gate`` (SwiGLU only), ``mlp_expand``
+    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``."""
+    c, p = config, f"blocks.{i}"
+    hv = c.n_heads * c.d_head
+    out = [(f"{p}.attn.q", c.d_model, c.n_heads * c.d_qk), (f"{p}.attn.k", c.d_model, c.n_kv_heads * c.d_qk),
+           (f"{p}.attn.v", c.d_model, c.n_kv_heads * c.d_head), (f"{p}.attn_proj", hv, c.d_model)]
+    if c.mlp == "swiglu":
+        out.append((f"{p}.mlp_gate", c.d_model, c.d_mlp))
+    return out + [(f"{p}.mlp_expand", c.d_model, c.d_mlp), (f"{p}.mlp_contract", c.d_mlp, c.d_model)]
+
+
 def fc_layers(config: GPTConfig) -> list[tuple[str, int, int]]:
     """Every fully connected layer that can carry a LoRA adapter: ``(name, f_in, f_out)``.
 
-    Names: ``blocks.{i}.attn.q|k|v``, ``blocks.{i}.attn_proj``, ``blocks.{i}.mlp_expand``,
-    ``blocks.{i}.mlp_contract``, ``logits``.
+    Names: ``blocks.{i}.attn.q|k|v``, ``blocks.{i}.attn_proj``, ``blocks.{i}.mlp_gate`` (SwiGLU
+    only), ``blocks.{i}.mlp_expand``, ``blocks.{i}.mlp_contract``, ``logits``
+    (:func:`block_fc_layers`).
     """
-    c = config
-    hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
-    out = []
-    for i in range(c.n_blocks):
-        p = f"blocks.{i}"
-        out += [(f"{p}.attn.q", c.d_model, hq), (f"{p}.attn.k", c.d_model, hq),
-                (f"{p}.attn.v", c.d_model, hv), (f"{p}.attn_proj", hv, c.d_model),
-                (f"{p}.mlp_expand", c.d_model, c.d_mlp), (f"{p}.mlp_contract", c.d_mlp, c.d_model)]
-    out.append(("logits", c.d_model, c.vocab_size))
+    out = [fc for i in range(config.n_blocks) for fc in block_fc_layers(config, i)]
+    out.append(("logits", config.d_model, config.vocab_size))
     return out
 
 
@@ -240,9 +431,10 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
     """Expand LoRA target names to full FC layer names.
 
     Args:
-        targets: iterable of kinds (``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``,
-            ``"mlp_expand"``, ``"mlp_contract"``, ``"logits"``; ``"all"`` for every one) or
-            full layer names like ``"blocks.0.attn.q"``.
+        targets: iterable of kinds (``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``, ``"mlp_gate"``
+            (SwiGLU only), ``"mlp_expand"``, ``"mlp_contract"``, ``"logits"``, or their Hugging
+            Face Llama names :data:`HF_LORA_KINDS`: ``"q_proj"`` … ``"down_proj"``, ``"lm_head"``;
+            ``"all"`` for every one) or full layer names like ``"blocks.0.attn.q"``.
 
     Raises:
         ValueError: an unknown name (the message lists the valid kinds).
@@ -253,6 +445,7 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
         return layers
     chosen = []
     for t in targets:
+        t = HF_LORA_KINDS.get(t, t)
         if t in LORA_LAYER_KINDS:
             chosen += [name for name in layers if fc_kind(name) == t]
         elif t in layers:
@@ -271,8 +464,12 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     ``pos_emb.weight`` exists only with ``position_encoding="learned"``.
 
     ``y = x W + b`` convention: ``W`` is ``(f_in, f_out)``. Decay: 2-D matrices (embeddings
-    included) are decayed; 1-D parameters (biases, layer-norm weights) are not. The q, k, v
-    biases exist when ``config.qkv_bias``, every other bias when ``config.bias``.
+    included) are decayed; 1-D parameters (biases, norm weights) are not. The q, k, v
+    biases exist when ``config.qkv_bias``, every other bias when ``config.bias``. The norms
+    ``ln1``, ``ln2``, ``ln_final`` are of kind ``"layernorm"`` (weight, and bias when
+    ``config.bias``) or ``"rmsnorm"`` (weight only); SwiGLU adds ``mlp_gate`` before
+    ``mlp_expand`` (:func:`block_fc_layers`); with ``n_kv_heads < n_heads`` the k and v weights
+    have ``n_kv_heads`` heads' columns.
     """
     c = config
     d = c.d_model
@@ -280,23 +477,23 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     if c.learned_positions:                       # RoPE and none have no position table
         specs.append(ParamSpec("pos_emb.weight", (c.context_length, d), "embedding", True))
 
-    def ln(name: str, kind: str) -> list[ParamSpec]:
-        out = [ParamSpec(f"{name}.weight", (d,), kind, False)]
-        if c.bias:
-            out.append(ParamSpec(f"{name}.bias", (d,), kind, False))
+    def ln(name: str) -> list[ParamSpec]:
+        out = [ParamSpec(f"{name}.weight", (d,), c.norm, False)]
+        if c.bias and c.norm == "layernorm":
+            out.append(ParamSpec(f"{name}.bias", (d,), c.norm, False))
         return out
 
     for i in range(c.n_blocks):
         p = f"blocks.{i}"
-        specs += ln(f"{p}.ln1", "layernorm")
-        for fc, f_in, f_out in fc_layers(c)[6 * i:6 * i + 6]:
+        specs += ln(f"{p}.ln1")
+        for fc, f_in, f_out in block_fc_layers(c, i):
             kind = "attention" if ".attn" in fc else "mlp"
             specs.append(ParamSpec(f"{fc}.weight", (f_in, f_out), kind, True))
             if (c.qkv_bias if ".attn." in fc else c.bias):
                 specs.append(ParamSpec(f"{fc}.bias", (f_out,), kind, False))
             if fc.endswith("attn_proj"):
-                specs += ln(f"{p}.ln2", "layernorm")
-    specs += ln("ln_final", "layernorm")
+                specs += ln(f"{p}.ln2")
+    specs += ln("ln_final")
     if not c.tie_weights:
         specs.append(ParamSpec("logits.weight", (d, c.vocab_size), "logits", True))
         if c.logits_bias:
@@ -330,6 +527,7 @@ def lora_layer_values(config: GPTConfig, targets, default, pattern=None, *, what
     layers = [name for name, _, _ in fc_layers(config)]
     by_kind, by_name = {}, {}
     for key, value in dict(pattern).items():
+        key = HF_LORA_KINDS.get(key, key)
         if key in LORA_LAYER_KINDS:
             by_kind[key] = value
         elif key in layers:

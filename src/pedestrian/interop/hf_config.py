@@ -123,6 +123,12 @@ def export_problems(config: GPTConfig) -> list[str]:
     """
     c = config
     problems = []
+    if c.norm != "layernorm":
+        problems.append(f"norm={c.norm!r} (GPT-2 has layer norms; write a Llama folder instead)")
+    if c.mlp != "standard":
+        problems.append(f"mlp={c.mlp!r} (GPT-2's MLP is expand, activation, contract)")
+    if c.n_kv_heads != c.n_heads:
+        problems.append(f"n_kv_heads={c.n_kv_heads} (GPT-2 has as many key/value heads as query heads, {c.n_heads})")
     if c.position_encoding != "learned":
         problems.append(f"position_encoding={c.position_encoding!r} (GPT-2 has learned positions only)")
     if not c.bias:

@@ -1,0 +1,236 @@
+"""Hugging Face ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` <-> :class:`~pedestrian.config.GPTConfig`.
+
+:func:`hf_family` tells the four families apart (``model_type``, else ``architectures``);
+:func:`config_from_hf` maps any of them (GPT-2 through :mod:`.hf_config`). Field by field
+(transformers 5.25 names; older ``config.json`` files are read too)::
+
+    vocab_size -> vocab_size        hidden_size -> d_model            num_hidden_layers -> n_blocks
+    num_attention_heads -> n_heads  num_key_value_heads (null: n_heads) -> n_kv_heads
+    head_dim (null: hidden_size / num_attention_heads) -> d_head = d_qk
+    intermediate_size -> d_mlp      max_position_embeddings -> context_length
+    rms_norm_eps -> ln_eps (norm="rmsnorm")                tie_word_embeddings -> tie_weights
+    rope_parameters {rope_theta, rope_type, ...}, or the older rope_theta + rope_scaling
+        -> rope_base, rope_scaling (rope_type "default" or "llama3"; position_encoding="rope")
+    hidden_act "silu" (or "swish", the same nn.SiLU) -> mlp="swiglu", activation="silu"
+    Qwen2: q, k, v biases -> qkv_bias=True (bias=False)
+    Llama attention_bias and mlp_bias both true -> bias=True (every linear layer has a bias)
+
+Refused, each with one line naming the field and its value: another ``hidden_act``, another
+``rope_type`` (linear, dynamic, yarn, longrope, ...), ``partial_rotary_factor`` other than 1
+(Llama's rotate_half turns the whole head), a sliding window (Mistral ``sliding_window`` not
+null -- it is 4096 when the key is missing; Qwen2 ``use_sliding_window`` true; ``layer_types``
+other than ``full_attention``), Llama ``attention_bias`` or ``mlp_bias`` true alone, per-layer
+``rope_parameters`` that differ, ``is_encoder_decoder`` or ``add_cross_attention`` true, and the
+keys of features the Llama code does not have (:data:`REFUSED_KEYS`: experts, q/k norms,
+attention sinks) when set.
+
+Irrelevant (read, not carried): ``attention_dropout`` (training-time dropout on the attention
+probabilities; the loaded model has dropout 0, as for GPT-2's ``attn_pdrop``),
+``initializer_range`` (initialisation only), ``use_cache``, ``pad/bos/eos_token_id`` (token ids:
+the tokenizer's business), ``pretraining_tp`` (transformers 5 ignores it; before, it split the
+same products into slices), Qwen2 ``sliding_window`` / ``max_window_layers`` when
+``use_sliding_window`` is false (transformers then ignores them), ``dtype`` / ``torch_dtype``
+(the storage dtype; weights are widened on load), SmolLM2's ``rope_interleaved`` /
+``is_llama_config`` (nanotron keys transformers ignores: HF folders hold rotate-half weights),
+and the bookkeeping keys of every ``PretrainedConfig`` (``transformers_version``,
+``_name_or_path``, ``id2label``, ``output_attentions``, ...).
+
+RoPE layout: Hugging Face's ``rotate_half`` pairs feature ``j`` with ``j + head_dim/2``, as
+:mod:`pedestrian.layers.rope` does, so q and k weights load without a permutation.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..config import GPTConfig, RopeScaling
+from .hf_config import config_from_hf as gpt2_config_from_hf
+
+#: ``model_type`` -> the ``architectures`` entry ``save_pretrained`` writes
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+_ARCH_PREFIX = {"GPT2": "gpt2", "Llama": "llama", "Qwen2": "qwen2", "Mistral": "mistral"}
+
+#: each class's defaults (transformers 5.25), for keys a ``config.json`` leaves out
+_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, num_key_value_heads=None,
+               head_dim=None, rope_theta=10_000.0, hidden_size=4096, num_hidden_layers=32,
+               num_attention_heads=32)
+HF_DEFAULTS = {
+    "llama": dict(_COMMON, vocab_size=32000, intermediate_size=11008, max_position_embeddings=2048,
+                  attention_bias=False, mlp_bias=False),
+    "qwen2": dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
+                  num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, layer_types=None),
+    "mistral": dict(_COMMON, vocab_size=32000, intermediate_size=14336, max_position_embeddings=131072,
+                    num_key_value_heads=8, sliding_window=4096),
+}
+#: keys of features these models do not have; set (not null, false, 0 or empty) they are refused
+REFUSED_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "use_qk_norm", "qk_layernorm",
+                "attention_sink", "use_sink", "sinks", "add_cross_attention", "is_encoder_decoder")
+_ACTIVATIONS = ("silu", "swish")
+
+
+def hf_family(hf_config: Mapping, *, source: str = "config.json") -> str:
+    """``"gpt2"``, ``"llama"``, ``"qwen2"`` or ``"mistral"``: ``model_type``, else the prefix of
+    an ``architectures`` entry (``LlamaForCausalLM`` -> ``"llama"``).
+
+    Raises:
+        ValueError: any other model (the message names its ``model_type`` or architectures).
+    """
+    model_type = hf_config.get("model_type")
+    if model_type is not None:
+        if model_type in ARCHITECTURES:
+            return model_type
+        raise ValueError(f"{source}: model_type={model_type!r} is not implemented; pedestrian reads "
+                         f"{sorted(ARCHITECTURES)}")
+    archs = [str(a) for a in hf_config.get("architectures") or []]
+    for a in archs:
+        if a.startswith("GPT2"):
+            return "gpt2"
+        for prefix, family in _ARCH_PREFIX.items():
+            if a in (prefix + "ForCausalLM", prefix + "Model"):
+                return family
+    raise ValueError(f"{source}: no model_type and architectures={archs}; pedestrian reads "
+                     f"{sorted(ARCHITECTURES.values())}")
+
+
+def _rope(c: Mapping, source: str) -> tuple[float, RopeScaling | None]:
+    """``(rope_base, rope_scaling)`` from ``rope_parameters`` or ``rope_theta`` + ``rope_scaling``."""
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{source}: rope_parameters={params!r} is not an object")
+    if params and all(isinstance(v, Mapping) or v is None for v in params.values()):   # per layer type
+        kinds = {k: v for k, v in params.items() if v is not None}
+        if len({repr(sorted(v.items())) for v in kinds.values()}) != 1:
+            raise ValueError(f"{source}: rope_parameters differ per layer type ({sorted(kinds)}); "
+                             "pedestrian turns every layer alike")
+        params = next(iter(kinds.values()))
+    theta = params.get("rope_theta", c.get("rope_theta", 10_000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise ValueError(f"{source}: rope_theta={theta!r} must be a number > 1 (RoPE's base)")
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{source}: partial_rotary_factor={partial!r} is not implemented for this model "
+                         "(its rotate_half turns the whole head); only 1.0")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"{source}: rope_type={kind!r} is not implemented; pedestrian implements "
+                         "'default' and 'llama3'")
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    scaling["rope_type"] = "llama3"
+    scaling.setdefault("original_max_position_embeddings", c.get("max_position_embeddings"))
+    try:
+        return float(theta), RopeScaling.from_value(scaling)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTConfig:
+    """The :class:`GPTConfig` of a Hugging Face GPT-2, Llama, Qwen2 or Mistral ``config.json``
+    (the module table; missing keys take the class's defaults, :data:`HF_DEFAULTS`).
+
+    Raises:
+        ValueError: another model, or a setting pedestrian does not implement -- one line naming
+            the field and its value (the first one found).
+    """
+    family = hf_family(hf_config, source=source)
+    if family == "gpt2":
+        return gpt2_config_from_hf(hf_config, source=source)
+    c = {**HF_DEFAULTS[family], **hf_config}
+    for key in REFUSED_KEYS:
+        if c.get(key) not in (None, False, 0, [], {}):
+            raise ValueError(f"{source}: {key}={c[key]!r} is not implemented in pedestrian's {family} model")
+    if c["hidden_act"] not in _ACTIVATIONS:
+        raise ValueError(f"{source}: hidden_act={c['hidden_act']!r} is not implemented; the SwiGLU gate "
+                         "is 'silu' only")
+    if family == "mistral" and c["sliding_window"] is not None:
+        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} (a sliding-window attention) is "
+                         "not implemented; only null (full causal attention)")
+    if family == "qwen2":
+        if c["use_sliding_window"]:
+            raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} (a sliding-window "
+                             "attention) is not implemented; only false")
+    other = [t for t in c.get("layer_types") or [] if t != "full_attention"]
+    if other:
+        raise ValueError(f"{source}: layer_types contains {other[0]!r}; pedestrian implements only "
+                         "'full_attention' layers")
+    bias = False
+    if family == "llama":
+        ab, mb = bool(c["attention_bias"]), bool(c["mlp_bias"])
+        if ab != mb:
+            key = "attention_bias" if ab else "mlp_bias"
+            raise ValueError(f"{source}: {key}=true without {'mlp_bias' if ab else 'attention_bias'}=true is "
+                             "not implemented (pedestrian's bias switch covers every linear layer)")
+        bias = ab
+    rope_base, rope_scaling = _rope(c, source)
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings"):
+        v = c[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{source}: {key}={v!r} is not a positive integer")
+    head_dim = c["head_dim"] if c["head_dim"] is not None else d // heads
+    m = c["intermediate_size"]
+    try:
+        return GPTConfig(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], d_model=d,
+                         n_heads=heads, n_blocks=c["num_hidden_layers"], d_head=head_dim, d_qk=head_dim,
+                         n_kv_heads=c["num_key_value_heads"], mlp_ratio=m // d if m % d == 0 else 4, d_mlp=m,
+                         norm="rmsnorm", mlp="swiglu", activation="silu", ln_eps=float(c["rms_norm_eps"]),
+                         bias=bias, qkv_bias=bias or family == "qwen2", logits_bias=False,
+                         tie_weights=bool(c["tie_word_embeddings"]), position_encoding="rope",
+                         rope_base=rope_base, rope_scaling=rope_scaling, dropout=0.0)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def export_family(config: GPTConfig) -> str:
+    """The Hugging Face family that writes ``config``: ``"qwen2"`` with q, k, v biases only,
+    ``"llama"`` otherwise (its ``attention_bias`` and ``mlp_bias`` when every layer has one).
+
+    Raises:
+        ValueError: one line for each setting no Llama-family model expresses (a layer norm,
+            the standard MLP, learned positions, partial RoPE, d_qk ≠ d_head, a logits bias, ...).
+    """
+    c, problems = config, []
+    for field, want in (("norm", "rmsnorm"), ("mlp", "swiglu"), ("position_encoding", "rope"),
+                        ("causal", True), ("rope_fraction", 1.0), ("logits_bias", False)):
+        if getattr(c, field) != want:
+            problems.append(f"{field}={getattr(c, field)!r} (Llama-family models need {want!r})")
+    if c.d_qk != c.d_head:
+        problems.append(f"d_qk={c.d_qk} differs from d_head={c.d_head} (Llama has one head_dim)")
+    if c.bias and not c.qkv_bias:
+        problems.append("bias=True with qkv_bias=False (Llama's attention_bias covers q, k, v and o)")
+    if problems:
+        raise ValueError("this model cannot be written as a Hugging Face Llama/Qwen2: " + "; ".join(problems))
+    return "qwen2" if c.qkv_bias and not c.bias else "llama"
+
+
+def config_to_hf(config: GPTConfig, *, dtype: str = "float32", bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> dict:
+    """The ``config.json`` dict of the ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` equal to
+    ``config`` (:func:`export_family`). RoPE is written both as transformers 5's
+    ``rope_parameters`` and as the older ``rope_theta`` + ``rope_scaling`` other readers use.
+
+    Raises:
+        ValueError: ``config`` is not expressible (:func:`export_family`).
+    """
+    family, c = export_family(config), config
+    rope = {"rope_theta": c.rope_base, "rope_type": "default"}
+    if c.rope_scaling is not None:
+        rope.update(c.rope_scaling.to_hf())
+    out = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": c.vocab_size,
+           "hidden_size": c.d_model, "intermediate_size": c.d_mlp, "num_hidden_layers": c.n_blocks,
+           "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head,
+           "hidden_act": "silu", "max_position_embeddings": c.context_length, "rms_norm_eps": c.ln_eps,
+           "tie_word_embeddings": c.tie_weights, "rope_parameters": rope, "rope_theta": c.rope_base,
+           "rope_scaling": None if c.rope_scaling is None else c.rope_scaling.to_hf(),
+           "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+           "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "dtype": dtype}
+    if family == "llama":
+        out.update(attention_bias=c.bias, mlp_bias=c.bias, pretraining_tp=1)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_blocks,
+                   layer_types=["full_attention"] * c.n_blocks)
+    return out
