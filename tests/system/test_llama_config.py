@@ -178,7 +178,7 @@ def test_counts_equal_transformers(case):
 
 # --------------------------------------------------------------------- flat.py's region table
 def _regions_cover(c):
-    from pedestrian.flat import base_regions
+    from pedestrian.model.params import base_regions
 
     specs = {s.name: s.shape for s in param_specs(c)}
     seen = {}

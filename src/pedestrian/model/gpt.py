@@ -93,6 +93,7 @@ class GPT(FlatParameters, LoRAAdapters):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
+        _refuse_unwired(config)
         self.backend = backend
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
@@ -388,6 +389,17 @@ def _named_deltas(top, blocks) -> dict:
         out[f"blocks.{i}.Δcausal"] = D.causal
     out.update({"Δ11": top.d11, "Δ1": top.d1})
     return out
+
+
+def _refuse_unwired(config: GPTConfig) -> None:
+    """The Llama-family fields the config and the Hugging Face mapping know but this model's chain
+    does not run yet: refused by name, never computed approximately."""
+    for field, value, default in (("norm", config.norm, "layernorm"), ("mlp", config.mlp, "standard"),
+                                  ("n_kv_heads", config.n_kv_heads, config.n_heads),
+                                  ("rope_scaling", config.rope_scaling, None)):
+        if value != default:
+            raise NotImplementedError(f"GPTConfig {field}={value!r} is not wired into the GPT's chain yet "
+                                      f"(the layers exist in pedestrian.layers); use {field}={default!r}")
 
 
 def _resolve_device(backend: str, device):
