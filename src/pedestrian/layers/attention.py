@@ -95,7 +95,9 @@ def scaled_dot_product_attention_forward(q, k, v, allowed=None):
     if allowed is not None:
         scores = xp.where(allowed, scores, xp.full_like(scores, -math.inf))
     p = softmax_forward(scores)                                              # P (..., T, L)
-    return p @ v, dict(q=q, k=k, v=v, p=p)                                   # (..., T, d_head)
+    if allowed is not None:                                                  # exactly 0 even when a
+        p = xp.where(allowed, p, xp.zeros_like(p))                           # NaN row max made e NaN
+    return p @ v, dict(q=q, k=k, v=v, p=p, allowed=allowed)                  # (..., T, d_head)
 
 
 def scaled_dot_product_attention_backward(delta, cache):
@@ -111,7 +113,12 @@ def scaled_dot_product_attention_backward(delta, cache):
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
     dv = xp.matrix_transpose(p) @ delta                                      # (..., L, d_head)
     dp = delta @ xp.matrix_transpose(v)                                      # (..., T, L)
+    allowed = cache.get("allowed")
+    if allowed is not None:                                                  # masked dP: 0 (a NaN in a
+        dp = xp.where(allowed, dp, xp.zeros_like(dp))                        # value no query sees stays out)
     delta_causal = softmax_backward(dp, p)                                   # (..., T, L)
+    if allowed is not None:                                                  # masked: exactly 0, also
+        delta_causal = xp.where(allowed, delta_causal, xp.zeros_like(p))     # in a NaN row
     delta_raw = delta_causal / math.sqrt(q.shape[-1])
     dq = delta_raw @ k                                                       # (..., T, d_qk)
     dk = xp.matrix_transpose(delta_raw) @ q                                  # (..., L, d_qk)

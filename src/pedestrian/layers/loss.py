@@ -42,7 +42,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     sum_e = xp.sum(e, axis=-1, keepdims=True)                                # (N, 1)
     y_pred = e / sum_e                                                       # softmax (N, V)
     log_sum_exp = xp.log(sum_e) + z_max                                      # (N, 1)
-    nll = xp.sum(y_gt * (log_sum_exp - z), axis=-1)                          # −log y_pred[target]
+    nll = xp.sum(xp.where(y_gt > 0, log_sum_exp - z, xp.zeros_like(z)), axis=-1)  # −log y_pred[target]
+    # (a where, not y_gt · (…): a −∞ logit off the target is 0 · ∞ = NaN in a product)
     loss = xp.sum(nll) / max(n_counted, 1)
     return loss, (y_pred, y_gt, counted, n_counted, logits.shape)
 
