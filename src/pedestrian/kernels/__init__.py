@@ -69,25 +69,39 @@ def _tree(obj, leaf):
     return leaf(obj)
 
 
-def _first_array(obj):
-    """The first NumPy array or torch tensor in ``obj`` (depth first), else ``None``."""
+def _first_array(obj, data: bool = False):
+    """The first NumPy array or torch tensor in ``obj`` (depth first), else ``None``; with
+    ``data``, the first whose dtype is not an integer or boolean one (not ids, not a mask)."""
     if isinstance(obj, (tuple, list)):
-        return next((a for a in map(_first_array, obj) if a is not None), None)
+        return next((a for a in (_first_array(o, data) for o in obj) if a is not None), None)
     if isinstance(obj, dict):
-        return _first_array(list(obj.values()))
-    return obj if isinstance(obj, np.ndarray) or is_torch_array(obj) else None
+        return _first_array(list(obj.values()), data)
+    if not (isinstance(obj, np.ndarray) or is_torch_array(obj)):
+        return None
+    return obj if not data or str(obj.dtype).rsplit(".", 1)[-1] not in _ID_DTYPES else None
+
+
+#: dtypes of ids and masks (NumPy's and torch's names), which do not decide a call's path
+_ID_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+#: the dtypes the kernels are compiled for; the others go to the reference layers, which
+#: compute half precision (float16, bfloat16) and refuse integers and complex numbers by name
+FAST_DTYPES = frozenset({"float32", "float64"})
 
 
 def _seam(fast, other):
     """``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
-    torch tensors on the CPU; ``other`` for torch tensors on any other device. Which one runs
-    follows the first array among the arguments (one backend per call). An input returned as it
-    came (a cache holding ``x``) is the caller's own tensor again."""
+    torch tensors on the CPU; ``other`` for torch tensors on any other device, and for data of
+    a dtype the kernels are not compiled for (:data:`FAST_DTYPES`: float16 and bfloat16 run in
+    the reference layers). Which one runs follows the first array among the arguments (one
+    backend per call) and the first one holding data (not ids). An input returned as it came (a
+    cache holding ``x``) is the caller's own tensor again."""
     @functools.wraps(fast)
     def call(*args, **kwargs):
-        if args and type(args[0]) is np.ndarray:              # (NumPy: no search)
+        if args and type(args[0]) is np.ndarray and args[0].dtype.name in FAST_DTYPES:   # (no search)
             return fast(*args, **kwargs)
-        like = _first_array((args, kwargs))
+        like, data = _first_array((args, kwargs)), _first_array((args, kwargs), data=True)
+        if like is not None and (data is None or str(data.dtype).rsplit(".", 1)[-1] not in FAST_DTYPES):
+            return other(*args, **kwargs)
         if like is None or type(like) is np.ndarray or not is_torch_array(like):
             return fast(*args, **kwargs)
         if like.device.type != "cpu":

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from ..layers.activations import check_activation
+from ..layers.checks import check_float
 from .jit import kernel, prange
 from .vecmath import exp, normal_cdf_pdf
 from .workspace import empty_array
@@ -98,6 +99,7 @@ def activation_forward(x, name: str):
         ValueError: unknown activation name.
     """
     check_activation(name)
+    check_float(x, "the activation's input")
     y = empty_array(x.shape, x)
     if name == "relu":
         _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ..backend import array_namespace, erf
+from .checks import check_float
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
@@ -35,8 +36,10 @@ def activation_forward(x, name: str):
 
     Raises:
         ValueError: unknown activation name.
+        TypeError: ``x`` not real floating point (integers, complex).
     """
     check_activation(name)
+    check_float(x, "the activation's input")
     xp = array_namespace(x)
     if name == "relu":
         return xp.where(x <= 0, xp.zeros_like(x), x), x                     # max(x, 0), NaN kept

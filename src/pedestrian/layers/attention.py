@@ -22,6 +22,7 @@ import math
 from typing import NamedTuple
 
 from ..backend import array_namespace
+from .checks import check_float
 from .linear import linear_backward, linear_forward
 
 
@@ -201,7 +202,12 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` concatenated; the
         cache holds ``q, k, v`` ``(B, n_heads, ·, ·)`` and ``p`` (``P``, ``(B, n_heads, T, L)``).
+
+    Raises:
+        TypeError: ``qkv`` not real floating point.
+        ValueError: a KV-cache step that does not fit the cache's capacity.
     """
+    check_float(qkv, "qkv")
     hq = n_heads * d_qk
     q = _split_heads(qkv[..., :hq], n_heads)                                 # (B, H, T, d_qk)
     k = _split_heads(qkv[..., hq:2 * hq], n_heads)                           # (B, H, T, d_qk)
@@ -210,6 +216,9 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     key_start = None
     if kv_cache is not None:                                                 # append, attend to all
         L0, L = kv_cache.length, kv_cache.length + T
+        if L0 < 0 or L > kv_cache.keys.shape[2]:
+            raise ValueError(f"a KV-cache step of {T} tokens at length {L0} does not fit the cache's "
+                             f"capacity {kv_cache.keys.shape[2]}")
         kv_cache.keys[:, :, L0:L, :] = k
         kv_cache.values[:, :, L0:L, :] = v
         k, v, key_start = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :], kv_cache.key_start
