@@ -78,14 +78,23 @@ def _first_array(obj, data: bool = False):
         return _first_array(list(obj.values()), data)
     if not (isinstance(obj, np.ndarray) or is_torch_array(obj)):
         return None
-    return obj if not data or str(obj.dtype).rsplit(".", 1)[-1] not in _ID_DTYPES else None
+    return obj if not data or _holds_data(obj) else None
 
 
-#: dtypes of ids and masks (NumPy's and torch's names), which do not decide a call's path
-_ID_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+def _holds_data(a) -> bool:
+    """``a`` is not ids or a mask: its dtype is not an integer or boolean one."""
+    return a.dtype.kind not in "biu" if isinstance(a, np.ndarray) else (a.is_floating_point() or a.is_complex())
+
+
 #: the dtypes the kernels are compiled for; the others go to the reference layers, which
 #: compute half precision (float16, bfloat16) and refuse integers and complex numbers by name
 FAST_DTYPES = frozenset({"float32", "float64"})
+_FAST_NUMPY = frozenset(np.dtype(d) for d in FAST_DTYPES)
+
+
+def _runs_fast(a) -> bool:
+    """``a``'s dtype is one of :data:`FAST_DTYPES`."""
+    return a.dtype in _FAST_NUMPY if isinstance(a, np.ndarray) else str(a.dtype).rsplit(".", 1)[-1] in FAST_DTYPES
 
 
 def _seam(fast, other):
@@ -97,10 +106,11 @@ def _seam(fast, other):
     cache holding ``x``) is the caller's own tensor again."""
     @functools.wraps(fast)
     def call(*args, **kwargs):
-        if args and type(args[0]) is np.ndarray and args[0].dtype.name in FAST_DTYPES:   # (no search)
+        if args and type(args[0]) is np.ndarray and args[0].dtype in _FAST_NUMPY:   # (no search)
             return fast(*args, **kwargs)
-        like, data = _first_array((args, kwargs)), _first_array((args, kwargs), data=True)
-        if like is not None and (data is None or str(data.dtype).rsplit(".", 1)[-1] not in FAST_DTYPES):
+        like = _first_array((args, kwargs))
+        data = like if like is None or _holds_data(like) else _first_array((args, kwargs), data=True)
+        if like is not None and (data is None or not _runs_fast(data)):
             return other(*args, **kwargs)
         if like is None or type(like) is np.ndarray or not is_torch_array(like):
             return fast(*args, **kwargs)

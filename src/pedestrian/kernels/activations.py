@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from ..layers.activations import check_activation
-from ..layers.checks import check_float
+from ..checks import check_float
 from .jit import kernel, prange
 from .vecmath import exp, normal_cdf_pdf
 from .workspace import empty_array
