@@ -27,6 +27,9 @@ views and so past torch's version counter and autograd's in-place checks: pedest
 autograd); tensors on any other device (a GPU) run the reference layers, and from
 :data:`.attention_tiled.TILED_MIN_T` tokens on the tiled attention's torch loop (``O(T)`` memory).
 The first array among a call's arguments decides, so one call takes one backend's arrays.
+Data of another dtype than float32 / float64 (the first array that is not ids) runs the
+reference layers too: they compute float16 and bfloat16 tensors, and refuse integer and complex
+data by name.
 """
 
 from __future__ import annotations
