@@ -36,7 +36,7 @@ def _ids(ids, n: int, what: str):
     """``ids`` as a flat int64 array, each in ``[0, n)`` (numba does not check indices).
 
     Raises:
-        ValueError: an id outside ``[0, n)`` (:func:`pedestrian.layers.checks.check_ids`).
+        ValueError: an id outside ``[0, n)`` (:func:`pedestrian.checks.check_ids`).
     """
     ids = np.asarray(ids)
     check_ids(ids, n, what)
@@ -45,7 +45,8 @@ def _ids(ids, n: int, what: str):
 
 def _positions(positions, B: int, T: int, n: int):
     pos = np.arange(T) if positions is None else np.asarray(positions)
-    check_ids(pos, n, "position")
+    if positions is not None or T > n:                     # (0 … T-1 fit a table of T rows)
+        check_ids(pos, n, "position")
     return np.ascontiguousarray(np.broadcast_to(pos, (B, T)), dtype=np.int64).reshape(-1)
 
 
