@@ -47,4 +47,5 @@ def check_float(x, what: str) -> None:
             return
     elif array_namespace(x).isdtype(x.dtype, "real floating"):
         return
-    raise TypeError(f"{what} must be a real floating-point array (float32 or float64), got dtype {x.dtype}")
+    raise TypeError(f"{what} must be a real floating-point array, got dtype {x.dtype}; "
+                    "convert it first (float32 or float64)")
