@@ -28,6 +28,9 @@ views and so past torch's version counter and autograd's in-place checks: pedest
 autograd); tensors on any other device (a GPU) run the reference layers, and from
 :data:`.attention_tiled.TILED_MIN_T` tokens on the tiled attention's torch loop (``O(T)`` memory).
 The first array among a call's arguments decides, so one call takes one backend's arrays.
+Data of another dtype than float32 / float64 (the first array that is not ids) runs the
+reference layers too: they compute float16 and bfloat16 tensors, and refuse integer and complex
+data by name.
 """
 
 from __future__ import annotations
@@ -72,25 +75,49 @@ def _tree(obj, leaf):
     return leaf(obj)
 
 
-def _first_array(obj):
-    """The first NumPy array or torch tensor in ``obj`` (depth first), else ``None``."""
+def _first_array(obj, data: bool = False):
+    """The first NumPy array or torch tensor in ``obj`` (depth first), else ``None``; with
+    ``data``, the first whose dtype is not an integer or boolean one (not ids, not a mask)."""
     if isinstance(obj, (tuple, list)):
-        return next((a for a in map(_first_array, obj) if a is not None), None)
+        return next((a for a in (_first_array(o, data) for o in obj) if a is not None), None)
     if isinstance(obj, dict):
-        return _first_array(list(obj.values()))
-    return obj if isinstance(obj, np.ndarray) or is_torch_array(obj) else None
+        return _first_array(list(obj.values()), data)
+    if not (isinstance(obj, np.ndarray) or is_torch_array(obj)):
+        return None
+    return obj if not data or _holds_data(obj) else None
+
+
+def _holds_data(a) -> bool:
+    """``a`` is not ids or a mask: its dtype is not an integer or boolean one."""
+    return a.dtype.kind not in "biu" if isinstance(a, np.ndarray) else (a.is_floating_point() or a.is_complex())
+
+
+#: the dtypes the kernels are compiled for; the others go to the reference layers, which
+#: compute half precision (float16, bfloat16) and refuse integers and complex numbers by name
+FAST_DTYPES = frozenset({"float32", "float64"})
+_FAST_NUMPY = frozenset(np.dtype(d) for d in FAST_DTYPES)
+
+
+def _runs_fast(a) -> bool:
+    """``a``'s dtype is one of :data:`FAST_DTYPES`."""
+    return a.dtype in _FAST_NUMPY if isinstance(a, np.ndarray) else str(a.dtype).rsplit(".", 1)[-1] in FAST_DTYPES
 
 
 def _seam(fast, other):
     """``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
-    torch tensors on the CPU; ``other`` for torch tensors on any other device. Which one runs
-    follows the first array among the arguments (one backend per call). An input returned as it
-    came (a cache holding ``x``) is the caller's own tensor again."""
+    torch tensors on the CPU; ``other`` for torch tensors on any other device, and for data of
+    a dtype the kernels are not compiled for (:data:`FAST_DTYPES`: float16 and bfloat16 run in
+    the reference layers). Which one runs follows the first array among the arguments (one
+    backend per call) and the first one holding data (not ids). An input returned as it came (a
+    cache holding ``x``) is the caller's own tensor again."""
     @functools.wraps(fast)
     def call(*args, **kwargs):
-        if args and type(args[0]) is np.ndarray:              # (NumPy: no search)
+        if args and type(args[0]) is np.ndarray and args[0].dtype in _FAST_NUMPY:   # (no search)
             return fast(*args, **kwargs)
         like = _first_array((args, kwargs))
+        data = like if like is None or _holds_data(like) else _first_array((args, kwargs), data=True)
+        if like is not None and (data is None or not _runs_fast(data)):
+            return other(*args, **kwargs)
         if like is None or type(like) is np.ndarray or not is_torch_array(like):
             return fast(*args, **kwargs)
         if like.device.type != "cpu":

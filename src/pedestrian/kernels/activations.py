@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from ..layers.activations import SILU_SATURATE, check_activation
+from ..checks import check_float
 from .jit import kernel, prange
 from .vecmath import exp, normal_cdf_pdf
 from .workspace import empty_array
@@ -35,34 +36,41 @@ def _relu_forward(x, y):
 
 @kernel(parallel=True)
 def _relu_backward(delta, x, out):
-    """``Δ_in = Δ ∘ [x > 0]``."""
-    T = x.dtype.type
+    """``Δ_in = Δ ∘ [x > 0]`` (``[x > 0]`` is NaN at a NaN ``x``: the signal stays NaN)."""
+    one, zero = x.dtype.type(1.0), x.dtype.type(0.0)
     for i in prange(x.shape[0]):
-        out[i] = delta[i] * (T(1.0) if x[i] > T(0.0) else T(0.0))
+        xi = x[i]
+        out[i] = delta[i] * (one if xi > zero else (zero if xi <= zero else xi))
 
 
 @kernel(parallel=True)
 def _gelu_forward(x, y, dg):
-    """``y = x Φ(x)``, ``g'(x) = Φ(x) + x φ(x)``."""
+    """``y = x Φ(x)``, ``g'(x) = Φ(x) + x φ(x)``; a product with a factor rounded to 0 is 0
+    (its exact value underflows; ``x = −∞`` would make it ``−∞ · 0 = NaN``)."""
+    zero = x.dtype.type(0.0)
     for i in prange(x.shape[0]):
-        cdf, pdf = normal_cdf_pdf(x[i])
-        y[i] = x[i] * cdf
-        dg[i] = cdf + x[i] * pdf
+        xi = x[i]
+        cdf, pdf = normal_cdf_pdf(xi)
+        y[i] = xi * cdf if cdf != zero else zero
+        dg[i] = cdf + (xi * pdf if pdf != zero else zero)
 
 
 @kernel(parallel=True)
 def _gelu_tanh_forward(x, y, dg):
     """``s = ½(1 + tanh u) = 1/(1 + e^{−2u})``, ``y = x s``, ``g'(x) = s (1 + 2(1 − s) A)``,
-    ``A = x √(2/π)(1 + 3·0.044715 x²)`` (``1 − tanh² u = 4 s (1 − s)``)."""
+    ``A = x √(2/π)(1 + 3·0.044715 x²)`` (``1 − tanh² u = 4 s (1 − s)``). In the tails ``s`` or
+    ``s (1 − s)`` rounds to 0 while ``x`` or ``A`` overflows: the product is then 0, its exact
+    value's rounding (not ``0 · ∞ = NaN``), so ``g(−∞) = 0``, ``g'(−∞) = 0``, ``g'(+∞) = 1``."""
     T = x.dtype.type
-    one, c1, c0 = T(1.0), T(_MINUS_2K_C), T(_MINUS_2K)
+    one, zero, c1, c0 = T(1.0), T(0.0), T(_MINUS_2K_C), T(_MINUS_2K)
     a1, a0 = T(6.0 * _GELU_C * _SQRT_2_OVER_PI), T(2.0 * _SQRT_2_OVER_PI)
     for i in prange(x.shape[0]):
         xi = x[i]
         x2 = xi * xi
         s = one / (one + exp(xi * (c1 * x2 + c0)))                  # e^{−2u} = inf -> s = 0
-        y[i] = xi * s
-        dg[i] = s * (one + (one - s) * xi * (a1 * x2 + a0))
+        w = s * (one - s)
+        y[i] = xi * s if s != zero else zero
+        dg[i] = s + (w * xi * (a1 * x2 + a0) if w != zero else zero)
 
 
 @kernel
@@ -118,6 +126,7 @@ def activation_forward(x, name: str):
         ValueError: unknown activation name.
     """
     check_activation(name)
+    check_float(x, "the activation's input")
     y = empty_array(x.shape, x)
     if name == "relu":
         _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))

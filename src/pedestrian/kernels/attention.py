@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import layers
 from ..layers.attention import KVBlock
+from ..checks import check_float
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import attention_loops
 from .jit import blas_one_thread
@@ -39,6 +40,7 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
     (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
     no ``P``."""
+    check_float(qkv, "qkv")
     if kv_cache is not None:
         return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache)
     B, T, _ = qkv.shape
@@ -66,6 +68,9 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     """:func:`_cached_attention` as one numba call (:func:`pedestrian.kernels.attention_loops.decode_attention`)."""
     B, T, _ = qkv.shape
     L0, L = kv_cache.length, kv_cache.length + T
+    if L0 < 0 or L > kv_cache.keys.shape[2]:                # (numba writes past the cache)
+        raise ValueError(f"a KV-cache step of {T} tokens at length {L0} does not fit the cache's "
+                         f"capacity {kv_cache.keys.shape[2]}")
     key_start = (np.zeros(B, dtype=np.int64) if kv_cache.key_start is None
                  else np.asarray(kv_cache.key_start, dtype=np.int64).reshape(B))
     q = np.empty((B, n_heads, T, d_qk), dtype=qkv.dtype)

@@ -171,7 +171,8 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out,
             total = exp_shifted(p, L, row_max(p, L, p[pos]))         # (its own key: always allowed)
             acc[:] = 0.0
             for j in range(L):
-                p[j] /= total
+                masked = (causal and j > pos) or (j < key_start[b] and j != pos)
+                p[j] = zero if masked else p[j] / total              # (0 also when the max is NaN)
                 vj = values[b, h, j]
                 for c in range(d_head):
                     acc[c] += p[j] * vj[c]

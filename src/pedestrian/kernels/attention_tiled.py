@@ -356,7 +356,7 @@ def tiled_attention_weights(cache):
     q, k, lse = cache["q"], cache["k"], cache["lse"]
     G, T, _ = q.shape
     s = q @ k.swapaxes(-1, -2) - lse[..., None]                              # S − ℓ (G, T, T)
-    if cache["causal"]:
-        s += _tile_mask(T, T, 0, s)
     p = s.exp() if is_torch_array(s) else np.exp(s)                          # P
+    if cache["causal"]:                                                      # 0 above the diagonal
+        p[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = 0.0     # (also where ℓ is NaN)
     return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)

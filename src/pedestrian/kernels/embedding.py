@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..layers import embedding as reference
+from ..checks import check_float, check_ids
 from .jit import kernel
 
 
@@ -35,27 +36,29 @@ def _ids(ids, n: int, what: str):
     """``ids`` as a flat int64 array, each in ``[0, n)`` (numba does not check indices).
 
     Raises:
-        IndexError: an id outside ``[0, n)``.
+        ValueError: an id outside ``[0, n)`` (:func:`pedestrian.checks.check_ids`).
     """
-    flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    if flat.size and (flat.min() < 0 or flat.max() >= n):
-        raise IndexError(f"{what} ids must be in [0, {n}), got {int(flat.min())} … {int(flat.max())}")
-    return flat
+    ids = np.asarray(ids)
+    check_ids(ids, n, what)
+    return np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
 
 
 def _positions(positions, B: int, T: int, n: int):
     pos = np.arange(T) if positions is None else np.asarray(positions)
-    return _ids(np.broadcast_to(pos, (B, T)), n, "position")
+    if positions is not None or T > n:                     # (0 … T-1 fit a table of T rows)
+        check_ids(pos, n, "position")
+    return np.ascontiguousarray(np.broadcast_to(pos, (B, T)), dtype=np.int64).reshape(-1)
 
 
 def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     """Fast :func:`pedestrian.layers.embedding.embedding_forward` (same arguments and results)."""
+    check_float(tok_weight, "the token table")
     if pos_weight is None:
         return reference.embedding_forward(tokens, tok_weight, pos_weight, positions)
     B, T = tokens.shape
     d = tok_weight.shape[1]
     out = np.empty((B * T, d), tok_weight.dtype)
-    _forward(_ids(tokens, tok_weight.shape[0], "token"), _positions(positions, B, T, pos_weight.shape[0]),
+    _forward(_ids(tokens, tok_weight.shape[0], "token id"), _positions(positions, B, T, pos_weight.shape[0]),
              tok_weight, pos_weight, out)
     return out.reshape(B, T, d), (tokens, positions)
 
@@ -67,7 +70,7 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
     rows = np.ascontiguousarray(delta).reshape(B * T, d)
     if dtok is not None:
         dtok[...] = 0
-        _scatter_add(_ids(tokens, dtok.shape[0], "token"), rows, dtok)
+        _scatter_add(_ids(tokens, dtok.shape[0], "token id"), rows, dtok)
     if dpos is not None:
         dpos[...] = 0
         _scatter_add(_positions(positions, B, T, dpos.shape[0]), rows, dpos)

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from ..checks import check_float
 from ..layers.layernorm import check_eps
 from .jit import kernel, prange
 from .workspace import empty_array
@@ -77,6 +78,7 @@ def layernorm_forward(x, weight, bias, eps: float):
     """Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results;
     the cache holds ``1/σ`` in float64)."""
     check_eps(eps)
+    check_float(x, "the layer norm's input")
     d = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)

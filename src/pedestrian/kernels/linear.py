@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks import check_float
 from .blas import colsum, matmul_into
 from .workspace import empty_array
 
@@ -20,6 +21,7 @@ SMALL_ELEMENTS = 1 << 12
 
 def linear_forward(x, weight, bias=None):
     """Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
+    check_float(x, "the linear layer's input")
     if x.size <= SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
         y = x @ weight
         if bias is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks import check_float, check_ids
 from ..layers.loss import IGNORE_INDEX
 from .jit import kernel, prange
 from .vecmath import exp
@@ -71,12 +72,17 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
             and its gradient are then this slice's share of the whole batch's mean, and the
             slices' losses and gradients simply add up.
 
+    Raises:
+        ValueError: a target outside ``[0, V)`` that is not ``ignore_index``.
+
     Returns:
         ``(loss, cache)``: ``loss`` a scalar of ``logits``' dtype (nats per counted token).
         The cache holds the logits, each row's maximum and Σe, and the targets.
     """
     V = logits.shape[-1]
     z = np.ascontiguousarray(logits).reshape(-1, V)
+    check_float(logits, "logits")
+    check_ids(np.asarray(targets), V, "target", ignore_index=ignore_index)   # (numba reads past a row)
     t = np.asarray(targets).reshape(-1)
     counted = t != ignore_index
     n_counted = int(counted.sum()) if n_total is None else int(n_total)

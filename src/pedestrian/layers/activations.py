@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ..backend import array_namespace, erf
+from ..checks import check_float
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -48,26 +49,34 @@ def activation_forward(x, name: str):
 
     Raises:
         ValueError: unknown activation name.
+        TypeError: ``x`` not real floating point (integers, complex).
     """
     check_activation(name)
+    check_float(x, "the activation's input")
     xp = array_namespace(x)
     if name == "relu":
-        return xp.where(x > 0, x, xp.zeros_like(x)), x                      # max(x, 0)
+        return xp.where(x <= 0, xp.zeros_like(x), x), x                     # max(x, 0), NaN kept
+    zero = xp.zeros_like(x)
     if name == "gelu":
-        return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0))), x                 # x Φ(x)
+        cdf = 0.5 * (1.0 + erf(x / math.sqrt(2.0)))                         # Φ(x)
+        return xp.where(cdf == 0, zero, x * cdf), x                         # x Φ(x); 0 at −∞
     if name == "silu":
         return xp.clip(x, min=-SILU_SATURATE) * sigmoid_pair(x)[0], x       # x σ(x) (−inf -> −0)
     u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)                          # u = √(2/π)(x + 0.044715x³)
-    return 0.5 * x * (1.0 + xp.tanh(u)), x                                  # ½x(1 + tanh u)
+    s = 0.5 * (1.0 + xp.tanh(u))                                             # ½(1 + tanh u)
+    return xp.where(s == 0, zero, x * s), x                                 # ½x(1 + tanh u); 0 at −∞
 
 
 def activation_backward(delta, cache, name: str):
     """``Δ_in = Δ ∘ g'(x)``.
 
-    - ReLU: ``g'(x) = [x > 0]``.
+    - ReLU: ``g'(x) = [x > 0]`` (NaN at a NaN ``x``: the signal does not turn finite).
     - GELU exact: ``g'(x) = Φ(x) + x φ(x)``.
     - GELU tanh: ``g'(x) = ½(1 + tanh u) + ½x(1 − tanh² u)√(2/π)(1 + 3·0.044715x²)``.
     - SiLU: ``g'(x) = σ(x)(1 + x(1 − σ(x)))`` (``0`` at ``−inf``, ``1`` at ``+inf``, where PyTorch gives NaN).
+
+    In the tails a product whose small factor (``Φ``, ``φ``, ``1 − tanh² u``) rounds to 0 is 0,
+    not ``0 · ∞ = NaN`` where ``x`` or ``x²`` overflows: ``g(−∞) = 0``, ``g'(−∞) = 0``, ``g'(∞) = 1``.
 
     Args:
         delta: error signal, ``x``'s shape.
@@ -78,14 +87,17 @@ def activation_backward(delta, cache, name: str):
     xp = array_namespace(delta)
     x = cache
     if name == "relu":
-        return delta * xp.astype(x > 0, x.dtype)
+        step = xp.where(x > 0, xp.ones_like(x), xp.where(x <= 0, xp.zeros_like(x), x))  # 1, 0, NaN
+        return delta * step
+    zero = xp.zeros_like(x)
     if name == "gelu":
         cdf = 0.5 * (1.0 + erf(x / math.sqrt(2.0)))                         # Φ(x)
         pdf = xp.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)               # φ(x)
-        return delta * (cdf + x * pdf)
+        return delta * (cdf + xp.where(pdf == 0, zero, x * pdf))
     if name == "silu":
         s, s_bar = sigmoid_pair(x)                                           # σ(x), 1 − σ(x)
         return delta * (s * (1.0 + xp.clip(x, min=-SILU_SATURATE, max=SILU_SATURATE) * s_bar))
     t = xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x))                 # tanh u
     du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
-    return delta * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx)
+    sech2 = 1.0 - t * t                                                      # 1 − tanh² u
+    return delta * (0.5 * (1.0 + t) + xp.where(sech2 == 0, zero, 0.5 * x * sech2 * du_dx))

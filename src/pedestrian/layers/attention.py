@@ -22,6 +22,7 @@ import math
 from typing import NamedTuple
 
 from ..backend import array_namespace
+from ..checks import check_float
 from .linear import linear_backward, linear_forward
 
 
@@ -95,7 +96,9 @@ def scaled_dot_product_attention_forward(q, k, v, allowed=None):
     if allowed is not None:
         scores = xp.where(allowed, scores, xp.full_like(scores, -math.inf))
     p = softmax_forward(scores)                                              # P (..., T, L)
-    return p @ v, dict(q=q, k=k, v=v, p=p)                                   # (..., T, d_head)
+    if allowed is not None:                                                  # exactly 0 even when a
+        p = xp.where(allowed, p, xp.zeros_like(p))                           # NaN row max made e NaN
+    return p @ v, dict(q=q, k=k, v=v, p=p, allowed=allowed)                  # (..., T, d_head)
 
 
 def scaled_dot_product_attention_backward(delta, cache):
@@ -111,7 +114,12 @@ def scaled_dot_product_attention_backward(delta, cache):
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
     dv = xp.matrix_transpose(p) @ delta                                      # (..., L, d_head)
     dp = delta @ xp.matrix_transpose(v)                                      # (..., T, L)
+    allowed = cache.get("allowed")
+    if allowed is not None:                                                  # masked dP: 0 (a NaN in a
+        dp = xp.where(allowed, dp, xp.zeros_like(dp))                        # value no query sees stays out)
     delta_causal = softmax_backward(dp, p)                                   # (..., T, L)
+    if allowed is not None:                                                  # masked: exactly 0, also
+        delta_causal = xp.where(allowed, delta_causal, xp.zeros_like(p))     # in a NaN row
     delta_raw = delta_causal / math.sqrt(q.shape[-1])
     dq = delta_raw @ k                                                       # (..., T, d_qk)
     dk = xp.matrix_transpose(delta_raw) @ q                                  # (..., L, d_qk)
@@ -194,7 +202,12 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` concatenated; the
         cache holds ``q, k, v`` ``(B, n_heads, ·, ·)`` and ``p`` (``P``, ``(B, n_heads, T, L)``).
+
+    Raises:
+        TypeError: ``qkv`` not real floating point.
+        ValueError: a KV-cache step that does not fit the cache's capacity.
     """
+    check_float(qkv, "qkv")
     hq = n_heads * d_qk
     q = _split_heads(qkv[..., :hq], n_heads)                                 # (B, H, T, d_qk)
     k = _split_heads(qkv[..., hq:2 * hq], n_heads)                           # (B, H, T, d_qk)
@@ -203,6 +216,9 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     key_start = None
     if kv_cache is not None:                                                 # append, attend to all
         L0, L = kv_cache.length, kv_cache.length + T
+        if L0 < 0 or L > kv_cache.keys.shape[2]:
+            raise ValueError(f"a KV-cache step of {T} tokens at length {L0} does not fit the cache's "
+                             f"capacity {kv_cache.keys.shape[2]}")
         kv_cache.keys[:, :, L0:L, :] = k
         kv_cache.values[:, :, L0:L, :] = v
         k, v, key_start = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :], kv_cache.key_start

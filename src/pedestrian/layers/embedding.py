@@ -6,13 +6,14 @@ Reference implementation: the paper's math only, written against the array API s
 from __future__ import annotations
 
 from ..backend import array_namespace, scatter_add_rows
+from ..checks import check_float, check_ids
 
 
 def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     """``a1 = W_tok[a0] + W_pos[positions]`` (the paper's ``ohe(a0) @ W_tok`` done as a gather).
 
     Args:
-        tokens: ``(B, T)`` integer ids ``a0`` in ``[0, V)`` (validated by the model).
+        tokens: ``(B, T)`` integer ids ``a0`` in ``[0, V)``.
         tok_weight: ``(V, d)`` token table ``W_tok``.
         pos_weight: ``(context_length, d)`` position table ``W_pos``, or ``None`` (no learned
             positions).
@@ -22,13 +23,21 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
 
     Returns:
         ``(a1, cache)``: ``a1`` ``(B, T, d)`` in the tables' dtype; ``cache = (tokens, positions)``.
+
+    Raises:
+        ValueError: a token id outside ``[0, V)`` or a position outside the position table
+            (named, with its place in the batch).
+        TypeError: ids that are not integers, tables that are not real floating point.
     """
     xp = array_namespace(tok_weight)
     B, T = tokens.shape
+    check_float(tok_weight, "the token table")
+    check_ids(tokens, tok_weight.shape[0], "token id")
     d = tok_weight.shape[1]
     a1 = xp.reshape(xp.take(tok_weight, xp.reshape(tokens, (-1,)), axis=0), (B, T, d))  # (B, T, d)
     if pos_weight is not None:
         pos = xp.arange(T, device=tokens.device) if positions is None else positions      # (T,) or (B, T)
+        check_ids(pos, pos_weight.shape[0], "position")
         a1 = a1 + xp.reshape(xp.take(pos_weight, xp.reshape(pos, (-1,)), axis=0), (*pos.shape, d))
     return a1, (tokens, positions)
 
@@ -47,15 +56,20 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
         dtok: ``(V, d)`` array the token-table gradient is written to, or ``None`` (frozen). With
             tied weights this is only the lookup's part: the model adds the logits' part.
         dpos: ``(context_length, d)`` array the position-table gradient is written to, or ``None``.
+
+    Raises:
+        ValueError: a token id or position outside the gradient's rows (as the forward).
     """
     xp = array_namespace(delta)
     tokens, positions = cache
     B, T, d = delta.shape
     delta_rows = xp.reshape(delta, (B * T, d))                                    # (B·T, d)
     if dtok is not None:
+        check_ids(tokens, dtok.shape[0], "token id")
         dtok[...] = 0
         scatter_add_rows(dtok, xp.reshape(tokens, (-1,)), delta_rows)
     if dpos is not None:
         dpos[...] = 0
         pos = xp.arange(T) if positions is None else positions
+        check_ids(pos, dpos.shape[0], "position")
         scatter_add_rows(dpos, xp.reshape(xp.broadcast_to(pos, (B, T)), (-1,)), delta_rows)

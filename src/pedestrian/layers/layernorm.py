@@ -6,6 +6,7 @@ Reference implementation: the paper's math only, written against the array API s
 from __future__ import annotations
 
 from ..backend import array_namespace
+from ..checks import check_float
 
 
 def check_eps(eps: float) -> None:
@@ -28,8 +29,10 @@ def layernorm_forward(x, weight, bias, eps: float):
 
     Raises:
         ValueError: ``eps < 0``.
+        TypeError: ``x`` not real floating point.
     """
     check_eps(eps)
+    check_float(x, "the layer norm's input")
     xp = array_namespace(x)
     mu = xp.mean(x, axis=-1, keepdims=True)                                  # (..., 1)
     var = xp.mean((x - mu) ** 2, axis=-1, keepdims=True)                     # (..., 1) biased

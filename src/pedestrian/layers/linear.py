@@ -6,6 +6,7 @@ Reference implementation: the paper's math only, written against the array API s
 from __future__ import annotations
 
 from ..backend import array_namespace
+from ..checks import check_float
 
 
 def linear_forward(x, weight, bias=None):
@@ -18,7 +19,11 @@ def linear_forward(x, weight, bias=None):
 
     Returns:
         ``(y, cache)``: ``y`` ``(..., f_out)``; ``cache = x`` (``dW = xᵀ Δ`` needs it).
+
+    Raises:
+        TypeError: ``x`` not real floating point.
     """
+    check_float(x, "the linear layer's input")
     y = x @ weight                                         # (..., f_out)
     if bias is not None:
         y = y + bias

@@ -6,6 +6,7 @@ Reference implementation: the paper's math only, written against the array API s
 from __future__ import annotations
 
 from ..backend import array_namespace
+from ..checks import check_float, check_ids
 
 IGNORE_INDEX = -100  # PyTorch's default ignore_index
 
@@ -19,7 +20,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
 
     Args:
         logits: ``(B, T, V)`` float array (``a12``).
-        targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index`` (validated by the model).
+        targets: ``(B, T)`` integer ids in ``[0, V)`` or ``ignore_index``.
         n_total: divide by this many counted targets instead of the number counted here: for one
             slice of a larger batch (one rank of a distributed batch) the loss and gradient are then this slice's share of the whole
             batch's mean, and the slices' losses and gradients simply add up.
@@ -27,9 +28,15 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     Returns:
         ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted token);
         ``cache`` holds ``y_pred`` (the softmax), the one-hot targets and the count.
+
+    Raises:
+        ValueError: a target outside ``[0, V)`` that is not ``ignore_index`` (named, with its position).
+        TypeError: logits that are not real floating point, targets that are not integers.
     """
     xp = array_namespace(logits)
     V = logits.shape[-1]
+    check_float(logits, "logits")
+    check_ids(targets, V, "target", ignore_index=ignore_index)
     z = xp.reshape(logits, (-1, V))                                          # (N, V)
     t = xp.reshape(targets, (-1,))                                           # (N,)
     counted = t != ignore_index                                              # (N,) bool
@@ -42,7 +49,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     sum_e = xp.sum(e, axis=-1, keepdims=True)                                # (N, 1)
     y_pred = e / sum_e                                                       # softmax (N, V)
     log_sum_exp = xp.log(sum_e) + z_max                                      # (N, 1)
-    nll = xp.sum(y_gt * (log_sum_exp - z), axis=-1)                          # −log y_pred[target]
+    nll = xp.sum(xp.where(y_gt > 0, log_sum_exp - z, xp.zeros_like(z)), axis=-1)  # −log y_pred[target]
+    # (a where, not y_gt · (…): a −∞ logit off the target is 0 · ∞ = NaN in a product)
     loss = xp.sum(nll) / max(n_counted, 1)
     return loss, (y_pred, y_gt, counted, n_counted, logits.shape)
 
