@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..layers.activations import SILU_SATURATE, check_activation
-from ..checks import check_float
+from ..layers.checks import check_float
 from .jit import kernel, prange
 from .vecmath import exp, normal_cdf_pdf
 from .workspace import empty_array

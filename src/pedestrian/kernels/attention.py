@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import layers
 from ..layers.attention import KVBlock
-from ..checks import check_float
+from ..layers.checks import check_float
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import attention_loops
 from .jit import blas_one_thread

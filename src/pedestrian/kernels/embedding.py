@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..layers import embedding as reference
-from ..checks import check_float, check_ids
+from ..layers.checks import check_float, check_ids
 from .jit import kernel
 
 

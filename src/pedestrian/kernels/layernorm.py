@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..checks import check_float
+from ..layers.checks import check_float
 from ..layers.layernorm import check_eps
 from .jit import kernel, prange
 from .workspace import empty_array

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checks import check_float
+from ..layers.checks import check_float
 from .blas import colsum, matmul_into
 from .workspace import empty_array
 

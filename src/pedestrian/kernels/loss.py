@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checks import check_float, check_ids
+from ..layers.checks import check_float, check_ids
 from ..layers.loss import IGNORE_INDEX
 from .jit import kernel, prange
 from .vecmath import exp

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..backend import array_namespace, erf
-from ..checks import check_float
+from .checks import check_float
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 

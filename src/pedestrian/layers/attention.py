@@ -22,7 +22,7 @@ import math
 from typing import NamedTuple
 
 from ..backend import array_namespace
-from ..checks import check_float
+from .checks import check_float
 from .linear import linear_backward, linear_forward
 
 

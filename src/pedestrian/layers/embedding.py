@@ -6,7 +6,7 @@ Reference implementation: the paper's math only, written against the array API s
 from __future__ import annotations
 
 from ..backend import array_namespace, scatter_add_rows
-from ..checks import check_float, check_ids
+from .checks import check_float, check_ids
 
 
 def embedding_forward(tokens, tok_weight, pos_weight, positions=None):

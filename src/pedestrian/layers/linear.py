@@ -6,7 +6,7 @@ Reference implementation: the paper's math only, written against the array API s
 from __future__ import annotations
 
 from ..backend import array_namespace
-from ..checks import check_float
+from .checks import check_float
 
 
 def linear_forward(x, weight, bias=None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import array_namespace
+from ..backend import array_namespace
 
 __all__ = ["check_float", "check_ids"]
 
