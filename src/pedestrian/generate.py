@@ -318,9 +318,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             return model.xp.concat([model.forward(seq[b:b + 1, max(start, int(padding[b])):n])[:, -1, :]
                                     for b in range(B)], axis=0)
 
-    was_training = model.training
-    model.training = False
-    try:
+    with model.inference():                            # eval mode, in this thread only
         logits = window_logits(True) if max_new_tokens > 0 else None
         for step in range(max_new_tokens):
             if return_logits:
@@ -354,8 +352,6 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
                 if keep_cache:                         # relative positions: the kept keys stay valid
                     cache.drop_oldest(window_shift)
             logits = window_logits(slide and not keep_cache)
-    finally:
-        model.training = was_training
     out = seq[:, :n]
     if ragged is not None:
         out = [out[b, padding[b]:] for b in range(B)]
