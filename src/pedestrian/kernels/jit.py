@@ -61,7 +61,7 @@ FASTMATH = frozenset({"reassoc", "contract", "arcp"})
 #: kernel is made (:func:`_make`), so that ``parallel=True`` shares those loops out
 prange = range
 
-_LOCK = threading.RLock()                              # loading numba, making dispatchers, starting threads
+_LOCK = threading.RLock()                              # loading numba, making dispatchers (no compile)
 _loaded: list = []                                     # [numba] once imported
 _DISPATCHERS: list = []                                # every numba dispatcher made so far
 _fallback: dict = {}                                   # "folder": the fallback cache folder (None: none)
@@ -379,11 +379,12 @@ class _Parallel:
 
 
 _layer: list = []
+_start_lock = threading.Lock()          # (not _LOCK: a kernel compiling elsewhere may need that one)
 
 
 def _layer_is_workqueue() -> bool:
     if not _layer:
-        with _LOCK:
+        with _start_lock:
             if not _layer:
                 _start_threads()
                 _layer.append(_numba().threading_layer())
