@@ -242,6 +242,11 @@ class _Kernel:
         return (d if d is not None else self.dispatcher())(*args)
 
     @property
+    def signatures(self) -> list:
+        """The argument types compiled (or loaded from the disk cache) in this process so far."""
+        return [] if self._dispatcher is None else self._dispatcher.signatures
+
+    @property
     def _numba_type_(self):
         """What numba's ``typeof`` sees where another kernel calls this one: the dispatcher."""
         from numba.core import types as numba_types
