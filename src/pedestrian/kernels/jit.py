@@ -113,7 +113,7 @@ class _CompileNotice:
             self.done = True
         where = _fallback.get("folder") or os.environ.get("NUMBA_CACHE_DIR") or \
             "beside the package, or numba's user-wide cache folder"
-        cached = "not cached: no writable folder" if _fallback.get("folder", "") is None else f"cached for later runs: {where}"
+        cached = f"cached for later runs: {where}" if _fallback.get("folder", "") is not None else "not cached"
         kernels = "1 fast kernel" if self.count == 1 else f"{self.count} fast kernels"
         print(f"pedestrian: compiled {kernels} with numba in {self.seconds:.1f} s "
               f"(first use; {cached})", file=sys.stderr, flush=True)
@@ -160,19 +160,26 @@ def _make(f, parallel: bool):
     except RuntimeError as exc:                        # "cannot cache function ...: no locator available"
         if "cannot cache" not in str(exc):
             raise
-        folder = _fallback_folder()
-        if folder is None:
-            d = njit(cache=False)(f)
-        else:
-            config = numba.config                     # (read when the dispatcher is made)
-            saved, config.CACHE_DIR = config.CACHE_DIR, folder
-            try:
-                d = njit(cache=True)(f)
-            finally:
-                config.CACHE_DIR = saved
+        d = _in_fallback_folder(njit, f)
     _recompile_damaged_entries(d)
     _DISPATCHERS.append(d)
     return d
+
+
+def _in_fallback_folder(njit, f):
+    """``njit(f)`` cached in :func:`_fallback_folder` (numba reads ``CACHE_DIR`` when the
+    dispatcher is made), else not cached on disk."""
+    folder = _fallback_folder()
+    if folder is not None:
+        config = _numba().config
+        saved, config.CACHE_DIR = config.CACHE_DIR, folder
+        try:
+            return njit(cache=True)(f)
+        except RuntimeError:                            # not writable either (a read-only file system)
+            pass
+        finally:
+            config.CACHE_DIR = saved
+    return njit(cache=False)(f)
 
 
 def _fallback_folder() -> str | None:
@@ -180,20 +187,21 @@ def _fallback_folder() -> str | None:
     in the temporary directory, private to this user (a folder others could write would let
     them plant compiled code), else ``None`` (no disk cache). Chosen once, with one notice."""
     if "folder" not in _fallback:
-        folder = os.path.join(tempfile.gettempdir(), f"pedestrian-numba-{os.getuid()}") if hasattr(os, "getuid") else None
-        try:
-            if folder is not None:
+        folder = None
+        if hasattr(os, "getuid"):                       # (POSIX: a folder only this user can write)
+            folder = os.path.join(tempfile.gettempdir(), f"pedestrian-numba-{os.getuid()}")
+            try:
                 os.makedirs(folder, mode=0o700, exist_ok=True)
                 st = os.lstat(folder)
-                if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077):
-                    folder = None
-        except OSError:
-            folder = None
+                private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+            except OSError:
+                private = False
+            folder = folder if private else None
         _fallback["folder"] = folder
         where = f"in {folder}" if folder else "nowhere (each process compiles them again)"
-        print(f"pedestrian: the package folder and numba's user-wide cache folder are read-only, so the "
-              f"compiled kernels are cached {where}; set NUMBA_CACHE_DIR to a writable folder to keep them",
-              file=sys.stderr, flush=True)
+        print(f"pedestrian: no writable folder for numba's compile cache (NUMBA_CACHE_DIR, beside the "
+              f"package, numba's user-wide folder), so the compiled kernels are cached {where}; set "
+              f"NUMBA_CACHE_DIR to a writable folder to keep them", file=sys.stderr, flush=True)
     return _fallback["folder"]
 
 
@@ -210,9 +218,10 @@ def _recompile_damaged_entries(dispatcher) -> None:
             return load(sig, target_context)
         except Exception as exc:  # noqa: BLE001 - any failure to read an entry means: compile it again
             reason = (str(exc).splitlines() or [""])[0]
-            print(f"pedestrian: a damaged compile-cache entry of {dispatcher.py_func.__module__}.{dispatcher.py_func.__qualname__} was "
-                  f"dropped ({type(exc).__name__}: {reason}); compiling it again and replacing it in "
-                  f"{getattr(cache, 'cache_path', '?')}", file=sys.stderr, flush=True)
+            name = f"{dispatcher.py_func.__module__}.{dispatcher.py_func.__qualname__}"
+            print(f"pedestrian: a damaged compile-cache entry of {name} was dropped ({type(exc).__name__}: "
+                  f"{reason}); compiling it again and replacing it in {getattr(cache, 'cache_path', '?')}",
+                  file=sys.stderr, flush=True)
             try:
                 cache.flush()
             except OSError:
