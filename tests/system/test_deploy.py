@@ -5,6 +5,7 @@
   (the same operations on the same inputs); backward from several threads never raises either,
   each thread's error signals are its own, and a thread holding ``model.lock`` around its
   backward reads its own gradients;
+- ``generate`` switches dropout off for its own thread only (``model.training`` is not touched);
 - a child forked after the kernels ran (``multiprocessing``'s ``fork``: a Process, a Pool) runs
   them and computes the parent's loss (to rounding: the parent may share rows over threads);
 - ``import pedestrian`` imports no numba and writes nothing;
@@ -96,6 +97,35 @@ def test_threads_training_one_model_get_their_own_signals_and_under_the_lock_the
         np.testing.assert_array_equal(d1, want[2])
         for k, g in grads.items():
             np.testing.assert_array_equal(g, want[1][k], err_msg=k)
+
+
+def test_generating_in_one_thread_leaves_the_others_in_training_mode():
+    """generate runs in eval mode (no dropout) for its own thread only: while it runs, another
+    thread's loss still drops out (the model with dropout differs from its eval-mode loss)."""
+    import dataclasses
+    import threading
+
+    model = GPT(dataclasses.replace(CFG, dropout=0.5), seed=0, dtype="float64")
+    x, y = X[:2], Y[:2]
+    model.training = False
+    eval_loss = model.loss(x, y)
+    model.training = True
+    started, finish = threading.Event(), threading.Event()
+
+    def pause(ids):                                        # generate waits here, mid-run
+        started.set()
+        finish.wait(60)
+
+    worker = threading.Thread(target=generate, args=(model, X[:1, :3], 2), kwargs=dict(temperature=0.0, on_token=pause))
+    worker.start()
+    try:
+        assert started.wait(120)
+        assert model.training is True
+        assert model.loss(x, y) != eval_loss                # dropout applied in this thread
+    finally:
+        finish.set()
+        worker.join(120)
+    assert model.training is True
 
 
 def _child_loss(_=None) -> tuple[float, int]:
