@@ -135,18 +135,21 @@ def test_validation_loss_is_the_token_mean_over_its_batches():
         estimate_loss(model, [(x[:2], np.full((2, T), -100)), (x[2:], np.full((4, T), -100))])
 
 
-def test_eval_mode_turns_training_off_and_restores_it_even_on_error():
-    """``eval_mode(model)``: dropout off inside, the model's own flag back afterwards (also after
-    an exception), the one way evaluation, the gradient record and generation switch it."""
+def test_eval_mode_turns_dropout_off_in_its_body_and_leaves_the_flag_even_on_error():
+    """``eval_mode(model)``: no dropout inside (two losses equal), dropout again afterwards (also
+    after an exception), ``model.training`` untouched: the one way evaluation, the gradient record
+    and generation switch dropout off."""
     from pedestrian.model import eval_mode
 
     model = GPT(GPTConfig(vocab_size=11, context_length=4, d_model=8, n_heads=2, n_blocks=1, dropout=0.5),
                 seed=0, dtype="float64")
-    for flag in (True, False):
-        model.training = flag
-        with eval_mode(model) as m:
-            assert m is model and model.training is False
-        assert model.training is flag
-        with pytest.raises(RuntimeError), eval_mode(model):
-            raise RuntimeError("inside")
-        assert model.training is flag
+    x = np.array([[1, 2, 3, 4]])
+    y = np.array([[2, 3, 4, 5]])
+    with eval_mode(model) as m:
+        assert m is model and model.training is True
+        assert model.loss(x, y) == model.loss(x, y)
+        clean = model.loss(x, y)
+    assert model.loss(x, y) != clean                      # dropout 0.5 is back
+    with pytest.raises(RuntimeError), eval_mode(model):
+        raise RuntimeError("inside")
+    assert model.training is True and model.loss(x, y) != clean

@@ -28,7 +28,11 @@ SRC = Path(pedestrian.__file__).parent
 PACKAGE = SRC.name
 
 #: (module, accessed name) -> why it is unavoidable
-THIRD_PARTY_PRIVATE: dict = {}
+THIRD_PARTY_PRIVATE: dict = {
+    ("pedestrian.kernels.jit", "dispatcher._cache"):
+        "numba's Dispatcher has no public hook on loading a disk-cache entry; a damaged entry "
+        "is dropped and compiled again there (issue 31)",
+}
 
 #: (module, accessed name) -> who removes it. Issue 11, item 6 and the helpers' own files.
 PENDING_PRIVATE: dict = {}

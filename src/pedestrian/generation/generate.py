@@ -319,7 +319,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             return model.xp.concat([model.forward(seq[b:b + 1, max(start, int(padding[b])):n])[:, -1, :]
                                     for b in range(B)], axis=0)
 
-    with eval_mode(model):
+    with model.inference():                            # eval mode, in this thread only
         logits = window_logits(True) if max_new_tokens > 0 else None
         for step in range(max_new_tokens):
             if return_logits:

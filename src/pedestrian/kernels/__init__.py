@@ -19,7 +19,8 @@ same things faster, and every difference from the reference earns its lines by a
 Dropout, LoRA and RoPE gain nothing measurable from a second version (docs/kernels.md): the
 reference ones are used.
 A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
-name to the module (the reference where numba cannot be imported).
+name to the module (the reference where numba is not installed). Importing this package
+imports no numba: the kernels load it at their first call (:mod:`.jit`).
 
 The kernels are written for NumPy arrays of float32 or float64. PyTorch tensors on the CPU run
 them too, through zero-copy NumPy views of the same memory (results are tensors again, sharing
@@ -176,7 +177,8 @@ _warned_no_numba: list = []
 def kernels_for(name: str | None = None):
     """The module whose functions a model calls: :mod:`pedestrian.kernels` for ``"fast"``,
     :mod:`pedestrian.layers` for ``"reference"`` (``None``: :func:`default_kernels`).
-    ``"fast"`` where numba cannot be imported: the reference, after one warning per process.
+    ``"fast"`` where numba is not installed (found without importing it): the reference, after
+    one warning per process.
 
     Raises:
         ValueError: any other name (also a bad ``PEDESTRIAN_KERNELS``).

@@ -1,9 +1,10 @@
-"""numba, the compiler of the fast kernels' loops: one decorator, IEEE semantics kept.
+"""numba, the compiler of the fast kernels' loops: one decorator, IEEE semantics kept, loaded at
+the first kernel call.
 
 Every compiled kernel is ``@kernel`` (a serial loop nest) or ``@kernel(parallel=True)`` (rows
-shared over numba's threads with ``prange``). Both are compiled on first use, cached on disk
-(``cache=True``: numba's ``__pycache__`` beside this package, or its user-wide cache folder
-when the package folder is read-only; ``NUMBA_CACHE_DIR`` overrides), and release the GIL.
+shared over numba's threads with ``prange``). Importing them imports no numba and compiles and
+writes nothing: a kernel's numba dispatcher is made at its first call (numba is imported then),
+compiled for its argument types on first use, and releases the GIL.
 
 Floating point: only the fastmath flags that keep NaN and infinity meaningful -- reassociation,
 contraction into fused multiply-adds, reciprocals (:data:`FASTMATH`). Never ``nnan`` / ``ninf``:
@@ -12,11 +13,24 @@ a NaN or an inf must propagate to where the training loop catches it. For the sa
 (whose check would also stop a loop from vectorising). Sums may therefore be
 taken in another order than NumPy's; the tests' tolerances follow from that (n·ε bounds).
 
-The first compile of a process prints one line on stderr (how many kernels, how long); loading
-them from the disk cache prints nothing. :func:`dispatchers` lists every compiled kernel (a test
-checks that importing pedestrian compiles none).
+**The disk cache**, chosen when a kernel's dispatcher is made (not at import): numba's own --
+``NUMBA_CACHE_DIR`` if set, else ``__pycache__`` beside this package, else numba's user-wide
+cache folder. Where none of them is writable (a read-only install and home), a private folder
+``pedestrian-numba-<uid>`` in the temporary directory, else no disk cache, after one notice on
+stderr. A cache entry that cannot be loaded (a file truncated by a full disk or a killed
+process) is compiled again and replaced, after one line on stderr.
 
-:data:`AVAILABLE` is False where numba cannot be imported; the model then runs the reference
+The first compile of a process prints one line on stderr (how many kernels, how long); loading
+them from the disk cache prints nothing. :func:`dispatchers` lists the dispatchers made so far.
+
+**Threads.** Kernels may be called from several Python threads at once (numba's ``tbb`` and
+``omp`` layers are thread-safe; where numba fell back to ``workqueue``, parallel calls take a
+lock). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
+child forked after it started: numba stops such a child with SIGTERM. In a child forked after
+numba's threads started on ``omp``, every kernel therefore runs its serial compilation
+(:func:`threads_used` is 1); a child started by ``spawn`` or ``forkserver`` has its own threads.
+
+:data:`AVAILABLE` is False where numba is not installed; the model then runs the reference
 kernels (:mod:`pedestrian.kernels`).
 """
 
@@ -24,45 +38,85 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
+import os
+import stat
 import sys
+import tempfile
 import threading
 import time
 import types
 
-import os
-
 import numpy as np
-
-try:
-    import numba
-except ImportError:  # pragma: no cover - exercised by a test that hides numba
-    numba = None
 
 __all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used", "blas_one_thread",
            "PARALLEL_MIN_ELEMENTS"]
 
-#: numba can be imported
-AVAILABLE = numba is not None
+#: numba is installed (found, not imported: that happens at the first kernel call)
+AVAILABLE = importlib.util.find_spec("numba") is not None
 #: LLVM fast-math flags of every kernel: reassociate, contract (FMA), reciprocal -- no nnan/ninf
 FASTMATH = frozenset({"reassoc", "contract", "arcp"})
 
-prange = numba.prange if AVAILABLE else range
+#: ``range`` until numba is loaded; a kernel module's ``prange`` becomes numba's when its first
+#: kernel is made (:func:`_make`), so that ``parallel=True`` shares those loops out
+prange = range
 
-
-_DISPATCHERS: list = []                                # every numba dispatcher made by @kernel
+_LOCK = threading.RLock()                              # loading numba, making dispatchers (no compile)
+_loaded: list = []                                     # [numba] once imported
+_DISPATCHERS: list = []                                # every numba dispatcher made so far
+_fallback: dict = {}                                   # "folder": the fallback cache folder (None: none)
 
 
 def dispatchers() -> list:
-    """The numba dispatchers of every ``@kernel`` (a parallel kernel has two); their
-    ``.signatures`` say which have been compiled (or loaded from the disk cache) in this process."""
+    """The numba dispatchers made so far (one per ``@kernel`` called, two for a parallel kernel
+    run both ways); their ``.signatures`` say which have been compiled (or loaded from the disk
+    cache) in this process."""
     return list(_DISPATCHERS)
 
 
-def _njit(f, parallel: bool):
-    d = numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
-                   error_model="numpy")(f)
-    _DISPATCHERS.append(d)
-    return d
+class _CompileNotice:
+    """Lines on stderr, once per process, when our kernels have to be compiled (a disk-cache
+    hit is not a compile): on a terminal, one as the first compile starts (the first step
+    waits for it); always, how many and how long, printed :data:`NOTICE_AFTER_S` after the first burst
+    of compiles ends (or at exit, whichever comes first). Compiles run under numba's compiler
+    lock, one at a time; nested ones (a kernel's callees) count once. (Listens to numba's
+    ``numba:compile`` events from the first kernel call on.)"""
+
+    def __init__(self) -> None:
+        self.depth, self.count, self.seconds, self.start = 0, 0, 0.0, 0.0
+        self.done, self.timer, self.lock, self.started = False, None, threading.Lock(), False
+
+    def on_start(self, event) -> None:
+        if self.depth == 0:
+            self.start = time.perf_counter()
+            if self.timer is not None:
+                self.timer.cancel()
+            if not self.started and event.data["dispatcher"] in _DISPATCHERS and sys.stderr.isatty():
+                self.started = True                      # (for a person watching a terminal)
+                print("pedestrian: compiling the fast kernels with numba (first use only; up to a "
+                      "minute)", file=sys.stderr, flush=True)
+        self.depth += 1
+
+    def on_end(self, event) -> None:
+        self.depth -= 1
+        if self.depth == 0 and event.data["dispatcher"] in _DISPATCHERS and not self.done:
+            self.count += 1
+            self.seconds += time.perf_counter() - self.start
+            self.timer = threading.Timer(NOTICE_AFTER_S, self.say)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def say(self) -> None:
+        with self.lock:
+            if self.done or not self.count:
+                return
+            self.done = True
+        where = _fallback.get("folder") or os.environ.get("NUMBA_CACHE_DIR") or \
+            "beside the package, or numba's user-wide cache folder"
+        cached = f"cached for later runs: {where}" if _fallback.get("folder", "") is not None else "not cached"
+        kernels = "1 fast kernel" if self.count == 1 else f"{self.count} fast kernels"
+        print(f"pedestrian: compiled {kernels} with numba in {self.seconds:.1f} s "
+              f"(first use; {cached})", file=sys.stderr, flush=True)
 
 
 #: the compile notice comes this long after the last compile of the first burst (the kernels of
@@ -70,58 +124,164 @@ def _njit(f, parallel: bool):
 NOTICE_AFTER_S = 1.0
 
 
-if AVAILABLE:
-    from numba.core import event as _event
+def _numba():
+    """numba, imported at the first kernel call: :mod:`.vecmath`'s overloads registered and the
+    compile notice listening before anything compiles."""
+    if not _loaded:
+        with _LOCK:
+            if not _loaded:
+                import numba
+                from numba.core import event
 
-    class _CompileNotice(_event.Listener):
-        """Lines on stderr, once per process, when our kernels have to be compiled (a disk-cache
-        hit is not a compile): on a terminal, one as the first compile starts (the first step
-        waits for it); always, how many and how long, printed :data:`NOTICE_AFTER_S` after the first burst
-        of compiles ends (or at exit, whichever comes first). Compiles run under numba's compiler
-        lock, one at a time; nested ones (a kernel's callees) count once."""
+                from . import vecmath
 
-        def __init__(self) -> None:
-            self.depth, self.count, self.seconds, self.start = 0, 0, 0.0, 0.0
-            self.done, self.timer, self.lock, self.started = False, None, threading.Lock(), False
+                vecmath.register_overloads()
 
-        def on_start(self, event) -> None:
-            if self.depth == 0:
-                self.start = time.perf_counter()
-                if self.timer is not None:
-                    self.timer.cancel()
-                if not self.started and event.data["dispatcher"] in _DISPATCHERS and sys.stderr.isatty():
-                    self.started = True                      # (for a person watching a terminal)
-                    print("pedestrian: compiling the fast kernels with numba (first use only; up to a "
-                          "minute)", file=sys.stderr, flush=True)
-            self.depth += 1
+                class Notice(_CompileNotice, event.Listener):
+                    pass
 
-        def on_end(self, event) -> None:
-            self.depth -= 1
-            if self.depth == 0 and event.data["dispatcher"] in _DISPATCHERS and not self.done:
-                self.count += 1
-                self.seconds += time.perf_counter() - self.start
-                self.timer = threading.Timer(NOTICE_AFTER_S, self.say)
-                self.timer.daemon = True
-                self.timer.start()
+                notice = Notice()
+                event.register("numba:compile", notice)
+                atexit.register(notice.say)
+                _loaded.append(numba)
+    return _loaded[0]
 
-        def say(self) -> None:
-            with self.lock:
-                if self.done or not self.count:
-                    return
-                self.done = True
-            where = numba.config.CACHE_DIR or "beside the package, or numba's user-wide cache folder"
-            kernels = "1 fast kernel" if self.count == 1 else f"{self.count} fast kernels"
-            print(f"pedestrian: compiled {kernels} with numba in {self.seconds:.1f} s "
-                  f"(first use; cached for later runs: {where})", file=sys.stderr, flush=True)
 
-    _notice = _CompileNotice()
-    _event.register("numba:compile", _notice)
-    atexit.register(_notice.say)
+def _make(f, parallel: bool):
+    """The numba dispatcher of ``f`` (nothing compiled yet), cached on disk where numba finds a
+    writable folder, else in :func:`_fallback_folder`; its damaged cache entries are compiled again."""
+    numba = _numba()
+    if f.__globals__.get("prange") is range:           # the kernel module's `prange`: numba's
+        f.__globals__["prange"] = numba.prange
+    njit = functools.partial(numba.njit, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
+                             error_model="numpy")
+    try:
+        d = njit(cache=True)(f)                       # NUMBA_CACHE_DIR, __pycache__, user-wide folder
+    except RuntimeError as exc:                        # "cannot cache function ...: no locator available"
+        if "cannot cache" not in str(exc):
+            raise
+        d = _in_fallback_folder(njit, f)
+    _recompile_damaged_entries(d)
+    _DISPATCHERS.append(d)
+    return d
+
+
+def _in_fallback_folder(njit, f):
+    """``njit(f)`` cached in :func:`_fallback_folder` (numba reads ``CACHE_DIR`` when the
+    dispatcher is made), else not cached on disk."""
+    folder = _fallback_folder()
+    if folder is not None:
+        config = _numba().config
+        saved, config.CACHE_DIR = config.CACHE_DIR, folder
+        try:
+            return njit(cache=True)(f)
+        except RuntimeError:                            # not writable either (a read-only file system)
+            pass
+        finally:
+            config.CACHE_DIR = saved
+    return njit(cache=False)(f)
+
+
+def _fallback_folder() -> str | None:
+    """Where the kernels are cached when numba finds no writable folder: ``pedestrian-numba-<uid>``
+    in the temporary directory, private to this user (a folder others could write would let
+    them plant compiled code), else ``None`` (no disk cache). Chosen once, with one notice."""
+    if "folder" not in _fallback:
+        folder = None
+        if hasattr(os, "getuid"):                       # (POSIX: a folder only this user can write)
+            folder = os.path.join(tempfile.gettempdir(), f"pedestrian-numba-{os.getuid()}")
+            try:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                st = os.lstat(folder)
+                private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+            except OSError:
+                private = False
+            folder = folder if private else None
+        _fallback["folder"] = folder
+        where = f"in {folder}" if folder else "nowhere (each process compiles them again)"
+        print(f"pedestrian: no writable folder for numba's compile cache (NUMBA_CACHE_DIR, beside the "
+              f"package, numba's user-wide folder), so the compiled kernels are cached {where}; set "
+              f"NUMBA_CACHE_DIR to a writable folder to keep them", file=sys.stderr, flush=True)
+    return _fallback["folder"]
+
+
+def _recompile_damaged_entries(dispatcher) -> None:
+    """A disk-cache entry of ``dispatcher`` that cannot be loaded (a truncated ``.nbi`` index or
+    ``.nbc`` data file: numba would raise on every later run) is dropped -- the function's index
+    emptied -- after one line on stderr; numba then compiles it and saves it again. Only
+    loading is guarded: typing and compile errors surface as they are."""
+    cache = dispatcher._cache                          # numba's FunctionCache (or NullCache)
+    load = cache.load_overload
+
+    def load_or_drop(sig, target_context):
+        try:
+            return load(sig, target_context)
+        except Exception as exc:  # noqa: BLE001 - any failure to read an entry means: compile it again
+            reason = (str(exc).splitlines() or [""])[0]
+            name = f"{dispatcher.py_func.__module__}.{dispatcher.py_func.__qualname__}"
+            print(f"pedestrian: a damaged compile-cache entry of {name} was dropped ({type(exc).__name__}: "
+                  f"{reason}); compiling it again and replacing it in {getattr(cache, 'cache_path', '?')}",
+                  file=sys.stderr, flush=True)
+            try:
+                cache.flush()
+            except OSError:
+                pass
+            return None
+
+    cache.load_overload = load_or_drop
+
+
+class _Kernel:
+    """One ``@kernel``: calls the numba dispatcher of ``py_func``, made at the first call."""
+
+    def __init__(self, f, parallel: bool = False) -> None:
+        self.py_func, self._parallel, self._dispatcher = f, parallel, None
+        functools.update_wrapper(self, f)
+
+    def dispatcher(self):
+        """The numba dispatcher (made now if it is not yet: numba is imported, nothing compiled)."""
+        if self._dispatcher is None:
+            with _LOCK:
+                if self._dispatcher is None:
+                    self._dispatcher = _make(self.py_func, self._parallel)
+        return self._dispatcher
+
+    def __call__(self, *args):
+        d = self._dispatcher
+        return (d if d is not None else self.dispatcher())(*args)
+
+    @property
+    def signatures(self) -> list:
+        """The argument types compiled (or loaded from the disk cache) in this process so far."""
+        return [] if self._dispatcher is None else self._dispatcher.signatures
+
+    @property
+    def _numba_type_(self):
+        """What numba's ``typeof`` sees where another kernel calls this one: the dispatcher."""
+        from numba.core import types as numba_types
+
+        return numba_types.Dispatcher(self.dispatcher())
 
 
 _cores: list = []                                      # the usable cores, read once per process
+_forked_from_omp: list = []                            # [True] in a child forked after OpenMP started
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: read the cores again; if numba's threads ran on OpenMP in the parent,
+    run every kernel's serial compilation here (GNU OpenMP cannot run in a forked child)."""
+    _cores.clear()
+    numba = sys.modules.get("numba")
+    if numba is not None and not _forked_from_omp:
+        try:
+            if numba.threading_layer() == "omp":
+                _forked_from_omp.append(True)
+        except ValueError:                             # numba's threads never started
+            pass
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_cores.clear)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def num_threads() -> int:
@@ -148,8 +308,12 @@ def num_threads() -> int:
 
 def threads_used() -> int:
     """The threads a parallel kernel runs on: :func:`num_threads`, at most numba's own limit
-    (``NUMBA_NUM_THREADS``, by default the machine's cores); 1 without numba."""
-    return max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS)) if AVAILABLE else 1
+    (``NUMBA_NUM_THREADS``, by default the machine's cores); 1 without numba, and 1 in a child
+    forked after numba's OpenMP threads started (the serial compilations run there)."""
+    if not AVAILABLE or _forked_from_omp:
+        num_threads()                                   # (a bad PEDESTRIAN_NUM_THREADS is still refused)
+        return 1
+    return max(1, min(num_threads(), _numba().config.NUMBA_NUM_THREADS))
 
 
 _blas_held: list = []                                  # the pid for which the BLAS was held
@@ -194,13 +358,14 @@ _workqueue_lock = threading.Lock()
 def _use_threads(n: int) -> None:
     """``numba.set_num_threads(n)`` for the calling thread, only when it changes (~3 µs a call)."""
     if getattr(_threads_now, "n", None) != n:
-        numba.set_num_threads(n)
+        _numba().set_num_threads(n)
         _threads_now.n = n
 
 
 class _Parallel:
     """A ``prange`` kernel, compiled twice: the parallel version on ``num_threads()`` threads, and
-    a serial one for jobs too small for a parallel region (:meth:`sized`).
+    a serial one for jobs too small for a parallel region (:meth:`sized`) and for a child forked
+    after numba's OpenMP threads started.
 
     numba's threading layer: its default choice (``tbb``, then ``omp``, then ``workqueue``).
     ``workqueue`` must not be entered by two Python threads at once, so where numba fell back to
@@ -210,36 +375,42 @@ class _Parallel:
     def __init__(self, f):
         serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
-        self.serial, self.parallel = _njit(serial, False), _njit(f, True)
+        self.serial, self.parallel = _Kernel(serial), _Kernel(f, parallel=True)
         functools.update_wrapper(self, f)
 
     def __call__(self, *args):
         return self.sized(PARALLEL_MIN_ELEMENTS)(*args)
 
     def sized(self, n_elements: int):
-        """The version for a job of ``n_elements``: the serial one under :data:`SERIAL_BELOW`,
-        else the parallel one, on ``num_threads()`` threads from :data:`PARALLEL_MIN_ELEMENTS`
-        and on one below (the same compiled loops whatever the thread count, so the same bits)."""
-        if n_elements < SERIAL_BELOW:
+        """The version for a job of ``n_elements``: the serial one under :data:`SERIAL_BELOW` (and
+        in a child forked after numba's OpenMP threads started), else the parallel one, on
+        ``num_threads()`` threads from :data:`PARALLEL_MIN_ELEMENTS` and on one below (the same
+        compiled loops whatever the thread count, so the same bits)."""
+        if n_elements < SERIAL_BELOW or _forked_from_omp:
             return self.serial
         _use_threads(threads_used() if n_elements >= PARALLEL_MIN_ELEMENTS else 1)
         return _locked(self.parallel) if _layer_is_workqueue() else self.parallel
 
 
 _layer: list = []
+_start_lock = threading.Lock()          # (not _LOCK: a kernel compiling elsewhere may need that one)
 
 
 def _layer_is_workqueue() -> bool:
     if not _layer:
-        _start_threads()
-        _layer.append(numba.threading_layer())
+        with _start_lock:
+            if not _layer:
+                _start_threads()
+                _layer.append(_numba().threading_layer())
     return _layer[0] == "workqueue"
 
 
-@numba.njit(parallel=True, cache=True) if AVAILABLE else (lambda f: f)
-def _touch(a):
-    for i in numba.prange(a.shape[0]):
+def _touch_loop(a):
+    for i in prange(a.shape[0]):
         a[i] = i
+
+
+_touch = _Kernel(_touch_loop, parallel=True)
 
 
 def _start_threads() -> None:
@@ -268,16 +439,16 @@ def _locked(f):
 
 def kernel(func=None, *, parallel: bool = False):
     """``@kernel`` / ``@kernel(parallel=True)``: ``numba.njit`` with :data:`FASTMATH`, the disk
-    cache and no GIL; ``parallel`` kernels share their ``prange`` loops over
-    :func:`num_threads` threads (:class:`_Parallel`; call them from Python --
+    cache and no GIL, made at the first call; ``parallel`` kernels share their ``prange`` loops
+    over :func:`num_threads` threads (:class:`_Parallel`; call them from Python --
     ``kernel.sized(n)(...)`` picks the threads for a job of ``n`` elements -- not from another
-    kernel: use ``.serial`` there).
+    kernel: use ``.serial`` there). A kernel may call another ``@kernel`` (not parallel).
     Without numba the function is returned as it is (plain Python)."""
     def wrap(f):
         if not AVAILABLE:                             # plain Python, the same attributes
             f.serial = f.parallel = f
             f.sized = lambda n_elements: f
             return f
-        return _Parallel(f) if parallel else _njit(f, False)
+        return _Parallel(f) if parallel else _Kernel(f)
 
     return wrap if func is None else wrap(func)

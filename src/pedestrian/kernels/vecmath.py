@@ -4,7 +4,8 @@ The llvmlite on PyPI has no vector math library, so ``math.exp`` inside a numba 
 scalar call per element and ``math.erf`` too. These are written as the arithmetic a SIMD loop
 can run (``2^n`` by putting ``n`` into the exponent bits), for float32 and float64 separately
 (a float32 loop never touches a float64; timings in docs/kernels.md). Called from inside
-kernels only (``@overload``, inlined into the calling loop).
+kernels only (``@overload``, inlined into the calling loop; registered by
+:func:`register_overloads`, which :mod:`.jit` calls when it imports numba, before the first compile).
 
 - :func:`exp`: Cody and Waite's reduction ``x = k ln 2 + f``, ``|f| <= ln 2 / 2``; float64 a
   degree-13 Taylor polynomial, float32 Cephes' ``expf`` polynomial; ``2^k`` from the exponent bits
@@ -23,8 +24,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from .jit import AVAILABLE
 
 __all__ = ["exp", "normal_cdf_pdf"]
 
@@ -64,17 +63,21 @@ def normal_cdf_pdf(x):
     return 0.5 * math.erfc(-x * _INV_SQRT_2), _INV_SQRT_2PI * math.exp(-0.5 * x * x)
 
 
-if AVAILABLE:
+def _horner(c, t):
+    """A polynomial in ``t`` (coefficients ``c``, highest degree first): unrolled Horner."""
+    p = c[0]
+    for k in c[1:]:
+        p = p * t + k
+    return p
+
+
+def register_overloads() -> None:
+    """Register the kernels' versions of :func:`exp`, :func:`normal_cdf_pdf` (and
+    :func:`_horner`) with numba; imports numba. Called once, by :mod:`.jit`."""
     from numba.core import types
     from numba.extending import overload, register_jitable
 
-    @register_jitable
-    def _horner(c, t):
-        """A polynomial in ``t`` (coefficients ``c``, highest degree first): unrolled Horner."""
-        p = c[0]
-        for k in c[1:]:
-            p = p * t + k
-        return p
+    register_jitable(_horner)
 
     @overload(exp)
     def _exp_overload(x):

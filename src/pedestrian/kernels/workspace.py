@@ -41,6 +41,9 @@ class Workspace:
     of it (``sys.getrefcount``; views count through their ``base``). NumPy only. Shapes not asked for
     during a whole step are dropped at :meth:`new_step`, so the pool does not grow when shapes
     change. Without ``sys.getrefcount`` (not CPython) nothing is pooled.
+
+    One thread at a time: the reference counts it reads and its bookkeeping are not shared
+    safely between threads, so a model keeps one workspace per thread (:class:`pedestrian.GPT`).
     """
 
     def __init__(self) -> None:

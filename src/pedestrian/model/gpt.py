@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -82,6 +83,19 @@ class GPT(FlatParameters, LoRAAdapters):
         loss = model.loss(tokens, targets)     # tokens, targets: (B, T) ints
         grads = model.backward()               # name -> gradient, same shapes as model.params
 
+    Threads: one model may serve several Python threads at once. :meth:`forward`, :meth:`loss`
+    and :func:`pedestrian.generate.generate` keep what a call needs -- activations, memory pool
+    (:class:`~pedestrian.kernels.workspace.Workspace`), eval mode during generation
+    (:meth:`inference`) -- per thread, so each thread gets the numbers it would get alone, and
+    :meth:`activations`, :meth:`attention_weights`, :meth:`deltas` and :meth:`backward` see the
+    calling thread's last forward. The parameters and their gradients are one set per model:
+    :meth:`backward` holds :attr:`lock` while it writes the gradients (two backward calls run one
+    after the other), and a thread that trains while others do must hold ``with model.lock:``
+    around its backward and the optimizer step that reads them, or another thread's backward
+    may replace the gradients in between. Changing the parameters (an optimizer step,
+    ``load_state_dict``, adding or merging adapters) while other threads compute changes what
+    those calls see. Several processes: see docs/guide.md, "Deployment".
+
     Raises:
         TypeError: ``config`` is not a :class:`GPTConfig`.
         ValueError: bad dtype, backend or kernels names; a device other than the CPU for the
@@ -108,9 +122,9 @@ class GPT(FlatParameters, LoRAAdapters):
         self._init_lora()
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
-        self._acts: SimpleNamespace | None = None          # what the last forward kept
-        self._deltas: dict = {}
-        self._workspace = Workspace()                      # the fast kernels' memory pool
+        self._local = threading.local()                    # per thread: last forward, memory pool
+        #: held by :meth:`backward` while it writes the gradients (reentrant; see the class docstring)
+        self.lock = threading.RLock()
         self._weights_cache: dict | None = None
         self._init_weights(seed)
 
@@ -130,6 +144,48 @@ class GPT(FlatParameters, LoRAAdapters):
                 value = np.zeros(s.shape)
             if s.name in self.params:
                 self.params[s.name][...] = self.to_xp(value)
+
+    # ------------------------------------------------------------------ per-thread state
+    @property
+    def _acts(self) -> SimpleNamespace | None:
+        """What the calling thread's last forward kept (``None``: none yet)."""
+        return getattr(self._local, "acts", None)
+
+    @_acts.setter
+    def _acts(self, value) -> None:
+        self._local.acts = value
+
+    @property
+    def _deltas(self) -> dict:
+        """The error signals the calling thread's last ``backward(keep_deltas=True)`` kept."""
+        return getattr(self._local, "deltas", {})
+
+    @_deltas.setter
+    def _deltas(self, value) -> None:
+        self._local.deltas = value
+
+    @property
+    def _workspace(self) -> Workspace:
+        """The calling thread's memory pool of the fast kernels (made at its first call)."""
+        workspace = getattr(self._local, "workspace", None)
+        if workspace is None:
+            workspace = self._local.workspace = Workspace()
+        return workspace
+
+    @contextlib.contextmanager
+    def inference(self):
+        """``with model.inference():`` the calling thread's forwards run as in eval mode (no
+        dropout, on the base or the adapters) while :attr:`training` stays as it is for other
+        threads (:func:`pedestrian.generate.generate` uses it)."""
+        before = getattr(self._local, "inference", False)
+        self._local.inference = True
+        try:
+            yield self
+        finally:
+            self._local.inference = before
+
+    def _dropping_out(self) -> bool:
+        return self.training and not getattr(self._local, "inference", False)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens, targets=None, *, kv_cache: KVCache | None = None, n_total: int | None = None,
@@ -226,12 +282,12 @@ class GPT(FlatParameters, LoRAAdapters):
 
     def _lora_mask(self, x):
         """The adapters' input dropout mask (``None``: no dropout, or not training)."""
-        if not self.training or self.lora_dropout == 0.0:
+        if not self._dropping_out() or self.lora_dropout == 0.0:
             return None
         return self.kernels.dropout_forward(x, self.lora_dropout, self.dropout_rng)[1]
 
     def _dropout(self, x):
-        p = self.config.dropout if self.training else 0.0
+        p = self.config.dropout if self._dropping_out() else 0.0
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
     def loss(self, tokens, targets, *, n_total: int | None = None) -> float:
@@ -262,6 +318,9 @@ class GPT(FlatParameters, LoRAAdapters):
             ValueError: no forward since the last backward's inputs changed; no targets and no
                 ``delta_logits``; a ``delta_logits`` of the wrong shape; a forward that ran
                 against a KV cache.
+
+        The calling thread's last forward is differentiated; the gradients are written under
+        :attr:`lock` (see the class docstring for training from several threads).
         """
         f = self._acts
         if f is None or (delta_logits is None and f.loss is None):
@@ -271,7 +330,7 @@ class GPT(FlatParameters, LoRAAdapters):
         if delta_logits is not None:
             delta_logits = as_signal(self, delta_logits, f.a12.shape)
         self._deltas = {}
-        with self._workspace:
+        with self.lock, self._workspace:
             d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
             top, blocks = self._backward(f, d12, keep_deltas)
         if keep_deltas:
@@ -413,14 +472,8 @@ def _resolve_device(backend: str, device):
     return torch.device(device)
 
 
-@contextlib.contextmanager
 def eval_mode(model):
-    """``with eval_mode(model):`` runs its body with ``model.training = False`` (dropout off, no
-    random state drawn) and puts the model's own ``training`` flag back afterwards, also when
-    the body raises. For evaluation, the gradient-norm record and generation."""
-    was_training = model.training
-    model.training = False
-    try:
-        yield model
-    finally:
-        model.training = was_training
+    """``with eval_mode(model):`` runs its body without dropout in the calling thread
+    (:meth:`GPT.inference`): evaluation, the gradient-norm record and generation. ``model.training``
+    itself is left as it is, also when the body raises (other threads may be training)."""
+    return model.inference()
