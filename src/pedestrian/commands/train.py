@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ..training.specs import add_flags
 from ..training import TrainSettings
