@@ -1,20 +1,16 @@
 """Draw the attention weights P of every block and head for a prompt: one heat map per (block,
 head), query tokens down the side, key tokens along the bottom, weights from 0 to 1 on one shared
-colour scale (row α of a map is the softmax distribution query α gives every key; with a causal
-mask the upper triangle is 0).
+colour scale (a causal mask zeroes the upper triangle).
 
 --gradients draws one training step instead (paper section 3.2): the next-token loss of the
-prompt (tokens 0 … T-2 predict tokens 1 … T-1), and beside each head's P its Δcausal =
-∂L/∂ρ_causal, the softmax backward that feeds the queries' and keys' gradients. Δcausal is
-drawn in blue (negative) and red (positive) around white 0, each map on its own symmetric scale
-(written in its title); every row of it sums to 0 and the masked entries are exactly 0.
+prompt, and beside each head's P its Δcausal = ∂L/∂ρ_causal (the softmax backward that feeds the
+queries' and keys' gradients), blue < 0 < red, each map on its own symmetric scale; every row of
+it sums to 0 and the masked entries are exactly 0.
 
-The model: a checkpoint (--checkpoint; the prompt is encoded with its tokenizer), or a fresh
-random model (--random: GPT-2's initialisation with --seed, widths --n-blocks, --n-heads,
---d-model; a character tokenizer of the prompt's own characters) -- no training needed.
-A prompt longer than the context keeps its last context_length tokens (a note says so).
-Characters are labelled as themselves, with '⏎' for a newline and '␣' for a space. The PNG is
-written atomically (matplotlib, Agg; the drawing is :mod:`pedestrian.paper.pictures`).
+The model: a checkpoint (--checkpoint, with its tokenizer), or a fresh random model (--random:
+GPT-2's initialisation with --seed, widths --n-blocks, --n-heads, --d-model, a character
+tokenizer of the prompt). A prompt longer than the context keeps its last context_length tokens
+(a note says so). Newlines show as '⏎', spaces as '␣'. The drawing: pedestrian.paper.pictures.
 
 Examples:
   pedestrian attention --checkpoint runs/shakespeare_char/best --prompt "ROMEO: But soft" --out attn.png
@@ -29,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..paper.pictures import attention_maps, plot_attention, plot_step, token_labels
+from ..paper.pictures import attention_maps, random_model, plot_attention, plot_step, token_labels
 
 #: --random's widths when not given
 RANDOM_DEFAULTS = dict(n_blocks=2, n_heads=2, d_model=16)
@@ -51,23 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="--random: initialisation seed (default 0)")
 
 
-def _random_model(args: argparse.Namespace):
-    """``--random``: a fresh model and a character tokenizer of the prompt's characters."""
-    from ..config import GPTConfig
-    from ..model import GPT
-    from ..text.tokenizer import CharTokenizer
-
-    widths = {k: (RANDOM_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in RANDOM_DEFAULTS}
-    if not args.prompt:
-        raise ValueError("--prompt is empty: give at least one character to attend over")
-    tokenizer = CharTokenizer.from_text(args.prompt)
-    context = max(len(args.prompt), 2)
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=context, **widths)
-    seed = 0 if args.seed is None else args.seed
-    model = GPT(config, seed=seed, dtype="float64")
-    return model, tokenizer, f"a fresh random model (GPT-2 initialisation, seed {seed})"
-
-
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if out.suffix.lower() != ".png":
@@ -87,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None and getattr(args, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(args, k)}")
     if args.random:
-        model, tokenizer, source = _random_model(args)
+        widths = {k: (RANDOM_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)) for k in RANDOM_DEFAULTS}
+        seed = 0 if args.seed is None else args.seed
+        model, tokenizer = random_model(args.prompt, seed, **widths)
+        source = f"a fresh random model (GPT-2 initialisation, seed {seed})"
     else:
         from ..checkpoint import load_checkpoint
 

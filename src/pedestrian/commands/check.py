@@ -7,10 +7,9 @@ The file is a plain NumPy module that defines three functions:
   def backward(delta, cache):    # -> (input_deltas, param_grads): dicts keyed like inputs, params
 
 Every floating-point input delta and parameter gradient is compared in float64 with central
-differences (a step and a bound derived per tensor, docs/EQUATIONS.md "Checking a backward by
-numbers"), and with complex step and PyTorch autograd where the forward takes complex or torch
-input. One line per tensor: name, kind, shape, largest difference, bound, reference, pass/FAIL
-(with the reason). Exit status 0 when every tensor passes, 1 when one fails, 2 on a usage error.
+differences, complex step and PyTorch autograd where the forward allows (docs/guide.md: Check your
+own layer). One line per tensor; exit status 0 when every tensor passes, 1 when one fails, 2 on
+a usage error.
 
 Examples:
   pedestrian check docs/examples/dyt.py

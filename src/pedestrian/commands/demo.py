@@ -2,67 +2,39 @@
 or one attention head on numbers, every matrix on screen.
 
 Takes a few windows of the bundled Shakespeare (or --data), a character tokenizer and a tiny
-float64 GPT (larger random weights than the usual initialisation, so every path carries a
-visible signal), runs a0 -> a12 and back with the chosen kernels (--kernels: the paper's
-reference layers or the fast ones), and prints one line per gradient in the order the backward
-produces them: the error signals Δi = ∂L/∂ai (and Δcausal = ∂L/∂ρ_causal, the softmax backward of
-each block) and the gradient of every parameter, ∂L/∂W_q of block 0 and so on, each with the size
-of its largest entry and how well it agrees with an independent check (--check):
+float64 GPT (weights larger than the usual initialisation, so every path carries a visible
+signal), runs a0 -> a12 and back with the chosen --kernels, and prints one line per gradient in
+the order the backward produces them -- the error signals Δi = ∂L/∂ai, each block's Δcausal =
+∂L/∂ρ_causal, every parameter's gradient (∂L/∂W_q of block 0, ...) -- with its largest entry and
+its agreement with a check (pedestrian.paper.gradients):
 
-  fd        finite differences (default; needs nothing but NumPy): for --entries entries of
-            every parameter, (L(θ+h) - L(θ-h)) / 2h with h = --step; the column is the largest
-            |numeric - analytic| / |numeric| over entries with |numeric| >= --atol ('-' where
-            none is: a relative error of a zero has no meaning). An entry passes when
-            |numeric - analytic| <= atol + rtol·|numeric| (default rtol 1e-6); finite
-            differences are only good to about h² + ε/h ≈ 1e-10 absolute. The error signals Δi
-            are not parameters: they show '-' and are checked through the parameter gradients.
-  autograd  the paper's own check: every tensor -- each Δi, each block's Δcausal, every
-            parameter gradient -- against PyTorch autograd of the test suite's independent
-            model (tests/oracles/torch_reference.py, which imports nothing from pedestrian);
-            the column is max |ours - autograd|, and a line passes when that is <= 1e-9 ·
-            max |autograd|. Needs a source checkout (the oracle is the suite's, not the
-            library's: the library runs no autograd) and PyTorch (pip install -e ".[torch]").
+  fd        central finite differences (default; NumPy only) on --entries entries of every
+            parameter, step h = --step: an entry passes when |numeric - analytic| <= atol +
+            rtol·|numeric|; the column is the largest relative error over entries with
+            |numeric| >= --atol ('-' where none is, and for the Δi, which are not parameters).
+  autograd  every tensor against PyTorch autograd of the test suite's independent model
+            (tests/oracles/torch_reference.py; a source checkout and PyTorch): a line passes
+            when max |ours - autograd| <= 1e-9 · max |autograd|.
 
-The key bias gets no relative error: its gradient is identically zero (paper section 3: every
-row of Δcausal sums to zero), so with fd its line shows the largest entry, which must be rounding
-noise -- at most 1e-12 of the query bias's gradient (with autograd: the difference, and the same
-rule). A line that fails its check ends with "<- FAILED"; exit status 1 if any check fails.
+The key bias's gradient is identically zero (paper section 3): its line passes when it is
+rounding noise, at most 1e-12 of the query bias's. A failing line ends with "<- FAILED"; exit
+status 1 if any check fails.
 
---head prints the worked example of the paper's section 3 (its Table 1): one attention head on a
-tiny random input (T = 4 tokens, d = 3 features, d_ρ = 2, d_h = 2; --T, --d, --d-rho, --d-h,
---seed to change them, --no-causal to drop the mask), every matrix with its name and shape:
-x = a_{i-1}, w_q, b_q, w_k, b_k, w_v, b_v; q, k, v; ρ_raw = q kᵀ, ρ_scaled = ρ_raw/√d_ρ, ρ_causal
-(−∞ where masked), ρ = softmax(ρ_causal), a = ρ v; the upstream Δ; Δv, Δρ, Δcausal (and its row
-sums, which are 0), Δraw, Δq, Δk; the three branches Δq w_qᵀ, Δk w_kᵀ, Δv w_vᵀ into the input and
-their sum Δ_{i-1}^h; the six parameter gradients (∂L/∂b_k ≡ 0). Computed through the library's
-reference layer functions (pedestrian.paper.walkthrough), no autograd. --json prints one JSON object
-instead: float64 nested lists (row-major), keys x w_q b_q w_k b_k w_v b_v delta q k v rho_raw
-rho_scaled rho_causal rho a delta_v delta_rho delta_causal delta_raw delta_q delta_k delta_in_q
-delta_in_k delta_in_v delta_in dw_q db_q dw_k db_k dw_v db_v, masked entries of rho_causal null.
-
---mask runs the same numbers through the paper's literal mask (a Hadamard product with a 0/1
-matrix, which leaks weight to future tokens: exp(0) = 1) and through the −∞ mask the project
-uses: ρ side by side, the weight each query puts on later tokens, and Δscaled against Δcausal
-under each ("Δscaled = Δcausal" holds with −∞ only). --json: keys mask, rho_scaled, delta_rho,
-and hadamard / neg_inf, each with rho_causal rho a future_weight delta_causal delta_scaled
-max_scaled_minus_causal. Exit status 1 if the −∞ mask does not behave as stated.
-
---properties instead measures the properties the paper states about positions (sections 2-3):
-permutation equivariance without positions or mask, broken by RoPE, learned positions or the
-causal mask; RoPE scores that depend only on the query-key offset; KV-cache logits equal to a
-full forward for each position encoding. Each line gives the measured deviation and the bound
-it is held to; exit status 1 if any property does not behave as stated.
+--head: the worked example of the paper's section 3 (Table 1), one attention head on a tiny
+random input (--T 4 tokens, --d 3 features, --d-rho 2, --d-h 2, --seed; --no-causal drops the
+mask), every matrix with its name and shape (pedestrian.paper.walkthrough; --json: one JSON
+object of float64 nested lists, keys in pedestrian.paper.head_text). --mask: the same numbers
+through the paper's literal 0/1 Hadamard mask (which leaks weight to future tokens) and the −∞
+mask, side by side. --properties: the paper's statements about positions (equivariance and what
+breaks it, RoPE offsets, KV cache = full forward), measured against bounds. Exit status 1 if the
+−∞ mask or a property does not behave as stated.
 
 Examples:
-  pedestrian demo
-  pedestrian demo --check autograd
-  pedestrian demo --kernels reference
+  pedestrian demo                              # also: --check autograd, --kernels reference
   pedestrian demo --check fd --entries 10 --seed 3
   pedestrian demo --data my_text.txt --check fd --step 1e-6
-  pedestrian demo --head
+  pedestrian demo --head                       # also: --mask, --properties
   pedestrian demo --head --T 5 --d 4 --d-rho 3 --d-h 2 --seed 7 --json
-  pedestrian demo --mask
-  pedestrian demo --properties
 """
 
 from __future__ import annotations
@@ -75,9 +47,10 @@ import numpy as np
 
 from ..kernels import KERNELS
 from ..paper.demo import demo_model, properties_text
-from ..paper.gradients import AUTOGRAD_RTOL, autograd_oracle, check_model_gradients
+from ..paper.gradients import autograd_oracle, check_model_gradients, gradients_text
 from ..paper.head_text import head_json, head_text, mask_json, mask_text
 from ..paper.walkthrough import head_example, mask_comparison
+from ..training.specs import flag as _flag
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder (default: the bundled Shakespeare)")
@@ -112,10 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: other is an error, not silently ignored
 _MODEL_FLAGS = ("data", "kernels", "check", "entries", "step", "rtol", "atol")
 _HEAD_FLAGS = ("T", "d", "d_rho", "d_h", "no_causal", "json")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _given(args: argparse.Namespace, names) -> list:
@@ -195,20 +164,8 @@ def run(args: argparse.Namespace) -> int:
           f"batch {x.shape}, first window: {tokenizer.decode(x[0])!r}")
     print(f"model: {model.config}, float64, kernels: {model.kernels_name} ({model.kernels.__name__})")
     loss, lines, oracle_loss = check_model_gradients(model, x, y, args.check, entries=args.entries, step=args.step,
-                                               rtol=args.rtol, atol=args.atol, rng=rng, oracle=oracle)
-    print(f"loss L = {loss:.6f} nats/char (uniform guess: ln {tokenizer.vocab_size} = "
-          f"{math.log(tokenizer.vocab_size):.4f})")
-    if oracle is not None:
-        print(f"check: PyTorch autograd of the test suite's independent model (float64; its loss "
-              f"{oracle_loss:.6f}); pass max |ours - autograd| <= {AUTOGRAD_RTOL:g}·max |autograd| per tensor\n")
-    else:
-        print(f"check: central finite differences, h = {args.step:g}, {args.entries} entries per parameter; "
-              f"pass |numeric - analytic| <= {args.atol:g} + {args.rtol:g}·|numeric|\n")
-    print(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{'autograd' if oracle else 'check':>11}")
-    for g in lines:
-        # a failing line says so: in fd mode the column (a relative error) alone cannot tell,
-        # since an entry near --atol passes on its absolute error
-        print(f"{g.label:<37}{str(g.shape):<14}{g.size:>10.1e}{g.shown:>11}" + ("  <- FAILED" if g.failed else ""))
-    failed = sum(g.failed for g in lines)
-    print(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
-    return 0 if not failed else 1
+                                                     rtol=args.rtol, atol=args.atol, rng=rng, oracle=oracle)
+    text, ok = gradients_text(loss, lines, tokenizer.vocab_size, args.check, entries=args.entries, step=args.step,
+                              rtol=args.rtol, atol=args.atol, oracle_loss=oracle_loss)
+    print(text)
+    return 0 if ok else 1

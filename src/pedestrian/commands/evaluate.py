@@ -37,33 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
-def _tokens(data, tokenizer, val_fraction: float, split: str):
-    from pathlib import Path
-
-    from ..text.data import BUNDLED_CORPUS
-    from ..text.tokens import encode_to_token_file
-    from ..training import TrainingError, split_tokens
-
-    corpus = Path(data).expanduser() if data else BUNDLED_CORPUS
-    tokens = encode_to_token_file(corpus, tokenizer)
-    if split == "all":
-        part = tokens
-    else:
-        part = dict(zip(("train", "val"), split_tokens(tokens, val_fraction)))[split]
-    if part.shape[0] < 2:
-        what = "the whole text" if split == "all" else (
-            f"its {split} part (val_fraction {val_fraction}: the last {val_fraction:g} of the tokens "
-            "is the val part, the rest the train part)")
-        raise TrainingError(f"{corpus} has {tokens.shape[0]} tokens and {what} holds {part.shape[0]}; "
-                            "evaluation needs at least 2. Use a longer text"
-                            + ("" if split == "all" else ", --split all, or another --val-fraction"))
-    return part
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_checkpoint, read_state
-    from ..training.finetune import adapter_checkpoint_dir, load_finetuned
-    from ..training import TrainingError, evaluate_tokens
+    from ..training import TrainingError, corpus_split, evaluate_tokens
+    from ..training.finetune import adapter_checkpoint_dir, load_model
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
@@ -71,25 +47,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-batches must be a positive integer, got {args.max_batches}")
     if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
-    adapter = adapter_checkpoint_dir(args.checkpoint)
-    if adapter is not None:
-        model, tokenizer = load_finetuned(adapter, args.hf_dir, dtype=args.dtype, backend=args.backend)
-        path, state = read_state(adapter)
-        step, saved = int(state.get("step", 0)), (state.get("meta") or {}).get("finetune") or {}
-    else:
-        if args.hf_dir:
-            raise ValueError(f"--hf-dir names the base model of a fine-tune run; {args.checkpoint} is "
-                             "not one, so leave --hf-dir out")
-        ckpt = load_checkpoint(args.checkpoint, backend=args.backend, dtype=args.dtype)
-        model, tokenizer, path, step = ckpt.model, ckpt.tokenizer, ckpt.path, ckpt.step
-        saved = ckpt.meta.get("settings") or {}
+    if args.hf_dir and adapter_checkpoint_dir(args.checkpoint) is None:
+        raise ValueError(f"--hf-dir names the base model of a fine-tune run; {args.checkpoint} is "
+                         "not one, so leave --hf-dir out")
+    loaded = load_model(args.checkpoint, args.hf_dir, dtype=args.dtype, backend=args.backend)
+    model, tokenizer, path, step, saved = loaded.model, loaded.tokenizer, loaded.path, loaded.step, loaded.settings
     if tokenizer is None:
         raise TrainingError(f"checkpoint {path} has no tokenizer; it cannot be evaluated on text")
     data = args.data if args.data is not None else saved.get("data")
     if data is None and not saved:
         raise TrainingError(f"checkpoint {path} does not record its training corpus; pass --data PATH")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
-    tokens = _tokens(data, tokenizer, val_fraction, args.split)
+    tokens = corpus_split(data, tokenizer, val_fraction, args.split)
     with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported below, in one line
         loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
                                   progress=args.progress)

@@ -2,20 +2,12 @@
 step, with its shape, formula, the parameters it touches, forward and backward FLOPs and the
 memory the forward keeps for it; totals at the bottom, beside the 6·N·tokens rule.
 
-The model comes from a checkpoint (--checkpoint, its own config, dtype, batch and context), a
-training settings file (--config FILE.toml, as `pedestrian train` reads it), a preset (--preset,
-with the same field flags as `pedestrian params`), or -- with none of those -- the default model
-of `pedestrian train` on the bundled plays (84 characters). --batch-size and --seq-len set B and T
-(defaults: the run's batch size, or 1, and the context length). Nothing is allocated.
-
-FLOPs: every matrix product exactly, 2 per multiply-add (forward; the backward computes two
-products per fully connected layer, Δ_in = Δ Wᵀ and dW = xᵀ Δ, and four in the attention).
-Elementwise work is counted at the costs listed under the table: the arithmetic operations per
-element of the reference layers (src/pedestrian/layers), each +, −, ×, ÷, exp, tanh, erf, sqrt,
-cos, sin and each summed element of a reduction counted once; comparisons, gathers and copies
-count 0. One block's rows are printed once (every block is the same); totals count them
-n_blocks times. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
-int64); totals add the parameters, their gradients and the two AdamW moments.
+The model: a checkpoint (--checkpoint: its config, dtype, batch and context), a `pedestrian
+train` settings file (--config FILE.toml), a preset (--preset, with the field flags of
+`pedestrian params`), or else the default model of `pedestrian train` on the bundled plays (84
+characters). --batch-size and --seq-len set B and T (default: the run's batch size, or 1, and
+the context length). Nothing is allocated. How FLOPs and memory are counted: the notes under
+the table and pedestrian.paper.explain.
 
 Examples:
   pedestrian explain
@@ -63,34 +55,15 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str]:
         settings = (state.get("meta") or {}).get("settings") or {}
         return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32")
     if args.config:
-        from ..training import DEFAULT_MODEL, TrainSettings, read_config_file
+        from ..training.settings import config_file_model
 
-        given = read_config_file(args.config)
-        settings = TrainSettings(**{k: v for k, v in given.items()
-                                    if k in TrainSettings.__dataclass_fields__ and k != "model"})
-        model = dict(DEFAULT_MODEL)
-        if "preset" in given:
-            from ..config import PRESETS
-
-            model = {k: v for k, v in PRESETS[given["preset"]].items() if k != "vocab_size"}
-        model.update({k: v for k, v in given.items() if k in GPTConfig.__dataclass_fields__})
-        vocab = args.vocab_size or _vocab_size(settings)
-        return GPTConfig(vocab_size=vocab, **model), settings.batch_size, args.dtype or settings.dtype
+        config, settings = config_file_model(args.config, args.vocab_size or None)
+        return config, settings.batch_size, args.dtype or settings.dtype
     if args.preset or args.vocab_size:
         return config_from_args(args), None, dtype
     from ..training import DEFAULT_MODEL, TrainSettings
 
     return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype
-
-
-def _vocab_size(settings) -> int:
-    """The vocabulary a training run would get: BPE's size setting, or the corpus' characters."""
-    if settings.tokenizer == "bpe":
-        return settings.bpe_vocab_size
-    from ..text.data import load_corpus
-    from ..text.tokenizer import CharTokenizer
-
-    return CharTokenizer.from_text(load_corpus(settings.data)).vocab_size
 
 
 def run(args: argparse.Namespace) -> int:

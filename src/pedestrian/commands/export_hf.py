@@ -7,17 +7,14 @@ Sources:
   --adapter RUN              a `pedestrian finetune` run (or its adapter/ checkpoint); the base is
                              the --hf-dir recorded in it (or --hf-dir BASE)
 
+With --format model, adapters are merged (W + alpha D U); one on the tied logits goes into a
+separate lm_head.weight (the export is untied, wte unchanged). transformers reads the result
+with GPT2LMHeadModel.from_pretrained(OUT) (--format peft: peft.PeftModel.from_pretrained(base, OUT)).
+
 Examples:
   pedestrian export-hf --checkpoint runs/shakespeare_char/best --out shakespeare-gpt2
   pedestrian export-hf --adapter runs/ft --out gpt2-ft              # base + adapters, merged
   pedestrian export-hf --adapter runs/ft --format peft --out ft-peft # only the adapters
-
-With --format model, adapters are merged (W + alpha D U). An adapter on tied logits (GPT-2
-ties lm_head to wte) is merged into a separate lm_head.weight = wte + (alpha D U)^T, so that
-export is untied (tie_word_embeddings=false) and wte is unchanged.
-
-transformers then reads the result with GPT2LMHeadModel.from_pretrained(OUT) (and, for
---format peft, peft.PeftModel.from_pretrained(base, OUT)).
 """
 
 from __future__ import annotations
@@ -39,47 +36,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UserError
-    from ..interop.hf import OutputExistsError
-
-    try:
-        return _export(args)
-    except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
-        raise UserError(exc.advice("pass --overwrite")) from None
-
-
-def _export(args: argparse.Namespace) -> int:
-    from ..cli import UserError
-    from ..interop.hf import merged_for_export, save_pretrained
+    from ..interop.hf import OutputExistsError, merged_for_export, save_pretrained
     from ..interop.peft import save_peft_adapter
-
-    from ..training.finetune import adapter_base, adapter_checkpoint_dir, load_finetuned
+    from ..training.finetune import adapter_checkpoint_dir, load_model
 
     if args.checkpoint and adapter_checkpoint_dir(args.checkpoint) is not None:
         args.adapter, args.checkpoint = args.checkpoint, None      # an adapter: same as --adapter
     if args.hf_dir and not args.adapter:
         raise UserError("--hf-dir names the base model of --adapter; with --checkpoint leave it out")
-    base_name = None
-    if args.adapter:
-        model, tokenizer = load_finetuned(args.adapter, args.hf_dir)
-        base_name = args.hf_dir or adapter_base(args.adapter).get("hf_dir")
-    else:
-        from ..checkpoint import load_checkpoint
-
-        ckpt = load_checkpoint(args.checkpoint)
-        model, tokenizer = ckpt.model, ckpt.tokenizer
-    if args.format == "peft":
-        if not model.lora_targets:
-            raise UserError("this model has no LoRA adapters; use --format model")
-        out = save_peft_adapter(model, args.out, base_model_name_or_path=base_name, overwrite=args.overwrite)
-        print(f"wrote the PEFT adapter ({len(model.lora_targets)} layers, r={model.lora_rank}, "
-              f"alpha={model.lora_alpha:g}) to {out}")
-        return 0
-    if model.lora_targets:
-        tied = "logits" in model.lora_targets and model.config.tie_weights
-        model = merged_for_export(model)
-        if tied:
-            print("note: the adapter on the tied logits is merged into a separate lm_head.weight, so "
-                  "the exported model is untied (tie_word_embeddings=false; wte unchanged)")
-    out = save_pretrained(model, args.out, tokenizer, overwrite=args.overwrite)
+    loaded = load_model(args.adapter or args.checkpoint, args.hf_dir, adapters=bool(args.adapter) or None)
+    model = loaded.model
+    try:
+        if args.format == "peft":
+            if not model.lora_targets:
+                raise UserError("this model has no LoRA adapters; use --format model")
+            out = save_peft_adapter(model, args.out, base_model_name_or_path=loaded.base, overwrite=args.overwrite)
+            print(f"wrote the PEFT adapter ({len(model.lora_targets)} layers, r={model.lora_rank}, "
+                  f"alpha={model.lora_alpha:g}) to {out}")
+            return 0
+        if model.lora_targets:
+            tied = "logits" in model.lora_targets and model.config.tie_weights
+            model = merged_for_export(model)
+            if tied:
+                print("note: the adapter on the tied logits is merged into a separate lm_head.weight, so "
+                      "the exported model is untied (tie_word_embeddings=false; wte unchanged)")
+        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite)
+    except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
+        raise UserError(exc.advice("pass --overwrite")) from None
     print(f"wrote a Hugging Face GPT-2 ({model.num_params():,} parameters) to {out}")
     return 0

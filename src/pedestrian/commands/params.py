@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import CONFIG_FIELDS, LORA_LAYER_KINDS, POSITION_ENCODINGS, PRESETS, GPTConfig, lora_specs, param_specs
+from ..config import CONFIG_FIELDS, LORA_LAYER_KINDS, POSITION_ENCODINGS, PRESETS, GPTConfig
+from ..paper.explain import params_table
 
 
 def add_config_arguments(parser: argparse.ArgumentParser):
@@ -21,14 +22,8 @@ def add_config_arguments(parser: argparse.ArgumentParser):
     Returns their argument group ("model"), for a command to add its own model flags to."""
     g = parser.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--context-length", type=int)
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--n-heads", type=int)
-    g.add_argument("--n-blocks", type=int)
-    g.add_argument("--d-head", type=int)
-    g.add_argument("--d-qk", type=int)
-    g.add_argument("--mlp-ratio", type=int)
+    for name in ("vocab-size", "context-length", "d-model", "n-heads", "n-blocks", "d-head", "d-qk", "mlp-ratio"):
+        g.add_argument("--" + name, type=int)
     g.add_argument("--activation", choices=["gelu_tanh", "gelu", "relu"])
     g.add_argument("--ln-eps", type=float)
     g.add_argument("--no-bias", dest="bias", action="store_false", default=None)
@@ -83,34 +78,8 @@ def run(args: argparse.Namespace) -> int:
     extra = {f: getattr(args, f) for f in ("d_mlp", "qkv_bias") if getattr(args, f, None) is not None}
     if extra:
         config = dataclasses.replace(config, **extra)
-    specs = param_specs(config)
-    lora = None
-    if args.lora_rank is not None:                      # validate before printing anything
-        if args.lora_rank < 1:
-            raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
-        lora = lora_specs(config, args.lora_targets, args.lora_rank)
-    rows = [s for s in specs if args.per_block or not s.name.startswith("blocks.")
-            or s.name.startswith("blocks.0.")]
-    width = max(len(s.name) for s in rows) + 2
-    last_block0 = [s.name for s in rows if s.name.startswith("blocks.0.")][-1]
-    print(f"config: {config}")
-    print(f"{'parameter':<{width}}{'shape':>18}{'count':>16}")
-    for s in rows:
-        print(f"{s.name:<{width}}{str(s.shape):>18}{s.size:>16,}")
-        if not args.per_block and s.name == last_block0 and config.n_blocks > 1:
-            print(f"{'... blocks.1 - blocks.' + str(config.n_blocks - 1) + ' identical':<{width}}")
-    print()
-    by_kind: dict[str, int] = {}
-    for s in specs:
-        by_kind[s.kind] = by_kind.get(s.kind, 0) + s.size
-    block = sum(s.size for s in specs if s.name.startswith("blocks.0."))
-    print(f"{'one transformer block':<32}{block:>16,}")
-    for kind, n in by_kind.items():
-        print(f"{'kind: ' + kind:<32}{n:>16,}")
-    total = sum(s.size for s in specs)
-    print(f"{'total':<32}{total:>16,}")
-    if lora is not None:
-        n = sum(s.size for s in lora)
-        print(f"{'LoRA r=' + str(args.lora_rank) + ' on ' + ','.join(args.lora_targets):<32}{n:>16,}"
-              f"   ({100 * n / total:.2f}% of the base; {len(lora) // 2} adapted layers)")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
+    lora = None if args.lora_rank is None else (args.lora_rank, args.lora_targets)
+    print(params_table(config, args.per_block, lora))
     return 0

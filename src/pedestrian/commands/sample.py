@@ -1,55 +1,40 @@
 """Generate text from a checkpoint or a Hugging Face GPT-2 directory, printing tokens as they come.
 
 Examples:
-  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --max-new-tokens 300 \\
-      --temperature 0.8 --top-k 40 --seed 1
+  pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --temperature 0.8 --top-k 40 --seed 1
   pedestrian sample --hf-dir gpt2 --prompt "The meaning of life" --top-p 0.9 --seed 0
   pedestrian sample --checkpoint runs/finetune --prompt "Dear diary,"   # base + LoRA adapters
-  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --repetition-penalty 1.2 \\
-      --min-p 0.05 --temperature 0.9        # penalise repeats, drop tokens < 5% of the top one
-  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --stop $'\\n\\n' \\
-      --stop "JULIET:"                     # end at a blank line or at "JULIET:", unprinted
-  pedestrian sample --checkpoint runs/shakespeare_char/best --prompt "ROMEO:" --prompt "First Citizen:" \\
-      --temperature 0                      # two prompts of different lengths, one batch
-  pedestrian sample --checkpoint runs/shakespeare_char/best --prompts-file prompts.txt   # one per line
+  pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --repetition-penalty 1.2 --min-p 0.05
+  pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --stop $'\\n\\n' --stop "JULIET:"
+  pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --prompt "First Citizen:"  # one batch
+  pedestrian sample --checkpoint runs/shakespeare_char --prompts-file prompts.txt   # one prompt per line
 
-Behaviour:
+Behaviour (more in docs/guide.md, Sampling):
   - Several prompts (--prompt repeated, or --prompts-file) are generated together, left-padded,
-    each row computing what it would alone; each continuation is printed when all are done,
-    under a "--- prompt N ---" line (with --num-samples: "--- prompt N, sample M ---").
-  - The prompt is echoed, then each new token is printed as soon as its text is complete: with
-    byte-level BPE a token that ends inside a multi-byte UTF-8 character is held back until the
-    character is complete (an incomplete character left at the very end prints as U+FFFD).
-  - --temperature 0 is greedy decoding; --top-p must be in (0, 1] (0 is an error, not greedy);
-    --top-k larger than the vocabulary means no top-k filter.
+    each row computing what it would alone, and printed when all are done under a "--- prompt N
+    ---" line ("--- prompt N, sample M ---" with --num-samples).
+  - One prompt is echoed, then each token printed as soon as its text is complete (a byte-level
+    BPE token ending inside a UTF-8 character waits for the rest; left incomplete: U+FFFD).
   - Order, as Hugging Face transformers: repetition penalty -> temperature -> top-k -> top-p ->
-    min-p (greedy: the penalty, then argmax). --repetition-penalty R (> 0; 1 = none) divides
-    the positive logit of every token already in the prompt or the output by R and multiplies
-    a negative one by R; --min-p P (in [0, 1]) keeps the tokens at least P times as likely as
-    the most likely one (1 keeps the tokens tied for the top: greedy only without a tie).
-  - Only ids the tokenizer can decode are sampled: a model whose vocabulary is larger than its
-    tokenizer's (GPT-2 padded to 50,304) never produces the extra ids.
-  - An empty prompt starts from <|endoftext|> when the tokenizer has it (GPT-2 convention) and
-    is an error otherwise. A prompt longer than the context keeps its last context_length
-    tokens (with a one-line warning on stderr).
+    min-p. --temperature 0 is greedy (after the penalty); --top-p is in (0, 1] (0 is an error);
+    --top-k above the vocabulary means no top-k filter.
+  - Only ids the tokenizer can decode are sampled (a model whose vocabulary is larger than its
+    tokenizer's, GPT-2 padded to 50,304, never produces the extra ids).
+  - An empty prompt starts from <|endoftext|> (error without it); a prompt longer than the
+    context keeps its last context_length tokens (one warning line on stderr).
   - Every setting is checked before anything is printed.
-  - Generation stops at <|endoftext|> (when the tokenizer has it; --ignore-eot to go on), at a
-    --stop-id token, or when the generated text contains a --stop TEXT: stop strings are text,
-    matched on the decoded output however it is split into tokens (--stop $'\\n' also stops
-    inside a "\\n\\n" token; a stop may span several tokens), and only on the generated text,
-    not on the prompt. The output ends right before the first stop: neither the stop token nor
-    the stop text is printed (text that may still begin a stop string is held back until it
-    is decided). Past the context length the window slides (see pedestrian.generation.generate).
+  - A sample ends at <|endoftext|> (--ignore-eot: go on), a --stop-id token, or right before a
+    --stop TEXT in the generated text, however it is tokenized: neither the stop token nor the
+    stop text is printed. Past the context the window slides (pedestrian.generation.generate).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import TextIO
 
-from ..generation.prompts import check_completion, complete, encode_prompt
+from ..generation.prompts import check_completion, encode_prompt, read_prompts, write_completions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,56 +81,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace):
-    """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir`` (imports are lazy).
-
-    A fine-tune run (or its ``adapter/`` checkpoint) is loaded onto its base model: the one
-    recorded in it, or ``--hf-dir``.
-    """
+    """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir``
+    (:func:`pedestrian.training.finetune.load_model`)."""
     from ..cli import UserError
+    from ..training.finetune import adapter_checkpoint_dir, load_model
 
-    if args.checkpoint:
-        from ..training.finetune import adapter_checkpoint_dir, load_finetuned
-
-        adapter = adapter_checkpoint_dir(args.checkpoint)
-        if adapter is not None:
-            return load_finetuned(adapter, args.hf_dir, dtype=args.dtype, backend=args.backend)
-        if args.hf_dir:
-            raise UserError(f"--hf-dir with --checkpoint names the base model of a fine-tune run; "
-                            f"{args.checkpoint} is not one, so pass only one of them")
-        from ..checkpoint import load_checkpoint
-
-        ckpt = load_checkpoint(args.checkpoint, backend=args.backend, dtype=args.dtype)
-        if getattr(ckpt, "tokenizer", None) is None:
-            raise UserError(f"checkpoint {args.checkpoint} has no tokenizer saved beside it, so its "
-                            "token ids cannot be turned into text")
-        return ckpt.model, ckpt.tokenizer
-    if args.hf_dir:
-        from ..interop.hf import load_pretrained
-
-        return load_pretrained(args.hf_dir, dtype=args.dtype or "float32", backend=args.backend)
-    raise UserError("pass --checkpoint CKPT (a train or finetune run) or --hf-dir DIR (a Hugging Face "
-                    "GPT-2 directory)")
-
-
-def _prompt_texts(args: argparse.Namespace) -> list[str]:
-    """The prompts of ``--prompt`` (repeatable) and ``--prompts-file`` (one per line), in that order;
-    ``[""]`` when none is given."""
-    texts = [args.prompt] if isinstance(args.prompt, str) else list(args.prompt or [])
-    if getattr(args, "prompts_file", None):
-        from pathlib import Path
-
-        path = Path(args.prompts_file)
-        try:
-            lines = path.read_text(encoding="utf-8-sig").splitlines()
-        except FileNotFoundError:
-            raise ValueError(f"--prompts-file {path}: no such file") from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"--prompts-file {path} is not UTF-8 text (byte {exc.start}); save it as "
-                             "UTF-8") from None
-        texts += [line for line in lines if line.strip()]
-        if not any(line.strip() for line in lines):
-            raise ValueError(f"--prompts-file {path} holds no prompt (every line is empty)")
-    return texts or [""]
+    if args.checkpoint and args.hf_dir and adapter_checkpoint_dir(args.checkpoint) is None:
+        raise UserError(f"--hf-dir with --checkpoint names the base model of a fine-tune run; "
+                        f"{args.checkpoint} is not one, so pass only one of them")
+    loaded = load_model(args.checkpoint, args.hf_dir, dtype=args.dtype, backend=args.backend)
+    if loaded.tokenizer is None:
+        raise UserError(f"checkpoint {args.checkpoint} has no tokenizer saved beside it, so its "
+                        "token ids cannot be turned into text")
+    return loaded.model, loaded.tokenizer
 
 
 def flag(name: str) -> str:
@@ -156,8 +104,8 @@ def flag(name: str) -> str:
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
                err: TextIO | None = None) -> int:
     """The body of ``pedestrian sample`` once the model and tokenizer are loaded: the prompts,
-    :func:`pedestrian.generation.prompts.complete`, and the printing (to ``out`` / ``err``,
-    default ``sys.stdout`` / ``sys.stderr``). One prompt and sample streams its text as it comes.
+    :func:`pedestrian.generation.prompts.write_completions` (to ``out``, default ``sys.stdout``),
+    the warnings and ``--stats`` (to ``err``, default ``sys.stderr``).
 
     Raises:
         ValueError: a bad setting (named by its flag) or prompt (see
@@ -169,38 +117,14 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
                     repetition_penalty=args.repetition_penalty, num_samples=args.num_samples,
                     stop=list(args.stop), stop_ids=list(args.stop_id), window_shift=args.window_shift)
     check_completion(model, tokenizer, max_new_tokens=args.max_new_tokens, named=flag, **settings)
-    prompts = _prompt_texts(args)
+    prompts = read_prompts([args.prompt] if isinstance(args.prompt, str) else args.prompt or [],
+                           getattr(args, "prompts_file", None))
     given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
     only = "the --prompt" if given else "no --prompt was given, so the prompt"      # a single prompt
     prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]
-    C = model.config.context_length
-    for i, ids in enumerate(prompt_ids):
-        if len(ids) > C:
-            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
-            err.write(f"warning: {which} has {len(ids)} tokens but the model's context is {C}: "
-                      f"only the last {C} condition the generation\n")
-            err.flush()
-    streaming = len(prompts) * args.num_samples == 1
-
-    def stream(row: int, text: str) -> None:
-        out.write(text)
-        out.flush()
-
-    if streaming:
-        stream(0, prompts[0])
-    with warnings.catch_warnings():                     # already said above, in one line
-        warnings.filterwarnings("ignore", message="the prompt has", category=UserWarning)
-        done = complete(model, tokenizer, prompt_ids, args.max_new_tokens, seed=args.seed,
-                        ignore_eot=args.ignore_eot, use_cache=not args.no_cache,
-                        on_text=stream if streaming else None, **settings)
-    if streaming:
-        out.write("\n")
-    for (i, j), text in zip(done.rows, done.texts) if not streaming else ():
-        label = (f"sample {j + 1}" if len(prompts) == 1 else
-                 f"prompt {i + 1}" if args.num_samples == 1 else f"prompt {i + 1}, sample {j + 1}")
-        out.write(f"--- {label} ---\n{prompts[i]}{text}\n")
-    out.flush()
+    done = write_completions(model, tokenizer, prompts, prompt_ids, args.max_new_tokens, out, err, seed=args.seed,
+                             ignore_eot=args.ignore_eot, use_cache=not args.no_cache, **settings)
     if args.stats:
         B = len(done.rows)
         err.write(f"[{done.new_tokens} new tokens x {B} in {done.seconds:.3f} s: "

@@ -1,26 +1,20 @@
 """Train a GPT on a text corpus with the hand-derived backward and a hand-written AdamW.
 
-With no arguments: the bundled Shakespeare plays, a character tokenizer and a small default
-model sized to reach a validation loss <= 1.75 nats per character within 10 minutes on two CPU
-cores. Checkpoints, the step log (log.jsonl), the loss curve (loss_curve.png) and the norms of
-every block's error signals Δ2 … Δ10 and gradients at each validation (gradients.png) go to
-runs/<corpus>_<tokenizer> (or --out).
+With no arguments: the bundled Shakespeare plays, a character tokenizer and a default model
+that reaches a validation loss <= 1.75 nats per character within 10 minutes on two CPU cores.
+Checkpoints, log.jsonl, loss_curve.png and gradients.png (the norms of every block's Δ2 … Δ10
+and gradients) go to runs/<corpus>_<tokenizer> or --out (docs/guide.md: What pedestrian train writes).
 
 Settings come from, in increasing priority: the defaults, a TOML file (--config), the flags.
-TOML keys are the flag names with underscores (tables [data] [model] [optim] [train]); their
-values must have the flag's type (e.g. bias = false, not "no").
+TOML keys are the flag names with underscores (tables [data] [model] [optim] [train]), with the
+flag's type (bias = false, not "no").
 
-At the end it prints two short samples of the best checkpoint (temperature 0.8, top-k 40,
-seed 0; --no-sample to skip) and where the checkpoints, log and loss curve are.
-Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and says how to resume
-(--resume continues exactly); a second Ctrl-C stops at once.
---warmup-steps >= --max-steps is allowed but warned about: the peak lr is never reached.
-A step whose loss or gradient is NaN or inf is skipped (no update) with a warning; after
---max-skipped-steps of them in a row the run stops, naming the last good checkpoint.
-
-Several processes: --nproc N starts N ranks on this machine through PyTorch's launcher (each
-computes its share of every batch; gradients are summed once per step; rank 0 writes the
-files); torchrun starts them on one or several machines (docs/guide.md: Several processes).
+At the end: two samples of the best checkpoint (temperature 0.8, top-k 40; --no-sample to skip)
+and where the files are. Ctrl-C (or SIGTERM) finishes the step, saves a checkpoint and says how
+to resume (--resume continues exactly); a second Ctrl-C stops at once. A step whose loss or
+gradient is not finite is skipped with a warning; --max-skipped-steps in a row stop the run.
+--nproc N starts N ranks here (rank 0 writes the files); torchrun starts them on one or several
+machines (docs/guide.md: Several processes).
 
 Examples:
   pedestrian train
@@ -36,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ..training.specs import add_flags
 from ..training import TrainSettings
@@ -57,53 +50,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help="do not print samples of the trained model at the end")
 
 
-def _print_samples(out: Path, n: int = 2, chars: int = 200) -> None:
-    """``n`` samples of about ``chars`` characters from ``out/best`` (or ``out/latest``):
-    temperature 0.8, top-k 40, seed 0 (:func:`pedestrian.generation.generate.generate`)."""
-    import numpy as np
-
-    from ..checkpoint import load_checkpoint
-    from ..generation.generate import generate
-
-    folder = out / "best" if (out / "best" / "state.json").is_file() else out / "latest"
-    ckpt = load_checkpoint(folder)
-    model, tok = ckpt.model, ckpt.tokenizer
-    model.training = False
-    start = getattr(tok, "special_tokens", {}).get("<|endoftext|>")
-    if start is None:
-        try:
-            start = tok.encode("\n")[0]
-        except (ValueError, IndexError):
-            start = 0
-    per_token = 1 if tok.to_dict().get("kind") == "char" else 3       # BPE: ~3-4 characters a token
-    ids = generate(model, np.full((n, 1), start, dtype=np.int64), max(1, chars // per_token),
-                   temperature=0.8, top_k=min(40, model.config.vocab_size), seed=0)
-    print(f"samples from {folder} (temperature 0.8, top-k 40; --no-sample to skip):")
-    for i, row in enumerate(ids):
-        text = tok.decode([int(t) for t in row[1:] if int(t) != start or per_token == 1])[:chars]
-        print(f"--- sample {i + 1} ---\n{text.strip()}")
-
-
-def _no_sample(args: argparse.Namespace) -> str:
-    """``" --no-sample"`` when this command was given it (a printed resume command repeats it)."""
-    return "" if args.sample else " --no-sample"
-
-
 def run(args: argparse.Namespace) -> int:
     from ..training import train
     from ..training.distributed import LaunchFailure, reports_to_launcher
-    from ..training.run import launch_ranks
+    from ..training.run import final_samples, launch_ranks
 
     settings, explicit = settings_from_args(args)
+    no_sample = "" if args.sample else " --no-sample"         # a printed resume command repeats it
     try:
-        if launch_ranks(settings, args.argv, _no_sample(args)):
+        if launch_ranks(settings, args.argv, no_sample):
             return 0
     except LaunchFailure as exc:                # the ranks stopped on Ctrl-C / SIGTERM and saved
         print(f"interrupted: {exc}", file=sys.stderr)
         return 130
     result = train(settings, resume=args.resume, explicit=explicit, overwrite=args.overwrite)
     out = result.out
-    resume_command = result.resume_command + _no_sample(args)
+    resume_command = result.resume_command + no_sample
     if result.stop_reason == "interrupted":
         if result.is_writer and not reports_to_launcher():      # else the launcher says it, once
             print(f"interrupted: a checkpoint of step {result.step} is saved in {out / 'latest'}; continue "
@@ -115,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
           f"(on the {settings.eval_batches} fixed validation batches; `pedestrian eval` takes the whole "
           f"split) ({result.seconds / 60:.1f} min); latest checkpoint {out / 'latest'}", file=sys.stdout)
     if args.sample:
-        _print_samples(out)
+        folder, texts = final_samples(out)
+        print(f"samples from {folder} (temperature 0.8, top-k 40; --no-sample to skip):")
+        for i, text in enumerate(texts):
+            print(f"--- sample {i + 1} ---\n{text}")
     files = [f"checkpoints {out / 'latest'} and {out / 'best'}", f"log {out / 'log.jsonl'}"]
     if (out / "loss_curve.png").is_file() and settings.plot:
         files.append(f"loss curve {out / 'loss_curve.png'}")

@@ -33,12 +33,37 @@ from .sampling import check_sampling
 
 EOT = "<|endoftext|>"
 
-__all__ = ["EOT", "Completion", "check_completion", "complete", "encode_prompt", "eot_id"]
+__all__ = ["EOT", "Completion", "check_completion", "complete", "encode_prompt", "eot_id", "read_prompts", "write_completions"]
 
 
 def eot_id(tokenizer) -> int | None:
     """The id of ``<|endoftext|>`` in ``tokenizer``, or ``None`` when it has none."""
     return getattr(tokenizer, "special_tokens", {}).get(EOT)
+
+
+def read_prompts(prompts: Sequence[str] = (), prompts_file=None) -> list[str]:
+    """The prompts of ``pedestrian sample``: ``prompts``, then the non-empty lines of the UTF-8 text
+    file ``prompts_file`` (a byte-order mark dropped); ``[""]`` when there are none.
+
+    Raises:
+        ValueError: ``prompts_file`` missing, not UTF-8, or holding only empty lines.
+    """
+    texts = list(prompts)
+    if prompts_file:
+        from pathlib import Path
+
+        path = Path(prompts_file)
+        try:
+            lines = path.read_text(encoding="utf-8-sig").splitlines()
+        except FileNotFoundError:
+            raise ValueError(f"--prompts-file {path}: no such file") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompts-file {path} is not UTF-8 text (byte {exc.start}); save it as "
+                             "UTF-8") from None
+        texts += [line for line in lines if line.strip()]
+        if not any(line.strip() for line in lines):
+            raise ValueError(f"--prompts-file {path} holds no prompt (every line is empty)")
+    return texts or [""]
 
 
 def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
@@ -183,3 +208,45 @@ def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_toke
         emit(r, decoders[r].finish())
     return Completion(rows=rows, texts=["".join(t) for t in texts], ids=ids,
                       new_tokens=len(ids[0]) - len(row_ids[0]), seconds=seconds)
+
+
+def write_completions(model, tokenizer, prompts: Sequence[str], prompt_ids: Sequence[Sequence[int]],
+                      max_new_tokens: int, out, err=None, *, num_samples: int = 1, **settings) -> Completion:
+    """:func:`complete` the prompts (``prompt_ids``, encoded from the texts ``prompts``; ``settings``:
+    the other keywords of :func:`complete`) and write the text to the stream ``out`` as
+    ``pedestrian sample`` prints it: one prompt and one sample is streamed -- the prompt, each
+    token's text as soon as it is complete, a newline; several are written when all are done,
+    each under a ``--- sample M ---``, ``--- prompt N ---`` or ``--- prompt N, sample M ---`` line
+    and followed by its prompt and continuation. A prompt longer than the model's context is
+    said once per prompt on the stream ``err`` (``warning: ...``) instead of as a ``UserWarning``
+    (when ``err`` is given). Returns the :class:`Completion`."""
+    import warnings
+
+    C = model.config.context_length
+    for i, ids in enumerate(prompt_ids if err is not None else ()):
+        if len(ids) > C:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+            err.write(f"warning: {which} has {len(ids)} tokens but the model's context is {C}: "
+                      f"only the last {C} condition the generation\n")
+            err.flush()
+    streaming = len(prompt_ids) * num_samples == 1
+
+    def stream(row: int, text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    if streaming:
+        stream(0, prompts[0])
+    with warnings.catch_warnings():
+        if err is not None:                             # already said above, in one line
+            warnings.filterwarnings("ignore", message="the prompt has", category=UserWarning)
+        done = complete(model, tokenizer, prompt_ids, max_new_tokens, num_samples=num_samples,
+                        on_text=stream if streaming else None, **settings)
+    if streaming:
+        out.write("\n")
+    for (i, j), text in zip(done.rows, done.texts) if not streaming else ():
+        label = (f"sample {j + 1}" if len(prompts) == 1 else
+                 f"prompt {i + 1}" if num_samples == 1 else f"prompt {i + 1}, sample {j + 1}")
+        out.write(f"--- {label} ---\n{prompts[i]}{text}\n")
+    out.flush()
+    return done

@@ -225,3 +225,40 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
     if c.dropout > 0:
         say(f"dropout {c.dropout}: its masks (three per block and one after the embedding) are not in the table")
     return "\n".join(lines)
+
+
+def params_table(config: GPTConfig, per_block: bool = False, lora: tuple | None = None) -> str:
+    """The parameter table ``pedestrian params`` prints: one row per parameter (name, shape,
+    count; block 0 only unless ``per_block``), then one block's count, the count per kind
+    (:func:`pedestrian.config.param_specs`) and the total; with ``lora = (rank, targets)``, the
+    adapters :func:`pedestrian.config.lora_specs` adds and their share of the base. Nothing is
+    allocated.
+
+    Raises:
+        ValueError: LoRA targets or rank :func:`pedestrian.config.lora_specs` refuses.
+    """
+    from ..config import lora_specs, param_specs
+
+    specs = param_specs(config)
+    adapters = None if lora is None else lora_specs(config, lora[1], lora[0])   # refuse before any line
+    rows = [s for s in specs if per_block or not s.name.startswith("blocks.") or s.name.startswith("blocks.0.")]
+    width = max(len(s.name) for s in rows) + 2
+    last_block0 = [s.name for s in rows if s.name.startswith("blocks.0.")][-1]
+    lines = [f"config: {config}", f"{'parameter':<{width}}{'shape':>18}{'count':>16}"]
+    for s in rows:
+        lines.append(f"{s.name:<{width}}{str(s.shape):>18}{s.size:>16,}")
+        if not per_block and s.name == last_block0 and config.n_blocks > 1:
+            lines.append(f"{'... blocks.1 - blocks.' + str(config.n_blocks - 1) + ' identical':<{width}}")
+    by_kind: dict[str, int] = {}
+    for s in specs:
+        by_kind[s.kind] = by_kind.get(s.kind, 0) + s.size
+    block = sum(s.size for s in specs if s.name.startswith("blocks.0."))
+    lines += ["", f"{'one transformer block':<32}{block:>16,}"]
+    lines += [f"{'kind: ' + kind:<32}{n:>16,}" for kind, n in by_kind.items()]
+    total = sum(s.size for s in specs)
+    lines.append(f"{'total':<32}{total:>16,}")
+    if adapters is not None:
+        n = sum(s.size for s in adapters)
+        lines.append(f"{'LoRA r=' + str(lora[0]) + ' on ' + ','.join(lora[1]):<32}{n:>16,}"
+                     f"   ({100 * n / total:.2f}% of the base; {len(adapters) // 2} adapted layers)")
+    return "\n".join(lines)

@@ -198,3 +198,29 @@ def check_model_gradients(model, x, y, check: str = "fd", *, entries: int = 3, s
             bad, shown = finite_differences(model, key, grads[key], x, y, entries, step, rtol, atol, rng)
         lines.append(GradientLine(label, tuple(value.shape), size, shown, bool(bad)))
     return loss, lines, (None if truth is None else o_loss)
+
+
+def gradients_text(loss: float, lines: list, vocab_size: int, check: str = "fd", *, entries: int = 3,
+                   step: float = 1e-5, rtol: float = 1e-6, atol: float = 1e-8,
+                   oracle_loss: float | None = None) -> tuple[str, bool]:
+    """``(text, passed)``: the result of :func:`check_model_gradients` as ``pedestrian demo``
+    prints it -- the loss beside the uniform guess ``ln vocab_size``, the check and its pass
+    rule, one line per gradient (label, shape, largest entry, the check's column, ``<- FAILED``
+    on a failing line) and the count of failures."""
+    import math
+
+    out = [f"loss L = {loss:.6f} nats/char (uniform guess: ln {vocab_size} = {math.log(vocab_size):.4f})"]
+    if check == "autograd":
+        out.append(f"check: PyTorch autograd of the test suite's independent model (float64; its loss "
+                   f"{oracle_loss:.6f}); pass max |ours - autograd| <= {AUTOGRAD_RTOL:g}·max |autograd| per tensor\n")
+    else:
+        out.append(f"check: central finite differences, h = {step:g}, {entries} entries per parameter; "
+                   f"pass |numeric - analytic| <= {atol:g} + {rtol:g}·|numeric|\n")
+    out.append(f"{'gradient':<37}{'shape':<14}{'max |·|':>10}{'autograd' if check == 'autograd' else 'check':>11}")
+    for g in lines:
+        # a failing line says so: in fd mode the column (a relative error) alone cannot tell,
+        # since an entry near atol passes on its absolute error
+        out.append(f"{g.label:<37}{str(g.shape):<14}{g.size:>10.1e}{g.shown:>11}" + ("  <- FAILED" if g.failed else ""))
+    failed = sum(g.failed for g in lines)
+    out.append(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
+    return "\n".join(out), not failed

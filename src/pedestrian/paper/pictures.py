@@ -26,6 +26,25 @@ def token_labels(tokenizer, ids) -> list[str]:
     return out
 
 
+def random_model(prompt: str, seed: int = 0, **widths):
+    """``(model, tokenizer)`` for ``pedestrian attention --random``: a float64 GPT with GPT-2's
+    initialisation (``seed``; ``widths``: ``n_blocks``, ``n_heads``, ``d_model``) and a character
+    tokenizer of ``prompt``'s own characters; context ``max(len(prompt), 2)``.
+
+    Raises:
+        ValueError: an empty prompt, or widths :class:`pedestrian.config.GPTConfig` refuses.
+    """
+    from ..config import GPTConfig
+    from ..model import GPT
+    from ..text.tokenizer import CharTokenizer
+
+    if not prompt:
+        raise ValueError("--prompt is empty: give at least one character to attend over")
+    tokenizer = CharTokenizer.from_text(prompt)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=max(len(prompt), 2), **widths)
+    return GPT(config, seed=seed, dtype="float64"), tokenizer
+
+
 def attention_maps(model, ids, gradients: bool = False) -> tuple[list, list | None, float | None]:
     """``(weights, delta_causal, loss)`` of ``model`` on the token ids ``ids`` (one sequence).
 

@@ -46,6 +46,30 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
     return tokens[: n - n_val], tokens[n - n_val:]
 
 
+def corpus_split(data, tokenizer, val_fraction: float, split: str) -> np.ndarray:
+    """The token ids of one split of a corpus, as ``pedestrian eval`` reads it: ``data`` (a text
+    file or folder; ``None``: the bundled plays) encoded with ``tokenizer``; ``split`` ``"train"``
+    or ``"val"`` as :func:`split_tokens` cuts them with ``val_fraction``, or ``"all"``.
+
+    Raises:
+        TrainingError: fewer than 2 tokens in the split (the message names the fixes).
+    """
+    corpus = Path(data).expanduser() if data else BUNDLED_CORPUS
+    tokens = encode_to_token_file(corpus, tokenizer)
+    if split == "all":
+        part = tokens
+    else:
+        part = dict(zip(("train", "val"), split_tokens(tokens, val_fraction)))[split]
+    if part.shape[0] < 2:
+        what = "the whole text" if split == "all" else (
+            f"its {split} part (val_fraction {val_fraction}: the last {val_fraction:g} of the tokens "
+            "is the val part, the rest the train part)")
+        raise TrainingError(f"{corpus} has {tokens.shape[0]} tokens and {what} holds {part.shape[0]}; "
+                            "evaluation needs at least 2. Use a longer text"
+                            + ("" if split == "all" else ", --split all, or another --val-fraction"))
+    return part
+
+
 def prepare_data(settings: TrainSettings, tokenizer=None):
     """Tokenizer and the encoded train / validation token streams of the corpus.
 

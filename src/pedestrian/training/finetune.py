@@ -37,7 +37,7 @@ from ..config import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, at_most, check, setting, specs
 
-__all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "adapter_base",
+__all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "load_model", "LoadedModel", "adapter_base",
            "adapter_checkpoint_dir",
            "base_fingerprint", "DEFAULT_TARGETS"]
 
@@ -252,6 +252,59 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
     model, tokenizer = load_pretrained(base_dir, dtype=dtype or state.get("dtype", "float32"), backend=backend)
     ckpt = load_checkpoint(folder, backend=backend, base_model=model)
     return ckpt.model, ckpt.tokenizer or tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`load_model` read: the model, its tokenizer (``None`` if none was saved), the
+    checkpoint folder (``None`` for a Hugging Face directory) and its step, the run's recorded
+    settings (``pedestrian train``'s, or a fine-tune's), and the base directory of a fine-tune
+    (or the Hugging Face directory itself; ``None`` for a full checkpoint)."""
+
+    model: object
+    tokenizer: object
+    path: Path | None = None
+    step: int = 0
+    settings: dict = dataclasses.field(default_factory=dict)
+    base: str | None = None
+
+
+def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backend: str = "numpy",
+               adapters: bool | None = None) -> LoadedModel:
+    """The model a command samples, evaluates or exports: a ``pedestrian train`` checkpoint (or
+    run folder), a ``pedestrian finetune`` run (its base plus the adapters, :func:`load_finetuned`;
+    ``hf_dir`` overrides the recorded base), or a Hugging Face GPT-2 directory ``hf_dir`` alone.
+
+    Args:
+        dtype: default: the checkpoint's, float32 for a Hugging Face directory.
+        adapters: ``True``: ``checkpoint`` must be a fine-tune's (else the error of
+            :func:`load_finetuned`); ``None``: whichever it is.
+
+    Raises:
+        ValueError: neither source given; ``hf_dir`` with a full checkpoint; the errors of
+            :func:`load_finetuned` and :func:`pedestrian.checkpoint.load_checkpoint`.
+    """
+    from ..checkpoint import load_checkpoint
+    from ..interop.hf import load_pretrained
+
+    if checkpoint is None:
+        if hf_dir is None:
+            raise ValueError("pass --checkpoint CKPT (a train or finetune run) or --hf-dir DIR (a Hugging Face "
+                             "GPT-2 directory)")
+        model, tokenizer = load_pretrained(hf_dir, dtype=dtype or "float32", backend=backend)
+        return LoadedModel(model, tokenizer, base=str(hf_dir))
+    adapter = checkpoint if adapters else adapter_checkpoint_dir(checkpoint)
+    if adapter is None:
+        if hf_dir is not None:
+            raise ValueError(f"--hf-dir names the base model of a fine-tune run; {checkpoint} is not one, "
+                             "so leave --hf-dir out")
+        ckpt = load_checkpoint(checkpoint, backend=backend, dtype=dtype)
+        return LoadedModel(ckpt.model, ckpt.tokenizer, ckpt.path, ckpt.step, ckpt.meta.get("settings") or {})
+    model, tokenizer = load_finetuned(adapter, hf_dir, dtype=dtype, backend=backend)
+    folder, state = _adapter_state(adapter)
+    return LoadedModel(model, tokenizer, folder, int(state.get("step", 0)),
+                       (state.get("meta") or {}).get("finetune") or {},
+                       hf_dir or (state.get("base") or {}).get("hf_dir"))
 
 
 def finetune(settings: FinetuneSettings) -> FinetuneResult:

@@ -392,3 +392,30 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
     if settings.warmup_steps >= settings.max_steps:
         log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
                     f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps")
+
+
+# ------------------------------------------------------------------------------ after the run
+def final_samples(out, n: int = 2, chars: int = 200) -> tuple[Path, list[str]]:
+    """``(folder, texts)``: ``n`` samples of at most ``chars`` characters (stripped) from the run
+    in ``out`` -- its ``best`` checkpoint, else ``latest`` -- as ``pedestrian train`` prints them
+    at the end: temperature 0.8, top-k 40, seed 0 (:func:`pedestrian.generation.generate.generate`),
+    each started from ``<|endoftext|>`` (a BPE tokenizer's) or a newline."""
+    from ..generation.generate import generate
+
+    out = Path(out)
+    folder = out / "best" if (out / "best" / "state.json").is_file() else out / "latest"
+    ckpt = load_checkpoint(folder)
+    model, tok = ckpt.model, ckpt.tokenizer
+    model.training = False
+    start = getattr(tok, "special_tokens", {}).get("<|endoftext|>")
+    if start is None:
+        try:
+            start = tok.encode("\n")[0]
+        except (ValueError, IndexError):
+            start = 0
+    per_token = 1 if tok.to_dict().get("kind") == "char" else 3       # BPE: ~3-4 characters a token
+    ids = generate(model, np.full((n, 1), start, dtype=np.int64), max(1, chars // per_token),
+                   temperature=0.8, top_k=min(40, model.config.vocab_size), seed=0)
+    texts = [tok.decode([int(t) for t in row[1:] if int(t) != start or per_token == 1])[:chars].strip()
+             for row in ids]
+    return folder, texts

@@ -271,3 +271,28 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
     model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
     explicit = set(given) | {f"model.{k}" for k in model_keys}
     return settings, explicit
+
+
+def config_file_model(path, vocab_size: int | None = None) -> tuple[GPTConfig, TrainSettings]:
+    """The model a ``pedestrian train --config path`` run would build, and the run's settings,
+    without building anything: the default model, the file's preset, its model keys; the
+    vocabulary ``vocab_size``, else BPE's size setting, else the corpus' characters.
+
+    Raises:
+        the errors of :func:`read_config_file`; FileNotFoundError: no corpus (char tokenizer).
+    """
+    given = read_config_file(path)
+    settings = TrainSettings(**{k: v for k, v in given.items()
+                                if k in TrainSettings.__dataclass_fields__ and k != "model"})
+    model = dict(DEFAULT_MODEL)
+    if "preset" in given:
+        model = {k: v for k, v in PRESETS[given["preset"]].items() if k != "vocab_size"}
+    model.update({k: v for k, v in given.items() if k in GPTConfig.__dataclass_fields__})
+    if vocab_size is None and settings.tokenizer == "bpe":
+        vocab_size = settings.bpe_vocab_size
+    if vocab_size is None:
+        from ..text.data import load_corpus
+        from ..text.tokenizer import CharTokenizer
+
+        vocab_size = CharTokenizer.from_text(load_corpus(settings.data)).vocab_size
+    return GPTConfig(vocab_size=vocab_size, **model), settings
