@@ -84,7 +84,7 @@ class GPT(FlatParameters, LoRAAdapters):
         grads = model.backward()               # name -> gradient, same shapes as model.params
 
     Threads: one model may serve several Python threads at once. :meth:`forward`, :meth:`loss`
-    and :func:`pedestrian.generate.generate` keep what a call needs -- activations, memory pool
+    and :func:`pedestrian.generation.generate` keep what a call needs -- activations, memory pool
     (:class:`~pedestrian.kernels.workspace.Workspace`), eval mode during generation
     (:meth:`inference`) -- per thread, so each thread gets the numbers it would get alone, and
     :meth:`activations`, :meth:`attention_weights`, :meth:`deltas` and :meth:`backward` see the
@@ -176,7 +176,7 @@ class GPT(FlatParameters, LoRAAdapters):
     def inference(self):
         """``with model.inference():`` the calling thread's forwards run as in eval mode (no
         dropout, on the base or the adapters) while :attr:`training` stays as it is for other
-        threads (:func:`pedestrian.generate.generate` uses it)."""
+        threads (:func:`pedestrian.generation.generate` uses it)."""
         before = getattr(self._local, "inference", False)
         self._local.inference = True
         try:
