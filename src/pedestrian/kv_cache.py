@@ -155,8 +155,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by the keys and values of every block (the whole capacity, used or not)."""
-        return sum(int(a.nbytes) if hasattr(a, "nbytes") else a.element_size() * a.numel()
-                   for a in (*self.keys, *self.values))
+        return sum(int(a.nbytes) for a in (*self.keys, *self.values))      # (NumPy arrays and torch tensors)
 
     def block(self, i: int) -> KVBlock:
         """Block ``i``'s arrays and the current length, as the attention layers take them."""

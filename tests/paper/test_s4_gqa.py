@@ -472,9 +472,9 @@ def test_fast_equals_reference_over_the_shape_space(seed, B, T, n_kv, g, d_qk, d
     """The fast path (full-matrix below ``TILED_MIN_T = 256``, tiled from it) equals the reference
     over ``B`` 1-3, ``T`` across the tiled threshold up to 600, 1-3 key/value heads of 1-3 query
     heads each, odd and even widths, causal or not, float64 (1e-12 of the scale: the same sums in
-    another order, at most 600 terms) and float32 (both float32 paths within the float32 bound of
-    :func:`test_float32_error_within_its_rounding_bound` of a float64 reference), on 1 and 2
-    threads (the same bits)."""
+    another order, at most 600 terms) and float32 (the float32 fast path within the bound of
+    :func:`test_float32_error_within_its_rounding_bound` of the float64 reference on the same
+    inputs), on 1 and 2 threads (the same bits)."""
     H = n_kv * g
     dtype = np.float32 if float32 else np.float64
     qkv, R = random_qkv(np.random.default_rng(seed), B, T, H, n_kv, d_qk, d_head, dtype=dtype)

@@ -7,7 +7,8 @@ their column blocks of ``a3`` and of the signal at ``qkv`` (no concatenation cop
 forward and backward is one iteration of a numba loop over the heads
 (:mod:`pedestrian.kernels.attention_loops`: heads over the threads, products on a single-threaded
 BLAS, the softmax one pass per row, the causal mask a loop bound), and so is a KV-cache step of a
-few tokens.
+few tokens. Grouped-query attention: query head ``h`` reads key/value head ``h // g``; each query
+head's ``dk``, ``dv`` go to scratch and a second loop sums each group's, in head order.
 
 From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
 kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks

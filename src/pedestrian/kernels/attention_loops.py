@@ -67,9 +67,11 @@ def heads_forward(qkv, causal, scale, q, k, v, p, out):
     ``(B, H, T, d_qk)``, the key/value heads' ``k``, ``v`` ``(B, H_kv, T, ·)`` copied out,
     ``P = softmax(q kᵀ)`` (masked, query head ``h`` against key/value head ``h // (H / H_kv)``) into
     ``p`` ``(B, H, T, T)``, ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the
-    threads, products on BLAS."""
-    for u in prange(k.shape[0] * k.shape[1]):
-        _copy_kv(u, qkv, q.shape[1] * q.shape[3], k, v)
+    threads, products on BLAS. Grouped (``H_kv < H``), the key/value heads are copied out first;
+    else each head copies its own."""
+    if k.shape[1] < q.shape[1]:
+        for u in prange(k.shape[0] * k.shape[1]):
+            _copy_kv(u, qkv, q.shape[1] * q.shape[3], k, v)
     for u in prange(q.shape[0] * q.shape[1]):
         _head_forward(u, qkv, causal, scale, q, k, v, p, out)
 
@@ -94,6 +96,8 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
     d_head = v.shape[3]
     b, h = u // H, u % H
     qh, kh, vh, ph = q[b, h], k[b, h // (H // k.shape[1])], v[b, h // (H // k.shape[1])], p[b, h]
+    if k.shape[1] == H:                                          # multi-head: its own k, v
+        _copy_kv(u, qkv, H * d_qk, k, v)
     for t in range(T):
         for c in range(d_qk):
             qh[t, c] = qkv[b, t, h * d_qk + c] * scale

@@ -286,7 +286,7 @@ def _torch_forward(q, k, v, bq, bk, causal):
         m = l = acc = None
         for j0 in range(0, i1 if causal else T, bk):
             j1 = min(j0 + bk, i1 if causal else T)
-            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                                 # S (G, r, c)
+            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                       # S (G, r, c)
             if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
             m_new = s.amax(-1, keepdim=True) if m is None else torch.maximum(m, s.amax(-1, keepdim=True))
@@ -298,7 +298,7 @@ def _torch_forward(q, k, v, bq, bk, causal):
                 l, acc = l * alpha + e.sum(-1, keepdim=True), acc * alpha + e @ v[..., j0:j1, :]
             m = m_new
         o[..., i0:i1, :] = acc / l
-        lse[..., i0:i1] = (m + torch.log(l))[..., 0]                           # ℓ = m + log l
+        lse[..., i0:i1] = (m + torch.log(l))[..., 0]                         # ℓ = m + log l
     return o, lse
 
 
@@ -366,21 +366,21 @@ def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept):
     T = o.shape[-2]
     minus_d = -(d * o).sum(-1, keepdim=True)                                 # −D = −rowsum(Δ ∘ out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    total = (lambda a: a.sum(1, keepdim=True)) if q.dim() == 4 else (lambda a: a)   # Σ over a group
+    total = (lambda a: a.sum(1, keepdim=True)) if q.dim() == 4 else (lambda a: a)  # Σ over a group
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
         for j0 in range(0, i1 if causal else T, bk):
             j1 = min(j0 + bk, i1 if causal else T)
-            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT - lse[..., i0:i1, None]          # S − ℓ
+            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT - lse[..., i0:i1, None]  # S − ℓ
             if causal and j1 - 1 > i0:
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
             p = torch.exp(s)
-            dv[..., j0:j1, :] += total(p.mT @ d[..., i0:i1, :])                               # dv += Pᵀ Δ
-            ds = p * (d[..., i0:i1, :] @ v[..., j0:j1, :].mT + minus_d[..., i0:i1, :])      # Δcausal = P ∘ (dP − D)
+            dv[..., j0:j1, :] += total(p.mT @ d[..., i0:i1, :])              # dv += Pᵀ Δ
+            ds = p * (d[..., i0:i1, :] @ v[..., j0:j1, :].mT + minus_d[..., i0:i1, :])  # Δcausal = P ∘ (dP − D)
             if kept is not None:
                 kept[..., i0:i1, j0:j1] = ds
-            dq[..., i0:i1, :] += ds @ k[..., j0:j1, :]                                 # dq += Δcausal k
-            dk[..., j0:j1, :] += total(ds.mT @ q[..., i0:i1, :])                              # dk += Δcausalᵀ q
+            dq[..., i0:i1, :] += ds @ k[..., j0:j1, :]                       # dq += Δcausal k
+            dk[..., j0:j1, :] += total(ds.mT @ q[..., i0:i1, :])             # dk += Δcausalᵀ q
     return dq, dk, dv
 
 

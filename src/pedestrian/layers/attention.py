@@ -13,6 +13,11 @@ concatenated. In the backward the heads' signals at ``q``, ``k``, ``v`` are conc
 way, so that the caller's ``Δ_{i-1} = d_qkv [Wq | Wk | Wv]ᵀ`` *is* the section-4 sum over heads
 ``Σ_h (dq_h Wq_hᵀ + dk_h Wk_hᵀ + dv_h Wv_hᵀ)``.
 
+Grouped-query attention (Llama, Qwen2, Mistral; EQUATIONS.md "Grouped-query attention"):
+``n_kv_heads`` key/value heads, each shared by a group of ``n_heads / n_kv_heads`` query heads.
+The forward broadcasts each key/value head over its group (an axis of length 1 against the
+group's queries, no copy); the backward sums the group's ``dk``, ``dv`` over that axis.
+
 Reference implementation: the paper's math only, written against the array API standard.
 """
 
