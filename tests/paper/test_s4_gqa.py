@@ -256,13 +256,14 @@ def empty_block(B, KV, capacity, d_qk, d_head, key_start=None, dtype=np.float64)
 
 @kernels_param()
 @pytest.mark.parametrize("case", ["gqa-4:2", "mqa-4:1", "gqa-6:3-head_dim5"])
-@pytest.mark.parametrize("chunks", [(1,) * 9, (4, 1, 1, 3)], ids=["token-by-token", "prefix-then-steps"])
+@pytest.mark.parametrize("chunks", [(1,) * 12, (4, 1, 1, 6), (9, 1, 2)],       # 9 > DECODE_MAX_T: the reference
+                         ids=["token-by-token", "prefix-then-steps", "long-prefix"])
 def test_kv_cache_steps_equal_the_full_forward(K, case, chunks):
     """Token by token (the fast path's decode loop) and a prefix then steps: every chunk's output
     and ``P`` rows equal the full forward's; the cache holds ``n_kv_heads`` heads whose rows are
     the grouped keys and values; left padding (row 1: 2 junk tokens) is never attended to."""
     H, KV, d_qk, d_head = CASES[case]
-    B, T = 2, 9
+    B, T = 2, 12
     qkv, _ = random_qkv(np.random.default_rng(5), B, T, H, KV, d_qk, d_head)
     full, full_cache = K.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV)
     P_full = as_np(K.attention_weights(full_cache))

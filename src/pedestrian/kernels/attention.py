@@ -107,7 +107,7 @@ def attention_weights(cache):
     from ``q``, ``k`` and the log-sum-exp for a tiled cache)."""
     if cache.get("tiled"):
         return tiled_attention_weights(cache)
-    return cache["p"]
+    return layers.attention_weights(cache)              # (a prompt's KV-cache step ran the reference: grouped P)
 
 
 def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
