@@ -19,7 +19,8 @@ from ..backend import persistent, to_numpy
 from ..config import GPTConfig, lora_specs, param_specs
 from .inputs import check_finite_state
 
-__all__ = ["FC", "FlatBuffer", "FlatParams", "FlatParameters", "Norm", "base_regions", "lora_regions"]
+__all__ = ["FC", "FlatBuffer", "FlatParams", "FlatParameters", "Norm", "base_regions", "lora_regions",
+           "qkv_columns"]
 
 
 class FlatBuffer(NamedTuple):
@@ -82,8 +83,8 @@ def _fused_name(member: str) -> str:
 def base_regions(config: GPTConfig) -> list:
     """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused)."""
     specs = {s.name: s for s in param_specs(config)}
-    hq, hv = config.n_heads * config.d_qk, config.n_heads * config.d_head
-    cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
+    cols = dict(qkv_columns(config))
+    width = cols["v"][1]
     regions, fused_done = [], set()
     for name, spec in specs.items():
         parts = name.split(".")
@@ -93,12 +94,21 @@ def base_regions(config: GPTConfig) -> list:
                 continue
             fused_done.add(key)
             stem = f"blocks.{parts[1]}.attn"
-            shape = (config.d_model, 2 * hq + hv) if parts[4] == "weight" else (2 * hq + hv,)
+            shape = (config.d_model, width) if parts[4] == "weight" else (width,)
             members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
             regions.append((shape, spec.decay, members))
         else:
             regions.append((spec.shape, spec.decay, [(name, None)]))
     return regions
+
+
+def qkv_columns(config: GPTConfig) -> tuple:
+    """``(("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv)))``: the fused qkv
+    layer's column slices, ``hq = n_heads·d_qk``, ``hk = n_kv_heads·d_qk``, ``hv = n_kv_heads·d_head``
+    (grouped-query attention: k and v hold only the ``n_kv_heads`` shared heads)."""
+    hq, hk, hv = (config.n_heads * config.d_qk, config.n_kv_heads * config.d_qk,
+                  config.n_kv_heads * config.d_head)
+    return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
 
 
 def lora_regions(specs) -> list:
@@ -224,7 +234,8 @@ class FlatParameters:
 
     def _layer_table(self, grads: bool) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
-        ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_expand`` / ``.mlp_contract``, ``ln_final``,
+        ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
+        ``.mlp_contract``, ``ln_final``,
         ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
         fused ``qkv`` layer; tied logits use ``W_tokᵀ``). With ``grads``, the gradient arrays
         instead, ``None`` where a parameter gets none (frozen or absent), and ``tok_lookup``:
@@ -240,7 +251,6 @@ class FlatParameters:
         if c.tie_weights and "tok_emb.weight" in P:
             P["logits.weight"] = self.xp.matrix_transpose(P["tok_emb.weight"])
         lora = set(self.lora_targets)
-        hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
 
         def norm(name):
             return Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
@@ -251,9 +261,10 @@ class FlatParameters:
                              if a in lora)
             return FC(P.get(f"{name}.weight"), P.get(f"{name}.bias"), adapters)
 
-        qkv_parts = (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, 2 * hq + hv))
+        qkv_parts = tuple((h, lo, hi) for h, (lo, hi) in qkv_columns(c))
         blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"), qkv=fc(f"blocks.{i}.attn.qkv", qkv_parts),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2"),
+                                  mlp_gate=fc(f"blocks.{i}.mlp_gate") if c.mlp == "swiglu" else None,
                                   mlp_expand=fc(f"blocks.{i}.mlp_expand"),
                                   mlp_contract=fc(f"blocks.{i}.mlp_contract"))
                   for i in range(c.n_blocks)]
