@@ -48,37 +48,12 @@ from ..backend import namespace_for, resolve_dtype
 from ..config import GPTConfig
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
+from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .kv_cache import KVCache
-from .buffers import FlatBuffer
-from .params import FC, Parameters
+from .params import FC, Delegated, Parameters
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer"]
-
-
-class _Delegated:
-    """A :class:`GPT` attribute that is its :class:`Parameters`' own, of the same name (a method or
-    a property, its docstring included): ``model.add_lora(...)`` is ``model.parameters.add_lora(...)``.
-    On the class it is the :class:`Parameters` method or property itself (for ``help`` and
-    signatures); ``doc`` documents a plain attribute of the parameters."""
-
-    def __init__(self, doc: str | None = None, *, settable: bool = False):
-        self.__doc__, self.settable = doc, settable
-
-    def __set_name__(self, owner, name):
-        self.name = name
-        self.target = vars(Parameters).get(name)           # None: an attribute of the instance
-        self.__doc__ = self.__doc__ or self.target.__doc__
-
-    def __get__(self, model, owner=None):
-        if model is None:
-            return self if self.target is None else self.target
-        return getattr(model.parameters, self.name)
-
-    def __set__(self, model, value):
-        if not self.settable:
-            raise AttributeError(f"GPT.{self.name} cannot be set (it is model.parameters.{self.name})")
-        setattr(model.parameters, self.name, value)
 
 
 class GPT:
@@ -380,28 +355,28 @@ class GPT:
         return "reference" if self.kernels.__name__.endswith(".layers") else "fast"
 
     # ------------------------------------------------------------------ parameters: model.parameters'
-    params = _Delegated("``name -> array`` of every parameter (base, then LoRA adapters): views into the "
+    params = Delegated("``name -> array`` of every parameter (base, then LoRA adapters): views into the "
                         "flat buffers, :mod:`pedestrian.model.gpt` lists the names and shapes.")
-    grads = _Delegated()
-    flat = _Delegated()
-    freeze_base = _Delegated("Whether the base parameters get no gradients (their matmuls skipped); set "
+    grads = Delegated()
+    flat = Delegated()
+    freeze_base = Delegated("Whether the base parameters get no gradients (their matmuls skipped); set "
                              "by :meth:`add_lora`, cleared by :meth:`remove_lora`, may be set.", settable=True)
-    lora_targets = _Delegated()
-    lora_ranks = _Delegated()
-    lora_alphas = _Delegated()
-    lora_rank = _Delegated()
-    lora_alpha = _Delegated()
-    lora_dropout = _Delegated()
-    to_xp = _Delegated()
-    num_params = _Delegated()
-    state_dict = _Delegated()
-    load_state_dict = _Delegated()
-    trainable_buffers = _Delegated()
-    add_lora = _Delegated()
-    merge_lora = _Delegated()
-    unmerge_lora = _Delegated()
-    remove_lora = _Delegated()
-    lora_state_dict = _Delegated()
+    lora_targets = Delegated()
+    lora_ranks = Delegated()
+    lora_alphas = Delegated()
+    lora_rank = Delegated()
+    lora_alpha = Delegated()
+    lora_dropout = Delegated()
+    to_xp = Delegated()
+    num_params = Delegated()
+    state_dict = Delegated()
+    load_state_dict = Delegated()
+    trainable_buffers = Delegated()
+    add_lora = Delegated()
+    merge_lora = Delegated()
+    unmerge_lora = Delegated()
+    remove_lora = Delegated()
+    lora_state_dict = Delegated()
 
 
 def _named_deltas(top, blocks) -> dict:

@@ -24,7 +24,7 @@ from .adapters import LoRA
 from .buffers import FlatBuffer, FlatParams, base_regions
 from .inputs import check_finite_state
 
-__all__ = ["FC", "Norm", "Parameters"]
+__all__ = ["FC", "Delegated", "Norm", "Parameters"]
 
 
 class Norm(NamedTuple):
@@ -361,3 +361,32 @@ class Parameters:
     def lora_state_dict(self) -> dict[str, np.ndarray]:
         """NumPy copies of the adapter parameters only (``X.lora_D``, ``X.lora_U``)."""
         return {k: v for k, v in self.state_dict().items() if ".lora_" in k}
+
+
+class Delegated:
+    """A :class:`~pedestrian.model.GPT` attribute that is its :class:`Parameters`' own, of the
+    same name (a method or a property, its docstring included): ``model.add_lora(...)`` is
+    ``model.parameters.add_lora(...)``. On the class it is the :class:`Parameters` method or
+    property itself (for ``help`` and signatures); ``doc`` documents a plain attribute.
+
+    Raises:
+        AttributeError: setting it on a model, unless ``settable``.
+    """
+
+    def __init__(self, doc: str | None = None, *, settable: bool = False):
+        self.__doc__, self.settable = doc, settable
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.target = vars(Parameters).get(name)           # None: an attribute of the instance
+        self.__doc__ = self.__doc__ or self.target.__doc__
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self if self.target is None else self.target
+        return getattr(model.parameters, self.name)
+
+    def __set__(self, model, value):
+        if not self.settable:
+            raise AttributeError(f"GPT.{self.name} cannot be set (it is model.parameters.{self.name})")
+        setattr(model.parameters, self.name, value)
