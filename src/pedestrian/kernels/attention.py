@@ -7,7 +7,8 @@ their column blocks of ``a3`` and of the signal at ``qkv`` (no concatenation cop
 forward and backward is one iteration of a numba loop over the heads
 (:mod:`pedestrian.kernels.attention_loops`: heads over the threads, products on a single-threaded
 BLAS, the softmax one pass per row, the causal mask a loop bound), and so is a KV-cache step of a
-few tokens.
+few tokens. Grouped-query attention: query head ``h`` reads key/value head ``h // g``; each query
+head's ``dk``, ``dv`` go to scratch and a second loop sums each group's, in head order.
 
 From :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on, the forward runs the tiled
 kernel of :mod:`pedestrian.kernels.attention_tiled` instead (``O(T)`` memory, causal blocks
@@ -22,7 +23,7 @@ import math
 import numpy as np
 
 from .. import layers
-from ..layers.attention import KVBlock
+from ..layers.attention import KVBlock, check_cache_heads, check_kv_heads
 from ..layers.checks import check_float
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from . import attention_loops
@@ -35,32 +36,35 @@ DECODE_MAX_T = 8
 
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache: KVBlock | None = None):
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
     """Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
     results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
     (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
     no ``P``."""
     check_float(qkv, "qkv")
+    n_kv = check_kv_heads(n_heads, n_kv_heads)
     if kv_cache is not None:
-        return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache)
+        return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache, n_kv)
     B, T, _ = qkv.shape
     if use_tiled(T, qkv):
-        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal)
+        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv)
     blas_one_thread()                                        # heads over numba's threads
-    q, k = (empty_array((B, n_heads, T, d_qk), qkv) for _ in range(2))
-    v, p = empty_array((B, n_heads, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
+    q, k = empty_array((B, n_heads, T, d_qk), qkv), empty_array((B, n_kv, T, d_qk), qkv)
+    v, p = empty_array((B, n_kv, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, n_heads * d_head), qkv)
     attention_loops.heads_forward.sized(p.size)(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal)
 
 
-def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
+def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, n_kv):
     """Attention of ``T`` new tokens against every cached one; writes their keys and values. A
     few tokens: one numba loop nest; more (a prompt): the reference (batched products)."""
     keys, values = kv_cache.keys, kv_cache.values
+    check_cache_heads(kv_cache, n_kv)
     if qkv.shape[1] <= DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
         return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache)
-    out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache)
+    out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache,
+                                                     n_kv_heads=n_kv)
     return out, dict(cache, kv_cache=True)
 
 
@@ -90,13 +94,16 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     if cache.get("tiled"):
         return tiled_attention_backward(delta, cache, keep_delta_causal=keep_delta_causal)
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
-    B, H, T, d_head = v.shape
-    delta_qkv = empty_array((B, T, H * (2 * cache["d_qk"] + d_head)), p)
+    (B, H, T, d_qk), n_kv, d_head = q.shape, k.shape[1], v.shape[3]
+    delta_qkv = empty_array((B, T, H * d_qk + n_kv * (d_qk + d_head)), p)
     kept = empty_array(p.shape, p) if keep_delta_causal else None
+    grouped = n_kv < H                                        # per-query-head dk, dv, then group sums
+    dk_heads = empty_array((B, H, T, d_qk), p) if grouped else p[:1, :1, :1, :1]
+    dv_heads = empty_array((B, H, T, d_head), p) if grouped else p[:1, :1, :1, :1]
     blas_one_thread()                                         # heads over numba's threads
     attention_loops.heads_backward.sized(p.size)(
         delta, q, k, v, p, cache["causal"], 1.0 / math.sqrt(cache["d_qk"]), keep_delta_causal,
-        kept if keep_delta_causal else p[:1, :1, :1, :1], delta_qkv)
+        kept if keep_delta_causal else p[:1, :1, :1, :1], dk_heads, dv_heads, delta_qkv)
     return delta_qkv, kept
 
 
@@ -105,17 +112,18 @@ def attention_weights(cache):
     from ``q``, ``k`` and the log-sum-exp for a tiled cache)."""
     if cache.get("tiled"):
         return tiled_attention_weights(cache)
-    return cache["p"]
+    return layers.attention_weights(cache)              # (a prompt's KV-cache step ran the reference: grouped P)
 
 
 def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                      kv_cache: KVBlock | None = None):
+                      kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
     """The forward for torch tensors on a GPU: the tiled kernel's torch loop from
     :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on (``O(T)`` memory), else the
     reference (same arguments and results as :func:`multi_head_attention_forward`)."""
     if kv_cache is None and use_tiled(qkv.shape[1], qkv):
-        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal)
-    return layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache)
+        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv_heads)
+    return layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache,
+                                               n_kv_heads=n_kv_heads)
 
 
 def on_device_backward(delta, cache, *, keep_delta_causal: bool = False):

@@ -63,11 +63,30 @@ def _softmax_backward_row(d_row, p_row, n):
 
 @kernel(parallel=True)
 def heads_forward(qkv, causal, scale, q, k, v, p, out):
-    """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·(2·d_qk + d_head))``: its ``q · scale``, ``k``,
-    ``v`` copied out ``(B, H, T, d)``, ``P = softmax(q kᵀ)`` (masked) into ``p`` ``(B, H, T, T)``,
-    ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the threads, products on BLAS."""
+    """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``: its ``q · scale``
+    ``(B, H, T, d_qk)``, the key/value heads' ``k``, ``v`` ``(B, H_kv, T, ·)`` copied out,
+    ``P = softmax(q kᵀ)`` (masked, query head ``h`` against key/value head ``h // (H / H_kv)``) into
+    ``p`` ``(B, H, T, T)``, ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the
+    threads, products on BLAS. Grouped (``H_kv < H``), the key/value heads are copied out first;
+    else each head copies its own."""
+    if k.shape[1] < q.shape[1]:
+        for u in prange(k.shape[0] * k.shape[1]):
+            _copy_kv(u, qkv, q.shape[1] * q.shape[3], k, v)
     for u in prange(q.shape[0] * q.shape[1]):
         _head_forward(u, qkv, causal, scale, q, k, v, p, out)
+
+
+@kernel
+def _copy_kv(u, qkv, hq, k, v):
+    """Key/value head ``u = b·H_kv + j``'s ``k``, ``v`` out of ``qkv`` (the k part starts at column ``hq``)."""
+    B, H_kv, T, d_qk = k.shape
+    d_head = v.shape[3]
+    b, j = u // H_kv, u % H_kv
+    for t in range(T):
+        for c in range(d_qk):
+            k[b, j, t, c] = qkv[b, t, hq + j * d_qk + c]
+        for c in range(d_head):
+            v[b, j, t, c] = qkv[b, t, hq + H_kv * d_qk + j * d_head + c]
 
 
 @kernel
@@ -76,13 +95,12 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
     B, H, T, d_qk = q.shape
     d_head = v.shape[3]
     b, h = u // H, u % H
-    qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
+    qh, kh, vh, ph = q[b, h], k[b, h // (H // k.shape[1])], v[b, h // (H // k.shape[1])], p[b, h]
+    if k.shape[1] == H:                                          # multi-head: its own k, v
+        _copy_kv(u, qkv, H * d_qk, k, v)
     for t in range(T):
         for c in range(d_qk):
             qh[t, c] = qkv[b, t, h * d_qk + c] * scale
-            kh[t, c] = qkv[b, t, (H + h) * d_qk + c]
-        for c in range(d_head):
-            vh[t, c] = qkv[b, t, 2 * H * d_qk + h * d_head + c]
     np.dot(qh, kh.T, ph)                                         # S = q kᵀ / √d_qk
     for t in range(T):
         _softmax_row(ph[t], t + 1 if causal else T)
@@ -94,26 +112,32 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
 
 
 @kernel(parallel=True)
-def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
+def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_heads, dv_heads, delta_qkv):
     """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
-    into their column blocks of ``delta_qkv`` ``(B, T, H·(2·d_qk + d_head))``."""
+    into their column blocks of ``delta_qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``. Grouped
+    (``H_kv < H``): each query head's ``dk``, ``dv`` go to ``dk_heads``, ``dv_heads`` ``(B, H, T, ·)``,
+    then each key/value head sums its group's, in head order (the same bits on any number of threads)."""
     for u in prange(q.shape[0] * q.shape[1]):
-        _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv)
+        _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_heads, dv_heads, delta_qkv)
+    if k.shape[1] < q.shape[1]:
+        for u in prange(k.shape[0] * k.shape[1]):
+            _group_sum(u, q.shape[1], dk_heads, dv_heads, delta_qkv)
 
 
 @kernel
-def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
+def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_heads, dv_heads, delta_qkv):
     """:func:`heads_backward` of head ``u = b·H + h``."""
     B, H, T, d_qk = q.shape
     d_head = v.shape[3]
+    grouped = k.shape[1] < H
     b, h = u // H, u % H
-    qh, kh, vh, ph = q[b, h], k[b, h], v[b, h], p[b, h]
+    qh, kh, vh, ph = q[b, h], k[b, h // (H // k.shape[1])], v[b, h // (H // k.shape[1])], p[b, h]
     d = np.empty((T, d_head), dtype=delta.dtype)
     for t in range(T):
         for c in range(d_head):
             d[t, c] = delta[b, t, h * d_head + c]
-    dv = np.empty((T, d_head), dtype=delta.dtype)
+    dv = dv_heads[b, h] if grouped else np.empty((T, d_head), dtype=delta.dtype)
     np.dot(ph.T, d, dv)                                          # dv = Pᵀ Δ
     dp = kept[b, h] if keep else np.empty((T, T), dtype=delta.dtype)
     np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
@@ -121,14 +145,39 @@ def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_q
         _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
     dq = np.empty((T, d_qk), dtype=delta.dtype)
     np.dot(dp, kh, dq)                                           # dq = Δcausal k
-    dk = np.empty((T, d_qk), dtype=delta.dtype)
+    dk = dk_heads[b, h] if grouped else np.empty((T, d_qk), dtype=delta.dtype)
     np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
     for t in range(T):
         for c in range(d_qk):
             delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
+    if grouped:
+        return
+    for t in range(T):
+        for c in range(d_qk):
             delta_qkv[b, t, (H + h) * d_qk + c] = dk[t, c]
         for c in range(d_head):
             delta_qkv[b, t, 2 * H * d_qk + h * d_head + c] = dv[t, c]
+
+
+@kernel
+def _group_sum(u, H, dk_heads, dv_heads, delta_qkv):
+    """Key/value head ``u = b·H_kv + j``: ``dk``, ``dv`` = the sums over its group's query heads
+    ``j·g … j·g + g − 1`` (EQUATIONS.md "Grouped-query attention"), into ``delta_qkv``."""
+    T, d_qk, d_head = dk_heads.shape[2], dk_heads.shape[3], dv_heads.shape[3]
+    H_kv = (delta_qkv.shape[2] - H * d_qk) // (d_qk + d_head)
+    g = H // H_kv
+    b, j = u // H_kv, u % H_kv
+    for t in range(T):
+        for c in range(d_qk):
+            s = dk_heads[b, j * g, t, c]
+            for m in range(1, g):
+                s += dk_heads[b, j * g + m, t, c]
+            delta_qkv[b, t, H * d_qk + j * d_qk + c] = s
+        for c in range(d_head):
+            s = dv_heads[b, j * g, t, c]
+            for m in range(1, g):
+                s += dv_heads[b, j * g + m, t, c]
+            delta_qkv[b, t, H * d_qk + H_kv * d_qk + j * d_head + c] = s
 
 
 @kernel
@@ -136,22 +185,27 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out,
     """A KV-cache step: the ``T`` new tokens' keys and values written into the cache at
     ``length …``, then ``out = softmax(q kᵀ · scale, masked) v`` against all ``L = length + T``.
 
-    ``qkv`` ``(B, T, H·(2·d_qk + d_head))``; ``keys`` ``(B, H, capacity, d_qk)``, ``values``
-    ``(B, H, capacity, d_head)``; ``key_start`` ``(B,)`` (each row's first real key: 0 when no
-    row is padded); ``q_out`` ``(B, H, T, d_qk)`` = ``q · scale``, ``p_out`` ``(B, H, T, L)``,
+    ``qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``; ``keys`` ``(B, H_kv, capacity, d_qk)``,
+    ``values`` ``(B, H_kv, capacity, d_head)`` (query head ``h`` reads key/value head
+    ``h // (H / H_kv)``); ``key_start`` ``(B,)`` (each row's first real key: 0 when no row is
+    padded); ``q_out`` ``(B, H, T, d_qk)`` = ``q · scale``, ``p_out`` ``(B, H, T, L)``,
     ``out`` ``(B, T, H·d_head)``. Masks as :func:`pedestrian.layers.attention.attention_mask`."""
-    B, H, _, d_qk = keys.shape
+    B, H_kv, _, d_qk = keys.shape
+    H = q_out.shape[1]
     d_head = values.shape[3]
     T = qkv.shape[1]
     L = length + T
     zero = q_out.dtype.type(0.0)                     # 0 in the dtype (a float32 loop stays float32)
+    for bj in range(B * H_kv):                       # the key/value heads' new keys, values
+        b, j = bj // H_kv, bj % H_kv
+        for t in range(T):
+            for c in range(d_qk):
+                keys[b, j, length + t, c] = qkv[b, t, H * d_qk + j * d_qk + c]
+            for c in range(d_head):
+                values[b, j, length + t, c] = qkv[b, t, H * d_qk + H_kv * d_qk + j * d_head + c]
     for bh in range(B * H):                  # serial: a token's work is smaller than a parallel region's cost
         b, h = bh // H, bh % H
-        for t in range(T):                                           # this head's new keys, values
-            for c in range(d_qk):
-                keys[b, h, length + t, c] = qkv[b, t, H * d_qk + h * d_qk + c]
-            for c in range(d_head):
-                values[b, h, length + t, c] = qkv[b, t, 2 * H * d_qk + h * d_head + c]
+        j = h // (H // H_kv)                                         # its key/value head
         acc = np.empty_like(values[0, 0, 0])                        # (the dtype: vectorised)
         for t in range(T):
             pos = length + t                                         # the query's position
@@ -159,22 +213,22 @@ def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out,
             for c in range(d_qk):
                 q[c] = qkv[b, t, h * d_qk + c] * scale
             p = p_out[b, h, t]
-            for j in range(L):
-                if (causal and j > pos) or (j < key_start[b] and j != pos):
-                    p[j] = -np.inf
+            for i in range(L):
+                if (causal and i > pos) or (i < key_start[b] and i != pos):
+                    p[i] = -np.inf
                     continue
-                kj = keys[b, h, j]
+                ki = keys[b, j, i]
                 dot = zero
                 for c in range(d_qk):
-                    dot += q[c] * kj[c]
-                p[j] = dot
+                    dot += q[c] * ki[c]
+                p[i] = dot
             total = exp_shifted(p, L, row_max(p, L, p[pos]))         # (its own key: always allowed)
             acc[:] = 0.0
-            for j in range(L):
-                masked = (causal and j > pos) or (j < key_start[b] and j != pos)
-                p[j] = zero if masked else p[j] / total              # (0 also when the max is NaN)
-                vj = values[b, h, j]
+            for i in range(L):
+                masked = (causal and i > pos) or (i < key_start[b] and i != pos)
+                p[i] = zero if masked else p[i] / total              # (0 also when the max is NaN)
+                vi = values[b, j, i]
                 for c in range(d_head):
-                    acc[c] += p[j] * vj[c]
+                    acc[c] += p[i] * vi[c]
             for c in range(d_head):
                 out[b, t, h * d_head + c] = acc[c]

@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from ..backend import is_torch_array
+from ..layers.attention import check_kv_heads
 from .attention_loops import exp_shifted, row_max
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .vecmath import exp
@@ -125,7 +126,8 @@ def _allowed(i, i0, j0, c, causal):
 def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
     ``o = softmax(q kᵀ) v``, ``lse = m + log Σ exp(q kᵀ − m)``. ``q`` ``(G, T, d_qk)`` already
-    ``÷ √d_qk``, ``k`` ``(G, T, d_qk)``, ``v``, ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``.
+    ``÷ √d_qk``, ``k`` ``(G_kv, T, d_qk)``, ``v`` ``(G_kv, T, d_head)`` (query head ``g`` reads
+    key/value head ``g // (G / G_kv)``), ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``.
     (Each lane's work is :func:`_forward_lane`.)"""
     for lane in prange(lanes):                       # units lane, lane + lanes, … (largest first)
         _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse)
@@ -133,13 +135,15 @@ def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
 
 @kernel
 def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
-    G, T, d_head = v.shape
+    G, T, d_head = o.shape
+    group = G // k.shape[0]                                  # query heads per key/value head
     n_blocks = -(-T // bq)
     s_flat = np.empty(bq * bk, dtype=q.dtype)
     acc, t = np.empty((bq, d_head), dtype=q.dtype), np.empty((bq, d_head), dtype=q.dtype)
     m, l = np.empty(bq, dtype=q.dtype), np.empty(bq, dtype=q.dtype)
     for u in range(lane, len(units), lanes):
         g, i0 = units[u] // n_blocks, units[u] % n_blocks * bq
+        gk = g // group
         i1 = min(i0 + bq, T)
         r, end = i1 - i0, i1 if causal else T                # keys seen: 0 … end-1
         m[:] = -np.inf
@@ -148,7 +152,7 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
         for j0 in range(0, end, bk):
             c = min(bk, end - j0)
             s = s_flat[:r * c].reshape((r, c))
-            np.dot(q[g, i0:i1], k[g, j0:j0 + c].T, s)        # S (r, c)
+            np.dot(q[g, i0:i1], k[gk, j0:j0 + c].T, s)       # S (r, c)
             for i in range(r):                               # e = exp(S − m_new), sums rescaled
                 n, row = _allowed(i, i0, j0, c, causal), s[i]
                 m_new = row_max(row, n, m[i])
@@ -158,7 +162,7 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
                 m[i] = m_new
                 for j in range(d_head):
                     acc[i, j] *= alpha
-            np.dot(s, v[g, j0:j0 + c], t[:r])                # e v (r, d_head)
+            np.dot(s, v[gk, j0:j0 + c], t[:r])               # e v (r, d_head)
             _add_into(acc[:r], t[:r])
         for i in range(r):
             for j in range(d_head):
@@ -171,7 +175,8 @@ def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     """Per head ``g`` (``prange``): ``P = exp(q kᵀ − lse)``, ``dv = Pᵀ Δ``,
     ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dq = Δcausal k``, ``dk = Δcausalᵀ q`` (shapes of
     :func:`_forward_units`; ``d`` = Δ ``(G, T, d_head)``; ``kept`` ``(G, T, T)`` when ``keep``;
-    outputs ``dq``, ``dk`` ``(G, T, d_qk)``, ``dv``; ``dq`` still to be ``÷ √d_qk``)."""
+    outputs ``dq``, ``dk`` ``(G, T, d_qk)``, ``dv``, per query head (grouped: the caller sums each
+    group's ``dk``, ``dv``); ``dq`` still to be ``÷ √d_qk``)."""
     for g in prange(q.shape[0]):
         _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv)
 
@@ -180,6 +185,7 @@ def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
 def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     G, T, d_qk = q.shape
     d_head = v.shape[2]
+    gk = g // (G // k.shape[0])                              # its key/value head
     minus_d = np.empty(T, dtype=q.dtype)                     # −D = −rowsum(Δ ∘ o), in float64
     for i in range(T):
         total = 0.0
@@ -197,8 +203,8 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv
         for i0 in range(j0 // bq * bq if causal else 0, T, bq):   # the query blocks that see it
             r = min(bq, T - i0)
             p, dp = p_flat[:r * c].reshape((r, c)), dp_flat[:r * c].reshape((r, c))
-            np.dot(q[g, i0:i0 + r], k[g, j0:j0 + c].T, p)   # S
-            np.dot(d[g, i0:i0 + r], v[g, j0:j0 + c].T, dp)  # dP
+            np.dot(q[g, i0:i0 + r], k[gk, j0:j0 + c].T, p)  # S
+            np.dot(d[g, i0:i0 + r], v[gk, j0:j0 + c].T, dp)  # dP
             for i in range(r):                               # P, then Δcausal into dp
                 n, row, drow = _allowed(i, i0, j0, c, causal), p[i], dp[i]
                 ell, md = lse[g, i0 + i], minus_d[i0 + i]
@@ -213,38 +219,46 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv
             _add_into(dv[g, j0:j0 + c], t_v[:c])
             np.dot(dp.T, q[g, i0:i0 + r], t_k[:c])           # dk += Δcausalᵀ q
             _add_into(dk[g, j0:j0 + c], t_k[:c])
-            np.dot(dp, k[g, j0:j0 + c], t_q[:r])             # dq += Δcausal k
+            np.dot(dp, k[gk, j0:j0 + c], t_q[:r])            # dq += Δcausal k
             _add_into(dq[g, i0:i0 + r], t_q[:r])
 
 
 def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                            block_q: int | None = None, block_k: int | None = None):
+                            block_q: int | None = None, block_k: int | None = None,
+                            n_kv_heads: int | None = None):
     """Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
 
     Args:
-        qkv: ``(B, T, n_heads·(2·d_qk + d_head))`` float array (NumPy or torch), as
-            :func:`pedestrian.layers.attention.multi_head_attention_forward` takes it.
+        qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))`` float array (NumPy or torch),
+            as :func:`pedestrian.layers.attention.multi_head_attention_forward` takes it.
         n_heads, d_qk, d_head: the head layout.
         causal: mask future keys (their blocks are skipped).
         block_q, block_k: tile size (default :data:`BLOCKS` of the backend).
+        n_kv_heads: key/value heads, dividing ``n_heads`` (``None``: ``n_heads``).
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
-        cache holds, per head (``B·n_heads`` of them), ``q/√d_qk``, ``k`` ``(B·n_heads, T, d_qk)``,
-        ``v`` and the outputs ``o`` ``(B·n_heads, T, d_head)``, and ``ℓ`` ``(B·n_heads, T)``: ``O(T)``.
+        cache holds ``q/√d_qk`` ``(B·n_heads, T, d_qk)``, ``k`` ``(B·n_kv_heads, T, d_qk)``,
+        ``v`` ``(B·n_kv_heads, T, d_head)``, the outputs ``o`` ``(B·n_heads, T, d_head)`` and ``ℓ``
+        ``(B·n_heads, T)``: ``O(T)``.
 
     Raises:
-        ValueError: a block size below 1.
+        ValueError: a block size below 1; ``n_kv_heads`` not a divisor of ``n_heads``.
     """
     B, T, _ = qkv.shape
-    G, hq = B * n_heads, n_heads * d_qk
+    n_kv = check_kv_heads(n_heads, n_kv_heads)
+    G, hq, hk = B * n_heads, n_heads * d_qk, n_kv * d_qk
     bq, bk = BLOCKS[_backend(qkv)]
     bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
-    q, k, v = (_split_heads(qkv[..., lo:hi], B, n_heads) for lo, hi in ((0, hq), (hq, 2 * hq), (2 * hq, None)))
+    q = _split_heads(qkv[..., :hq], B, n_heads)                              # (B·H, T, d_qk)
+    k, v = _split_heads(qkv[..., hq:hq + hk], B, n_kv), _split_heads(qkv[..., hq + hk:], B, n_kv)  # (B·H_kv, T, ·)
     q *= 1.0 / math.sqrt(d_qk)
-    if is_torch_array(qkv):
+    if is_torch_array(qkv) and n_kv < n_heads:                               # (G_kv, g, T, ·), k, v broadcast
+        o, lse = _torch_forward(q.reshape(B * n_kv, -1, T, d_qk), k[:, None], v[:, None], bq, bk, causal)
+        o, lse = o.reshape(G, T, d_head), lse.reshape(G, T)
+    elif is_torch_array(qkv):
         o, lse = _torch_forward(q, k, v, bq, bk, causal)
     else:
         blas_one_thread()
@@ -256,34 +270,35 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
             q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
     out = _empty((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
-    return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads, causal=causal,
-                     blocks=(bq, bk))
+    return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv,
+                     causal=causal, blocks=(bq, bk))
 
 
 def _torch_forward(q, k, v, bq, bk, causal):
-    """The online softmax of :func:`_forward_lane` on torch tensors, all heads of a tile at once."""
+    """The online softmax of :func:`_forward_lane` on torch tensors, all heads of a tile at once.
+    Grouped, ``q`` is ``(G_kv, g, T, d_qk)`` and ``k``, ``v`` ``(G_kv, 1, T, ·)`` (broadcast over the group)."""
     import torch
 
-    G, T, d_head = v.shape
-    o, lse = torch.empty_like(v), q.new_empty((G, T))
+    T, d_head = v.shape[-2:]
+    o, lse = q.new_empty((*q.shape[:-1], d_head)), q.new_empty(q.shape[:-1])
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
         m = l = acc = None
         for j0 in range(0, i1 if causal else T, bk):
             j1 = min(j0 + bk, i1 if causal else T)
-            s = q[:, i0:i1] @ k[:, j0:j1].mT                                 # S (G, r, c)
+            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                       # S (G, r, c)
             if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
             m_new = s.amax(-1, keepdim=True) if m is None else torch.maximum(m, s.amax(-1, keepdim=True))
             e = torch.exp(s - m_new)                                         # exp(S − m_new)
             if m is None:
-                l, acc = e.sum(-1, keepdim=True), e @ v[:, j0:j1]
+                l, acc = e.sum(-1, keepdim=True), e @ v[..., j0:j1, :]
             else:
                 alpha = torch.exp(m - m_new)                                 # rescale the sums so far
-                l, acc = l * alpha + e.sum(-1, keepdim=True), acc * alpha + e @ v[:, j0:j1]
+                l, acc = l * alpha + e.sum(-1, keepdim=True), acc * alpha + e @ v[..., j0:j1, :]
             m = m_new
-        o[:, i0:i1] = acc / l
-        lse[:, i0:i1] = (m + torch.log(l))[..., 0]                           # ℓ = m + log l
+        o[..., i0:i1, :] = acc / l
+        lse[..., i0:i1] = (m + torch.log(l))[..., 0]                         # ℓ = m + log l
     return o, lse
 
 
@@ -306,46 +321,66 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     q, k, v, o, lse = cache["q"], cache["k"], cache["v"], cache["o"], cache["lse"]
     G, T, d_head = o.shape
     d_qk, n_heads, causal = cache["d_qk"], cache["n_heads"], cache["causal"]
+    n_kv = cache.get("n_kv_heads", n_heads)
     bq, bk = cache["blocks"]
-    B, hq = G // n_heads, n_heads * d_qk
+    B, hq, hk, group = G // n_heads, n_heads * d_qk, n_kv * d_qk, n_heads // n_kv
     d = _split_heads(delta, B, n_heads)                                      # Δ per head, contiguous
     if is_torch_array(o):
         kept = o.new_zeros((G, T, T)) if keep_delta_causal else None
-        dq, dk, dv = _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept)
+        if group == 1:
+            dq, dk, dv = _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept)
+        else:                                                                # (G_kv, g, ·, ·), k, v broadcast
+            grouped = lambda a: a.reshape(G // group, group, *a.shape[1:])  # noqa: E731
+            dq, dk, dv = _torch_backward(grouped(q), k[:, None], v[:, None], grouped(d), grouped(o), grouped(lse),
+                                         bq, bk, causal, None if kept is None else grouped(kept))
+            dq, dk, dv = dq.reshape(q.shape), dk[:, 0], dv[:, 0]
     else:
         blas_one_thread()
         kept = np.zeros((G, T, T), o.dtype) if keep_delta_causal else None
-        dq, dk, dv = empty_array(q.shape, o), empty_array(k.shape, o), empty_array(o.shape, o)
+        dq, dk, dv = empty_array(q.shape, o), empty_array(q.shape, o), empty_array(o.shape, o)   # per query head
         _backward_heads.sized(G * T * T)(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
                                          np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
+        if group > 1:                                                        # Σ over each group's heads
+            dk, dv = _group_sum(dk, group), _group_sum(dv, group)
     dq *= 1.0 / math.sqrt(d_qk)
-    delta_qkv = _empty((B, T, 2 * hq + n_heads * d_head), o)
-    for part, lo, width in ((dq, 0, d_qk), (dk, hq, d_qk), (dv, 2 * hq, d_head)):
-        _merge_heads_into(delta_qkv[..., lo:lo + n_heads * width], part, B, n_heads)
+    delta_qkv = _empty((B, T, hq + hk + n_kv * d_head), o)
+    for part, lo, heads in ((dq, 0, n_heads), (dk, hq, n_kv), (dv, hq + hk, n_kv)):
+        _merge_heads_into(delta_qkv[..., lo:lo + heads * part.shape[2]], part, B, heads)
     return delta_qkv, None if kept is None else kept.reshape(B, n_heads, T, T)
+
+
+def _group_sum(a, group: int):
+    """``a`` ``(G, T, w)`` per query head -> ``(G / group, T, w)``: each key/value head's sum over
+    the ``group`` query heads that read it, added in head order (the same bits on any threads)."""
+    a = a.reshape(a.shape[0] // group, group, *a.shape[1:])
+    out = a[:, 0].copy()
+    for m in range(1, group):
+        out += a[:, m]
+    return out
 
 
 def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept):
     """:func:`_backward_head` on torch tensors, all heads of a tile at once."""
     import torch
 
-    G, T, _ = o.shape
+    T = o.shape[-2]
     minus_d = -(d * o).sum(-1, keepdim=True)                                 # −D = −rowsum(Δ ∘ out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    total = (lambda a: a.sum(1, keepdim=True)) if q.dim() == 4 else (lambda a: a)  # Σ over a group
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
         for j0 in range(0, i1 if causal else T, bk):
             j1 = min(j0 + bk, i1 if causal else T)
-            s = q[:, i0:i1] @ k[:, j0:j1].mT - lse[:, i0:i1, None]          # S − ℓ
+            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT - lse[..., i0:i1, None]  # S − ℓ
             if causal and j1 - 1 > i0:
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
             p = torch.exp(s)
-            dv[:, j0:j1] += p.mT @ d[:, i0:i1]                               # dv += Pᵀ Δ
-            ds = p * (d[:, i0:i1] @ v[:, j0:j1].mT + minus_d[:, i0:i1])      # Δcausal = P ∘ (dP − D)
+            dv[..., j0:j1, :] += total(p.mT @ d[..., i0:i1, :])              # dv += Pᵀ Δ
+            ds = p * (d[..., i0:i1, :] @ v[..., j0:j1, :].mT + minus_d[..., i0:i1, :])  # Δcausal = P ∘ (dP − D)
             if kept is not None:
-                kept[:, i0:i1, j0:j1] = ds
-            dq[:, i0:i1] += ds @ k[:, j0:j1]                                 # dq += Δcausal k
-            dk[:, j0:j1] += ds.mT @ q[:, i0:i1]                              # dk += Δcausalᵀ q
+                kept[..., i0:i1, j0:j1] = ds
+            dq[..., i0:i1, :] += ds @ k[..., j0:j1, :]                       # dq += Δcausal k
+            dk[..., j0:j1, :] += total(ds.mT @ q[..., i0:i1, :])             # dk += Δcausalᵀ q
     return dq, dk, dv
 
 
@@ -355,7 +390,9 @@ def tiled_attention_weights(cache):
     when causal (``O(T²)`` memory, on request only)."""
     q, k, lse = cache["q"], cache["k"], cache["lse"]
     G, T, _ = q.shape
-    s = q @ k.swapaxes(-1, -2) - lse[..., None]                              # S − ℓ (G, T, T)
+    group = G // k.shape[0]                                                  # query heads per key/value head
+    q, k, lse = q.reshape(G // group, group, T, -1), k[:, None], lse.reshape(G // group, group, T)
+    s = q @ k.swapaxes(-1, -2) - lse[..., None]                              # S − ℓ (G_kv, g, T, T)
     p = s.exp() if is_torch_array(s) else np.exp(s)                          # P
     if cache["causal"]:                                                      # 0 above the diagonal
         p[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = 0.0     # (also where ℓ is NaN)

@@ -13,6 +13,11 @@ concatenated. In the backward the heads' signals at ``q``, ``k``, ``v`` are conc
 way, so that the caller's ``Δ_{i-1} = d_qkv [Wq | Wk | Wv]ᵀ`` *is* the section-4 sum over heads
 ``Σ_h (dq_h Wq_hᵀ + dk_h Wk_hᵀ + dv_h Wv_hᵀ)``.
 
+Grouped-query attention (Llama, Qwen2, Mistral; EQUATIONS.md "Grouped-query attention"):
+``n_kv_heads`` key/value heads, each shared by a group of ``n_heads / n_kv_heads`` query heads.
+The forward broadcasts each key/value head over its group (an axis of length 1 against the
+group's queries, no copy); the backward sums the group's ``dk``, ``dv`` over that axis.
+
 Reference implementation: the paper's math only, written against the array API standard.
 """
 
@@ -186,35 +191,81 @@ def _merge_heads(a):
     return xp.reshape(xp.permute_dims(a, (0, 2, 1, 3)), (B, T, H * w))
 
 
+def _group(a, n_groups: int):
+    """``(B, H, T, w)`` -> ``(B, n_kv_heads, g, T, w)`` with ``g = H / n_kv_heads`` query heads per group:
+    query head ``h`` is member ``h mod g`` of group ``h // g`` (Hugging Face's ``repeat_kv`` order)."""
+    xp = array_namespace(a)
+    B, H, T, w = a.shape
+    return xp.reshape(a, (B, n_groups, H // n_groups, T, w))
+
+
+def qkv_width(n_heads: int, d_qk: int, d_head: int, n_kv_heads: int | None = None) -> int:
+    """Columns of the fused ``qkv``: ``n_heads·d_qk`` (q) ``+ n_kv_heads·d_qk`` (k) ``+ n_kv_heads·d_head`` (v)."""
+    n_kv = n_heads if n_kv_heads is None else n_kv_heads
+    return n_heads * d_qk + n_kv * (d_qk + d_head)
+
+
+def check_kv_heads(n_heads: int, n_kv_heads: int | None) -> int:
+    """``n_kv_heads`` (``None``: ``n_heads``), checked to divide ``n_heads``.
+
+    Raises:
+        ValueError: ``n_kv_heads`` not a positive divisor of ``n_heads``.
+    """
+    if n_kv_heads is None:
+        return n_heads
+    if not 1 <= n_kv_heads <= n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads} "
+                         "(1: multi-query, n_heads: multi-head); choose a divisor of n_heads")
+    return n_kv_heads
+
+
+def check_cache_heads(kv_cache: KVBlock, n_kv_heads: int) -> None:
+    """Raises ValueError when the cache's arrays do not hold ``n_kv_heads`` heads."""
+    if kv_cache.keys.shape[1] != n_kv_heads or kv_cache.values.shape[1] != n_kv_heads:
+        raise ValueError(f"the KV cache holds {kv_cache.keys.shape[1]} heads but the attention has "
+                         f"n_kv_heads={n_kv_heads}; make the cache with n_kv_heads heads")
+
+
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache: KVBlock | None = None):
-    """All heads at once: the section-3 head batched over ``(B, n_heads)`` (section 4).
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
+    """All heads at once: the section-3 head batched over ``(B, n_heads)`` (section 4), with
+    grouped-query attention (EQUATIONS.md "Grouped-query attention") when ``n_kv_heads < n_heads``.
 
     Args:
-        qkv: ``(B, T, n_heads·(2·d_qk + d_head))``, the fused projection ``x [Wq | Wk | Wv] + b``
-            (head ``h`` owns columns ``h·d_qk …`` of the q and k parts, ``h·d_head …`` of v).
-        n_heads, d_qk, d_head: the head layout.
+        qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))``, the fused projection
+            ``x [Wq | Wk | Wv] + [bq | bk | bv]`` (query head ``h`` owns columns ``h·d_qk …`` of the
+            q part, key/value head ``j`` columns ``j·d_qk …`` of k and ``j·d_head …`` of v).
+        n_heads, d_qk, d_head: the query heads and the head widths (Hugging Face's ``head_dim``
+            is ``d_qk = d_head``; it need not be ``d_model / n_heads``).
         causal: mask future keys.
-        kv_cache: a :class:`KVBlock`: the new keys and values are written into it at
-            ``length …`` and the queries attend to every cached token (generation); ``None``
-            for a plain forward.
+        kv_cache: a :class:`KVBlock` with ``n_kv_heads`` heads: the new keys and values are
+            written into it at ``length …`` and the queries attend to every cached token
+            (generation); ``None`` for a plain forward.
+        n_kv_heads: key/value heads, dividing ``n_heads`` (``None``: ``n_heads``, multi-head;
+            1: multi-query). Query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``
+            (Hugging Face's ``repeat_kv``).
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` concatenated; the
-        cache holds ``q, k, v`` ``(B, n_heads, ·, ·)`` and ``p`` (``P``, ``(B, n_heads, T, L)``).
+        cache holds ``q`` ``(B, n_heads, T, d_qk)`` (grouped: ``(B, n_kv_heads, g, T, d_qk)``),
+        ``k, v`` ``(B, n_kv_heads, L, ·)`` and ``p`` (``P``).
 
     Raises:
         TypeError: ``qkv`` not real floating point.
-        ValueError: a KV-cache step that does not fit the cache's capacity.
+        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a KV-cache step that does not fit
+            the cache's capacity.
     """
     check_float(qkv, "qkv")
-    hq = n_heads * d_qk
+    xp = array_namespace(qkv)
+    n_kv = check_kv_heads(n_heads, n_kv_heads)
+    hq, hk = n_heads * d_qk, n_kv * d_qk
     q = _split_heads(qkv[..., :hq], n_heads)                                 # (B, H, T, d_qk)
-    k = _split_heads(qkv[..., hq:2 * hq], n_heads)                           # (B, H, T, d_qk)
-    v = _split_heads(qkv[..., 2 * hq:], n_heads)                             # (B, H, T, d_head)
+    k = _split_heads(qkv[..., hq:hq + hk], n_kv)                             # (B, H_kv, T, d_qk)
+    v = _split_heads(qkv[..., hq + hk:], n_kv)                               # (B, H_kv, T, d_head)
     T = qkv.shape[1]
     key_start = None
     if kv_cache is not None:                                                 # append, attend to all
+        check_cache_heads(kv_cache, n_kv)
         L0, L = kv_cache.length, kv_cache.length + T
         if L0 < 0 or L > kv_cache.keys.shape[2]:
             raise ValueError(f"a KV-cache step of {T} tokens at length {L0} does not fit the cache's "
@@ -225,8 +276,12 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     L = k.shape[2]
     allowed = attention_mask(T, L, causal=causal, key_start=key_start, like=qkv) \
         if causal or key_start is not None else None
-    out, cache = scaled_dot_product_attention_forward(q, k, v, allowed)     # (B, H, T, d_head)
-    return _merge_heads(out), cache                                          # (B, T, H·d_head)
+    if n_kv < n_heads:                                                       # a group's heads share k, v
+        q, k, v = _group(q, n_kv), xp.expand_dims(k, axis=2), xp.expand_dims(v, axis=2)  # (B, H_kv, g|1, ·, ·)
+        allowed = None if allowed is None else (allowed if allowed.ndim == 2 else allowed[:, None])
+    out, cache = scaled_dot_product_attention_forward(q, k, v, allowed)     # (B, H, T, d_head) or grouped
+    out = xp.reshape(out, (out.shape[0], n_heads, T, d_head))                # (B, H, T, d_head)
+    return _merge_heads(out), dict(cache, n_kv_heads=n_kv)                   # (B, T, H·d_head)
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -235,23 +290,35 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     ``Δ3`` ``(B, T, n_heads·d_head)`` is cut into one column block per head, every head runs
     the section-3 backward (batched), and the heads' ``dq, dk, dv`` are concatenated into the
     signal at ``qkv`` (the caller's fused linear backward then sums over heads, module docstring).
+    With grouped-query attention, a key/value head's ``dk``, ``dv`` are the sums over the query
+    heads of its group (EQUATIONS.md "Grouped-query attention").
 
     Returns:
-        ``(delta_qkv, delta_causal)``: ``(B, T, n_heads·(2·d_qk + d_head))`` and, if asked,
-        ``Δcausal`` ``(B, n_heads, T, T)`` (else ``None``).
+        ``(delta_qkv, delta_causal)``: shaped like ``qkv`` and, if asked, ``Δcausal``
+        ``(B, n_heads, T, T)`` (else ``None``).
 
     Raises:
         ValueError: the forward ran against a KV cache (generation has no backward).
     """
     xp = array_namespace(delta)
-    if cache["k"].shape[2] != delta.shape[1]:
+    if cache["k"].shape[-2] != delta.shape[1]:
         raise ValueError("no backward through a KV-cache forward; run model.forward without a cache")
-    n_heads = cache["q"].shape[1]
-    dq, dk, dv, delta_causal = scaled_dot_product_attention_backward(_split_heads(delta, n_heads), cache)
+    B, T, _ = delta.shape
+    n_heads = delta.shape[2] // cache["v"].shape[-1]
+    n_kv = cache.get("n_kv_heads", n_heads)
+    d = _split_heads(delta, n_heads)                                         # (B, H, T, d_head)
+    if n_kv < n_heads:
+        d = _group(d, n_kv)                                                  # (B, H_kv, g, T, d_head)
+    dq, dk, dv, delta_causal = scaled_dot_product_attention_backward(d, cache)
+    if n_kv < n_heads:                                                       # Σ over the group's heads
+        dk, dv = xp.sum(dk, axis=2), xp.sum(dv, axis=2)                      # (B, H_kv, T, ·)
+        dq = xp.reshape(dq, (B, n_heads, T, dq.shape[-1]))                   # (B, H, T, d_qk)
+        delta_causal = xp.reshape(delta_causal, (B, n_heads, T, T))          # (B, H, T, T)
     delta_qkv = xp.concat([_merge_heads(dq), _merge_heads(dk), _merge_heads(dv)], axis=-1)
     return delta_qkv, (delta_causal if keep_delta_causal else None)
 
 
 def attention_weights(cache):
     """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache."""
-    return cache["p"]
+    xp, p = array_namespace(cache["p"]), cache["p"]
+    return xp.reshape(p, (p.shape[0], -1, *p.shape[-2:])) if p.ndim == 5 else p   # grouped: (B, H_kv, g, T, L)

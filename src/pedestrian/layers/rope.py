@@ -50,23 +50,23 @@ def rope_angles(positions, rotated: int, base: float, like):
     return xp.astype(xp.cos(angle), like.dtype), xp.astype(xp.sin(angle), like.dtype)
 
 
-def _rotate(qkv, n_heads: int, d_qk: int, rotated: int, cos, sin):
-    """``qkv`` with each head's first ``r`` q and k dimensions turned by the angles whose
-    cosine and sine are given (the forward's ``sin``, or ``−sin`` for the inverse)."""
+def _rotate(qkv, n_qk: int, d_qk: int, rotated: int, cos, sin):
+    """``qkv`` with the first ``r`` dimensions of each of its ``n_qk`` q and k heads turned by the
+    angles whose cosine and sine are given (the forward's ``sin``, or ``−sin`` for the inverse)."""
     xp = array_namespace(qkv)
     B, T, width = qkv.shape
     half = rotated // 2
-    qk = xp.reshape(qkv[..., :2 * n_heads * d_qk], (B, T, 2 * n_heads, d_qk))  # q heads, then k heads
-    x1, x2 = qk[..., :half], qk[..., half:rotated]                              # (B, T, 2H, r/2) each
-    y1 = x1 * cos - x2 * sin                                                    # (B, T, 2H, r/2)
-    y2 = x2 * cos + x1 * sin                                                    # (B, T, 2H, r/2)
-    turned = xp.concat([y1, y2, qk[..., rotated:]], axis=-1)                    # (B, T, 2H, d_qk)
-    return xp.concat([xp.reshape(turned, (B, T, 2 * n_heads * d_qk)),          # (B, T, width)
-                      qkv[..., 2 * n_heads * d_qk:]], axis=-1)
+    qk = xp.reshape(qkv[..., :n_qk * d_qk], (B, T, n_qk, d_qk))                # q heads, then k heads
+    x1, x2 = qk[..., :half], qk[..., half:rotated]                              # (B, T, H+H_kv, r/2) each
+    y1 = x1 * cos - x2 * sin                                                    # (B, T, H+H_kv, r/2)
+    y2 = x2 * cos + x1 * sin                                                    # (B, T, H+H_kv, r/2)
+    turned = xp.concat([y1, y2, qk[..., rotated:]], axis=-1)                    # (B, T, H+H_kv, d_qk)
+    return xp.concat([xp.reshape(turned, (B, T, n_qk * d_qk)),                 # (B, T, width)
+                      qkv[..., n_qk * d_qk:]], axis=-1)
 
 
 def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 10_000.0,
-                 rotated: int | None = None):
+                 rotated: int | None = None, n_kv_heads: int | None = None):
     """Rotate every head's queries and keys by their token's position (RoPE, GPT-NeoX pairing).
 
     For each head's ``q`` (and ``k``) row ``x`` at position ``t`` and each ``j < r/2``::
@@ -77,19 +77,20 @@ def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 
     and ``y_j = x_j`` for ``j >= r``; the value columns pass through.
 
     Args:
-        qkv: ``(B, T, n_heads·(2·d_qk + d_head))``, the fused projection ``[q | k | v]`` (head
-            ``h`` owns columns ``h·d_qk …`` of the q and of the k part), float.
-        n_heads, d_qk: the head layout.
+        qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))``, the fused projection
+            ``[q | k | v]`` (head ``h`` owns columns ``h·d_qk …`` of the q and of the k part), float.
+        n_heads, d_qk: the query heads and the query/key width per head (Hugging Face's ``head_dim``).
         positions: integer positions ``(T,)`` or ``(B, T)``; ``None`` for ``0 … T-1``. A KV-cache
             step passes the cache's positions (:meth:`pedestrian.model.kv_cache.KVCache.positions`), so
             cached keys are stored already rotated.
         base: RoPE's base (10,000 in RoFormer and GPT-NeoX).
         rotated: ``r``, the even number of dimensions rotated per head (``None``: ``d_qk``, or
             ``d_qk − 1`` if that is odd).
+        n_kv_heads: key heads (grouped-query attention; ``None``: ``n_heads``).
 
     Returns:
-        ``(y, cache)``: ``y`` shaped like ``qkv``, a new array; ``cache = (cos, sin, n_heads, d_qk,
-        r)`` for the backward.
+        ``(y, cache)``: ``y`` shaped like ``qkv``, a new array; ``cache = (cos, sin, n_heads +
+        n_kv_heads, d_qk, r)`` for the backward.
 
     Raises:
         ValueError: ``rotated`` odd, below 2 or above ``d_qk``.
@@ -101,7 +102,8 @@ def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 
     T = qkv.shape[1]
     pos = xp.arange(T, device=qkv.device) if positions is None else positions   # (T,) or (B, T)
     cos, sin = rope_angles(pos, r, base, qkv)                                   # (…, T, 1, r/2)
-    return _rotate(qkv, n_heads, d_qk, r, cos, sin), (cos, sin, n_heads, d_qk, r)
+    n_qk = n_heads + (n_heads if n_kv_heads is None else n_kv_heads)           # q heads, then k heads
+    return _rotate(qkv, n_qk, d_qk, r, cos, sin), (cos, sin, n_qk, d_qk, r)
 
 
 def rope_backward(delta, cache):
@@ -109,11 +111,11 @@ def rope_backward(delta, cache):
     by the opposite angle); the value columns' signal passes through.
 
     Args:
-        delta: ``(B, T, n_heads·(2·d_qk + d_head))``, the signal at the rotated ``qkv``.
+        delta: shaped like the forward's ``qkv``, the signal at the rotated ``qkv``.
         cache: from :func:`rope_forward`.
 
     Returns:
         ``Δ`` at the unrotated ``qkv``, same shape, a new array.
     """
-    cos, sin, n_heads, d_qk, r = cache
-    return _rotate(delta, n_heads, d_qk, r, cos, -sin)
+    cos, sin, n_qk, d_qk, r = cache
+    return _rotate(delta, n_qk, d_qk, r, cos, -sin)

@@ -2,11 +2,15 @@
 
 The keys and values of a token never change once computed -- each is a per-token fully connected
 map of that token's input to the block. During generation a :class:`KVCache` keeps, per block
-and head, the ``k`` and ``v`` rows of every token seen so far in arrays preallocated to the
-context length::
+and key/value head, the ``k`` and ``v`` rows of every token seen so far in arrays preallocated to
+the context length::
 
-    cache.keys[i]   (B, n_heads, context_length, d_qk)      block i
-    cache.values[i] (B, n_heads, context_length, d_head)
+    cache.keys[i]   (B, n_kv_heads, context_length, d_qk)      block i
+    cache.values[i] (B, n_kv_heads, context_length, d_head)
+
+With grouped-query attention (``n_kv_heads < n_heads``, EQUATIONS.md "Grouped-query attention")
+the cache holds only the ``n_kv_heads`` heads the queries share: ``n_heads / n_kv_heads`` times
+less memory than multi-head attention of the same width.
 
 ``model.forward(new_tokens, kv_cache=cache)`` runs the same layer forwards as training; each
 block's attention writes the new tokens' keys and values at ``cache.length …`` and takes one
@@ -42,7 +46,7 @@ __all__ = ["KVCache", "KVBlock"]
 
 
 class KVCache:
-    """Keys and values of every token seen so far, per block and head, for ``B`` sequences.
+    """Keys and values of every token seen so far, per block and key/value head, for ``B`` sequences.
 
     Args:
         model: a causal :class:`~pedestrian.model.GPT` (the cache takes its dtype and backend).
@@ -51,17 +55,18 @@ class KVCache:
             first real token); ``None`` when no row is padded.
 
     Attributes:
-        keys: list over blocks of ``(B, n_heads, context_length, d_qk)`` arrays.
-        values: list over blocks of ``(B, n_heads, context_length, d_head)`` arrays.
+        keys: list over blocks of ``(B, n_kv_heads, context_length, d_qk)`` arrays.
+        values: list over blocks of ``(B, n_kv_heads, context_length, d_head)`` arrays.
+        n_kv_heads: the config's ``n_kv_heads`` (``n_heads`` when it has none or ``None``).
         length: number of tokens (padding included) cached so far.
         context_length: capacity (the model's ``context_length``).
         offset: position of the token in cache slot 0 (before left padding is subtracted):
             the number of tokens dropped by :meth:`drop_oldest`, plus the ``first_position``
             given to :meth:`reset`. ``0`` for a new cache.
 
-    Memory: ``B · n_blocks · n_heads · context_length · (d_qk + d_head)`` numbers, i.e.
-    ``2 · n_blocks · context_length · d_model`` per sequence when ``d_qk = d_head = d/n_heads``
-    (EQUATIONS.md). Allocated once, here.
+    Memory (:attr:`nbytes`): ``B · n_blocks · n_kv_heads · context_length · (d_qk + d_head)``
+    numbers, i.e. ``2 · n_blocks · context_length · d_model · n_kv_heads / n_heads`` per sequence
+    when ``d_qk = d_head = d/n_heads`` (EQUATIONS.md). Allocated once, here.
 
     Raises:
         ValueError: a non-causal model (a token's keys would depend on later tokens, so nothing
@@ -82,9 +87,10 @@ class KVCache:
         self.batch_size = int(batch_size)
         self.context_length = c.context_length
         dev = model.device                                 # None: the backend's default (the CPU)
-        self.keys = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_qk), dtype=model.dtype, device=dev)
+        self.n_kv_heads = n_kv = getattr(c, "n_kv_heads", None) or c.n_heads
+        self.keys = [xp.zeros((batch_size, n_kv, c.context_length, c.d_qk), dtype=model.dtype, device=dev)
                      for _ in range(c.n_blocks)]
-        self.values = [xp.zeros((batch_size, c.n_heads, c.context_length, c.d_head), dtype=model.dtype, device=dev)
+        self.values = [xp.zeros((batch_size, n_kv, c.context_length, c.d_head), dtype=model.dtype, device=dev)
                        for _ in range(c.n_blocks)]
         self.reset(key_start)
 
@@ -145,6 +151,11 @@ class KVCache:
         if self._pad is not None:                  # padding slots that are left, per row
             start = xp.clip(self._pad - (self.offset - self._first), 0, None)
             self.key_start = start if bool(xp.any(start > 0)) else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the keys and values of every block (the whole capacity, used or not)."""
+        return sum(int(a.nbytes) for a in (*self.keys, *self.values))      # (NumPy arrays and torch tensors)
 
     def block(self, i: int) -> KVBlock:
         """Block ``i``'s arrays and the current length, as the attention layers take them."""
