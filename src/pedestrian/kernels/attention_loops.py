@@ -119,10 +119,25 @@ def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_q
     np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
     for t in range(T):
         _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
+    kc = np.empty((T, d_qk), dtype=delta.dtype)
+    for c in range(d_qk):                                        # k − mean key: rows of Δcausal sum to 0
+        m = 0.0
+        for t in range(T):
+            m += kh[t, c]
+        m /= T
+        for t in range(T):
+            kc[t, c] = kh[t, c] - m
     dq = np.empty((T, d_qk), dtype=delta.dtype)
-    np.dot(dp, kh, dq)                                           # dq = Δcausal k
+    np.dot(dp, kc, dq)                                           # dq = Δcausal (k − k̄) = Δcausal k
     dk = np.empty((T, d_qk), dtype=delta.dtype)
     np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
+    for c in range(d_qk):                                        # Σ_t dk = 0: its rounding removed
+        m = 0.0
+        for t in range(T):
+            m += dk[t, c]
+        m /= T
+        for t in range(T):
+            dk[t, c] -= m
     for t in range(T):
         for c in range(d_qk):
             delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
