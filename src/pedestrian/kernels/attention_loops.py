@@ -97,7 +97,9 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
 def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
     """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
-    into their column blocks of ``delta_qkv`` ``(B, T, H·(2·d_qk + d_head))``."""
+    into their column blocks of ``delta_qkv`` ``(B, T, H·(2·d_qk + d_head))``. As the reference:
+    ``dq`` from ``k − k̄`` and ``dk`` less its mean row (the rows of ``Δcausal`` sum to 0), so the
+    rounding of those sums is not scaled by a short sequence's key mean (float32)."""
     for u in prange(q.shape[0] * q.shape[1]):
         _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv)
 
