@@ -121,29 +121,26 @@ def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_q
     np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
     for t in range(T):
         _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
+    mean = np.zeros(d_qk)                                        # float64
+    for t in range(T):
+        for c in range(d_qk):
+            mean[c] += kh[t, c]
     kc = np.empty((T, d_qk), dtype=delta.dtype)
-    for c in range(d_qk):                                        # k − mean key: rows of Δcausal sum to 0
-        m = 0.0
-        for t in range(T):
-            m += kh[t, c]
-        m /= T
-        for t in range(T):
-            kc[t, c] = kh[t, c] - m
+    for t in range(T):                                           # k − k̄: rows of Δcausal sum to 0
+        for c in range(d_qk):
+            kc[t, c] = kh[t, c] - mean[c] / T
     dq = np.empty((T, d_qk), dtype=delta.dtype)
     np.dot(dp, kc, dq)                                           # dq = Δcausal (k − k̄) = Δcausal k
     dk = np.empty((T, d_qk), dtype=delta.dtype)
     np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
-    for c in range(d_qk):                                        # Σ_t dk = 0: its rounding removed
-        m = 0.0
-        for t in range(T):
-            m += dk[t, c]
-        m /= T
-        for t in range(T):
-            dk[t, c] -= m
+    mean[:] = 0.0
+    for t in range(T):                                           # Σ_t dk = 0: its rounding removed
+        for c in range(d_qk):
+            mean[c] += dk[t, c]
     for t in range(T):
         for c in range(d_qk):
             delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
-            delta_qkv[b, t, (H + h) * d_qk + c] = dk[t, c]
+            delta_qkv[b, t, (H + h) * d_qk + c] = dk[t, c] - mean[c] / T
         for c in range(d_head):
             delta_qkv[b, t, 2 * H * d_qk + h * d_head + c] = dv[t, c]
 
