@@ -10,7 +10,10 @@
   ``obj._name`` unless ``obj`` is ``self`` / ``cls`` / a class of the same module, or ``_name``
   is a private name this module defines itself (an attribute it assigns on ``self``, a method,
   a module-level name) -- e.g. a method setting up another instance's private state.
-  Dunders are public.
+  Dunders are public;
+- no private state on ``self`` is shared across modules (issue 32: the GPT was three files of mixins,
+  ``model/params.py`` reading ``self._base`` that ``model/gpt.py`` set): a module reads only the
+  ``self._x`` it sets or defines itself, and reads every ``self._x`` it sets.
 
 Exceptions are listed below, each with its reason: third-party privates that have no public
 equivalent, and known cases in files other helpers are rewriting (issue 11) -- an entry that no
@@ -181,6 +184,27 @@ def private_accesses(module: str, source: str | None = None) -> set:
     return found
 
 
+def shared_self_state(module: str, source: str | None = None) -> set:
+    """``(module, what)`` for private state on ``self`` that ``module`` shares with other modules:
+    a ``self._x`` it reads but neither sets nor defines (a base class or mixin elsewhere sets it),
+    or one it sets and never reads (set for another module's code to read)."""
+    path, _ = MODULES.get(module, (None, False))
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    own, _ = own_private_names(tree)
+    def on_self(node):
+        return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "self" and is_private(node.attr)
+
+    read, written = set(), set()
+    for node in ast.walk(tree):
+        if on_self(node):
+            (written if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+        elif isinstance(node, ast.AugAssign) and on_self(node.target):
+            read.add(node.target.attr)                     # self._n += 1 reads it too
+    return ({(module, f"reads self.{n}, set elsewhere") for n in read - own}
+            | {(module, f"sets self.{n}, read elsewhere") for n in written - read})
+
+
 def part(module: str) -> str:
     """``pedestrian.model.gpt`` -> ``model``; ``pedestrian`` -> ``__init__``."""
     parts = module.split(".")
@@ -216,6 +240,12 @@ def test_no_module_reads_another_modules_private_names():
     assert not fixed, f"no longer found, remove from the exception lists: {sorted(fixed)}"
 
 
+def test_no_private_state_on_self_is_shared_across_modules():
+    found = set().union(*(shared_self_state(m) for m in MODULES))
+    assert not found, "private state on self shared across modules:\n" + "\n".join(
+        f"  {m}: {what}" for m, what in sorted(found))
+
+
 def test_the_scans_can_fail():
     """Both scans find what they look for."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
@@ -229,4 +259,15 @@ def test_the_scans_can_fail():
     assert private_accesses("pedestrian.model.gpt", source) == {
         ("pedestrian.model.gpt", "from pedestrian.model.other import _hidden"),
         ("pedestrian.model.gpt", "thing._foreign"),
+    }
+    mixin = ("class Params:\n"                          # what model/params.py was: a mixin of GPT
+             "    def flat(self):\n"
+             "        self._cache = None\n"
+             "        self._count += 1\n"
+             "        return self._base.flat, self._count, self._own()\n"
+             "    def _own(self):\n"
+             "        return 0\n")
+    assert shared_self_state("pedestrian.model.params", mixin) == {
+        ("pedestrian.model.params", "reads self._base, set elsewhere"),
+        ("pedestrian.model.params", "sets self._cache, read elsewhere"),
     }

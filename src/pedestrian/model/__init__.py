@@ -1,6 +1,8 @@
-"""The GPT: :class:`GPT` (``gpt.py``, the paper's chain a0 … a12 and back), its parameters in
-flat buffers (``params.py``), its LoRA adapters (``adapters.py``), the checks of its inputs
-(``inputs.py``, ``finite.py``) and the KV cache its attention reads and extends (``kv_cache.py``).
+"""The GPT: :class:`GPT` (``gpt.py``, the paper's chain a0 … a12 and back) holding its
+:class:`~pedestrian.model.params.Parameters` (``params.py``: flat buffers and views, gradients, the
+layer table), which own the flat buffers (``buffers.py``) and the LoRA adapters (``adapters.py``);
+the checks of its inputs (``inputs.py``, ``finite.py``) and the KV cache its attention reads and
+extends (``kv_cache.py``).
 """
 
 from .gpt import GPT, eval_mode

@@ -40,33 +40,33 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
     X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (:mod:`pedestrian.model.adapters`)
 
-Storage: :mod:`pedestrian.model.params` (every parameter and gradient a view into one flat buffer; a
-block's q, k, v one fused ``attn.qkv`` layer). Input checks: :mod:`pedestrian.model.inputs`.
+Storage: ``model.parameters``, a :class:`~pedestrian.model.params.Parameters` (every parameter and
+gradient a view into one flat buffer, a block's q, k, v one fused ``attn.qkv`` layer; the LoRA
+adapters; the layer table ``W`` / ``G`` the chain reads and writes); the model's parameter methods
+are its. Input checks: :mod:`pedestrian.model.inputs`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import threading
 from types import SimpleNamespace
 
 import numpy as np
 
 from ..backend import namespace_for, resolve_dtype
-from ..config import GPTConfig, param_specs
+from ..config import GPTConfig
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
-from .adapters import LoRAAdapters
+from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .kv_cache import KVCache
-from .params import FC, FlatBuffer, FlatParameters, FlatParams, Norm, base_regions
+from .params import FC, Delegated, Norm, Parameters
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
 
 
-class GPT(FlatParameters, LoRAAdapters):
+class GPT:
     """A GPT whose backward is written by hand (no autograd anywhere).
 
     Args:
@@ -121,36 +121,12 @@ class GPT(FlatParameters, LoRAAdapters):
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
         self.kernels = kernels_for(kernels)
         self.device = _resolve_device(backend, device)
-        self._base = FlatParams(self.xp, self.dtype, base_regions(config), self.device)
-        self._base_names = [s.name for s in param_specs(config)]
-        self.params: dict = {name: self._base.views[name] for name in self._base_names}
-        self._grad_base: FlatParams | None = None
-        self._grad_lookup = None                           # tied weights: the lookup's part of dW_tok
-        self._init_lora()
+        self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed)
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
         #: held by :meth:`backward` while it writes the gradients (reentrant; see the class docstring)
         self.lock = threading.RLock()
-        self._weights_cache: dict | None = None
-        self._init_weights(seed)
-
-    def _init_weights(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
-        # draw in the order of the learned-position layout, the table's draws discarded when there
-        # is no table: models that differ only in position_encoding start from the same weights
-        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None)
-        for s in param_specs(learned):
-            if len(s.shape) == 2:
-                std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
-                value = rng.normal(0.0, std, size=s.shape)
-            elif ".ln" in s.name or s.name.startswith("ln_final"):
-                value = np.ones(s.shape) if s.name.endswith("weight") else np.zeros(s.shape)
-            else:
-                value = np.zeros(s.shape)
-            if s.name in self.params:
-                self.params[s.name][...] = self.to_xp(value)
 
     # ------------------------------------------------------------------ per-thread state
     @property
@@ -242,7 +218,7 @@ class GPT(FlatParameters, LoRAAdapters):
         return logits
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
-        c, K, W = self.config, self.kernels, self._weights()
+        c, K, W = self.config, self.kernels, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         rope = c.position_encoding == "rope"
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep)
@@ -365,9 +341,9 @@ class GPT(FlatParameters, LoRAAdapters):
     def _backward(self, f, d12, keep_deltas: bool):
         """The Δ chain; returns the signals ``Δ12, Δ11, Δ1`` and, with ``keep_deltas``, each
         block's ``Δ10 … Δ2, Δcausal`` (first block first)."""
-        c, K, W = self.config, self.kernels, self._weights()
+        c, K, W = self.config, self.kernels, self.parameters.weight_table()
         rope = c.position_encoding == "rope"
-        G = self._layer_table(grads=True)                  # None = frozen: no gradient
+        G = self.parameters.grad_table()                   # None = frozen: no gradient
         top, kept = SimpleNamespace(d12=d12), []
         top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
         d10 = self._norm_backward(top.d11, f.ln_final, G.ln_final)
@@ -471,6 +447,30 @@ class GPT(FlatParameters, LoRAAdapters):
     def kernels_name(self) -> str:
         """``"fast"`` or ``"reference"``: which layer functions this model runs."""
         return "reference" if self.kernels.__name__.endswith(".layers") else "fast"
+
+    # ------------------------------------------------------------------ parameters: model.parameters'
+    params = Delegated("``name -> array`` of every parameter (base, then LoRA adapters): views into the "
+                        "flat buffers, :mod:`pedestrian.model.gpt` lists the names and shapes.")
+    grads = Delegated()
+    flat = Delegated()
+    freeze_base = Delegated("Whether the base parameters get no gradients (their matmuls skipped); set "
+                             "by :meth:`add_lora`, cleared by :meth:`remove_lora`, may be set.", settable=True)
+    lora_targets = Delegated()
+    lora_ranks = Delegated()
+    lora_alphas = Delegated()
+    lora_rank = Delegated()
+    lora_alpha = Delegated()
+    lora_dropout = Delegated()
+    to_xp = Delegated()
+    num_params = Delegated()
+    state_dict = Delegated()
+    load_state_dict = Delegated()
+    trainable_buffers = Delegated()
+    add_lora = Delegated()
+    merge_lora = Delegated()
+    unmerge_lora = Delegated()
+    remove_lora = Delegated()
+    lora_state_dict = Delegated()
 
 
 def _named_deltas(top, blocks) -> dict:

@@ -1,120 +1,30 @@
-"""Flat parameter buffers: every parameter (and every gradient) is a view into one 1-D array.
+"""A GPT's parameters as one object: the flat buffers and their named views, the gradient
+buffers, the LoRA adapters, the layer table the forward and backward read, and the tied-weight
+lookup gradient.
 
-An optimizer then updates a whole model with a few vectorised operations, and data
-parallelism sums gradients with one addition per buffer. The decayed 2-D weights come first, so
-weight decay is a slice. The q, k, v weights (and biases) of a block are column slices of one
-fused region, the block's ``attn.qkv`` layer: three FC layers of the same input are one FC layer
-with their columns side by side.
+:class:`Parameters` owns a base :class:`~pedestrian.model.buffers.FlatParams` (every base
+parameter a view into one flat array, a block's q, k, v one fused ``attn.qkv`` region), its
+gradient twin, and, after :meth:`Parameters.add_lora`, a :class:`~pedestrian.model.adapters.LoRA`
+(the adapters' own flat buffer and settings). :class:`~pedestrian.model.GPT` holds one as
+``model.parameters`` and hands its parameter methods on to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
-from typing import Mapping, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
 from ..backend import persistent, to_numpy
-from ..config import GPTConfig, lora_specs, param_specs
+from ..config import GPTConfig, fc_layers, param_specs
+from .adapters import LoRA
+from .buffers import FlatBuffer, FlatParams, base_regions, qkv_columns
 from .inputs import check_finite_state
 
-__all__ = ["FC", "FlatBuffer", "FlatParams", "FlatParameters", "Norm", "base_regions", "lora_regions",
-           "qkv_columns"]
-
-
-class FlatBuffer(NamedTuple):
-    """One flat parameter buffer and its gradient buffer (what an optimizer updates).
-
-    Attributes:
-        name: ``"base"`` or ``"lora"``.
-        params: ``(n,)`` float array, the parameters (``GPT.params`` are views into it).
-        grads: ``(n,)`` array of the same dtype: the last backward's gradient.
-        n_decay: the first ``n_decay`` entries are 2-D weights (weight decay applies to them).
-    """
-
-    name: str
-    params: object
-    grads: object
-    n_decay: int
-
-
-class FlatParams:
-    """A flat 1-D buffer and named views into it (decayed region first).
-
-    Args:
-        xp: the array namespace; dtype, device: of the buffer.
-        regions: ``[(region_shape, decay, members)]``, ``members`` a list of
-            ``(name, (lo, hi) column slice or None)`` (see :func:`base_regions`).
-
-    Attributes:
-        flat: the ``(n,)`` buffer, zeros at first.
-        views: ``name -> view`` with the parameter's shape.
-        regions: ``name -> view`` of each whole region (a fused ``…attn.qkv.weight`` included).
-        n_decay: the first ``n_decay`` entries of ``flat`` get weight decay.
-    """
-
-    def __init__(self, xp, dtype, regions, device=None):
-        with persistent(xp):                                       # (views made inside too)
-            regions = sorted(regions, key=lambda r: not r[1])      # decayed first, stable
-            total = sum(math.prod(shape) for shape, _, _ in regions)
-            self.flat = xp.zeros((total,), dtype=dtype, device=device)
-            self.views: dict = {}
-            self.regions: dict = {}
-            self.n_decay = 0
-            offset = 0
-            for shape, decay, members in regions:
-                size = math.prod(shape)
-                region = xp.reshape(self.flat[offset:offset + size], shape)
-                for name, cols in members:
-                    self.views[name] = region if cols is None else region[..., cols[0]:cols[1]]
-                self.regions[members[0][0] if len(members) == 1 else _fused_name(members[0][0])] = region
-                if decay:
-                    self.n_decay = offset + size
-                offset += size
-
-
-def _fused_name(member: str) -> str:
-    """``blocks.0.attn.q.weight`` -> ``blocks.0.attn.qkv.weight``."""
-    prefix, _, last = member.rpartition(".")        # prefix blocks.0.attn.q, last weight
-    return prefix.rsplit(".", 1)[0] + ".qkv." + last
-
-
-def base_regions(config: GPTConfig) -> list:
-    """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused)."""
-    specs = {s.name: s for s in param_specs(config)}
-    cols = dict(qkv_columns(config))
-    width = cols["v"][1]
-    regions, fused_done = [], set()
-    for name, spec in specs.items():
-        parts = name.split(".")
-        if len(parts) == 5 and parts[2] == "attn":                # blocks.i.attn.{q,k,v}.{weight,bias}
-            key = (parts[1], parts[4])
-            if key in fused_done:
-                continue
-            fused_done.add(key)
-            stem = f"blocks.{parts[1]}.attn"
-            shape = (config.d_model, width) if parts[4] == "weight" else (width,)
-            members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
-            regions.append((shape, spec.decay, members))
-        else:
-            regions.append((spec.shape, spec.decay, [(name, None)]))
-    return regions
-
-
-def qkv_columns(config: GPTConfig) -> tuple:
-    """``(("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv)))``: the fused qkv
-    layer's column slices, ``hq = n_heads·d_qk``, ``hk = n_kv_heads·d_qk``, ``hv = n_kv_heads·d_head``
-    (grouped-query attention: k and v hold only the ``n_kv_heads`` shared heads)."""
-    hq, hk, hv = (config.n_heads * config.d_qk, config.n_kv_heads * config.d_qk,
-                  config.n_kv_heads * config.d_head)
-    return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
-
-
-def lora_regions(specs) -> list:
-    """The LoRA adapters' regions for :class:`FlatParams` from :func:`pedestrian.config.lora_specs`
-    (every ``D`` and ``U`` decayed)."""
-    return [(s.shape, True, [(s.name, None)]) for s in specs]
+__all__ = ["FC", "Delegated", "Norm", "Parameters"]
 
 
 class Norm(NamedTuple):
@@ -133,33 +43,70 @@ class FC(NamedTuple):
     adapters: tuple
 
 
-class FlatParameters:
-    """The parameter methods of :class:`~pedestrian.model.GPT` (a base class, not used alone):
-    the flat buffers, the named views into them, state dicts and gradient buffers.
+class Parameters:
+    """A GPT's parameters, their gradients and its LoRA adapters.
 
-    Expects ``config``, ``xp``, ``dtype``, ``dtype_name``, ``device``, ``backend``, ``params``,
-    ``_base`` / ``_grad_base`` (base :class:`FlatParams`), ``_base_names`` and the adapters'
-    ``_lora`` / ``_grad_lora`` / ``freeze_base`` (:class:`~pedestrian.model.adapters.LoRAAdapters`).
+    Args:
+        config: the model's :class:`GPTConfig`.
+        xp, dtype, device: where the arrays live (the model's namespace, dtype and device);
+            dtype_name: ``"float32"`` or ``"float64"`` (what loaded values must be finite in).
+        seed: the GPT-2 initialisation (weights ``N(0, 0.02)``, the two residual projections
+            ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1), drawn in the order of
+            the learned-position layout so that models differing only in ``position_encoding``
+            start from the same weights.
+
+    Attributes:
+        base: the base parameters' :class:`FlatParams`; base_grads: its gradient twin (``None``
+            until the first backward or :attr:`grads`).
+        params: ``name -> view`` of every parameter, base then LoRA (what ``model.params`` is).
+        lora: the :class:`LoRA` adapters, or ``None``.
+        freeze_base: the base gets no gradients (its matmuls are skipped).
     """
 
+    def __init__(self, config: GPTConfig, xp, dtype, dtype_name: str, device=None, *, seed: int = 0):
+        self.config = config
+        self.dtype_name = dtype_name
+        self.base = FlatParams(xp, dtype, base_regions(config), device)
+        self.base_names = [s.name for s in param_specs(config)]
+        self.params: dict = {name: self.base.views[name] for name in self.base_names}
+        self.base_grads: FlatParams | None = None
+        self.lora: LoRA | None = None
+        self.freeze_base = False
+        self._lookup_grad = None                           # tied weights: the lookup's part of dW_tok
+        self._weight_table: SimpleNamespace | None = None
+        self._init_weights(seed)
+
+    def _init_weights(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
+        # draw in the order of the learned-position layout, the table's draws discarded when there
+        # is no table: models that differ only in position_encoding start from the same weights
+        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None)
+        for s in param_specs(learned):
+            if len(s.shape) == 2:
+                std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
+                value = rng.normal(0.0, std, size=s.shape)
+            elif ".ln" in s.name or s.name.startswith("ln_final"):
+                value = np.ones(s.shape) if s.name.endswith("weight") else np.zeros(s.shape)
+            else:
+                value = np.zeros(s.shape)
+            if s.name in self.params:
+                self.params[s.name][...] = self.to_xp(value)
+
+    # ------------------------------------------------------------------ values
     def to_xp(self, value):
         """``value`` (NumPy or nested lists) as an array of this model's backend, dtype and device."""
-        arr = np.asarray(value)
-        if self.backend == "torch":
-            import torch
-
-            return torch.as_tensor(arr, dtype=self.dtype, device=self.device)
-        return arr.astype(self.dtype, copy=False)
+        return self.base.to_xp(value)
 
     @property
     def flat(self):
         """The flat base-parameter buffer (views in :attr:`params` alias it)."""
-        return self._base.flat
+        return self.base.flat
 
     def num_params(self, trainable_only: bool = False) -> int:
         """Number of parameters (base + LoRA, or only those that get gradients)."""
-        n_lora = 0 if self._lora is None else int(self._lora.flat.shape[0])
-        n_base = int(self._base.flat.shape[0])
+        n_lora = 0 if self.lora is None else int(self.lora.weights.flat.shape[0])
+        n_base = int(self.base.flat.shape[0])
         if trainable_only:
             return n_lora + (0 if self.freeze_base else n_base)
         return n_base + n_lora
@@ -193,6 +140,7 @@ class FlatParameters:
         for k, a in arrays.items():
             self.params[k][...] = self.to_xp(a)
 
+    # ------------------------------------------------------------------ gradients
     def trainable_buffers(self) -> list[FlatBuffer]:
         """The flat buffers an optimizer updates: the base (unless frozen), then the LoRA adapters.
 
@@ -202,17 +150,16 @@ class FlatParameters:
         self._grad_buffers()
         out = []
         if not self.freeze_base:
-            out.append(FlatBuffer("base", self._base.flat, self._grad_base.flat, self._base.n_decay))
-        if self._lora is not None:
-            out.append(FlatBuffer("lora", self._lora.flat, self._grad_lora.flat, self._lora.n_decay))
+            out.append(FlatBuffer("base", self.base.flat, self.base_grads.flat, self.base.n_decay))
+        if self.lora is not None:
+            out.append(FlatBuffer("lora", self.lora.weights.flat, self.lora.grads.flat, self.lora.weights.n_decay))
         return out
 
     def _grad_buffers(self) -> None:
-        if not self.freeze_base and self._grad_base is None:
-            self._grad_base = FlatParams(self.xp, self.dtype, base_regions(self.config), self.device)
-        if self._lora is not None and self._grad_lora is None:
-            specs = lora_specs(self.config, self.lora_targets, self.lora_rank, self.lora_ranks)
-            self._grad_lora = FlatParams(self.xp, self.dtype, lora_regions(specs), self.device)
+        if not self.freeze_base and self.base_grads is None:
+            self.base_grads = self.base.like(base_regions(self.config))
+        if self.lora is not None:
+            self.lora.grad_buffer()
 
     @property
     def grads(self) -> dict:
@@ -220,19 +167,24 @@ class FlatParameters:
         self._grad_buffers()
         out = {}
         if not self.freeze_base:
-            out.update({name: self._grad_base.views[name] for name in self._base_names})
-        if self._grad_lora is not None:
-            out.update(self._grad_lora.views)
+            out.update({name: self.base_grads.views[name] for name in self.base_names})
+        if self.lora is not None:
+            out.update(self.lora.grads.views)
         return out
 
-    def _weights(self) -> SimpleNamespace:
-        """:meth:`_layer_table` of the parameters, built once per set of adapters (the views never
+    # ------------------------------------------------------------------ the layer table
+    def weight_table(self) -> SimpleNamespace:
+        """:meth:`layer_table` of the parameters, built once per set of adapters (the views never
         change: loading and optimizer steps write into them)."""
-        if self._weights_cache is None:
-            self._weights_cache = self._layer_table(grads=False)
-        return self._weights_cache
+        if self._weight_table is None:
+            self._weight_table = self.layer_table(grads=False)
+        return self._weight_table
 
-    def _layer_table(self, grads: bool) -> SimpleNamespace:
+    def grad_table(self) -> SimpleNamespace:
+        """:meth:`layer_table` of the gradients (what a backward writes)."""
+        return self.layer_table(grads=True)
+
+    def layer_table(self, grads: bool) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
         ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
         ``.mlp_contract``, ``ln_final``,
@@ -244,12 +196,12 @@ class FlatParameters:
         c = self.config
         if grads:
             self._grad_buffers()
-            base = {} if self.freeze_base else {**self._grad_base.views, **self._grad_base.regions}
-            P = {**base, **(self._grad_lora.views if self._grad_lora is not None else {})}
+            base = {} if self.freeze_base else {**self.base_grads.views, **self.base_grads.regions}
+            P = {**base, **(self.lora.grads.views if self.lora is not None else {})}
         else:
-            P = {**self.params, **self._base.regions}
+            P = {**self.params, **self.base.regions}
         if c.tie_weights and "tok_emb.weight" in P:
-            P["logits.weight"] = self.xp.matrix_transpose(P["tok_emb.weight"])
+            P["logits.weight"] = self.base.xp.matrix_transpose(P["tok_emb.weight"])
         lora = set(self.lora_targets)
 
         def norm(name):
@@ -273,8 +225,169 @@ class FlatParameters:
         if grads:                                          # where the embedding backward writes dW_tok
             table.tok_lookup = table.tok_emb
             if c.tie_weights and table.tok_emb is not None:
-                if self._grad_lookup is None:
-                    with persistent(self.xp):
-                        self._grad_lookup = self.xp.zeros(table.tok_emb.shape, dtype=self.dtype, device=self.device)
-                table.tok_lookup = self._grad_lookup
+                if self._lookup_grad is None:
+                    b = self.base
+                    with persistent(b.xp):
+                        self._lookup_grad = b.xp.zeros(table.tok_emb.shape, dtype=b.dtype, device=b.device)
+                table.tok_lookup = self._lookup_grad
         return table
+
+    # ------------------------------------------------------------------ LoRA adapters
+    @property
+    def lora_targets(self) -> list[str]:
+        """The adapted layers, in layer order (``[]`` without adapters)."""
+        return [] if self.lora is None else self.lora.targets
+
+    @property
+    def lora_ranks(self) -> dict[str, int]:
+        """``{layer: r}`` of every adapter (``{}`` without adapters)."""
+        return {} if self.lora is None else self.lora.ranks
+
+    @property
+    def lora_alphas(self) -> dict[str, float]:
+        """``{layer: α}`` of every adapter (``{}`` without adapters)."""
+        return {} if self.lora is None else self.lora.alphas
+
+    @property
+    def lora_rank(self) -> int | None:
+        """:meth:`add_lora`'s default rank (``None`` without adapters)."""
+        return None if self.lora is None else self.lora.rank
+
+    @property
+    def lora_alpha(self) -> float:
+        """:meth:`add_lora`'s default ``α`` (PEFT's ``lora_alpha / r``; ``1.0`` without adapters)."""
+        return 1.0 if self.lora is None else self.lora.alpha
+
+    @property
+    def lora_dropout(self) -> float:
+        """PEFT's ``lora_dropout`` of the adapters (``0.0`` without adapters)."""
+        return 0.0 if self.lora is None else self.lora.dropout
+
+    def add_lora(self, targets: str | Iterable[str] = "all", rank: int = 8, alpha: float = 1.0,
+                 *, rank_pattern: Mapping[str, int] | None = None,
+                 alpha_pattern: Mapping[str, float] | None = None, dropout: float = 0.0,
+                 seed: int = 0, freeze_base: bool = True) -> None:
+        """Put a LoRA adapter ``α_X · dropout(x) D_X U_X`` on fully connected layers ``X``
+        (paper section 6; the dropout and the per-layer settings are PEFT's).
+
+        Args:
+            targets: kinds ``"q"``, ``"k"``, ``"v"``, ``"attn_proj"``, ``"mlp_expand"``,
+                ``"mlp_contract"``, ``"logits"`` (every block), ``"all"``, or full layer
+                names like ``"blocks.0.attn.q"``.
+            rank: ``r`` of every adapter that ``rank_pattern`` does not name.
+            alpha: the paper's plain scalar ``α`` (PEFT's ``lora_alpha / r``) of every adapter
+                that ``alpha_pattern`` does not name.
+            rank_pattern, alpha_pattern: ``{kind or full layer name: value}``, per-layer ranks
+                and scales (a full name wins over a kind; every key must name an adapted
+                layer). ``α`` stays a plain scale: a layer's ``α`` does not change with its rank.
+            dropout: PEFT's ``lora_dropout``: inverted dropout with this probability on each
+                adapter's input (never on the frozen ``x W + b``), only while
+                :attr:`training`. One mask per adapted layer input, drawn from
+                :attr:`dropout_rng` in forward order; the q, k, v adapters of a block share the
+                mask of their common input (as PEFT's one ``c_attn`` module does).
+            seed: ``D ~ N(0, 1/f_in)``; ``U = 0``, so a new adapter starts as a no-op.
+            freeze_base: base weights get no gradients at all (their matmuls are skipped).
+
+        Afterwards :attr:`lora_targets`, :attr:`lora_ranks`, :attr:`lora_alphas` (per layer),
+        :attr:`lora_rank`, :attr:`lora_alpha` (the defaults) and :attr:`lora_dropout` describe
+        the adapters.
+
+        Raises:
+            ValueError: adapters already present, a rank that is not a positive integer, an
+                ``α`` that is not a finite number, ``dropout`` outside ``[0, 1)``, unknown
+                targets or pattern keys; the model is unchanged then.
+        """
+        if self.lora is not None:
+            raise ValueError("this model already has LoRA adapters; merge_lora() or remove_lora() first")
+        self.lora = LoRA(self.config, self.base, targets, rank, alpha, rank_pattern=rank_pattern,
+                         alpha_pattern=alpha_pattern, dropout=dropout, seed=seed)
+        self.params.update(self.lora.weights.views)
+        self.freeze_base = freeze_base
+        self._weight_table = None
+
+    def merge_lora(self) -> None:
+        """``W ← W + α D U`` for every adapter, then drop the adapters (outputs unchanged).
+
+        For tied logits the update goes into ``tok_emb.weight`` (as ``(α D U)ᵀ``), which also
+        changes the embedding lookup; merging tied-logits adapters is therefore refused.
+
+        Raises:
+            ValueError: no adapters, a LoRA on tied logits, or a merged weight that would not be
+                finite (an adapter holding NaN or inf, or ``α D U`` beyond the dtype); nothing is
+                changed then.
+        """
+        if self.lora is None:
+            raise ValueError("this model has no LoRA adapters to merge")
+        self.lora.merge_into(self.params, +1.0, self.dtype_name)
+        self.remove_lora()
+
+    def unmerge_lora(self, lora_state: Mapping[str, object], alpha: float | Mapping[str, float]) -> None:
+        """Undo :meth:`merge_lora`: ``W ← W − α D U`` for the given adapters, then re-attach them.
+
+        Args:
+            lora_state: the adapters (``X.lora_D``, ``X.lora_U``); each layer's rank is read
+                from its arrays.
+            alpha: the ``α`` they were merged with: one number, or ``{layer: α}`` (as
+                :attr:`lora_alphas` was before the merge).
+
+        Raises:
+            ValueError: an ``alpha`` mapping that does not name exactly the given layers; adapters
+                or a result that are not finite (the model is left as it was).
+        """
+        names = sorted({k.rsplit(".", 1)[0] for k in lora_state}, key=[n for n, _, _ in fc_layers(self.config)].index)
+        ranks = {fc: int(np.shape(to_numpy(lora_state[f"{fc}.lora_D"]))[1]) for fc in names}
+        alphas = dict(alpha) if isinstance(alpha, Mapping) else {fc: alpha for fc in names}
+        if set(alphas) != set(names):
+            raise ValueError(f"alpha must give the α of exactly the adapted layers {names}, got {sorted(alphas)}")
+        freeze_base = self.freeze_base
+        self.add_lora(names, ranks[names[0]], alphas[names[0]], rank_pattern=ranks, alpha_pattern=alphas,
+                      freeze_base=freeze_base)
+        try:
+            self.load_state_dict(lora_state, strict=False)
+            self.lora.merge_into(self.params, -1.0, self.dtype_name)
+        except ValueError:                      # non-finite adapters or weights: as before the call
+            self.remove_lora()
+            self.freeze_base = freeze_base
+            raise
+
+    def remove_lora(self) -> None:
+        """Drop the adapters (without merging) and unfreeze the base."""
+        for name in list(self.params):
+            if ".lora_" in name:
+                del self.params[name]
+        self.lora = None
+        self.freeze_base = False
+        self._weight_table = None
+
+    def lora_state_dict(self) -> dict[str, np.ndarray]:
+        """NumPy copies of the adapter parameters only (``X.lora_D``, ``X.lora_U``)."""
+        return {k: v for k, v in self.state_dict().items() if ".lora_" in k}
+
+
+class Delegated:
+    """A :class:`~pedestrian.model.GPT` attribute that is its :class:`Parameters`' own, of the
+    same name (a method or a property, its docstring included): ``model.add_lora(...)`` is
+    ``model.parameters.add_lora(...)``. On the class it is the :class:`Parameters` method or
+    property itself (for ``help`` and signatures); ``doc`` documents a plain attribute.
+
+    Raises:
+        AttributeError: setting it on a model, unless ``settable``.
+    """
+
+    def __init__(self, doc: str | None = None, *, settable: bool = False):
+        self.__doc__, self.settable = doc, settable
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.target = vars(Parameters).get(name)           # None: an attribute of the instance
+        self.__doc__ = self.__doc__ or self.target.__doc__
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self if self.target is None else self.target
+        return getattr(model.parameters, self.name)
+
+    def __set__(self, model, value):
+        if not self.settable:
+            raise AttributeError(f"GPT.{self.name} cannot be set (it is model.parameters.{self.name})")
+        setattr(model.parameters, self.name, value)

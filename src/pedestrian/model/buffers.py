@@ -1,0 +1,132 @@
+"""Flat buffers: every parameter (and every gradient) is a view into one 1-D array.
+
+An optimizer then updates a whole model with a few vectorised operations, and data
+parallelism sums gradients with one addition per buffer. The decayed 2-D weights come first, so
+weight decay is a slice. The q, k, v weights (and biases) of a block are column slices of one
+fused region, the block's ``attn.qkv`` layer: three FC layers of the same input are one FC layer
+with their columns side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from array_api_compat import is_torch_namespace
+
+from ..backend import persistent
+from ..config import GPTConfig, param_specs
+
+__all__ = ["FlatBuffer", "FlatParams", "base_regions", "lora_regions", "qkv_columns"]
+
+
+class FlatBuffer(NamedTuple):
+    """One flat parameter buffer and its gradient buffer (what an optimizer updates).
+
+    Attributes:
+        name: ``"base"`` or ``"lora"``.
+        params: ``(n,)`` float array, the parameters (``GPT.params`` are views into it).
+        grads: ``(n,)`` array of the same dtype: the last backward's gradient.
+        n_decay: the first ``n_decay`` entries are 2-D weights (weight decay applies to them).
+    """
+
+    name: str
+    params: object
+    grads: object
+    n_decay: int
+
+
+class FlatParams:
+    """A flat 1-D buffer and named views into it (decayed region first).
+
+    Args:
+        xp: the array namespace; dtype, device: of the buffer.
+        regions: ``[(region_shape, decay, members)]``, ``members`` a list of
+            ``(name, (lo, hi) column slice or None)`` (see :func:`base_regions`).
+
+    Attributes:
+        xp, dtype, device: as given.
+        flat: the ``(n,)`` buffer, zeros at first.
+        views: ``name -> view`` with the parameter's shape.
+        regions: ``name -> view`` of each whole region (a fused ``…attn.qkv.weight`` included).
+        n_decay: the first ``n_decay`` entries of ``flat`` get weight decay.
+    """
+
+    def __init__(self, xp, dtype, regions, device=None):
+        self.xp, self.dtype, self.device = xp, dtype, device
+        with persistent(xp):                                       # (views made inside too)
+            regions = sorted(regions, key=lambda r: not r[1])      # decayed first, stable
+            total = sum(math.prod(shape) for shape, _, _ in regions)
+            self.flat = xp.zeros((total,), dtype=dtype, device=device)
+            self.views: dict = {}
+            self.regions: dict = {}
+            self.n_decay = 0
+            offset = 0
+            for shape, decay, members in regions:
+                size = math.prod(shape)
+                region = xp.reshape(self.flat[offset:offset + size], shape)
+                for name, cols in members:
+                    self.views[name] = region if cols is None else region[..., cols[0]:cols[1]]
+                self.regions[members[0][0] if len(members) == 1 else _fused_name(members[0][0])] = region
+                if decay:
+                    self.n_decay = offset + size
+                offset += size
+
+    def like(self, regions) -> FlatParams:
+        """A new zero buffer of ``regions`` in this one's namespace, dtype and device (a gradient
+        buffer, or the LoRA adapters beside the base)."""
+        return FlatParams(self.xp, self.dtype, regions, self.device)
+
+    def to_xp(self, value):
+        """``value`` (NumPy or nested lists) as an array of this buffer's namespace, dtype and device."""
+        arr = np.asarray(value)
+        if is_torch_namespace(self.xp):
+            import torch
+
+            return torch.as_tensor(arr, dtype=self.dtype, device=self.device)
+        return arr.astype(self.dtype, copy=False)
+
+
+def _fused_name(member: str) -> str:
+    """``blocks.0.attn.q.weight`` -> ``blocks.0.attn.qkv.weight``."""
+    prefix, _, last = member.rpartition(".")        # prefix blocks.0.attn.q, last weight
+    return prefix.rsplit(".", 1)[0] + ".qkv." + last
+
+
+def qkv_columns(config: GPTConfig) -> tuple:
+    """``(("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv)))``: the fused qkv
+    layer's column slices, ``hq = n_heads·d_qk``, ``hk = n_kv_heads·d_qk``, ``hv = n_kv_heads·d_head``
+    (grouped-query attention: k and v hold only the ``n_kv_heads`` shared heads)."""
+    hq, hk, hv = (config.n_heads * config.d_qk, config.n_kv_heads * config.d_qk,
+                  config.n_kv_heads * config.d_head)
+    return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
+
+
+def base_regions(config: GPTConfig) -> list:
+    """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused)."""
+    specs = {s.name: s for s in param_specs(config)}
+    cols = dict(qkv_columns(config))
+    width = cols["v"][1]
+    regions, fused_done = [], set()
+    for name, spec in specs.items():
+        parts = name.split(".")
+        if len(parts) == 5 and parts[2] == "attn":                # blocks.i.attn.{q,k,v}.{weight,bias}
+            key = (parts[1], parts[4])
+            if key in fused_done:
+                continue
+            fused_done.add(key)
+            stem = f"blocks.{parts[1]}.attn"
+            shape = (config.d_model, width) if parts[4] == "weight" else (width,)
+            members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
+            regions.append((shape, spec.decay, members))
+        else:
+            regions.append((spec.shape, spec.decay, [(name, None)]))
+    return regions
+
+
+def lora_regions(specs) -> list:
+    """The LoRA adapters' regions for :class:`FlatParams` from :func:`pedestrian.config.lora_specs`
+    (every ``D`` and ``U`` decayed)."""
+    return [(s.shape, True, [(s.name, None)]) for s in specs]
