@@ -48,7 +48,7 @@ def test_model_functions_are_the_ones_the_model_calls():
             v = node.value
             if (isinstance(v, ast.Name) and v.id == "K") or \
                     (isinstance(v, ast.Attribute) and v.attr == "kernels"):
-                if not node.attr.startswith("__"):      # the module's own __name__
+                if node.attr != "name":                 # the table's own name
                     called.add(node.attr)
     assert called, "the model calls no kernel function? the scan is broken"
     assert called <= set(reference.MODEL_FUNCTIONS), called - set(reference.MODEL_FUNCTIONS)
@@ -97,24 +97,78 @@ def test_the_purity_check_can_fail():
         assert what in str(err.value), what
 
 
+def _functions(table) -> dict:
+    return {k: v for k, v in vars(table).items() if k != "name"}
+
+
 def test_the_switch(monkeypatch):
+    """``kernels_for`` gives a table of every model function and its name; ``GPT`` keeps the one
+    it chose when it was built (``model.kernels``, named by ``model.kernels_name``)."""
     assert KERNELS == ("fast", "reference")
-    assert kernels_for("fast") is fast and kernels_for("reference") is reference
+    for name, module in (("fast", fast), ("reference", reference)):
+        table = kernels_for(name)
+        assert table.name == name
+        assert _functions(table) == {f: getattr(module, f) for f in reference.MODEL_FUNCTIONS}
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "reference")
-    assert kernels_for() is reference and kernels_for(None) is reference
+    assert kernels_for().name == "reference" and kernels_for(None).name == "reference"
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "fast")
-    assert kernels_for() is fast
+    assert kernels_for().name == "fast"
     monkeypatch.delenv("PEDESTRIAN_KERNELS")
-    assert kernels_for() is fast                            # the default
+    assert kernels_for().name == "fast"                     # the default
     cfg = GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1)
     for name, module in (("fast", fast), ("reference", reference)):
         model = GPT(cfg, kernels=name)
-        assert model.kernels is module and model.kernels_name == name
+        assert model.kernels_name == name == model.kernels.name
+        assert _functions(model.kernels) == _functions(kernels_for(name))
     with pytest.raises(ValueError, match=r"unknown kernels 'slow'; choose one of \('fast', 'reference'\)"):
         GPT(cfg, kernels="slow")
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "turbo")
     with pytest.raises(ValueError, match="unknown kernels 'turbo'.*PEDESTRIAN_KERNELS"):
         GPT(cfg)
+
+
+@pytest.mark.parametrize("device,dtype", [("cuda", "float32"), ("cuda:1", None), ("cpu", "float16"),
+                                          (None, "bfloat16"), ("meta", "float64")])
+def test_a_gpu_or_a_half_dtype_gets_the_reference_and_the_tiled_torch_loop(device, dtype):
+    """Off the CPU, or in a dtype the kernels are not compiled for, ``"fast"`` is the reference
+    layers with the attention's on-device functions (the tiled kernel's torch loop from
+    ``TILED_MIN_T`` tokens on), as a direct call with such tensors runs."""
+    from pedestrian.kernels import attention
+
+    table = kernels_for("fast", device, dtype)
+    assert table.name == "fast"
+    on_device = {"multi_head_attention_forward": attention.on_device_forward,
+                 "multi_head_attention_backward": attention.on_device_backward,
+                 "attention_weights": attention.on_device_weights}
+    assert _functions(table) == {f: on_device.get(f, getattr(reference, f)) for f in reference.MODEL_FUNCTIONS}
+    assert _functions(kernels_for("fast", "cpu", "float64")) == _functions(kernels_for("fast"))
+    assert _functions(kernels_for("reference", device, dtype)) == _functions(kernels_for("reference"))
+
+
+def test_the_table_is_read_when_a_model_is_built(monkeypatch):
+    """A function replaced in the module before a model is built is the one the model calls
+    (tests and the demo's broken-gradient check rely on it)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    real = fast.layernorm_forward
+    monkeypatch.setattr(fast, "layernorm_forward", spy)
+    cfg = GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1)
+    GPT(cfg).forward([[1, 2, 3]])
+    assert len(calls) == 3                                   # ln1, ln2, ln_final
+
+
+def test_no_kernels_are_chosen_by_name_comparison():
+    """Which kernels a model runs is its table's ``name``: nothing in the package compares
+    ``__name__`` of a module to find out (read from the source)."""
+    src = Path(fast.__file__).parents[1]
+    hits = [f"{p.relative_to(src)}:{n}" for p in sorted(src.rglob("*.py"))
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if "kernels.__name__" in line or "kernels_for(" in line and "__name__" in line]
+    assert not hits, hits
 
 
 def test_functions_without_a_fast_version_are_the_reference_ones():

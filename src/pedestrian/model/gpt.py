@@ -112,8 +112,9 @@ class GPT:
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
-        self.kernels = kernels_for(kernels)
         self.device = _resolve_device(backend, device)
+        #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
+        self.kernels = kernels_for(kernels, self.device, self.dtype)
         self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed)
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
@@ -412,8 +413,8 @@ class GPT:
     # ------------------------------------------------------------------ kernels and replicas
     @property
     def kernels_name(self) -> str:
-        """``"fast"`` or ``"reference"``: which layer functions this model runs."""
-        return "reference" if self.kernels.__name__.endswith(".layers") else "fast"
+        """``"fast"`` or ``"reference"``: which layer functions this model runs (its table's ``name``)."""
+        return self.kernels.name
 
     # ------------------------------------------------------------------ parameters: model.parameters'
     params = Delegated("``name -> array`` of every parameter (base, then LoRA adapters): views into the "
