@@ -101,6 +101,12 @@ def _functions(table) -> dict:
     return {k: v for k, v in vars(table).items() if k != "name"}
 
 
+def _kernel(function):
+    """What a table holds for a function of the package: the NumPy kernel behind the wrapper that
+    takes torch tensors in direct calls."""
+    return getattr(function, "__wrapped__", function)
+
+
 def test_the_switch(monkeypatch):
     """``kernels_for`` gives a table of every model function and its name; ``GPT`` keeps the one
     it chose when it was built (``model.kernels``, named by ``model.kernels_name``)."""
@@ -108,7 +114,7 @@ def test_the_switch(monkeypatch):
     for name, module in (("fast", fast), ("reference", reference)):
         table = kernels_for(name)
         assert table.name == name
-        assert _functions(table) == {f: getattr(module, f) for f in reference.MODEL_FUNCTIONS}
+        assert _functions(table) == {f: _kernel(getattr(module, f)) for f in reference.MODEL_FUNCTIONS}
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "reference")
     assert kernels_for().name == "reference" and kernels_for(None).name == "reference"
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "fast")
@@ -180,3 +186,48 @@ def test_functions_without_a_fast_version_are_the_reference_ones():
     assert fast.dropout_forward is reference.dropout_forward
     assert fast.lora_backward is reference.lora_backward
     assert fast.multi_head_attention_forward is not reference.multi_head_attention_forward
+
+
+def test_a_torch_cpu_model_converts_only_at_its_edge(monkeypatch):
+    """A torch-CPU model with the fast kernels calls every kernel with NumPy arrays (views of its
+    tensors: no per-call conversion), and hands torch tensors out of forward, activations,
+    attention_weights, backward, grads and deltas, and its KV cache; its numbers are the NumPy
+    model's, bit for bit (the same kernels on the same values)."""
+    import numpy as np
+    import torch
+
+    from pedestrian.generation.generate import generate
+    from pedestrian.model.kv_cache import KVCache
+
+    seen = []
+    for f in reference.MODEL_FUNCTIONS:
+        def spy(*args, _real=_kernel(getattr(fast, f)), _name=f, **kwargs):
+            seen.append((_name, [type(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(fast, f, spy)
+    cfg = GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=2, n_blocks=2, dropout=0.1)
+    ours, numpy_model = GPT(cfg, dtype="float64", backend="torch"), GPT(cfg, dtype="float64")
+    assert ours.numpy_chain and not numpy_model.numpy_chain
+    x = np.random.default_rng(0).integers(0, 11, (2, 7))
+    loss = ours.loss(torch.as_tensor(x[:, :-1]), torch.as_tensor(x[:, 1:]))
+    grads = ours.backward(keep_deltas=True)
+    assert loss == numpy_model.loss(x[:, :-1], x[:, 1:])
+    expected = numpy_model.backward(keep_deltas=True)
+    for name, g in grads.items():
+        assert isinstance(g, torch.Tensor) and np.array_equal(g.numpy(), expected[name]), name
+    for got, want in ((ours.activations(), numpy_model.activations()), (ours.deltas(), numpy_model.deltas())):
+        assert got.keys() == want.keys()
+        for k in got:
+            assert isinstance(got[k], torch.Tensor) and np.array_equal(got[k].numpy(), want[k]), k
+    assert all(isinstance(p, torch.Tensor) for p in ours.attention_weights())
+    ours.backward(torch.ones(2, 6, 11, dtype=torch.float64))              # a caller's Δ12
+    ours.training = numpy_model.training = False
+    cache = KVCache(ours, batch_size=1)
+    logits = ours.forward(torch.as_tensor(x[:1, :3]), kv_cache=cache)
+    assert isinstance(logits, torch.Tensor) and cache.length == 3
+    assert np.array_equal(logits.numpy(), numpy_model.forward(x[:1, :3]))
+    assert float(cache.keys[0][0, :, :3].abs().sum()) > 0                  # written into the cache's tensors
+    assert np.array_equal(generate(ours, [1, 2, 3], 4, temperature=0), generate(numpy_model, [1, 2, 3], 4, temperature=0))
+    called = {name for name, _ in seen}
+    assert {"linear_forward", "multi_head_attention_backward", "dropout_forward", "cross_entropy_backward"} <= called
+    assert not [name for name, tensors in seen if tensors], "a kernel got a torch tensor"

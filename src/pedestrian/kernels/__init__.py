@@ -108,7 +108,8 @@ def _runs_fast(a) -> bool:
 
 
 def _seam(fast, other):
-    """``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
+    """This package's function of a kernel, for direct calls (a model calls the kernel itself,
+    from its table): ``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
     torch tensors on the CPU; ``other`` for torch tensors on any other device, and for data of
     a dtype the kernels are not compiled for (:data:`FAST_DTYPES`: float16 and bfloat16 run in
     the reference layers). Which one runs follows the first array among the arguments (one
@@ -198,8 +199,10 @@ def kernels_for(name: str | None = None, device=None, dtype=None) -> SimpleNames
             of another dtype than :data:`FAST_DTYPES` is the table a GPU gets.
 
     The table is built at each call from the modules' attributes as they are then. The fast
-    CPU table holds the kernels themselves, written for NumPy arrays (no per-call dispatch: a
-    torch model hands them NumPy views of its tensors, :class:`pedestrian.model.GPT`).
+    CPU table holds the kernels themselves, which take NumPy arrays only (no per-call dispatch
+    or conversion: a torch-CPU model hands them NumPy views of its tensors and converts at its
+    edge, :class:`pedestrian.model.GPT`); this package's attributes of the same names also take
+    torch tensors.
 
     Raises:
         ValueError: any other name (also a bad ``PEDESTRIAN_KERNELS``).
@@ -227,7 +230,12 @@ def kernels_for(name: str | None = None, device=None, dtype=None) -> SimpleNames
     on_cpu = device is None or str(device) == "cpu"
     if not on_cpu or _dtype_name(dtype) not in FAST_DTYPES:
         return SimpleNamespace(**{**vars(table), **_ON_DEVICE, "name": name})
-    return SimpleNamespace(name=name, **{f: globals()[f] for f in layers.MODEL_FUNCTIONS})
+    return SimpleNamespace(name=name, **{f: _numpy_only(globals()[f]) for f in layers.MODEL_FUNCTIONS})
+
+
+def _numpy_only(function):
+    """The kernel a :func:`_seam` wrapper calls (a function put in its place, a test's spy, as it is)."""
+    return getattr(function, "__wrapped__", function)
 
 
 def _dtype_name(dtype) -> str:

@@ -46,13 +46,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import namespace_for, resolve_dtype
+from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
-from .kv_cache import KVCache
+from .kv_cache import KVBlock, KVCache
 from .params import FC, Delegated, Parameters
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
@@ -69,12 +69,17 @@ class GPT:
             the same weights (the learned table aside).
         dtype: ``"float32"`` (default) or ``"float64"``.
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays; on the CPU
-            the fast kernels run them through NumPy views of their memory, elsewhere the reference).
+            the fast kernels run on NumPy views of the model's tensors, converted only at the
+            model's edge -- what :meth:`forward`, :meth:`backward`, :meth:`activations`,
+            :meth:`attention_weights`, :meth:`deltas` take and return, a KV cache's arrays --
+            elsewhere the reference).
         device: where every array lives: ``None`` / ``"cpu"``, or for the torch backend any torch
             device (``"cuda"``, ``"cuda:1"``); parameters, gradients, activations and KV caches
             are made there, and NumPy token ids are moved there.
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
-            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Both compute
+            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. The table of
+            functions (:func:`pedestrian.kernels.kernels_for`, by name, device and dtype) is chosen
+            here once: :attr:`kernels`, named by :attr:`kernels_name`. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
 
     Use::
@@ -115,7 +120,12 @@ class GPT:
         self.device = _resolve_device(backend, device)
         #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
         self.kernels = kernels_for(kernels, self.device, self.dtype)
-        self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed)
+        #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
+        #: NumPy arrays); what enters and leaves the model is converted here, at its edge
+        self.numpy_chain = backend == "torch" and self.kernels.name == "fast" and (
+            self.device is None or self.device.type == "cpu")
+        self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed,
+                                     numpy_views=self.numpy_chain)
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
@@ -205,11 +215,15 @@ class GPT:
             check_targets(self.xp, targets, tokens, c.vocab_size)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
+        chain_cache = kv_cache
+        if self.numpy_chain:                               # the edge: NumPy views in
+            tokens, targets = to_numpy(tokens), None if targets is None else to_numpy(targets)
+            chain_cache = None if kv_cache is None else _NumpyCache(kv_cache)
         with self._workspace:
-            logits = self._forward(tokens, targets, kv_cache, n_total, keep_activations)
+            logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
-        return logits
+        return self._out(logits)
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
         c, K, W = self.config, self.kernels, self.parameters.weight_table()
@@ -306,6 +320,7 @@ class GPT:
         self._require_forward()                            # its activations were kept
         if delta_logits is not None:
             delta_logits = as_signal(self, delta_logits, f.a12.shape)
+            delta_logits = to_numpy(delta_logits) if self.numpy_chain else delta_logits
         self._deltas = {}
         with self.lock, self._workspace:
             d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
@@ -374,7 +389,7 @@ class GPT:
                 out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
             out[f"blocks.{i}.P"] = self.kernels.attention_weights(b.attn)
         out.update(a11=f.a11, a12=f.a12)
-        return out
+        return self._out(out)
 
     def attention_weights(self) -> list:
         """``P`` of every block of the last forward (a KV-cache step included): a list over
@@ -385,7 +400,7 @@ class GPT:
             ValueError: no forward has been run.
         """
         f = self._require_forward()
-        return [self.kernels.attention_weights(b.attn) for b in f.blocks]
+        return self._out([self.kernels.attention_weights(b.attn) for b in f.blocks])
 
     def _require_forward(self):
         if self._acts is None:
@@ -408,7 +423,21 @@ class GPT:
         """
         if not self._deltas:
             raise ValueError("no error signals kept; call backward(keep_deltas=True)")
-        return dict(self._deltas)
+        return self._out(dict(self._deltas))
+
+    def _out(self, values):
+        """``values`` (an array, or a dict or list of them) as the caller's arrays: with
+        :attr:`numpy_chain`, torch tensors sharing the chain's NumPy memory (a tensor keeps its
+        array alive, so the memory pool does not hand it out again), else as they are."""
+        if not self.numpy_chain or values is None:
+            return values
+        if isinstance(values, dict):
+            return {k: self._out(v) for k, v in values.items()}
+        if isinstance(values, list):
+            return [self._out(v) for v in values]
+        import torch
+
+        return torch.from_numpy(values if values.flags.writeable else values.copy())
 
     # ------------------------------------------------------------------ kernels and replicas
     @property
@@ -460,6 +489,21 @@ def _refuse_unwired(config: GPTConfig) -> None:
         if value != default:
             raise NotImplementedError(f"GPTConfig {field}={value!r} is not wired into the GPT's chain yet "
                                       f"(the layers exist in pedestrian.layers); use {field}={default!r}")
+
+
+class _NumpyCache:
+    """What the chain reads of a torch-CPU :class:`KVCache` (its positions, a block's arrays), as
+    NumPy views: the attention writes the new keys and values into the cache's own memory."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+
+    def positions(self, T: int):
+        return to_numpy(self.cache.positions(T))
+
+    def block(self, i: int) -> KVBlock:
+        keys, values, length, key_start = self.cache.block(i)
+        return KVBlock(to_numpy(keys), to_numpy(values), length, None if key_start is None else to_numpy(key_start))
 
 
 def _resolve_device(backend: str, device):
