@@ -52,7 +52,8 @@ from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
-from .kv_cache import KVBlock, KVCache
+from .edge import NumpyCache, to_torch
+from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
@@ -69,17 +70,14 @@ class GPT:
             the same weights (the learned table aside).
         dtype: ``"float32"`` (default) or ``"float64"``.
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays; on the CPU
-            the fast kernels run on NumPy views of the model's tensors, converted only at the
-            model's edge -- what :meth:`forward`, :meth:`backward`, :meth:`activations`,
-            :meth:`attention_weights`, :meth:`deltas` take and return, a KV cache's arrays --
-            elsewhere the reference).
+            the fast kernels run on NumPy views of them, converted only at the model's edge,
+            :mod:`pedestrian.model.edge`; elsewhere the reference).
         device: where every array lives: ``None`` / ``"cpu"``, or for the torch backend any torch
             device (``"cuda"``, ``"cuda:1"``); parameters, gradients, activations and KV caches
             are made there, and NumPy token ids are moved there.
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
-            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. The table of
-            functions (:func:`pedestrian.kernels.kernels_for`, by name, device and dtype) is chosen
-            here once: :attr:`kernels`, named by :attr:`kernels_name`. Both compute
+            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Chosen here
+            once (:func:`pedestrian.kernels.kernels_for`): the table :attr:`kernels`. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
 
     Use::
@@ -121,7 +119,7 @@ class GPT:
         #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
         self.kernels = kernels_for(kernels, self.device, self.dtype)
         #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
-        #: NumPy arrays); what enters and leaves the model is converted here, at its edge
+        #: NumPy arrays); what enters and leaves the model is converted at its edge (model/edge.py)
         self.numpy_chain = backend == "torch" and self.kernels.name == "fast" and (
             self.device is None or self.device.type == "cpu")
         self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed,
@@ -215,10 +213,9 @@ class GPT:
             check_targets(self.xp, targets, tokens, c.vocab_size)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
-        chain_cache = kv_cache
         if self.numpy_chain:                               # the edge: NumPy views in
             tokens, targets = to_numpy(tokens), None if targets is None else to_numpy(targets)
-            chain_cache = None if kv_cache is None else _NumpyCache(kv_cache)
+        chain_cache = NumpyCache(kv_cache) if self.numpy_chain and kv_cache is not None else kv_cache
         with self._workspace:
             logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations)
         if kv_cache is not None:
@@ -426,18 +423,8 @@ class GPT:
         return self._out(dict(self._deltas))
 
     def _out(self, values):
-        """``values`` (an array, or a dict or list of them) as the caller's arrays: with
-        :attr:`numpy_chain`, torch tensors sharing the chain's NumPy memory (a tensor keeps its
-        array alive, so the memory pool does not hand it out again), else as they are."""
-        if not self.numpy_chain or values is None:
-            return values
-        if isinstance(values, dict):
-            return {k: self._out(v) for k, v in values.items()}
-        if isinstance(values, list):
-            return [self._out(v) for v in values]
-        import torch
-
-        return torch.from_numpy(values if values.flags.writeable else values.copy())
+        """What the chain computed, as the caller's arrays (:mod:`pedestrian.model.edge`)."""
+        return to_torch(values) if self.numpy_chain else values
 
     # ------------------------------------------------------------------ kernels and replicas
     @property
@@ -489,21 +476,6 @@ def _refuse_unwired(config: GPTConfig) -> None:
         if value != default:
             raise NotImplementedError(f"GPTConfig {field}={value!r} is not wired into the GPT's chain yet "
                                       f"(the layers exist in pedestrian.layers); use {field}={default!r}")
-
-
-class _NumpyCache:
-    """What the chain reads of a torch-CPU :class:`KVCache` (its positions, a block's arrays), as
-    NumPy views: the attention writes the new keys and values into the cache's own memory."""
-
-    def __init__(self, cache: KVCache):
-        self.cache = cache
-
-    def positions(self, T: int):
-        return to_numpy(self.cache.positions(T))
-
-    def block(self, i: int) -> KVBlock:
-        keys, values, length, key_start = self.cache.block(i)
-        return KVBlock(to_numpy(keys), to_numpy(values), length, None if key_start is None else to_numpy(key_start))
 
 
 def _resolve_device(backend: str, device):
