@@ -48,7 +48,7 @@ def test_model_functions_are_the_ones_the_model_calls():
             v = node.value
             if (isinstance(v, ast.Name) and v.id == "K") or \
                     (isinstance(v, ast.Attribute) and v.attr == "kernels"):
-                if not node.attr.startswith("__"):      # the module's own __name__
+                if node.attr != "name":                 # the table's own name
                     called.add(node.attr)
     assert called, "the model calls no kernel function? the scan is broken"
     assert called <= set(reference.MODEL_FUNCTIONS), called - set(reference.MODEL_FUNCTIONS)
@@ -97,24 +97,84 @@ def test_the_purity_check_can_fail():
         assert what in str(err.value), what
 
 
+def _functions(table) -> dict:
+    return {k: v for k, v in vars(table).items() if k != "name"}
+
+
+def _kernel(function):
+    """What a table holds for a function of the package: the NumPy kernel behind the wrapper that
+    takes torch tensors in direct calls."""
+    return getattr(function, "__wrapped__", function)
+
+
 def test_the_switch(monkeypatch):
+    """``kernels_for`` gives a table of every model function and its name; ``GPT`` keeps the one
+    it chose when it was built (``model.kernels``, named by ``model.kernels_name``)."""
     assert KERNELS == ("fast", "reference")
-    assert kernels_for("fast") is fast and kernels_for("reference") is reference
+    for name, module in (("fast", fast), ("reference", reference)):
+        table = kernels_for(name)
+        assert table.name == name
+        assert _functions(table) == {f: _kernel(getattr(module, f)) for f in reference.MODEL_FUNCTIONS}
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "reference")
-    assert kernels_for() is reference and kernels_for(None) is reference
+    assert kernels_for().name == "reference" and kernels_for(None).name == "reference"
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "fast")
-    assert kernels_for() is fast
+    assert kernels_for().name == "fast"
     monkeypatch.delenv("PEDESTRIAN_KERNELS")
-    assert kernels_for() is fast                            # the default
+    assert kernels_for().name == "fast"                     # the default
     cfg = GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1)
     for name, module in (("fast", fast), ("reference", reference)):
         model = GPT(cfg, kernels=name)
-        assert model.kernels is module and model.kernels_name == name
+        assert model.kernels_name == name == model.kernels.name
+        assert _functions(model.kernels) == _functions(kernels_for(name))
     with pytest.raises(ValueError, match=r"unknown kernels 'slow'; choose one of \('fast', 'reference'\)"):
         GPT(cfg, kernels="slow")
     monkeypatch.setenv("PEDESTRIAN_KERNELS", "turbo")
     with pytest.raises(ValueError, match="unknown kernels 'turbo'.*PEDESTRIAN_KERNELS"):
         GPT(cfg)
+
+
+@pytest.mark.parametrize("device,dtype", [("cuda", "float32"), ("cuda:1", None), ("cpu", "float16"),
+                                          (None, "bfloat16"), ("meta", "float64")])
+def test_a_gpu_or_a_half_dtype_gets_the_reference_and_the_tiled_torch_loop(device, dtype):
+    """Off the CPU, or in a dtype the kernels are not compiled for, ``"fast"`` is the reference
+    layers with the attention's on-device functions (the tiled kernel's torch loop from
+    ``TILED_MIN_T`` tokens on), as a direct call with such tensors runs."""
+    from pedestrian.kernels import attention
+
+    table = kernels_for("fast", device, dtype)
+    assert table.name == "fast"
+    on_device = {"multi_head_attention_forward": attention.on_device_forward,
+                 "multi_head_attention_backward": attention.on_device_backward,
+                 "attention_weights": attention.on_device_weights}
+    assert _functions(table) == {f: on_device.get(f, getattr(reference, f)) for f in reference.MODEL_FUNCTIONS}
+    assert _functions(kernels_for("fast", "cpu", "float64")) == _functions(kernels_for("fast"))
+    assert _functions(kernels_for("reference", device, dtype)) == _functions(kernels_for("reference"))
+
+
+def test_the_table_is_read_when_a_model_is_built(monkeypatch):
+    """A function replaced in the module before a model is built is the one the model calls
+    (tests and the demo's broken-gradient check rely on it)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    real = fast.layernorm_forward
+    monkeypatch.setattr(fast, "layernorm_forward", spy)
+    cfg = GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1)
+    GPT(cfg).forward([[1, 2, 3]])
+    assert len(calls) == 3                                   # ln1, ln2, ln_final
+
+
+def test_no_kernels_are_chosen_by_name_comparison():
+    """Which kernels a model runs is its table's ``name``: nothing in the package compares
+    ``__name__`` of a module to find out (read from the source)."""
+    src = Path(fast.__file__).parents[1]
+    hits = [f"{p.relative_to(src)}:{n}" for p in sorted(src.rglob("*.py"))
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if "kernels.__name__" in line or "kernels_for(" in line and "__name__" in line]
+    assert not hits, hits
 
 
 def test_functions_without_a_fast_version_are_the_reference_ones():
@@ -126,3 +186,49 @@ def test_functions_without_a_fast_version_are_the_reference_ones():
     assert fast.dropout_forward is reference.dropout_forward
     assert fast.lora_backward is reference.lora_backward
     assert fast.multi_head_attention_forward is not reference.multi_head_attention_forward
+
+
+def test_a_torch_cpu_model_converts_only_at_its_edge(monkeypatch):
+    """A torch-CPU model with the fast kernels calls every kernel with NumPy arrays (views of its
+    tensors: no per-call conversion), and hands torch tensors out of forward, activations,
+    attention_weights, backward, grads and deltas, and its KV cache; its numbers are the NumPy
+    model's, bit for bit (the same kernels on the same values)."""
+    import numpy as np
+    import torch
+
+    from pedestrian.generation.generate import generate
+    from pedestrian.model.kv_cache import KVCache
+
+    seen = []
+    for f in reference.MODEL_FUNCTIONS:
+        def spy(*args, _real=_kernel(getattr(fast, f)), _name=f, **kwargs):
+            seen.append((_name, [type(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(fast, f, spy)
+    cfg = GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=2, n_blocks=2, dropout=0.1)
+    ours, numpy_model = GPT(cfg, dtype="float64", backend="torch"), GPT(cfg, dtype="float64")
+    assert ours.numpy_chain and not numpy_model.numpy_chain
+    x = np.random.default_rng(0).integers(0, 11, (2, 7))
+    loss = ours.loss(torch.as_tensor(x[:, :-1]), torch.as_tensor(x[:, 1:]))
+    grads = ours.backward(keep_deltas=True)
+    assert loss == numpy_model.loss(x[:, :-1], x[:, 1:])
+    expected = numpy_model.backward(keep_deltas=True)
+    for name, g in grads.items():
+        assert isinstance(g, torch.Tensor) and np.array_equal(g.numpy(), expected[name]), name
+    for got, want in ((ours.activations(), numpy_model.activations()), (ours.deltas(), numpy_model.deltas())):
+        assert got.keys() == want.keys()
+        for k in got:
+            assert isinstance(got[k], torch.Tensor) and np.array_equal(got[k].numpy(), want[k]), k
+    assert all(isinstance(p, torch.Tensor) for p in ours.attention_weights())
+    ours.backward(torch.ones(2, 6, 11, dtype=torch.float64))              # a caller's Δ12
+    ours.training = numpy_model.training = False
+    cache = KVCache(ours, batch_size=1)
+    logits = ours.forward(torch.as_tensor(x[:1, :3]), kv_cache=cache)
+    assert isinstance(logits, torch.Tensor) and cache.length == 3
+    assert np.array_equal(logits.numpy(), numpy_model.forward(x[:1, :3]))
+    assert float(cache.keys[0][0, :, :3].abs().sum()) > 0                  # written into the cache's tensors
+    greedy = [generate(m, [1, 2, 3], 4, temperature=0) for m in (ours, numpy_model)]
+    assert np.array_equal(*greedy)
+    called = {name for name, _ in seen}
+    assert {"linear_forward", "multi_head_attention_backward", "dropout_forward", "cross_entropy_backward"} <= called
+    assert not [name for name, tensors in seen if tensors], "a kernel got a torch tensor"

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     source = args.data or "the bundled Shakespeare"
     print(f"text: {len(text):,} characters of {source}, vocabulary {tokenizer.vocab_size}; "
           f"batch {x.shape}, first window: {tokenizer.decode(x[0])!r}")
-    print(f"model: {model.config}, float64, kernels: {model.kernels_name} ({model.kernels.__name__})")
+    print(f"model: {model.config}, float64, kernels: {model.kernels_name} "
+          f"(pedestrian.{'kernels' if model.kernels_name == 'fast' else 'layers'})")
     loss, lines, oracle_loss = check_model_gradients(model, x, y, args.check, entries=args.entries, step=args.step,
                                                      rtol=args.rtol, atol=args.atol, rng=rng, oracle=oracle)
     text, ok = gradients_text(loss, lines, tokenizer.vocab_size, args.check, entries=args.entries, step=args.step,

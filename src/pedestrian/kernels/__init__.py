@@ -18,18 +18,20 @@ same things faster, and every difference from the reference earns its lines by a
 
 Dropout, LoRA and RoPE gain nothing measurable from a second version (docs/kernels.md): the
 reference ones are used.
-A model chooses with ``GPT(..., kernels="fast" | "reference")``; :func:`kernels_for` maps the
-name to the module (the reference where numba is not installed). Importing this package
-imports no numba: the kernels load it at their first call (:mod:`.jit`).
+A model chooses with ``GPT(..., kernels="fast" | "reference")``, once, when it is built:
+:func:`kernels_for` gives it a *kernel table* (every function it calls, and its ``name``) for
+its device and dtype. Importing this package imports no numba: the kernels load it at their
+first call (:mod:`.jit`).
 
-The kernels are written for NumPy arrays of float32 or float64. PyTorch tensors on the CPU run
-them too, through zero-copy NumPy views of the same memory (results are tensors again, sharing
-the kernels' arrays; writes into the caller's tensors, such as ``dweight=``, go through the
-views and so past torch's version counter and autograd's in-place checks: pedestrian runs no
-autograd); tensors on any other device (a GPU) run the reference layers, and from
-:data:`.attention_tiled.TILED_MIN_T` tokens on the tiled attention's torch loop (``O(T)`` memory).
-The first array among a call's arguments decides, so one call takes one backend's arrays.
-Data of another dtype than float32 / float64 (the first array that is not ids) runs the
+The kernels are written for NumPy arrays of float32 or float64, and the fast table holds them
+as they are. Called directly, this package's functions also take PyTorch tensors (one wrapper,
+:func:`_seam`): on the CPU through zero-copy NumPy views of the same memory (results are tensors
+again, sharing the kernels' arrays; writes into the caller's tensors, such as ``dweight=``, go
+through the views and so past torch's version counter and autograd's in-place checks:
+pedestrian runs no autograd); tensors on any other device (a GPU) run the reference layers, and
+from :data:`.attention_tiled.TILED_MIN_T` tokens on the tiled attention's torch loop (``O(T)``
+memory). The first array among a call's arguments decides, so one call takes one backend's
+arrays. Data of another dtype than float32 / float64 (the first array that is not ids) runs the
 reference layers too: they compute float16 and bfloat16 tensors, and refuse integer and complex
 data by name.
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import os
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -105,7 +108,8 @@ def _runs_fast(a) -> bool:
 
 
 def _seam(fast, other):
-    """``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
+    """This package's function of a kernel, for direct calls (a model calls the kernel itself,
+    from its table): ``fast`` (written for NumPy arrays) for NumPy arrays and, through zero-copy NumPy views,
     torch tensors on the CPU; ``other`` for torch tensors on any other device, and for data of
     a dtype the kernels are not compiled for (:data:`FAST_DTYPES`: float16 and bfloat16 run in
     the reference layers). Which one runs follows the first array among the arguments (one
@@ -173,19 +177,40 @@ def default_kernels() -> str:
 
 _warned_no_numba: list = []
 
+#: a GPU's (and a dtype's the kernels are not compiled for) kernels: the reference layers, the
+#: attention from :data:`.attention_tiled.TILED_MIN_T` tokens on the tiled kernel's torch loop
+_ON_DEVICE = {"multi_head_attention_forward": attention.on_device_forward,
+              "multi_head_attention_backward": attention.on_device_backward,
+              "attention_weights": attention.on_device_weights}
 
-def kernels_for(name: str | None = None):
-    """The module whose functions a model calls: :mod:`pedestrian.kernels` for ``"fast"``,
-    :mod:`pedestrian.layers` for ``"reference"`` (``None``: :func:`default_kernels`).
-    ``"fast"`` where numba is not installed (found without importing it): the reference, after
-    one warning per process.
+
+def kernels_for(name: str | None = None, device=None, dtype=None) -> SimpleNamespace:
+    """The kernel table a model calls: every function of ``layers.MODEL_FUNCTIONS`` (dropout,
+    LoRA and RoPE included) as an attribute, and ``name``, ``"fast"`` or ``"reference"``.
+
+    Args:
+        name: ``"fast"`` (this package's functions) or ``"reference"`` (:mod:`pedestrian.layers`);
+            ``None``: :func:`default_kernels`. ``"fast"`` where numba is not installed (found
+            without importing it): the reference table, after one warning per process.
+        device: where the model's arrays live: ``None`` / ``"cpu"`` / a torch CPU device, or a
+            torch device elsewhere (a GPU: ``"fast"`` is then the reference layers with the tiled
+            attention's torch loop, :func:`.attention.on_device_forward`).
+        dtype: the model's dtype (a name, a NumPy or torch dtype; ``None``: float32). ``"fast"``
+            of another dtype than :data:`FAST_DTYPES` is the table a GPU gets.
+
+    The table is built at each call from the modules' attributes as they are then. The fast
+    CPU table holds the kernels themselves, which take NumPy arrays only (no per-call dispatch
+    or conversion: a torch-CPU model hands them NumPy views of its tensors and converts at its
+    edge, :class:`pedestrian.model.GPT`); this package's attributes of the same names also take
+    torch tensors.
 
     Raises:
         ValueError: any other name (also a bad ``PEDESTRIAN_KERNELS``).
     """
-    import sys
-
     name = default_kernels() if name is None else name
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernels {name!r}; choose one of {KERNELS} "
+                         "(PEDESTRIAN_KERNELS or GPT(..., kernels=...))")
     if name == "fast":
         from .jit import AVAILABLE
 
@@ -198,9 +223,24 @@ def kernels_for(name: str | None = None):
                               "results). Install numba (pip install numba) for the fast path",
                               RuntimeWarning, stacklevel=2)
                 _warned_no_numba.append(True)
-            return layers
-        return sys.modules[__name__]
+            name = "reference"
+    table = SimpleNamespace(name=name, **{f: getattr(layers, f) for f in layers.MODEL_FUNCTIONS})
     if name == "reference":
-        return layers
-    raise ValueError(f"unknown kernels {name!r}; choose one of {KERNELS} "
-                     "(PEDESTRIAN_KERNELS or GPT(..., kernels=...))")
+        return table
+    on_cpu = device is None or str(device) == "cpu"
+    if not on_cpu or _dtype_name(dtype) not in FAST_DTYPES:
+        return SimpleNamespace(**{**vars(table), **_ON_DEVICE, "name": name})
+    return SimpleNamespace(name=name, **{f: _numpy_only(globals()[f]) for f in layers.MODEL_FUNCTIONS})
+
+
+def _numpy_only(function):
+    """The kernel a :func:`_seam` wrapper calls (a function put in its place, a test's spy, as it is)."""
+    return getattr(function, "__wrapped__", function)
+
+
+def _dtype_name(dtype) -> str:
+    """``"float32"`` for ``None``, a name as given, else the name of a NumPy or torch dtype."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype or "float32"
+    text = str(dtype)
+    return text[len("torch."):] if text.startswith("torch.") else np.dtype(dtype).name

@@ -2,7 +2,7 @@
 :class:`~pedestrian.model.params.Parameters` (``params.py``: flat buffers and views, gradients, the
 layer table), which own the flat buffers (``buffers.py``) and the LoRA adapters (``adapters.py``);
 the checks of its inputs (``inputs.py``, ``finite.py``) and the KV cache its attention reads and
-extends (``kv_cache.py``).
+extends (``kv_cache.py``); the edge of a torch-CPU model that runs the NumPy kernels (``edge.py``).
 """
 
 from .gpt import GPT, eval_mode

@@ -54,12 +54,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import namespace_for, resolve_dtype
+from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
+from .edge import NumpyCache, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Norm, Parameters
 
@@ -77,12 +78,14 @@ class GPT:
             the same weights (the learned table aside).
         dtype: ``"float32"`` (default) or ``"float64"``.
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays; on the CPU
-            the fast kernels run them through NumPy views of their memory, elsewhere the reference).
+            the fast kernels run on NumPy views of them, converted only at the model's edge,
+            :mod:`pedestrian.model.edge`; elsewhere the reference).
         device: where every array lives: ``None`` / ``"cpu"``, or for the torch backend any torch
             device (``"cuda"``, ``"cuda:1"``); parameters, gradients, activations and KV caches
             are made there, and NumPy token ids are moved there.
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
-            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Both compute
+            layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Chosen here
+            once (:func:`pedestrian.kernels.kernels_for`): the table :attr:`kernels`. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
 
     Use::
@@ -119,9 +122,15 @@ class GPT:
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
-        self.kernels = kernels_for(kernels)
         self.device = _resolve_device(backend, device)
-        self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed)
+        #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
+        self.kernels = kernels_for(kernels, self.device, self.dtype)
+        #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
+        #: NumPy arrays); what enters and leaves the model is converted at its edge (model/edge.py)
+        self.numpy_chain = backend == "torch" and self.kernels.name == "fast" and (
+            self.device is None or self.device.type == "cpu")
+        self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed,
+                                     numpy_views=self.numpy_chain)
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
@@ -211,11 +220,14 @@ class GPT:
             check_targets(self.xp, targets, tokens, c.vocab_size)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
+        if self.numpy_chain:                               # the edge: NumPy views in
+            tokens, targets = to_numpy(tokens), None if targets is None else to_numpy(targets)
+        chain_cache = NumpyCache(kv_cache) if self.numpy_chain and kv_cache is not None else kv_cache
         with self._workspace:
-            logits = self._forward(tokens, targets, kv_cache, n_total, keep_activations)
+            logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
-        return logits
+        return self._out(logits)
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
         c, K, W = self.config, self.kernels, self.parameters.weight_table()
@@ -330,6 +342,7 @@ class GPT:
         self._require_forward()                            # its activations were kept
         if delta_logits is not None:
             delta_logits = as_signal(self, delta_logits, f.a12.shape)
+            delta_logits = to_numpy(delta_logits) if self.numpy_chain else delta_logits
         self._deltas = {}
         with self.lock, self._workspace:
             d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
@@ -405,7 +418,7 @@ class GPT:
                 out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
             out[f"blocks.{i}.P"] = self.kernels.attention_weights(b.attn)
         out.update(a11=f.a11, a12=f.a12)
-        return out
+        return self._out(out)
 
     def attention_weights(self) -> list:
         """``P`` of every block of the last forward (a KV-cache step included): a list over
@@ -416,7 +429,7 @@ class GPT:
             ValueError: no forward has been run.
         """
         f = self._require_forward()
-        return [self.kernels.attention_weights(b.attn) for b in f.blocks]
+        return self._out([self.kernels.attention_weights(b.attn) for b in f.blocks])
 
     def _require_forward(self):
         if self._acts is None:
@@ -440,13 +453,17 @@ class GPT:
         """
         if not self._deltas:
             raise ValueError("no error signals kept; call backward(keep_deltas=True)")
-        return dict(self._deltas)
+        return self._out(dict(self._deltas))
+
+    def _out(self, values):
+        """What the chain computed, as the caller's arrays (:mod:`pedestrian.model.edge`)."""
+        return to_torch(values) if self.numpy_chain else values
 
     # ------------------------------------------------------------------ kernels and replicas
     @property
     def kernels_name(self) -> str:
-        """``"fast"`` or ``"reference"``: which layer functions this model runs."""
-        return "reference" if self.kernels.__name__.endswith(".layers") else "fast"
+        """``"fast"`` or ``"reference"``: which layer functions this model runs (its table's ``name``)."""
+        return self.kernels.name
 
     # ------------------------------------------------------------------ parameters: model.parameters'
     params = Delegated("``name -> array`` of every parameter (base, then LoRA adapters): views into the "

@@ -50,6 +50,9 @@ class Parameters:
         config: the model's :class:`GPTConfig`.
         xp, dtype, device: where the arrays live (the model's namespace, dtype and device);
             dtype_name: ``"float32"`` or ``"float64"`` (what loaded values must be finite in).
+        numpy_views: the layer tables (:meth:`weight_table`, :meth:`grad_table`) hold NumPy
+            views of the (CPU torch) buffers, for a chain that runs NumPy kernels; :attr:`params`
+            and :attr:`grads` stay the buffers' own arrays.
         seed: the GPT-2 initialisation (weights ``N(0, 0.02)``, the two residual projections
             ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1), drawn in the order of
             the learned-position layout so that models differing only in ``position_encoding``
@@ -63,8 +66,10 @@ class Parameters:
         freeze_base: the base gets no gradients (its matmuls are skipped).
     """
 
-    def __init__(self, config: GPTConfig, xp, dtype, dtype_name: str, device=None, *, seed: int = 0):
+    def __init__(self, config: GPTConfig, xp, dtype, dtype_name: str, device=None, *, seed: int = 0,
+                 numpy_views: bool = False):
         self.config = config
+        self.numpy_views = numpy_views
         self.dtype_name = dtype_name
         self.base = FlatParams(xp, dtype, base_regions(config), device)
         self.base_names = [s.name for s in param_specs(config)]
@@ -202,6 +207,8 @@ class Parameters:
             P = {**self.params, **self.base.regions}
         if c.tie_weights and "tok_emb.weight" in P:
             P["logits.weight"] = self.base.xp.matrix_transpose(P["tok_emb.weight"])
+        if self.numpy_views:                               # (CPU tensors: views, no copies)
+            P = {name: to_numpy(a) for name, a in P.items()}
         lora = set(self.lora_targets)
 
         def norm(name):
@@ -229,7 +236,7 @@ class Parameters:
                     b = self.base
                     with persistent(b.xp):
                         self._lookup_grad = b.xp.zeros(table.tok_emb.shape, dtype=b.dtype, device=b.device)
-                table.tok_lookup = self._lookup_grad
+                table.tok_lookup = to_numpy(self._lookup_grad) if self.numpy_views else self._lookup_grad
         return table
 
     # ------------------------------------------------------------------ LoRA adapters

@@ -387,7 +387,7 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
         rows = group.rows(B)
         log.info(f"ranks: {group.world_size} ({group.backend} on {group.device}), each computing about "
                  f"{rows.stop - rows.start} of the {B} rows of every batch; rank 0 writes the files")
-    if model.backend == "numpy" and model.kernels.__name__ == "pedestrian.kernels":
+    if model.backend == "numpy" and model.kernels_name == "fast":
         log.info(f"threads: {threads_used()} (the fast kernels' numba threads; PEDESTRIAN_NUM_THREADS sets them)")
     if settings.warmup_steps >= settings.max_steps:
         log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
