@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a Hugging Face GPT-2 directory on a text file: the base weights stay
+"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory on a text file: the base weights stay
 frozen (their gradients are never computed) and only small adapters are trained.
 
 Writes, under --out: adapter/ (an adapter-only checkpoint, a small file), peft/ (the same
