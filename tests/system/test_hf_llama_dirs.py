@@ -254,6 +254,52 @@ def test_refused_field_is_one_line(folders, tmp_path, capsys, what):
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and named in err
 
 
+# ------------------------------------------------------------------------------------ tokenizers
+def sentencepiece_tokenizer():
+    """A Llama-2-style tokenizer.json built with ``tokenizers``: BPE with byte fallback (``<0xHH>``
+    tokens), ``▁`` for a space, and a post-processor that puts ``<s>`` first (as Llama 2's)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=V, special_tokens=specials + [f"<0x{i:02X}>" for i in range(256)],
+                                  show_progress=False)
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    d = json.loads(tok.to_str())                 # byte tokens are ordinary vocabulary, as in Llama 2
+    d["added_tokens"] = [t for t in d["added_tokens"] if t["content"] in specials]
+    tok = Tokenizer.from_str(json.dumps(d))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def test_sentencepiece_style_tokenizer(folders, tmp_path, capsys):
+    import shutil
+
+    d = shutil.copytree(folders["llama-gqa-4:2-tied"][0], tmp_path / "sp")
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=sentencepiece_tokenizer(), bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(d))
+    model, tok = load_pretrained(d)
+    assert tok.scheme == "metaspace" and tok.vocab_size == V
+    text = "the quick fox, \u00e9 \u2603!\nok"          # é and ☃ are not in the vocabulary: byte fallback
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ids == fast(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(tok.token_bytes(i) for i in ids) == (" " + text).encode()   # Strip's leading space aside
+    from pedestrian.generation.prompts import encode_prompt
+
+    assert encode_prompt(tok, text) == fast(text)["input_ids"] and encode_prompt(tok, text)[0] == 1  # <s>
+    out = save_pretrained(model, tmp_path / "out", tok)
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == encode_prompt(tok, text)
+    code = cli.main(["sample", "--hf-dir", str(d), "--prompt", "the quick", "--max-new-tokens", "5", "--seed", "0"])
+    assert code == 0 and "the quick" in capsys.readouterr()[0]
+
+
 # ------------------------------------------------------------------------------------ the CLI
 def test_cli_sample_greedy_equals_transformers(folders, capsys):
     d, hf = folders["qwen2-qkv-biases"]

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..text.tokenizer import StopText, UnknownCharacterError, check_text
+from ..text.tokenizer import BPETokenizer, StopText, UnknownCharacterError, check_text
 from .generate import generate
 from .sampling import check_sampling
 
@@ -69,6 +69,10 @@ def read_prompts(prompts: Sequence[str] = (), prompts_file=None) -> list[str]:
 def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
     """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` (GPT-2's convention).
 
+    A BPE tokenizer encodes it as ``tokenizers`` does with the file's post-processor
+    (``add_special_tokens=True``, transformers' default too): a Llama ``tokenizer.json`` puts its
+    ``<s>`` / ``<|begin_of_text|>`` first, GPT-2's and Qwen2's add nothing.
+
     ``what`` names the prompt in messages (``"prompt 2"``, ``"the --prompt"``).
 
     Raises:
@@ -77,7 +81,10 @@ def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
     """
     check_text(text, what)
     try:
-        ids = tokenizer.encode(text)                    # a char tokenizer raises on unknown chars
+        if isinstance(tokenizer, BPETokenizer):
+            ids = tokenizer.encode(text, add_special_tokens=True)
+        else:
+            ids = tokenizer.encode(text)                # a char tokenizer raises on unknown chars
     except UnknownCharacterError as exc:
         shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
         raise ValueError(f"{what} has {len(exc.unknown)} character(s) this model's character vocabulary "

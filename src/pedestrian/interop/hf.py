@@ -246,8 +246,10 @@ def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> d
     special = tokenizer.special_tokens
     eos = next((t for t in EOS_TOKENS if t in special), None)
     if family != "gpt2":
+        bos = next((t for t in ("<s>", "<|begin_of_text|>") if t in special), None)
+        unk = "<unk>" if "<unk>" in special else None
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
-                      "eos_token": eos, "bos_token": None, "unk_token": None}
+                      "eos_token": eos, "bos_token": bos, "unk_token": unk}
         return {"tokenizer.json": lambda p: tokenizer.hf.save(str(p)),
                 "tokenizer_config.json": json_writer(tok_config)}
 
