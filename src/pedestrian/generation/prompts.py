@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..text.bpe_tokenizer import EOS_TOKENS
 from ..text.tokenizer import BPETokenizer, StopText, UnknownCharacterError, check_text
 from .generate import generate
 from .sampling import check_sampling
@@ -37,8 +38,11 @@ __all__ = ["EOT", "Completion", "check_completion", "complete", "encode_prompt",
 
 
 def eot_id(tokenizer) -> int | None:
-    """The id of ``<|endoftext|>`` in ``tokenizer``, or ``None`` when it has none."""
-    return getattr(tokenizer, "special_tokens", {}).get(EOT)
+    """The id of ``<|endoftext|>`` in ``tokenizer``, else of the first other end-of-text token it
+    has (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`: Llama 2's ``</s>``, Llama 3's
+    ``<|end_of_text|>``, ...), or ``None`` when it has none."""
+    special = getattr(tokenizer, "special_tokens", {})
+    return next((special[t] for t in (EOT, *EOS_TOKENS) if t in special), None)
 
 
 def read_prompts(prompts: Sequence[str] = (), prompts_file=None) -> list[str]:

@@ -220,11 +220,9 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 
 # ------------------------------------------------------------------------------------ saving
-#: end-of-text tokens, by family convention (GPT-2 / SmolLM2 / Qwen2, Llama 2, Llama 3, chat ends)
-EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>")
-
-
 def _eos_id(tokenizer) -> int | None:
+    from ..text.bpe_tokenizer import EOS_TOKENS
+
     special = getattr(tokenizer, "special_tokens", {}) if tokenizer is not None else {}
     return next((special[t] for t in EOS_TOKENS if t in special), None)
 
@@ -237,6 +235,7 @@ def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> d
     ``PreTrainedTokenizerFast`` for a Llama-family folder: ``tokenizer.json`` alone describes it);
     a character tokenizer, which neither has a format for, becomes ``pedestrian_tokenizer.json``.
     """
+    from ..text.bpe_tokenizer import EOS_TOKENS
     from ..text.tokenizer import BPETokenizer
 
     if tokenizer is None:
@@ -285,8 +284,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
 
     Args:
         model: a :class:`~pedestrian.model.GPT` without LoRA adapters.
-        tokenizer: optional; its end-of-text id (:data:`EOS_TOKENS`) becomes ``eos_token_id``
-            (and GPT-2's ``bos_token_id``).
+        tokenizer: optional; its end-of-text id (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`)
+            becomes ``eos_token_id`` (and GPT-2's ``bos_token_id``).
         overwrite: replace the files in an existing non-empty directory.
 
     Raises:

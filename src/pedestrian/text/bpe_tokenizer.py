@@ -58,6 +58,10 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+#: end-of-text tokens by family, in the order looked for: GPT-2 / SmolLM2 / Qwen2, Llama 2 and
+#: Mistral, Llama 3, chat ends (``<|im_end|>``)
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>")
+
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
