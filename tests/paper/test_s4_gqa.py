@@ -33,7 +33,7 @@ import pedestrian.kernels as fast
 import pedestrian.layers as reference
 from pedestrian.kernels import attention_tiled
 from pedestrian.kernels.attention_tiled import TILED_MIN_T, tiled_attention_backward, tiled_attention_forward
-from pedestrian.kv_cache import KVCache
+from pedestrian.model.kv_cache import KVCache
 from pedestrian.layers.attention import qkv_width
 from pedestrian.layers.rope import rope_backward, rope_forward
 from gradcheck import (

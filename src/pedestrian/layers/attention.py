@@ -252,8 +252,8 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
 
     Raises:
         TypeError: ``qkv`` not real floating point.
-        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a KV-cache step that does not fit
-            the cache's capacity.
+        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a KV-cache step that does not
+            fit the cache's capacity or holds another number of heads.
     """
     check_float(qkv, "qkv")
     xp = array_namespace(qkv)

@@ -23,10 +23,38 @@ Reference implementation: the paper's math only, written against the array API s
 
 from __future__ import annotations
 
+import math
+
 from ..backend import array_namespace
 
 
-def rope_angles(positions, rotated: int, base: float, like):
+def llama3_theta(theta, scaling):
+    """Llama 3's frequency scaling of the table ``θ`` (EQUATIONS.md "RoPE as Hugging Face Llama
+    applies it"; transformers' ``_compute_llama3_parameters``). With ``L =
+    original_max_position_embeddings`` and the wavelength ``λ_j = 2π / θ_j``: ``θ_j / factor``
+    where ``λ_j > L / low_freq_factor``, ``θ_j`` where ``λ_j < L / high_freq_factor``, else
+    ``(1 − s) θ_j / factor + s θ_j`` with ``s = (L / λ_j − low) / (high − low)``.
+
+    Args:
+        theta: ``(r/2,)`` float64 frequencies (radians per position).
+        scaling: a :class:`pedestrian.config.RopeScaling` (``factor``, ``low_freq_factor``,
+            ``high_freq_factor``, ``original_max_position_embeddings``).
+
+    Returns:
+        ``(r/2,)`` the scaled frequencies. Only the angles change: forward and backward stay
+        rotations.
+    """
+    xp = array_namespace(theta)
+    L, factor = scaling.original_max_position_embeddings, scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / theta                                            # λ_j (r/2,)
+    s = (L / wavelength - low) / (high - low)                                   # (r/2,)
+    smooth = (1 - s) * theta / factor + s * theta                               # (r/2,)
+    return xp.where(wavelength > L / low, theta / factor,                       # (r/2,)
+                    xp.where(wavelength < L / high, theta, smooth))
+
+
+def rope_angles(positions, rotated: int, base: float, like, scaling=None):
     """``cos(t·θ_j)`` and ``sin(t·θ_j)`` for every position ``t`` and pair ``j``.
 
     Args:
@@ -35,6 +63,7 @@ def rope_angles(positions, rotated: int, base: float, like):
         rotated: ``r``, an even number of rotated dimensions per head.
         base: ``θ_j = base^(−2j/r)``.
         like: an array of the model's dtype, backend and device.
+        scaling: ``None`` or Llama 3's frequency scaling (:func:`llama3_theta`).
 
     Returns:
         ``(cos, sin)``, each ``(T, 1, r/2)`` or ``(B, T, 1, r/2)`` in ``like``'s dtype (the ``1``
@@ -45,6 +74,8 @@ def rope_angles(positions, rotated: int, base: float, like):
     half = rotated // 2
     j = xp.astype(xp.arange(half, device=like.device), xp.float64)              # (r/2,)
     theta = base ** (-2.0 * j / rotated)                                        # θ_j (r/2,)
+    if scaling is not None:
+        theta = llama3_theta(theta, scaling)                                    # (r/2,)
     t = xp.astype(positions, xp.float64)                                        # (T,) or (B, T)
     angle = t[..., None, None] * theta                                          # (…, T, 1, r/2)
     return xp.astype(xp.cos(angle), like.dtype), xp.astype(xp.sin(angle), like.dtype)
@@ -66,7 +97,7 @@ def _rotate(qkv, n_qk: int, d_qk: int, rotated: int, cos, sin):
 
 
 def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 10_000.0,
-                 rotated: int | None = None, n_kv_heads: int | None = None):
+                 rotated: int | None = None, n_kv_heads: int | None = None, scaling=None):
     """Rotate every head's queries and keys by their token's position (RoPE, GPT-NeoX pairing).
 
     For each head's ``q`` (and ``k``) row ``x`` at position ``t`` and each ``j < r/2``::
@@ -87,6 +118,8 @@ def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 
         rotated: ``r``, the even number of dimensions rotated per head (``None``: ``d_qk``, or
             ``d_qk − 1`` if that is odd).
         n_kv_heads: key heads (grouped-query attention; ``None``: ``n_heads``).
+        scaling: ``None`` or a :class:`pedestrian.config.RopeScaling` (Llama 3's frequency
+            scaling, :func:`llama3_theta`; changes only ``θ_j``).
 
     Returns:
         ``(y, cache)``: ``y`` shaped like ``qkv``, a new array; ``cache = (cos, sin, n_heads +
@@ -101,7 +134,7 @@ def rope_forward(qkv, n_heads: int, d_qk: int, positions=None, *, base: float = 
         raise ValueError(f"RoPE rotates an even number 2 <= r <= d_qk={d_qk} of dimensions, got r={r}")
     T = qkv.shape[1]
     pos = xp.arange(T, device=qkv.device) if positions is None else positions   # (T,) or (B, T)
-    cos, sin = rope_angles(pos, r, base, qkv)                                   # (…, T, 1, r/2)
+    cos, sin = rope_angles(pos, r, base, qkv, scaling)                          # (…, T, 1, r/2)
     n_qk = n_heads + (n_heads if n_kv_heads is None else n_kv_heads)           # q heads, then k heads
     return _rotate(qkv, n_qk, d_qk, r, cos, sin), (cos, sin, n_qk, d_qk, r)
 

@@ -19,7 +19,7 @@ from array_api_compat import is_torch_namespace
 from ..backend import persistent
 from ..config import GPTConfig, param_specs
 
-__all__ = ["FlatBuffer", "FlatParams", "base_regions", "lora_regions"]
+__all__ = ["FlatBuffer", "FlatParams", "base_regions", "lora_regions", "qkv_columns"]
 
 
 class FlatBuffer(NamedTuple):
@@ -98,8 +98,8 @@ def _fused_name(member: str) -> str:
 def base_regions(config: GPTConfig) -> list:
     """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused)."""
     specs = {s.name: s for s in param_specs(config)}
-    hq, hv = config.n_heads * config.d_qk, config.n_heads * config.d_head
-    cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
+    cols = dict(qkv_columns(config))
+    width = cols["v"][1]
     regions, fused_done = [], set()
     for name, spec in specs.items():
         parts = name.split(".")
@@ -109,12 +109,21 @@ def base_regions(config: GPTConfig) -> list:
                 continue
             fused_done.add(key)
             stem = f"blocks.{parts[1]}.attn"
-            shape = (config.d_model, 2 * hq + hv) if parts[4] == "weight" else (2 * hq + hv,)
+            shape = (config.d_model, width) if parts[4] == "weight" else (width,)
             members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
             regions.append((shape, spec.decay, members))
         else:
             regions.append((spec.shape, spec.decay, [(name, None)]))
     return regions
+
+
+def qkv_columns(config: GPTConfig) -> tuple:
+    """``(("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv)))``: the fused qkv
+    layer's column slices, ``hq = n_heads·d_qk``, ``hk = n_kv_heads·d_qk``, ``hv = n_kv_heads·d_head``
+    (grouped-query attention: k and v hold only the ``n_kv_heads`` shared heads)."""
+    hq, hk, hv = (config.n_heads * config.d_qk, config.n_kv_heads * config.d_qk,
+                  config.n_kv_heads * config.d_head)
+    return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
 
 
 def lora_regions(specs) -> list:

@@ -107,7 +107,6 @@ class GPT:
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
-        _refuse_unwired(config)
         self.backend = backend
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
@@ -219,30 +218,48 @@ class GPT:
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
             b = SimpleNamespace()
-            b.a2, b.ln1 = K.layernorm_forward(x, w.ln1.weight, w.ln1.bias, c.ln_eps)   # (B, T, d)
-            qkv = self._fc_forward(w.qkv, b.a2, f.lora)                              # (B, T, H·(2d_qk+d_head))
+            b.a2, b.ln1 = self._norm_forward(x, w.ln1)                               # (B, T, d)
+            qkv = self._fc_forward(w.qkv, b.a2, f.lora)                              # (B, T, H·d_qk+H_kv·(d_qk+d_head))
             if rope:                                                                 # q, k turned by position
-                qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims)
+                qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims,
+                                             n_kv_heads=c.n_kv_heads, scaling=c.rope_scaling)
             b.a3, b.attn = K.multi_head_attention_forward(                           # (B, T, H·d_head)
                 qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal,
-                kv_cache=None if kv_cache is None else kv_cache.block(i))
+                kv_cache=None if kv_cache is None else kv_cache.block(i), n_kv_heads=c.n_kv_heads)
             b.a4 = self._fc_forward(w.attn_proj, b.a3, f.lora)                       # (B, T, d)
             branch, b.drop4 = self._dropout(b.a4)
             b.a5 = K.add(x, branch)                                                  # skip
-            b.a6, b.ln2 = K.layernorm_forward(b.a5, w.ln2.weight, w.ln2.bias, c.ln_eps)
-            b.a7 = self._fc_forward(w.mlp_expand, b.a6, f.lora)                      # (B, T, d_mlp)
-            b.a8, b.act = K.activation_forward(b.a7, c.activation)
+            b.a6, b.ln2 = self._norm_forward(b.a5, w.ln2)                            # (B, T, d)
+            if w.mlp_gate is None:                                                   # expand, g
+                b.a7 = self._fc_forward(w.mlp_expand, b.a6, f.lora)                  # (B, T, d_mlp)
+                b.a8, b.act = K.activation_forward(b.a7, c.activation)
+            else:                                                                    # SwiGLU
+                b.a7_gate = self._fc_forward(w.mlp_gate, b.a6, f.lora)               # (B, T, d_mlp)
+                b.a7_up = self._fc_forward(w.mlp_expand, b.a6, f.lora)               # (B, T, d_mlp)
+                b.a8, b.act = K.swiglu_forward(b.a7_gate, b.a7_up)                   # silu(gate) ∘ up
             b.a9 = self._fc_forward(w.mlp_contract, b.a8, f.lora)                    # (B, T, d)
             branch, b.drop9 = self._dropout(b.a9)
             b.a10 = x = K.add(b.a5, branch)                                          # skip
             if keep:                                                                 # else let go now
                 f.blocks.append(b)
-        f.a11, f.ln_final = K.layernorm_forward(x, W.ln_final.weight, W.ln_final.bias, c.ln_eps)
+        f.a11, f.ln_final = self._norm_forward(x, W.ln_final)
         f.a12 = self._fc_forward(W.logits, f.a11, f.lora)                            # (B, T, V)
         if targets is not None:
             f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
         self._acts = f
         return f.a12
+
+    def _norm_forward(self, x, norm: Norm):
+        """The config's norm of ``x``: layer norm (weight, bias) or RMS norm (weight only)."""
+        if self.config.norm == "rmsnorm":
+            return self.kernels.rmsnorm_forward(x, norm.weight, self.config.ln_eps)
+        return self.kernels.layernorm_forward(x, norm.weight, norm.bias, self.config.ln_eps)
+
+    def _norm_backward(self, delta, cache, grad: Norm):
+        """Backward of :meth:`_norm_forward`, writing ``grad``'s arrays (``None``: frozen)."""
+        if self.config.norm == "rmsnorm":
+            return self.kernels.rmsnorm_backward(delta, cache, dweight=grad.weight)
+        return self.kernels.layernorm_backward(delta, cache, dweight=grad.weight, dbias=grad.bias)
 
     def _fc_forward(self, fc: FC, x, lora_caches: dict):
         """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
@@ -321,22 +338,27 @@ class GPT:
         G = self.parameters.grad_table()                   # None = frozen: no gradient
         top, kept = SimpleNamespace(d12=d12), []
         top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
-        d10 = K.layernorm_backward(top.d11, f.ln_final, dweight=G.ln_final.weight, dbias=G.ln_final.bias)
+        d10 = self._norm_backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
             b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
             D = SimpleNamespace(d10=d10)                                                       # Δ10
             D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
             D.d8 = self._fc_backward(w.mlp_contract, g.mlp_contract, D.d9, b.a8, f.lora)       # Δ8
-            D.d7 = K.activation_backward(D.d8, b.act, c.activation)                             # Δ7
-            D.d6 = self._fc_backward(w.mlp_expand, g.mlp_expand, D.d7, b.a6, f.lora)           # Δ6
-            D.d5 = K.add(D.d10, K.layernorm_backward(D.d6, b.ln2, dweight=g.ln2.weight, dbias=g.ln2.bias))  # skip + LN2
+            if w.mlp_gate is None:
+                D.d7 = K.activation_backward(D.d8, b.act, c.activation)                         # Δ7
+                D.d6 = self._fc_backward(w.mlp_expand, g.mlp_expand, D.d7, b.a6, f.lora)       # Δ6
+            else:                                                                              # SwiGLU
+                D.d7_gate, D.d7_up = K.swiglu_backward(D.d8, b.act)                            # Δ7_gate, Δ7_up
+                D.d6 = K.add(self._fc_backward(w.mlp_gate, g.mlp_gate, D.d7_gate, b.a6, f.lora),  # Δ6: both
+                             self._fc_backward(w.mlp_expand, g.mlp_expand, D.d7_up, b.a6, f.lora))
+            D.d5 = K.add(D.d10, self._norm_backward(D.d6, b.ln2, g.ln2))                       # skip + LN2
             D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, f.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
             if rope:                                                                           # turned back: R(−tθ)
                 d_qkv = K.rope_backward(d_qkv, b.rope)
             D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, f.lora)                        # Δ2 = Σ_h (...)
-            d10 = K.add(D.d5, K.layernorm_backward(D.d2, b.ln1, dweight=g.ln1.weight, dbias=g.ln1.bias))  # skip + LN1
+            d10 = K.add(D.d5, self._norm_backward(D.d2, b.ln1, g.ln1))                         # skip + LN1
             if keep_deltas:
                 kept.insert(0, D)
         top.d1 = K.dropout_backward(d10, f.drop1)                                             # Δ1
@@ -369,7 +391,7 @@ class GPT:
         f = self._require_forward()
         out = {"a0": f.a0, "a1": f.a1}
         for i, b in enumerate(f.blocks):
-            for n in range(2, 11):
+            for n in _numbers(b, 2, 11):
                 out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
             out[f"blocks.{i}.P"] = self.kernels.attention_weights(b.attn)
         out.update(a11=f.a11, a12=f.a12)
@@ -444,21 +466,18 @@ def _named_deltas(top, blocks) -> dict:
     """:meth:`GPT.deltas`' dictionary from what :meth:`GPT._backward` returned."""
     out = {"Δ12": top.d12}
     for i, D in reversed(list(enumerate(blocks))):              # in the order the backward ran
-        out.update({f"blocks.{i}.Δ{n}": getattr(D, f"d{n}") for n in range(10, 1, -1)})
+        out.update({f"blocks.{i}.Δ{n}": getattr(D, f"d{n}") for n in reversed(_numbers(D, 2, 11))})
         out[f"blocks.{i}.Δcausal"] = D.causal
     out.update({"Δ11": top.d11, "Δ1": top.d1})
     return out
 
 
-def _refuse_unwired(config: GPTConfig) -> None:
-    """The Llama-family fields the config and the Hugging Face mapping know but this model's chain
-    does not run yet: refused by name, never computed approximately."""
-    for field, value, default in (("norm", config.norm, "layernorm"), ("mlp", config.mlp, "standard"),
-                                  ("n_kv_heads", config.n_kv_heads, config.n_heads),
-                                  ("rope_scaling", config.rope_scaling, None)):
-        if value != default:
-            raise NotImplementedError(f"GPTConfig {field}={value!r} is not wired into the GPT's chain yet "
-                                      f"(the layers exist in pedestrian.layers); use {field}={default!r}")
+def _numbers(block, first: int, stop: int) -> list:
+    """The activation (or signal) numbers ``first … stop − 1`` a block kept, SwiGLU's
+    ``7_gate``, ``7_up`` in place of ``7``."""
+    prefix = "a" if hasattr(block, "a2") else "d"
+    sevens = ["7"] if hasattr(block, f"{prefix}7") else ["7_gate", "7_up"]
+    return [m for n in range(first, stop) for m in (sevens if n == 7 else [str(n)])]
 
 
 def _resolve_device(backend: str, device):

@@ -21,7 +21,7 @@ import numpy as np
 from ..backend import persistent, to_numpy
 from ..config import GPTConfig, fc_layers, param_specs
 from .adapters import LoRA
-from .buffers import FlatBuffer, FlatParams, base_regions
+from .buffers import FlatBuffer, FlatParams, base_regions, qkv_columns
 from .inputs import check_finite_state
 
 __all__ = ["FC", "Delegated", "Norm", "Parameters"]
@@ -81,7 +81,7 @@ class Parameters:
         resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
         # draw in the order of the learned-position layout, the table's draws discarded when there
         # is no table: models that differ only in position_encoding start from the same weights
-        learned = dataclasses.replace(self.config, position_encoding="learned")
+        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None)
         for s in param_specs(learned):
             if len(s.shape) == 2:
                 std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
@@ -186,7 +186,8 @@ class Parameters:
 
     def layer_table(self, grads: bool) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
-        ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_expand`` / ``.mlp_contract``, ``ln_final``,
+        ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
+        ``.mlp_contract``, ``ln_final``,
         ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
         fused ``qkv`` layer; tied logits use ``W_tokᵀ``). With ``grads``, the gradient arrays
         instead, ``None`` where a parameter gets none (frozen or absent), and ``tok_lookup``:
@@ -202,7 +203,6 @@ class Parameters:
         if c.tie_weights and "tok_emb.weight" in P:
             P["logits.weight"] = self.base.xp.matrix_transpose(P["tok_emb.weight"])
         lora = set(self.lora_targets)
-        hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
 
         def norm(name):
             return Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
@@ -213,9 +213,10 @@ class Parameters:
                              if a in lora)
             return FC(P.get(f"{name}.weight"), P.get(f"{name}.bias"), adapters)
 
-        qkv_parts = (("q", 0, hq), ("k", hq, 2 * hq), ("v", 2 * hq, 2 * hq + hv))
+        qkv_parts = tuple((h, lo, hi) for h, (lo, hi) in qkv_columns(c))
         blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"), qkv=fc(f"blocks.{i}.attn.qkv", qkv_parts),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2"),
+                                  mlp_gate=fc(f"blocks.{i}.mlp_gate") if c.mlp == "swiglu" else None,
                                   mlp_expand=fc(f"blocks.{i}.mlp_expand"),
                                   mlp_contract=fc(f"blocks.{i}.mlp_contract"))
                   for i in range(c.n_blocks)]
