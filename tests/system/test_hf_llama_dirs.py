@@ -68,9 +68,46 @@ def save_dir(model, d, **kw):
     return d
 
 
+def float64_throughout(model):
+    """transformers computes the rotary table and ``LlamaRMSNorm`` in float32 whatever the
+    model's dtype (tests/paper/test_llama_model.py): here both are formed in the model's dtype
+    -- the angles from a float64 frequency table (pedestrian's ``llama3_theta`` for Llama 3,
+    checked there against transformers'), the norm by its formula without the casts -- so a
+    float64 model is a float64 oracle. Returns ``model``, patched once."""
+    from pedestrian.interop.hf_llama_config import config_from_hf
+    from pedestrian.layers.rope import llama3_theta
+
+    if getattr(model, "_float64_throughout", False):
+        return model
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = config_from_hf(inner.config.to_dict())
+    theta = config.rope_base ** (-2.0 * np.arange(config.d_qk // 2) / config.d_qk)
+    if config.rope_scaling is not None:
+        theta = llama3_theta(theta, config.rope_scaling)
+    inv_freq = torch.as_tensor(theta)
+
+    def rotary(x, position_ids):
+        angle = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((angle, angle), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def rms(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RotaryEmbedding"):
+            module.forward = rotary
+        elif name.endswith("RMSNorm"):
+            module.forward = rms.__get__(module)
+    inner.config._attn_implementation = "sdpa"      # eager attention's softmax is float32 too
+    model._float64_throughout = True
+    return model
+
+
 def hf_logits(model, x, dtype=torch.float64) -> np.ndarray:
     with torch.no_grad():
-        return model.to(dtype)(torch.as_tensor(x)).logits.double().numpy()
+        return float64_throughout(model).to(dtype)(torch.as_tensor(x)).logits.double().numpy()
 
 
 def rel_err(a, b) -> float:
@@ -115,7 +152,7 @@ def test_greedy_generation_equals_generate(folders):
     d, hf = folders["llama-gqa-4:2-tied"]
     model = load_hf_model(d, dtype="float64")
     prompt = X[:1, :7]
-    hf = hf.double()
+    hf = float64_throughout(hf).double()
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         want = hf.generate(torch.as_tensor(prompt), max_new_tokens=20, do_sample=False,
@@ -179,7 +216,7 @@ def test_lora_gradients_equal_peft(adapter):
     Y = np.roll(X, -1, axis=1)
     model.loss(X, Y)
     grads = model.backward()
-    pm = pm.double()
+    pm = float64_throughout(pm).double()
     pm.zero_grad()
     logits = pm(torch.as_tensor(X)).logits
     torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.as_tensor(Y).reshape(-1)).backward()
@@ -309,7 +346,7 @@ def test_cli_sample_greedy_equals_transformers(folders, capsys):
     out, _ = capsys.readouterr()
     assert code == 0
     ids = tiny_tokenizer().encode(prompt)
-    hf = hf.double()
+    hf = float64_throughout(hf).double()
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         want = hf.generate(torch.as_tensor([ids]), max_new_tokens=5, do_sample=False, pad_token_id=0)[0]
