@@ -368,6 +368,9 @@ def test_cli_finetune_then_sample_and_peft(folders, tmp_path, capsys):
     code = cli.main(["sample", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "5", "--seed", "0"])
     out, _ = capsys.readouterr()
     assert code == 0 and out.strip()
+    code = cli.main(["eval", str(run), "--max-batches", "1", "--batch-size", "2", "--no-progress"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "loss" in out
     from pedestrian.training.finetune import load_finetuned
 
     model, _ = load_finetuned(run)

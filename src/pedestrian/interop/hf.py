@@ -178,14 +178,16 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 
 def load_hf_tokenizer(hf_dir):
-    """The tokenizer of a Hugging Face model directory (byte-level BPE, as GPT-2).
+    """The tokenizer of a Hugging Face model directory: a BPE ``tokenizer.json``, byte-level
+    (GPT-2, SmolLM2, Qwen2, Llama 3) or sentencepiece-style with byte fallback (Llama 2, Mistral),
+    read by ``tokenizers`` as it is (:class:`~pedestrian.text.tokenizer.BPETokenizer`).
 
     Looks for ``tokenizer.json``, then ``vocab.json`` + ``merges.txt``, then the
     ``pedestrian_tokenizer.json`` that :func:`save_pretrained` writes for a character tokenizer.
 
     Raises:
         FileNotFoundError: none of those files.
-        ValueError: a file ``tokenizers`` cannot read, or one that is not byte-level BPE.
+        ValueError: a file ``tokenizers`` cannot read, or one that is neither of those kinds.
     """
     from ..text.tokenizer import BPETokenizer, load_tokenizer
 
