@@ -68,7 +68,8 @@ class FinetuneSettings:
     lora_alpha: float = setting(1.0, "the paper's scalar alpha: the adapter adds alpha * x D U (PEFT's "
                                 "lora_alpha / r)", rule=NON_ZERO, metavar="ALPHA", group=_LORA)
     lora_targets: list = setting(list(DEFAULT_TARGETS), f"layers that get adapters: {' '.join(LORA_LAYER_KINDS)}, "
-                                 "all, or full names like blocks.0.attn.q", metavar="KIND", group=_LORA)
+                                 "their Llama names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj "
+                                 "lm_head), all, or full names like blocks.0.attn.q", metavar="KIND", group=_LORA)
     lora_dropout: float = setting(0.0, "dropout on the adapters' input while training (PEFT's "
                                   "lora_dropout)", rule=PROBABILITY, metavar="P",
                                   group=_LORA)
