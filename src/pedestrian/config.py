@@ -358,6 +358,28 @@ def arch_fields(arch: str, d_model: int, n_heads: int) -> dict:
     raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
 
 
+def with_arch(values: dict, arch: str | None, given) -> dict:
+    """``values`` with :func:`arch_fields` of ``arch`` (at its ``d_model``,
+    ``n_heads``) filled in, except the fields in ``given`` (explicit flags win). ``None``: unchanged.
+    ``"gpt2"`` resets the Llama fields a preset may hold to GPT-2's defaults (``pedestrian
+    train --arch``, the commands' ``--arch``).
+
+    Raises:
+        ValueError: an unknown architecture.
+    """
+    if arch is None:
+        return values
+    if "d_model" not in values or "n_heads" not in values:
+        raise ValueError(f"--arch {arch} needs the widths first: give --d-model and --n-heads (or --preset)")
+    fields = arch_fields(arch, values["d_model"], values["n_heads"])
+    if arch == "gpt2":
+        fields = {f: GPTConfig.__dataclass_fields__[f].default for f in
+                  ("norm", "mlp", "n_kv_heads", "activation", "d_mlp", "position_encoding", "bias",
+                   "rope_scaling")}
+        fields["activation"] = "gelu_tanh"
+    return {**values, **{k: v for k, v in fields.items() if k not in given}}
+
+
 # the Llama-style character model: char-small's widths with arch_fields("llama", 128, 4)
 PRESETS["llama-char"] = dict(PRESETS["char-small"], **arch_fields("llama", 128, 4))
 # SmolLM2-135M's shape (HF HuggingFaceTB/SmolLM2-135M config.json: 30 layers, hidden 576, 9 heads,

@@ -198,23 +198,12 @@ def test_swiglu_activation_and_delta_names(kernels):
     np.testing.assert_allclose(acts["blocks.0.a8"], a / (1 + np.exp(-a)) * acts["blocks.0.a7_up"], rtol=1e-13)
 
 
-def test_finite_differences_on_a_small_llama():
-    """Central differences of the float64 loss on a few entries of every parameter (the chain,
-    not the oracle): step 1e-6, truncation O(h²) and rounding O(ε/h) ~ 1e-10."""
-    config = GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=4, n_blocks=1, n_kv_heads=2,
-                       d_head=3, d_qk=3 + 1, norm="rmsnorm", mlp="swiglu", d_mlp=6, position_encoding="rope",
-                       bias=False, qkv_bias=True, tie_weights=True,
-                       rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
-                                         high_freq_factor=2.0, original_max_position_embeddings=4))
-    model = GPT(config, dtype="float64", kernels="reference", seed=3)
-    rng = np.random.default_rng(0)
+def _central_differences(model, tokens, targets, grads, rng, h=1e-6):
+    """Central differences of the float64 loss on three entries of every parameter against
+    ``grads``: truncation O(h²) and rounding O(ε·loss/h) ~ 1e-10, bound 1e-7."""
     for name, p in model.params.items():
-        p[...] = rng.normal(0.0, 0.5, size=p.shape) + (1.0 if "ln" in name else 0.0)
-    tokens, targets = _batch(config, B=2, T=6, seed=4)
-    model.loss(tokens, targets)
-    grads = {k: np.array(v) for k, v in model.backward().items()}
-    h = 1e-6
-    for name, p in model.params.items():
+        if name not in grads:
+            continue
         for flat_idx in rng.choice(p.size, size=min(3, p.size), replace=False):
             idx = np.unravel_index(flat_idx, p.shape)         # (views of the fused qkv: not reshaped)
             old = float(p[idx])
@@ -223,5 +212,49 @@ def test_finite_differences_on_a_small_llama():
             p[idx] = old - h
             down = model.loss(tokens, targets)
             p[idx] = old
-            fd = (up - down) / (2 * h)
-            assert abs(fd - grads[name][idx]) < 1e-7, name
+            assert abs((up - down) / (2 * h) - grads[name][idx]) < 1e-7, name
+
+
+def _small_config():
+    return GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=4, n_blocks=1, n_kv_heads=2,
+                     d_head=3, d_qk=4, norm="rmsnorm", mlp="swiglu", d_mlp=6, position_encoding="rope",
+                     bias=False, qkv_bias=True, tie_weights=True,
+                     rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
+                                       high_freq_factor=2.0, original_max_position_embeddings=4))
+
+
+def test_finite_differences_on_a_small_llama():
+    """Every parameter of a GQA 4:2, SwiGLU, RMS-norm, q/k/v-bias, Llama-3-scaled model with
+    d_qk != d_head, by central differences (the chain itself, not the oracle)."""
+    config = _small_config()
+    model = GPT(config, dtype="float64", kernels="reference", seed=3)
+    rng = np.random.default_rng(0)
+    for name, p in model.params.items():
+        p[...] = rng.normal(0.0, 0.5, size=p.shape) + (1.0 if "ln" in name else 0.0)
+    tokens, targets = _batch(config, B=2, T=6, seed=4)
+    model.loss(tokens, targets)
+    grads = {k: np.array(v) for k, v in model.backward().items()}
+    _central_differences(model, tokens, targets, grads, rng)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_lora_on_the_seven_projections_by_finite_differences(kernels):
+    """LoRA on q, k, v (k and v adapters n_kv_heads·d_qk wide), attn_proj, the gate, up and
+    down projections (Hugging Face's names): every adapter's gradient by central differences."""
+    config = _small_config()
+    model = GPT(config, dtype="float64", kernels=kernels, seed=3)
+    rng = np.random.default_rng(1)
+    for name, p in model.params.items():
+        p[...] = rng.normal(0.0, 0.5, size=p.shape) + (1.0 if "ln" in name else 0.0)
+    model.add_lora(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], rank=2,
+                   alpha=1.5)
+    for name, p in model.params.items():
+        if "lora" in name:
+            p[...] = rng.normal(0.0, 0.5, size=p.shape)
+    assert model.params["blocks.0.attn.k.lora_U"].shape == (2, config.n_kv_heads * config.d_qk)
+    tokens, targets = _batch(config, B=2, T=6, seed=4)
+    model.loss(tokens, targets)
+    grads = {k: np.array(v) for k, v in model.backward().items()}
+    assert sorted({k.rsplit(".", 1)[0].split(".", 2)[-1] for k in grads}) == [
+        "attn.k", "attn.q", "attn.v", "attn_proj", "mlp_contract", "mlp_expand", "mlp_gate"]
+    _central_differences(model, tokens, targets, grads, rng)

@@ -14,7 +14,9 @@ draws every other axis the issue names (issue 22):
   ``d_qk != d_head``); ``d_model`` 4-48 (the MLP's ``4·d`` crosses the ``2^18``-element row
   blocks at the larger ``B·T``); 1 or 2 blocks; causal or not; learned, RoPE or no positions;
   LoRA on every layer or none; GELU, GELU-tanh or ReLU; layer-norm ``eps`` 0 (the paper's) or
-  1e-5; biases on or off; float64 and float32;
+  1e-5; biases on or off; float64 and float32; the Llama choices (issue 33): layer norm or RMS
+  norm, the standard MLP or SwiGLU (its gate LoRA-adapted too), multi-head or grouped-query
+  attention (``n_kv_heads`` a proper divisor of ``n_heads``);
 - each case as the training loop runs it (``model.loss``, ``model.backward(keep_deltas=True)``,
   with ``Δ1``);
 - with ``PEDESTRIAN_NUM_THREADS`` = 1 and = 2, each in a subprocess of its own
@@ -96,15 +98,50 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, lora, activation,
-              ln_eps, bias, seed):
+              ln_eps, bias, seed, norm="layernorm", mlp="standard", n_kv_heads=None):
     """``(cfg, params, lora spec, tokens, targets)`` of one case (O(1)-scale random weights)."""
     cfg = default_cfg(vocab_size=13, context_length=T, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks,
                       d_head=d_head, d_qk=d_qk, causal=causal, position_encoding=position,
-                      activation=activation, ln_eps=ln_eps, bias=bias)
-    spec = {"targets": fc_layer_names(cfg), "rank": 2} if lora else None
-    params = random_params(cfg, seed=seed, lora=spec)
+                      activation="silu" if mlp == "swiglu" else activation, ln_eps=ln_eps, bias=bias)
+    if (norm, mlp, n_kv_heads) == ("layernorm", "standard", None):           # GPT-2: the oracle's own table
+        spec = {"targets": fc_layer_names(cfg), "rank": 2} if lora else None
+        params = random_params(cfg, seed=seed, lora=spec)
+    else:                                                                   # the Llama choices
+        cfg.update(norm=norm, mlp=mlp, n_kv_heads=n_kv_heads)
+        spec, params = _llama_params(cfg, seed, lora)
     tokens, targets = token_batch(cfg, B, T, seed=seed, n_ignored=min(3, B * T - 1))
     return cfg, params, spec, tokens, targets
+
+
+def _llama_params(cfg, seed, lora):
+    """``(lora spec, params)`` by :func:`random_params`' rules over the names and shapes the model
+    itself has (RMS norm's weight alone, SwiGLU's gate, ``n_kv_heads``' k and v columns)."""
+    from pedestrian import GPT, GPTConfig
+    from pedestrian.config import fc_layers
+
+    config = GPTConfig(**cfg)
+    spec = {"targets": [name for name, _, _ in fc_layers(config)], "rank": 2} if lora else None
+    model = GPT(config, dtype="float64", kernels="reference")
+    if spec:
+        model.add_lora(spec["targets"], rank=2)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, p in model.params.items():
+        shape = tuple(p.shape)
+        if name == "tok_emb.weight":
+            a = 0.5 * rng.standard_normal(shape)
+        elif name.endswith(".lora_D"):
+            a = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif name.endswith(".lora_U"):
+            a = 0.2 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            a = 0.1 * rng.standard_normal(shape)
+        elif len(shape) == 1:                                          # a norm's weight
+            a = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            a = min(0.5, 1.0 / np.sqrt(shape[0])) * rng.standard_normal(shape)
+        out[name] = a
+    return spec, out
 
 
 def gradients(cfg, params, spec, tokens, targets, *, kernels, dtype):
@@ -187,9 +224,12 @@ def cases(draw) -> dict:
     """One point of the shape space (module docstring)."""
     position = draw(st.sampled_from(["learned", "rope", "none"]))
     low_qk = 2 if position == "rope" else 1                      # RoPE rotates pairs of dimensions
-    return dict(B=draw(st.integers(1, 3)),
+    n_heads = draw(st.integers(1, 3))
+    n_kv = draw(st.sampled_from([None] + [k for k in range(1, n_heads) if n_heads % k == 0]))
+    return dict(norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), mlp=draw(st.sampled_from(["standard", "swiglu"])),
+                n_kv_heads=n_kv, B=draw(st.integers(1, 3)),
                 T=draw(st.one_of(st.sampled_from(THRESHOLD_T), st.integers(1, 600))),
-                n_heads=draw(st.integers(1, 3)), d_head=draw(st.integers(1, 16)),
+                n_heads=n_heads, d_head=draw(st.integers(1, 16)),
                 d_qk=draw(st.integers(low_qk, 16)), d_model=draw(st.sampled_from([4, 7, 16, 48])),
                 n_blocks=draw(st.integers(1, 2)), causal=draw(st.booleans()), position=position,
                 lora=draw(st.booleans()), activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu"])),
@@ -198,10 +238,10 @@ def cases(draw) -> dict:
 
 
 def _case(B, T, n_heads, d_head, d_qk, *, d_model=16, n_blocks=1, causal=True, position="learned", lora=False,
-          activation="gelu_tanh", ln_eps=1e-5, bias=True, seed=0) -> dict:
+          activation="gelu_tanh", ln_eps=1e-5, bias=True, seed=0, **llama) -> dict:
     return dict(B=B, T=T, n_heads=n_heads, d_head=d_head, d_qk=d_qk, d_model=d_model, n_blocks=n_blocks,
                 causal=causal, position=position, lora=lora, activation=activation, ln_eps=ln_eps, bias=bias,
-                seed=seed)
+                seed=seed, **llama)
 
 
 #: cases the property test found, kept as fixed tests: (id, case, dtype, cause)
@@ -270,3 +310,16 @@ def test_property_with_threads(threads, tmp_path):
     assert "1 passed" in proc.stdout, proc.stdout[-2000:]
     for key, (err, case) in sorted(json.loads(report.read_text()).items()):
         print(f"threads={threads} {key}: worst |fast - reference| / scale = {err:.2e} at {case}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", [
+    _case(2, 257, 2, 5, 6, position="rope", lora=True, norm="rmsnorm", mlp="swiglu", n_kv_heads=1, bias=False),
+    _case(3, 65, 3, 4, 4, d_model=7, n_blocks=2, causal=False, norm="rmsnorm", ln_eps=0.0, mlp="standard",
+          n_kv_heads=1, seed=7),
+    _case(1, 129, 2, 8, 8, d_model=48, position="none", lora=True, mlp="swiglu", seed=3),
+], ids=["tiled-gqa-swiglu-rmsnorm-lora", "mqa-rmsnorm-eps0-noncausal", "swiglu-layernorm-lora"])
+def test_llama_choices(case, dtype):
+    """The Llama choices on both sides of the tiled threshold, with and without LoRA (fixed cases;
+    the property test draws them too)."""
+    check_case(case, dtype)

@@ -195,7 +195,5 @@ def test_base_regions_cover_llama_layout_with_all_heads():
     assert _regions_cover(GPTConfig(**TINY, **LLAMA, d_head=10, tie_weights=False))
 
 
-@pytest.mark.xfail(strict=True, reason="flat.base_regions fuses q, k, v with n_heads' columns for k and v; "
-                   "grouped-query attention needs n_kv_heads' (issue 33, the gqa branch)")
 def test_base_regions_cover_grouped_query_attention():
     assert _regions_cover(GPTConfig(**TINY, **LLAMA, n_kv_heads=2))

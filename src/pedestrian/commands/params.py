@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import CONFIG_FIELDS, LORA_LAYER_KINDS, POSITION_ENCODINGS, PRESETS, GPTConfig
+from ..config import (ARCHS, CONFIG_FIELDS, LORA_LAYER_KINDS, MLPS, NORMS, POSITION_ENCODINGS, PRESETS,
+                      GPTConfig, with_arch)
 from ..paper.explain import params_table
 
 
@@ -24,7 +25,14 @@ def add_config_arguments(parser: argparse.ArgumentParser):
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
     for name in ("vocab-size", "context-length", "d-model", "n-heads", "n-blocks", "d-head", "d-qk", "mlp-ratio"):
         g.add_argument("--" + name, type=int)
-    g.add_argument("--activation", choices=["gelu_tanh", "gelu", "relu"])
+    g.add_argument("--arch", choices=list(ARCHS),
+                   help="architecture: gpt2 (default: layer norm, GELU MLP, learned positions, biases) or "
+                        "llama (RMS norm, SwiGLU, RoPE, no biases, n_heads/2 key/value heads); fills "
+                        "the fields not given explicitly")
+    g.add_argument("--norm", choices=list(NORMS), help="the blocks' norm (layernorm: GPT-2; rmsnorm: Llama)")
+    g.add_argument("--mlp", choices=list(MLPS), help="the MLP (standard: GPT-2; swiglu: Llama's gated one)")
+    g.add_argument("--n-kv-heads", type=int, help="key/value heads, dividing --n-heads (grouped-query attention)")
+    g.add_argument("--activation", choices=["gelu_tanh", "gelu", "relu", "silu"])
     g.add_argument("--ln-eps", type=float)
     g.add_argument("--no-bias", dest="bias", action="store_false", default=None)
     g.add_argument("--untied", dest="tie_weights", action="store_false", default=None)
@@ -45,10 +53,9 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> GPTC
     values = dict(base or {})
     if getattr(args, "preset", None):
         values.update(PRESETS[args.preset])
-    for f in CONFIG_FIELDS:
-        v = getattr(args, f, None)
-        if v is not None:
-            values[f] = v
+    given = {f: getattr(args, f) for f in CONFIG_FIELDS if getattr(args, f, None) is not None}
+    values.update(given)
+    values = with_arch(values, getattr(args, "arch", None), given)
     missing = [f for f in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks") if f not in values]
     if missing:
         raise ValueError("missing model settings: " + ", ".join("--" + m.replace("_", "-") for m in missing)

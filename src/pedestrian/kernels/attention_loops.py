@@ -117,7 +117,9 @@ def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_heads, 
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
     into their column blocks of ``delta_qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``. Grouped
     (``H_kv < H``): each query head's ``dk``, ``dv`` go to ``dk_heads``, ``dv_heads`` ``(B, H, T, ·)``,
-    then each key/value head sums its group's, in head order (the same bits on any number of threads)."""
+    then each key/value head sums its group's, in head order (the same bits on any number of threads).
+    As the reference: ``dq`` from ``k − k̄`` and ``dk`` less its mean row (the rows of ``Δcausal``
+    sum to 0), so the rounding of those sums is not scaled by a short sequence's key mean (float32)."""
     for u in prange(q.shape[0] * q.shape[1]):
         _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_heads, dv_heads, delta_qkv)
     if k.shape[1] < q.shape[1]:
@@ -143,13 +145,26 @@ def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_head
     np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
     for t in range(T):
         _softmax_backward_row(dp[t], ph[t], t + 1 if causal else T)
+    mean = np.zeros(d_qk)                                        # float64
+    for t in range(T):
+        for c in range(d_qk):
+            mean[c] += kh[t, c]
+    kc = np.empty((T, d_qk), dtype=delta.dtype)
+    for t in range(T):                                           # k − k̄: rows of Δcausal sum to 0
+        for c in range(d_qk):
+            kc[t, c] = kh[t, c] - mean[c] / T
     dq = np.empty((T, d_qk), dtype=delta.dtype)
-    np.dot(dp, kh, dq)                                           # dq = Δcausal k
+    np.dot(dp, kc, dq)                                           # dq = Δcausal (k − k̄) = Δcausal k
     dk = dk_heads[b, h] if grouped else np.empty((T, d_qk), dtype=delta.dtype)
     np.dot(dp.T, qh, dk)                                         # dk = Δcausalᵀ q
+    mean[:] = 0.0
+    for t in range(T):                                           # Σ_t dk = 0: its rounding removed
+        for c in range(d_qk):
+            mean[c] += dk[t, c]
     for t in range(T):
         for c in range(d_qk):
             delta_qkv[b, t, h * d_qk + c] = dq[t, c] * inv_sqrt_d
+            dk[t, c] -= mean[c] / T
     if grouped:
         return
     for t in range(T):

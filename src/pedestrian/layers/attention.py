@@ -126,8 +126,11 @@ def scaled_dot_product_attention_backward(delta, cache):
     if allowed is not None:                                                  # masked: exactly 0, also
         delta_causal = xp.where(allowed, delta_causal, xp.zeros_like(p))     # in a NaN row
     delta_raw = delta_causal / math.sqrt(q.shape[-1])
-    dq = delta_raw @ k                                                       # (..., T, d_qk)
+    # rows of Δraw sum to 0, so dq = Δraw (k − k̄) and Σ_keys dk = 0: the key mean k̄ and the
+    # rounding left in Σ dk, removed, would otherwise reach dq, dWk scaled by |k̄|, |x̄| (float32)
+    dq = delta_raw @ (k - xp.mean(k, axis=-2, keepdims=True))                # (..., T, d_qk)
     dk = xp.matrix_transpose(delta_raw) @ q                                  # (..., L, d_qk)
+    dk = dk - xp.mean(dk, axis=-2, keepdims=True)                            # (..., L, d_qk)
     return dq, dk, dv, delta_causal
 
 
@@ -252,8 +255,8 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
 
     Raises:
         TypeError: ``qkv`` not real floating point.
-        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a KV-cache step that does not
-            fit the cache's capacity or holds another number of heads.
+        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a KV-cache step that does not fit
+            the cache's capacity.
     """
     check_float(qkv, "qkv")
     xp = array_namespace(qkv)

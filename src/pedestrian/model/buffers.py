@@ -95,6 +95,15 @@ def _fused_name(member: str) -> str:
     return prefix.rsplit(".", 1)[0] + ".qkv." + last
 
 
+def qkv_columns(config: GPTConfig) -> tuple:
+    """``(("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv)))``: the fused qkv
+    layer's column slices, ``hq = n_heads·d_qk``, ``hk = n_kv_heads·d_qk``, ``hv = n_kv_heads·d_head``
+    (grouped-query attention: k and v hold only the ``n_kv_heads`` shared heads)."""
+    hq, hk, hv = (config.n_heads * config.d_qk, config.n_kv_heads * config.d_qk,
+                  config.n_kv_heads * config.d_head)
+    return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
+
+
 def base_regions(config: GPTConfig) -> list:
     """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused)."""
     specs = {s.name: s for s in param_specs(config)}
@@ -115,15 +124,6 @@ def base_regions(config: GPTConfig) -> list:
         else:
             regions.append((spec.shape, spec.decay, [(name, None)]))
     return regions
-
-
-def qkv_columns(config: GPTConfig) -> tuple:
-    """``(("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv)))``: the fused qkv
-    layer's column slices, ``hq = n_heads·d_qk``, ``hk = n_kv_heads·d_qk``, ``hv = n_kv_heads·d_head``
-    (grouped-query attention: k and v hold only the ``n_kv_heads`` shared heads)."""
-    hq, hk, hv = (config.n_heads * config.d_qk, config.n_kv_heads * config.d_qk,
-                  config.n_kv_heads * config.d_head)
-    return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
 
 
 def lora_regions(specs) -> list:

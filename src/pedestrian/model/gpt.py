@@ -9,6 +9,13 @@ Paper conclusion ("minimalistic transformer"), restated in docs/EQUATIONS.md::
       a6 = LN2(a5); a7 = FC_expand(a6);  a8 = g(a7);  a9 = FC_contract(a8);  a10 = a5 + a9
     a11 = LN_final(a10);  a12 = logits = FC_logits(a11)     (B,T,V)
 
+The architecture is configuration (docs/EQUATIONS.md, "The same chain, Llama-style"): the norms
+are layer norms or RMS norms (``config.norm``), the MLP is expand-g-contract or SwiGLU
+(``config.mlp``: ``a7_gate = FC_gate(a6)``, ``a7_up = FC_up(a6)``, ``a8 = silu(a7_gate) ∘ a7_up``,
+``a9 = FC_down(a8)``), the attention has ``config.n_kv_heads`` key/value heads (grouped-query), RoPE
+takes ``rope_base`` and Llama 3's ``rope_scaling``, biases are everywhere, nowhere or on q, k, v
+only (Qwen2), and the logits are tied or not.
+
 Each step is one call of a layer function. Which functions -- the paper's reference layers
 (:mod:`pedestrian.layers`) or the fast kernels (:mod:`pedestrian.kernels`), same names and
 signatures -- is chosen once, by ``GPT(..., kernels=...)``. Every layer backward *writes* its
@@ -23,10 +30,11 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     tok_emb.weight (V, d)                 pos_emb.weight (context_length, d)   -- learned positions only
     blocks.{i}.ln1.weight / .bias (d,)
     blocks.{i}.attn.q.weight (d, n_heads·d_qk)    .bias     (head h: columns h·d_qk …)
-    blocks.{i}.attn.k.weight (d, n_heads·d_qk)    .bias
-    blocks.{i}.attn.v.weight (d, n_heads·d_head)  .bias
+    blocks.{i}.attn.k.weight (d, n_kv_heads·d_qk) .bias     (key/value head j: columns j·d_qk …)
+    blocks.{i}.attn.v.weight (d, n_kv_heads·d_head) .bias
     blocks.{i}.attn_proj.weight (n_heads·d_head, d) .bias
-    blocks.{i}.ln2.weight / .bias
+    blocks.{i}.ln2.weight / .bias                 (RMS norm: .weight only)
+    blocks.{i}.mlp_gate.weight (d, d_mlp)            -- SwiGLU only (Hugging Face gate_proj)
     blocks.{i}.mlp_expand.weight (d, d_mlp)  .bias     blocks.{i}.mlp_contract.weight (d_mlp, d) .bias
     ln_final.weight / .bias
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
@@ -53,7 +61,7 @@ from ..kernels.workspace import Workspace
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .kv_cache import KVCache
-from .params import FC, Delegated, Parameters
+from .params import FC, Delegated, Norm, Parameters
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
 
@@ -383,7 +391,9 @@ class GPT:
 
         Keys: ``"a0"`` (tokens), ``"a1"``, ``"blocks.{i}.a2"`` … ``"blocks.{i}.a10"``,
         ``"a11"``, ``"a12"`` (logits), plus ``"blocks.{i}.P"`` (attention probabilities,
-        ``(B, n_heads, T, L)``; ``L = T`` without a KV cache, the cached length with one).
+        ``(B, n_heads, T, L)``; ``L = T`` without a KV cache, the cached length with one). With
+        ``config.mlp == "swiglu"`` a block has ``"blocks.{i}.a7_gate"`` (``a6 W_gate``) and
+        ``"blocks.{i}.a7_up"`` (``a6 W_up``), each ``(B, T, d_mlp)``, in place of ``a7``.
 
         Raises:
             ValueError: no forward has been run.
@@ -420,7 +430,8 @@ class GPT:
         """Every error signal of the last ``backward(keep_deltas=True)``.
 
         Keys: ``"Δ12"`` (at the logits), ``"Δ11"``, ``"blocks.{i}.Δ10"`` … ``"blocks.{i}.Δ2"``,
-        ``"blocks.{i}.Δcausal"`` (softmax backward, ``(B, n_heads, T, T)``), ``"Δ1"``.
+        ``"blocks.{i}.Δcausal"`` (softmax backward, ``(B, n_heads, T, T)``), ``"Δ1"``. With
+        SwiGLU, ``"blocks.{i}.Δ7_gate"`` and ``"blocks.{i}.Δ7_up"`` in place of ``Δ7``.
         ``Δ_n = dL/da_n``; a signal that reaches an activation along two paths (the skips)
         is the total.
 

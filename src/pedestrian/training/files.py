@@ -212,7 +212,9 @@ def gradient_record(model, x, y, step: int) -> dict:
     grad_norms = {k: ({g: norm(*v) for g, v in groups.items()} if isinstance(groups, dict) else norm(*groups))
                   for k, groups in grad_groups.items()}
     for i in range(model.config.n_blocks):
-        delta_norms[f"blocks.{i}"] = {f"Δ{n}": norm(deltas[f"blocks.{i}.Δ{n}"]) for n in range(2, 11)}
+        prefix = f"blocks.{i}."                            # Δ2 … Δ10 (SwiGLU: Δ7_gate, Δ7_up for Δ7)
+        names = [k[len(prefix):] for k in deltas if k.startswith(prefix) and not k.endswith("Δcausal")]
+        delta_norms[f"blocks.{i}"] = {n: norm(deltas[prefix + n]) for n in reversed(names)}
     return {"step": step, "delta_norms": delta_norms, "grad_norms": grad_norms}
 
 
@@ -239,8 +241,8 @@ def plot_gradients(records: list[dict], path, title: str = "", max_blocks: int =
     n = max(1, len(blocks))
     fig, axes = plt.subplots(2, n, figsize=(2.9 * n + 2.2, 6.4), dpi=120, squeeze=False, sharey="row")
     steps = [r["step"] for r in recs]
-    deltas = [f"Δ{k}" for k in range(2, 11)]
-    groups = ("ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand", "mlp_contract")
+    deltas = list(recs[0]["delta_norms"][blocks[0]]) if recs and blocks else [f"Δ{k}" for k in range(2, 11)]
+    groups = ("ln1", "attn.qkv", "attn_proj", "ln2", "mlp_gate", "mlp_expand", "mlp_contract")
     colors = plt.get_cmap("tab10")(np.arange(len(deltas)))
     group_colors = plt.get_cmap("tab10")(np.arange(len(groups)))
     for j, block in enumerate(blocks):

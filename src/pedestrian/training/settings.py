@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CONFIG_FIELDS, PRESETS, GPTConfig
+from ..config import CONFIG_FIELDS, PRESETS, GPTConfig, with_arch
 from ..text.data import BUNDLED_CORPUS
 from .distributed import DEVICES
 from .specs import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
@@ -188,12 +188,12 @@ RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {n for n, s in specs(TrainSettings).item
 #: TrainSettings fields with a flag / config key (each declared once, above)
 TRAIN_KEYS = tuple(name for name, spec in specs(TrainSettings).items() if spec.flag)
 #: model keys: GPTConfig fields (their types come from GPTConfig) and a preset name
-MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset")
+MODEL_KEYS = tuple(f for f in CONFIG_FIELDS if f != "vocab_size") + ("dropout", "preset", "arch")
 _TABLES = ("data", "model", "optim", "train")
 #: the type every TOML value must have (that of its flag)
 _KINDS = {**{name: specs(TrainSettings)[name].kind for name in TRAIN_KEYS},
           **{name: kind_of(hint) for name, hint in typing.get_type_hints(GPTConfig).items()},
-          "preset": str}
+          "preset": str, "arch": str}
 
 
 def read_config_file(path) -> dict:
@@ -254,7 +254,7 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
             given[name] = value
     if getattr(args, "vocab_size", None) is not None or given.get("vocab_size") is not None:
         raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
-    preset = given.pop("preset", None)
+    preset, arch = given.pop("preset", None), given.pop("arch", None)
     model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
     if preset is not None and preset not in PRESETS:
         raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -263,12 +263,18 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
         model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
         model.setdefault("dropout", 0.0)
     model.update(model_given)
+    try:
+        filled = with_arch(model, arch, model_given)
+    except ValueError as exc:
+        raise TrainingError(str(exc)) from None
+    arch_keys = {k for k in filled if k not in model or filled[k] != model[k]}
+    model = filled
     for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
         if spec.none_means is not None and name in given and given[name] == spec.none_means:
             given[name] = None
     settings = TrainSettings(**given, model=model)
     # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
-    model_keys = set(model_given) | (set(model) - {"dropout"} if preset is not None else set())
+    model_keys = set(model_given) | arch_keys | (set(model) - {"dropout"} if preset is not None else set())
     explicit = set(given) | {f"model.{k}" for k in model_keys}
     return settings, explicit
 
@@ -287,7 +293,8 @@ def config_file_model(path, vocab_size: int | None = None) -> tuple[GPTConfig, T
     model = dict(DEFAULT_MODEL)
     if "preset" in given:
         model = {k: v for k, v in PRESETS[given["preset"]].items() if k != "vocab_size"}
-    model.update({k: v for k, v in given.items() if k in GPTConfig.__dataclass_fields__})
+    model_given = {k: v for k, v in given.items() if k in GPTConfig.__dataclass_fields__}
+    model = with_arch({**model, **model_given}, given.get("arch"), model_given)
     if vocab_size is None and settings.tokenizer == "bpe":
         vocab_size = settings.bpe_vocab_size
     if vocab_size is None:
