@@ -82,7 +82,7 @@ def test_peft_output_matches_in_transformers(run):
 def test_export_merged_model_and_sample_from_it(run, capsys):
     tmp, _, out = run
     code, stdout, _ = main(capsys, "export-hf", "--adapter", out, "--out", tmp / "merged")
-    assert code == 0 and "wrote a Hugging Face GPT-2" in stdout
+    assert code == 0 and "wrote a Hugging Face GPT2LMHeadModel" in stdout
     model, _ = load_finetuned(out)
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp / "merged")).eval()
     assert np.max(np.abs(hf_logits(hf, X) - model.forward(X))) <= 1e-5

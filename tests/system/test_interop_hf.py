@@ -265,10 +265,10 @@ def test_not_a_directory_or_no_config(tmp_path):
         load_hf_model(tmp_path)
 
 
-def test_not_gpt2(tmp_path):
+def test_not_a_family_pedestrian_reads(tmp_path):
     d = save_hf_dir(hf_model(), tmp_path)
-    edit_config(d, model_type="llama", architectures=["LlamaForCausalLM"])
-    with pytest.raises(ValueError, match="model_type 'llama', not GPT-2"):
+    edit_config(d, model_type="bert", architectures=["BertForMaskedLM"])
+    with pytest.raises(ValueError, match="model_type='bert' is not implemented; pedestrian reads"):
         load_pretrained(d)
 
 

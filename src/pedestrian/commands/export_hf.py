@@ -1,5 +1,5 @@
-"""Write a model as a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer),
-or its LoRA adapters as a PEFT directory.
+"""Write a model as a Hugging Face directory (config.json, model.safetensors, tokenizer): a GPT-2, or a
+Llama / Qwen2 for a Llama-style model; or its LoRA adapters as a PEFT directory.
 
 Sources:
   --checkpoint CKPT          a full checkpoint of `pedestrian train` (adapters, if any, merged);
@@ -9,7 +9,7 @@ Sources:
 
 With --format model, adapters are merged (W + alpha D U); one on the tied logits goes into a
 separate lm_head.weight (the export is untied, wte unchanged). transformers reads the result
-with GPT2LMHeadModel.from_pretrained(OUT) (--format peft: peft.PeftModel.from_pretrained(base, OUT)).
+with AutoModelForCausalLM.from_pretrained(OUT) (--format peft: peft.PeftModel.from_pretrained(base, OUT)).
 
 Examples:
   pedestrian export-hf --checkpoint runs/shakespeare_char/best --out shakespeare-gpt2
@@ -20,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dir", metavar="DIR", help="base model of --adapter (default: the recorded one)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--format", choices=["model", "peft"], default="model",
-                        help="model: a GPT-2 directory with adapters merged (default); "
+                        help="model: a Hugging Face directory with adapters merged (default); "
                              "peft: only the adapters, as a PEFT directory")
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing --out")
 
@@ -63,5 +64,6 @@ def run(args: argparse.Namespace) -> int:
         out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite)
     except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
         raise UserError(exc.advice("pass --overwrite")) from None
-    print(f"wrote a Hugging Face GPT-2 ({model.num_params():,} parameters) to {out}")
+    arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    print(f"wrote a Hugging Face {arch} ({model.num_params():,} parameters) to {out}")
     return 0

@@ -1,5 +1,5 @@
-"""LoRA fine-tuning of a Hugging Face GPT-2 directory on a text file: the base weights stay
-frozen (their gradients are never computed) and only small adapters are trained.
+"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory on a text file: the
+base weights stay frozen (their gradients are never computed) and only small adapters are trained.
 
 Writes, under --out: adapter/ (an adapter-only checkpoint, a small file), peft/ (the same
 adapters as a PEFT directory for transformers + peft), log.jsonl and loss_curve.png.
@@ -10,6 +10,8 @@ Examples:
       --lora-targets q k v attn_proj mlp_expand mlp_contract --max-steps 500 --out runs/ft
   pedestrian export-hf --adapter runs/ft --out gpt2-ft     # merge into a new GPT-2 directory
   pedestrian sample --hf-dir gpt2-ft --prompt "Dear diary,"
+  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt \\
+      --lora-targets q_proj k_proj v_proj o_proj gate_proj up_proj down_proj --out runs/smol-ft
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..text.tokenizer import StopText, UnknownCharacterError, check_text
+from ..text.bpe_tokenizer import EOS_TOKENS
+from ..text.tokenizer import BPETokenizer, StopText, UnknownCharacterError, check_text
 from .generate import generate
 from .sampling import check_sampling
 
@@ -37,8 +38,11 @@ __all__ = ["EOT", "Completion", "check_completion", "complete", "encode_prompt",
 
 
 def eot_id(tokenizer) -> int | None:
-    """The id of ``<|endoftext|>`` in ``tokenizer``, or ``None`` when it has none."""
-    return getattr(tokenizer, "special_tokens", {}).get(EOT)
+    """The id of ``<|endoftext|>`` in ``tokenizer``, else of the first other end-of-text token it
+    has (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`: Llama 2's ``</s>``, Llama 3's
+    ``<|end_of_text|>``, ...), or ``None`` when it has none."""
+    special = getattr(tokenizer, "special_tokens", {})
+    return next((special[t] for t in (EOT, *EOS_TOKENS) if t in special), None)
 
 
 def read_prompts(prompts: Sequence[str] = (), prompts_file=None) -> list[str]:
@@ -69,6 +73,10 @@ def read_prompts(prompts: Sequence[str] = (), prompts_file=None) -> list[str]:
 def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
     """Token ids of one prompt; an empty prompt starts from ``<|endoftext|>`` (GPT-2's convention).
 
+    A BPE tokenizer encodes it as ``tokenizers`` does with the file's post-processor
+    (``add_special_tokens=True``, transformers' default too): a Llama ``tokenizer.json`` puts its
+    ``<s>`` / ``<|begin_of_text|>`` first, GPT-2's and Qwen2's add nothing.
+
     ``what`` names the prompt in messages (``"prompt 2"``, ``"the --prompt"``).
 
     Raises:
@@ -77,7 +85,10 @@ def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
     """
     check_text(text, what)
     try:
-        ids = tokenizer.encode(text)                    # a char tokenizer raises on unknown chars
+        if isinstance(tokenizer, BPETokenizer):
+            ids = tokenizer.encode(text, add_special_tokens=True)
+        else:
+            ids = tokenizer.encode(text)                # a char tokenizer raises on unknown chars
     except UnknownCharacterError as exc:
         shown = ", ".join(f"{c!r}" for c in list(exc.unknown)[:10])
         raise ValueError(f"{what} has {len(exc.unknown)} character(s) this model's character vocabulary "

@@ -1,13 +1,15 @@
-"""Read and write Hugging Face GPT-2 model directories, without ``transformers``.
+"""Read and write Hugging Face model directories -- ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+``Qwen2ForCausalLM`` and ``MistralForCausalLM`` (no sliding window) -- without ``transformers``.
 
-A directory written by ``GPT2LMHeadModel.save_pretrained`` holds ``config.json``, the weights
+A directory written by ``save_pretrained`` holds ``config.json``, the weights
 (``model.safetensors``, a sharded ``model.safetensors.index.json``, or the older
 ``pytorch_model.bin``) and usually a tokenizer (``tokenizer.json``, or ``vocab.json`` +
 ``merges.txt``). Safetensors files are read with the ``safetensors`` library; a ``.bin`` file is
 a pickle that only PyTorch can read, so it needs ``torch`` installed.
 
-The config mapping is :mod:`.hf_config`, the tensor names and layouts :mod:`.hf_tensors`, the
-shared file plumbing :mod:`.files`; this module loads and saves whole directories, and its names
+The family is ``config.json``'s (:func:`~.hf_llama_config.hf_family`). The config mappings are
+:mod:`.hf_config` (GPT-2) and :mod:`.hf_llama_config` (Llama, Qwen2, Mistral), the tensor names
+and layouts :mod:`.hf_tensors` and :mod:`.hf_llama_tensors`, the shared file plumbing :mod:`.files`; this module loads and saves whole directories, and its names
 are the ones to import (``pedestrian.interop.hf.load_pretrained``, ``config_from_hf``, ...).
 """
 
@@ -21,8 +23,10 @@ from typing import Callable
 import numpy as np
 
 from .files import OutputExistsError, SafetensorsFile, json_writer, listing, torch_load, write_dir_atomically
-from .hf_config import (ACTIVATION_TO_HF, HF_TO_ACTIVATION, config_from_hf, config_to_hf, export_problems,
-                        read_hf_config)
+from . import hf_llama_config
+from .hf_config import ACTIVATION_TO_HF, HF_TO_ACTIVATION, config_to_hf, export_problems, read_hf_config
+from .hf_llama_config import config_from_hf, hf_family
+from .hf_llama_tensors import check_llama_shapes, llama_state_from_hf, llama_state_to_hf
 from .hf_tensors import check_hf_shapes, convert_from_hf, hf_tensor_shapes, state_from_hf, state_to_hf
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "save_pretrained",
     "config_from_hf",
     "config_to_hf",
+    "hf_family",
     "export_problems",
     "hf_tensor_shapes",
     "state_from_hf",
@@ -125,7 +130,9 @@ def _read_index(index: Path) -> tuple[list[str], dict[str, str]]:
 
 # ------------------------------------------------------------------------------------ loading
 def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
-    """A pedestrian :class:`~pedestrian.model.GPT` holding a Hugging Face GPT-2's weights.
+    """A pedestrian :class:`~pedestrian.model.GPT` holding a Hugging Face model's weights: a
+    ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``MistralForCausalLM``
+    (the family of ``config.json``, :func:`hf_family`).
 
     Args:
         hf_dir: directory with ``config.json`` and the weights (see :func:`open_hf_weights`).
@@ -133,23 +140,35 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
         backend: ``"numpy"`` or ``"torch"``.
 
     Returns:
-        the model; its logits equal ``GPT2LMHeadModel``'s (float32: within 1e-5).
+        the model; its logits equal those of the ``transformers`` class that wrote the folder
+        (float64: to rounding; float32: within a few ε of the logits' scale).
 
     Raises:
         FileNotFoundError: no directory, ``config.json`` or weights.
-        ValueError: not GPT-2, unsupported settings, tensors that do not match the config, or
-            weights that are NaN or ±inf (every problem listed; nothing is loaded).
+        ValueError: another model family, a setting pedestrian does not implement (one line naming
+            the field and its value), tensors that do not match the config, or weights that are
+            NaN or ±inf (every problem listed; nothing is loaded).
     """
     from ..model import GPT
 
-    config = config_from_hf(read_hf_config(hf_dir), source=str(Path(hf_dir) / "config.json"))
+    hf_config = read_hf_config(hf_dir)
+    source = str(Path(hf_dir) / "config.json")
+    config = config_from_hf(hf_config, source=source)
     weights = open_hf_weights(hf_dir)
-    canon = check_hf_shapes(weights.shapes, config, weights.source)
+    llama = hf_family(hf_config, source=source) != "gpt2"
+    if llama:
+        check_llama_shapes(weights.shapes, config, weights.source)
+        canon = {name: name for name in weights.shapes}
+    else:
+        canon = check_hf_shapes(weights.shapes, config, weights.source)
     bad = [f"{k} ({weights.dtypes[k]})" for k in canon if weights.dtypes[k] not in _FLOAT_CODES]
     if bad:
         raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
     tensors = {full: weights[name] for name, full in canon.items()}
-    state = convert_from_hf(tensors, config, weights.source)
+    if llama:
+        state = llama_state_from_hf(tensors, config, source=weights.source)
+    else:
+        state = convert_from_hf(tensors, config, weights.source)
     model = GPT(config, dtype=dtype, backend=backend)
     try:
         model.load_state_dict(state, strict=True)
@@ -159,14 +178,16 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 
 def load_hf_tokenizer(hf_dir):
-    """The tokenizer of a Hugging Face model directory (byte-level BPE, as GPT-2).
+    """The tokenizer of a Hugging Face model directory: a BPE ``tokenizer.json``, byte-level
+    (GPT-2, SmolLM2, Qwen2, Llama 3) or sentencepiece-style with byte fallback (Llama 2, Mistral),
+    read by ``tokenizers`` as it is (:class:`~pedestrian.text.tokenizer.BPETokenizer`).
 
     Looks for ``tokenizer.json``, then ``vocab.json`` + ``merges.txt``, then the
     ``pedestrian_tokenizer.json`` that :func:`save_pretrained` writes for a character tokenizer.
 
     Raises:
         FileNotFoundError: none of those files.
-        ValueError: a file ``tokenizers`` cannot read, or one that is not byte-level BPE.
+        ValueError: a file ``tokenizers`` cannot read, or one that is neither of those kinds.
     """
     from ..text.tokenizer import BPETokenizer, load_tokenizer
 
@@ -182,14 +203,15 @@ def load_hf_tokenizer(hf_dir):
 
 
 def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
-    """Load a Hugging Face GPT-2 directory: ``(GPT, tokenizer)``.
+    """Load a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory: ``(GPT, tokenizer)``.
 
     See :func:`load_hf_model` (weights and config) and :func:`load_hf_tokenizer`.
 
     Raises:
         FileNotFoundError: no directory, ``config.json``, weights or tokenizer files.
-        ValueError: not GPT-2, unsupported settings, mismatching tensors (all listed), or a
-            tokenizer with more ids than the model's ``vocab_size``.
+        ValueError: another family, a setting pedestrian does not implement (one line naming the
+            field), mismatching tensors (all listed), or a tokenizer with more ids than the
+            model's ``vocab_size``.
     """
     config = config_from_hf(read_hf_config(hf_dir), source=str(Path(hf_dir) / "config.json"))
     tokenizer = load_hf_tokenizer(hf_dir)          # cheap: fail before reading the weights
@@ -200,19 +222,37 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
 
 
 # ------------------------------------------------------------------------------------ saving
-def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Path], None]]:
-    """Files that describe ``tokenizer`` in a Hugging Face directory.
+def _eos_id(tokenizer) -> int | None:
+    from ..text.bpe_tokenizer import EOS_TOKENS
 
-    A :class:`~pedestrian.text.tokenizer.BPETokenizer` becomes ``tokenizer.json`` (plus
-    ``vocab.json``/``merges.txt`` and a ``tokenizer_config.json`` naming ``GPT2Tokenizer``); a
-    character tokenizer, which GPT-2 has no format for, becomes ``pedestrian_tokenizer.json``.
+    special = getattr(tokenizer, "special_tokens", {}) if tokenizer is not None else {}
+    return next((special[t] for t in EOS_TOKENS if t in special), None)
+
+
+def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> dict[str, Callable[[Path], None]]:
+    """Files that describe ``tokenizer`` in a Hugging Face directory of ``family``.
+
+    A :class:`~pedestrian.text.tokenizer.BPETokenizer` becomes ``tokenizer.json`` plus a
+    ``tokenizer_config.json`` (``GPT2Tokenizer`` with ``vocab.json``/``merges.txt`` for GPT-2,
+    ``PreTrainedTokenizerFast`` for a Llama-family folder: ``tokenizer.json`` alone describes it);
+    a character tokenizer, which neither has a format for, becomes ``pedestrian_tokenizer.json``.
     """
+    from ..text.bpe_tokenizer import EOS_TOKENS
     from ..text.tokenizer import BPETokenizer
 
     if tokenizer is None:
         return {}
     if not isinstance(tokenizer, BPETokenizer):
         return {"pedestrian_tokenizer.json": tokenizer.save}
+    special = tokenizer.special_tokens
+    eos = next((t for t in EOS_TOKENS if t in special), None)
+    if family != "gpt2":
+        bos = next((t for t in ("<s>", "<|begin_of_text|>") if t in special), None)
+        unk = "<unk>" if "<unk>" in special else None
+        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
+                      "eos_token": eos, "bos_token": bos, "unk_token": unk}
+        return {"tokenizer.json": lambda p: tokenizer.hf.save(str(p)),
+                "tokenizer_config.json": json_writer(tok_config)}
 
     def vocab_merges(name):
         def write(p: Path):                  # the model saves both files: keep the one asked for
@@ -223,7 +263,6 @@ def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Pat
                     f.unlink()
         return write
 
-    special = tokenizer.special_tokens
     eot = "<|endoftext|>" if "<|endoftext|>" in special else None
     tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": context_length,
                   "add_prefix_space": False, "bos_token": eot, "eos_token": eot, "unk_token": eot}
@@ -233,23 +272,29 @@ def tokenizer_writers(tokenizer, context_length: int) -> dict[str, Callable[[Pat
 
 
 def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) -> Path:
-    """Write ``model`` (and ``tokenizer``) as a Hugging Face GPT-2 directory.
+    """Write ``model`` (and ``tokenizer``) as a Hugging Face directory: a ``GPT2LMHeadModel``
+    for a GPT-2-shaped config (layer norms, the standard MLP, learned positions), else a
+    ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` with q, k, v biases only;
+    :func:`~.hf_llama_config.export_family`).
 
-    ``GPT2LMHeadModel.from_pretrained(out_dir)`` then gives the same logits, and
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits, and
     :func:`load_pretrained` gives back exactly the same parameters. Files: ``config.json``
-    (:func:`config_to_hf`), ``model.safetensors`` (the model's dtype; tied models without
-    ``lm_head.weight``, as ``transformers`` writes them) and the tokenizer files of
-    :func:`tokenizer_writers`. Writing is atomic (see :func:`write_dir_atomically`).
+    (:func:`config_to_hf` or :func:`~.hf_llama_config.config_to_hf`), ``model.safetensors``
+    (the model's dtype; tied models without ``lm_head.weight``, as ``transformers`` writes them)
+    and the tokenizer files of :func:`tokenizer_writers`. Writing is atomic (see
+    :func:`write_dir_atomically`).
 
     Args:
         model: a :class:`~pedestrian.model.GPT` without LoRA adapters.
-        tokenizer: optional; its ``<|endoftext|>`` id becomes ``bos/eos_token_id``.
+        tokenizer: optional; its end-of-text id (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`)
+            becomes ``eos_token_id`` (and GPT-2's ``bos_token_id``).
         overwrite: replace the files in an existing non-empty directory.
 
     Raises:
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
-            :func:`pedestrian.interop.peft.save_peft_adapter`), a config GPT-2 cannot express,
-            a tokenizer with more ids than ``vocab_size``, or an output problem.
+            :func:`pedestrian.interop.peft.save_peft_adapter`), a config neither GPT-2 nor a
+            Llama-family model can express, a tokenizer with more ids than ``vocab_size``, or an
+            output problem.
         WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
             permission, read-only); ``out_dir`` is left as it was.
     """
@@ -259,17 +304,21 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         raise ValueError("the model has LoRA adapters; merge them first (model.merge_lora()) or write "
                          "them separately as a PEFT adapter (pedestrian.interop.peft.save_peft_adapter)")
     config = model.config
-    eos = None
-    if tokenizer is not None:
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
-                             f"is {config.vocab_size}")
-        eos = getattr(tokenizer, "special_tokens", {}).get("<|endoftext|>")
-    hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
-    tensors = state_to_hf(model.state_dict(), config)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
+                         f"is {config.vocab_size}")
+    eos = _eos_id(tokenizer)
+    family = "gpt2" if config.norm == "layernorm" and config.mlp == "standard" else \
+        hf_llama_config.export_family(config)
+    if family == "gpt2":
+        hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
+        tensors = state_to_hf(model.state_dict(), config)
+    else:
+        hf_config = hf_llama_config.config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
+        tensors = llama_state_to_hf(model.state_dict(), config)
     writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
-               **tokenizer_writers(tokenizer, config.context_length)}
+               **tokenizer_writers(tokenizer, config.context_length, family)}
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)
 
 

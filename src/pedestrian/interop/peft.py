@@ -14,6 +14,17 @@ Modules (HF GPT-2 -> pedestrian FC layer)::
     transformer.h.{i}.mlp.c_proj   -> blocks.{i}.mlp_contract
     lm_head                        -> logits
 
+Modules (HF Llama / Qwen2 / Mistral -> pedestrian FC layer; one module per layer, ``nn.Linear``)::
+
+    model.layers.{i}.self_attn.q_proj / k_proj / v_proj  -> blocks.{i}.attn.q / .k / .v
+    model.layers.{i}.self_attn.o_proj                    -> blocks.{i}.attn_proj
+    model.layers.{i}.mlp.gate_proj / up_proj / down_proj -> blocks.{i}.mlp_gate / mlp_expand / mlp_contract
+    lm_head                                              -> logits
+
+(with grouped-query attention the k and v adapters have ``n_kv_heads · head_dim`` output
+columns, as the modules). The family is the base config's: GPT-2 when it is expressible as
+one (:func:`~.hf_config.export_problems`), else the Llama family.
+
 GPT-2 fuses q, k, v in one ``c_attn`` module, so a PEFT adapter on it is shared:
 
 - import: ``D_q = D_k = D_v = Aᵀ`` and ``U_q, U_k, U_v`` are the column blocks of ``Bᵀ`` (exact);
@@ -52,6 +63,7 @@ from ..config import GPTConfig, fc_layers
 from ..model.inputs import check_finite_state
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
+from .hf_llama_config import export_family
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
            "lora_state_to_peft", "peft_module", "peft_scaling"]
@@ -63,6 +75,16 @@ _META_KEY = "pedestrian_lora"
 _MODULE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$")
 _HF_TO_FC = {"attn.c_proj": "attn_proj", "mlp.c_fc": "mlp_expand", "mlp.c_proj": "mlp_contract"}
 _FC_TO_HF = {v: k for k, v in _HF_TO_FC.items()}
+_LLAMA_MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$")
+_LLAMA_TO_FC = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
+                "self_attn.o_proj": "attn_proj", "mlp.gate_proj": "mlp_gate", "mlp.up_proj": "mlp_expand",
+                "mlp.down_proj": "mlp_contract"}
+_FC_TO_LLAMA = {v: k for k, v in _LLAMA_TO_FC.items()}
+
+
+def _is_gpt2(config: GPTConfig) -> bool:
+    """Whether PEFT names ``config``'s modules as GPT-2's (else as Llama's)."""
+    return config.norm == "layernorm" and config.mlp == "standard"
 _LAYOUT_VERSIONS = (1, 2)      # 1: one rank and one alpha for all adapters; 2: per layer
 
 
@@ -91,15 +113,18 @@ _UNSUPPORTED = {  # adapter_config.json option -> value pedestrian needs
 }
 
 
-def peft_module(fc: str) -> tuple[str, str | None]:
+def peft_module(fc: str, config: GPTConfig | None = None) -> tuple[str, str | None]:
     """pedestrian FC layer -> ``(PEFT module name, part of c_attn or None)``.
 
-    ``"blocks.0.attn.k"`` -> ``("transformer.h.0.attn.c_attn", "k")``,
-    ``"logits"`` -> ``("lm_head", None)``.
+    GPT-2 (``config`` None or GPT-2-shaped): ``"blocks.0.attn.k"`` ->
+    ``("transformer.h.0.attn.c_attn", "k")``; Llama family: ``"blocks.0.attn.k"`` ->
+    ``("model.layers.0.self_attn.k_proj", None)``; ``"logits"`` -> ``("lm_head", None)``.
     """
     if fc == "logits":
         return "lm_head", None
     _, i, rest = fc.split(".", 2)
+    if config is not None and not _is_gpt2(config):
+        return f"model.layers.{i}.{_FC_TO_LLAMA[rest]}", None
     if rest.startswith("attn."):
         return f"transformer.h.{i}.attn.c_attn", rest[len("attn."):]
     return f"transformer.h.{i}.{_FC_TO_HF[rest]}", None
@@ -157,7 +182,7 @@ def _base_weight_np(model, name: str) -> np.ndarray | None:
         w = model.params["tok_emb.weight"] if model.config.tie_weights else model.params["logits.weight"]
         w = np.asarray(to_numpy(w))
         return w if model.config.tie_weights else w.T
-    if name in ("transformer.wte.weight", "wte.weight"):
+    if name in ("transformer.wte.weight", "wte.weight", "model.embed_tokens.weight"):
         return np.asarray(to_numpy(model.params["tok_emb.weight"]))
     return None
 
@@ -208,7 +233,8 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
             modules.setdefault(m.group(1), {})[m.group(2)] = np.asarray(value)
             continue
         base = _base_weight_np(model, name) if model is not None else None
-        if base is not None or name in ("lm_head.base_layer.weight", "transformer.wte.weight"):
+        if base is not None or name in ("lm_head.base_layer.weight", "transformer.wte.weight",
+                                        "model.embed_tokens.weight"):
             if base is not None:
                 v = np.asarray(value, dtype=np.float64)
                 if v.shape != base.shape or not np.allclose(v, base, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(base).max())):
@@ -231,7 +257,10 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
         if targets is None:
             problems.append(f"{module} is not a module of this base (a GPT-2 with {config.n_blocks} "
                             "blocks has transformer.h.{i}.attn.c_attn / attn.c_proj / mlp.c_fc / "
-                            "mlp.c_proj and lm_head)")
+                            "mlp.c_proj and lm_head)" if _is_gpt2(config) else
+                            f"{module} is not a module of this base (a Llama with {config.n_blocks} blocks "
+                            "has model.layers.{i}.self_attn.q_proj / k_proj / v_proj / o_proj, "
+                            "mlp.gate_proj / up_proj / down_proj and lm_head)")
             continue
         f_in = shapes[targets[0]][0]
         f_out = sum(shapes[t][1] for t in targets)
@@ -335,6 +364,11 @@ def _is_block_diagonal(B: np.ndarray, parts, cols) -> bool:
 def _fc_of_module(module: str, config: GPTConfig) -> list[str] | None:
     if module in ("lm_head",):
         return ["logits"]
+    if not _is_gpt2(config):
+        m = _LLAMA_MODULE.match(module)
+        if m is None or int(m.group(1)) >= config.n_blocks:
+            return None
+        return [f"blocks.{m.group(1)}.{_LLAMA_TO_FC[m.group(2)]}"]
     m = _MODULE.match(module)
     if m is None or int(m.group(1)) >= config.n_blocks:
         return None
@@ -387,15 +421,22 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     ``c_attn``: see the module docstring. ``lora_dropout`` = :attr:`GPT.lora_dropout`.
 
     Raises:
-        ValueError: the model has no adapters, or its base is not a Hugging Face GPT-2
-            (:func:`pedestrian.interop.hf_config.export_problems`).
+        ValueError: the model has no adapters, or its base is neither a Hugging Face GPT-2
+            (:func:`pedestrian.interop.hf_config.export_problems`) nor a Llama-family model
+            (:func:`pedestrian.interop.hf_llama_config.export_family`).
     """
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
-    problems = export_problems(model.config)
-    if problems:
-        raise ValueError("PEFT adapters apply to a Hugging Face GPT-2, and this base is not one: "
-                         + "; ".join(problems))
+    if _is_gpt2(model.config):
+        problems = export_problems(model.config)
+        if problems:
+            raise ValueError("PEFT adapters apply to a Hugging Face model, and this base is not a GPT-2: "
+                             + "; ".join(problems))
+    else:
+        try:
+            export_family(model.config)
+        except ValueError as exc:
+            raise ValueError(f"PEFT adapters apply to a Hugging Face model: {exc}") from None
     r, alpha = int(model.lora_rank), float(model.lora_alpha)
     ranks = {fc: int(v) for fc, v in model.lora_ranks.items()}
     alphas = {fc: float(v) for fc, v in model.lora_alphas.items()}
@@ -404,7 +445,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
     grouped: dict[str, list[tuple[str, str | None]]] = {}
     for fc in model.lora_targets:
-        module, part = peft_module(fc)
+        module, part = peft_module(fc, model.config)
         grouped.setdefault(module, []).append((fc, part))
     tensors, rank_pattern, alpha_pattern, parts_of = {}, {}, {}, {}
     for module, members in grouped.items():
@@ -428,7 +469,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
             alpha_pattern[module] = scaling * R
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(A)
         tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(B)
-    conv1d = any(m != "lm_head" for m in grouped)
+    conv1d = _is_gpt2(model.config) and any(m != "lm_head" for m in grouped)   # GPT-2's Conv1D
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,

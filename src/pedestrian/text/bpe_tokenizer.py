@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -57,27 +58,51 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
-def _require_byte_level(tok: _HFTokenizer, source: str) -> None:
+#: end-of-text tokens by family, in the order looked for: GPT-2 / SmolLM2 / Qwen2, Llama 2 and
+#: Mistral, Llama 3, chat ends (``<|im_end|>``)
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>")
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _byte_scheme(tok: _HFTokenizer, source: str) -> str:
+    """``"byte_level"`` (GPT-2, SmolLM2, Qwen2, Llama 3: a ``ByteLevel`` decoder) or
+    ``"metaspace"`` (Llama 2, TinyLlama, Mistral: sentencepiece's ``▁`` for a space and
+    ``<0xHH>`` byte-fallback tokens, a decoder with ``ByteFallback``); BPE models only.
+
+    Raises:
+        ValueError: another model or decoder (the message names it).
+    """
     cfg = json.loads(tok.to_str())
     dec = cfg.get("decoder") or {}
     types = {dec.get("type")} | {d.get("type") for d in dec.get("decoders", []) or []}
-    if "ByteLevel" not in types:
-        raise ValueError(
-            f"{source} is not a byte-level BPE tokenizer (its decoder is "
-            f"{dec.get('type')!r}, expected 'ByteLevel' as in GPT-2). BPETokenizer supports "
-            "only byte-level BPE; train one with BPETokenizer.train."
-        )
     model = (cfg.get("model") or {}).get("type")
     if model != "BPE":
         raise ValueError(
-            f"{source} uses a {model!r} model; BPETokenizer supports only byte-level BPE "
-            "(model type 'BPE')."
+            f"{source} uses a {model!r} model; BPETokenizer supports only BPE (model type 'BPE': "
+            "byte-level as GPT-2, or sentencepiece-style with byte fallback as Llama 2)."
         )
+    if "ByteLevel" in types:
+        return "byte_level"
+    if "ByteFallback" in types and ({"Metaspace", "Replace"} & types):
+        return "metaspace"
+    raise ValueError(
+        f"{source} is neither a byte-level BPE tokenizer (its decoder is {dec.get('type')!r}, expected "
+        "'ByteLevel' as in GPT-2) nor a sentencepiece-style one (a decoder with 'ByteFallback' and "
+        "'Replace' or 'Metaspace', as in Llama 2). BPETokenizer supports only those two; train one "
+        "with BPETokenizer.train."
+    )
+
+
+def _require_byte_level(tok: _HFTokenizer, source: str) -> None:
+    _byte_scheme(tok, source)
 
 
 class BPETokenizer(SavesJSON):
     """Byte-level BPE tokenizer (as GPT-2), a thin wrapper around a Hugging Face
-    ``tokenizers.Tokenizer`` with a ``ByteLevel`` pre-tokenizer and decoder.
+    ``tokenizers.Tokenizer`` with a ``ByteLevel`` pre-tokenizer and decoder; or a
+    sentencepiece-style BPE ``tokenizer.json`` with byte fallback (Llama 2, TinyLlama, Mistral),
+    read as it is (:attr:`scheme` says which: ``"byte_level"`` or ``"metaspace"``).
 
     :meth:`save` writes pedestrian's tokenizer file; ``self.hf.save(path)`` writes a plain Hugging
     Face ``tokenizer.json`` instead (:meth:`load` reads both).
@@ -102,7 +127,7 @@ class BPETokenizer(SavesJSON):
                 f"BPETokenizer wraps a tokenizers.Tokenizer, got {type(tokenizer).__name__}; use "
                 "BPETokenizer.train / from_file / from_vocab_merges / load to build one."
             )
-        _require_byte_level(tokenizer, "the tokenizer")
+        self.scheme = _byte_scheme(tokenizer, "the tokenizer")
         ids = set(tokenizer.get_vocab(with_added_tokens=True).values())
         n = tokenizer.get_vocab_size(with_added_tokens=True)
         if ids != set(range(n)):
@@ -273,9 +298,14 @@ class BPETokenizer(SavesJSON):
         """Number of ids, special tokens included."""
         return self.hf.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Encode text to ids (``list[int]``, each in ``[0, vocab_size)``). Never fails on
-        unseen characters: byte-level BPE falls back to byte tokens.
+        unseen characters: byte-level BPE falls back to byte tokens (a sentencepiece-style
+        file to its ``<0xHH>`` tokens, or its unknown token if it has none).
+
+        ``add_special_tokens``: run the file's post-processor as ``tokenizers`` does (a Llama
+        ``tokenizer.json`` puts ``<s>`` / ``<|begin_of_text|>`` in front, GPT-2's adds
+        nothing); prompts are encoded so, corpus text without (``False``, the default).
 
         Raises:
             TypeError: ``text`` is not a ``str``.
@@ -285,7 +315,7 @@ class BPETokenizer(SavesJSON):
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         try:
-            return self.hf.encode(text, add_special_tokens=False).ids
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:                    # tokenizers' only word for a lone surrogate
             check_text(text)
             raise
@@ -329,7 +359,9 @@ class BPETokenizer(SavesJSON):
 
         Mirrors the ``ByteLevel`` decoder: each character of the token string is mapped back
         through :func:`bytes_to_unicode`; characters outside that table (e.g. in a special
-        token) contribute their UTF-8 encoding.
+        token) contribute their UTF-8 encoding. A sentencepiece-style file: ``▁`` is a space and
+        ``<0xHH>`` the byte ``HH``, the rest its UTF-8 (the decoder's ``Strip`` of the text's one
+        leading space is not applied: a stream of tokens keeps it).
 
         Raises:
             ValueError: ``token_id`` outside ``[0, vocab_size)``.
@@ -341,6 +373,10 @@ class BPETokenizer(SavesJSON):
         s = self.hf.id_to_token(i)
         if s is None:
             raise ValueError(f"token id {i} has no token in this vocabulary (a gap in the ids).")
+        if self.scheme == "metaspace":          # "▁" is a space, <0xHH> one byte (sentencepiece)
+            m = _BYTE_TOKEN.match(s)
+            self._bytes_cache[i] = bytes([int(m.group(1), 16)]) if m else s.replace("\u2581", " ").encode("utf-8")
+            return self._bytes_cache[i]
         table = _unicode_to_bytes()
         out = bytearray()
         for c in s:

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a Hugging Face GPT-2 on a text file (paper section 6).
+"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral model on a text file (paper section 6).
 
 The base weights are frozen (``model.add_lora(..., freeze_base=True)``: their gradients are
 never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the loop
@@ -60,7 +60,7 @@ class FinetuneSettings:
     (the same loop runs both, :mod:`pedestrian.training.loop`).
     """
 
-    hf_dir: str = setting(help="the base: a Hugging Face GPT-2 directory with its tokenizer", kind=str,
+    hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory with its tokenizer", kind=str,
                           metavar="DIR", required=True)
     data: str = setting(help="UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer",
                         kind=str, metavar="PATH", required=True)
@@ -68,7 +68,8 @@ class FinetuneSettings:
     lora_alpha: float = setting(1.0, "the paper's scalar alpha: the adapter adds alpha * x D U (PEFT's "
                                 "lora_alpha / r)", rule=NON_ZERO, metavar="ALPHA", group=_LORA)
     lora_targets: list = setting(list(DEFAULT_TARGETS), f"layers that get adapters: {' '.join(LORA_LAYER_KINDS)}, "
-                                 "all, or full names like blocks.0.attn.q", metavar="KIND", group=_LORA)
+                                 "their Llama names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj "
+                                 "lm_head), all, or full names like blocks.0.attn.q", metavar="KIND", group=_LORA)
     lora_dropout: float = setting(0.0, "dropout on the adapters' input while training (PEFT's "
                                   "lora_dropout)", rule=PROBABILITY, metavar="P",
                                   group=_LORA)
@@ -214,7 +215,7 @@ def adapter_base(adapter_dir) -> dict:
 
 
 def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backend: str = "numpy"):
-    """A fine-tuned model: the base GPT-2 with the adapters of an adapter-only checkpoint.
+    """A fine-tuned model: the base model with the adapters of an adapter-only checkpoint.
 
     Args:
         adapter_dir: the checkpoint (``RUN/adapter``, or the run folder ``RUN``).
@@ -240,7 +241,7 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
         raise ValueError(f"{folder} does not record its base model directory; pass --hf-dir BASE_DIR")
     if hf_dir is None and not (Path(base_dir) / "config.json").is_file():
         raise FileNotFoundError(f"the base model of the adapters in {folder}, {base_dir}, is gone; "
-                                "pass --hf-dir BASE_DIR (the Hugging Face GPT-2 directory they were "
+                                "pass --hf-dir BASE_DIR (the Hugging Face directory they were "
                                 "trained on)")
     if recorded.get("sha256"):
         now = base_fingerprint(base_dir)
@@ -273,7 +274,7 @@ def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backen
                adapters: bool | None = None) -> LoadedModel:
     """The model a command samples, evaluates or exports: a ``pedestrian train`` checkpoint (or
     run folder), a ``pedestrian finetune`` run (its base plus the adapters, :func:`load_finetuned`;
-    ``hf_dir`` overrides the recorded base), or a Hugging Face GPT-2 directory ``hf_dir`` alone.
+    ``hf_dir`` overrides the recorded base), or a Hugging Face directory ``hf_dir`` alone.
 
     Args:
         dtype: default: the checkpoint's, float32 for a Hugging Face directory.
@@ -290,7 +291,7 @@ def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backen
     if checkpoint is None:
         if hf_dir is None:
             raise ValueError("pass --checkpoint CKPT (a train or finetune run) or --hf-dir DIR (a Hugging Face "
-                             "GPT-2 directory)")
+                             "GPT-2, Llama, Qwen2 or Mistral directory)")
         model, tokenizer = load_pretrained(hf_dir, dtype=dtype or "float32", backend=backend)
         return LoadedModel(model, tokenizer, base=str(hf_dir))
     adapter = checkpoint if adapters else adapter_checkpoint_dir(checkpoint)
