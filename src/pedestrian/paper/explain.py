@@ -12,6 +12,12 @@ cos, sin and each summed element of a reduction counted once; comparisons, gathe
 count 0. One block's rows are given once (every block is the same); totals count them
 n_blocks times. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
 int64); totals add the parameters, their gradients and the two AdamW moments.
+
+Llama-style configs (docs/EQUATIONS.md, "The same chain, Llama-style") get their own rows: RMS
+norms (``RMS1``, ``RMS2``, ``RMS_final``: weight only), the SwiGLU MLP's ``a7_gate``, ``a7_up``
+and ``a8 = silu(a7_gate) ∘ a7_up`` in place of ``a7``, ``a8``, and grouped-query attention's
+narrower fused ``qkv`` (``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` columns); their elementwise
+costs (:data:`LLAMA_ELEMENTWISE`) are printed only for a config that uses them.
 """
 
 from __future__ import annotations

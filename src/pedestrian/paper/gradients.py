@@ -13,6 +13,9 @@ Each is checked one of two ways:
   (``tests/oracles/torch_reference.py``, a source checkout only: the library runs no autograd);
   a line passes when ``max|ours - autograd| <= AUTOGRAD_RTOL · max|autograd|``.
 
+A SwiGLU model (``config.mlp == "swiglu"``) has ``Δ7_up``, ``∂L/∂W_up``, ``Δ7_gate``, ``∂L/∂W_gate``
+in place of ``Δ7``, ``∂L/∂W_expand`` (and ``W_down`` for ``W_contract``; :data:`SWIGLU_SYMBOLS`).
+
 The key bias's gradient is identically zero (paper section 3: every row of Δcausal sums to 0):
 its line passes when it is rounding noise, at most ``KEY_BIAS_RATIO`` of the query bias's.
 """
