@@ -94,3 +94,49 @@ def test_checkpoint_source(tmp_path, capsys):
     assert cli_main(["explain", "--checkpoint", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     assert "float64, positions: rope" in out and "B=1 T=3" in out
+
+
+LLAMA_TINY = dict(vocab_size=5, context_length=3, d_model=4, n_heads=2, n_kv_heads=1, n_blocks=1, d_mlp=6,
+                  norm="rmsnorm", mlp="swiglu", position_encoding="rope", bias=False, tie_weights=True)
+
+
+def test_llama_totals_match_a_hand_count():
+    """Llama-style, counted by hand (d=4, H=2, H_kv=1, d_qk=d_h=2, m=6, V=5, N=6, no biases):
+
+    matrix products, forward: qkv 2·6·4·(2·2 + 1·(2+2)) = 384, q kᵀ per query head
+    2·2·2·3·3·2 = 144, P v 144, projection 2·6·4·4 = 192, gate, up, down 2·6·4·6 = 288 each,
+    logits 240 -> 1,968; backward two products each -> 3,936.
+    elementwise, forward: three RMS norms (4 per element, 4 per row) 3·(6·4·4 + 6·4) = 360; RoPE
+    on 6·(2 + 1)·2 = 36 q and k elements at 3 each = 108; scores 216; adds 48; SwiGLU 6·36 = 216;
+    cross-entropy 270 -> 1,218. backward: embedding 24; RMS norms 3·6·4·8 = 576; RoPE 108;
+    softmax 180; adds 48; SwiGLU 15·36 = 540; cross-entropy 90 -> 1,566.
+    """
+    config = GPTConfig(**LLAMA_TINY)
+    rows = explain_rows(config, B, T)
+    tot = totals(config, rows, B, T)
+    assert matmul_flops(config, B, T) == tot["matmul_step"] == 3 * 1968
+    assert tot["fwd"] == 1968 + 1218
+    assert tot["bwd"] == 3936 + 1566
+    # parameters: tok 20, ln1 4, q 4·4 = 16, k, v 4·2 = 8 each, proj 16, ln2 4, gate, up, down 24 each, ln_f 4
+    assert tot["n_params"] == 152
+    assert [r.name for r in rows] == ["a0", "a1", "a2", "qkv", "rope", "P", "a3", "a4", "a5", "a6",
+                                      "a7_gate", "a7_up", "a8", "a9", "a10", "a11", "a12", "loss"]
+    row = {r.name: r for r in rows}
+    assert row["qkv"].shape == (B, T, 8) and row["rope"].memory == 6 * 8 * 4      # k, v: one head
+    assert row["a7_gate"].memory == row["a7_up"].memory == row["a8"].memory == 6 * 6 * 4
+    assert row["a8"].forward == "silu(a7_gate) ∘ a7_up" and row["a2"].forward == "RMS1(x)"
+
+
+def test_explain_llama_presets(capsys):
+    assert cli_main(["explain", "--preset", "llama-char"]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out and "H=4 H_kv=2" in out
+    for name in ("a7_gate", "a7_up", "a8", "a9"):
+        assert f"\n{name} " in out
+    assert "\na7 " not in out
+    assert "(1, 64, 256)" in out                   # qkv: 4·32 + 2·(32 + 32) columns
+    assert "silu(a7_gate) ∘ a7_up" in out and "RMS1(x)" in out and "Llama layers: swiglu" in out
+    assert cli_main(["explain", "--preset", "smollm2-135m", "--seq-len", "512"]) == 0
+    assert "6 × 134,515,008 parameters × 512 tokens" in capsys.readouterr().out
+    assert cli_main(["explain", "--preset", "char-small", "--arch", "llama"]) == 0
+    assert "a7_gate" in capsys.readouterr().out

@@ -46,6 +46,15 @@ Conventions resolved here (see the summary at the bottom of this docstring):
 * ``reference_forward(..., positions=, key_start=)``: positions other than ``0 … T-1``, and a
   sliding window (query ``α`` sees keys ``key_start[α] <= β <= α``). Without learned positions a
   sequence may be longer than ``context_length``.
+* The Llama family (EQUATIONS.md "The same chain, Llama-style"), each a cfg key: ``norm``
+  ``"rmsnorm"`` (``x / sqrt(mean x² + eps) ∘ w``, a weight and never a bias); ``mlp`` ``"swiglu"``
+  (``a7_gate = a6 W_gate``, ``a7_up = a6 W_up`` (the ``mlp_expand`` parameters), ``a8 =
+  silu(a7_gate) ∘ a7_up``, ``a9 = a8 W_down`` (``mlp_contract``); parameter
+  ``blocks.{i}.mlp_gate.weight (d, d_mlp)``, activations ``a7_gate``, ``a7_up`` in place of ``a7``);
+  ``n_kv_heads`` (grouped-query attention: k, v have ``n_kv_heads`` heads, query head ``h`` reads
+  head ``h // (n_heads / n_kv_heads)``; ``None``: ``n_heads``); ``rope_scaling`` (``None`` or
+  Hugging Face's ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+  "original_max_position_embeddings"}``, transformers' ``_compute_llama3_parameters``).
 """
 
 from __future__ import annotations
@@ -104,6 +113,10 @@ def default_cfg(**overrides: Any) -> dict:
         position_encoding="learned",
         rope_base=10000.0,
         rope_fraction=1.0,
+        norm="layernorm",
+        mlp="standard",
+        n_kv_heads=None,
+        rope_scaling=None,
     )
     unknown = set(overrides) - set(cfg)
     if unknown:
@@ -121,14 +134,24 @@ def derived_dims(cfg: dict) -> dict:
     d_head = d // h if d_head is None else int(d_head)
     d_qk = d // h if d_qk is None else int(d_qk)
     d_mlp = int(round(float(cfg["mlp_ratio"]) * d)) if cfg.get("d_mlp") is None else int(cfg["d_mlp"])
-    return dict(d_model=d, n_heads=h, d_head=d_head, d_qk=d_qk, d_mlp=d_mlp,
+    n_kv = h if cfg.get("n_kv_heads") is None else int(cfg["n_kv_heads"])
+    if h % n_kv:
+        raise ValueError(f"n_kv_heads={n_kv} does not divide n_heads={h}")
+    return dict(d_model=d, n_heads=h, n_kv_heads=n_kv, d_head=d_head, d_qk=d_qk, d_mlp=d_mlp,
                 vocab_size=int(cfg["vocab_size"]), context_length=int(cfg["context_length"]),
                 n_blocks=int(cfg["n_blocks"]))
 
 
+def _block_suffixes(cfg: dict) -> tuple:
+    """The FC layers of one block (SwiGLU: ``mlp_gate`` too), in forward order."""
+    if cfg.get("mlp", "standard") == "swiglu":
+        return ("attn.q", "attn.k", "attn.v", "attn_proj", "mlp_gate", "mlp_expand", "mlp_contract")
+    return FC_SUFFIXES_PER_BLOCK
+
+
 def fc_layer_names(cfg: dict) -> list[str]:
     """Every FC layer that may carry a LoRA adapter, in forward order."""
-    names = [f"blocks.{i}.{s}" for i in range(int(cfg["n_blocks"])) for s in FC_SUFFIXES_PER_BLOCK]
+    names = [f"blocks.{i}.{s}" for i in range(int(cfg["n_blocks"])) for s in _block_suffixes(cfg)]
     names.append("logits")
     return names
 
@@ -136,15 +159,16 @@ def fc_layer_names(cfg: dict) -> list[str]:
 def fc_layer_shape(cfg: dict, name: str) -> tuple[int, int]:
     """(f_in, f_out) of the FC layer ``name`` (for tied logits: that of ``tok_emb.weight.T``)."""
     dd = derived_dims(cfg)
-    d, h = dd["d_model"], dd["n_heads"]
+    d, h, kv = dd["d_model"], dd["n_heads"], dd["n_kv_heads"]
     if name == "logits":
         return (d, dd["vocab_size"])
     suffix = name.split(".", 2)[2] if name.startswith("blocks.") else None
     table = {
         "attn.q": (d, h * dd["d_qk"]),
-        "attn.k": (d, h * dd["d_qk"]),
-        "attn.v": (d, h * dd["d_head"]),
+        "attn.k": (d, kv * dd["d_qk"]),
+        "attn.v": (d, kv * dd["d_head"]),
         "attn_proj": (h * dd["d_head"], d),
+        "mlp_gate": (d, dd["d_mlp"]),
         "mlp_expand": (d, dd["d_mlp"]),
         "mlp_contract": (dd["d_mlp"], d),
     }
@@ -161,10 +185,10 @@ def expand_lora_targets(cfg: dict, targets: Iterable[str]) -> list[str]:
     for t in targets:
         if t in valid:
             full = [t]
-        elif t in FC_SUFFIXES_PER_BLOCK:
+        elif t in _block_suffixes(cfg):
             full = [f"blocks.{i}.{t}" for i in range(int(cfg["n_blocks"]))]
         else:
-            raise KeyError(f"unknown LoRA target {t!r}; valid: {valid} or {list(FC_SUFFIXES_PER_BLOCK)}")
+            raise KeyError(f"unknown LoRA target {t!r}; valid: {valid} or {list(_block_suffixes(cfg))}")
         for f in full:
             if f not in out:
                 out.append(f)
@@ -183,7 +207,7 @@ def param_shapes(cfg: dict, lora: dict | None = None) -> dict[str, tuple[int, ..
 
     def ln(name: str) -> None:
         shapes[f"{name}.weight"] = (d,)
-        if bias:
+        if bias and cfg.get("norm", "layernorm") != "rmsnorm":
             shapes[f"{name}.bias"] = (d,)
 
     def fc(name: str) -> None:
@@ -200,6 +224,8 @@ def param_shapes(cfg: dict, lora: dict | None = None) -> dict[str, tuple[int, ..
         fc(f"{p}.attn.v")
         fc(f"{p}.attn_proj")
         ln(f"{p}.ln2")
+        if cfg.get("mlp", "standard") == "swiglu":
+            fc(f"{p}.mlp_gate")
         fc(f"{p}.mlp_expand")
         fc(f"{p}.mlp_contract")
     ln("ln_final")
@@ -281,7 +307,11 @@ def random_params(cfg: dict, seed: int = 0, dtype=np.float64, lora: dict | None 
 def activation_names(cfg: dict) -> list[str]:
     names = ["a1"]
     for i in range(int(cfg["n_blocks"])):
-        names += [f"blocks.{i}.a{j}" for j in range(2, 11)]
+        for j in range(2, 11):
+            if j == 7 and cfg.get("mlp", "standard") == "swiglu":
+                names += [f"blocks.{i}.a7_gate", f"blocks.{i}.a7_up"]
+            else:
+                names.append(f"blocks.{i}.a{j}")
     return names + ["a11", "a12"]
 
 
@@ -310,6 +340,16 @@ def _layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: f
     return y if b is None else y + b
 
 
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w
+
+
+def _norm(cfg: dict, params: dict, name: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+    if cfg.get("norm", "layernorm") == "rmsnorm":
+        return _rms_norm(x, params[f"{name}.weight"], eps)
+    return _layer_norm(x, params[f"{name}.weight"], params.get(f"{name}.bias"), eps)
+
+
 def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "relu":
         return torch.clamp(x, min=0)
@@ -318,6 +358,8 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "gelu_tanh":
         u = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)
         return 0.5 * x * (1.0 + torch.tanh(u))
+    if kind == "silu":
+        return x * torch.sigmoid(x)
     raise ValueError(f"unknown activation {kind!r}")
 
 
@@ -350,14 +392,31 @@ def _as_long(tokens: Any) -> torch.Tensor:
     return t
 
 
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's frequency table (transformers' ``_compute_llama3_parameters``)."""
+    kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r}: only 'llama3' here")
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    L = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > L / low, inv_freq / factor, inv_freq)
+    smooth = (L / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < L / high) & ~(wavelen > L / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def _rope(x: torch.Tensor, n_heads: int, d_qk: int, pos: torch.Tensor, base: float,
-          fraction: float) -> torch.Tensor:
+          fraction: float, scaling: dict | None = None) -> torch.Tensor:
     """RoPE as complex multiplication on every head of ``x`` ``(B, T, n_heads·d_qk)``."""
     r = (int(fraction * d_qk) // 2) * 2
     half = r // 2
     B, T, _ = x.shape
     xh = x.reshape(B, T, n_heads, d_qk)
     inv_freq = 1.0 / (base ** (torch.arange(0, r, 2, dtype=torch.float64) / r))   # θ_j
+    if scaling is not None:
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
     angle = pos.to(torch.float64)[:, None] * inv_freq[None, :]                    # (T, r/2)
     turn = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]           # e^{i t θ_j}
     z = torch.complex(xh[..., :half].to(torch.float64), xh[..., half:r].to(torch.float64)) * turn
@@ -392,7 +451,9 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
         raise ValueError(f"sequence length {T} exceeds context_length {dd['context_length']}")
     if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= dd["vocab_size"]):
         raise ValueError("token id out of range [0, vocab_size)")
-    H, dqk, dh = dd["n_heads"], dd["d_qk"], dd["d_head"]
+    H, dqk, dh, Hkv = dd["n_heads"], dd["d_qk"], dd["d_head"], dd["n_kv_heads"]
+    group = H // Hkv                                  # query head h reads key/value head h // group
+    scaling = cfg.get("rope_scaling")
     eps = float(cfg["ln_eps"])
     alpha = dict(lora_alpha) if isinstance(lora_alpha, dict) else float(lora_alpha)
     masks = dict(lora_masks or {})
@@ -421,17 +482,18 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
     x = a1
     for i in range(dd["n_blocks"]):
         p = f"blocks.{i}"
-        a2 = keep(f"{p}.a2", _layer_norm(x, params[f"{p}.ln1.weight"], params.get(f"{p}.ln1.bias"), eps))
+        a2 = keep(f"{p}.a2", _norm(cfg, params, f"{p}.ln1", x, eps))
         q = _fc(params, f"{p}.attn.q", a2, alpha, masks)
         k = _fc(params, f"{p}.attn.k", a2, alpha, masks)
         v = _fc(params, f"{p}.attn.v", a2, alpha, masks)
         if encoding == "rope":
-            q = _rope(q, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]))
-            k = _rope(k, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]))
+            q = _rope(q, H, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]), scaling)
+            k = _rope(k, Hkv, dqk, pos, float(cfg["rope_base"]), float(cfg["rope_fraction"]), scaling)
         scores = []
         for h in range(H):
             qh = q[..., h * dqk:(h + 1) * dqk]
-            kh = k[..., h * dqk:(h + 1) * dqk]
+            j = h // group
+            kh = k[..., j * dqk:(j + 1) * dqk]
             S = (qh @ kh.transpose(-1, -2)) / math.sqrt(dqk)  # (B, T, T)
             if cfg["causal"]:
                 S = S.masked_fill(future, float("-inf"))
@@ -439,17 +501,23 @@ def reference_forward(params: dict[str, torch.Tensor], cfg: dict, tokens, lora_a
         if keep_scores:                                # one (B, H, T, T) tensor the heads read from
             stacked = keep(f"{p}.causal", torch.stack(scores, dim=1))
             scores = [stacked[:, h] for h in range(H)]
-        heads = [torch.softmax(S, dim=-1) @ v[..., h * dh:(h + 1) * dh] for h, S in enumerate(scores)]
+        heads = [torch.softmax(S, dim=-1) @ v[..., (h // group) * dh:(h // group + 1) * dh]
+                 for h, S in enumerate(scores)]
         a3 = keep(f"{p}.a3", torch.cat(heads, dim=-1))
         a4 = keep(f"{p}.a4", _fc(params, f"{p}.attn_proj", a3, alpha, masks))
         a5 = keep(f"{p}.a5", x + a4)
-        a6 = keep(f"{p}.a6", _layer_norm(a5, params[f"{p}.ln2.weight"], params.get(f"{p}.ln2.bias"), eps))
-        a7 = keep(f"{p}.a7", _fc(params, f"{p}.mlp_expand", a6, alpha, masks))
-        a8 = keep(f"{p}.a8", _activation(a7, cfg["activation"]))
+        a6 = keep(f"{p}.a6", _norm(cfg, params, f"{p}.ln2", a5, eps))
+        if cfg.get("mlp", "standard") == "swiglu":
+            gate = keep(f"{p}.a7_gate", _fc(params, f"{p}.mlp_gate", a6, alpha, masks))
+            up = keep(f"{p}.a7_up", _fc(params, f"{p}.mlp_expand", a6, alpha, masks))
+            a8 = keep(f"{p}.a8", _activation(gate, "silu") * up)
+        else:
+            a7 = keep(f"{p}.a7", _fc(params, f"{p}.mlp_expand", a6, alpha, masks))
+            a8 = keep(f"{p}.a8", _activation(a7, cfg["activation"]))
         a9 = keep(f"{p}.a9", _fc(params, f"{p}.mlp_contract", a8, alpha, masks))
         a10 = keep(f"{p}.a10", a5 + a9)
         x = a10
-    a11 = keep("a11", _layer_norm(x, params["ln_final.weight"], params.get("ln_final.bias"), eps))
+    a11 = keep("a11", _norm(cfg, params, "ln_final", x, eps))
     if cfg["tie_weights"]:
         a12 = _fc(params, "logits", a11, alpha, masks, weight=W_tok.transpose(0, 1), allow_bias=False)
     else:

@@ -32,6 +32,7 @@ breaks it, RoPE offsets, KV cache = full forward), measured against bounds. Exit
 Examples:
   pedestrian demo                              # also: --check autograd, --kernels reference
   pedestrian demo --check fd --entries 10 --seed 3
+  pedestrian demo --arch llama --check autograd  # RMS norm, SwiGLU, GQA, Llama 3 RoPE
   pedestrian demo --data my_text.txt --check fd --step 1e-6
   pedestrian demo --head                       # also: --mask, --properties
   pedestrian demo --head --T 5 --d 4 --d-rho 3 --d-h 2 --seed 7 --json
@@ -58,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="the paper's reference layers or the fast kernels "
                              "(default: PEDESTRIAN_KERNELS, else fast)")
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default=None,
+                        help="the demo model's architecture: gpt2 (default) or llama (RMS norm, SwiGLU, "
+                             "grouped-query attention 4:2, RoPE with Llama 3 scaling, no biases)")
     parser.add_argument("--check", choices=["fd", "autograd"], default=None,
                         help="fd: finite differences (default); autograd: every tensor against "
                              "PyTorch autograd of the test suite's oracle (needs PyTorch and a source checkout)")
@@ -83,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 #: flags of the whole-model check, and of the one-head example: a flag of one mode given to the
 #: other is an error, not silently ignored
-_MODEL_FLAGS = ("data", "kernels", "check", "entries", "step", "rtol", "atol")
+_MODEL_FLAGS = ("data", "kernels", "arch", "check", "entries", "step", "rtol", "atol")
 _HEAD_FLAGS = ("T", "d", "d_rho", "d_h", "no_causal", "json")
 
 
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     oracle = autograd_oracle() if args.check == "autograd" else None   # say what is missing now
     rng = np.random.default_rng(args.seed)         # the weights, the batch, then the fd entries
-    model, x, y, tokenizer, text = demo_model(args.data, args.seed, args.kernels, rng)
+    model, x, y, tokenizer, text = demo_model(args.data, args.seed, args.kernels, rng, arch=args.arch or "gpt2")
     source = args.data or "the bundled Shakespeare"
     print(f"text: {len(text):,} characters of {source}, vocabulary {tokenizer.vocab_size}; "
           f"batch {x.shape}, first window: {tokenizer.decode(x[0])!r}")

@@ -17,10 +17,21 @@ from ..text.tokenizer import CharTokenizer
 from ..text.tokens import TokenDataset
 
 
-def demo_model(data=None, seed: int = 0, kernels=None, rng=None):
+#: ``demo_model(arch="llama")``'s fields beside the widths: RMS norm, SwiGLU, RoPE with Llama 3's
+#: frequency scaling (an original context of 8 < 16, so every kind of plane -- kept, stretched,
+#: smoothed -- occurs), grouped-query attention 4:2, no biases, tied logits
+LLAMA_DEMO = dict(d_model=24, n_heads=4, n_kv_heads=2, d_qk=6, d_head=6, d_mlp=40, norm="rmsnorm",
+                  mlp="swiglu", activation="silu", position_encoding="rope", bias=False, tie_weights=True,
+                  rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8))
+
+
+def demo_model(data=None, seed: int = 0, kernels=None, rng=None, arch: str = "gpt2"):
     """The demo's model and batch: ``(model, x, y, tokenizer, text)``.
 
-    A float64 GPT (2 blocks, 3 heads, d_model 24, d_qk 6, d_head 8, context 16) with larger random
+    A float64 GPT (2 blocks, 3 heads, d_model 24, d_qk 6, d_head 8, context 16; ``arch="llama"``:
+    :data:`LLAMA_DEMO`'s 4 query and 2 key/value heads of width 6, RMS norm, SwiGLU of width 40,
+    RoPE with Llama 3 scaling) with larger random
     weights than the initialisation (so every path carries a visible signal), and 4 windows of
     16 characters of ``data`` (default: the bundled Shakespeare), drawn from ``rng`` (default:
     a new generator seeded with ``seed``; the caller's generator goes on from there): ``x`` and
@@ -28,13 +39,16 @@ def demo_model(data=None, seed: int = 0, kernels=None, rng=None):
     :class:`pedestrian.GPT`.
 
     Raises:
-        FileNotFoundError, UnicodeDecodeError, ValueError: ``data`` cannot be read as a corpus.
+        FileNotFoundError, UnicodeDecodeError, ValueError: ``data`` cannot be read as a corpus,
+            or ``arch`` is neither ``"gpt2"`` nor ``"llama"``.
     """
+    if arch not in ("gpt2", "llama"):
+        raise ValueError(f"unknown arch {arch!r}; choose 'gpt2' or 'llama'")
     text = load_corpus(data)[:200_000]
     tokenizer = CharTokenizer.from_text(text)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=16, d_model=24, n_heads=3,
-                       n_blocks=2, d_qk=6, d_head=8)
+    widths = LLAMA_DEMO if arch == "llama" else dict(d_model=24, n_heads=3, d_qk=6, d_head=8)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=16, n_blocks=2, **widths)
     model = GPT(config, seed=seed, dtype="float64", kernels=kernels)
     rng = np.random.default_rng(seed) if rng is None else rng
     for name, p in model.params.items():          # larger random weights than the init, so every

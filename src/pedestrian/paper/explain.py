@@ -12,6 +12,12 @@ cos, sin and each summed element of a reduction counted once; comparisons, gathe
 count 0. One block's rows are given once (every block is the same); totals count them
 n_blocks times. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
 int64); totals add the parameters, their gradients and the two AdamW moments.
+
+Llama-style configs (docs/EQUATIONS.md, "The same chain, Llama-style") get their own rows: RMS
+norms (``RMS1``, ``RMS2``, ``RMS_final``: weight only), the SwiGLU MLP's ``a7_gate``, ``a7_up``
+and ``a8 = silu(a7_gate) ∘ a7_up`` in place of ``a7``, ``a8``, and grouped-query attention's
+narrower fused ``qkv`` (``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` columns); their elementwise
+costs (:data:`LLAMA_ELEMENTWISE`) are printed only for a config that uses them.
 """
 
 from __future__ import annotations
@@ -35,7 +41,13 @@ ELEMENTWISE = {
     "gelu": {"fwd": 5, "bwd": 11},
     "gelu_tanh": {"fwd": 9, "bwd": 19},
     "cross_entropy": {"fwd": 9, "bwd": 3},         # per logit
+    # the Llama layers (printed only for a config that uses them)
+    "silu": {"fwd": 5, "bwd": 8},                 # σ pair (exp, +, ÷, ×), x σ; bwd: pair, x(1−σ), 1+, σ·, Δ·
+    "swiglu": {"fwd": 6, "bwd": 15},              # silu(g) ∘ u; bwd: Δ8∘silu(g) (6), Δ8∘u∘silu'(g) (9)
+    "rmsnorm": {"fwd": 4, "bwd": 8, "per_row_fwd": 4},   # x², Σ, x·(1/r), ·w; per row ÷d, +ε, √, 1/
 }
+#: the keys above that only a Llama-style config uses
+LLAMA_ELEMENTWISE = ("silu", "swiglu", "rmsnorm")
 
 
 @dataclass
@@ -66,14 +78,18 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
     if not 1 <= T <= c.context_length:
         raise ValueError(f"--seq-len must be in [1, context_length={c.context_length}], got {T}")
     d, H, dqk, dh, V, dm = c.d_model, c.n_heads, c.d_qk, c.d_head, c.vocab_size, c.d_mlp
+    Hkv = c.n_kv_heads                            # grouped-query attention: k, v have Hkv heads
     N = B * T
-    w_qkv = H * (2 * dqk + dh)
+    w_qkv = H * dqk + Hkv * (dqk + dh)
     bias = 1 if c.bias else 0
     E = ELEMENTWISE
-    ln = E["layernorm"]
-    ln_fwd = N * d * (ln["fwd"] + bias * ln["bias"]) + N * ln["per_row_fwd"]
-    ln_bwd = N * d * (ln["bwd"] + bias * ln["bias"])
-    ln_params = "γ, β" if c.bias else "γ"
+    rms = c.norm == "rmsnorm"                     # no mean, no bias
+    ln = E[c.norm]
+    ln_bias = 0 if rms else bias * ln["bias"]
+    ln_fwd = N * d * (ln["fwd"] + ln_bias) + N * ln["per_row_fwd"]
+    ln_bwd = N * d * (ln["bwd"] + ln_bias)
+    ln_params = "γ, β" if c.bias and not rms else "γ"
+    LN = "RMS" if rms else "LN"
 
     def fc(f_in, f_out):                          # forward, backward FLOPs of y = x W + b
         fwd = 2 * N * f_in * f_out + bias * N * f_out
@@ -87,15 +103,21 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                     N * d * (E["embedding"]["fwd"] + learned * E["position"]["fwd"]),
                     "dW_tok += ohe(a0)ᵀ Δ1" + ("; dW_pos += Σ_b Δ1" if learned else ""),
                     N * d * (E["embedding"]["bwd"] + learned * E["position"]["bwd"]), N * d * itemsize))
-    rows.append(Row("a2", (B, T, d), "LN1(x)", ln_params, ln_fwd, "Δx += LN1ᵀ(Δ2); dγ, dβ",
+    dgb = "dγ" if rms else "dγ, dβ"
+    rows.append(Row("a2", (B, T, d), f"{LN}1(x)", ln_params, ln_fwd, f"Δx += {LN}1ᵀ(Δ2); {dgb}",
                     ln_bwd, N * d * itemsize, True))
-    fwd, bwd = fc(d, w_qkv)
+    qkv_bias = 1 if c.qkv_bias else 0
+    fwd = 2 * N * d * w_qkv + qkv_bias * N * w_qkv
+    bwd = 4 * N * d * w_qkv + qkv_bias * N * w_qkv
     rope = c.position_encoding == "rope"          # then the rotated copy is kept, not this one
-    rows.append(Row("qkv", (B, T, w_qkv), "a2 [Wq|Wk|Wv] + [bq|bk|bv]", "attn.q, attn.k, attn.v",
+    qkv_formula = "a2 [Wq|Wk|Wv]" + (" + [bq|bk|bv]" if qkv_bias or not rms else "")
+    if Hkv != H:
+        qkv_formula += f" (k, v: {Hkv} heads)"
+    rows.append(Row("qkv", (B, T, w_qkv), qkv_formula, "attn.q, attn.k, attn.v",
                     fwd, "Δ2 = Δqkv Wᵀ; dW = a2ᵀ Δqkv", bwd, 0 if rope else N * w_qkv * itemsize, True))
     if rope:
         r = c.rope_dims
-        per = 2 * N * H * r                       # rotated q and k elements
+        per = N * (H + Hkv) * r                   # rotated q and k elements
         rows.append(Row("rope", (B, T, w_qkv), f"q, k ← R(tθ) (first {r} of {dqk} per head)", "-",
                         per * E["rope"]["fwd"], "Δq, Δk ← R(−tθ) Δ", per * E["rope"]["bwd"],
                         N * w_qkv * itemsize, True))
@@ -105,28 +127,42 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                     2 * scores * dqk + scores * E["scores"]["fwd"],
                     "Δcausal = P∘(dP − rowsum(dP∘P))", scores * E["scores"]["bwd"],
                     scores * itemsize, True))
-    rows.append(Row("a3", (B, T, H * dh), "P v, heads side by side", "-", 2 * scores * dh,
-                    "dv = PᵀΔ3, dP = Δ3 vᵀ; dq = Δraw k, dk = Δrawᵀ q",
+    g = H // Hkv
+    rows.append(Row("a3", (B, T, H * dh), "P v, heads side by side" if g == 1 else
+                    f"P_h v_(h//{g}), heads side by side", "-", 2 * scores * dh,
+                    "dv = PᵀΔ3, dP = Δ3 vᵀ; dq = Δraw k, dk = Δrawᵀ q" if g == 1 else
+                    f"dq = Δraw k; dK_j, dV_j: Σ over {g} heads",
                     2 * scores * dh * 2 + 2 * scores * dqk * 2, N * H * dh * itemsize, True))
     fwd, bwd = fc(H * dh, d)
-    rows.append(Row("a4", (B, T, d), "a3 W_proj + b", "attn_proj", fwd, "Δ3 = Δ4 Wᵀ; dW = a3ᵀ Δ4", bwd,
+    b_ = " + b" if bias or not rms else ""        # GPT-2's rows name b whatever the config
+    rows.append(Row("a4", (B, T, d), "a3 W_proj" + b_, "attn_proj", fwd, "Δ3 = Δ4 Wᵀ; dW = a3ᵀ Δ4", bwd,
                     N * d * itemsize, True))
     rows.append(Row("a5", (B, T, d), "x + a4", "-", N * d * E["add"]["fwd"], "Δx += Δ5; Δ4 = Δ5",
                     N * d * E["add"]["bwd"], N * d * itemsize, True))
-    rows.append(Row("a6", (B, T, d), "LN2(a5)", ln_params, ln_fwd, "Δ5 += LN2ᵀ(Δ6); dγ, dβ", ln_bwd,
+    rows.append(Row("a6", (B, T, d), f"{LN}2(a5)", ln_params, ln_fwd, f"Δ5 += {LN}2ᵀ(Δ6); {dgb}", ln_bwd,
                     N * d * itemsize, True))
     fwd, bwd = fc(d, dm)
-    rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
-                    N * dm * itemsize, True))
-    g = E[c.activation]
-    rows.append(Row("a8", (B, T, dm), f"g(a7), g = {c.activation}", "-", N * dm * g["fwd"],
-                    "Δ7 = g'(a7) ∘ Δ8", N * dm * g["bwd"], N * dm * itemsize, True))
+    if c.mlp == "swiglu":                         # two FC layers of a6, then the gated product
+        rows.append(Row("a7_gate", (B, T, dm), "a6 W_gate" + b_, "mlp_gate", fwd,
+                        "Δ6 = Δ7_gate W_gateᵀ; dW = a6ᵀ Δ7_gate", bwd, N * dm * itemsize, True))
+        rows.append(Row("a7_up", (B, T, dm), "a6 W_up" + b_, "mlp_expand", fwd,
+                        "Δ6 += Δ7_up W_upᵀ; dW = a6ᵀ Δ7_up", bwd, N * dm * itemsize, True))
+        sw = E["swiglu"]
+        rows.append(Row("a8", (B, T, dm), "silu(a7_gate) ∘ a7_up", "-", N * dm * sw["fwd"],
+                        "Δ7_up = Δ8∘silu(a7_gate); Δ7_gate = Δ8∘a7_up∘silu'", N * dm * sw["bwd"],
+                        N * dm * itemsize, True))
+    else:
+        rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
+                        N * dm * itemsize, True))
+        g = E[c.activation]
+        rows.append(Row("a8", (B, T, dm), f"g(a7), g = {c.activation}", "-", N * dm * g["fwd"],
+                        "Δ7 = g'(a7) ∘ Δ8", N * dm * g["bwd"], N * dm * itemsize, True))
     fwd, bwd = fc(dm, d)
-    rows.append(Row("a9", (B, T, d), "a8 W_contract + b", "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd,
-                    N * d * itemsize, True))
+    rows.append(Row("a9", (B, T, d), "a8 W_contract" + b_,
+                    "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd, N * d * itemsize, True))
     rows.append(Row("a10", (B, T, d), "a5 + a9", "-", N * d * E["add"]["fwd"], "Δ5 += Δ10; Δ9 = Δ10",
                     N * d * E["add"]["bwd"], N * d * itemsize, True))
-    rows.append(Row("a11", (B, T, d), "LN_final(a10)", ln_params, ln_fwd, "Δ10 = LNᵀ(Δ11); dγ, dβ", ln_bwd,
+    rows.append(Row("a11", (B, T, d), f"{LN}_final(a10)", ln_params, ln_fwd, f"Δ10 = {LN}ᵀ(Δ11); {dgb}", ln_bwd,
                     N * d * itemsize))
     tied = c.tie_weights
     lb = 1 if c.logits_bias else 0
@@ -161,8 +197,9 @@ def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int) -> int:
     c = config
     N = batch_size * seq_len
     H = c.n_heads
-    per_block = 2 * N * (c.d_model * H * (2 * c.d_qk + c.d_head) + H * c.d_head * c.d_model
-                         + 2 * c.d_model * c.d_mlp)
+    n_mlp = 3 if c.mlp == "swiglu" else 2         # SwiGLU: gate, up, down
+    per_block = 2 * N * (c.d_model * (H * c.d_qk + c.n_kv_heads * (c.d_qk + c.d_head)) + H * c.d_head * c.d_model
+                         + n_mlp * c.d_model * c.d_mlp)
     attention = 2 * batch_size * H * seq_len * seq_len * (c.d_qk + c.d_head)
     forward = c.n_blocks * (per_block + attention) + 2 * N * c.d_model * c.vocab_size
     return 3 * forward
@@ -192,9 +229,11 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
     tot = totals(config, rows, B, T, itemsize)
     c = config
     say(f"config: {c}")
-    say(f"B={B} T={T} d={c.d_model} H={c.n_heads} d_qk={c.d_qk} d_h={c.d_head} d_mlp={c.d_mlp} V={c.vocab_size} "
+    kv = f" H_kv={c.n_kv_heads}" if c.n_kv_heads != c.n_heads else ""
+    say(f"B={B} T={T} d={c.d_model} H={c.n_heads}{kv} d_qk={c.d_qk} d_h={c.d_head} d_mlp={c.d_mlp} V={c.vocab_size} "
         f"n_blocks={c.n_blocks}, {dtype}, positions: {c.position_encoding}")
-    header = (f"{'a_i':<5}{'shape':<18}{'forward':<40}{'parameters':<24}{'fwd FLOPs':>12}  "
+    w = max(5, 1 + max(len(r.name) for r in rows))    # a7_gate: wider than GPT-2's names
+    header = (f"{'a_i':<{w}}{'shape':<18}{'forward':<40}{'parameters':<24}{'fwd FLOPs':>12}  "
               f"{'Δ_i (backward)':<48}{'bwd FLOPs':>12}{'memory':>12}")
     say("\n" + header + "\n" + "-" * len(header))
     in_block = False
@@ -205,7 +244,7 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
         elif not r.per_block and in_block:
             in_block = False
         shape = "()" if not r.shape else "(" + ", ".join(str(s) for s in r.shape) + ")"
-        say(f"{r.name:<5}{shape:<18}{r.forward:<40}{r.params:<24}{_human(r.fwd_flops):>12}  "
+        say(f"{r.name:<{w}}{shape:<18}{r.forward:<40}{r.params:<24}{_human(r.fwd_flops):>12}  "
             f"{r.backward:<48}{_human(r.bwd_flops):>12}{_mib(r.memory):>12}")
     say("-" * len(header))
     say(f"one step: forward {_human(tot['fwd'], 'FLOP')}, backward {_human(tot['bwd'], 'FLOP')}, "
@@ -219,9 +258,14 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
     say(f"memory kept by the forward: {_mib(tot['memory'])}; parameters, gradients and the two AdamW "
         f"moments: {_mib(tot['params_memory'])} ({tot['n_params']:,} parameters, {itemsize} bytes each)")
     say("elementwise costs (operations per element, forward / backward): "
-        + ", ".join(f"{k} {v['fwd']}/{v['bwd']}" for k, v in ELEMENTWISE.items() if k != "layernorm")
+        + ", ".join(f"{k} {v['fwd']}/{v['bwd']}" for k, v in ELEMENTWISE.items()
+                    if k != "layernorm" and k not in LLAMA_ELEMENTWISE)
         + f", layernorm {ELEMENTWISE['layernorm']['fwd']}/{ELEMENTWISE['layernorm']['bwd']} (+1/+1 with β, "
         f"+{ELEMENTWISE['layernorm']['per_row_fwd']} per row forward)")
+    used = [k for k in LLAMA_ELEMENTWISE if k in (c.norm, c.mlp) or (k == c.activation and c.mlp != "swiglu")]
+    if used:
+        say("  Llama layers: " + ", ".join(f"{k} {ELEMENTWISE[k]['fwd']}/{ELEMENTWISE[k]['bwd']}" for k in used)
+            + (f" (rmsnorm: +{ELEMENTWISE['rmsnorm']['per_row_fwd']} per row forward)" if "rmsnorm" in used else ""))
     if c.dropout > 0:
         say(f"dropout {c.dropout}: its masks (three per block and one after the embedding) are not in the table")
     return "\n".join(lines)

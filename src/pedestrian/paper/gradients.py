@@ -13,6 +13,9 @@ Each is checked one of two ways:
   (``tests/oracles/torch_reference.py``, a source checkout only: the library runs no autograd);
   a line passes when ``max|ours - autograd| <= AUTOGRAD_RTOL · max|autograd|``.
 
+A SwiGLU model (``config.mlp == "swiglu"``) has ``Δ7_up``, ``∂L/∂W_up``, ``Δ7_gate``, ``∂L/∂W_gate``
+in place of ``Δ7``, ``∂L/∂W_expand`` (and ``W_down`` for ``W_contract``; :data:`SWIGLU_SYMBOLS`).
+
 The key bias's gradient is identically zero (paper section 3: every row of Δcausal sums to 0):
 its line passes when it is rounding noise, at most ``KEY_BIAS_RATIO`` of the query bias's.
 """
@@ -45,6 +48,10 @@ SYMBOLS = {
     "logits.weight": "W_logits", "logits.bias": "b_logits",
     "tok_emb.weight": "W_tok", "pos_emb.weight": "W_pos",
 }
+#: the SwiGLU MLP's names (EQUATIONS.md "SiLU and the SwiGLU MLP"; Hugging Face gate_proj,
+#: up_proj, down_proj), in place of :data:`SYMBOLS`' for those parameters
+SWIGLU_SYMBOLS = {"mlp_gate.weight": "W_gate", "mlp_gate.bias": "b_gate", "mlp_expand.weight": "W_up",
+                  "mlp_expand.bias": "b_up", "mlp_contract.weight": "W_down", "mlp_contract.bias": "b_down"}
 
 
 def gradient_lines(model) -> list:
@@ -53,18 +60,20 @@ def gradient_lines(model) -> list:
     ``kind`` is ``"delta"`` (``key`` into :meth:`GPT.deltas`) or ``"param"`` (into the grads).
     """
     c, names = model.config, set(model.params)
+    swiglu = c.mlp == "swiglu"
+    symbols = {**SYMBOLS, **SWIGLU_SYMBOLS} if swiglu else SYMBOLS
     out = []
 
     def params(prefix, *suffixes, where=""):
         for s in suffixes:
             name = f"{prefix}{s}"
             if name in names:
-                label = f"∂L/∂{SYMBOLS[s]}"
+                label = f"∂L/∂{symbols[s]}"
                 if s == "attn.k.bias":
                     label += " (≡ 0, §3)"
                 out.append((f"{label:<24}{where}", "param", name))
 
-    def delta(n, key, where=""):
+    def delta(n, key, where=""):                           # n: 7, or "7_gate" (SwiGLU)
         out.append((f"{f'Δ{n} = ∂L/∂a{n}':<24}{where}", "delta", key))
 
     delta(12, "Δ12", "(logits)")
@@ -77,8 +86,14 @@ def gradient_lines(model) -> list:
         delta(9, p + "Δ9", where)
         params(p, "mlp_contract.weight", "mlp_contract.bias", where=where)
         delta(8, p + "Δ8", where)
-        delta(7, p + "Δ7", where)
-        params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
+        if swiglu:                                         # Δ8 -> Δ7_up, Δ7_gate -> Δ6 (their sum)
+            delta("7_up", p + "Δ7_up", where)
+            params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
+            delta("7_gate", p + "Δ7_gate", where)
+            params(p, "mlp_gate.weight", "mlp_gate.bias", where=where)
+        else:
+            delta(7, p + "Δ7", where)
+            params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
         delta(6, p + "Δ6", where)
         params(p, "ln2.weight", "ln2.bias", where=where)
         delta(5, p + "Δ5", where)
@@ -93,7 +108,8 @@ def gradient_lines(model) -> list:
     delta(1, "Δ1")
     params("", "tok_emb.weight", "pos_emb.weight")
     if c.tie_weights:                                      # W_tok's gradient sums both of its uses
-        out[-2] = (out[-2][0].rstrip() + "  (embedding + tied logits)", "param", "tok_emb.weight")
+        i = next(n for n, line in enumerate(out) if line[2] == "tok_emb.weight")   # (no pos_emb with RoPE)
+        out[i] = (out[i][0].rstrip() + "  (embedding + tied logits)", "param", "tok_emb.weight")
     return out
 
 
@@ -173,6 +189,8 @@ def check_model_gradients(model, x, y, check: str = "fd", *, entries: int = 3, s
     if check == "autograd":
         oracle = autograd_oracle() if oracle is None else oracle
         cfg = {k: getattr(model.config, k) for k in oracle.default_cfg()}
+        if cfg.get("rope_scaling") is not None:            # the oracle reads Hugging Face's dict
+            cfg["rope_scaling"] = cfg["rope_scaling"].to_hf()
         o_loss, _, o_grads, o_deltas = oracle.reference_loss_and_grads(model.state_dict(), cfg, x, y,
                                                                        keep_scores=True)
         truth = {"param": o_grads, "delta": o_deltas}
