@@ -130,13 +130,13 @@ def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route,
     """``xᵀ Δ`` with ``x`` stored (a weight gradient) takes one of three routes in
     ``blas._numba_matmul``; each must be the product. Tolerance: each entry is a sum of ``k``
     products, ``k·ε`` of ``Σ|x||Δ|`` bounds any order of summation (Higham, ch. 3)."""
-    from pedestrian.kernels import blas
+    from pedestrian.kernels import blas, schedule
 
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1" if route == "one call" else "2")
     if route != "one call" and jit.threads_used() < 2:
         pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
     if route == "row blocks (partials too large)":
-        monkeypatch.setattr(blas, "SPLIT_K_MAX_PARTIAL", 0)
+        monkeypatch.setattr(schedule, "SPLIT_K_MAX_PARTIAL", 0)
     taken = []
 
     class Spy:                                              # records which kernel ran

@@ -129,11 +129,11 @@ def activation_forward(x, name: str):
     check_float(x, "the activation's input")
     y = empty_array(x.shape, x)
     if name == "relu":
-        _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))
+        _relu_forward(_flat(x), y.reshape(-1))
         return y, x
     dg = empty_array(x.shape, x)
     forward = {"gelu": _gelu_forward, "gelu_tanh": _gelu_tanh_forward, "silu": _silu_forward}[name]
-    forward.sized(x.size)(_flat(x), y.reshape(-1), dg.reshape(-1))
+    forward(_flat(x), y.reshape(-1), dg.reshape(-1))
     return y, (x, dg)
 
 
@@ -154,9 +154,9 @@ def activation_backward(delta, cache, name: str):
     x, s = cache if isinstance(cache, tuple) else (cache, None)
     out = empty_array(x.shape, x)
     if name == "relu":
-        _relu_backward.sized(x.size)(_flat(delta), _flat(x), out.reshape(-1))
+        _relu_backward(_flat(delta), _flat(x), out.reshape(-1))
         return out
     if s is None:                                      # x alone: g' from a forward pass
         s = activation_forward(x, name)[1][1]
-    _times.sized(x.size)(_flat(delta), _flat(s), out.reshape(-1))
+    _times(_flat(delta), _flat(s), out.reshape(-1))
     return out

@@ -24,15 +24,10 @@ import numpy as np
 from .. import layers
 from ..layers.attention import KVBlock
 from ..layers.checks import check_float
+from . import attention_loops, schedule
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
-from . import attention_loops
 from .jit import blas_one_thread
 from .workspace import empty_array
-
-#: a KV-cache step of at most this many new tokens runs as one numba loop nest
-#: (:func:`pedestrian.kernels.attention_loops.decode_attention`; its products are loops, not BLAS)
-DECODE_MAX_T = 8
-
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                                  kv_cache: KVBlock | None = None):
@@ -50,7 +45,7 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     q, k = (empty_array((B, n_heads, T, d_qk), qkv) for _ in range(2))
     v, p = empty_array((B, n_heads, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, n_heads * d_head), qkv)
-    attention_loops.heads_forward.sized(p.size)(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
+    attention_loops.heads_forward(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal)
 
 
@@ -58,7 +53,7 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     """Attention of ``T`` new tokens against every cached one; writes their keys and values. A
     few tokens: one numba loop nest; more (a prompt): the reference (batched products)."""
     keys, values = kv_cache.keys, kv_cache.values
-    if qkv.shape[1] <= DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
+    if qkv.shape[1] <= schedule.DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
         return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache)
     out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache)
     return out, dict(cache, kv_cache=True)
@@ -94,7 +89,7 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     delta_qkv = empty_array((B, T, H * (2 * cache["d_qk"] + d_head)), p)
     kept = empty_array(p.shape, p) if keep_delta_causal else None
     blas_one_thread()                                         # heads over numba's threads
-    attention_loops.heads_backward.sized(p.size)(
+    attention_loops.heads_backward(
         delta, q, k, v, p, cache["causal"], 1.0 / math.sqrt(cache["d_qk"]), keep_delta_causal,
         kept if keep_delta_causal else p[:1, :1, :1, :1], delta_qkv)
     return delta_qkv, kept

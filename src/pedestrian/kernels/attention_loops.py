@@ -61,7 +61,7 @@ def _softmax_backward_row(d_row, p_row, n):
     d_row[n:] = 0.0
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda qkv, causal, scale, q, k, v, p, out: p.size)
 def heads_forward(qkv, causal, scale, q, k, v, p, out):
     """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·(2·d_qk + d_head))``: its ``q · scale``, ``k``,
     ``v`` copied out ``(B, H, T, d)``, ``P = softmax(q kᵀ)`` (masked) into ``p`` ``(B, H, T, T)``,
@@ -93,7 +93,7 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
             out[b, t, h * d_head + c] = o[t, c]
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv: p.size)
 def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
     """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written

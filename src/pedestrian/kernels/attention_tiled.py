@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from ..backend import is_torch_array
+from . import schedule
 from .attention_loops import exp_shifted, row_max
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .vecmath import exp
@@ -45,11 +46,11 @@ __all__ = ["BLOCKS", "TILED_MIN_T", "use_tiled", "tiled_attention_forward", "til
            "tiled_attention_weights"]
 
 #: ``(block_q, block_k)`` per backend: query rows and key columns of one tile; NumPy: the numba
-#: loops, torch: the batched loop (docs/kernels.md, "Tiled attention")
-BLOCKS = {"numpy": (128, 256), "torch": (256, 512)}
-#: the shortest sequence for which the fast path uses this kernel, per backend (below it, the
-#: full-matrix attention is faster: docs/performance.md)
-TILED_MIN_T = {"numpy": 256, "torch": 512}
+#: loops, torch: the batched loop (:data:`.schedule.TILED_BLOCKS`)
+BLOCKS = schedule.TILED_BLOCKS
+#: the shortest sequence for which the fast path uses this kernel, per backend
+#: (:data:`.schedule.TILED_MIN_T`)
+TILED_MIN_T = schedule.TILED_MIN_T
 
 
 def _backend(x) -> str:
@@ -121,7 +122,8 @@ def _allowed(i, i0, j0, c, causal):
     return min(c, max(0, i0 + i - j0 + 1)) if causal else c
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda q, k, v, units, lanes, bq, bk, causal, o, lse:
+        q.shape[0] * q.shape[1] * (q.shape[1] if causal else 2 * q.shape[1]) // 2)   # scores made
 def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
     ``o = softmax(q kᵀ) v``, ``lse = m + log Σ exp(q kᵀ − m)``. ``q`` ``(G, T, d_qk)`` already
@@ -166,7 +168,8 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
             lse[g, i0 + i] = m[i] + np.log(l[i])
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv:
+        q.shape[0] * q.shape[1] * q.shape[1])
 def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     """Per head ``g`` (``prange``): ``P = exp(q kᵀ − lse)``, ``dv = Pᵀ Δ``,
     ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dq = Δcausal k``, ``dk = Δcausalᵀ q`` (shapes of
@@ -252,8 +255,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         n_blocks = -(-T // bq)
         work = np.arange(G * n_blocks)                                       # unit g·n_blocks + block
         units = work[np.argsort(-(work % n_blocks), kind="stable")] if causal else work
-        _forward_units.sized(G * T * (T if causal else 2 * T) // 2)(
-            q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
+        _forward_units(q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
     out = _empty((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads, causal=causal,
@@ -316,8 +318,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
         blas_one_thread()
         kept = np.zeros((G, T, T), o.dtype) if keep_delta_causal else None
         dq, dk, dv = empty_array(q.shape, o), empty_array(k.shape, o), empty_array(o.shape, o)
-        _backward_heads.sized(G * T * T)(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
-                                         np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
+        _backward_heads(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
+                        np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
     dq *= 1.0 / math.sqrt(d_qk)
     delta_qkv = _empty((B, T, 2 * hq + n_heads * d_head), o)
     for part, lo, width in ((dq, 0, d_qk), (dk, hq, d_qk), (dv, 2 * hq, d_head)):

@@ -11,18 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..layers.checks import check_float
+from . import schedule
 from .blas import colsum, matmul_into
 from .workspace import empty_array
-
-
-#: inputs of at most this many elements (a few tokens while generating) skip the memory pool
-SMALL_ELEMENTS = 1 << 12
 
 
 def linear_forward(x, weight, bias=None):
     """Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
     check_float(x, "the linear layer's input")
-    if x.size <= SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
+    if x.size <= schedule.SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
         y = x @ weight
         if bias is not None:
             y += bias
@@ -62,7 +59,7 @@ def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_inpu
 
 def add(a, b):
     """Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
-    if a.size <= SMALL_ELEMENTS:
+    if a.size <= schedule.SMALL_ELEMENTS:
         return a + b
     out = empty_array(a.shape, a)
     np.add(a, b, out=out)

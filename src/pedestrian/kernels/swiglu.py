@@ -45,7 +45,7 @@ def _flat(a):
 def swiglu_forward(gate, up):
     """Fast :func:`pedestrian.layers.swiglu.swiglu_forward` (same arguments and results)."""
     out = empty_array(gate.shape, gate)
-    _gate_forward.sized(gate.size)(_flat(gate), _flat(up), out.reshape(-1))
+    _gate_forward(_flat(gate), _flat(up), out.reshape(-1))
     return out, (gate, up)
 
 
@@ -53,7 +53,7 @@ def swiglu_backward(delta, cache):
     """Fast :func:`pedestrian.layers.swiglu.swiglu_backward` (same arguments and results)."""
     gate, up = cache
     d_gate, d_up = empty_array(gate.shape, gate), empty_array(gate.shape, gate)
-    _gate_backward.sized(gate.size)(_flat(delta), _flat(gate), _flat(up), d_gate.reshape(-1), d_up.reshape(-1))
+    _gate_backward(_flat(delta), _flat(gate), _flat(up), d_gate.reshape(-1), d_up.reshape(-1))
     return d_gate, d_up
 
 
