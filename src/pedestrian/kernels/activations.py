@@ -110,7 +110,9 @@ def _flat(a):
 
 
 def activation_forward(x, name: str):
-    """Apply ``g`` elementwise.
+    """``a8 = g(a7)`` entry by entry, keeping ``g'(a7)``: ReLU ``max(x, 0)``, GELU ``x Φ(x)``,
+    GELU-tanh ``½x(1 + tanh u)``, ``u = √(2/π)(x + 0.044715x³)``, SiLU ``x σ(x)`` (EQUATIONS.md, "Fully
+    connected (FC), activations, residual").
 
     Args:
         x: float array of any shape (the paper's ``a7``, ``(B, T, d_mlp)``).
@@ -138,7 +140,7 @@ def activation_forward(x, name: str):
 
 
 def activation_backward(delta, cache, name: str):
-    """``Δ_in = Δ ∘ g'(x)``.
+    """``Δ_in = Δ ∘ g'(x)`` (EQUATIONS.md, "Fully connected (FC), activations, residual").
 
     - ReLU: ``g'(x) = [x > 0]``.
     - GELU exact: ``g'(x) = Φ(x) + x φ(x)``.

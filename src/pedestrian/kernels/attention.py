@@ -31,7 +31,10 @@ from .workspace import empty_array
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                                  kv_cache: KVBlock | None = None):
-    """Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
+    """``out_h = softmax(q_h k_hᵀ/√d_qk, causal mask) v_h`` per head, the heads side by side;
+    ``q, k, v`` the columns of ``qkv`` (EQUATIONS.md, "One attention head", "Multi-head attention").
+
+    Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
     results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
     (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
     no ``P``."""
@@ -78,7 +81,11 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
+    """Per head ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``,
+    ``dq = Δcausal k/√d_qk``, ``dk = Δcausalᵀ q/√d_qk``, into the columns of ``Δqkv`` (EQUATIONS.md,
+    "One attention head").
+
+    Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
     kept, is computed block by block for a tiled cache)."""
     if cache.get("kv_cache"):
         raise ValueError("no backward through a KV-cache forward; run model.forward without a cache")
@@ -96,7 +103,9 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
 
 
 def attention_weights(cache):
-    """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache (recomputed
+    """``P = softmax(q kᵀ/√d_qk, causal mask)`` (EQUATIONS.md, "One attention head").
+
+    ``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache (recomputed
     from ``q``, ``k`` and the log-sum-exp for a tiled cache)."""
     if cache.get("tiled"):
         return tiled_attention_weights(cache)
@@ -105,7 +114,10 @@ def attention_weights(cache):
 
 def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                       kv_cache: KVBlock | None = None):
-    """The forward for torch tensors on a GPU: the tiled kernel's torch loop from
+    """``out_h = softmax(q_h k_hᵀ/√d_qk, causal mask) v_h`` per head (EQUATIONS.md, "Multi-head
+    attention"; by tiles: "Tiled attention").
+
+    The forward for torch tensors on a GPU: the tiled kernel's torch loop from
     :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on (``O(T)`` memory), else the
     reference (same arguments and results as :func:`multi_head_attention_forward`)."""
     if kv_cache is None and use_tiled(qkv.shape[1], qkv):
@@ -114,11 +126,16 @@ def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool
 
 
 def on_device_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """The backward of :func:`on_device_forward` (its cache says which one ran)."""
+    """``dv = Pᵀ Δ``, ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ out))``, ``dq = Δcausal k/√d_qk``,
+    ``dk = Δcausalᵀ q/√d_qk`` per head (EQUATIONS.md, "One attention head", "Tiled attention").
+
+    The backward of :func:`on_device_forward` (its cache says which one ran)."""
     backward = tiled_attention_backward if cache.get("tiled") else layers.multi_head_attention_backward
     return backward(delta, cache, keep_delta_causal=keep_delta_causal)
 
 
 def on_device_weights(cache):
-    """``P`` of an :func:`on_device_forward` cache."""
+    """``P = softmax(q kᵀ/√d_qk, causal mask)`` (EQUATIONS.md, "One attention head").
+
+    ``P`` of an :func:`on_device_forward` cache."""
     return tiled_attention_weights(cache) if cache.get("tiled") else layers.attention_weights(cache)

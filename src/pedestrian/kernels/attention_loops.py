@@ -63,7 +63,10 @@ def _softmax_backward_row(d_row, p_row, n):
 
 @kernel(parallel=True, size=lambda qkv, causal, scale, q, k, v, p, out: p.size)
 def heads_forward(qkv, causal, scale, q, k, v, p, out):
-    """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·(2·d_qk + d_head))``: its ``q · scale``, ``k``,
+    """``out_h = P_h v_h``, ``P_h = softmax(scale · q_h k_hᵀ, causal mask)`` for every head
+    (EQUATIONS.md, "One attention head").
+
+    Every head ``(b, h)`` of ``qkv`` ``(B, T, H·(2·d_qk + d_head))``: its ``q · scale``, ``k``,
     ``v`` copied out ``(B, H, T, d)``, ``P = softmax(q kᵀ)`` (masked) into ``p`` ``(B, H, T, T)``,
     ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the threads, products on BLAS."""
     for u in prange(q.shape[0] * q.shape[1]):
@@ -95,7 +98,10 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
 
 @kernel(parallel=True, size=lambda delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv: p.size)
 def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
-    """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
+    """``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``dq = Δcausal k/√d``,
+    ``dk = Δcausalᵀ q/√d`` for every head (EQUATIONS.md, "One attention head").
+
+    Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
     into their column blocks of ``delta_qkv`` ``(B, T, H·(2·d_qk + d_head))``."""
     for u in prange(q.shape[0] * q.shape[1]):
@@ -133,7 +139,10 @@ def _head_backward(u, delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_q
 
 @kernel
 def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out, p_out, out):
-    """A KV-cache step: the ``T`` new tokens' keys and values written into the cache at
+    """``out = softmax(q [K; k]ᵀ/√d_qk, mask) [V; v]`` for ``T`` new tokens after the cache's
+    ``K``, ``V`` (EQUATIONS.md, "KV cache").
+
+    A KV-cache step: the ``T`` new tokens' keys and values written into the cache at
     ``length …``, then ``out = softmax(q kᵀ · scale, masked) v`` against all ``L = length + T``.
 
     ``qkv`` ``(B, T, H·(2·d_qk + d_head))``; ``keys`` ``(B, H, capacity, d_qk)``, ``values``

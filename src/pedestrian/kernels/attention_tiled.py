@@ -222,7 +222,10 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv
 
 def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                             block_q: int | None = None, block_k: int | None = None):
-    """Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
+    """``o = softmax(q kᵀ/√d_qk) v`` and ``ℓ = m + log Σ_β exp(S_β − m)`` per query row, block by
+    block of keys with the running maximum ``m`` (EQUATIONS.md, "Tiled attention").
+
+    Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
 
     Args:
         qkv: ``(B, T, n_heads·(2·d_qk + d_head))`` float array (NumPy or torch), as
@@ -290,7 +293,10 @@ def _torch_forward(q, k, v, bq, bk, causal):
 
 
 def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """Backward of :func:`tiled_attention_forward` down to the fused ``qkv`` (EQUATIONS.md).
+    """``P = exp(S − ℓ)``, ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dv = Pᵀ Δ``,
+    ``dq = Δcausal k/√d_qk``, ``dk = Δcausalᵀ q/√d_qk``, tile by tile (EQUATIONS.md, "Tiled attention").
+
+    Backward of :func:`tiled_attention_forward` down to the fused ``qkv`` (EQUATIONS.md).
 
     Per tile: ``P = exp(S − ℓ)`` (recomputed), ``dv += Pᵀ Δ``, ``dP = Δ vᵀ``,
     ``Δcausal = P ∘ (dP − D)`` with ``D = rowsum(Δ ∘ out)`` (= ``rowsum(dP ∘ P)``),
@@ -352,7 +358,9 @@ def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept):
 
 
 def tiled_attention_weights(cache):
-    """``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
+    """``P = exp(q kᵀ/√d_qk − ℓ)`` (EQUATIONS.md, "Tiled attention").
+
+    ``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
     ``q``, ``k`` and the log-sum-exp ``ℓ``: ``P = exp(q kᵀ/√d_qk − ℓ)``, ``0`` above the diagonal
     when causal (``O(T²)`` memory, on request only)."""
     q, k, lse = cache["q"], cache["k"], cache["lse"]

@@ -71,7 +71,10 @@ def _backward(delta, xhat, rstd, weight, out, dw_part, db_part):
 
 
 def layernorm_forward(x, weight, bias, eps: float):
-    """Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results;
+    """``y = (x − μ)/σ ∘ w + b``, ``μ``, ``σ = √(var + ε)`` over the last axis (EQUATIONS.md, "Layer
+    normalization").
+
+    Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results;
     the cache holds ``1/σ`` in float64)."""
     check_eps(eps)
     check_float(x, "the layer norm's input")
@@ -85,7 +88,10 @@ def layernorm_forward(x, weight, bias, eps: float):
 
 
 def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
-    """Fast :func:`pedestrian.layers.layernorm.layernorm_backward` (same arguments and result):
+    """``Δ_in = (1/σ)(g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂))``, ``g = Δ ∘ w``; ``dw = Σ x̂ ∘ Δ``,
+    ``db = Σ Δ`` over the tokens (EQUATIONS.md, "Layer normalization").
+
+    Fast :func:`pedestrian.layers.layernorm.layernorm_backward` (same arguments and result):
     ``Δ_in = (g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂)) / σ``, ``g = Δ ∘ w``; ``dw``, ``db`` as fixed-order
     sums of per-block partial sums (the same bits for any thread count)."""
     xhat, rstd, weight = cache

@@ -17,7 +17,9 @@ from .workspace import empty_array
 
 
 def linear_forward(x, weight, bias=None):
-    """Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
+    """``y = x W + b`` (EQUATIONS.md, "Fully connected (FC), activations, residual").
+
+    Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
     check_float(x, "the linear layer's input")
     if x.size <= schedule.SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
         y = x @ weight
@@ -37,7 +39,10 @@ def _transposed_contiguous(a) -> bool:
 
 
 def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_input=True):
-    """Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
+    """``Δ_in = Δ Wᵀ``, ``dW = xᵀ Δ``, ``db = Σ_tokens Δ`` (EQUATIONS.md, "Fully connected (FC),
+    activations, residual").
+
+    Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
     straight into ``dweight`` / ``dbias`` (for a transposed ``dweight`` -- the tied logits'
     share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows)."""
     f_in, f_out = weight.shape
@@ -58,7 +63,9 @@ def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_inpu
 
 
 def add(a, b):
-    """Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
+    """``y = x + f(x)`` (the skip) (EQUATIONS.md, "Fully connected (FC), activations, residual").
+
+    Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
     if a.size <= schedule.SMALL_ELEMENTS:
         return a + b
     out = empty_array(a.shape, a)

@@ -53,7 +53,8 @@ def _backward(z, z_max, targets, sum_e, scale, delta):
 
 
 def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, n_total: int | None = None):
-    """Mean of ``−log softmax(logits)[target]`` over the targets that count.
+    """``L = mean −log softmax(logits)[target]`` over the targets that count (EQUATIONS.md,
+    "Next-token loss").
 
     Computed with log-sum-exp (max subtracted first), so logits of magnitude ``1e4`` stay
     finite. A target equal to ``ignore_index`` does not count. If *no* target counts the
@@ -91,7 +92,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
 
 
 def cross_entropy_backward(cache):
-    """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows.
+    """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows
+    (EQUATIONS.md, "Next-token loss").
 
     Returns:
         ``(B, T, V)`` error signal at the logits. The one-hot matrix is never built: one

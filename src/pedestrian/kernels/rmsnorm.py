@@ -58,7 +58,9 @@ def _backward(delta, xhat, rrms, weight, out, dw_part):
 
 
 def rmsnorm_forward(x, weight, eps: float):
-    """Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_forward` (same arguments and results; the
+    """``y = x/r ∘ w``, ``r = √(mean_f(x²) + ε)`` over the last axis (EQUATIONS.md, "RMS normalization").
+
+    Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_forward` (same arguments and results; the
     cache holds ``1/r`` in float64)."""
     check_rms_eps(eps)
     d = x.shape[-1]
@@ -70,7 +72,10 @@ def rmsnorm_forward(x, weight, eps: float):
 
 
 def rmsnorm_backward(delta, cache, *, dweight=None):
-    """Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_backward` (same arguments and result):
+    """``Δ_in = (1/r)(g − x̂ ∘ mean_f(g ∘ x̂))``, ``g = Δ ∘ w``; ``dw = Σ_tokens Δ ∘ x̂`` (EQUATIONS.md,
+    "RMS normalization").
+
+    Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_backward` (same arguments and result):
     ``Δ_in = (g − x̂ ∘ mean_f(g ∘ x̂)) / r``, ``g = Δ ∘ w``; ``dw`` as a fixed-order sum of
     per-block partial sums (the same bits for any thread count)."""
     xhat, rrms, weight = cache
