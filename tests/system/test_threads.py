@@ -15,8 +15,8 @@ What that promises, and what these tests check:
 - several Python threads may call models at once (numba's threading layer is thread-safe, or,
   where numba fell back to its ``workqueue`` layer, the parallel calls take a lock);
 - a bad ``PEDESTRIAN_NUM_THREADS`` is refused with the fix;
-- a parallel kernel picks its serial or threaded version from its own job (its largest array,
-  or its size function), by :mod:`pedestrian.kernels.schedule`'s thresholds; serial in a child
+- a parallel kernel picks its serial or threaded version from its own job (its first argument's
+  size, or its size function), by :mod:`pedestrian.kernels.schedule`'s thresholds; serial in a child
   forked after numba's OpenMP threads started.
 """
 
@@ -167,7 +167,7 @@ def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route,
 
 def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
     """Serial under ``SERIAL_BELOW`` elements, one thread under ``PARALLEL_MIN_ELEMENTS``, every
-    thread from there -- counted on the largest array argument, or by the kernel's own size
+    thread from there -- counted on the first argument (the input), or by the kernel's own size
     function (the attention heads: their scores ``p``); serial in a child forked after OpenMP
     started. (The versions are replaced by recorders: nothing compiles.)"""
     from pedestrian.kernels import activations, attention_loops, schedule
@@ -180,7 +180,7 @@ def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
         monkeypatch.setattr(k, "serial", lambda *args: taken.append("serial"))
         monkeypatch.setattr(k, "parallel", lambda *args: taken.append("parallel"))
     for n in (schedule.SERIAL_BELOW - 1, schedule.SERIAL_BELOW, schedule.PARALLEL_MIN_ELEMENTS):
-        activations._times(np.zeros(1), np.zeros(n), np.zeros(3))
+        activations._times(np.zeros(n), np.zeros(1), np.zeros(3))
     small, large = np.zeros(schedule.SERIAL_BELOW - 1), np.zeros(schedule.PARALLEL_MIN_ELEMENTS)
     attention_loops.heads_forward(large, True, 1.0, large, large, large, small, large)   # p decides
     assert taken == ["serial", 1, "parallel", jit.threads_used(), "parallel", "serial"]

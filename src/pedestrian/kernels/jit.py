@@ -356,14 +356,15 @@ def _use_threads(n: int) -> None:
         _threads_now.n = n
 
 
-def _largest_array(*args) -> int:
-    """A parallel kernel's job by default: the size of its largest array argument."""
-    return max([a.size for a in args if type(a) is np.ndarray] or [0])
+def _first_size(first, *rest) -> int:
+    """A parallel kernel's job by default: its first argument's size (each kernel takes its
+    input, the largest array, first)."""
+    return first.size                  # (a scan of every argument cost 3-5x a call's dispatch)
 
 
 class _Parallel:
     """A ``prange`` kernel, compiled twice: the parallel version, and a serial one. Each call
-    picks by the job's size ``size(*args)`` (:func:`_largest_array` unless the kernel says
+    picks by the job's size ``size(*args)`` (:func:`_first_size` unless the kernel says
     otherwise): the serial one under :data:`.schedule.SERIAL_BELOW` (and always in a child forked
     after numba's OpenMP threads started), else the parallel one, on ``threads_used()`` threads
     from :data:`.schedule.PARALLEL_MIN_ELEMENTS` and on one below (the same compiled loops
@@ -378,7 +379,7 @@ class _Parallel:
         serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
         self.serial, self.parallel = _Kernel(serial), _Kernel(f, parallel=True)
-        self.size = size or _largest_array
+        self.size = size or _first_size
         functools.update_wrapper(self, f)
 
     def __call__(self, *args):
@@ -438,7 +439,7 @@ def kernel(func=None, *, parallel: bool = False, size=None):
     """``@kernel`` / ``@kernel(parallel=True, size=...)``: ``numba.njit`` with :data:`FASTMATH`,
     the disk cache and no GIL, made at the first call; ``parallel`` kernels share their ``prange``
     loops over :func:`num_threads` threads, serial or threaded by the job's size -- ``size(*args)``,
-    in elements (multiply-adds for a product), by default the largest array argument's
+    in elements (multiply-adds for a product), by default the first argument's size
     (:class:`_Parallel`). Call them from Python, not from another kernel: use ``.serial`` there.
     A kernel may call another ``@kernel`` (not parallel). Without numba the function is returned
     as it is (plain Python)."""
