@@ -32,7 +32,7 @@ import pytest
 
 import pedestrian
 from pedestrian.config import GPTConfig
-from pedestrian.generate import generate
+from pedestrian.generation.generate import generate
 from pedestrian.kernels import jit
 from pedestrian.model import GPT
 
@@ -186,7 +186,7 @@ def test_import_imports_no_numba_and_writes_nothing(tmp_path):
     for name in ("home", "cache", "tmp"):
         (tmp_path / name).mkdir()
     code = ("import sys\n"
-            "import pedestrian, pedestrian.kernels, pedestrian.model, pedestrian.generate, pedestrian.cli\n"
+            "import pedestrian, pedestrian.kernels, pedestrian.model, pedestrian.generation.generate, pedestrian.cli\n"
             "import pedestrian.training.optim\n"
             "from pedestrian.kernels import jit, kernels_for\n"
             "cfg = pedestrian.GPTConfig(vocab_size=11, context_length=8, d_model=8, n_heads=2, n_blocks=1)\n"
