@@ -61,7 +61,7 @@ def _softmax_backward_row(d_row, p_row, n):
     d_row[n:] = 0.0
 
 
-@kernel(parallel=True, size=lambda qkv, causal, scale, q, k, v, p, out: p.size)
+@kernel(parallel=True, size=lambda qkv, causal, scale, q, k, v, p, *rest: p.size)
 def heads_forward(qkv, causal, scale, q, k, v, p, out):
     """``out_h = P_h v_h``, ``P_h = softmax(scale · q_h k_hᵀ, causal mask)`` for every head
     (EQUATIONS.md, "One attention head").
@@ -96,7 +96,7 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
             out[b, t, h * d_head + c] = o[t, c]
 
 
-@kernel(parallel=True, size=lambda delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv: p.size)
+@kernel(parallel=True, size=lambda delta, q, k, v, p, *rest: p.size)
 def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, delta_qkv):
     """``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``dq = Δcausal k/√d``,
     ``dk = Δcausalᵀ q/√d`` for every head (EQUATIONS.md, "One attention head").

@@ -122,7 +122,7 @@ def _allowed(i, i0, j0, c, causal):
     return min(c, max(0, i0 + i - j0 + 1)) if causal else c
 
 
-@kernel(parallel=True, size=lambda q, k, v, units, lanes, bq, bk, causal, o, lse:
+@kernel(parallel=True, size=lambda q, k, v, units, lanes, bq, bk, causal, *rest:
         q.shape[0] * q.shape[1] * (q.shape[1] if causal else 2 * q.shape[1]) // 2)   # scores made
 def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
@@ -168,8 +168,7 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
             lse[g, i0 + i] = m[i] + np.log(l[i])
 
 
-@kernel(parallel=True, size=lambda q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv:
-        q.shape[0] * q.shape[1] * q.shape[1])
+@kernel(parallel=True, size=lambda q, *rest: q.shape[0] * q.shape[1] * q.shape[1])
 def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     """Per head ``g`` (``prange``): ``P = exp(q kᵀ − lse)``, ``dv = Pᵀ Δ``,
     ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dq = Δcausal k``, ``dk = Δcausalᵀ q`` (shapes of

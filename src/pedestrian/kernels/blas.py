@@ -14,7 +14,7 @@ from .workspace import empty_array
 __all__ = ["matmul_into", "colsum"]
 
 
-@kernel(parallel=True, size=lambda a, b, bias, out, parts: a.shape[0] * b.shape[0] * b.shape[1])  # m·k·n
+@kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * b.shape[0] * b.shape[1])  # m·k·n
 def _gemm(a, b, bias, out, parts):
     """``out = a @ b (+ bias)``, 2-D: ``out``'s rows in ``parts`` blocks, one single-threaded BLAS
     call each (a transposed ``a`` is copied first, :data:`COPY_ROWS` rows at a time: ``k × rows``
@@ -33,7 +33,7 @@ def _gemm(a, b, bias, out, parts):
                     out[i, j] += bias[j]
 
 
-@kernel(parallel=True, size=lambda at, b, out, partial: at.shape[0] * at.shape[1] * b.shape[1])
+@kernel(parallel=True, size=lambda at, b, *rest: at.shape[0] * at.shape[1] * b.shape[1])
 def _gemm_split_k(at, b, out, partial):
     """``out = atᵀ b`` (``at`` ``(k, m)``, ``b`` ``(k, n)``, both C-contiguous: a weight gradient
     ``xᵀ Δ``): the shared axis in ``len(partial) + 1`` blocks of rows, one single-threaded BLAS
