@@ -20,7 +20,7 @@ import pytest
 from pedestrian.backend import to_numpy
 from pedestrian.kernels import attention as fast_attention
 from pedestrian.kernels import attention_loops
-from pedestrian.kernels.attention import DECODE_MAX_T
+from pedestrian.kernels.schedule import DECODE_MAX_T
 from pedestrian.kernels.jit import AVAILABLE
 from pedestrian.kernels.attention_tiled import tiled_attention_backward, tiled_attention_forward
 from pedestrian.layers import KVBlock
@@ -151,8 +151,8 @@ class _Serial:
     def __init__(self, kernel):
         self.kernel = kernel
 
-    def sized(self, n_elements):
-        return self.kernel.serial
+    def __call__(self, *args):
+        return self.kernel.serial(*args)
 
 
 def test_parallel_loops_match_their_serial_twin(monkeypatch):

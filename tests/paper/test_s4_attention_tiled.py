@@ -263,9 +263,9 @@ def test_same_bits_for_any_number_of_threads(causal, dtype, monkeypatch):
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", threads)
         results.append(run())
-    from pedestrian.kernels import jit
+    from pedestrian.kernels import schedule
 
-    monkeypatch.setattr(jit, "SERIAL_BELOW", 1 << 40)                       # the serial compilation
+    monkeypatch.setattr(schedule, "SERIAL_BELOW", 1 << 40)                       # the serial compilation
     results.append(run())
     for got in results[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(got, results[0]))

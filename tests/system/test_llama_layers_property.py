@@ -5,7 +5,7 @@ RMSNorm, SiLU and the SwiGLU MLP, layer by layer.
 layers, they are compared here on their own, with the same search and the same threads.)
 
 The fast kernels change strategy at thresholds -- serial loops under 2^12 elements, one thread
-under 2^15, :data:`pedestrian.kernels.layernorm.BLOCK_ROWS` = 32 rows per block of the norm's
+under 2^15, :data:`pedestrian.kernels.schedule.NORM_BLOCK_ROWS` = 32 rows per block of the norm's
 ``dw``, the linear layer's "few rows" path (<= 2^12 elements), products shared over the threads
 from 2^18 multiply-adds in blocks of 16 rows, the memory pool from 64 KiB -- so the search draws
 ``B`` 1-3, ``T`` 1-300 (with the values around 32, 64, 128, 256 rows), widths ``d`` 1-64 and

@@ -14,7 +14,10 @@ What that promises, and what these tests check:
   keeps its threads (``a @ b`` in a user's code is not slowed down);
 - several Python threads may call models at once (numba's threading layer is thread-safe, or,
   where numba fell back to its ``workqueue`` layer, the parallel calls take a lock);
-- a bad ``PEDESTRIAN_NUM_THREADS`` is refused with the fix.
+- a bad ``PEDESTRIAN_NUM_THREADS`` is refused with the fix;
+- a parallel kernel picks its serial or threaded version from its own job (its first argument's
+  size, or its size function), by :mod:`pedestrian.kernels.schedule`'s thresholds; serial in a child
+  forked after numba's OpenMP threads started.
 """
 
 from __future__ import annotations
@@ -130,13 +133,13 @@ def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route,
     """``xᵀ Δ`` with ``x`` stored (a weight gradient) takes one of three routes in
     ``blas._numba_matmul``; each must be the product. Tolerance: each entry is a sum of ``k``
     products, ``k·ε`` of ``Σ|x||Δ|`` bounds any order of summation (Higham, ch. 3)."""
-    from pedestrian.kernels import blas
+    from pedestrian.kernels import blas, schedule
 
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1" if route == "one call" else "2")
     if route != "one call" and jit.threads_used() < 2:
         pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
     if route == "row blocks (partials too large)":
-        monkeypatch.setattr(blas, "SPLIT_K_MAX_PARTIAL", 0)
+        monkeypatch.setattr(schedule, "SPLIT_K_MAX_PARTIAL", 0)
     taken = []
 
     class Spy:                                              # records which kernel ran
@@ -160,3 +163,28 @@ def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route,
     exact = x.T.astype(np.float64) @ d.astype(np.float64)
     bound = k * np.finfo(dtype).eps * (np.abs(x.T).astype(np.float64) @ np.abs(d).astype(np.float64))
     assert np.all(np.abs(out - exact) <= bound)
+
+
+def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
+    """Serial under ``SERIAL_BELOW`` elements, one thread under ``PARALLEL_MIN_ELEMENTS``, every
+    thread from there -- counted on the first argument (the input), or by the kernel's own size
+    function (the attention heads: their scores ``p``); serial in a child forked after OpenMP
+    started. (The versions are replaced by recorders: nothing compiles.)"""
+    from pedestrian.kernels import activations, attention_loops, schedule
+
+    taken = []
+    monkeypatch.setattr(jit, "_layer", ["omp"])
+    monkeypatch.setattr(jit, "_use_threads", taken.append)
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    for k in (activations._times, attention_loops.heads_forward):
+        monkeypatch.setattr(k, "serial", lambda *args: taken.append("serial"))
+        monkeypatch.setattr(k, "parallel", lambda *args: taken.append("parallel"))
+    for n in (schedule.SERIAL_BELOW - 1, schedule.SERIAL_BELOW, schedule.PARALLEL_MIN_ELEMENTS):
+        activations._times(np.zeros(n), np.zeros(1), np.zeros(3))
+    small, large = np.zeros(schedule.SERIAL_BELOW - 1), np.zeros(schedule.PARALLEL_MIN_ELEMENTS)
+    attention_loops.heads_forward(large, True, 1.0, large, large, large, small, large)   # p decides
+    assert taken == ["serial", 1, "parallel", jit.threads_used(), "parallel", "serial"]
+    monkeypatch.setattr(jit, "_forked_from_omp", [True])
+    taken.clear()
+    activations._times(large, large, large)
+    assert taken == ["serial"]

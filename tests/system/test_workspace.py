@@ -17,8 +17,9 @@ import pytest
 import pedestrian.kernels as fast
 from pedestrian.backend import scatter_add_rows
 from pedestrian.config import GPTConfig
-from pedestrian.kernels import blas, jit
-from pedestrian.kernels.workspace import MAX_PER_SHAPE, Workspace, empty_array
+from pedestrian.kernels import schedule
+from pedestrian.kernels.schedule import MAX_PER_SHAPE
+from pedestrian.kernels.workspace import Workspace, empty_array
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
 
@@ -129,15 +130,13 @@ def test_memory_stays_bounded_over_many_steps_and_shape_changes():
 @pytest.fixture
 def pool_every_size(monkeypatch):
     """The pool's unit tests use small arrays: pool them as if they were large."""
-    import pedestrian.kernels.workspace as workspace
-
-    monkeypatch.setattr(workspace, "MIN_POOLED_BYTES", 0)
+    monkeypatch.setattr(schedule, "MIN_POOLED_BYTES", 0)
 
 
 def test_small_arrays_are_not_pooled():
     """One generated token's activations are a few hundred bytes: malloc serves them faster than
     the pool's bookkeeping, so they are never kept (MIN_POOLED_BYTES)."""
-    from pedestrian.kernels.workspace import MIN_POOLED_BYTES
+    from pedestrian.kernels.schedule import MIN_POOLED_BYTES
 
     ws = Workspace()
     small, = _ask(ws, np.ones(MIN_POOLED_BYTES // 8 - 1))
@@ -214,7 +213,7 @@ def test_a_torch_tensor_keeps_its_pooled_array_in_use(pool_every_size):
     array is never handed out again; once it is gone, the array is."""
     torch = pytest.importorskip("torch")
     ws = Workspace()
-    x = torch.ones((64, 65), dtype=torch.float64)      # (above linear.SMALL_ELEMENTS: pooled)
+    x = torch.ones((64, 65), dtype=torch.float64)      # (above schedule.SMALL_ELEMENTS: pooled)
     with ws.active():
         first = fast.add(x, x)
         second = fast.add(x, 2 * x)
@@ -243,10 +242,10 @@ def test_arrays_of_a_kv_cache_step_are_not_overwritten_by_the_next():
 def two_threads_for_everything(monkeypatch):
     """Force the numba kernels' threads on for the smallest jobs (normally from 2^15 elements,
     products from 2^18 multiply-adds in blocks of >= 16 rows)."""
-    monkeypatch.setattr(jit, "PARALLEL_MIN_ELEMENTS", 1)
-    monkeypatch.setattr(jit, "SERIAL_BELOW", 1)
-    monkeypatch.setattr(blas, "PARALLEL_MIN_MACS", 1)
-    monkeypatch.setattr(blas, "MIN_PART_ROWS", 1)
+    monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(schedule, "SERIAL_BELOW", 1)
+    monkeypatch.setattr(schedule, "PARALLEL_MIN_MACS", 1)
+    monkeypatch.setattr(schedule, "MIN_PART_ROWS", 1)
 
     def run(n_threads: int):
         monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", str(n_threads))

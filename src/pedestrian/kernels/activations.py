@@ -110,7 +110,9 @@ def _flat(a):
 
 
 def activation_forward(x, name: str):
-    """Apply ``g`` elementwise.
+    """``a8 = g(a7)`` entry by entry, keeping ``g'(a7)``: ReLU ``max(x, 0)``, GELU ``x Φ(x)``,
+    GELU-tanh ``½x(1 + tanh u)``, ``u = √(2/π)(x + 0.044715x³)``, SiLU ``x σ(x)`` (EQUATIONS.md, "Fully
+    connected (FC), activations, residual").
 
     Args:
         x: float array of any shape (the paper's ``a7``, ``(B, T, d_mlp)``).
@@ -129,16 +131,16 @@ def activation_forward(x, name: str):
     check_float(x, "the activation's input")
     y = empty_array(x.shape, x)
     if name == "relu":
-        _relu_forward.sized(x.size)(_flat(x), y.reshape(-1))
+        _relu_forward(_flat(x), y.reshape(-1))
         return y, x
     dg = empty_array(x.shape, x)
     forward = {"gelu": _gelu_forward, "gelu_tanh": _gelu_tanh_forward, "silu": _silu_forward}[name]
-    forward.sized(x.size)(_flat(x), y.reshape(-1), dg.reshape(-1))
+    forward(_flat(x), y.reshape(-1), dg.reshape(-1))
     return y, (x, dg)
 
 
 def activation_backward(delta, cache, name: str):
-    """``Δ_in = Δ ∘ g'(x)``.
+    """``Δ_in = Δ ∘ g'(x)`` (EQUATIONS.md, "Fully connected (FC), activations, residual").
 
     - ReLU: ``g'(x) = [x > 0]``.
     - GELU exact: ``g'(x) = Φ(x) + x φ(x)``.
@@ -154,9 +156,9 @@ def activation_backward(delta, cache, name: str):
     x, s = cache if isinstance(cache, tuple) else (cache, None)
     out = empty_array(x.shape, x)
     if name == "relu":
-        _relu_backward.sized(x.size)(_flat(delta), _flat(x), out.reshape(-1))
+        _relu_backward(_flat(delta), _flat(x), out.reshape(-1))
         return out
     if s is None:                                      # x alone: g' from a forward pass
         s = activation_forward(x, name)[1][1]
-    _times.sized(x.size)(_flat(delta), _flat(s), out.reshape(-1))
+    _times(_flat(delta), _flat(s), out.reshape(-1))
     return out

@@ -25,19 +25,18 @@ import numpy as np
 from .. import layers
 from ..layers.attention import KVBlock, check_cache_heads, check_kv_heads
 from ..layers.checks import check_float
+from . import attention_loops, schedule
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
-from . import attention_loops
 from .jit import blas_one_thread
 from .workspace import empty_array
 
-#: a KV-cache step of at most this many new tokens runs as one numba loop nest
-#: (:func:`pedestrian.kernels.attention_loops.decode_attention`; its products are loops, not BLAS)
-DECODE_MAX_T = 8
-
-
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                                  kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
-    """Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
+    """``out_h = softmax(q_h k_{g(h)}ᵀ/√d_qk, causal mask) v_{g(h)}`` per head, the heads side by
+    side, ``g(h) = h // (n_heads / n_kv_heads)``; ``q, k, v`` the columns of ``qkv`` (EQUATIONS.md,
+    "One attention head", "Multi-head attention", "Grouped-query attention").
+
+    Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
     results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
     (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
     no ``P``."""
@@ -52,7 +51,7 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     q, k = empty_array((B, n_heads, T, d_qk), qkv), empty_array((B, n_kv, T, d_qk), qkv)
     v, p = empty_array((B, n_kv, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, n_heads * d_head), qkv)
-    attention_loops.heads_forward.sized(p.size)(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
+    attention_loops.heads_forward(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal)
 
 
@@ -61,7 +60,7 @@ def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, n_k
     few tokens: one numba loop nest; more (a prompt): the reference (batched products)."""
     keys, values = kv_cache.keys, kv_cache.values
     check_cache_heads(kv_cache, n_kv)
-    if qkv.shape[1] <= DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
+    if qkv.shape[1] <= schedule.DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
         return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache)
     out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache,
                                                      n_kv_heads=n_kv)
@@ -87,7 +86,11 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
+    """Per head ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``,
+    ``dq = Δcausal k/√d_qk``, ``dk = Δcausalᵀ q/√d_qk``, into the columns of ``Δqkv`` (EQUATIONS.md,
+    "One attention head").
+
+    Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
     kept, is computed block by block for a tiled cache)."""
     if cache.get("kv_cache"):
         raise ValueError("no backward through a KV-cache forward; run model.forward without a cache")
@@ -101,14 +104,16 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     dk_heads = empty_array((B, H, T, d_qk), p) if grouped else p[:1, :1, :1, :1]
     dv_heads = empty_array((B, H, T, d_head), p) if grouped else p[:1, :1, :1, :1]
     blas_one_thread()                                         # heads over numba's threads
-    attention_loops.heads_backward.sized(p.size)(
+    attention_loops.heads_backward(
         delta, q, k, v, p, cache["causal"], 1.0 / math.sqrt(cache["d_qk"]), keep_delta_causal,
         kept if keep_delta_causal else p[:1, :1, :1, :1], dk_heads, dv_heads, delta_qkv)
     return delta_qkv, kept
 
 
 def attention_weights(cache):
-    """``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache (recomputed
+    """``P = softmax(q kᵀ/√d_qk, causal mask)`` (EQUATIONS.md, "One attention head").
+
+    ``P`` ``(B, n_heads, T, L)`` of a :func:`multi_head_attention_forward` cache (recomputed
     from ``q``, ``k`` and the log-sum-exp for a tiled cache)."""
     if cache.get("tiled"):
         return tiled_attention_weights(cache)
@@ -117,7 +122,10 @@ def attention_weights(cache):
 
 def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                       kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
-    """The forward for torch tensors on a GPU: the tiled kernel's torch loop from
+    """``out_h = softmax(q_h k_{g(h)}ᵀ/√d_qk, causal mask) v_{g(h)}`` per head (EQUATIONS.md,
+    "Multi-head attention", "Grouped-query attention"; by tiles: "Tiled attention").
+
+    The forward for torch tensors on a GPU: the tiled kernel's torch loop from
     :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on (``O(T)`` memory), else the
     reference (same arguments and results as :func:`multi_head_attention_forward`)."""
     if kv_cache is None and use_tiled(qkv.shape[1], qkv):
@@ -127,11 +135,16 @@ def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool
 
 
 def on_device_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """The backward of :func:`on_device_forward` (its cache says which one ran)."""
+    """``dv = Pᵀ Δ``, ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ out))``, ``dq = Δcausal k/√d_qk``,
+    ``dk = Δcausalᵀ q/√d_qk`` per head (EQUATIONS.md, "One attention head", "Tiled attention").
+
+    The backward of :func:`on_device_forward` (its cache says which one ran)."""
     backward = tiled_attention_backward if cache.get("tiled") else layers.multi_head_attention_backward
     return backward(delta, cache, keep_delta_causal=keep_delta_causal)
 
 
 def on_device_weights(cache):
-    """``P`` of an :func:`on_device_forward` cache."""
+    """``P = softmax(q kᵀ/√d_qk, causal mask)`` (EQUATIONS.md, "One attention head").
+
+    ``P`` of an :func:`on_device_forward` cache."""
     return tiled_attention_weights(cache) if cache.get("tiled") else layers.attention_weights(cache)

@@ -61,9 +61,12 @@ def _softmax_backward_row(d_row, p_row, n):
     d_row[n:] = 0.0
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda qkv, causal, scale, q, k, v, p, *rest: p.size)
 def heads_forward(qkv, causal, scale, q, k, v, p, out):
-    """Every head ``(b, h)`` of ``qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``: its ``q · scale``
+    """``out_h = P_h v_{g(h)}``, ``P_h = softmax(scale · q_h k_{g(h)}ᵀ, causal mask)`` for every head,
+    ``g(h) = h // (H / H_kv)`` (EQUATIONS.md, "One attention head", "Grouped-query attention").
+
+    Every head ``(b, h)`` of ``qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``: its ``q · scale``
     ``(B, H, T, d_qk)``, the key/value heads' ``k``, ``v`` ``(B, H_kv, T, ·)`` copied out,
     ``P = softmax(q kᵀ)`` (masked, query head ``h`` against key/value head ``h // (H / H_kv)``) into
     ``p`` ``(B, H, T, T)``, ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the
@@ -111,9 +114,13 @@ def _head_forward(u, qkv, causal, scale, q, k, v, p, out):
             out[b, t, h * d_head + c] = o[t, c]
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda delta, q, k, v, p, *rest: p.size)
 def heads_backward(delta, q, k, v, p, causal, inv_sqrt_d, keep, kept, dk_heads, dv_heads, delta_qkv):
-    """Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
+    """``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``dq = Δcausal k/√d``,
+    ``dk = Δcausalᵀ q/√d`` for every head, summed over each key/value head's group (EQUATIONS.md,
+    "One attention head", "Grouped-query attention").
+
+    Every head's backward: ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal`` (into ``kept[b, h]`` when
     ``keep``), ``dq = Δcausal k / √d_qk``, ``dk = Δcausalᵀ q`` (``q`` carries ``1/√d_qk``), written
     into their column blocks of ``delta_qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``. Grouped
     (``H_kv < H``): each query head's ``dk``, ``dv`` go to ``dk_heads``, ``dv_heads`` ``(B, H, T, ·)``,
@@ -197,7 +204,10 @@ def _group_sum(u, H, dk_heads, dv_heads, delta_qkv):
 
 @kernel
 def decode_attention(qkv, keys, values, length, key_start, causal, scale, q_out, p_out, out):
-    """A KV-cache step: the ``T`` new tokens' keys and values written into the cache at
+    """``out = softmax(q [K; k]ᵀ/√d_qk, mask) [V; v]`` for ``T`` new tokens after the cache's
+    ``K``, ``V`` (EQUATIONS.md, "KV cache").
+
+    A KV-cache step: the ``T`` new tokens' keys and values written into the cache at
     ``length …``, then ``out = softmax(q kᵀ · scale, masked) v`` against all ``L = length + T``.
 
     ``qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``; ``keys`` ``(B, H_kv, capacity, d_qk)``,

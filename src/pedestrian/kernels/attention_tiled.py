@@ -37,6 +37,7 @@ import numpy as np
 
 from ..backend import is_torch_array
 from ..layers.attention import check_kv_heads
+from . import schedule
 from .attention_loops import exp_shifted, row_max
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .vecmath import exp
@@ -46,11 +47,11 @@ __all__ = ["BLOCKS", "TILED_MIN_T", "use_tiled", "tiled_attention_forward", "til
            "tiled_attention_weights"]
 
 #: ``(block_q, block_k)`` per backend: query rows and key columns of one tile; NumPy: the numba
-#: loops, torch: the batched loop (docs/kernels.md, "Tiled attention")
-BLOCKS = {"numpy": (128, 256), "torch": (256, 512)}
-#: the shortest sequence for which the fast path uses this kernel, per backend (below it, the
-#: full-matrix attention is faster: docs/performance.md)
-TILED_MIN_T = {"numpy": 256, "torch": 512}
+#: loops, torch: the batched loop (:data:`.schedule.TILED_BLOCKS`)
+BLOCKS = schedule.TILED_BLOCKS
+#: the shortest sequence for which the fast path uses this kernel, per backend
+#: (:data:`.schedule.TILED_MIN_T`)
+TILED_MIN_T = schedule.TILED_MIN_T
 
 
 def _backend(x) -> str:
@@ -122,7 +123,8 @@ def _allowed(i, i0, j0, c, causal):
     return min(c, max(0, i0 + i - j0 + 1)) if causal else c
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda q, k, v, units, lanes, bq, bk, causal, *rest:
+        q.shape[0] * q.shape[1] * (q.shape[1] if causal else 2 * q.shape[1]) // 2)   # scores made
 def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
     ``o = softmax(q kᵀ) v``, ``lse = m + log Σ exp(q kᵀ − m)``. ``q`` ``(G, T, d_qk)`` already
@@ -170,7 +172,7 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
             lse[g, i0 + i] = m[i] + np.log(l[i])
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda q, *rest: q.shape[0] * q.shape[1] * q.shape[1])
 def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
     """Per head ``g`` (``prange``): ``P = exp(q kᵀ − lse)``, ``dv = Pᵀ Δ``,
     ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dq = Δcausal k``, ``dk = Δcausalᵀ q`` (shapes of
@@ -226,7 +228,11 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv
 def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                             block_q: int | None = None, block_k: int | None = None,
                             n_kv_heads: int | None = None):
-    """Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
+    """``o = softmax(q kᵀ/√d_qk) v`` and ``ℓ = m + log Σ_β exp(S_β − m)`` per query row, block by
+    block of keys with the running maximum ``m`` (EQUATIONS.md, "Tiled attention"); query head
+    ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``.
+
+    Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
 
     Args:
         qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))`` float array (NumPy or torch),
@@ -266,8 +272,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         n_blocks = -(-T // bq)
         work = np.arange(G * n_blocks)                                       # unit g·n_blocks + block
         units = work[np.argsort(-(work % n_blocks), kind="stable")] if causal else work
-        _forward_units.sized(G * T * (T if causal else 2 * T) // 2)(
-            q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
+        _forward_units(q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
     out = _empty((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv,
@@ -303,7 +308,10 @@ def _torch_forward(q, k, v, bq, bk, causal):
 
 
 def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
-    """Backward of :func:`tiled_attention_forward` down to the fused ``qkv`` (EQUATIONS.md).
+    """``P = exp(S − ℓ)``, ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dv = Pᵀ Δ``,
+    ``dq = Δcausal k/√d_qk``, ``dk = Δcausalᵀ q/√d_qk``, tile by tile (EQUATIONS.md, "Tiled attention").
+
+    Backward of :func:`tiled_attention_forward` down to the fused ``qkv`` (EQUATIONS.md).
 
     Per tile: ``P = exp(S − ℓ)`` (recomputed), ``dv += Pᵀ Δ``, ``dP = Δ vᵀ``,
     ``Δcausal = P ∘ (dP − D)`` with ``D = rowsum(Δ ∘ out)`` (= ``rowsum(dP ∘ P)``),
@@ -338,8 +346,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
         blas_one_thread()
         kept = np.zeros((G, T, T), o.dtype) if keep_delta_causal else None
         dq, dk, dv = empty_array(q.shape, o), empty_array(q.shape, o), empty_array(o.shape, o)   # per query head
-        _backward_heads.sized(G * T * T)(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
-                                         np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
+        _backward_heads(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
+                        np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
         if group > 1:                                                        # Σ over each group's heads
             dk, dv = _group_sum(dk, group), _group_sum(dv, group)
     dq *= 1.0 / math.sqrt(d_qk)
@@ -385,7 +393,9 @@ def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept):
 
 
 def tiled_attention_weights(cache):
-    """``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
+    """``P = exp(q kᵀ/√d_qk − ℓ)`` (EQUATIONS.md, "Tiled attention").
+
+    ``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
     ``q``, ``k`` and the log-sum-exp ``ℓ``: ``P = exp(q kᵀ/√d_qk − ℓ)``, ``0`` above the diagonal
     when causal (``O(T²)`` memory, on request only)."""
     q, k, lse = cache["q"], cache["k"], cache["lse"]

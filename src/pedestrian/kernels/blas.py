@@ -6,23 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import schedule
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
+from .schedule import COPY_ROWS
 from .workspace import empty_array
 
 __all__ = ["matmul_into", "colsum"]
 
 
-#: a 2-D NumPy product is shared over numba's threads from this many multiply-adds, in row
-#: blocks of at least :data:`MIN_PART_ROWS` rows
-PARALLEL_MIN_MACS = 1 << 18
-MIN_PART_ROWS = 16
-#: rows of a transposed left operand copied at a time (:func:`_gemm`)
-COPY_ROWS = 1024
-#: numbers of the partial outputs of :func:`_gemm_split_k` at most (16 MiB of float32)
-SPLIT_K_MAX_PARTIAL = 1 << 22
-
-
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * b.shape[0] * b.shape[1])  # m·k·n
 def _gemm(a, b, bias, out, parts):
     """``out = a @ b (+ bias)``, 2-D: ``out``'s rows in ``parts`` blocks, one single-threaded BLAS
     call each (a transposed ``a`` is copied first, :data:`COPY_ROWS` rows at a time: ``k × rows``
@@ -41,7 +33,7 @@ def _gemm(a, b, bias, out, parts):
                     out[i, j] += bias[j]
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, size=lambda at, b, *rest: at.shape[0] * at.shape[1] * b.shape[1])
 def _gemm_split_k(at, b, out, partial):
     """``out = atᵀ b`` (``at`` ``(k, m)``, ``b`` ``(k, n)``, both C-contiguous: a weight gradient
     ``xᵀ Δ``): the shared axis in ``len(partial) + 1`` blocks of rows, one single-threaded BLAS
@@ -75,24 +67,39 @@ def _numba_matmul(out, a, b, bias) -> bool:
     if not (b.flags.c_contiguous or b.flags.f_contiguous):
         b = np.ascontiguousarray(b)
     blas_one_thread()
-    (m, k), n = a.shape, out.shape[1]
-    threads = threads_used() if m * k * n >= PARALLEL_MIN_MACS else 1
-    if bias is None and a.T.flags.c_contiguous and b.flags.c_contiguous:
-        # aᵀ stored (a weight gradient xᵀ Δ): no copy of a; in parts, where the partial outputs
-        # (m·n numbers each) cost less to add than a's copy (m·k) and fit SPLIT_K_MAX_PARTIAL
-        # (not the tied logits' (V, d) at large batches) -- char-small's: 0.89 against 1.44 ms
-        parts = min(threads, k // MIN_PART_ROWS)
-        if threads == 1:                                                  # one BLAS call
-            _gemm_split_k.serial(a.T, b, out, np.empty((0, m, n), out.dtype))
-            return True
-        if parts > 1 and n < k and (parts - 1) * m * n <= SPLIT_K_MAX_PARTIAL:
-            _gemm_split_k(a.T, b, out, empty_array((parts - 1, m, n), out))      # (pooled in a step)
-            return True
-    parts = max(1, min(threads, m // MIN_PART_ROWS))
-    if bias is None:
-        bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype))
-    (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts)
+    route, parts = _route(*a.shape, out.shape[1], bias is None and a.T.flags.c_contiguous and b.flags.c_contiguous)
+    if route == "split":
+        m, n = out.shape
+        partial = empty_array((parts - 1, m, n), out) if parts > 1 else np.empty((0, m, n), out.dtype)
+        (_gemm_split_k if parts > 1 else _gemm_split_k.serial)(a.T, b, out, partial)   # (pooled in a step)
+    else:
+        bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype)) if bias is None else bias
+        (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts)
     return True
+
+
+def _route(m: int, k: int, n: int, at_stored: bool) -> tuple[str, int]:
+    """How ``(m, k) @ (k, n)`` runs, and in how many parts (:mod:`.schedule`'s thresholds):
+
+    - ``"split"`` -- ``a`` is a transposed C-contiguous ``at`` (a weight gradient ``xᵀ Δ``),
+      no bias: on one thread (a small product, or one thread) one BLAS call on the transposed
+      view, no copy; on several, the shared axis cut in blocks when the output is narrower than
+      it (``n < k``: the partial outputs, ``m·n`` each, cost less to add than ``a``'s copy,
+      ``m·k``) and the partials fit :data:`.schedule.SPLIT_K_MAX_PARTIAL` (char-small's four
+      weight gradients of a layer 3.8 → 2.9 ms: docs/kernels.md, "linear");
+    - ``"rows"`` -- otherwise ``out``'s rows in blocks of at least
+      :data:`.schedule.MIN_PART_ROWS`, one single-threaded BLAS call each (as fast as
+      OpenBLAS's own threads: docs/kernels.md, "One pool of threads"); one block below
+      :data:`.schedule.PARALLEL_MIN_MACS` multiply-adds.
+    """
+    threads = threads_used() if m * k * n >= schedule.PARALLEL_MIN_MACS else 1
+    if at_stored:
+        parts = min(threads, k // schedule.MIN_PART_ROWS)
+        if threads == 1:
+            return "split", 1
+        if parts > 1 and n < k and (parts - 1) * m * n <= schedule.SPLIT_K_MAX_PARTIAL:
+            return "split", parts
+    return "rows", max(1, min(threads, m // schedule.MIN_PART_ROWS))
 
 
 def matmul_into(out, a, b, *, bias=None) -> None:
@@ -144,7 +151,8 @@ def colsum(a, *, out=None):
     if out is None:
         out = np.empty(a.shape[1], dtype=a.dtype)
     if AVAILABLE and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
-        parts = max(1, min(threads_used(), a.shape[1] // 64)) if a.size >= 1 << 15 else 1
+        parts = max(1, min(threads_used(), a.shape[1] // schedule.COLSUM_MIN_COLUMNS)) \
+            if a.size >= schedule.COLSUM_PARALLEL_MIN else 1
         (_colsum if parts > 1 else _colsum.serial)(a, out, parts)
         return out
     return np.sum(a, axis=0, out=out)

@@ -51,7 +51,9 @@ def _positions(positions, B: int, T: int, n: int):
 
 
 def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
-    """Fast :func:`pedestrian.layers.embedding.embedding_forward` (same arguments and results)."""
+    """``a1 = W_tok[a0] + W_pos[positions]`` (EQUATIONS.md, "Embedding").
+
+    Fast :func:`pedestrian.layers.embedding.embedding_forward` (same arguments and results)."""
     check_float(tok_weight, "the token table")
     if pos_weight is None:
         return reference.embedding_forward(tokens, tok_weight, pos_weight, positions)
@@ -64,7 +66,9 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
 
 
 def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
-    """Fast :func:`pedestrian.layers.embedding.embedding_backward` (writes ``dtok``, ``dpos``)."""
+    """``dW_tok[t] = Σ_{a0 = t} Δ1``, ``dW_pos[p] = Σ_batch Δ1[:, p]`` (EQUATIONS.md, "Embedding").
+
+    Fast :func:`pedestrian.layers.embedding.embedding_backward` (writes ``dtok``, ``dpos``)."""
     tokens, positions = cache
     B, T, d = delta.shape
     rows = np.ascontiguousarray(delta).reshape(B * T, d)

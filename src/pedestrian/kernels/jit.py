@@ -49,8 +49,9 @@ import types
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used", "blas_one_thread",
-           "PARALLEL_MIN_ELEMENTS"]
+from . import schedule
+
+__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used", "blas_one_thread"]
 
 #: numba is installed (found, not imported: that happens at the first kernel call)
 AVAILABLE = importlib.util.find_spec("numba") is not None
@@ -344,13 +345,6 @@ def blas_one_thread() -> None:
     _blas_held[:] = [os.getpid()]
 
 
-#: a ``prange`` job of fewer elements runs on one thread (a parallel region costs ~3-5 µs to
-#: start and join: docs/kernels.md)
-PARALLEL_MIN_ELEMENTS = 1 << 15
-#: :meth:`_Parallel.sized`: smaller jobs run the serial compilation (2.2 against 4.3 µs for a
-#: layer norm of one 768-wide row: one generated token)
-SERIAL_BELOW = 1 << 12
-
 _threads_now = threading.local()
 _workqueue_lock = threading.Lock()
 
@@ -362,34 +356,38 @@ def _use_threads(n: int) -> None:
         _threads_now.n = n
 
 
+def _first_size(first, *rest) -> int:
+    """A parallel kernel's job by default: its first argument's size (each kernel takes its
+    input, the largest array, first)."""
+    return first.size                  # (a scan of every argument cost 3-5x a call's dispatch)
+
+
 class _Parallel:
-    """A ``prange`` kernel, compiled twice: the parallel version on ``num_threads()`` threads, and
-    a serial one for jobs too small for a parallel region (:meth:`sized`) and for a child forked
-    after numba's OpenMP threads started.
+    """A ``prange`` kernel, compiled twice: the parallel version, and a serial one. Each call
+    picks by the job's size ``size(*args)`` (:func:`_first_size` unless the kernel says
+    otherwise): the serial one under :data:`.schedule.SERIAL_BELOW` (and always in a child forked
+    after numba's OpenMP threads started), else the parallel one, on ``threads_used()`` threads
+    from :data:`.schedule.PARALLEL_MIN_ELEMENTS` and on one below (the same compiled loops
+    whatever the thread count, so the same bits).
 
     numba's threading layer: its default choice (``tbb``, then ``omp``, then ``workqueue``).
     ``workqueue`` must not be entered by two Python threads at once, so where numba fell back to
     it, parallel calls take a lock (threads of your own calling one model at once then wait for
     each other instead of crashing the process)."""
 
-    def __init__(self, f):
+    def __init__(self, f, size=None):
         serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
         self.serial, self.parallel = _Kernel(serial), _Kernel(f, parallel=True)
+        self.size = size or _first_size
         functools.update_wrapper(self, f)
 
     def __call__(self, *args):
-        return self.sized(PARALLEL_MIN_ELEMENTS)(*args)
-
-    def sized(self, n_elements: int):
-        """The version for a job of ``n_elements``: the serial one under :data:`SERIAL_BELOW` (and
-        in a child forked after numba's OpenMP threads started), else the parallel one, on
-        ``num_threads()`` threads from :data:`PARALLEL_MIN_ELEMENTS` and on one below (the same
-        compiled loops whatever the thread count, so the same bits)."""
-        if n_elements < SERIAL_BELOW or _forked_from_omp:
-            return self.serial
-        _use_threads(threads_used() if n_elements >= PARALLEL_MIN_ELEMENTS else 1)
-        return _locked(self.parallel) if _layer_is_workqueue() else self.parallel
+        n = self.size(*args)
+        if n < schedule.SERIAL_BELOW or _forked_from_omp:
+            return self.serial(*args)
+        _use_threads(threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1)
+        return (_locked(self.parallel) if _layer_is_workqueue() else self.parallel)(*args)
 
 
 _layer: list = []
@@ -437,18 +435,18 @@ def _locked(f):
     return call
 
 
-def kernel(func=None, *, parallel: bool = False):
-    """``@kernel`` / ``@kernel(parallel=True)``: ``numba.njit`` with :data:`FASTMATH`, the disk
-    cache and no GIL, made at the first call; ``parallel`` kernels share their ``prange`` loops
-    over :func:`num_threads` threads (:class:`_Parallel`; call them from Python --
-    ``kernel.sized(n)(...)`` picks the threads for a job of ``n`` elements -- not from another
-    kernel: use ``.serial`` there). A kernel may call another ``@kernel`` (not parallel).
-    Without numba the function is returned as it is (plain Python)."""
+def kernel(func=None, *, parallel: bool = False, size=None):
+    """``@kernel`` / ``@kernel(parallel=True, size=...)``: ``numba.njit`` with :data:`FASTMATH`,
+    the disk cache and no GIL, made at the first call; ``parallel`` kernels share their ``prange``
+    loops over :func:`num_threads` threads, serial or threaded by the job's size -- ``size(*args)``,
+    in elements (multiply-adds for a product), by default the first argument's size
+    (:class:`_Parallel`). Call them from Python, not from another kernel: use ``.serial`` there.
+    A kernel may call another ``@kernel`` (not parallel). Without numba the function is returned
+    as it is (plain Python)."""
     def wrap(f):
         if not AVAILABLE:                             # plain Python, the same attributes
             f.serial = f.parallel = f
-            f.sized = lambda n_elements: f
             return f
-        return _Parallel(f) if parallel else _Kernel(f)
+        return _Parallel(f, size) if parallel else _Kernel(f)
 
     return wrap if func is None else wrap(func)

@@ -17,12 +17,8 @@ import numpy as np
 from ..layers.checks import check_float
 from ..layers.layernorm import check_eps
 from .jit import kernel, prange
+from .schedule import NORM_BLOCK_ROWS
 from .workspace import empty_array
-
-#: rows per block of the backward's ``dw``, ``db`` partial sums: the blocks, and so the bits of
-#: ``dw``, do not depend on the number of threads
-BLOCK_ROWS = 32
-
 
 @kernel(parallel=True)
 def _forward(x, weight, bias, eps, y, xhat, rstd):
@@ -58,7 +54,7 @@ def _backward(delta, xhat, rstd, weight, out, dw_part, db_part):
         for j in range(d):
             dw_part[b, j] = 0.0
             db_part[b, j] = 0.0
-        for r in range(b * BLOCK_ROWS, min(n, (b + 1) * BLOCK_ROWS)):
+        for r in range(b * NORM_BLOCK_ROWS, min(n, (b + 1) * NORM_BLOCK_ROWS)):
             sg = 0.0
             sgx = 0.0
             for j in range(d):
@@ -75,7 +71,10 @@ def _backward(delta, xhat, rstd, weight, out, dw_part, db_part):
 
 
 def layernorm_forward(x, weight, bias, eps: float):
-    """Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results;
+    """``y = (x − μ)/σ ∘ w + b``, ``μ``, ``σ = √(var + ε)`` over the last axis (EQUATIONS.md, "Layer
+    normalization").
+
+    Fast :func:`pedestrian.layers.layernorm.layernorm_forward` (same arguments and results;
     the cache holds ``1/σ`` in float64)."""
     check_eps(eps)
     check_float(x, "the layer norm's input")
@@ -83,13 +82,16 @@ def layernorm_forward(x, weight, bias, eps: float):
     x2 = np.ascontiguousarray(x).reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
     rstd = np.empty((*x.shape[:-1], 1), np.float64)
-    _forward.sized(x.size)(x2, weight, np.zeros_like(weight) if bias is None else bias, float(eps),
+    _forward(x2, weight, np.zeros_like(weight) if bias is None else bias, float(eps),
              y.reshape(-1, d), xhat.reshape(-1, d), rstd.reshape(-1))
     return y, (xhat, rstd, weight)
 
 
 def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
-    """Fast :func:`pedestrian.layers.layernorm.layernorm_backward` (same arguments and result):
+    """``Δ_in = (1/σ)(g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂))``, ``g = Δ ∘ w``; ``dw = Σ x̂ ∘ Δ``,
+    ``db = Σ Δ`` over the tokens (EQUATIONS.md, "Layer normalization").
+
+    Fast :func:`pedestrian.layers.layernorm.layernorm_backward` (same arguments and result):
     ``Δ_in = (g − mean_f(g) − x̂ ∘ mean_f(g ∘ x̂)) / σ``, ``g = Δ ∘ w``; ``dw``, ``db`` as fixed-order
     sums of per-block partial sums (the same bits for any thread count)."""
     xhat, rstd, weight = cache
@@ -97,9 +99,9 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
     delta2 = np.ascontiguousarray(delta).reshape(-1, d)
     n = delta2.shape[0]
     delta_in = empty_array(delta.shape, delta)
-    blocks = -(-n // BLOCK_ROWS)
+    blocks = -(-n // NORM_BLOCK_ROWS)
     dw_part, db_part = np.empty((blocks, d)), np.empty((blocks, d))
-    _backward.sized(delta.size)(delta2, xhat.reshape(-1, d), rstd.reshape(-1), weight, delta_in.reshape(-1, d), dw_part, db_part)
+    _backward(delta2, xhat.reshape(-1, d), rstd.reshape(-1), weight, delta_in.reshape(-1, d), dw_part, db_part)
     if dweight is not None:
         dweight[...] = dw_part.sum(axis=0)
     if dbias is not None:

@@ -11,18 +11,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..layers.checks import check_float
+from . import schedule
 from .blas import colsum, matmul_into
 from .workspace import empty_array
 
 
-#: inputs of at most this many elements (a few tokens while generating) skip the memory pool
-SMALL_ELEMENTS = 1 << 12
-
-
 def linear_forward(x, weight, bias=None):
-    """Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
+    """``y = x W + b`` (EQUATIONS.md, "Fully connected (FC), activations, residual").
+
+    Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
     check_float(x, "the linear layer's input")
-    if x.size <= SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
+    if x.size <= schedule.SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
         y = x @ weight
         if bias is not None:
             y += bias
@@ -40,7 +39,10 @@ def _transposed_contiguous(a) -> bool:
 
 
 def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_input=True):
-    """Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
+    """``Δ_in = Δ Wᵀ``, ``dW = xᵀ Δ``, ``db = Σ_tokens Δ`` (EQUATIONS.md, "Fully connected (FC),
+    activations, residual").
+
+    Fast :func:`pedestrian.layers.linear.linear_backward`: ``dW`` and ``db`` are written
     straight into ``dweight`` / ``dbias`` (for a transposed ``dweight`` -- the tied logits'
     share of ``W_tok``'s gradient -- as ``Δᵀ x``, so BLAS writes rows)."""
     f_in, f_out = weight.shape
@@ -61,8 +63,10 @@ def linear_backward(delta, cache, weight, *, dweight=None, dbias=None, need_inpu
 
 
 def add(a, b):
-    """Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
-    if a.size <= SMALL_ELEMENTS:
+    """``y = x + f(x)`` (the skip) (EQUATIONS.md, "Fully connected (FC), activations, residual").
+
+    Fast :func:`pedestrian.layers.residual.add`: the sum goes into a pooled array."""
+    if a.size <= schedule.SMALL_ELEMENTS:
         return a + b
     out = empty_array(a.shape, a)
     np.add(a, b, out=out)

@@ -2,7 +2,7 @@
 
 NumPy arrays: the layer norm's loops (:mod:`.layernorm`) without the mean -- the forward walks
 each row once for ``Σ x²`` and once for ``x̂``, ``y``; the backward once for ``Σ g ∘ x̂`` and once
-for ``Δ_in``, while ``dw`` accumulates per block of :data:`.layernorm.BLOCK_ROWS` rows (the same
+for ``Δ_in``, while ``dw`` accumulates per block of :data:`.schedule.NORM_BLOCK_ROWS` rows (the same
 bits for any thread count). Sums in float64 (for float32 rows too); ``x̂`` is rounded to the
 input dtype before ``∘ w``, Hugging Face's order. The cache holds ``1/r`` in float64.
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..layers.rmsnorm import check_rms_eps
 from .jit import kernel, prange
-from .layernorm import BLOCK_ROWS
+from .schedule import NORM_BLOCK_ROWS
 from .workspace import empty_array
 
 
@@ -45,7 +45,7 @@ def _backward(delta, xhat, rrms, weight, out, dw_part):
     for b in prange(dw_part.shape[0]):
         for j in range(d):
             dw_part[b, j] = 0.0
-        for r in range(b * BLOCK_ROWS, min(n, (b + 1) * BLOCK_ROWS)):
+        for r in range(b * NORM_BLOCK_ROWS, min(n, (b + 1) * NORM_BLOCK_ROWS)):
             sgx = 0.0
             for j in range(d):
                 dx = np.float64(delta[r, j]) * xhat[r, j]
@@ -58,19 +58,24 @@ def _backward(delta, xhat, rrms, weight, out, dw_part):
 
 
 def rmsnorm_forward(x, weight, eps: float):
-    """Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_forward` (same arguments and results; the
+    """``y = x/r ∘ w``, ``r = √(mean_f(x²) + ε)`` over the last axis (EQUATIONS.md, "RMS normalization").
+
+    Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_forward` (same arguments and results; the
     cache holds ``1/r`` in float64)."""
     check_rms_eps(eps)
     d = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)
     rrms = np.empty((*x.shape[:-1], 1), np.float64)
-    _forward.sized(x.size)(x2, weight, float(eps), y.reshape(-1, d), xhat.reshape(-1, d), rrms.reshape(-1))
+    _forward(x2, weight, float(eps), y.reshape(-1, d), xhat.reshape(-1, d), rrms.reshape(-1))
     return y, (xhat, rrms, weight)
 
 
 def rmsnorm_backward(delta, cache, *, dweight=None):
-    """Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_backward` (same arguments and result):
+    """``Δ_in = (1/r)(g − x̂ ∘ mean_f(g ∘ x̂))``, ``g = Δ ∘ w``; ``dw = Σ_tokens Δ ∘ x̂`` (EQUATIONS.md,
+    "RMS normalization").
+
+    Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_backward` (same arguments and result):
     ``Δ_in = (g − x̂ ∘ mean_f(g ∘ x̂)) / r``, ``g = Δ ∘ w``; ``dw`` as a fixed-order sum of
     per-block partial sums (the same bits for any thread count)."""
     xhat, rrms, weight = cache
@@ -78,8 +83,8 @@ def rmsnorm_backward(delta, cache, *, dweight=None):
     delta2 = np.ascontiguousarray(delta).reshape(-1, d)
     n = delta2.shape[0]
     delta_in = empty_array(delta.shape, delta)
-    dw_part = np.empty((-(-n // BLOCK_ROWS), d))
-    _backward.sized(delta.size)(delta2, xhat.reshape(-1, d), rrms.reshape(-1), weight, delta_in.reshape(-1, d), dw_part)
+    dw_part = np.empty((-(-n // NORM_BLOCK_ROWS), d))
+    _backward(delta2, xhat.reshape(-1, d), rrms.reshape(-1), weight, delta_in.reshape(-1, d), dw_part)
     if dweight is not None:
         dweight[...] = dw_part.sum(axis=0)
     return delta_in

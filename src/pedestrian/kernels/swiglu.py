@@ -43,22 +43,29 @@ def _flat(a):
 
 
 def swiglu_forward(gate, up):
-    """Fast :func:`pedestrian.layers.swiglu.swiglu_forward` (same arguments and results)."""
+    """``a8 = silu(a7_gate) ∘ a7_up`` (EQUATIONS.md, "SiLU and the SwiGLU MLP").
+
+    Fast :func:`pedestrian.layers.swiglu.swiglu_forward` (same arguments and results)."""
     out = empty_array(gate.shape, gate)
-    _gate_forward.sized(gate.size)(_flat(gate), _flat(up), out.reshape(-1))
+    _gate_forward(_flat(gate), _flat(up), out.reshape(-1))
     return out, (gate, up)
 
 
 def swiglu_backward(delta, cache):
-    """Fast :func:`pedestrian.layers.swiglu.swiglu_backward` (same arguments and results)."""
+    """``Δ7_gate = Δ8 ∘ a7_up ∘ silu'(a7_gate)``, ``Δ7_up = Δ8 ∘ silu(a7_gate)`` (EQUATIONS.md, "SiLU and
+    the SwiGLU MLP").
+
+    Fast :func:`pedestrian.layers.swiglu.swiglu_backward` (same arguments and results)."""
     gate, up = cache
     d_gate, d_up = empty_array(gate.shape, gate), empty_array(gate.shape, gate)
-    _gate_backward.sized(gate.size)(_flat(delta), _flat(gate), _flat(up), d_gate.reshape(-1), d_up.reshape(-1))
+    _gate_backward(_flat(delta), _flat(gate), _flat(up), d_gate.reshape(-1), d_up.reshape(-1))
     return d_gate, d_up
 
 
 def swiglu_mlp_forward(x, w_gate, w_up, w_down):
-    """Fast :func:`pedestrian.layers.swiglu.swiglu_mlp_forward` (same arguments and results)."""
+    """``a9 = (silu(a6 W_gate) ∘ a6 W_up) W_down`` (EQUATIONS.md, "SiLU and the SwiGLU MLP").
+
+    Fast :func:`pedestrian.layers.swiglu.swiglu_mlp_forward` (same arguments and results)."""
     check_swiglu_shapes(x, w_gate, w_up, w_down)
     a7_gate, _ = linear_forward(x, w_gate)
     a7_up, _ = linear_forward(x, w_up)
@@ -69,7 +76,11 @@ def swiglu_mlp_forward(x, w_gate, w_up, w_down):
 
 def swiglu_mlp_backward(delta, cache, w_gate, w_up, w_down, *, dw_gate=None, dw_up=None, dw_down=None,
                         need_input=True):
-    """Fast :func:`pedestrian.layers.swiglu.swiglu_mlp_backward` (same arguments and result; the
+    """``dW_down = a8ᵀ Δ9``, ``Δ8 = Δ9 W_downᵀ``, ``Δ7_*`` as :func:`swiglu_backward`,
+    ``dW_gate = a6ᵀ Δ7_gate``, ``dW_up = a6ᵀ Δ7_up``, ``Δ6 = Δ7_gate W_gateᵀ + Δ7_up W_upᵀ`` (EQUATIONS.md,
+    "SiLU and the SwiGLU MLP").
+
+    Fast :func:`pedestrian.layers.swiglu.swiglu_mlp_backward` (same arguments and result; the
     two halves of ``Δ6`` are added in place)."""
     d8 = linear_backward(delta, cache.a8, w_down, dweight=dw_down)
     d7_gate, d7_up = swiglu_backward(d8, (cache.a7_gate, cache.a7_up))

@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextvars
 import math
 import sys
+
 import numpy as np
+
+from . import schedule
 
 __all__ = ["Workspace", "empty_array"]
 
@@ -24,14 +27,6 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pedestrian_workspace",
 #: sys.getrefcount of a pooled array nobody else holds: the pool's list and getrefcount's own
 #: argument (the loop variable adds one more while searching)
 _FREE_REFCOUNT = 2
-#: smaller arrays are not pooled: malloc serves them from its free lists faster than any
-#: bookkeeping (one token's activations while generating are a few hundred bytes), and only
-#: large blocks are handed back to the OS and faulted in again (glibc's mmap threshold: 128 KiB
-#: and up)
-MIN_POOLED_BYTES = 1 << 16
-#: arrays pooled per shape at most (a caller that keeps every step's logits must not make each
-#: later request scan them all); gpt2-124M's backward has ~80 (B, T, d) arrays live at once
-MAX_PER_SHAPE = 256
 
 
 class Workspace:
@@ -77,7 +72,7 @@ class Workspace:
                 return a
             del a
         a = np.empty(shape, dtype=like.dtype)
-        if _POOLING and n < MAX_PER_SHAPE:
+        if _POOLING and n < schedule.MAX_PER_SHAPE:
             arrays.append(a)
             self._next[key] = n + 1
         return a
@@ -116,6 +111,6 @@ def empty_array(shape, like):
     """
     shape = tuple(shape)
     workspace = _ACTIVE.get()
-    if workspace is not None and math.prod(shape) * like.dtype.itemsize >= MIN_POOLED_BYTES:
+    if workspace is not None and math.prod(shape) * like.dtype.itemsize >= schedule.MIN_POOLED_BYTES:
         return workspace.take(shape, like)
     return np.empty(shape, dtype=like.dtype)

@@ -399,7 +399,7 @@ class AdamW:
                         e = s + self.chunk_size
                         self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)
                 else:                                 # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
-                    update = _adamw.sized(hi - lo) if JIT_AVAILABLE else _adamw_numpy
+                    update = _adamw if JIT_AVAILABLE else _adamw_numpy
                     update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt, self.chunk_size)
 
     def _torch_chunk(self, p, g, m, v, step_size, bc2_sqrt, decay):
