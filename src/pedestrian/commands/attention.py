@@ -2,15 +2,12 @@
 head), query tokens down the side, key tokens along the bottom, weights from 0 to 1 on one shared
 colour scale (a causal mask zeroes the upper triangle).
 
---gradients draws one training step instead (paper section 3.2): the next-token loss of the
-prompt, and beside each head's P its Δcausal = ∂L/∂ρ_causal (the softmax backward that feeds the
-queries' and keys' gradients), blue < 0 < red, each map on its own symmetric scale; every row of
-it sums to 0 and the masked entries are exactly 0.
+--gradients draws one training step instead (paper section 3.2): beside each head's P its
+Δcausal = ∂L/∂ρ_causal for the prompt's next-token loss, blue < 0 < red (rows sum to 0).
 
 The model: a checkpoint (--checkpoint, with its tokenizer), or a fresh random model (--random:
-GPT-2's initialisation with --seed, widths --n-blocks, --n-heads, --d-model, a character
-tokenizer of the prompt). A prompt longer than the context keeps its last context_length tokens
-(a note says so). Newlines show as '⏎', spaces as '␣'. The drawing: pedestrian.paper.pictures.
+--seed, --n-blocks, --n-heads, --d-model, a character tokenizer of the prompt). A prompt longer
+than the context keeps its last context_length tokens. The drawing: pedestrian.paper.pictures.
 
 Examples:
   pedestrian attention --checkpoint runs/shakespeare_char/best --prompt "ROMEO: But soft" --out attn.png

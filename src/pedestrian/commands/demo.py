@@ -9,25 +9,17 @@ the order the backward produces them -- the error signals Δi = ∂L/∂ai, each
 its agreement with a check (pedestrian.paper.gradients):
 
   fd        central finite differences (default; NumPy only) on --entries entries of every
-            parameter, step h = --step: an entry passes when |numeric - analytic| <= atol +
-            rtol·|numeric|; the column is the largest relative error over entries with
-            |numeric| >= --atol ('-' where none is, and for the Δi, which are not parameters).
+            parameter, step --step: a line passes when |numeric - analytic| <= atol + rtol·|numeric|.
   autograd  every tensor against PyTorch autograd of the test suite's independent model
-            (tests/oracles/torch_reference.py; a source checkout and PyTorch): a line passes
-            when max |ours - autograd| <= 1e-9 · max |autograd|.
+            (tests/oracles/torch_reference.py): a line passes within 1e-9 · max |autograd|.
 
-The key bias's gradient is identically zero (paper section 3): its line passes when it is
-rounding noise, at most 1e-12 of the query bias's. A failing line ends with "<- FAILED"; exit
-status 1 if any check fails.
+The key bias's line passes as rounding noise (its gradient is 0, §3). A failing line ends with
+"<- FAILED"; exit status 1 if any check fails.
 
---head: the worked example of the paper's section 3 (Table 1), one attention head on a tiny
-random input (--T 4 tokens, --d 3 features, --d-rho 2, --d-h 2, --seed; --no-causal drops the
-mask), every matrix with its name and shape (pedestrian.paper.walkthrough; --json: one JSON
-object of float64 nested lists, keys in pedestrian.paper.head_text). --mask: the same numbers
-through the paper's literal 0/1 Hadamard mask (which leaks weight to future tokens) and the −∞
-mask, side by side. --properties: the paper's statements about positions (equivariance and what
-breaks it, RoPE offsets, KV cache = full forward), measured against bounds. Exit status 1 if the
-−∞ mask or a property does not behave as stated.
+--head: the paper's section 3 example (Table 1), one attention head on a tiny random input, every
+matrix named (--json: float64 nested lists). --mask: the paper's literal 0/1 mask beside the −∞
+one. --properties: the paper's statements about positions, measured. Exit status 1 if the −∞
+mask or a property does not behave as stated.
 
 Examples:
   pedestrian demo                              # also: --check autograd, --kernels reference
@@ -59,9 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="the paper's reference layers or the fast kernels "
                              "(default: PEDESTRIAN_KERNELS, else fast)")
-    parser.add_argument("--arch", choices=["gpt2", "llama"], default=None,
-                        help="the demo model's architecture: gpt2 (default) or llama (RMS norm, SwiGLU, "
-                             "grouped-query attention 4:2, RoPE with Llama 3 scaling, no biases)")
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default=None, help="the demo model's "
+                        "architecture: gpt2 (default) or llama (RMS norm, SwiGLU, GQA 4:2, Llama 3 RoPE)")
     parser.add_argument("--check", choices=["fd", "autograd"], default=None,
                         help="fd: finite differences (default); autograd: every tensor against "
                              "PyTorch autograd of the test suite's oracle (needs PyTorch and a source checkout)")

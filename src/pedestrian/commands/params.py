@@ -25,10 +25,8 @@ def add_config_arguments(parser: argparse.ArgumentParser):
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
     for name in ("vocab-size", "context-length", "d-model", "n-heads", "n-blocks", "d-head", "d-qk", "mlp-ratio"):
         g.add_argument("--" + name, type=int)
-    g.add_argument("--arch", choices=list(ARCHS),
-                   help="architecture: gpt2 (default: layer norm, GELU MLP, learned positions, biases) or "
-                        "llama (RMS norm, SwiGLU, RoPE, no biases, n_heads/2 key/value heads); fills "
-                        "the fields not given explicitly")
+    g.add_argument("--arch", choices=list(ARCHS), help="gpt2 (default) or llama (RMS norm, SwiGLU, RoPE, "
+                   "no biases, n_heads/2 key/value heads); fills the fields not given explicitly")
     g.add_argument("--norm", choices=list(NORMS), help="the blocks' norm (layernorm: GPT-2; rmsnorm: Llama)")
     g.add_argument("--mlp", choices=list(MLPS), help="the MLP (standard: GPT-2; swiglu: Llama's gated one)")
     g.add_argument("--n-kv-heads", type=int, help="key/value heads, dividing --n-heads (grouped-query attention)")
