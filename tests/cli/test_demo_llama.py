@@ -20,10 +20,9 @@ import pytest
 
 from pedestrian.cli import main
 from pedestrian.paper.demo import demo_model
-from pedestrian.paper.gradients import SWIGLU_SYMBOLS, SYMBOLS
+from test_demo_autograd import key_of
 from torch_reference import delta_names, param_shapes, reference_loss_and_grads
 
-SYMBOL_TO_PARAM = {v: k for k, v in {**SYMBOLS, **SWIGLU_SYMBOLS}.items()}
 
 
 def run(*args) -> tuple[int, str]:
@@ -35,18 +34,6 @@ def run(*args) -> tuple[int, str]:
 
 def lines_of(out: str, column: str) -> list[str]:
     return out.split(column + "\n", 1)[1].split("\n\n", 1)[0].splitlines()
-
-
-def key_of(line: str) -> str:
-    """The tensor a printed line is about, in the oracle's names."""
-    label = line[:37]
-    block = f"blocks.{label.split('block ')[1].split()[0]}." if "block " in label else ""
-    name = label.split()[0]
-    if name.startswith("Δcausal"):
-        return block + "Δcausal"
-    if name.startswith("Δ"):
-        return block + name
-    return block + SYMBOL_TO_PARAM[name.removeprefix("∂L/∂")]
 
 
 def oracle_cfg(config) -> dict:
