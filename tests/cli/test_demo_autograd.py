@@ -24,11 +24,12 @@ from cli_helpers import break_layernorm_backward, one_line_error
 from pedestrian.cli import main
 from pedestrian.paper.demo import demo_model
 from pedestrian.paper import gradients
-from pedestrian.paper.gradients import SWIGLU_SYMBOLS, SYMBOLS
+from pedestrian.paper.gradients import RMS_SYMBOLS, SWIGLU_SYMBOLS, SYMBOLS
 from torch_reference import delta_names, param_shapes, reference_forward, reference_loss_and_grads
 
 RTOL = 1e-9
-SYMBOL_TO_PARAM = {**{v: k for k, v in SYMBOLS.items()}, **{v: k for k, v in SWIGLU_SYMBOLS.items()}}  # GPT-2's and SwiGLU's
+SYMBOL_TO_PARAM = {v: k for table in (SYMBOLS, SWIGLU_SYMBOLS, RMS_SYMBOLS)   # GPT-2's, SwiGLU's, RMS norm's
+                   for k, v in table.items()}
 
 
 def lines_of(out: str) -> list[str]:

@@ -13,8 +13,9 @@ its agreement with a check (pedestrian.paper.gradients):
   autograd  every tensor against PyTorch autograd of the test suite's independent model
             (tests/oracles/torch_reference.py): a line passes within 1e-9 · max |autograd|.
 
-The key bias's line passes as rounding noise (its gradient is 0, §3). A failing line ends with
-"<- FAILED"; exit status 1 if any check fails.
+With learned positions (or none) the key bias's line passes as rounding noise (its gradient is 0,
+§3); under RoPE it is not 0 (each key's bias is rotated by its position) and is checked like any
+other. A failing line ends with "<- FAILED"; exit status 1 if any check fails.
 
 --head: the paper's section 3 example (Table 1), one attention head on a tiny random input, every
 matrix named (--json: float64 nested lists). --mask: the paper's literal 0/1 mask beside the −∞

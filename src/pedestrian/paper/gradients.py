@@ -14,10 +14,17 @@ Each is checked one of two ways:
   a line passes when ``max|ours - autograd| <= AUTOGRAD_RTOL · max|autograd|``.
 
 A SwiGLU model (``config.mlp == "swiglu"``) has ``Δ7_up``, ``∂L/∂W_up``, ``Δ7_gate``, ``∂L/∂W_gate``
-in place of ``Δ7``, ``∂L/∂W_expand`` (and ``W_down`` for ``W_contract``; :data:`SWIGLU_SYMBOLS`).
+in place of ``Δ7``, ``∂L/∂W_expand`` (and ``W_down`` for ``W_contract``; :data:`SWIGLU_SYMBOLS`); an
+RMS-norm model (``config.norm == "rmsnorm"``) has ``∂L/∂w_RMS1`` … in place of ``∂L/∂w_LN1`` …
+(:data:`RMS_SYMBOLS`).
 
-The key bias's gradient is identically zero (paper section 3: every row of Δcausal sums to 0):
-its line passes when it is rounding noise, at most ``KEY_BIAS_RATIO`` of the query bias's.
+With learned positions or none, the key bias's gradient is identically zero (paper section 3:
+``b_k`` adds ``q_α · b_k`` to every score of row ``α``, which the softmax cancels; every row of
+Δcausal sums to 0): its line says so and passes when it is rounding noise, at most
+``KEY_BIAS_RATIO`` of the query bias's. Under RoPE that rule is false -- key ``β`` gets
+``R_{t_β} b_k``, a different vector at every position, so the shift is no longer the same along a
+row (EQUATIONS.md, "RoPE backward") -- and the key bias is checked like any other parameter
+(:func:`key_bias_vanishes`, :data:`KEY_BIAS_ROPE_NOTE`).
 """
 
 from __future__ import annotations
@@ -48,20 +55,36 @@ SYMBOLS = {
     "logits.weight": "W_logits", "logits.bias": "b_logits",
     "tok_emb.weight": "W_tok", "pos_emb.weight": "W_pos",
 }
+#: RMS norm's names (weight only: no mean, no bias), in place of :data:`SYMBOLS`' layer-norm ones
+RMS_SYMBOLS = {"ln1.weight": "w_RMS1", "ln2.weight": "w_RMS2", "ln_final.weight": "w_RMSfinal"}
+#: printed under the table when a key bias is checked under RoPE (:func:`key_bias_vanishes` false)
+KEY_BIAS_ROPE_NOTE = ("∂L/∂b_k is not ≡ 0 here: paper section 3's rule needs the same b_k on every key, and RoPE\n"
+                      "turns key β's bias by its position, R(t_β θ) b_k, so q_α · R(t_β θ) b_k varies along a row\n"
+                      "of scores and the softmax no longer cancels it; its line is checked like any other.")
 #: the SwiGLU MLP's names (EQUATIONS.md "SiLU and the SwiGLU MLP"; Hugging Face gate_proj,
 #: up_proj, down_proj), in place of :data:`SYMBOLS`' for those parameters
 SWIGLU_SYMBOLS = {"mlp_gate.weight": "W_gate", "mlp_gate.bias": "b_gate", "mlp_expand.weight": "W_up",
                   "mlp_expand.bias": "b_up", "mlp_contract.weight": "W_down", "mlp_contract.bias": "b_down"}
 
 
+def key_bias_vanishes(config) -> bool:
+    """Whether ``∂L/∂b_k ≡ 0`` holds for a model of this config: with learned positions or none
+    (paper section 3: the same ``b_k`` on every key shifts each row of scores by a constant), not
+    with RoPE (the key bias is rotated by each key's position; EQUATIONS.md "RoPE backward")."""
+    return config.position_encoding != "rope"
+
+
 def gradient_lines(model) -> list:
     """``(label, kind, key)`` in the order the backward produces them, Δ12 first.
 
     ``kind`` is ``"delta"`` (``key`` into :meth:`GPT.deltas`) or ``"param"`` (into the grads).
+    The key bias's label says ``(≡ 0, §3)`` only where :func:`key_bias_vanishes`, ``(RoPE: ≢ 0)``
+    otherwise.
     """
     c, names = model.config, set(model.params)
     swiglu = c.mlp == "swiglu"
-    symbols = {**SYMBOLS, **SWIGLU_SYMBOLS} if swiglu else SYMBOLS
+    symbols = {**SYMBOLS, **(SWIGLU_SYMBOLS if swiglu else {}), **(RMS_SYMBOLS if c.norm == "rmsnorm" else {})}
+    k_bias_note = " (≡ 0, §3)" if key_bias_vanishes(c) else " (RoPE: ≢ 0)"
     out = []
 
     def params(prefix, *suffixes, where=""):
@@ -70,7 +93,7 @@ def gradient_lines(model) -> list:
             if name in names:
                 label = f"∂L/∂{symbols[s]}"
                 if s == "attn.k.bias":
-                    label += " (≡ 0, §3)"
+                    label += k_bias_note
                 out.append((f"{label:<24}{where}", "param", name))
 
     def delta(n, key, where=""):                           # n: 7, or "7_gate" (SwiGLU)
@@ -204,7 +227,7 @@ def check_model_gradients(model, x, y, check: str = "fd", *, entries: int = 3, s
             expected = truth[kind][key]
             diff = float(np.max(np.abs(value - expected)))
             bad, shown = diff > AUTOGRAD_RTOL * float(np.max(np.abs(expected))), f"{diff:.1e}"
-        if key.endswith("attn.k.bias"):                    # ≡ 0: only rounding noise may show
+        if key.endswith("attn.k.bias") and key_bias_vanishes(model.config):   # ≡ 0: only rounding noise
             bad = size > KEY_BIAS_RATIO * kq[int(key.split(".")[1])]
             if truth is None:
                 shown = "rounding" if not bad else "NOT ZERO"
@@ -224,7 +247,8 @@ def gradients_text(loss: float, lines: list, vocab_size: int, check: str = "fd",
     """``(text, passed)``: the result of :func:`check_model_gradients` as ``pedestrian demo``
     prints it -- the loss beside the uniform guess ``ln vocab_size``, the check and its pass
     rule, one line per gradient (label, shape, largest entry, the check's column, ``<- FAILED``
-    on a failing line) and the count of failures."""
+    on a failing line), the count of failures, and :data:`KEY_BIAS_ROPE_NOTE` when a key bias
+    line is labelled ``(RoPE: ≢ 0)``."""
     import math
 
     out = [f"loss L = {loss:.6f} nats/char (uniform guess: ln {vocab_size} = {math.log(vocab_size):.4f})"]
@@ -241,4 +265,6 @@ def gradients_text(loss: float, lines: list, vocab_size: int, check: str = "fd",
         out.append(f"{g.label:<37}{str(g.shape):<14}{g.size:>10.1e}{g.shown:>11}" + ("  <- FAILED" if g.failed else ""))
     failed = sum(g.failed for g in lines)
     out.append(f"\n{failed} gradients fail the check -> {'OK' if not failed else 'FAILED'}")
+    if any("(RoPE: ≢ 0)" in g.label for g in lines):
+        out.append(KEY_BIAS_ROPE_NOTE)
     return "\n".join(out), not failed
