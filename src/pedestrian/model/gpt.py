@@ -14,13 +14,13 @@ are layer norms or RMS norms (``config.norm``), the MLP is expand-g-contract or 
 (``config.mlp``: ``a7_gate = FC_gate(a6)``, ``a7_up = FC_up(a6)``, ``a8 = silu(a7_gate) ∘ a7_up``,
 ``a9 = FC_down(a8)``), the attention has ``config.n_kv_heads`` key/value heads (grouped-query), RoPE
 takes ``rope_base`` and Llama 3's ``rope_scaling``, biases are everywhere, nowhere or on q, k, v
-only (Qwen2), and the logits are tied or not.
+only (Qwen2), and the logits are tied or not. The norm, the activation ``g`` and the whole MLP are
+slots (:mod:`pedestrian.model.slots`): the chain calls them alike, built in or a layer of your own.
 
-Each step is one call of a layer function. Which functions -- the paper's reference layers
-(:mod:`pedestrian.layers`) or the fast kernels (:mod:`pedestrian.kernels`), same names and
-signatures -- is chosen once, by ``GPT(..., kernels=...)``. Every layer backward *writes* its
-parameters' gradients (never adds); the tied token table's two contributions are summed in one
-line of :meth:`GPT._backward`.
+Each step is one call of a layer function: the paper's reference layers (:mod:`pedestrian.layers`)
+or the fast kernels (:mod:`pedestrian.kernels`), same names and signatures, chosen once by
+``GPT(..., kernels=...)``. Every layer backward *writes* its parameters' gradients (never adds);
+the tied token table's two contributions are summed in one line of :meth:`GPT._backward`.
 
 Dropout (off by default) sits on the edges, not in the names: ``a1``, ``a4`` and ``a9`` are the
 values before dropout, what flows on is ``dropout(a_i)``, and ``Δ_i = ∂L/∂a_i`` for them too.
@@ -39,6 +39,7 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     ln_final.weight / .bias
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
     X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (:mod:`pedestrian.model.adapters`)
+    blocks.{i}.ln1.<name>, blocks.{i}.act.<name>, blocks.{i}.mlp.<name>, ...  -- plugged layers' (in slots.py)
 
 Storage: ``model.parameters``, a :class:`~pedestrian.model.params.Parameters` (every parameter and
 gradient a view into one flat buffer, a block's q, k, v one fused ``attn.qkv`` layer; the LoRA
@@ -60,7 +61,7 @@ from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
-from .edge import NumpyCache, to_torch
+from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
 from .slots import Slots
@@ -127,7 +128,7 @@ class GPT:
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
-        self.device = _resolve_device(backend, device)
+        self.device = resolve_device(backend, device)
         #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
         self.kernels = kernels_for(kernels, self.device, self.dtype)
         #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
@@ -489,17 +490,6 @@ def _numbers(block, first: int, stop: int) -> list:
     prefix = "a" if hasattr(block, "a2") else "d"
     numbers = [m for n in range(first, stop) for m in ([str(n)] if n != 7 else ["7", "7_gate", "7_up"])]
     return [m for m in numbers if hasattr(block, prefix + m)]
-
-
-def _resolve_device(backend: str, device):
-    """``None`` (the backend's default: the CPU) or a torch device; the NumPy backend has only the CPU."""
-    if device is None or (backend == "numpy" and str(device) == "cpu"):
-        return None
-    if backend != "torch":
-        raise ValueError(f"device {device!r} needs backend='torch' (NumPy arrays live on the CPU)")
-    import torch
-
-    return torch.device(device)
 
 
 def eval_mode(model):

@@ -8,7 +8,7 @@ logs the norms of every block's error signals and gradients on that step's batch
 function here) and stops in time (``max_minutes``); :func:`train` draws
 ``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
-steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
+steps bit for bit (NumPy backend; a test). Plugged layers (``--layer``): :mod:`pedestrian.training.plugged`. The step itself (gradient accumulation, clipping,
 AdamW) is :func:`pedestrian.training.step.train_step`.
 
 Non-finite numbers (the rule of :mod:`pedestrian.training.step`): a step whose loss or gradient norm is
@@ -63,6 +63,7 @@ from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .job import build_trainer, failures_explained, new_optimizer
 from .loop import Checkpoints, Trainer
+from .plugged import check_layers, layer_paths, match_recorded
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
@@ -130,14 +131,14 @@ def _device(settings: TrainSettings, group):
     return None if settings.device == "cpu" else group.device
 
 
-def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group):
-    """``(model, optimizer, data_rng)``: new, or as the checkpoint left them; every rank starts
-    from rank 0's parameters."""
+def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group, layers: dict):
+    """``(model, optimizer, data_rng)``: new (with the plugged ``layers``, ``{slot: path}``), or as
+    the checkpoint left them; every rank starts from rank 0's parameters."""
     if ckpt is None:
         from ..model import GPT
 
         model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
-                    device=_device(settings, group))
+                    device=_device(settings, group), layers=layers)
         data_rng = np.random.default_rng(settings.seed)
     else:
         model, data_rng = ckpt.model, np.random.default_rng()
@@ -279,9 +280,13 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
            t_start: float) -> TrainResult:
     out = settings.run_dir()
     had_run = (out / "latest" / "state.json").is_file() or (out / ".latest.old" / "state.json").is_file()
-    ckpt = None
+    ckpt, layers = None, {}
     if resume:
         settings, ckpt = _resumed(settings, explicit, out, group)
+        if "layer" in explicit:
+            match_recorded(settings.layer, ckpt)
+    else:
+        layers = layer_paths(settings.layer)
     elif had_run and not overwrite:
         raise TrainingError(f"{out} already holds a checkpoint (step {read_state(out)[1].get('step')}); pass "
                             "--resume to continue it, --out NEW_DIR for a new run, or --overwrite to replace it")
@@ -301,7 +306,9 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
-    model, optimizer, data_rng = _start(settings, config, ckpt, group)
+    model, optimizer, data_rng = _start(settings, config, ckpt, group, layers)
+    if settings.check_layers:
+        check_layers(model, quiet=not group.is_writer)
     _warn_other_ranks(ckpt, group)
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
