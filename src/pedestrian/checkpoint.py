@@ -235,9 +235,9 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         if params == "lora":
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
     json.dumps(state)  # fail early (TypeError) if meta is not serialisable
-    tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()}
+    tensors = {k: np.asarray(to_numpy(v), order="C") for k, v in tensors.items()}     # (0-d stays 0-d)
     if opt_tensors is not None:
-        opt_tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in opt_tensors.items()}
+        opt_tensors = {k: np.asarray(to_numpy(v), order="C") for k, v in opt_tensors.items()}
     everything = {**tensors, **{f"optimizer {k}": v for k, v in (opt_tensors or {}).items()}}
     bad = non_finite_counts(everything)
     if bad:

@@ -260,7 +260,7 @@ class GPT:
             branch, b.drop4 = self._dropout(b.a4)
             b.a5 = K.add(x, branch)                                                  # skip
             b.a6, b.ln2 = S.norm.forward(b.a5, w.ln2)                                # (B, T, d)
-            b.a9 = S.mlp.forward(self, b, w, f.lora)                                 # (B, T, d), a7, a8 on b
+            b.a9 = S.mlp.forward(self._fc_forward, b, w, f.lora)                     # (B, T, d); a7, a8 on b
             branch, b.drop9 = self._dropout(b.a9)
             b.a10 = x = K.add(b.a5, branch)                                          # skip
             if keep:                                                                 # else let go now
@@ -355,7 +355,7 @@ class GPT:
             b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
             D = SimpleNamespace(d10=d10)                                                       # Δ10
             D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
-            D.d6 = S.mlp.backward(self, D, b, w, g, f.lora)                                    # Δ6 (Δ8, Δ7 on D)
+            D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, f.lora)                       # Δ6 (Δ8, Δ7 on D)
             D.d5 = K.add(D.d10, S.norm.backward(D.d6, b.ln2, g.ln2))                           # skip + LN2
             D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, f.lora)             # Δ3

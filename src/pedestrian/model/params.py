@@ -204,10 +204,10 @@ class Parameters:
         ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
         fused ``qkv`` layer; tied logits use ``W_tokᵀ``); a plugged layer's place holds its
         :class:`~pedestrian.model.slots.Instance` (``blocks[i].ln1``, ``.act``, ``.mlp``; ``act`` is
-        ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged). With ``grads``, the gradient arrays
-        instead, ``None`` where a parameter gets none (frozen or absent), and ``tok_lookup``:
-        the array the embedding backward writes (``tok_emb``'s own, or with tied weights a
-        separate one, added to it after)."""
+        ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged).
+        With ``grads``, the gradient arrays instead, ``None`` where a parameter gets none (frozen
+        or absent), and ``tok_lookup``: the array the embedding backward writes (``tok_emb``'s
+        own, or with tied weights a separate one, added to it after)."""
         c = self.config
         if grads:
             self._grad_buffers()
@@ -230,8 +230,9 @@ class Parameters:
         def mlp(p):
             if S and "mlp" in S.plugged:
                 return dict(mlp=S.entry("mlp", f"{p}.mlp", P))
-            return dict(mlp_gate=fc(f"{p}.mlp_gate") if c.mlp == "swiglu" else None, mlp_expand=fc(f"{p}.mlp_expand"),
-                        mlp_contract=fc(f"{p}.mlp_contract"), act=S and S.entry("activation", f"{p}.act", P))
+            return dict(mlp_gate=fc(f"{p}.mlp_gate") if c.mlp == "swiglu" else None,
+                        mlp_expand=fc(f"{p}.mlp_expand"), mlp_contract=fc(f"{p}.mlp_contract"),
+                        act=S and S.entry("activation", f"{p}.act", P))
 
         def fc(name, parts=((None, 0, None),)):
             adapters = tuple((a, P[f"{a}.lora_D"], P[f"{a}.lora_U"], lo, hi) for a, lo, hi in

@@ -136,7 +136,7 @@ class Plugged:
 
     Args:
         slot: one of :data:`SLOTS`. module: the layer (a module or any object with
-            :data:`LAYER_FUNCTIONS`), or the path of its file.
+            :data:`LAYER_FUNCTIONS`).
         config: the model's config (``init`` gets its ``d_model``, ``d_mlp``); dtype: the model's.
 
     Attributes:
@@ -150,8 +150,6 @@ class Plugged:
     """
 
     def __init__(self, slot: str, module, config: GPTConfig, dtype):
-        if isinstance(module, (str, Path)):
-            module = load_layer(module)
         self.module = module
         self.path, self.source = getattr(module, "__pedestrian_source__", (None, None))
         self.label = f"{slot} slot ({Path(self.path).name if self.path else getattr(module, '__name__', 'layer')})"
@@ -235,7 +233,7 @@ class Plugged:
         if not np.all(np.isfinite(a)):
             raise LayerError(f"{self.label}: {what} holds {int(np.sum(np.isnan(a)))} NaN and "
                              f"{int(np.sum(np.isinf(a)))} inf values, expected finite numbers")
-        return np.ascontiguousarray(a, dtype=self.dtype)
+        return np.asarray(a, dtype=self.dtype, order="C")
 
     def record(self) -> dict:
         """``{"slot", "path", "source"}``: what a checkpoint keeps to rebuild it.
@@ -292,13 +290,16 @@ class BuiltinActivation:
 class BuiltinMLP:
     """``a7 = FC_expand(a6)``, ``a8 = g(a7)`` (the activation slot), ``a9 = FC_contract(a8)``; or
     SwiGLU's ``a8 = silu(FC_gate(a6)) ∘ FC_up(a6)``, ``a9 = FC_down(a8)``. Keeps ``a7`` (or
-    ``a7_gate``, ``a7_up``) and ``a8`` on the block ``b``, and ``Δ8``, ``Δ7`` on ``D``."""
+    ``a7_gate``, ``a7_up``) and ``a8`` on the block ``b``, and ``Δ8``, ``Δ7`` on ``D``.
+
+    ``forward(fc, b, w, lora) -> a9`` and ``backward(fc, D, b, w, g, lora) -> Δ6`` (from ``D.d9``)
+    take the model's fully connected layer (forward or backward, LoRA adapters included) as ``fc``,
+    the block's activations ``b`` (or signals ``D``), its weights ``w`` and gradients ``g``."""
 
     def __init__(self, config: GPTConfig, kernels, activation):
         self.K, self.swiglu, self.activation = kernels, config.mlp == "swiglu", activation
 
-    def forward(self, model, b, w, lora):
-        fc = model._fc_forward
+    def forward(self, fc, b, w, lora):
         if self.swiglu:
             b.a7_gate = fc(w.mlp_gate, b.a6, lora)                                   # (B, T, d_mlp)
             b.a7_up = fc(w.mlp_expand, b.a6, lora)                                   # (B, T, d_mlp)
@@ -308,8 +309,7 @@ class BuiltinMLP:
             b.a8, b.act = self.activation.forward(b.a7, w.act)                       # g
         return fc(w.mlp_contract, b.a8, lora)                                        # (B, T, d)
 
-    def backward(self, model, D, b, w, g, lora):
-        fc = model._fc_backward
+    def backward(self, fc, D, b, w, g, lora):
         D.d8 = fc(w.mlp_contract, g.mlp_contract, D.d9, b.a8, lora)                  # Δ8
         if not self.swiglu:
             D.d7 = self.activation.backward(D.d8, b.act, g.act)                      # Δ7
@@ -325,11 +325,11 @@ class PluggedMLP:
     def __init__(self, layer: Plugged):
         self.layer = layer
 
-    def forward(self, model, b, w, lora):
+    def forward(self, fc, b, w, lora):
         y, b.mlp = self.layer.forward(b.a6, w.mlp)
         return y
 
-    def backward(self, model, D, b, w, g, lora):
+    def backward(self, fc, D, b, w, g, lora):
         return self.layer.backward(D.d9, b.mlp, g.mlp)
 
 
@@ -356,7 +356,9 @@ class Slots:
         for slot, module in layers.items():
             if slot not in SLOTS:
                 raise ValueError(f"unknown layer slot {slot!r}; plug a layer into one of {SLOTS}")
-            meant = getattr(module, "SLOT", slot) if not isinstance(module, (str, Path)) else slot
+            if isinstance(module, (str, Path)):
+                layers[slot] = module = load_layer(module)
+            meant = getattr(module, "SLOT", slot)
             if meant != slot:
                 raise ValueError(f"the layer plugged into the {slot} slot says SLOT = {meant!r}; plug it into "
                                  f"{meant!r}, or change its SLOT")

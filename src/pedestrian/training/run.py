@@ -280,16 +280,15 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
            t_start: float) -> TrainResult:
     out = settings.run_dir()
     had_run = (out / "latest" / "state.json").is_file() or (out / ".latest.old" / "state.json").is_file()
-    ckpt, layers = None, {}
+    ckpt = None
     if resume:
         settings, ckpt = _resumed(settings, explicit, out, group)
         if "layer" in explicit:
             match_recorded(settings.layer, ckpt)
-    else:
-        layers = layer_paths(settings.layer)
     elif had_run and not overwrite:
         raise TrainingError(f"{out} already holds a checkpoint (step {read_state(out)[1].get('step')}); pass "
                             "--resume to continue it, --out NEW_DIR for a new run, or --overwrite to replace it")
+    layers = {} if resume else layer_paths(settings.layer)     # {slot: path}; a resumed run has its own
     if settings.batch_size < group.world_size:
         raise TrainingError(f"--batch-size {settings.batch_size} is smaller than the {group.world_size} ranks: each "
                             f"rank computes its share of every batch's rows; use --batch-size >= {group.world_size}")
