@@ -158,6 +158,8 @@ def test_a_numpy_mlp_in_the_mlp_slot_equals_the_builtin_mlp(tmp_path):
     model = GPT(cfg, seed=0, dtype="float64", kernels="reference", layers={"mlp": mlp})
     names = {"W1": "mlp_expand.weight", "b1": "mlp_expand.bias", "W2": "mlp_contract.weight", "b2": "mlp_contract.bias"}
     assert not any("mlp_expand" in k for k in model.params)
+    decayed = {s.name for s in model.parameters.specs if s.decay and ".mlp." in s.name}   # AdamW: 2-D only
+    assert decayed == {f"blocks.{i}.mlp.{n}" for i in range(cfg.n_blocks) for n in ("W1", "W2")}
     for i in range(cfg.n_blocks):
         for mine, theirs in names.items():
             model.params[f"blocks.{i}.mlp.{mine}"][...] = built_in.params[f"blocks.{i}.{theirs}"]
@@ -193,6 +195,24 @@ def test_plugged_norm_gradients_against_finite_differences():
         assert scale >= 1e-4, f"{name}: gradient ~0, the check would prove nothing"
         assert np.max(np.abs(grads[name][mask] - numeric[mask])) <= 1e-8 + 1e-7 * scale, name
     assert EPS64 * 2.5 / H_STEP < 1e-9                   # the rounding term of the bound above
+
+
+@pytest.mark.parametrize("slot", ["norm", "activation", "mlp"])
+def test_the_papers_gradient_lines_list_and_check_a_plugged_layer(tmp_path, slot):
+    """paper/gradients.py (``pedestrian demo``'s table): every parameter of a model with a plugged
+    layer has its line, in backward order, and passes its finite-difference check; a plugged MLP
+    has no Δ8, Δ7 lines. Float64, h = 1e-5: the table's own tolerances."""
+    from pedestrian.paper.gradients import check_model_gradients, gradient_lines
+
+    layer = {"norm": str(DYT), "activation": _module(tmp_path, "relu", RELU), "mlp": _module(tmp_path, "mlp", MLP)}
+    model = GPT(GPTConfig(**TINY, activation="relu"), seed=1, dtype="float64", layers={slot: layer[slot]})
+    lines = gradient_lines(model)
+    assert sorted(k for _, kind, k in lines if kind == "param") == sorted(model.params)
+    assert any(label.startswith("∂L/∂ln1.alpha") for label, _, _ in lines) == (slot == "norm")
+    assert any(k.endswith("Δ8") for _, _, k in lines) == (slot != "mlp")
+    x, y = token_batch(TINY, 2, 8, seed=4)
+    _, checked, _ = check_model_gradients(model, x, y, "fd", entries=2)
+    assert len(checked) == len(lines) and not [c.label for c in checked if c.failed]
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -235,15 +255,21 @@ def test_dyt_trains_and_resumes_bit_exactly(corpus, tmp_path):
 
 
 def test_resume_refuses_another_layer_file(corpus, tmp_path):
-    """--layer given again on resume must be the recorded source: a changed file is one line."""
-    train(_settings(corpus, tmp_path / "run", stop_step=2, max_steps=4))
+    """--layer given again on resume must be the recorded source: a changed file is one line; the
+    same file resumes, and so does no --layer after the file is gone (the recorded source runs)."""
+    mine = _module(tmp_path, "mine", DYT.read_text(encoding="utf-8"))
+    train(_settings(corpus, tmp_path / "run", stop_step=2, max_steps=6, layer=[f"norm={mine}"]))
     other = _module(tmp_path, "dyt2", DYT.read_text(encoding="utf-8") + "\n# changed\n")
     with pytest.raises(TrainingError, match="differs from the norm layer the checkpoint") as exc:
-        train(_settings(corpus, tmp_path / "run", max_steps=4, layer=[f"norm={other}"]), resume=True,
+        train(_settings(corpus, tmp_path / "run", max_steps=6, layer=[f"norm={other}"]), resume=True,
               explicit={"out", "layer"})
     assert "\n" not in str(exc.value)
-    r = train(_settings(corpus, tmp_path / "run", max_steps=4), resume=True, explicit={"out", "layer"})
+    r = train(_settings(corpus, tmp_path / "run", max_steps=6, stop_step=4, layer=[f"norm={mine}"]), resume=True,
+              explicit={"out", "layer"})
     assert r.step == 4
+    mine.unlink()
+    r = train(_settings(corpus, tmp_path / "run", max_steps=6, layer=None), resume=True, explicit={"out"})
+    assert r.step == 6 and "ln_final.alpha" in r.model.params
 
 
 # ---------------------------------------------------------------------------------------- the command line

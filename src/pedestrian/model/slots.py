@@ -140,8 +140,9 @@ class Plugged:
         config: the model's config (``init`` gets its ``d_model``, ``d_mlp``); dtype: the model's.
 
     Attributes:
-        path, source: the file and its text (``None`` for a module not made by
-            :func:`load_layer` or :func:`layer_from_source`: such a model cannot be checkpointed).
+        path, source: the file and its text (of :func:`load_layer`, :func:`layer_from_source`, or
+            the ``.py`` file an imported module came from; ``None`` for an object of another kind:
+            such a model cannot be checkpointed).
         shapes: ``{name: shape}`` of one instance's parameters (from a first ``init`` call).
 
     Raises:
@@ -151,7 +152,7 @@ class Plugged:
 
     def __init__(self, slot: str, module, config: GPTConfig, dtype):
         self.module = module
-        self.path, self.source = getattr(module, "__pedestrian_source__", (None, None))
+        self.path, self.source = getattr(module, "__pedestrian_source__", None) or _file_source(module)
         self.label = f"{slot} slot ({Path(self.path).name if self.path else getattr(module, '__name__', 'layer')})"
         _require_functions(module, self.label)
         self.slot, self.config, self.dtype = slot, config, np.dtype(dtype)
@@ -243,8 +244,16 @@ class Plugged:
         """
         if self.source is None:
             raise ValueError(f"{self.label}: a checkpoint records a plugged layer's source file; plug it as "
-                             "pedestrian.load_layer(path) or a path, not as a module object made otherwise")
+                             "pedestrian.load_layer(path) or a path, not as an object without a .py file")
         return {"slot": self.slot, "path": self.path, "source": self.source}
+
+
+def _file_source(module) -> tuple:
+    """``(path, text)`` of the ``.py`` file a module was imported from, else ``(None, None)``."""
+    file = getattr(module, "__file__", None)
+    if isinstance(file, str) and file.endswith(".py") and Path(file).is_file():
+        return file, Path(file).read_text(encoding="utf-8")
+    return None, None
 
 
 def _read_only(a):
