@@ -317,6 +317,8 @@ def test_cli_bad_layer_flags_are_one_line(corpus, tmp_path, capsys, flag, words)
 
 # ---------------------------------------------------------------------------------------- bad input
 def test_bad_layers_are_one_line_naming_the_fix(tmp_path):
+    from pedestrian.interop.hf import save_pretrained
+
     cfg = GPTConfig(**TINY)
     relu = _module(tmp_path, "relu", RELU)
     no_backward = _module(tmp_path, "half", "def init(d, m):\n    return {}\ndef forward(i, p):\n    return i['x'], None\n")
@@ -327,6 +329,10 @@ def test_bad_layers_are_one_line_naming_the_fix(tmp_path):
          "activation slot needs mlp='standard'"),
         (lambda: GPT(cfg, layers={"mlp": str(DYT)}), ValueError, "says SLOT = 'norm'; plug it into 'norm'"),
         (lambda: GPT(cfg, backend="torch", layers={"norm": str(DYT)}), ValueError, "backend='numpy'"),
+        (lambda: GPT(cfg, layers={"mlp": _module(tmp_path, "mlp", MLP)}).add_lora("q"), ValueError,
+         "plug norm/activation only"),
+        (lambda: save_pretrained(GPT(cfg, layers={"norm": str(DYT)}), tmp_path / "hf"), ValueError,
+         "keep it as a pedestrian checkpoint"),
     ]
     for make, error, words in cases:
         with pytest.raises(error) as exc:

@@ -186,8 +186,8 @@ def gradient_record(model, x, y, step: int) -> dict:
         ``{"step", "delta_norms": {"blocks.i": {"Δ2": ‖Δ2‖, …, "Δ10": …}, "Δ1": …, "Δ11": …},
         "grad_norms": {"blocks.i": {"ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand",
         "mlp_contract"; a plugged activation's "act", a plugged MLP's "mlp"}, "tok_emb",
-        "pos_emb" (learned positions), "ln_final", "logits" (untied)}}``: Frobenius norms over the whole batch (``Δ_n = dL/da_n`` of the mean loss);
-        ``None`` where a norm is not finite.
+        "pos_emb" (learned positions), "ln_final", "logits" (untied)}}``: Frobenius norms over
+        the whole batch (``Δ_n = dL/da_n`` of the mean loss); ``None`` where a norm is not finite.
     """
     from ..backend import to_numpy
 

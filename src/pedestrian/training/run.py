@@ -8,8 +8,9 @@ logs the norms of every block's error signals and gradients on that step's batch
 function here) and stops in time (``max_minutes``); :func:`train` draws
 ``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
-steps bit for bit (NumPy backend; a test). Plugged layers (``--layer``): :mod:`pedestrian.training.plugged`. The step itself (gradient accumulation, clipping,
-AdamW) is :func:`pedestrian.training.step.train_step`.
+steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
+AdamW) is :func:`pedestrian.training.step.train_step`. Plugged layers (``--layer``): checked
+before the first step, matched on resume (:mod:`pedestrian.training.plugged`).
 
 Non-finite numbers (the rule of :mod:`pedestrian.training.step`): a step whose loss or gradient norm is
 NaN or inf is skipped -- no update, weights and AdamW moments untouched -- with a warning naming
