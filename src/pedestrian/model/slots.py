@@ -21,8 +21,8 @@ What flows through each slot (``width`` = ``d_model`` unless said), and its para
 
 A plugged layer's parameters sit in the model's flat buffers beside the built-in ones (2-D and
 larger ones decayed), in the model's dtype; its forward gets the model's arrays (float32 for a
-float32 model) as read-only views, and what it returns is checked -- shape, a real floating dtype
-(cast to the model's), finite values -- each failure one :class:`LayerError` line naming the
+float32 model) as read-only views, and what it returns is checked -- shape, a real dtype (cast
+to the model's), finite values -- each failure one :class:`LayerError` line naming the
 slot, the place and what was expected. Its backward must write (return) a gradient for every
 parameter; the model copies them into its gradient buffer.
 """
@@ -229,8 +229,8 @@ class Plugged:
         if tuple(a.shape) != tuple(like.shape):
             raise LayerError(f"{self.label}: {what} has shape {tuple(a.shape)}, expected {tuple(like.shape)}")
         if a.dtype.kind not in "fiu":
-            raise LayerError(f"{self.label}: {what} has dtype {a.dtype}, expected a real floating dtype "
-                             f"({self.dtype.name}, the model's)")
+            raise LayerError(f"{self.label}: {what} has dtype {a.dtype}, expected real numbers "
+                             f"({self.dtype.name}, the model's dtype)")
         if not np.all(np.isfinite(a)):
             raise LayerError(f"{self.label}: {what} holds {int(np.sum(np.isnan(a)))} NaN and "
                              f"{int(np.sum(np.isinf(a)))} inf values, expected finite numbers")

@@ -385,6 +385,8 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
     """The opening lines of a run: model, data, steps, ranks and threads (and a warm-up warning)."""
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
+    for slot, layer in model.slots.plugged.items():
+        log.info(f"plugged: the {slot} slot runs {layer.path} (parameters per instance: {dict(layer.shapes)})")
     log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
              f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
     log.info(f"steps {trainer.step} -> {trainer.stop.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "
