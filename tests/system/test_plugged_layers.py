@@ -215,6 +215,19 @@ def test_the_papers_gradient_lines_list_and_check_a_plugged_layer(tmp_path, slot
     assert len(checked) == len(lines) and not [c.label for c in checked if c.failed]
 
 
+def test_lora_beside_a_plugged_norm_trains_only_the_adapters():
+    """LoRA on q beside a plugged norm: the frozen base (the plugged norm's parameters included)
+    gets no gradient, the adapters get theirs, and the plugged norm still runs in the chain."""
+    model = GPT(GPTConfig(**TINY), seed=2, dtype="float64", layers={"norm": str(DYT)})
+    x, y = token_batch(TINY, 2, 8, seed=5)
+    before = model.loss(x, y)
+    model.add_lora("q", rank=2)
+    assert model.loss(x, y) == before                   # U = 0: a new adapter is a no-op
+    grads = model.backward()
+    assert sorted(grads) == sorted(k for k in model.params if ".lora_" in k)
+    assert np.max(np.abs(grads["blocks.0.attn.q.lora_U"])) > 0
+
+
 # ---------------------------------------------------------------------------------------- training
 def _settings(corpus, out, **kw):
     base = dict(data=str(corpus), out=str(out), model=dict(context_length=16, d_model=16, n_heads=2, n_blocks=2),
