@@ -65,6 +65,8 @@ class Parameters:
         base: the base parameters' :class:`FlatParams`; base_grads: its gradient twin (``None``
             until the first backward or :attr:`grads`).
         params: ``name -> view`` of every parameter, base then LoRA (what ``model.params`` is).
+        specs: every base parameter's :class:`~pedestrian.config.ParamSpec`, in order (a plugged
+            layer's included, kind ``"plugged"``).
         lora: the :class:`LoRA` adapters, or ``None``.
         freeze_base: the base gets no gradients (its matmuls are skipped).
     """
