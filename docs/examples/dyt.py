@@ -1,7 +1,9 @@
 """Dynamic tanh, a layer pedestrian does not have: ``y = w ∘ tanh(α x) + b`` (Zhu et al. 2025,
-"Transformers without normalization"), written to the contract of ``pedestrian check``.
+"Transformers without normalization"), written to the contract of ``pedestrian check`` and of the
+GPT's slots (``init`` too: it can replace the model's norms).
 
     pedestrian check docs/examples/dyt.py
+    pedestrian train --layer norm=docs/examples/dyt.py
 
 Derivation, in the paper's notation (``Δ = ∂L/∂y``, same shape as ``x``; ``t = tanh(α x)``):
 
@@ -12,6 +14,13 @@ Derivation, in the paper's notation (``Δ = ∂L/∂y``, same shape as ``x``; ``
 """
 
 import numpy as np
+
+SLOT = "norm"
+
+
+def init(d_model, d_mlp):
+    """One instance's parameters: ``w = 1``, ``b = 0`` (d_model,) and ``α = 0.5`` (the paper's α₀)."""
+    return {"w": np.ones(d_model), "b": np.zeros(d_model), "alpha": np.array(0.5)}
 
 
 def example():

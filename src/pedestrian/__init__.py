@@ -6,14 +6,19 @@ From "Deep learning for pedestrians: backpropagation in Transformers" (L. Boué,
 from .config import PRESETS, GPTConfig, count_params, preset
 from .model import GPT
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "check_gradients", "count_params", "preset"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "check_gradients", "count_params", "load_layer", "preset"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``pedestrian.check_gradients`` is imported on first use (:mod:`pedestrian.paper.check`)."""
+    """``pedestrian.check_gradients`` (:mod:`pedestrian.paper.check`) and ``pedestrian.load_layer``
+    (:mod:`pedestrian.model.slots`) are imported on first use."""
     if name == "check_gradients":
         from .paper.check import check_gradients
 
         return check_gradients
+    if name == "load_layer":
+        from .model.slots import load_layer
+
+        return load_layer
     raise AttributeError(f"module 'pedestrian' has no attribute {name!r}")

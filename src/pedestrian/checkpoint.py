@@ -8,9 +8,11 @@ A checkpoint is a folder (``runs/NAME/latest``, ``runs/NAME/best``)::
                             the model's dropout generator (``null`` when training drew masks
                             keyed by step and row: pedestrian.training.distributed.RowKeyedRNG needs no
                             state), optimizer step and hyper-parameters, LoRA settings, which
-                            base model an adapter-only checkpoint belongs to, the byte size and
-                            SHA-256 of both .safetensors files, and a free-form "meta" dict
-                            (the training loop keeps its settings, data RNG state, metrics there)
+                            base model an adapter-only checkpoint belongs to, the plugged
+                            layers (slot, file path, source text: pedestrian.model.slots), the
+                            byte size and SHA-256 of both .safetensors files, and a free-form
+                            "meta" dict (the training loop keeps its settings, data RNG state,
+                            metrics there)
 
 Atomic writes (:func:`pedestrian.atomic.atomic_dir`): the new checkpoint is written and
 fsync-ed into a hidden sibling folder ``.NAME.tmp-XXXX``; then ``NAME`` is renamed to
@@ -180,7 +182,8 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         the checkpoint folder.
 
     Raises:
-        ValueError: ``params`` unknown, or ``"lora"`` for a model without adapters.
+        ValueError: ``params`` unknown, or ``"lora"`` for a model without adapters; a plugged
+            layer not loaded from a file (its source cannot be recorded).
         TypeError: ``meta`` not JSON-serialisable (nothing is written then).
         NonFiniteError (a ``CheckpointError``): a parameter or optimizer moment holds a NaN or
             an infinity; the message names each such tensor with its counts. Nothing is
@@ -214,6 +217,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         "dtype": model.dtype_name,
         "params": params,
         "lora": lora,
+        "layers": model.slots.records() or None,
         "base": ({"config": model.config.to_dict(), **(base or {})} if params == "lora" else None),
         "step": int(step),
         "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
@@ -231,9 +235,9 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
         if params == "lora":
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
     json.dumps(state)  # fail early (TypeError) if meta is not serialisable
-    tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in tensors.items()}
+    tensors = {k: np.asarray(to_numpy(v), order="C") for k, v in tensors.items()}     # (0-d stays 0-d)
     if opt_tensors is not None:
-        opt_tensors = {k: np.ascontiguousarray(to_numpy(v)) for k, v in opt_tensors.items()}
+        opt_tensors = {k: np.asarray(to_numpy(v), order="C") for k, v in opt_tensors.items()}
     everything = {**tensors, **{f"optimizer {k}": v for k, v in (opt_tensors or {}).items()}}
     bad = non_finite_counts(everything)
     if bad:
@@ -347,6 +351,11 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
         CheckpointError (a ``ValueError``): truncated/corrupted files, an unknown format, tensors
             that do not match the recorded config, or an adapter-only checkpoint without (or
             with a mismatching) ``base_model``.
+        ValueError: a recorded plugged layer that no longer runs, or ``backend="torch"`` for a
+            model with plugged layers.
+
+    A checkpoint that records plugged layers runs their recorded source (as importing a file
+    does): load only checkpoints you trust.
         NonFiniteError (a ``CheckpointError``): a weight holds a NaN or an infinity (the
             message names the tensors and counts).
     """
@@ -374,7 +383,8 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
                                   f"not {base_model.config}")
         model = base_model
     else:
-        model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend, device=device)
+        model = GPT(config, dtype=dtype or state.get("dtype", "float32"), backend=backend, device=device,
+                    layers=recorded_layers(state))
     try:
         if lora is not None:
             # "ranks", "alphas", "dropout": per-layer settings; checkpoints older than them have
@@ -395,3 +405,11 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
     tokenizer = load_tokenizer(state["tokenizer"]) if state.get("tokenizer") is not None else None
     return Checkpoint(path=folder, model=model, tokenizer=tokenizer, config=config, step=step,
                       meta=state.get("meta") or {}, state=state)
+
+
+def recorded_layers(state: dict) -> dict:
+    """``{slot: module}`` of the plugged layers a checkpoint's ``state.json`` records, rebuilt
+    from their recorded source (:func:`pedestrian.model.slots.layer_from_source`); ``{}`` if none."""
+    from .model.slots import layer_from_source
+
+    return {r["slot"]: layer_from_source(r["source"], r["path"]) for r in state.get("layers") or []}

@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``pedestrian/commands/<name>.py`` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``. Errors the user can fix (bad input, a
-missing file) end with a one-line ``error: ...`` message and exit status 2, never a traceback.
+missing file) end with a one-line ``error: ...`` message and exit status 2 (1: a failed gradient
+check of a plugged layer, as `pedestrian check` exits), never a traceback.
 The same holds for three environment problems: a missing optional dependency (``ImportError``,
 e.g. ``--backend torch`` without PyTorch: the message says ``pip install -e ".[torch]"``), a
 model too large for memory (``MemoryError``: choose smaller widths), and a write the OS refuses
@@ -164,17 +165,18 @@ def console_logging(level: int = logging.INFO):
 
 
 def _error(message: str, exc: BaseException) -> int:
-    """Print ``error: message`` (exit status 2). A rank of several (torchrun, ``--nproc``) also
+    """Print ``error: message`` (exit status 2, or the exception's ``exit_status``). A rank of several (torchrun, ``--nproc``) also
     records it for the launcher, and prints it only as rank 0 of a torchrun job: under
     ``pedestrian train --nproc`` the launcher prints one line for the whole run."""
     from .training.distributed import CommunicationError, launched_rank, record_error, reports_to_launcher
 
+    status = getattr(exc, "exit_status", 2)            # 1: a check that failed (pedestrian.training.plugged)
     if launched_rank():
         record_error(message, lost_contact=isinstance(exc.__cause__, CommunicationError))
         if reports_to_launcher() or os.environ.get("RANK") != "0":
-            return 2
+            return status
     print(f"error: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

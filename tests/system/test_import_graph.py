@@ -58,9 +58,10 @@ LAYERS = {
     "checkpoint": {"atomic", "backend", "config", "model", "text"},
     "interop": {"atomic", "backend", "config", "model", "text"},      # Hugging Face, PEFT
     "paper": {"atomic", "config", "layers", "model", "text"},  # the paper on screen: tables, demo, pictures
-    # the training run: settings and the flag merge, ranks, the trainer, LoRA fine-tuning
+    # the training run: settings and the flag merge, ranks, the trainer, LoRA fine-tuning; paper's
+    # check_gradients checks a run's plugged layers before its first step (training/plugged.py)
     "training": {"atomic", "backend", "checkpoint", "config", "generation", "interop", "kernels", "layers",
-                 "model", "text"},
+                 "model", "paper", "text"},
     "cli": {"atomic", "training"},
     # the commands parse and print: they reach the math only through the model and paper/
     "commands": {"checkpoint", "cli", "config", "generation", "interop", "kernels", "model", "paper", "text",

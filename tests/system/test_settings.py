@@ -142,9 +142,9 @@ def test_resumable_and_per_run_settings_are_the_declared_tags():
     with the same members; max_skipped_steps is new and resumable; the ranks, the device and the
     exchange timeout belong to one invocation: a run may resume with others)."""
     assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "nproc",
-                                "device", "dist_timeout"}
+                                "device", "dist_timeout", "check_layers"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
-                                                     "max_skipped_steps"}
+                                                     "max_skipped_steps", "layer"}
 
 
 FINETUNE_FLAGS = [n for n, s in specs(FinetuneSettings).items() if s.flag]

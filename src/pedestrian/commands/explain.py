@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or the checkpoint's)")
 
 
-def _resolve(args) -> tuple[GPTConfig, int | None, str]:
-    """``(config, batch size or None, dtype)`` from the chosen source."""
+def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None]:
+    """``(config, batch size or None, dtype, a checkpoint's plugged layers)`` from the chosen source."""
     sources = [name for name in ("checkpoint", "config", "preset") if getattr(args, name)]
     if len(sources) > 1:
         raise ValueError(f"give at most one of --checkpoint, --config, --preset (got {', '.join(sources)})")
@@ -53,22 +53,22 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str]:
         _, state = read_state(args.checkpoint)
         config = GPTConfig.from_dict(state["config"])
         settings = (state.get("meta") or {}).get("settings") or {}
-        return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32")
+        return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32"), state.get("layers")
     if args.config:
         from ..training.settings import config_file_model
 
         config, settings = config_file_model(args.config, args.vocab_size or None)
-        return config, settings.batch_size, args.dtype or settings.dtype
+        return config, settings.batch_size, args.dtype or settings.dtype, None
     if args.preset or args.vocab_size:
-        return config_from_args(args), None, dtype
+        return config_from_args(args), None, dtype, None
     from ..training import DEFAULT_MODEL, TrainSettings
 
-    return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype
+    return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype, None
 
 
 def run(args: argparse.Namespace) -> int:
-    config, run_batch, dtype = _resolve(args)
+    config, run_batch, dtype, layers = _resolve(args)
     B = args.batch_size if args.batch_size is not None else (run_batch or 1)
     T = args.seq_len if args.seq_len is not None else config.context_length
-    print(explain_table(config, B, T, dtype))
+    print(explain_table(config, B, T, dtype, layers))
     return 0

@@ -292,7 +292,7 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
 
     Raises:
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
-            :func:`pedestrian.interop.peft.save_peft_adapter`), a config neither GPT-2 nor a
+            :func:`pedestrian.interop.peft.save_peft_adapter`) or plugged layers, a config neither GPT-2 nor a
             Llama-family model can express, a tokenizer with more ids than ``vocab_size``, or an
             output problem.
         WriteError (an ``OSError``): the OS refused the write (no space, file too large, no
@@ -303,6 +303,9 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
     if model.lora_targets:
         raise ValueError("the model has LoRA adapters; merge them first (model.merge_lora()) or write "
                          "them separately as a PEFT adapter (pedestrian.interop.peft.save_peft_adapter)")
+    if model.slots.plugged:
+        raise ValueError(f"the model's {', '.join(model.slots.plugged)} slot holds a plugged layer, which no Hugging "
+                         "Face architecture has; keep it as a pedestrian checkpoint")
     config = model.config
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "

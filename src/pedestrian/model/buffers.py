@@ -104,9 +104,11 @@ def qkv_columns(config: GPTConfig) -> tuple:
     return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
 
 
-def base_regions(config: GPTConfig) -> list:
-    """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused)."""
-    specs = {s.name: s for s in param_specs(config)}
+def base_regions(config: GPTConfig, specs=None) -> list:
+    """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused): those of
+    ``specs`` (default :func:`pedestrian.config.param_specs`; a model with plugged layers passes
+    :meth:`Slots.specs <pedestrian.model.slots.Slots.specs>`)."""
+    specs = {s.name: s for s in (param_specs(config) if specs is None else specs)}
     cols = dict(qkv_columns(config))
     width = cols["v"][1]
     regions, fused_done = [], set()

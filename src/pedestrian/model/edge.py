@@ -16,7 +16,7 @@ import numpy as np
 from ..backend import to_numpy
 from ..layers.attention import KVBlock
 
-__all__ = ["NumpyCache", "to_torch"]
+__all__ = ["NumpyCache", "resolve_device", "to_torch"]
 
 
 class NumpyCache:
@@ -51,3 +51,14 @@ def to_torch(values):
     import torch
 
     return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+
+def resolve_device(backend: str, device):
+    """``None`` (the backend's default: the CPU) or a torch device; the NumPy backend has only the CPU."""
+    if device is None or (backend == "numpy" and str(device) == "cpu"):
+        return None
+    if backend != "torch":
+        raise ValueError(f"device {device!r} needs backend='torch' (NumPy arrays live on the CPU)")
+    import torch
+
+    return torch.device(device)

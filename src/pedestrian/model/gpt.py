@@ -14,13 +14,13 @@ are layer norms or RMS norms (``config.norm``), the MLP is expand-g-contract or 
 (``config.mlp``: ``a7_gate = FC_gate(a6)``, ``a7_up = FC_up(a6)``, ``a8 = silu(a7_gate) ∘ a7_up``,
 ``a9 = FC_down(a8)``), the attention has ``config.n_kv_heads`` key/value heads (grouped-query), RoPE
 takes ``rope_base`` and Llama 3's ``rope_scaling``, biases are everywhere, nowhere or on q, k, v
-only (Qwen2), and the logits are tied or not.
+only (Qwen2), and the logits are tied or not. The norm, the activation ``g`` and the whole MLP are
+slots (:mod:`pedestrian.model.slots`): the chain calls them alike, built in or a layer of your own.
 
-Each step is one call of a layer function. Which functions -- the paper's reference layers
-(:mod:`pedestrian.layers`) or the fast kernels (:mod:`pedestrian.kernels`), same names and
-signatures -- is chosen once, by ``GPT(..., kernels=...)``. Every layer backward *writes* its
-parameters' gradients (never adds); the tied token table's two contributions are summed in one
-line of :meth:`GPT._backward`.
+Each step is one call of a layer function: the paper's reference layers (:mod:`pedestrian.layers`)
+or the fast kernels (:mod:`pedestrian.kernels`), same names and signatures, chosen once by
+``GPT(..., kernels=...)``. Every layer backward *writes* its parameters' gradients (never adds);
+the tied token table's two contributions are summed in one line of :meth:`GPT._backward`.
 
 Dropout (off by default) sits on the edges, not in the names: ``a1``, ``a4`` and ``a9`` are the
 values before dropout, what flows on is ``dropout(a_i)``, and ``Δ_i = ∂L/∂a_i`` for them too.
@@ -39,6 +39,7 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     ln_final.weight / .bias
     logits.weight (d, V), logits.bias (V,)          -- only when not tie_weights
     X.lora_D (f_in, r_X), X.lora_U (r_X, f_out)      -- LoRA on FC layer X (:mod:`pedestrian.model.adapters`)
+    blocks.{i}.ln1.<name>, blocks.{i}.act.<name>, blocks.{i}.mlp.<name>, ...  -- plugged layers' (in slots.py)
 
 Storage: ``model.parameters``, a :class:`~pedestrian.model.params.Parameters` (every parameter and
 gradient a view into one flat buffer, a block's q, k, v one fused ``attn.qkv`` layer; the LoRA
@@ -60,9 +61,10 @@ from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
-from .edge import NumpyCache, to_torch
+from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
-from .params import FC, Delegated, Norm, Parameters
+from .params import FC, Delegated, Parameters
+from .slots import Slots
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
 
@@ -87,6 +89,10 @@ class GPT:
             layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Chosen here
             once (:func:`pedestrian.kernels.kernels_for`): the table :attr:`kernels`. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
+        layers: ``{slot: layer}`` -- your own layers in the slots ``"norm"``, ``"activation"``,
+            ``"mlp"`` (a module of :func:`pedestrian.load_layer`, or its path), run in the chain
+            and in its backward in place of the built-in kind (:mod:`pedestrian.model.slots`:
+            the contract, what flows through each slot, the parameter names). NumPy backend only.
 
     Use::
 
@@ -110,11 +116,11 @@ class GPT:
     Raises:
         TypeError: ``config`` is not a :class:`GPTConfig`.
         ValueError: bad dtype, backend or kernels names; a device other than the CPU for the
-            NumPy backend.
+            NumPy backend; bad ``layers`` (:class:`~pedestrian.model.slots.Slots`), or with the torch backend.
     """
 
     def __init__(self, config: GPTConfig, *, seed: int = 0, dtype: str = "float32",
-                 backend: str = "numpy", kernels: str | None = None, device=None):
+                 backend: str = "numpy", kernels: str | None = None, device=None, layers: dict | None = None):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
@@ -122,15 +128,19 @@ class GPT:
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
-        self.device = _resolve_device(backend, device)
+        self.device = resolve_device(backend, device)
         #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
         self.kernels = kernels_for(kernels, self.device, self.dtype)
         #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
         #: NumPy arrays); what enters and leaves the model is converted at its edge (model/edge.py)
         self.numpy_chain = backend == "torch" and self.kernels.name == "fast" and (
             self.device is None or self.device.type == "cpu")
+        if layers and backend != "numpy":
+            raise ValueError("plugged layers are NumPy code and run in NumPy models: GPT(..., backend='numpy')")
+        #: what fills the norm, activation and MLP slots, built in or plugged (:mod:`pedestrian.model.slots`)
+        self.slots = Slots(config, self.kernels, self.dtype, layers)
         self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed,
-                                     numpy_views=self.numpy_chain)
+                                     numpy_views=self.numpy_chain, slots=self.slots)
         self.training = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
@@ -230,7 +240,7 @@ class GPT:
         return self._out(logits)
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
-        c, K, W = self.config, self.kernels, self.parameters.weight_table()
+        c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         rope = c.position_encoding == "rope"
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep)
@@ -238,7 +248,7 @@ class GPT:
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
             b = SimpleNamespace()
-            b.a2, b.ln1 = self._norm_forward(x, w.ln1)                               # (B, T, d)
+            b.a2, b.ln1 = S.norm.forward(x, w.ln1)                                   # (B, T, d)
             qkv = self._fc_forward(w.qkv, b.a2, f.lora)                              # (B, T, H·d_qk+H_kv·(d_qk+d_head))
             if rope:                                                                 # q, k turned by position
                 qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims,
@@ -249,37 +259,18 @@ class GPT:
             b.a4 = self._fc_forward(w.attn_proj, b.a3, f.lora)                       # (B, T, d)
             branch, b.drop4 = self._dropout(b.a4)
             b.a5 = K.add(x, branch)                                                  # skip
-            b.a6, b.ln2 = self._norm_forward(b.a5, w.ln2)                            # (B, T, d)
-            if w.mlp_gate is None:                                                   # expand, g
-                b.a7 = self._fc_forward(w.mlp_expand, b.a6, f.lora)                  # (B, T, d_mlp)
-                b.a8, b.act = K.activation_forward(b.a7, c.activation)
-            else:                                                                    # SwiGLU
-                b.a7_gate = self._fc_forward(w.mlp_gate, b.a6, f.lora)               # (B, T, d_mlp)
-                b.a7_up = self._fc_forward(w.mlp_expand, b.a6, f.lora)               # (B, T, d_mlp)
-                b.a8, b.act = K.swiglu_forward(b.a7_gate, b.a7_up)                   # silu(gate) ∘ up
-            b.a9 = self._fc_forward(w.mlp_contract, b.a8, f.lora)                    # (B, T, d)
+            b.a6, b.ln2 = S.norm.forward(b.a5, w.ln2)                                # (B, T, d)
+            b.a9 = S.mlp.forward(self._fc_forward, b, w, f.lora)                     # (B, T, d); a7, a8 on b
             branch, b.drop9 = self._dropout(b.a9)
             b.a10 = x = K.add(b.a5, branch)                                          # skip
             if keep:                                                                 # else let go now
                 f.blocks.append(b)
-        f.a11, f.ln_final = self._norm_forward(x, W.ln_final)
+        f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
         f.a12 = self._fc_forward(W.logits, f.a11, f.lora)                            # (B, T, V)
         if targets is not None:
             f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
         self._acts = f
         return f.a12
-
-    def _norm_forward(self, x, norm: Norm):
-        """The config's norm of ``x``: layer norm (weight, bias) or RMS norm (weight only)."""
-        if self.config.norm == "rmsnorm":
-            return self.kernels.rmsnorm_forward(x, norm.weight, self.config.ln_eps)
-        return self.kernels.layernorm_forward(x, norm.weight, norm.bias, self.config.ln_eps)
-
-    def _norm_backward(self, delta, cache, grad: Norm):
-        """Backward of :meth:`_norm_forward`, writing ``grad``'s arrays (``None``: frozen)."""
-        if self.config.norm == "rmsnorm":
-            return self.kernels.rmsnorm_backward(delta, cache, dweight=grad.weight)
-        return self.kernels.layernorm_backward(delta, cache, dweight=grad.weight, dbias=grad.bias)
 
     def _fc_forward(self, fc: FC, x, lora_caches: dict):
         """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
@@ -354,32 +345,25 @@ class GPT:
     def _backward(self, f, d12, keep_deltas: bool):
         """The Δ chain; returns the signals ``Δ12, Δ11, Δ1`` and, with ``keep_deltas``, each
         block's ``Δ10 … Δ2, Δcausal`` (first block first)."""
-        c, K, W = self.config, self.kernels, self.parameters.weight_table()
+        c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         rope = c.position_encoding == "rope"
         G = self.parameters.grad_table()                   # None = frozen: no gradient
         top, kept = SimpleNamespace(d12=d12), []
         top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
-        d10 = self._norm_backward(top.d11, f.ln_final, G.ln_final)
+        d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
             b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
             D = SimpleNamespace(d10=d10)                                                       # Δ10
             D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
-            D.d8 = self._fc_backward(w.mlp_contract, g.mlp_contract, D.d9, b.a8, f.lora)       # Δ8
-            if w.mlp_gate is None:
-                D.d7 = K.activation_backward(D.d8, b.act, c.activation)                         # Δ7
-                D.d6 = self._fc_backward(w.mlp_expand, g.mlp_expand, D.d7, b.a6, f.lora)       # Δ6
-            else:                                                                              # SwiGLU
-                D.d7_gate, D.d7_up = K.swiglu_backward(D.d8, b.act)                            # Δ7_gate, Δ7_up
-                D.d6 = K.add(self._fc_backward(w.mlp_gate, g.mlp_gate, D.d7_gate, b.a6, f.lora),  # Δ6: both
-                             self._fc_backward(w.mlp_expand, g.mlp_expand, D.d7_up, b.a6, f.lora))
-            D.d5 = K.add(D.d10, self._norm_backward(D.d6, b.ln2, g.ln2))                       # skip + LN2
+            D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, f.lora)                       # Δ6 (Δ8, Δ7 on D)
+            D.d5 = K.add(D.d10, S.norm.backward(D.d6, b.ln2, g.ln2))                           # skip + LN2
             D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, f.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
             if rope:                                                                           # turned back: R(−tθ)
                 d_qkv = K.rope_backward(d_qkv, b.rope)
             D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, f.lora)                        # Δ2 = Σ_h (...)
-            d10 = K.add(D.d5, self._norm_backward(D.d2, b.ln1, g.ln1))                         # skip + LN1
+            d10 = K.add(D.d5, S.norm.backward(D.d2, b.ln1, g.ln1))                             # skip + LN1
             if keep_deltas:
                 kept.insert(0, D)
         top.d1 = K.dropout_backward(d10, f.drop1)                                             # Δ1
@@ -501,22 +485,11 @@ def _named_deltas(top, blocks) -> dict:
 
 
 def _numbers(block, first: int, stop: int) -> list:
-    """The activation (or signal) numbers ``first … stop − 1`` a block kept, SwiGLU's
-    ``7_gate``, ``7_up`` in place of ``7``."""
+    """The activation (or signal) numbers ``first … stop − 1`` a block kept: SwiGLU's ``7_gate``,
+    ``7_up`` in place of ``7``; a plugged MLP's block has no ``7``, ``8``."""
     prefix = "a" if hasattr(block, "a2") else "d"
-    sevens = ["7"] if hasattr(block, f"{prefix}7") else ["7_gate", "7_up"]
-    return [m for n in range(first, stop) for m in (sevens if n == 7 else [str(n)])]
-
-
-def _resolve_device(backend: str, device):
-    """``None`` (the backend's default: the CPU) or a torch device; the NumPy backend has only the CPU."""
-    if device is None or (backend == "numpy" and str(device) == "cpu"):
-        return None
-    if backend != "torch":
-        raise ValueError(f"device {device!r} needs backend='torch' (NumPy arrays live on the CPU)")
-    import torch
-
-    return torch.device(device)
+    numbers = [m for n in range(first, stop) for m in ([str(n)] if n != 7 else ["7", "7_gate", "7_up"])]
+    return [m for m in numbers if hasattr(block, prefix + m)]
 
 
 def eval_mode(model):

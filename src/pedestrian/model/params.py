@@ -57,22 +57,29 @@ class Parameters:
             ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1), drawn in the order of
             the learned-position layout so that models differing only in ``position_encoding``
             start from the same weights.
+        slots: the model's :class:`~pedestrian.model.slots.Slots`: a plugged layer's parameters
+            replace those of the built-in layers of its slot (the others keep the values they
+            have without it), each instance starting from its ``init``; ``None``: all built in.
 
     Attributes:
         base: the base parameters' :class:`FlatParams`; base_grads: its gradient twin (``None``
             until the first backward or :attr:`grads`).
         params: ``name -> view`` of every parameter, base then LoRA (what ``model.params`` is).
+        specs: every base parameter's :class:`~pedestrian.config.ParamSpec`, in order (a plugged
+            layer's included, kind ``"plugged"``).
         lora: the :class:`LoRA` adapters, or ``None``.
         freeze_base: the base gets no gradients (its matmuls are skipped).
     """
 
     def __init__(self, config: GPTConfig, xp, dtype, dtype_name: str, device=None, *, seed: int = 0,
-                 numpy_views: bool = False):
+                 numpy_views: bool = False, slots=None):
         self.config = config
         self.numpy_views = numpy_views
         self.dtype_name = dtype_name
-        self.base = FlatParams(xp, dtype, base_regions(config), device)
-        self.base_names = [s.name for s in param_specs(config)]
+        self.slots = slots
+        self.specs = param_specs(config) if slots is None else slots.specs()
+        self.base = FlatParams(xp, dtype, base_regions(config, self.specs), device)
+        self.base_names = [s.name for s in self.specs]
         self.params: dict = {name: self.base.views[name] for name in self.base_names}
         self.base_grads: FlatParams | None = None
         self.lora: LoRA | None = None
@@ -97,6 +104,9 @@ class Parameters:
                 value = np.zeros(s.shape)
             if s.name in self.params:
                 self.params[s.name][...] = self.to_xp(value)
+        for where, layer in ({} if self.slots is None else self.slots.instances()).items():
+            for name, value in layer.initial().items():       # init() once per instance
+                self.params[f"{where}.{name}"][...] = self.to_xp(value)
 
     # ------------------------------------------------------------------ values
     def to_xp(self, value):
@@ -162,7 +172,7 @@ class Parameters:
 
     def _grad_buffers(self) -> None:
         if not self.freeze_base and self.base_grads is None:
-            self.base_grads = self.base.like(base_regions(self.config))
+            self.base_grads = self.base.like(base_regions(self.config, self.specs))
         if self.lora is not None:
             self.lora.grad_buffer()
 
@@ -194,10 +204,12 @@ class Parameters:
         ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
         ``.mlp_contract``, ``ln_final``,
         ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
-        fused ``qkv`` layer; tied logits use ``W_tokᵀ``). With ``grads``, the gradient arrays
-        instead, ``None`` where a parameter gets none (frozen or absent), and ``tok_lookup``:
-        the array the embedding backward writes (``tok_emb``'s own, or with tied weights a
-        separate one, added to it after)."""
+        fused ``qkv`` layer; tied logits use ``W_tokᵀ``); a plugged layer's place holds its
+        :class:`~pedestrian.model.slots.Instance` (``blocks[i].ln1``, ``.act``, ``.mlp``; ``act`` is
+        ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged).
+        With ``grads``, the gradient arrays instead, ``None`` where a parameter gets none (frozen
+        or absent), and ``tok_lookup``: the array the embedding backward writes (``tok_emb``'s
+        own, or with tied weights a separate one, added to it after)."""
         c = self.config
         if grads:
             self._grad_buffers()
@@ -211,8 +223,18 @@ class Parameters:
             P = {name: to_numpy(a) for name, a in P.items()}
         lora = set(self.lora_targets)
 
+        S = self.slots
+
         def norm(name):
-            return Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
+            plugged = S and S.entry("norm", name, P)
+            return plugged or Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
+
+        def mlp(p):
+            if S and "mlp" in S.plugged:
+                return dict(mlp=S.entry("mlp", f"{p}.mlp", P))
+            return dict(mlp_gate=fc(f"{p}.mlp_gate") if c.mlp == "swiglu" else None,
+                        mlp_expand=fc(f"{p}.mlp_expand"), mlp_contract=fc(f"{p}.mlp_contract"),
+                        act=S and S.entry("activation", f"{p}.act", P))
 
         def fc(name, parts=((None, 0, None),)):
             adapters = tuple((a, P[f"{a}.lora_D"], P[f"{a}.lora_U"], lo, hi) for a, lo, hi in
@@ -223,9 +245,7 @@ class Parameters:
         qkv_parts = tuple((h, lo, hi) for h, (lo, hi) in qkv_columns(c))
         blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"), qkv=fc(f"blocks.{i}.attn.qkv", qkv_parts),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2"),
-                                  mlp_gate=fc(f"blocks.{i}.mlp_gate") if c.mlp == "swiglu" else None,
-                                  mlp_expand=fc(f"blocks.{i}.mlp_expand"),
-                                  mlp_contract=fc(f"blocks.{i}.mlp_contract"))
+                                  **mlp(f"blocks.{i}"))
                   for i in range(c.n_blocks)]
         table = SimpleNamespace(tok_emb=P.get("tok_emb.weight"), pos_emb=P.get("pos_emb.weight"), blocks=blocks,
                                 ln_final=norm("ln_final"), logits=fc("logits"))
@@ -300,12 +320,15 @@ class Parameters:
         the adapters.
 
         Raises:
-            ValueError: adapters already present, a rank that is not a positive integer, an
+            ValueError: adapters already present, a plugged MLP, a rank that is not a positive integer, an
                 ``α`` that is not a finite number, ``dropout`` outside ``[0, 1)``, unknown
                 targets or pattern keys; the model is unchanged then.
         """
         if self.lora is not None:
             raise ValueError("this model already has LoRA adapters; merge_lora() or remove_lora() first")
+        if self.slots is not None and "mlp" in self.slots.plugged:
+            raise ValueError("LoRA adapters sit on the built-in layers, and this model's mlp slot holds a plugged "
+                             "layer; give the plugged layer parameters of its own to train, or plug norm/activation only")
         self.lora = LoRA(self.config, self.base, targets, rank, alpha, rank_pattern=rank_pattern,
                          alpha_pattern=alpha_pattern, dropout=dropout, seed=seed)
         self.params.update(self.lora.weights.views)

@@ -194,20 +194,9 @@ def load_layer(path) -> tuple:
             one of :data:`LAYER_FUNCTIONS` (the message names which), or ``example()`` returned
             something else than two dicts.
     """
-    import importlib.util
-    from pathlib import Path
+    from ..model.slots import import_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no layer module {path}" + (" (a directory)" if path.is_dir() else ""))
-    spec = importlib.util.spec_from_file_location(f"pedestrian_layer_{path.stem}", path)
-    if path.suffix != ".py" or spec is None:
-        raise ValueError(f"{path} is not a Python file (.py)")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ValueError(f"{path} raised {_one_line(exc)} when imported") from exc
+    module = import_file(path)
     missing = [f"{n}()" for n in LAYER_FUNCTIONS if not callable(getattr(module, n, None))]
     if missing:
         raise ValueError(f"{path} defines no {', '.join(missing)}: a layer module defines example() -> (inputs, "

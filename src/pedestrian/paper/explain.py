@@ -18,11 +18,16 @@ norms (``RMS1``, ``RMS2``, ``RMS_final``: weight only), the SwiGLU MLP's ``a7_ga
 and ``a8 = silu(a7_gate) ∘ a7_up`` in place of ``a7``, ``a8``, and grouped-query attention's
 narrower fused ``qkv`` (``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` columns); their elementwise
 costs (:data:`LLAMA_ELEMENTWISE`) are printed only for a config that uses them.
+
+Plugged layers (:mod:`pedestrian.model.slots`; a checkpoint records them): a plugged slot's rows
+name its file and parameters and count no FLOPs (its code is the user's own), a plugged MLP has
+no ``a7``, ``a8`` rows and its products leave the matrix-product total; the parameter count is
+the model's own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import GPTConfig, count_params
 
@@ -176,28 +181,31 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
     return rows
 
 
-def totals(config: GPTConfig, rows: list[Row], batch_size: int, seq_len: int, itemsize: int = 4) -> dict:
+def totals(config: GPTConfig, rows: list[Row], batch_size: int, seq_len: int, itemsize: int = 4,
+           slots=None) -> dict:
     """Sums over one step (block rows counted ``n_blocks`` times), the matrix-product part alone,
-    and the 6·N·tokens estimate (N = every parameter)."""
+    and the 6·N·tokens estimate (N = every parameter; of ``slots.specs()`` for a model with
+    plugged layers, a :class:`~pedestrian.model.slots.Slots`)."""
     k = config.n_blocks
     mult = [k if r.per_block else 1 for r in rows]
     fwd = sum(m * r.fwd_flops for m, r in zip(mult, rows))
     bwd = sum(m * r.bwd_flops for m, r in zip(mult, rows))
     memory = sum(m * r.memory for m, r in zip(mult, rows))
-    n_params = count_params(config)
+    n_params = count_params(config) if slots is None else sum(s.size for s in slots.specs())
     tokens = batch_size * seq_len
-    matmul = matmul_flops(config, batch_size, seq_len)
+    matmul = matmul_flops(config, batch_size, seq_len, mlp=slots is None or "mlp" not in slots.plugged)
     return dict(fwd=fwd, bwd=bwd, step=fwd + bwd, memory=memory, n_params=n_params, tokens=tokens,
                 six_n=6 * n_params * tokens, matmul_step=matmul, params_memory=4 * n_params * itemsize)
 
 
-def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int) -> int:
+def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int, mlp: bool = True) -> int:
     """Matrix-product FLOPs of one step (forward + backward): the part the 6·N·tokens rule models.
-    The first layer (qkv of block 0) still needs Δ_in: the embedding gradient depends on it."""
+    The first layer (qkv of block 0) still needs Δ_in: the embedding gradient depends on it.
+    ``mlp=False``: without the MLP's (a plugged MLP's are not counted)."""
     c = config
     N = batch_size * seq_len
     H = c.n_heads
-    n_mlp = 3 if c.mlp == "swiglu" else 2         # SwiGLU: gate, up, down
+    n_mlp = (3 if c.mlp == "swiglu" else 2) if mlp else 0     # SwiGLU: gate, up, down
     per_block = 2 * N * (c.d_model * (H * c.d_qk + c.n_kv_heads * (c.d_qk + c.d_head)) + H * c.d_head * c.d_model
                          + n_mlp * c.d_model * c.d_mlp)
     attention = 2 * batch_size * H * seq_len * seq_len * (c.d_qk + c.d_head)
@@ -216,19 +224,29 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**14 else f"{n} B"
 
 
-def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str = "float32") -> str:
+def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str = "float32",
+                  layers: list | None = None) -> str:
     """The table ``pedestrian explain`` prints: a header with the config, one line per row of
     :func:`explain_rows` (one block's rows once), and the :func:`totals` (FLOPs beside the
     6·N·tokens rule, the memory kept, the elementwise costs). ``dtype``: ``"float32"`` or
-    ``"float64"``, the memory column's."""
+    ``"float64"``, the memory column's. ``layers``: a checkpoint's records of plugged layers
+    (``state["layers"]``: slot, path, source; their ``init`` runs to learn their shapes).
+
+    Raises:
+        ValueError: a recorded layer that no longer runs (:func:`pedestrian.model.slots.layer_from_source`).
+    """
     B, T = batch_size, seq_len
     itemsize = 8 if dtype == "float64" else 4
     lines = []
     say = lines.append
-    rows = explain_rows(config, B, T, itemsize)
-    tot = totals(config, rows, B, T, itemsize)
+    slots = plugged_slots(config, layers)
+    rows = plugged_rows(explain_rows(config, B, T, itemsize), slots)
+    tot = totals(config, rows, B, T, itemsize, slots)
     c = config
     say(f"config: {c}")
+    for slot, layer in (slots.plugged if slots else {}).items():
+        say(f"plugged: {slot} slot <- {layer.path} (parameters per instance: "
+            f"{', '.join(f'{n} {tuple(sh)}' for n, sh in layer.shapes.items()) or 'none'}; FLOPs not counted)")
     kv = f" H_kv={c.n_kv_heads}" if c.n_kv_heads != c.n_heads else ""
     say(f"B={B} T={T} d={c.d_model} H={c.n_heads}{kv} d_qk={c.d_qk} d_h={c.d_head} d_mlp={c.d_mlp} V={c.vocab_size} "
         f"n_blocks={c.n_blocks}, {dtype}, positions: {c.position_encoding}")
@@ -269,6 +287,41 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
     if c.dropout > 0:
         say(f"dropout {c.dropout}: its masks (three per block and one after the embedding) are not in the table")
     return "\n".join(lines)
+
+
+def plugged_slots(config: GPTConfig, records: list | None):
+    """The :class:`~pedestrian.model.slots.Slots` of a checkpoint's plugged-layer records (``None``: none)."""
+    if not records:
+        return None
+    from ..model.slots import Slots, layer_from_source
+
+    return Slots(config, None, "float64", {r["slot"]: layer_from_source(r["source"], r["path"]) for r in records})
+
+
+def plugged_rows(rows: list[Row], slots) -> list[Row]:
+    """``rows`` with the plugged slots' rows in place of the built-in ones (module docstring)."""
+    if slots is None:
+        return rows
+    out, P = [], slots.plugged
+
+    def plugged(r, slot, what, delta):                    # e.g. dyt(a5) [plugged], Δ5 += dytᵀ(Δ6)
+        layer = P[slot]
+        name = layer.path.rsplit("/", 1)[-1].removesuffix(".py")
+        return replace(r, forward=f"{name}({what}) [plugged]", params=", ".join(layer.shapes) or "-", fwd_flops=0,
+                       backward=delta.format(name), bwd_flops=0)
+
+    norm = {"a2": ("x", "Δx += {}ᵀ(Δ2)"), "a6": ("a5", "Δ5 += {}ᵀ(Δ6)"), "a11": ("a10", "Δ10 = {}ᵀ(Δ11)")}
+    for r in rows:
+        if "norm" in P and r.name in norm:
+            r = plugged(r, "norm", *norm[r.name])
+        elif "activation" in P and r.name == "a8":
+            r = plugged(r, "activation", "a7", "Δ7 = {}ᵀ(Δ8)")
+        elif "mlp" in P and r.name in ("a7", "a7_gate", "a7_up", "a8"):
+            continue
+        elif "mlp" in P and r.name == "a9":
+            r = plugged(r, "mlp", "a6", "Δ6 = {}ᵀ(Δ9)")
+        out.append(r)
+    return out
 
 
 def params_table(config: GPTConfig, per_block: bool = False, lora: tuple | None = None) -> str:

@@ -79,10 +79,13 @@ def gradient_lines(model) -> list:
 
     ``kind`` is ``"delta"`` (``key`` into :meth:`GPT.deltas`) or ``"param"`` (into the grads).
     The key bias's label says ``(≡ 0, §3)`` only where :func:`key_bias_vanishes`, ``(RoPE: ≢ 0)``
-    otherwise.
+    otherwise. A plugged layer's parameters (:mod:`pedestrian.model.slots`) are named as they are
+    (``∂L/∂ln1.alpha``); a plugged MLP has no ``Δ8``, ``Δ7``.
     """
     c, names = model.config, set(model.params)
     swiglu = c.mlp == "swiglu"
+    plugged = [s.name for s in model.parameters.specs if s.kind == "plugged"]
+    plugged_mlp = "mlp" in model.slots.plugged
     symbols = {**SYMBOLS, **(SWIGLU_SYMBOLS if swiglu else {}), **(RMS_SYMBOLS if c.norm == "rmsnorm" else {})}
     k_bias_note = " (≡ 0, §3)" if key_bias_vanishes(c) else " (RoPE: ≢ 0)"
     out = []
@@ -90,11 +93,15 @@ def gradient_lines(model) -> list:
     def params(prefix, *suffixes, where=""):
         for s in suffixes:
             name = f"{prefix}{s}"
-            if name in names:
+            if name in names and name not in plugged:
                 label = f"∂L/∂{symbols[s]}"
                 if s == "attn.k.bias":
                     label += k_bias_note
                 out.append((f"{label:<24}{where}", "param", name))
+        place = f"{prefix}{suffixes[0].split('.')[0]}."
+        for name in plugged:                               # a plugged layer's, at the same place
+            if name.startswith(place):
+                out.append((f"{'∂L/∂' + name[len(prefix):]:<24}{where}", "param", name))
 
     def delta(n, key, where=""):                           # n: 7, or "7_gate" (SwiGLU)
         out.append((f"{f'Δ{n} = ∂L/∂a{n}':<24}{where}", "delta", key))
@@ -108,13 +115,17 @@ def gradient_lines(model) -> list:
         delta(10, p + "Δ10", where)
         delta(9, p + "Δ9", where)
         params(p, "mlp_contract.weight", "mlp_contract.bias", where=where)
-        delta(8, p + "Δ8", where)
-        if swiglu:                                         # Δ8 -> Δ7_up, Δ7_gate -> Δ6 (their sum)
+        if plugged_mlp:                                    # a6 -> a9 in one plugged layer
+            params(p, "mlp.", where=where)
+        elif swiglu:                                       # Δ8 -> Δ7_up, Δ7_gate -> Δ6 (their sum)
+            delta(8, p + "Δ8", where)
             delta("7_up", p + "Δ7_up", where)
             params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
             delta("7_gate", p + "Δ7_gate", where)
             params(p, "mlp_gate.weight", "mlp_gate.bias", where=where)
         else:
+            delta(8, p + "Δ8", where)
+            params(p, "act.", where=where)                 # a plugged activation's parameters
             delta(7, p + "Δ7", where)
             params(p, "mlp_expand.weight", "mlp_expand.bias", where=where)
         delta(6, p + "Δ6", where)

@@ -185,9 +185,9 @@ def gradient_record(model, x, y, step: int) -> dict:
     Returns:
         ``{"step", "delta_norms": {"blocks.i": {"Δ2": ‖Δ2‖, …, "Δ10": …}, "Δ1": …, "Δ11": …},
         "grad_norms": {"blocks.i": {"ln1", "attn.qkv", "attn_proj", "ln2", "mlp_expand",
-        "mlp_contract"}, "tok_emb", "pos_emb" (learned positions), "ln_final", "logits"
-        (untied)}}``: Frobenius norms over the whole batch (``Δ_n = dL/da_n`` of the mean loss);
-        ``None`` where a norm is not finite.
+        "mlp_contract"; a plugged activation's "act", a plugged MLP's "mlp"}, "tok_emb",
+        "pos_emb" (learned positions), "ln_final", "logits" (untied)}}``: Frobenius norms over
+        the whole batch (``Δ_n = dL/da_n`` of the mean loss); ``None`` where a norm is not finite.
     """
     from ..backend import to_numpy
 
@@ -242,7 +242,7 @@ def plot_gradients(records: list[dict], path, title: str = "", max_blocks: int =
     fig, axes = plt.subplots(2, n, figsize=(2.9 * n + 2.2, 6.4), dpi=120, squeeze=False, sharey="row")
     steps = [r["step"] for r in recs]
     deltas = list(recs[0]["delta_norms"][blocks[0]]) if recs and blocks else [f"Δ{k}" for k in range(2, 11)]
-    groups = ("ln1", "attn.qkv", "attn_proj", "ln2", "mlp_gate", "mlp_expand", "mlp_contract")
+    groups = ("ln1", "attn.qkv", "attn_proj", "ln2", "mlp_gate", "mlp_expand", "act", "mlp_contract", "mlp")
     colors = plt.get_cmap("tab10")(np.arange(len(deltas)))
     group_colors = plt.get_cmap("tab10")(np.arange(len(groups)))
     for j, block in enumerate(blocks):

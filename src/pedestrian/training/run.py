@@ -9,7 +9,8 @@ function here) and stops in time (``max_minutes``); :func:`train` draws
 ``<out>/loss_curve.png`` and ``<out>/gradients.png`` at the end. Resuming restores the parameters, the AdamW moments and
 step, the data and dropout RNG states and the settings, so ``N + N`` steps reproduce ``2N``
 steps bit for bit (NumPy backend; a test). The step itself (gradient accumulation, clipping,
-AdamW) is :func:`pedestrian.training.step.train_step`.
+AdamW) is :func:`pedestrian.training.step.train_step`. Plugged layers (``--layer``): checked
+before the first step, matched on resume (:mod:`pedestrian.training.plugged`).
 
 Non-finite numbers (the rule of :mod:`pedestrian.training.step`): a step whose loss or gradient norm is
 NaN or inf is skipped -- no update, weights and AdamW moments untouched -- with a warning naming
@@ -63,6 +64,7 @@ from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .job import build_trainer, failures_explained, new_optimizer
 from .loop import Checkpoints, Trainer
+from .plugged import check_layers, layer_paths, match_recorded
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
 from .step import TrainingError
 
@@ -130,14 +132,14 @@ def _device(settings: TrainSettings, group):
     return None if settings.device == "cpu" else group.device
 
 
-def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group):
-    """``(model, optimizer, data_rng)``: new, or as the checkpoint left them; every rank starts
-    from rank 0's parameters."""
+def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group, layers: dict):
+    """``(model, optimizer, data_rng)``: new (with the plugged ``layers``, ``{slot: path}``), or as
+    the checkpoint left them; every rank starts from rank 0's parameters."""
     if ckpt is None:
         from ..model import GPT
 
         model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
-                    device=_device(settings, group))
+                    device=_device(settings, group), layers=layers)
         data_rng = np.random.default_rng(settings.seed)
     else:
         model, data_rng = ckpt.model, np.random.default_rng()
@@ -282,9 +284,12 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     ckpt = None
     if resume:
         settings, ckpt = _resumed(settings, explicit, out, group)
+        if "layer" in explicit:
+            match_recorded(settings.layer, ckpt)
     elif had_run and not overwrite:
         raise TrainingError(f"{out} already holds a checkpoint (step {read_state(out)[1].get('step')}); pass "
                             "--resume to continue it, --out NEW_DIR for a new run, or --overwrite to replace it")
+    layers = {} if resume else layer_paths(settings.layer)     # {slot: path}; a resumed run has its own
     if settings.batch_size < group.world_size:
         raise TrainingError(f"--batch-size {settings.batch_size} is smaller than the {group.world_size} ranks: each "
                             f"rank computes its share of every batch's rows; use --batch-size >= {group.world_size}")
@@ -301,7 +306,9 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
-    model, optimizer, data_rng = _start(settings, config, ckpt, group)
+    model, optimizer, data_rng = _start(settings, config, ckpt, group, layers)
+    if settings.check_layers:
+        check_layers(model, quiet=not group.is_writer)
     _warn_other_ranks(ckpt, group)
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
@@ -378,6 +385,8 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
     """The opening lines of a run: model, data, steps, ranks and threads (and a warm-up warning)."""
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
+    for slot, layer in model.slots.plugged.items():
+        log.info(f"plugged: the {slot} slot runs {layer.path} (parameters per instance: {dict(layer.shapes)})")
     log.info(f"data: {settings.data or BUNDLED_CORPUS} ({settings.tokenizer} tokenizer, {tokenizer.vocab_size} "
              f"ids): {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens")
     log.info(f"steps {trainer.step} -> {trainer.stop.end} of {settings.max_steps}, batch {B}x{k}x{T} tokens, "

@@ -69,6 +69,11 @@ class TrainSettings:
     backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_MODEL)
     device: str = setting("cpu", "where the arrays live; cuda needs --backend torch (ranks on GPUs talk "
                           "through NCCL, on CPUs through gloo)", choices=DEVICES, group=_MODEL, tags=_PER_RUN)
+    layer: list | None = setting(None, "your own layer in a slot: SLOT=FILE.py, SLOT one of norm, activation, mlp "
+                                 "(repeat for several; docs/guide.md)", kind=list, metavar="SLOT=FILE.py", group=_MODEL,
+                                 tags=_RESUMABLE)
+    check_layers: bool = setting(True, "no gradient check of the --layer modules before the first step",
+                                 group=_MODEL, tags=_PER_RUN)
     batch_size: int = setting(16, "windows of context_length + 1 tokens per micro-batch", rule=POSITIVE_INT,
                               metavar="B", group=_OPTIM)
     grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)

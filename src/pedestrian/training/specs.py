@@ -189,7 +189,8 @@ def add_flags(parser, cls, *, groups: dict | None = None, keep_defaults: bool = 
     """Add a flag for every setting of ``cls`` that has one, in groups named by ``Spec.group``.
 
     Booleans become switches: ``--no-NAME`` for a setting that defaults to ``True``, ``--NAME``
-    for one that defaults to ``False``. ``keep_defaults=False`` (the default) gives every flag the
+    for one that defaults to ``False``. A list takes one or more values, and may be repeated
+    (the values add up) unless ``keep_defaults``. ``keep_defaults=False`` (the default) gives every flag the
     argparse default ``None``, so a caller can tell which were given; the help names the
     setting's own default either way.
 
@@ -223,8 +224,8 @@ def add_flags(parser, cls, *, groups: dict | None = None, keep_defaults: bool = 
             kw["default"] = f.default
         elif keep_defaults and f.default_factory is not _MISSING:
             kw["default"] = f.default_factory()
-        if spec.kind is list:
-            kw["nargs"] = "+"
+        if spec.kind is list:                          # --flag a b, and --flag a --flag b alike
+            kw.update(nargs="+", action="extend" if kw.get("default") is None else "store")
         else:
             kw["type"] = spec.kind
         if spec.choices is not None:
