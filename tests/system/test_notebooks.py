@@ -27,7 +27,8 @@ CELL_TIMEOUT_S = 240
 
 
 def test_the_walkthrough_exists():
-    assert [p.name for p in NOTEBOOKS] == ["01_one_attention_head.ipynb", "02_the_whole_gpt.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_one_attention_head.ipynb", "02_the_whole_gpt.ipynb",
+                                           "04_your_own_layer.ipynb"]
 
 
 @pytest.mark.slow
