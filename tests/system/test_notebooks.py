@@ -28,7 +28,7 @@ CELL_TIMEOUT_S = 240
 
 def test_the_walkthrough_exists():
     assert [p.name for p in NOTEBOOKS] == ["01_one_attention_head.ipynb", "02_the_whole_gpt.ipynb",
-                                           "03_llama_blocks.ipynb"]
+                                           "03_llama_blocks.ipynb", "04_your_own_layer.ipynb"]
 
 
 @pytest.mark.slow
