@@ -367,15 +367,14 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
                                       previous=f"the previous run in {out} is left as it was" if had_run else None,
                                       go_on="run the fine-tuning again with a lower --lr and --overwrite",
                                       start_again="run the fine-tuning again with --overwrite")
-    with failures_explained(trainer):
+    title = f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}"
+    with failures_explained(trainer, plot=title if settings.plot else None):
         initial_val = trainer.evaluate()
         if math.isfinite(initial_val):
             log.info(f"step 0: val loss {initial_val:.4f}")
-        reason = trainer.run()
-        if reason != "non_finite":
+        if trainer.run() != "non_finite":
             save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
-            if settings.plot:
-                files.plot(f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+    reason = trainer.stop_reason
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "

@@ -91,14 +91,16 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
 
 
 @contextlib.contextmanager
-def failures_explained(trainer: Trainer):
+def failures_explained(trainer: Trainer, plot: str | None = None):
     """``with failures_explained(trainer): trainer.run() ...``: a failure in the body becomes one
     message naming what is kept (:meth:`Checkpoints.kept`) and how to go on
     (:meth:`Checkpoints.retry`); the run's files are closed at the end; a run that stopped on
-    ``max_skipped_steps`` non-finite steps raises after the body.
+    ``max_skipped_steps`` non-finite steps raises after the body; else, given a ``plot`` title,
+    ``loss_curve.png`` and ``gradients.png`` are drawn from the log.
 
     Raises:
-        WriteError: a file could not be written (the advice added).
+        WriteError: a file could not be written (the advice added; for a plot: that the run is
+            saved, and how to draw it from the log).
         TrainingError: a refused non-finite checkpoint, another rank that failed
             (:class:`CommunicationError`), or a ``"non_finite"`` stop.
     """
@@ -116,3 +118,11 @@ def failures_explained(trainer: Trainer):
         trainer.files.close()
     if trainer.stop_reason == "non_finite":
         raise TrainingError(trainer.non_finite_message(c.kept(trainer, good=True)))
+    if plot is not None:
+        try:
+            trainer.files.plot(plot)
+        except WriteError as exc:
+            log = trainer.files.out / "log.jsonl"
+            raise exc.advise(f"the run itself is saved ({c.kept(trainer)})",
+                             f"draw it from the log with: python -c \"from pedestrian.training import *; "
+                             f"plot_loss_curve(read_log('{log}'), '{log.parent / 'loss_curve.png'}')\"") from exc

@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import WriteError
 from ..checkpoint import Checkpoint, load_checkpoint, read_state
 from ..text.data import BUNDLED_CORPUS
 from .distributed import (CommunicationError, LaunchFailure, launch, launched_rank, process_group,
@@ -305,7 +304,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     elif group.world_size > 1:
         resume_command = f"torchrun <the same options> -m {resume_command}"
     resume_command += per_run_flags(settings)
-    trainer.checkpoints = checkpoints = Checkpoints(
+    trainer.checkpoints = Checkpoints(
         files, save, out / "latest", interval=settings.checkpoint_interval, resume_command=resume_command,
         previous=f"the previous run in {out} is left as it was" if had_run else None,
         go_on=f"continue from it with: {resume_command} (the same settings redo the same steps), or start "
@@ -317,17 +316,10 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
             files.log(gradient_record(model, *t.batches[0], t.step))
 
     trainer.on("step_end", gradient_norms)
-    with failures_explained(trainer):
+    title = (f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), {model.num_params(trainable_only=True):,} "
+             f"params, d_model {config.d_model}, {config.n_blocks} blocks")
+    with failures_explained(trainer, plot=title if settings.plot else None):
         reason = trainer.run()
-    if settings.plot:
-        try:
-            files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
-                       f"{model.num_params(trainable_only=True):,} params, d_model {config.d_model}, "
-                       f"{config.n_blocks} blocks")
-        except WriteError as exc:
-            raise exc.advise(f"the run itself is saved ({checkpoints.kept(trainer)})",
-                             f"draw it from the log with: python -c \"from pedestrian.training import *; "
-                             f"plot_loss_curve(read_log('{out / 'log.jsonl'}'), '{out / 'loss_curve.png'}')\"") from exc
     result = TrainResult(step=trainer.step, train_loss=trainer.loss, val_loss=trainer.val_loss,
                          best_val_loss=best_val, seconds=time.perf_counter() - t_start,
                          tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,
