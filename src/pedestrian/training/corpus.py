@@ -75,8 +75,8 @@ def prepare_data(settings, tokenizer=None, group=None, window: int | None = None
 
     The corpus is encoded once into a token file cached beside it (memory-mapped; see
     :func:`pedestrian.text.tokens.encode_to_token_file`). With several ranks, rank 0 builds the
-    tokenizer and the token file first; the others then take its tokenizer (broadcast) and read
-    the same file.
+    tokenizer and the token file first; the others then take its tokenizer (broadcast, the
+    object itself) and read the same file.
 
     Args:
         settings: a :class:`~pedestrian.training.settings.TrainSettings` (or fine-tuning
@@ -95,9 +95,7 @@ def prepare_data(settings, tokenizer=None, group=None, window: int | None = None
             tokens; :class:`TrainingError`).
     """
     if group is not None and not group.is_writer:
-        from ..text.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(group.broadcast(None, "the tokenizer"))      # once rank 0 is done
+        tokenizer = group.broadcast(None, "the tokenizer")       # rank 0's (pickled), once its file is written
     corpus = Path(settings.data).expanduser() if settings.data else BUNDLED_CORPUS
     if settings.data is None and not BUNDLED_CORPUS.is_dir():
         from ..text.data import bundled_corpus
@@ -115,7 +113,7 @@ def prepare_data(settings, tokenizer=None, group=None, window: int | None = None
                 f"{name} split (val_fraction {settings.val_fraction}), but one window needs "
                 f"context_length + 1 = {need}. Use a longer corpus or a smaller --context-length.")
     if group is not None and group.is_writer:
-        group.broadcast(tokenizer.to_dict(), "the tokenizer")
+        group.broadcast(tokenizer, "the tokenizer")
     return tokenizer, train_tokens, val_tokens
 
 
