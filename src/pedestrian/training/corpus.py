@@ -70,25 +70,32 @@ def corpus_split(data, tokenizer, val_fraction: float, split: str) -> np.ndarray
     return part
 
 
-def prepare_data(settings: TrainSettings, tokenizer=None):
+def prepare_data(settings, tokenizer=None, group=None, window: int | None = None):
     """Tokenizer and the encoded train / validation token streams of the corpus.
 
     The corpus is encoded once into a token file cached beside it (memory-mapped; see
-    :func:`pedestrian.text.tokens.encode_to_token_file`).
+    :func:`pedestrian.text.tokens.encode_to_token_file`). With several ranks, rank 0 builds the
+    tokenizer and the token file first; the others then take its tokenizer (broadcast, the
+    object itself) and read the same file.
 
     Args:
-        settings: uses ``data``, ``tokenizer``, ``bpe_vocab_size``, ``val_fraction`` and the
-            context length.
-        tokenizer: an existing tokenizer (resume / eval); else one is built.
+        settings: a :class:`~pedestrian.training.settings.TrainSettings` (or fine-tuning
+            settings, with a tokenizer); uses ``data`` (``None``: the bundled plays),
+            ``tokenizer``, ``bpe_vocab_size``, ``val_fraction`` and ``context_length``.
+        tokenizer: an existing tokenizer (resume, fine-tuning); else one is built.
+        group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
+        window: tokens of one training window (default ``settings.context_length``).
 
     Returns:
         ``(tokenizer, train_tokens, val_tokens)``.
 
     Raises:
         FileNotFoundError / ValueError: missing, empty or non-UTF-8 corpus; a character the
-            given tokenizer does not know; a split shorter than one window
-            (``context_length + 1`` tokens).
+            given tokenizer does not know; a split shorter than one window (``window + 1``
+            tokens; :class:`TrainingError`).
     """
+    if group is not None and not group.is_writer:
+        tokenizer = group.broadcast(None, "the tokenizer")       # rank 0's (pickled), once its file is written
     corpus = Path(settings.data).expanduser() if settings.data else BUNDLED_CORPUS
     if settings.data is None and not BUNDLED_CORPUS.is_dir():
         from ..text.data import bundled_corpus
@@ -98,13 +105,15 @@ def prepare_data(settings: TrainSettings, tokenizer=None):
         tokenizer = build_tokenizer(settings, corpus)
     tokens = encode_to_token_file(corpus, tokenizer)
     train_tokens, val_tokens = split_tokens(tokens, settings.val_fraction)
-    need = settings.context_length + 1
+    need = (settings.context_length if window is None else window) + 1
     for name, part in (("training", train_tokens), ("validation", val_tokens)):
         if part.shape[0] < need:
             raise TrainingError(
                 f"corpus {corpus} is too short: {tokens.shape[0]} tokens in all, {part.shape[0]} in the "
                 f"{name} split (val_fraction {settings.val_fraction}), but one window needs "
                 f"context_length + 1 = {need}. Use a longer corpus or a smaller --context-length.")
+    if group is not None and group.is_writer:
+        group.broadcast(tokenizer, "the tokenizer")
     return tokenizer, train_tokens, val_tokens
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 from pathlib import Path
 
-import numpy as np
 
 from ..config import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
@@ -328,11 +327,11 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     """
     from ..interop.hf import load_pretrained
     from ..interop.peft import save_peft_adapter
-    from ..text.tokens import encode_to_token_file
-    from .corpus import split_tokens
+    from ..model.finite import finite_or_none
+    from .corpus import prepare_data
     from .distributed import launched_rank
     from .files import RunFiles
-    from .job import build_trainer, failures_explained, new_optimizer
+    from .job import build_trainer, failures_explained
     from .loop import Checkpoints, Trainer
 
     t_start = time.perf_counter()
@@ -346,13 +345,7 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
         raise ValueError(f"{out} already holds a run; choose another --out or pass --overwrite")
     model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
     T = settings.window(model)
-    tokens = encode_to_token_file(Path(settings.data).expanduser(), tokenizer)
-    train_tokens, val_tokens = split_tokens(tokens, settings.val_fraction)
-    for name, part in (("training", train_tokens), ("validation", val_tokens)):
-        if part.shape[0] < T + 1:
-            raise ValueError(f"{settings.data} is too short: {tokens.shape[0]} tokens, {part.shape[0]} in "
-                             f"the {name} split, but one window needs {T + 1}; use more text or a "
-                             "smaller --context-length")
+    _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
     model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
                    dropout=settings.lora_dropout, freeze_base=True)
     base = base_fingerprint(settings.hf_dir)
@@ -365,27 +358,23 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     files = RunFiles(out, replacing=had_run, stale=("peft",))
 
     def save(t: Trainer) -> None:
-        finite = {name: (x if math.isfinite(x) else None) for name, x in (("val_loss", t.val_loss),
-                                                                           ("train_loss", t.loss))}
-        meta = {"finetune": settings.to_dict(), **finite, "skipped_steps": t.skipped_total}
+        meta = {"finetune": settings.to_dict(), "val_loss": finite_or_none(t.val_loss),
+                "train_loss": finite_or_none(t.loss), "skipped_steps": t.skipped_total}
         files.save_checkpoint("adapter", model, t.optimizer, tokenizer, t.step, meta, params="lora", base=base)
-        t.last_save = t.step
 
-    checkpoints = Checkpoints(files, save, out / "adapter", name="adapter checkpoint",
-                              previous=f"the previous run in {out} is left as it was" if had_run else None,
-                              go_on="run the fine-tuning again with a lower --lr and --overwrite",
-                              start_again="run the fine-tuning again with --overwrite")
-    trainer = build_trainer(settings, model, new_optimizer(settings, model), (train_tokens, val_tokens),
-                            np.random.default_rng(settings.seed), checkpoints, label="finetune", t_start=t_start)
-    with failures_explained(trainer):
+    trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="finetune", t_start=t_start)
+    trainer.checkpoints = Checkpoints(files, save, out / "adapter", name="adapter checkpoint",
+                                      previous=f"the previous run in {out} is left as it was" if had_run else None,
+                                      go_on="run the fine-tuning again with a lower --lr and --overwrite",
+                                      start_again="run the fine-tuning again with --overwrite")
+    title = f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}"
+    with failures_explained(trainer, plot=title if settings.plot else None):
         initial_val = trainer.evaluate()
         if math.isfinite(initial_val):
             log.info(f"step 0: val loss {initial_val:.4f}")
-        reason = trainer.run()
-        if reason != "non_finite":
+        if trainer.run() != "non_finite":
             save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
-            if settings.plot:
-                files.plot(f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}")
+    reason = trainer.stop_reason
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "

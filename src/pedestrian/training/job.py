@@ -1,8 +1,8 @@
 """What ``pedestrian train`` and ``pedestrian finetune`` share around the loop: the
 :class:`~pedestrian.training.loop.Trainer` built from a run's settings (:func:`build_trainer`,
-the one place where a setting such as ``lr`` becomes a part of the loop), its optimizer
-(:func:`new_optimizer`), and its failures, each turned into one message that names what is kept
-on disk and how to go on (:func:`failures_explained`).
+the one place where a setting such as ``lr`` becomes a part of the loop: the optimizer, its
+schedule, the batches, the stop rules, and a resumed run's state), and its failures, each turned
+into one message that names what is kept on disk and how to go on (:func:`failures_explained`).
 
 The settings are a :class:`~pedestrian.training.settings.TrainSettings` or a
 :class:`~pedestrian.training.finetune.FinetuneSettings`: the fields they share mean the same
@@ -21,42 +21,58 @@ from ..atomic import WriteError
 from ..checkpoint import NonFiniteError
 from ..text.tokens import TokenDataset
 from .distributed import CommunicationError, SingleProcess
-from .loop import Batches, Checkpoints, Optimization, StopRules, Trainer
+from .loop import Batches, Optimization, StopRules, Trainer
 from .optim import AdamW, CosineSchedule
 from .step import TrainingError
 
 
-def new_optimizer(settings, model) -> AdamW:
-    """AdamW over ``model``'s trainable buffers with the run's ``lr``, ``beta1``, ``beta2``,
-    ``eps`` and ``weight_decay`` (a resumed run then loads the checkpoint's state into it)."""
-    return AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                 weight_decay=settings.weight_decay)
+def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, label: str, t_start: float,
+                  resume=None, group=None) -> Trainer:
+    """The :class:`Trainer` of a run, every part made from ``settings`` (and ``resume``).
 
-
-def build_trainer(settings, model, optimizer: AdamW, tokens: tuple[np.ndarray, np.ndarray],
-                  data_rng: np.random.Generator, checkpoints: Checkpoints, *, label: str, t_start: float,
-                  group=None) -> Trainer:
-    """The :class:`Trainer` of a run, its parts made from ``settings``.
-
-    Optimization: ``optimizer`` with a :class:`~pedestrian.training.optim.CosineSchedule`
-    (``lr`` after ``warmup_steps`` down to ``min_lr`` at ``max_steps``) and ``grad_clip``.
+    The model: put in training mode, its trainable parameters made rank 0's on every rank.
+    Optimization: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers
+    (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``) with a
+    :class:`~pedestrian.training.optim.CosineSchedule` (``lr`` after ``warmup_steps`` down to
+    ``min_lr`` at ``max_steps``) and ``grad_clip``.
     Batches: ``grad_accum`` micro-batches of ``batch_size`` windows of ``settings.window(model)``
-    tokens drawn from the training tokens with ``data_rng``, dropout keyed by ``seed``, and
-    ``eval_batches`` fixed validation batches (seed ``seed + 1``) every ``eval_interval`` steps.
+    tokens drawn from the training tokens with a generator seeded by ``seed`` (``Batches.rng``),
+    dropout keyed by ``seed``, and ``eval_batches`` fixed validation batches (seed ``seed + 1``)
+    every ``eval_interval`` steps.
     Stop: ``max_steps`` (or ``stop_step``, before it), ``max_skipped_steps``, and ``max_minutes``
     since ``t_start`` on rank 0 (whose clock decides for every rank).
 
     Args:
         tokens: ``(train, validation)`` token arrays.
-        checkpoints: the run's files and what a checkpoint holds (the caller's).
         label: the progress bar's label (shown when ``settings.progress``, on rank 0).
         t_start: when the run started (a ``time.perf_counter()``): the origin of ``max_minutes``.
+        resume: the :class:`~pedestrian.checkpoint.Checkpoint` a resumed run continues (its model
+            is ``model``): the AdamW state, the batches' generator state (``meta["data_rng"]``),
+            the step and the skipped steps (``meta["skipped_steps"]``) are taken from it;
+            ``None``: a new run at step 0.
         group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
 
     Returns:
-        the trainer at step 0 (:meth:`Trainer.resume` moves a resumed run to its checkpoint's step).
+        the trainer, at ``resume``'s step, without checkpoints: the caller sets
+        ``trainer.checkpoints`` (:class:`~pedestrian.training.loop.Checkpoints`: the run's files
+        and what a checkpoint holds), opening the run's files only once all of this has held.
+
+    Raises:
+        TrainingError: a checkpoint whose optimizer step does not match its own step.
     """
     group = SingleProcess() if group is None else group
+    model.training = True
+    group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
+    optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
+                      weight_decay=settings.weight_decay)
+    rng, step, skipped = np.random.default_rng(settings.seed), 0, 0
+    if resume is not None:
+        optimizer.load_state_dict(resume.optimizer_state())
+        rng.bit_generator.state = resume.meta["data_rng"]
+        step, skipped = resume.step, int(resume.meta.get("skipped_steps", 0))
+        if optimizer.step_count != step - skipped:
+            raise TrainingError(f"checkpoint {resume.path} is inconsistent: optimizer step {optimizer.step_count} "
+                                f"!= step {step} - {skipped} skipped")
     B, T, k = settings.batch_size, settings.window(model), settings.grad_accum
     train_ds, val_ds = TokenDataset(tokens[0]), TokenDataset(tokens[1])
     end, end_reason = settings.max_steps, "max_steps"
@@ -64,24 +80,27 @@ def build_trainer(settings, model, optimizer: AdamW, tokens: tuple[np.ndarray, n
         end, end_reason = settings.stop_step, "stop_step"
     optimization = Optimization(optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
                                                           settings.min_lr), settings.grad_clip)
-    batches = Batches(lambda: [train_ds.get_batch(data_rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
+    batches = Batches(lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
                       validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                      eval_interval=settings.eval_interval, dropout_seed=settings.seed)
+                      eval_interval=settings.eval_interval, dropout_seed=settings.seed, rng=rng)
     stop = StopRules(end, end_reason, settings.max_skipped_steps,
                      settings.max_minutes if group.is_writer else None, t_start)    # rank 0's clock decides
-    return Trainer(model, optimization, batches, stop, checkpoints, group=group,
-                   progress=label if settings.progress and group.is_writer else None)
+    trainer = Trainer(model, optimization, batches, stop, group=group,
+                      progress=label if settings.progress and group.is_writer else None)
+    return trainer.resume(step, skipped) if resume is not None else trainer
 
 
 @contextlib.contextmanager
-def failures_explained(trainer: Trainer):
+def failures_explained(trainer: Trainer, plot: str | None = None):
     """``with failures_explained(trainer): trainer.run() ...``: a failure in the body becomes one
     message naming what is kept (:meth:`Checkpoints.kept`) and how to go on
     (:meth:`Checkpoints.retry`); the run's files are closed at the end; a run that stopped on
-    ``max_skipped_steps`` non-finite steps raises after the body.
+    ``max_skipped_steps`` non-finite steps raises after the body; else, given a ``plot`` title,
+    ``loss_curve.png`` and ``gradients.png`` are drawn from the log.
 
     Raises:
-        WriteError: a file could not be written (the advice added).
+        WriteError: a file could not be written (the advice added; for a plot: that the run is
+            saved, and how to draw it from the log).
         TrainingError: a refused non-finite checkpoint, another rank that failed
             (:class:`CommunicationError`), or a ``"non_finite"`` stop.
     """
@@ -99,3 +118,11 @@ def failures_explained(trainer: Trainer):
         trainer.files.close()
     if trainer.stop_reason == "non_finite":
         raise TrainingError(trainer.non_finite_message(c.kept(trainer, good=True)))
+    if plot is not None:
+        try:
+            trainer.files.plot(plot)
+        except WriteError as exc:
+            log = trainer.files.out / "log.jsonl"
+            raise exc.advise(f"the run itself is saved ({c.kept(trainer)})",
+                             f"draw it from the log with: python -c \"from pedestrian.training import *; "
+                             f"plot_loss_curve(read_log('{log}'), '{log.parent / 'loss_curve.png'}')\"") from exc

@@ -47,6 +47,7 @@ from .step import (TrainingError, empty_like, estimate_loss, non_finite_tensors,
                    train_step)
 
 log = logging.getLogger("pedestrian.train")
+_NO_FILES = NoFiles()
 
 #: stop requests of this process (signal names, "stdout closed"), read at each decision point;
 #: cleared when a :class:`Trainer` is made
@@ -93,6 +94,7 @@ class Batches:
             ``eval_interval`` steps (0: never) and at the end (:meth:`Trainer.evaluate`).
         dropout_seed: draw dropout masks keyed by ``(dropout_seed, step, micro-batch)`` and the
             global row (module docstring); ``None``: from the model's own ``dropout_rng``.
+        rng: the generator ``next`` draws with, whose state a checkpoint keeps (``None``: none).
     """
 
     next: Callable[[], list]
@@ -100,6 +102,7 @@ class Batches:
     validation: Sequence = ()
     eval_interval: int = 0
     dropout_seed: int | None = None
+    rng: Any = None
 
 
 @dataclass
@@ -131,7 +134,8 @@ class Trainer:
         batches: what the steps read (:class:`Batches`).
         stop: when to stop (:class:`StopRules`).
         checkpoints: the run's files (:class:`Checkpoints`: the log and what a checkpoint holds);
-            ``None``: nothing is written.
+            ``None``: nothing is written. An attribute: a caller may set it after building the
+            trainer (the run's files are opened last).
         group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
         progress: the label of a progress bar on stderr; ``None``: no bar.
 
@@ -147,8 +151,7 @@ class Trainer:
     def __init__(self, model, optimization: Optimization, batches: Batches, stop: StopRules,
                  checkpoints: Checkpoints | None = None, *, group=None, progress: str | None = None):
         self.model, self.optimization, self.data, self.stop = model, optimization, batches, stop
-        self.checkpoints = checkpoints
-        self.files = NoFiles() if checkpoints is None else checkpoints.files
+        self.checkpoints = checkpoints              # may be given later: the run's files open last
         self.group = SingleProcess() if group is None else group
         self.progress = progress
         self.step = 0
@@ -178,6 +181,11 @@ class Trainer:
     @property
     def optimizer(self) -> AdamW:
         return self.optimization.optimizer
+
+    @property
+    def files(self):
+        """Where the log goes: the checkpoints' ``files``, or nothing while there are none."""
+        return _NO_FILES if self.checkpoints is None else self.checkpoints.files
 
     def on(self, event: str, *callbacks: Callable[["Trainer"], Any]) -> "Trainer":
         """Call ``callback(trainer)`` after every step (``event`` ``"step_end"``, the only one),

@@ -1,7 +1,9 @@
 """``pedestrian train``: the settings, the data, and :func:`train`, which wires the shared loop.
 
-:func:`train` runs the whole job: it builds (or resumes) the model, optimizer and data RNG, and
-runs :class:`pedestrian.training.loop.Trainer`, which logs every step to ``<out>/log.jsonl``,
+:func:`train` runs the whole job: it builds (or resumes) the model, has
+:func:`pedestrian.training.job.build_trainer` make the optimizer, schedule, batches and stop rules
+from the settings (and a resumed run's state from its checkpoint), and runs the
+:class:`pedestrian.training.loop.Trainer`, which logs every step to ``<out>/log.jsonl``,
 evaluates a fixed set of validation batches every ``eval_interval`` steps (after which a callback
 logs the norms of every block's error signals and gradients on that step's batch,
 :func:`gradient_record`), keeps ``<out>/latest`` and ``<out>/best`` checkpoints (the ``save``
@@ -52,9 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import WriteError
 from ..checkpoint import Checkpoint, load_checkpoint, read_state
-from ..config import GPTConfig
 from ..text.data import BUNDLED_CORPUS
 from .distributed import (CommunicationError, LaunchFailure, launch, launched_rank, process_group,
                           reports_to_launcher)
@@ -62,7 +62,7 @@ from ..model.finite import finite_or_none
 from ..kernels.jit import threads_used
 from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
-from .job import build_trainer, failures_explained, new_optimizer
+from .job import build_trainer, failures_explained
 from .loop import Checkpoints, Trainer
 from .plugged import check_layers, layer_paths, match_recorded
 from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
@@ -130,30 +130,6 @@ def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> t
 def _device(settings: TrainSettings, group):
     """The model's device: ``None`` on the CPU, this rank's GPU with ``--device cuda``."""
     return None if settings.device == "cpu" else group.device
-
-
-def _start(settings: TrainSettings, config: GPTConfig, ckpt: Checkpoint | None, group, layers: dict):
-    """``(model, optimizer, data_rng)``: new (with the plugged ``layers``, ``{slot: path}``), or as
-    the checkpoint left them; every rank starts from rank 0's parameters."""
-    if ckpt is None:
-        from ..model import GPT
-
-        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
-                    device=_device(settings, group), layers=layers)
-        data_rng = np.random.default_rng(settings.seed)
-    else:
-        model, data_rng = ckpt.model, np.random.default_rng()
-        data_rng.bit_generator.state = ckpt.meta["data_rng"]
-    model.training = True
-    group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
-    optimizer = new_optimizer(settings, model)
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt.optimizer_state())
-        skipped = int(ckpt.meta.get("skipped_steps", 0))
-        if optimizer.step_count != ckpt.step - skipped:
-            raise TrainingError(f"checkpoint {ckpt.path} is inconsistent: optimizer step {optimizer.step_count} "
-                                f"!= step {ckpt.step} - {skipped} skipped")
-    return model, optimizer, data_rng
 
 
 def _warn_other_ranks(ckpt: Checkpoint | None, group) -> None:
@@ -293,22 +269,22 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     if settings.batch_size < group.world_size:
         raise TrainingError(f"--batch-size {settings.batch_size} is smaller than the {group.world_size} ranks: each "
                             f"rank computes its share of every batch's rows; use --batch-size >= {group.world_size}")
-    # rank 0 builds the tokenizer and the token file first; the others take its tokenizer
-    tokenizer = ckpt.tokenizer if ckpt else None
-    if group.is_writer:
-        tokenizer, train_tokens, val_tokens = prepare_data(settings, tokenizer)
-    shared = group.broadcast(tokenizer.to_dict() if group.is_writer else None, "the tokenizer")
-    if not group.is_writer:
-        from ..text.tokenizer import load_tokenizer
-
-        tokenizer, train_tokens, val_tokens = prepare_data(settings, load_tokenizer(shared))
+    tokenizer, train_tokens, val_tokens = prepare_data(settings, ckpt.tokenizer if ckpt else None, group)
     config = settings.model_config(tokenizer.vocab_size)
     if ckpt is not None and ckpt.config != config:
         raise TrainingError(f"the checkpoint in {ckpt.path} has model config {ckpt.config}, which "
                             f"does not match its own training settings {config}; it is damaged")
-    model, optimizer, data_rng = _start(settings, config, ckpt, group, layers)
+    if ckpt is None:
+        from ..model import GPT
+
+        model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
+                    device=_device(settings, group), layers=layers)
+    else:
+        model = ckpt.model
     if settings.check_layers:
         check_layers(model, quiet=not group.is_writer)
+    trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="train", t_start=t_start,
+                            resume=ckpt, group=group)
     _warn_other_ranks(ckpt, group)
     best_val = ckpt.meta.get("best_val_loss") if ckpt else None
     best_val = math.inf if best_val is None else float(best_val)
@@ -320,7 +296,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         val = t.val_loss if t.last_eval == t.step else math.nan
         is_best = math.isfinite(val) and val <= best_val
         best_val = val if is_best else best_val
-        meta = {"settings": settings.to_dict(), "data_rng": data_rng.bit_generator.state,
+        meta = {"settings": settings.to_dict(), "data_rng": t.data.rng.bit_generator.state,
                 "val_loss": finite_or_none(val), "train_loss": finite_or_none(t.loss),
                 "best_val_loss": finite_or_none(best_val), "tokens_seen": t.step * t.data.tokens_per_step,
                 "world_size": group.world_size, "skipped_steps": t.skipped_total}
@@ -335,15 +311,11 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     elif group.world_size > 1:
         resume_command = f"torchrun <the same options> -m {resume_command}"
     resume_command += per_run_flags(settings)
-    checkpoints = Checkpoints(files, save, out / "latest", interval=settings.checkpoint_interval,
-                              previous=f"the previous run in {out} is left as it was" if had_run else None,
-                              go_on=f"continue from it with: {resume_command} "
-                              "(the same settings redo the same steps), or start again with a lower --lr "
-                              "(--overwrite, or --out NEW_DIR)", resume_command=resume_command)
-    trainer = build_trainer(settings, model, optimizer, (train_tokens, val_tokens), data_rng, checkpoints,
-                            label="train", group=group, t_start=t_start)
-    if ckpt is not None:
-        trainer.resume(ckpt.step, int(ckpt.meta.get("skipped_steps", 0)))
+    trainer.checkpoints = Checkpoints(
+        files, save, out / "latest", interval=settings.checkpoint_interval, resume_command=resume_command,
+        previous=f"the previous run in {out} is left as it was" if had_run else None,
+        go_on=f"continue from it with: {resume_command} (the same settings redo the same steps), or start "
+        "again with a lower --lr (--overwrite, or --out NEW_DIR)")
     _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group)
 
     def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
@@ -351,17 +323,10 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
             files.log(gradient_record(model, *t.batches[0], t.step))
 
     trainer.on("step_end", gradient_norms)
-    with failures_explained(trainer):
+    title = (f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), {model.num_params(trainable_only=True):,} "
+             f"params, d_model {config.d_model}, {config.n_blocks} blocks")
+    with failures_explained(trainer, plot=title if settings.plot else None):
         reason = trainer.run()
-    if settings.plot:
-        try:
-            files.plot(f"{settings.data or 'Shakespeare'} ({settings.tokenizer}), "
-                       f"{model.num_params(trainable_only=True):,} params, d_model {config.d_model}, "
-                       f"{config.n_blocks} blocks")
-        except WriteError as exc:
-            raise exc.advise(f"the run itself is saved ({checkpoints.kept(trainer)})",
-                             f"draw it from the log with: python -c \"from pedestrian.training import *; "
-                             f"plot_loss_curve(read_log('{out / 'log.jsonl'}'), '{out / 'loss_curve.png'}')\"") from exc
     result = TrainResult(step=trainer.step, train_loss=trainer.loss, val_loss=trainer.val_loss,
                          best_val_loss=best_val, seconds=time.perf_counter() - t_start,
                          tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,
