@@ -17,8 +17,9 @@ threads never slow the other), both on the same number of threads
   ``generate(do_sample=False, use_cache=True)``), batch 1, an 8-token prompt; decode tokens/s
   from a time stamp per token (``on_token`` / a transformers streamer), so the prompt's prefill is
   left out; beside the memory-bandwidth limit ``bandwidth / weight bytes`` (every float32 weight
-  read once per token; the bandwidth measured in this run, see :func:`read_bandwidth_gbs`); the
-  KV cache's bytes with 3 key/value heads and with 9 (multi-head);
+  read once per token; the read bandwidth measured in this run, see :func:`read_bandwidth_gbs`),
+  and beside the weights' share alone (one NumPy ``x @ W`` per weight matrix); the KV cache's
+  bytes with 3 key/value heads and with 9 (multi-head);
 - **a full training step** (forward, backward, AdamW on every weight) and **a LoRA step**
   (r 8 on q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, PEFT ``lora_alpha`` 16 =
   pedestrian's α 2, no dropout, base frozen; AdamW on the adapters), batch 1 × 512 tokens:
@@ -122,9 +123,9 @@ class PedestrianSide:
     def generate(self, prompt: np.ndarray, n_new: int) -> tuple[list, np.ndarray]:
         from pedestrian.generation.generate import generate
 
-        stamps: list[float] = []
+        stamps: list[tuple[float, float]] = []
         out = generate(self.model, prompt[None, :], n_new, temperature=0.0,
-                       on_token=lambda ids: stamps.append(time.perf_counter()))
+                       on_token=lambda ids: stamps.append((time.perf_counter(), time.process_time())))
         return stamps, np.asarray(out)[0, len(prompt):]
 
     def kv_cache_bytes(self) -> dict:
@@ -142,6 +143,25 @@ class PedestrianSide:
                                    dtype=m.dtype, device=m.device)
             out[str(n_kv)] = KVCache(stub).nbytes
         return out
+
+    def gemv_pass(self, repeats: int = 3) -> dict:
+        """The weights' share of a decoding step alone: one 1-row NumPy product ``x @ W`` with
+        every weight matrix of the model (the tied table once, as the logits' ``Wᵀ``), best of
+        ``repeats`` by the wall clock and by CPU time -- what a decoder built on these BLAS calls
+        costs without anything else (norms, RoPE, attention, SwiGLU, skips, Python)."""
+        P = self.model.params
+        mats = [P[k] for k in P if P[k].ndim == 2 and k != "tok_emb.weight" and "lora" not in k]
+        mats.append(P["tok_emb.weight"].T)
+        xs = {n: np.ones((1, n), dtype=mats[0].dtype) for n in {w.shape[0] for w in mats}}
+        best_w = best_c = float("inf")
+        for _ in range(repeats + 1):
+            w0, c0 = time.perf_counter(), time.process_time()
+            for w in mats:
+                xs[w.shape[0]] @ w
+            best_w, best_c = min(best_w, time.perf_counter() - w0), min(best_c, time.process_time() - c0)
+        nbytes = sum(int(w.nbytes) for w in mats)
+        return {"bytes": nbytes, "matrices": len(mats), "wall_ms": round(1e3 * best_w, 2),
+                "cpu_ms": round(1e3 * best_c / self.threads(), 2)}
 
     def threads(self) -> int:
         from pedestrian.kernels.jit import threads_used
@@ -200,10 +220,10 @@ class TransformersSide:
 
         class Stamps(BaseStreamer):
             def __init__(self):
-                self.t: list[float] = []
+                self.t: list[tuple[float, float]] = []
 
             def put(self, value):
-                self.t.append(time.perf_counter())
+                self.t.append((time.perf_counter(), time.process_time()))
 
             def end(self):
                 pass
@@ -246,6 +266,8 @@ def _serve(side: str, B: int, T: int, n_blocks: int, threads: int, hf_dir: str, 
                 stamps, tokens = s.generate(command[1], command[2])
                 conn.send({"total_s": time.perf_counter() - t0, "stamps": stamps, "tokens": tokens.tolist(),
                            "threads": s.threads()})
+            elif command[0] == "gemv":
+                conn.send(s.gemv_pass())
             elif command[0] == "setup":
                 s.setup(command[1])
                 conn.send(None)
@@ -317,31 +339,38 @@ def read_bandwidth_gbs(threads: int, n_bytes: int = 1 << 29, repeats: int = 5) -
       which reads every weight once per token;
     - ``copy``: one ``np.copyto`` of 256 MiB, bytes read plus written ÷ time (bench_generate_hf.py).
 
-    The limit uses the larger of the two (the stricter target).
+    Each by the wall clock and by CPU time (``read_cpu``, ``copy_cpu``: bytes ÷ the process's
+    CPU seconds per thread; on a busy machine the wall clock also counts waits for a core). The
+    limit uses ``read`` or the GEMV pass's rate (:meth:`PedestrianSide.gemv_pass`), the larger:
+    both only read, as decoding does; ``copy`` (which also writes) is reported for reference.
     """
     a = np.ones(n_bytes // 4, dtype=np.float32)
     parts = np.array_split(a, threads)
 
-    def read_once() -> float:
+    def read_once() -> tuple[float, float]:
         workers = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, (time.process_time() - c0) / threads
 
-    read = n_bytes / min(read_once() for _ in range(repeats)) / 1e9
     half = a[: a.size // 2]
     b = np.empty_like(half)
 
-    def copy_once() -> float:
-        t0 = time.perf_counter()
+    def copy_once() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         np.copyto(b, half)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    copy = 2 * half.nbytes / min(copy_once() for _ in range(repeats)) / 1e9
-    return {"read": round(read, 2), "copy": round(copy, 2), "threads": threads, "read_bytes": n_bytes}
+    reads = [read_once() for _ in range(repeats)]
+    copies = [copy_once() for _ in range(repeats)]
+    out = {"threads": threads, "read_bytes": n_bytes}
+    for name, runs, nbytes in (("read", reads, n_bytes), ("copy", copies, 2 * half.nbytes)):
+        out[name] = round(nbytes / min(w for w, _ in runs) / 1e9, 2)
+        out[f"{name}_cpu"] = round(nbytes / min(c for _, c in runs) / 1e9, 2)
+    return out
 
 
 def run_generation(sides: dict, n_new: int, repeats: int, vocab: int) -> dict:
@@ -354,11 +383,14 @@ def run_generation(sides: dict, n_new: int, repeats: int, vocab: int) -> dict:
             runs[name].append(sides[name].ask("generate", prompt, n_new))
     out: dict = {"new_tokens": n_new, "prompt_len": PROMPT_LEN, "repeats": repeats}
     for name, rs in runs.items():
-        decode = [(len(x["stamps"]) - 1) / (x["stamps"][-1] - x["stamps"][0]) for x in rs]
+        decode = [(len(x["stamps"]) - 1) / (x["stamps"][-1][0] - x["stamps"][0][0]) for x in rs]
+        decode_cpu = [(len(x["stamps"]) - 1) / ((x["stamps"][-1][1] - x["stamps"][0][1]) / x["threads"]) for x in rs]
         out[name] = {"decode_tokens_per_s": round(statistics.median(decode), 2),
                      "decode_tokens_per_s_all": [round(d, 2) for d in decode],
+                     "decode_tokens_per_cpu_s": round(statistics.median(decode_cpu), 2),
                      "total_tokens_per_s": round(statistics.median(n_new / x["total_s"] for x in rs), 2),
                      "threads": rs[0]["threads"]}
+    out["gemv_pass"] = sides["pedestrian"].ask("gemv")
     ped, ref = np.array(runs["pedestrian"][-1]["tokens"]), np.array(runs["transformers"][-1]["tokens"])
     out["same_leading_tokens"] = int(np.argmax(ped != ref)) if np.any(ped != ref) else len(ref)
     return out
@@ -459,22 +491,36 @@ def markdown(res: dict, info: dict) -> str:
                               + (f", max over the run {r['max_loss_difference']:.1e}" if "max_loss_difference" in r else "")
                               for m, r in steps.items()) + "."]
     if g:
-        p, t = g["pedestrian"], g["transformers"]
+        p, t, gp = g["pedestrian"], g["transformers"], g["gemv_pass"]
         kv = res["kv_cache_bytes"]
-        lines += ["", "| generation (greedy, batch 1, KV cache) | decode tokens/s | share of the bandwidth limit |",
-                  "|---|---|---|",
-                  f"| pedestrian `generate` | {p['decode_tokens_per_s']:.1f} | **{100 * p['decode_tokens_per_s'] / limit:.0f} %** |",
-                  f"| transformers `generate` | {t['decode_tokens_per_s']:.1f} | {100 * t['decode_tokens_per_s'] / limit:.0f} % |",
-                  f"| bandwidth limit | {limit:.1f} | 100 % |", "",
+        climit = res["bandwidth_limit_tokens_per_cpu_s"]
+        lines += ["", "| generation (greedy, batch 1, KV cache) | decode tokens/s | share of the bandwidth limit "
+                  "| tokens per CPU-second (per thread) | share (CPU time) |", "|---|---|---|---|---|",
+                  f"| pedestrian `generate` | {p['decode_tokens_per_s']:.1f} | **{100 * p['share_of_limit']:.0f} %** "
+                  f"| {p['decode_tokens_per_cpu_s']:.1f} | {100 * p['share_of_limit_cpu']:.0f} % |",
+                  f"| transformers `generate` | {t['decode_tokens_per_s']:.1f} | {100 * t['share_of_limit']:.0f} % "
+                  f"| {t['decode_tokens_per_cpu_s']:.1f} | {100 * t['share_of_limit_cpu']:.0f} % |",
+                  f"| bandwidth limit | {limit:.1f} | 100 % | {climit:.1f} | 100 % |", "",
                   f"Decode tokens/s: {g['new_tokens']} new tokens after an {g['prompt_len']}-token prompt, time stamps "
                   f"per token (prefill left out), median of {g['repeats']} alternating runs (tokens/s including "
                   f"the prefill: pedestrian {p['total_tokens_per_s']:.1f}, transformers {t['total_tokens_per_s']:.1f}). "
                   f"Identical leading greedy tokens: {g['same_leading_tokens']} / {g['new_tokens']}. "
                   f"Bandwidth limit = {res['bandwidth_used_gbs']:.1f} GB/s ÷ {res['weight_bytes'] / 1e6:.0f} MB "
-                  f"(every float32 weight read once per token, the tied table once as the logits matrix); "
-                  f"bandwidth measured in this run, best of the start and the end: {bw['read']:.1f} GB/s reading "
-                  f"(a 512 MiB float32 array summed by {bw['threads']} thread(s)), {bw['copy']:.1f} GB/s copying "
-                  f"(`np.copyto`, read + write); the larger is used.",
+                  f"(every float32 weight read once per token, the tied table once as the logits matrix). The "
+                  f"bandwidth is a read bandwidth measured in this run, the larger of two readers: a 512 MiB "
+                  f"float32 array summed by {bw['threads']} thread(s) ({bw['read']:.1f} GB/s, best of the start "
+                  f"and the end) and the GEMV pass below ({bw.get('gemv', float('nan')):.1f} GB/s). For reference "
+                  f"`np.copyto` moves {bw['copy']:.1f} GB/s (read + write, one thread; decoding writes nothing "
+                  f"large, so the copy rate is not its limit). By CPU time (a thread's busy seconds, which leave "
+                  f"out waits for a core on a busy machine): {bw['read_cpu']:.1f} and "
+                  f"{bw.get('gemv_cpu', float('nan')):.1f} GB/s, and the decode rates per CPU-second of a thread.",
+                  "",
+                  f"GEMV pass: one 1-row NumPy product `x @ W` with each of the model's {gp['matrices']} weight "
+                  f"matrices ({gp['bytes'] / 1e6:.0f} MB) and nothing else takes {gp['wall_ms']:.1f} ms "
+                  f"({gp['cpu_ms']:.1f} ms CPU); pedestrian's decode step takes {1e3 / p['decode_tokens_per_s']:.1f} ms "
+                  f"({1e3 / p['decode_tokens_per_cpu_s']:.1f} ms CPU): the difference is the per-token work besides "
+                  f"the weights ({res['model']['n_blocks']} blocks of norms, RoPE, cached attention, SwiGLU, skips, and the Python around "
+                  f"{res['model']['n_blocks'] * 6 + 3} layer calls).",
                   "",
                   f"KV cache (pedestrian's `KVCache.nbytes`, {c['context_length']} positions, float32): "
                   f"{kv[str(c['n_kv_heads'])] / 2**20:.1f} MiB with {c['n_kv_heads']} key/value heads, "
@@ -554,15 +600,22 @@ def main(argv=None) -> int:
         for s in sides.values():
             s.close()
     again = read_bandwidth_gbs(threads)
-    for k in ("read", "copy"):
+    for k in ("read", "copy", "read_cpu", "copy_cpu"):
         bandwidth[k] = max(bandwidth[k], again[k])
+    if res["generation"]:                     # the GEMV pass reads the weights too: a read bandwidth
+        gp = res["generation"]["gemv_pass"]
+        bandwidth["gemv"] = round(gp["bytes"] / gp["wall_ms"] / 1e6, 2)
+        bandwidth["gemv_cpu"] = round(gp["bytes"] / gp["cpu_ms"] / 1e6, 2)
     res["bandwidth_gbs"] = bandwidth
-    res["bandwidth_used_gbs"] = max(bandwidth["read"], bandwidth["copy"])
+    res["bandwidth_used_gbs"] = max(bandwidth["read"], bandwidth.get("gemv", 0.0))
     res["bandwidth_limit_tokens_per_s"] = round(res["bandwidth_used_gbs"] * 1e9 / res["weight_bytes"], 2)
+    res["bandwidth_used_cpu_gbs"] = max(bandwidth["read_cpu"], bandwidth.get("gemv_cpu", 0.0))
+    res["bandwidth_limit_tokens_per_cpu_s"] = round(res["bandwidth_used_cpu_gbs"] * 1e9 / res["weight_bytes"], 2)
     if res["generation"]:
         for name in ("pedestrian", "transformers"):
             g = res["generation"][name]
             g["share_of_limit"] = round(g["decode_tokens_per_s"] / res["bandwidth_limit_tokens_per_s"], 3)
+            g["share_of_limit_cpu"] = round(g["decode_tokens_per_cpu_s"] / res["bandwidth_limit_tokens_per_cpu_s"], 3)
     if not args.no_memory:
         res["memory"] = {}
         for mode in res["steps"]:
