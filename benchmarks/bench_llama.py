@@ -552,8 +552,8 @@ def main(argv=None) -> int:
                          "default: the machine's cores)")
     ap.add_argument("--child-memory", nargs=2, metavar=("SIDE", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        common.reexec_with_threads(args.threads)
+    if args.threads is not None and not args.child_memory:   # (children inherit the variables;
+        common.reexec_with_threads(args.threads)             # re-executing would import torch there)
     threads = args.threads or int(os.environ.get("PEDESTRIAN_NUM_THREADS") or os.cpu_count() or 1)
     B, T = args.batch_size, args.context_length
     if args.child_memory:
