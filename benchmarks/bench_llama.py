@@ -453,10 +453,12 @@ def markdown(res: dict, info: dict) -> str:
     g, bw, c = res["generation"], res["bandwidth_gbs"], res["model"]
     limit = res["bandwidth_limit_tokens_per_s"]
     load = info["load_average_1m"]
+    loaded = max(load, res["load_average_end"]) > 0.7 * info["logical_cores"]
     under_load = (f" **Measured under load** (1-minute load average {load} at the start, "
                   f"{res['load_average_end']} at the end, on {info['logical_cores']} cores): other processes shared "
-                  f"the cores, so absolute times are inflated and noisy; the ratios compare neighbouring turns."
-                  if max(load, res["load_average_end"]) > 0.7 * info["logical_cores"] else "")
+                  f"the cores, so absolute times are inflated and noisy; the ratios compare neighbouring turns, "
+                  f"and the CPU-time ratio (in bold) is the one to read: the wall clock also counts the "
+                  f"seconds a side waited for a core." if loaded else "")
     lines = [f"### Llama family at SmolLM2-135M's shape, `backend=\"numpy\"`", "",
              common.machine_line(info) + under_load, "",
              f"Model: preset `smollm2-135m` at context {c['context_length']} ({c['n_params']:,} parameters, "
@@ -466,7 +468,7 @@ def markdown(res: dict, info: dict) -> str:
              f"transformers `LlamaForCausalLM` (attention `{res['transformers_attention']}`, transformers' "
              f"default), `torch.optim.AdamW(fused=True)`, PEFT LoRA. Both sides on {res['threads']} thread(s), "
              f"each in a process of its own. Batch {res['batch_size']} × {res['seq_len']} tokens.", "",
-             "| step | pedestrian s (wall / CPU) | transformers s (wall / CPU) | time ratio wall (CPU) "
+             "| step | pedestrian s (wall / CPU) | transformers s (wall / CPU) | time ratio wall / CPU "
              "| peak RSS MiB (ped / transformers) | memory ratio |", "|---|---|---|---|---|---|"]
     for mode, label in (("full", "full training step (AdamW on all weights)"),
                         ("lora", f"LoRA step (r {LORA_RANK}, all seven projections)")):
@@ -479,7 +481,8 @@ def markdown(res: dict, info: dict) -> str:
                     f"| **{mem['ratio']:.2f}**")
         lines.append(f"| {label} | {r['pedestrian_wall_s']:.2f} / {r['pedestrian_cpu_s']:.2f} "
                      f"| {r['transformers_wall_s']:.2f} / {r['transformers_cpu_s']:.2f} "
-                     f"| **{r['ratio_wall']:.2f}** ({r['ratio_cpu']:.2f}) | {mem_cols} |")
+                     + (f"| {r['ratio_wall']:.2f} / **{r['ratio_cpu']:.2f}** " if loaded else
+                        f"| **{r['ratio_wall']:.2f}** / {r['ratio_cpu']:.2f} ") + f"| {mem_cols} |")
     steps = res["steps"]
     if steps:
         any_r = next(iter(steps.values()))
@@ -494,10 +497,14 @@ def markdown(res: dict, info: dict) -> str:
         p, t, gp = g["pedestrian"], g["transformers"], g["gemv_pass"]
         kv = res["kv_cache_bytes"]
         climit = res["bandwidth_limit_tokens_per_cpu_s"]
+
+        def bold(yes: bool, share: float) -> str:
+            return f"**{100 * share:.0f} %**" if yes else f"{100 * share:.0f} %"
+
         lines += ["", "| generation (greedy, batch 1, KV cache) | decode tokens/s | share of the bandwidth limit "
                   "| tokens per CPU-second (per thread) | share (CPU time) |", "|---|---|---|---|---|",
-                  f"| pedestrian `generate` | {p['decode_tokens_per_s']:.1f} | **{100 * p['share_of_limit']:.0f} %** "
-                  f"| {p['decode_tokens_per_cpu_s']:.1f} | {100 * p['share_of_limit_cpu']:.0f} % |",
+                  f"| pedestrian `generate` | {p['decode_tokens_per_s']:.1f} | {bold(not loaded, p['share_of_limit'])} "
+                  f"| {p['decode_tokens_per_cpu_s']:.1f} | {bold(loaded, p['share_of_limit_cpu'])} |",
                   f"| transformers `generate` | {t['decode_tokens_per_s']:.1f} | {100 * t['share_of_limit']:.0f} % "
                   f"| {t['decode_tokens_per_cpu_s']:.1f} | {100 * t['share_of_limit_cpu']:.0f} % |",
                   f"| bandwidth limit | {limit:.1f} | 100 % | {climit:.1f} | 100 % |", "",
