@@ -686,8 +686,8 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-attention", default="sdpa", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ["PEDESTRIAN_KERNELS"] = args.kernels       # GPT(kernels=None) reads it; children too
-    if args.threads is not None:
-        common.reexec_with_threads(args.threads)
+    if args.threads is not None and not args.child_memory:   # (children inherit the variables;
+        common.reexec_with_threads(args.threads)             # re-executing would import torch there)
 
     if args.child_memory:
         config_name = args.config[0]
