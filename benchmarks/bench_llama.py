@@ -32,7 +32,8 @@ threads never slow the other), both on the same number of threads
 - **peak memory** of each step kind, each side alone in a fresh subprocess (``VmHWM`` after two
   steps, as bench_train.py's ``--child-memory``).
 
-Run (on an idle 2-core machine about 7 minutes; ``--quick`` about 4)::
+Run (6.7 minutes measured on this 2-core machine, one thread each, while other jobs ran; the
+memory children take about 2 of them; ``--quick`` times fewer steps)::
 
     python3 benchmarks/bench_llama.py                 # everything, writes results + docs table
     python3 benchmarks/bench_llama.py --threads 1     # one thread each (robust on a busy machine)
