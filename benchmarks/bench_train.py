@@ -11,10 +11,13 @@ Run (about 2 minutes per backend on 2 cores)::
     python3 benchmarks/bench_train.py --config all                   # NumPy backend
     python3 benchmarks/bench_train.py --config all --backend torch   # torch tensors as plain arrays
     python3 benchmarks/bench_train.py --config char-small --steps 10 --no-memory   # quick look
+    python3 benchmarks/bench_train.py --config char-small llama-char --no-breakdown  # GPT-2 vs Llama style
     python3 benchmarks/bench_train.py --config all --threads 1       # single-threaded, both sides
 
 Configs: char-small (GPT-2's layout at 4 x 128, tanh GELU, biases), nanogpt-recipe (the model of
-nanoGPT's README CPU recipe: the same widths, exact GELU, no biases) and gpt2-124M. Each is
+nanoGPT's README CPU recipe: the same widths, exact GELU, no biases), gpt2-124M and llama-char
+(char-small's widths with ``--arch llama``: RMS norm, SwiGLU, 2 key/value heads, RoPE; its PyTorch
+side is transformers' ``LlamaForCausalLM`` with the same weights). Each is
 timed twice: paused (a pause before each timed step) and back to back (steps in a row, as the
 training loop runs them; the sides alternate in blocks).
 
@@ -54,16 +57,19 @@ CONFIGS = {
     # nanoGPT's README CPU recipe (4 x 128, 4 heads, context 64, batch 12): exact GELU, no biases
     "nanogpt-recipe": ("char-small", dict(activation="gelu", bias=False), 12, 64),
     "gpt2-124M": ("gpt2", {}, 4, 64),
+    # char-small's widths with `--arch llama` (RMS norm, SwiGLU 344, 2 key/value heads, RoPE, no
+    # biases); its PyTorch side is transformers' LlamaForCausalLM
+    "llama-char": ("llama-char", {}, 12, 64),
 }
-DEFAULT_STEPS = {"char-small": (3, 32), "nanogpt-recipe": (3, 32), "gpt2-124M": (2, 8)}   # (warm-up, timed) per side
+DEFAULT_STEPS = {"char-small": (3, 32), "nanogpt-recipe": (3, 32), "gpt2-124M": (2, 8), "llama-char": (3, 32)}   # (warm-up, timed) per side
 #: per round and side: (timed steps, untimed lead-in steps after the pause). A small model's
 #: step is shorter than the pause's effects (cold caches, a clock that slowed down), so it
 #: runs a few steps per round after one it does not time; a gpt2-124M step is 3 s: no need.
-ROUNDS = {"char-small": (4, 1), "nanogpt-recipe": (4, 1), "gpt2-124M": (1, 0)}
+ROUNDS = {"char-small": (4, 1), "nanogpt-recipe": (4, 1), "gpt2-124M": (1, 0), "llama-char": (4, 1)}
 #: back-to-back steps, as a training loop runs them (no pause: the other side's threads may still
 #: spin, and each side's own do between its steps): (blocks per side, steps per block), the sides
 #: alternating block by block (ABBA)
-BACK_TO_BACK = {"char-small": (4, 8), "nanogpt-recipe": (4, 8), "gpt2-124M": (2, 2)}
+BACK_TO_BACK = {"char-small": (4, 8), "nanogpt-recipe": (4, 8), "gpt2-124M": (2, 2), "llama-char": (4, 8)}
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 #: pause before each timed step: OpenBLAS's worker threads spin for about 0.1 s after a matrix
 #: product (2^28 cycles, OPENBLAS_THREAD_TIMEOUT), which would halve PyTorch's speed if its
@@ -95,12 +101,49 @@ def pedestrian_step(model, opt, x, y) -> float:
 
 
 # ---------------------------------------------------------------------------------- PyTorch
+class TorchLlama:
+    """transformers' ``LlamaForCausalLM`` for a Llama-style ``config`` (RMS norm, SwiGLU, RoPE),
+    called as the nanoGPT-style module is: ``model(idx, targets)`` -> the loss; ``attention``
+    ``"sdpa"`` or ``"manual"`` (transformers' ``"eager"``)."""
+
+    def __new__(cls, config, attention: str):
+        import torch.nn as nn
+        import torch.nn.functional as F
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        c = config
+        hf_config = transformers.LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_mlp,
+            num_hidden_layers=c.n_blocks, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+            head_dim=c.d_head, max_position_embeddings=c.context_length, rms_norm_eps=c.ln_eps,
+            rope_theta=c.rope_base, tie_word_embeddings=c.tie_weights, attention_bias=False, mlp_bias=False)
+
+        class Wrapped(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.hf = transformers.LlamaForCausalLM(hf_config)
+                self.attention = attention
+
+            def forward(self, idx, targets):
+                want = {"sdpa": "sdpa", "manual": "eager"}[self.attention]
+                if self.hf.config._attn_implementation != want:
+                    self.hf.set_attn_implementation(want)
+                logits = self.hf(input_ids=idx, use_cache=False).logits
+                return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=-100)
+
+        return Wrapped()
+
+
 def build_torch_model(config, attention: str):
-    """A nanoGPT-style module for ``config`` (bias, tied or untied logits, causal)."""
+    """A nanoGPT-style module for ``config`` (bias, tied or untied logits, causal); for a
+    Llama-style config (SwiGLU MLP) transformers' ``LlamaForCausalLM`` (:class:`TorchLlama`)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
+    if config.mlp == "swiglu":
+        return TorchLlama(config, attention)
     c = config
     hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
     act = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu,
@@ -165,6 +208,15 @@ def copy_weights_to_torch(params: dict, tmodel, config) -> None:
     import torch
 
     from pedestrian.backend import to_numpy
+
+    if config.mlp == "swiglu":                       # transformers' own names and layouts
+        from pedestrian.interop.hf_llama_tensors import llama_state_to_hf
+
+        state = {k: torch.from_numpy(v) for k, v in llama_state_to_hf(params, config).items()}
+        missing, unexpected = tmodel.hf.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"weights do not match LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+        return
 
     def put(dst, name, transpose=False):
         value = to_numpy(params[name])
@@ -239,8 +291,9 @@ class LayerTimer:
         self.kernels = kernels
         c = config
         hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
-        self.shape_names = {(c.d_model, 2 * hq + hv): "qkv", (hv, c.d_model): "attn_proj",
-                            (c.d_model, c.d_mlp): "mlp_expand", (c.d_mlp, c.d_model): "mlp_contract",
+        n_kv = c.n_kv_heads or c.n_heads
+        self.shape_names = {(c.d_model, hq + n_kv * (c.d_qk + c.d_head)): "qkv", (hv, c.d_model): "attn_proj",
+                            (c.d_model, c.d_mlp): "mlp_expand" if c.mlp == "standard" else "mlp_gate|expand", (c.d_mlp, c.d_model): "mlp_contract",
                             (c.d_model, c.vocab_size): "logits"}
         self.totals: dict[str, float] = {}
         self.flops: dict[str, float] = {}
@@ -615,7 +668,8 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="all", choices=["all", *CONFIGS])
+    ap.add_argument("--config", nargs="+", default=["all"], choices=["all", *CONFIGS],
+                    help="one or more configs, or all (default)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
     ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default per config)")
     ap.add_argument("--warmup", type=int, default=None)
@@ -632,18 +686,19 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-attention", default="sdpa", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ["PEDESTRIAN_KERNELS"] = args.kernels       # GPT(kernels=None) reads it; children too
-    if args.threads is not None:
-        common.reexec_with_threads(args.threads)
+    if args.threads is not None and not args.child_memory:   # (children inherit the variables;
+        common.reexec_with_threads(args.threads)             # re-executing would import torch there)
 
     if args.child_memory:
-        config_name = args.config
+        config_name = args.config[0]
         print(json.dumps(child_memory(args.child_memory, config_name, args.backend, args.torch_attention)))
         return 0
 
     info = common.machine_info()
     peaks = {"numpy": common.matmul_peak_gflops("numpy"), "torch": common.matmul_peak_gflops("torch")}
     print(json.dumps({"machine": info, "matmul_peak": peaks}), file=sys.stderr)
-    names = list(CONFIGS) if args.config == "all" else [args.config]
+    every = "all" in args.config
+    names = list(CONFIGS) if every else list(dict.fromkeys(args.config))
     results = []
     for name in names:
         w, s = DEFAULT_STEPS[name]
@@ -663,12 +718,12 @@ def main(argv=None) -> int:
     text = markdown(results, info, peaks, args.backend)
     print(text)
     if not args.no_save:
-        tag = f"train_{args.backend}" + ("" if args.config == "all" else f"_{args.config}") \
+        tag = f"train_{args.backend}" + ("" if every else "_" + "_".join(names)) \
             + ("" if args.threads is None else f"_{args.threads}thread")
         common.write_json(tag, {"machine": info, "matmul_peak": peaks, "hparams": HPARAMS,
                                 "results": results})
         common.write_markdown(tag, text)
-        if args.config == "all" and args.threads is None:
+        if every and args.threads is None:
             common.update_doc_section(tag, text)
     return 0
 

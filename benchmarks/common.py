@@ -160,15 +160,19 @@ def matmul_peak_gflops(backend: str, n: int = 1536, repeats: int = 7) -> dict:
 def training_flops(config, batch_size: int, seq_len: int) -> dict:
     """Matmul FLOPs of one training step (forward + backward = 3 x forward).
 
-    Counts every matrix product the model computes: the fused q/k/v, attention scores and
-    ``P v`` (full ``T x T``, as both implementations compute it), the projection, the MLP and the
-    logits layer. Elementwise work, the embedding gather and the optimizer are not counted (the
-    usual convention, e.g. nanoGPT's ``estimate_mfu``; they are small next to the matmuls).
+    Counts every matrix product the model computes: the fused q/k/v (``n_kv_heads`` key/value
+    heads), attention scores and ``P v`` (full ``T x T``, as both implementations compute it), the
+    projection, the MLP (three matrices for SwiGLU) and the logits layer. Elementwise work, the
+    embedding gather and the optimizer are not counted (the usual convention, e.g. nanoGPT's
+    ``estimate_mfu``; they are small next to the matmuls).
     """
     c = config
     N = batch_size * seq_len
     hq, hv = c.n_heads * c.d_qk, c.n_heads * c.d_head
-    per_block = 2 * N * (c.d_model * (2 * hq + hv) + hv * c.d_model + 2 * c.d_model * c.d_mlp)
+    n_kv = getattr(c, "n_kv_heads", None) or c.n_heads               # grouped-query: fewer k, v heads
+    n_mlp = 3 if getattr(c, "mlp", "standard") == "swiglu" else 2   # SwiGLU: gate, up, down
+    per_block = 2 * N * (c.d_model * (hq + n_kv * (c.d_qk + c.d_head)) + hv * c.d_model
+                         + n_mlp * c.d_model * c.d_mlp)
     attention = 2 * batch_size * c.n_heads * seq_len * seq_len * (c.d_qk + c.d_head)
     logits = 2 * N * c.d_model * c.vocab_size
     forward = c.n_blocks * (per_block + attention) + logits
