@@ -20,7 +20,7 @@ HF_LORA_KINDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "attn_pr
 #: the GPTConfig fields a user sets by name (a command-line flag, a TOML key); the rest follow
 CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
                  "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
-                 "position_encoding", "rope_base", "rope_fraction", "norm", "mlp", "n_kv_heads")
+                 "position_encoding", "rope_base", "rope_fraction", "norm", "mlp", "n_kv_heads", "d_mlp")
 #: how token positions reach the model: a learned table added to the embedding (GPT-2), rotary
 #: embeddings of every head's queries and keys (RoPE), or nothing but the causal mask
 POSITION_ENCODINGS = ("learned", "rope", "none")

@@ -156,3 +156,39 @@ def test_hf_export_writes_n_inner_and_refuses_missing_qkv_biases(tmp_path):
     with pytest.raises(ValueError, match=r"qkv_bias=False \(GPT-2 has q, k, v biases"):
         save_pretrained(no_qkv, tmp_path / "no")
     assert not (tmp_path / "no").exists()
+
+
+def test_train_takes_the_mlp_width_as_flag_and_config_key(tmp_path):
+    """``pedestrian train --d-mlp`` and the TOML key ``d_mlp`` set the MLP width, explicitly over
+    ``--arch llama``'s SwiGLU width (344 for d 128), and count as an explicit model setting (checked
+    on resume). 393 gives the default model's widths as many parameters as the GPT-2-style default
+    model, to 128 (benchmarks/arch_experiment.py): 4 blocks · 3 · 128 · (393 − 344) more than 736,896."""
+    from pedestrian.cli import build_parser
+    from pedestrian.training.settings import settings_from_args
+
+    parser = build_parser()
+    plain, _ = settings_from_args(parser.parse_args(["train", "--arch", "llama"]))
+    flag, explicit = settings_from_args(parser.parse_args(["train", "--arch", "llama", "--d-mlp", "393"]))
+    (tmp_path / "llama.toml").write_text('[model]\narch = "llama"\nd_mlp = 393\n', encoding="utf-8")
+    toml, _ = settings_from_args(parser.parse_args(["train", "--config", str(tmp_path / "llama.toml")]))
+    gpt2, _ = settings_from_args(parser.parse_args(["train"]))
+    assert plain.model_config(84).d_mlp == 344 and count_params(plain.model_config(84)) == 736_896
+    assert flag.model == toml.model and "model.d_mlp" in explicit
+    assert flag.model_config(84).d_mlp == 393 and flag.model_config(84).mlp == "swiglu"
+    assert count_params(flag.model_config(84)) == 736_896 + 4 * 3 * 128 * (393 - 344) == 812_160
+    assert count_params(gpt2.model_config(84)) == 812_288
+
+
+def test_arch_experiment_matches_the_parameter_count():
+    """benchmarks/arch_experiment.py's Llama width is the one whose count is closest to the
+    GPT-2-style default model's (812,288): 393 (812,160), not 392 (810,624) or 394 (813,696)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "arch_experiment.py"
+    spec = importlib.util.spec_from_file_location("arch_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.matched_d_mlp() == (393, 812_160, 812_288)
+    for width, count in ((392, 810_624), (394, 813_696)):
+        assert count_params(preset("llama-char", vocab_size=84, d_mlp=width)) == count

@@ -135,3 +135,19 @@ def test_readme_shows_one_of_each_picture_and_the_experiment():
     assert "](docs/position_experiment.md)" in readme
     page = (repo / "docs" / "position_experiment.md").read_text(encoding="utf-8")
     assert "python3 benchmarks/position_experiment.py" in page and "![loss curves](position_experiment.png)" in page
+
+
+def test_arch_experiment_page_shows_its_picture_and_is_linked():
+    """docs/arch_experiment.md (GPT-2 style against Llama style) exists with the command that
+    wrote it, its table and its PNG, and the guide and EQUATIONS.md link it."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    data = (repo / "docs" / "arch_experiment.png").read_bytes()
+    assert data[:8] == PNG and len(data) > 10_000
+    page = (repo / "docs" / "arch_experiment.md").read_text(encoding="utf-8")
+    assert "python3 benchmarks/arch_experiment.py" in page and "![loss curves](arch_experiment.png)" in page
+    table = page.split("<!-- results:start -->", 1)[1].split("<!-- results:end -->", 1)[0]
+    assert "| `gpt2` |" in table and "| `llama` |" in table and "812,288" in table and "812,160" in table
+    for doc in ("guide.md", "EQUATIONS.md"):
+        assert "](arch_experiment.md)" in (repo / "docs" / doc).read_text(encoding="utf-8"), doc

@@ -30,6 +30,8 @@ def add_config_arguments(parser: argparse.ArgumentParser):
     g.add_argument("--norm", choices=list(NORMS), help="the blocks' norm (layernorm: GPT-2; rmsnorm: Llama)")
     g.add_argument("--mlp", choices=list(MLPS), help="the MLP (standard: GPT-2; swiglu: Llama's gated one)")
     g.add_argument("--n-kv-heads", type=int, help="key/value heads, dividing --n-heads (grouped-query attention)")
+    g.add_argument("--d-mlp", type=int, metavar="N", help="MLP width, SwiGLU's too (default mlp_ratio · d_model; "
+                   "--arch llama: 8/3 · d_model rounded up to a multiple of 8)")
     g.add_argument("--activation", choices=["gelu_tanh", "gelu", "relu", "silu"])
     g.add_argument("--ln-eps", type=float)
     g.add_argument("--no-bias", dest="bias", action="store_false", default=None)
@@ -63,8 +65,7 @@ def config_from_args(args: argparse.Namespace, base: dict | None = None) -> GPTC
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    g = parser.add_argument_group("model widths and biases (this command only)")
-    g.add_argument("--d-mlp", type=int, metavar="N", help="MLP width (default mlp_ratio · d_model)")
+    g = parser.add_argument_group("biases (this command only)")
     g.add_argument("--qkv-bias", dest="qkv_bias", action="store_true", default=None,
                    help="q, k, v biases even with --no-bias")
     g.add_argument("--no-qkv-bias", dest="qkv_bias", action="store_false",
@@ -80,9 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if args.preset is None and args.vocab_size is None:
         args.preset = "gpt2"
     config = config_from_args(args)
-    extra = {f: getattr(args, f) for f in ("d_mlp", "qkv_bias") if getattr(args, f, None) is not None}
-    if extra:
-        config = dataclasses.replace(config, **extra)
+    if args.qkv_bias is not None:
+        config = dataclasses.replace(config, qkv_bias=args.qkv_bias)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
     lora = None if args.lora_rank is None else (args.lora_rank, args.lora_targets)
