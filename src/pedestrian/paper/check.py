@@ -335,6 +335,9 @@ def _check(forward, backward, arrays, checked, rng, max_entries, complex_step, a
             worst = t.method if t.method in bad else bad[0]
             t.problem = (f"differs from {worst} by {diffs[worst]:.2e} > bound {t.bound:.2e} "
                          f"(the gradient by {worst} is up to {float(np.max(np.abs(refs[worst]))):.2e})")
+            if np.asarray(g).dtype.kind == "f" and np.asarray(g).dtype.itemsize < 8:
+                t.problem += (f"; backward returned {np.asarray(g).dtype} where the check runs in float64: "
+                              "return float64 arrays (a float32 constant or buffer rounds to 1e-7)")
     return report
 
 
