@@ -31,3 +31,15 @@ def test_help_example_parses(line):
 
 def test_there_are_examples():
     assert len(list(_examples())) >= 20          # the scan above reads every command's help
+
+
+@pytest.mark.parametrize("argv", [["explain", "--hf-dir", "x"], ["params", "--preset", "gpt2", "--max-steps", "3"]])
+def test_an_unknown_flag_points_at_its_command_help(argv, capsys):
+    from pedestrian.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: pedestrian {argv[0]}: unrecognized arguments: ") and "\n" not in err
+    assert err.endswith(f"see `pedestrian {argv[0]} --help`")      # not the top-level list of commands
