@@ -325,6 +325,8 @@ def test_usage_errors_raise():
         pedestrian.check_gradients(forward, backward, [inputs["x"]], params)
     with pytest.raises(ValueError, match="nothing to check"):
         pedestrian.check_gradients(forward, backward, {"tokens": np.arange(3)}, {})
+    with pytest.raises(TypeError, match=r"inputs\['x'\] is the tuple \(2, 3, 4\); .* example arrays"):
+        pedestrian.check_gradients(forward, backward, {"x": (2, 3, 4)}, params)   # a shape where an array belongs
 
 
 def test_report_prints_one_line_per_tensor(capsys):

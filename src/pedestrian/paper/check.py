@@ -217,6 +217,9 @@ def _as_arrays(values, what: str) -> dict:
         raise TypeError(f"{what} must be a dict of name -> ndarray, got {type(values).__name__}")
     out = {}
     for name, a in values.items():
+        if isinstance(a, tuple) and all(isinstance(n, int) for n in a):     # a shape, not an example
+            raise TypeError(f"{what}[{name!r}] is the tuple {a}; check_gradients takes example arrays, e.g. "
+                            f"np.random.default_rng(0).standard_normal({a})")
         a = np.array(a)
         if a.dtype.kind not in "fiub":
             raise TypeError(f"{what}[{name!r}] must be a float or integer array, got dtype {a.dtype}")
