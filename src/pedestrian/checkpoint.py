@@ -121,7 +121,8 @@ def resolve_checkpoint_dir(path) -> Path:
     between its two renames is found at ``.NAME.old``.
 
     Raises:
-        FileNotFoundError: nothing loadable there (the message says what was expected).
+        FileNotFoundError: nothing loadable there (the message says what was expected; a Hugging
+            Face model folder, holding ``config.json``, is named as one, with the commands that take it).
     """
     p = Path(path).expanduser()
     if p.is_file() and p.name in (STATE_FILE, MODEL_FILE, OPTIMIZER_FILE):
@@ -132,6 +133,11 @@ def resolve_checkpoint_dir(path) -> Path:
         old = interrupted_copy(candidate)
         if not candidate.exists() and (old / STATE_FILE).is_file():
             return old
+    if (p / "config.json").is_file():           # a Hugging Face model folder: say where it goes
+        raise FileNotFoundError(
+            f"no checkpoint at {p}: it holds config.json, a Hugging Face model folder, which the commands "
+            f"take as --hf-dir {p} (`pedestrian sample --hf-dir`, `pedestrian finetune --hf-dir`, whose "
+            "`step 0: val loss` line is the model's own loss on --data)")
     raise FileNotFoundError(
         f"no checkpoint at {p}: expected a folder holding {STATE_FILE} (e.g. runs/NAME/latest or "
         "runs/NAME/best) or a run folder holding latest/; train one with `pedestrian train`")

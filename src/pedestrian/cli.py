@@ -42,9 +42,9 @@ COMMANDS = {
                      "attention head on numbers, every matrix"),
     "train": ("train", "train a GPT on a text corpus (default: the bundled Shakespeare)"),
     "eval": ("evaluate", "validation loss of a checkpoint"),
-    "sample": ("sample", "generate text from a checkpoint or a Hugging Face GPT-2 directory"),
-    "finetune": ("finetune", "LoRA fine-tuning of a Hugging Face GPT-2 directory"),
-    "export-hf": ("export_hf", "write a checkpoint as a Hugging Face GPT-2 directory"),
+    "sample": ("sample", "generate text from a checkpoint or a Hugging Face GPT-2 / Llama / Qwen2 / Mistral directory"),
+    "finetune": ("finetune", "LoRA fine-tuning of a Hugging Face GPT-2 / Llama / Qwen2 / Mistral directory"),
+    "export-hf": ("export_hf", "write a checkpoint as a Hugging Face GPT-2 or Llama / Qwen2 directory, or adapters as PEFT files"),
     "explain": ("explain", "the paper's table: every a_i and Δ_i with shape, formula, FLOPs and memory"),
     "attention": ("attention", "PNG of the attention weights of every block and head for a prompt "
                                "(--gradients: beside Δcausal; --random: no checkpoint needed)"),
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pedestrian",
         description="A GPT with hand-derived backpropagation (Deep learning for pedestrians).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.commands = {}                           # name -> its parser (for errors that name it)
     for name, (module, help_text) in COMMANDS.items():
         try:
             mod = importlib.import_module(f"pedestrian.commands.{module}")
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(run_command=mod.run)
+        parser.commands[name] = p
     return parser
 
 
@@ -195,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                                    # named by the command's parser: its --help lists the flags
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)   # pedestrian train --nproc re-runs it per rank
     debug = os.environ.get("PEDESTRIAN_DEBUG", "") not in ("", "0")
     try:

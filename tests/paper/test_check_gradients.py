@@ -325,6 +325,8 @@ def test_usage_errors_raise():
         pedestrian.check_gradients(forward, backward, [inputs["x"]], params)
     with pytest.raises(ValueError, match="nothing to check"):
         pedestrian.check_gradients(forward, backward, {"tokens": np.arange(3)}, {})
+    with pytest.raises(TypeError, match=r"inputs\['x'\] is the tuple \(2, 3, 4\); .* example arrays"):
+        pedestrian.check_gradients(forward, backward, {"x": (2, 3, 4)}, params)   # a shape where an array belongs
 
 
 def test_report_prints_one_line_per_tensor(capsys):
@@ -347,3 +349,20 @@ def test_step_and_bound_follow_the_derivation():
         s = max(1.0, float(np.max(np.abs((inputs | params)[t.name]))))
         assert 0.1 * base * s * (1 - 1e-12) <= t.step <= 10 * base * s * (1 + 1e-12)
         assert t.method == "central" and t.max_diff <= t.bound < 1e-6
+
+
+def test_a_float32_backward_is_named_when_it_fails():
+    # float32 rounds a gradient of size ~10 by ~1e-6, far over the bound (~1e-9 of the gradient):
+    # the failure says the dtype, which "differs by 1e-6" alone does not
+    forward, good, inputs, params = linear_layer(pedestrian.layers)
+    params = {k: 10 * v for k, v in params.items()}
+
+    def backward(delta, cache):
+        d_in, grads = good(delta, cache)
+        return {"x": d_in["x"].astype(np.float32)}, grads
+
+    r = check((forward, backward, inputs, params))
+    assert r.failed == ["x"]
+    assert "backward returned float32 where the check runs in float64" in r.tensors[0].problem
+    assert "\n" not in r.tensors[0].problem
+    assert "float32" not in (check((forward, good, inputs, params)).tensors[0].problem or "")

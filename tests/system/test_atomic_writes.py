@@ -506,3 +506,16 @@ def test_an_untranslated_os_error_is_still_one_line(monkeypatch, capsys):
         monkeypatch.setattr(params, "run", lambda args: (_ for _ in ()).throw(os_error(code)))
         assert main(["params", "--preset", "gpt2"]) == 2
         assert os.strerror(code) in one_error_line(capsys)
+
+
+def test_token_cache_failure_names_the_variable_that_moves_it(tmp_path, monkeypatch):
+    # a read-only install and home (docs/guide.md, Deployment): the default folder cannot be
+    # written, and the one line says which variable chooses another
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 50, encoding="utf-8")
+    monkeypatch.setenv("PEDESTRIAN_CACHE", str(tmp_path / "cache"))
+    fail_at(monkeypatch, "write", errno.EROFS)
+    with pytest.raises(WriteError) as info:
+        encode_to_token_file(str(corpus.read_text()), CharTokenizer(sorted(set("hello world\n"))))
+    monkeypatch.undo()
+    assert "PEDESTRIAN_CACHE=FOLDER" in str(info.value) and "\n" not in str(info.value)

@@ -195,6 +195,10 @@ def test_missing_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="state.json"):
         load_checkpoint(tmp_path / "empty")
+    (tmp_path / "hf").mkdir()                       # `pedestrian eval llama/`: a Hugging Face folder
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="a Hugging Face model folder.*--hf-dir"):
+        load_checkpoint(tmp_path / "hf")
 
 
 def test_lora_adapter_only_checkpoint(tmp_path):

@@ -10,7 +10,7 @@ Examples:
       --lora-targets q k v attn_proj mlp_expand mlp_contract --max-steps 500 --out runs/ft
   pedestrian export-hf --adapter runs/ft --out gpt2-ft     # merge into a new GPT-2 directory
   pedestrian sample --hf-dir gpt2-ft --prompt "Dear diary,"
-  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt \\
+  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
       --lora-targets q_proj k_proj v_proj o_proj gate_proj up_proj down_proj --out runs/smol-ft
 """
 

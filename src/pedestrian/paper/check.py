@@ -217,6 +217,9 @@ def _as_arrays(values, what: str) -> dict:
         raise TypeError(f"{what} must be a dict of name -> ndarray, got {type(values).__name__}")
     out = {}
     for name, a in values.items():
+        if isinstance(a, tuple) and all(isinstance(n, int) for n in a):     # a shape, not an example
+            raise TypeError(f"{what}[{name!r}] is the tuple {a}; check_gradients takes example arrays, e.g. "
+                            f"np.random.default_rng(0).standard_normal({a})")
         a = np.array(a)
         if a.dtype.kind not in "fiub":
             raise TypeError(f"{what}[{name!r}] must be a float or integer array, got dtype {a.dtype}")
@@ -335,6 +338,9 @@ def _check(forward, backward, arrays, checked, rng, max_entries, complex_step, a
             worst = t.method if t.method in bad else bad[0]
             t.problem = (f"differs from {worst} by {diffs[worst]:.2e} > bound {t.bound:.2e} "
                          f"(the gradient by {worst} is up to {float(np.max(np.abs(refs[worst]))):.2e})")
+            if np.asarray(g).dtype.kind == "f" and np.asarray(g).dtype.itemsize < 8:
+                t.problem += (f"; backward returned {np.asarray(g).dtype} where the check runs in float64: "
+                              "return float64 arrays (a float32 constant or buffer rounds to 1e-7)")
     return report
 
 

@@ -157,13 +157,16 @@ def encode_to_token_file(
         out_dir = beside
     else:
         out_dir = default_cache_dir()
-    with reporting(out_dir, "the token cache folder"):
+    # the default folder (no cache_dir given): say which variable moves it
+    then = None if cache_dir is not None else \
+        "run the command again (PEDESTRIAN_CACHE=FOLDER puts the token cache in another folder)"
+    with reporting(out_dir, "the token cache folder", then=then):
         out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / name
     if target.is_file():
         return np.load(target, mmap_mode="r")
 
-    _write_token_file(pieces, tokenizer, vocab_size, dtype, target)
+    _write_token_file(pieces, tokenizer, vocab_size, dtype, target, then)
     return np.load(target, mmap_mode="r")
 
 
@@ -185,7 +188,8 @@ def _encode_many(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def _write_token_file(
-    pieces: Iterator[str], tokenizer: Tokenizer, vocab_size: int, dtype: np.dtype, target: Path
+    pieces: Iterator[str], tokenizer: Tokenizer, vocab_size: int, dtype: np.dtype, target: Path,
+    then: str | None = None,
 ) -> None:
     """Encode ``pieces`` into ``target`` (.npy, 1-D ``dtype``), atomically.
 
@@ -195,7 +199,7 @@ def _write_token_file(
     memory map, whose writes to a full disk end the process with SIGBUS): a full disk is an
     ``OSError``, reported as a :class:`~pedestrian.atomic.WriteError`.
     """
-    with reporting(target, "the token cache"):
+    with reporting(target, "the token cache", then=then):
         fd, raw_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-", suffix=".raw")
         try:
             n = 0
