@@ -386,8 +386,9 @@ class _Parallel:
         n = self.size(*args)
         if n < schedule.SERIAL_BELOW or _forked_from_omp:
             return self.serial(*args)
+        workqueue = _layer_is_workqueue()    # (first: numba.set_num_threads would start the threads)
         _use_threads(threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1)
-        return (_locked(self.parallel) if _layer_is_workqueue() else self.parallel)(*args)
+        return (_locked(self.parallel) if workqueue else self.parallel)(*args)
 
 
 _layer: list = []
