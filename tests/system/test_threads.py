@@ -188,3 +188,37 @@ def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
     taken.clear()
     activations._times(large, large, large)
     assert taken == ["serial"]
+
+
+_SPIN_CHILD = """
+import numpy as np, numba
+from pedestrian.config import GPTConfig
+from pedestrian.model import GPT
+cfg = GPTConfig(vocab_size=50, context_length=64, d_model=32, n_heads=2, n_blocks=2, dropout=0.0)
+x = np.random.default_rng(3).integers(0, 50, (8, 64))
+GPT(cfg, seed=0).loss(x, x)                 # d_mlp·B·T = 65,536: the MLP's kernels run on the threads
+from numba.np.ufunc import omppool
+print(numba.threading_layer(), omppool.openmp_vendor)
+"""
+
+
+@pytest.mark.parametrize("policy,spin", [(None, "0"), ("ACTIVE", "30000000000")], ids=["default", "yours"])
+def test_openmp_threads_wait_passively_unless_you_say_otherwise(policy, spin):
+    """GNU OpenMP reads ``OMP_WAIT_POLICY`` once, when numba loads it; the kernels set ``PASSIVE``
+    for that moment unless you set it (or ``GOMP_SPINCOUNT``). By default GNU OpenMP's idle
+    threads spin 300,000 rounds after every parallel region (GCC's libgomp manual, GOMP_SPINCOUNT):
+    beside other jobs on the cores, tiny-model steps took 10-40x longer on 2 threads than on 1
+    (docs/kernels.md, "One pool of threads"). Read back from OpenMP itself: ``OMP_DISPLAY_ENV``
+    prints its settings when it loads (``GOMP_SPINCOUNT``: the rounds an idle thread spins; 30
+    billion for ``ACTIVE``, the same manual). The threads used to start before it was set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(OMP_DISPLAY_ENV="VERBOSE", PEDESTRIAN_NUM_THREADS="2", **({"OMP_WAIT_POLICY": policy} if policy else {}))
+    child = subprocess.run([sys.executable, "-c", _SPIN_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr
+    if child.stdout.split() != ["omp", "GNU"]:
+        pytest.skip(f"numba's threads run on {child.stdout.strip()!r} here, not GNU OpenMP")
+    assert f"GOMP_SPINCOUNT = '{spin}'" in child.stderr

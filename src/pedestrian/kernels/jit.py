@@ -386,8 +386,9 @@ class _Parallel:
         n = self.size(*args)
         if n < schedule.SERIAL_BELOW or _forked_from_omp:
             return self.serial(*args)
+        workqueue = _layer_is_workqueue()    # (first: numba.set_num_threads would start the threads)
         _use_threads(threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1)
-        return (_locked(self.parallel) if _layer_is_workqueue() else self.parallel)(*args)
+        return (_locked(self.parallel) if workqueue else self.parallel)(*args)
 
 
 _layer: list = []
@@ -413,11 +414,13 @@ _touch = _Kernel(_touch_loop, parallel=True)
 
 def _start_threads() -> None:
     """Start numba's threads (its first parallel call) with OpenMP's idle threads waiting
-    passively -- ``OMP_WAIT_POLICY=PASSIVE`` for this one start, unless set by you: OpenMP
-    reads it once, when numba loads it. By default GNU OpenMP's idle threads spin; on a machine
-    whose cores are busy with other work a spinning thread holds a core the others need, and
-    every parallel region then waits for a time slice (measured: docs/kernels.md, "One pool of
-    threads"). The environment is restored at once (a PyTorch imported later keeps its own)."""
+    passively -- ``OMP_WAIT_POLICY=PASSIVE`` for this one start, unless set by you (your
+    ``GOMP_SPINCOUNT`` wins over it in GNU OpenMP): OpenMP reads it once, when numba loads it,
+    so this must run before anything else starts the threads (``numba.set_num_threads`` does).
+    By default GNU OpenMP's idle threads spin 300,000 rounds after each parallel region; beside
+    other jobs on the cores the spinning burned the process's share of them, 2 threads 3-40x
+    one thread's time (docs/guide.md, "A shared machine"). The environment is restored at once
+    (a PyTorch imported later keeps its own)."""
     ours = "OMP_WAIT_POLICY" not in os.environ
     if ours:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
