@@ -71,7 +71,8 @@ def matched_d_mlp(vocab_size: int = VOCAB_SIZE) -> tuple[int, int, int]:
     default model's widths) has the parameter count closest to the default GPT-2-style model's
     (the smaller width on a tie)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from pedestrian.config import GPTConfig, count_params, with_arch
+    from pedestrian.config import GPTConfig, with_arch
+    from pedestrian.model.layout import count_params
     from pedestrian.training.settings import DEFAULT_MODEL
 
     def params(arch: str, **given) -> int:

@@ -575,7 +575,7 @@ def main(argv=None) -> int:
     print(json.dumps({"machine": info}), file=sys.stderr)
     config = make_config(T, args.n_blocks)
     bandwidth = read_bandwidth_gbs(threads)
-    from pedestrian.config import param_specs
+    from pedestrian.model.layout import param_specs
 
     n_params = sum(int(np.prod(s.shape)) for s in param_specs(config))
     res: dict = {"batch_size": B, "seq_len": T, "threads": threads, "hparams": HPARAMS,

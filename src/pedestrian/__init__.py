@@ -3,7 +3,8 @@
 From "Deep learning for pedestrians: backpropagation in Transformers" (L. Boué, 2025).
 """
 
-from .config import PRESETS, GPTConfig, count_params, preset
+from .config import PRESETS, GPTConfig, preset
+from .model.layout import count_params
 from .model import GPT
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "check_gradients", "count_params", "load_layer", "preset"]

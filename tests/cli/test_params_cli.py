@@ -1,4 +1,4 @@
-"""Parameter counts: the ``pedestrian params`` command, ``config.count_params`` and
+"""Parameter counts: the ``pedestrian params`` command, ``model.layout.count_params`` and
 ``GPT.num_params`` against the table of /work/shared/EQUATIONS.md ("Parameter counts to
 reproduce", GPT-2 small widths d = 768, context 1,024, V = 50,257) and against a closed-form
 count written out here.
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from pedestrian import cli
-from pedestrian.config import GPTConfig, count_params, lora_specs, param_specs, preset
+from pedestrian.config import GPTConfig, preset
+from pedestrian.model.layout import count_params, lora_specs, param_specs
 from pedestrian.model import GPT
 
 # Expected numbers: the table "Parameter counts to reproduce" in /work/shared/EQUATIONS.md.

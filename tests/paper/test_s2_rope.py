@@ -23,7 +23,8 @@ from gradcheck import model_key_bias_bounds
 
 from pedestrian.checkpoint import load_checkpoint, save_checkpoint
 from pedestrian.cli import main as cli_main
-from pedestrian.config import GPTConfig, count_params, param_specs, preset
+from pedestrian.config import GPTConfig, preset
+from pedestrian.model.layout import count_params, param_specs
 from pedestrian.interop.hf import config_to_hf, export_problems, save_pretrained
 from pedestrian.layers import MODEL_FUNCTIONS
 from pedestrian.layers.rope import rope_backward, rope_forward

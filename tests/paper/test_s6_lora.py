@@ -24,7 +24,8 @@ from gradcheck import (
     projection,
 )
 from pedestrian.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pedestrian.config import GPTConfig, count_params, fc_layers, lora_specs, preset
+from pedestrian.config import GPTConfig, preset
+from pedestrian.model.layout import count_params, fc_layers, lora_specs
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW
 

@@ -15,7 +15,8 @@ from lora_masks import replay_masks
 from torch_reference import default_cfg, fc_layer_names, random_params, reference_loss_and_grads
 
 from pedestrian.checkpoint import load_checkpoint, save_checkpoint
-from pedestrian.config import GPTConfig, count_params, lora_specs
+from pedestrian.config import GPTConfig
+from pedestrian.model.layout import count_params, lora_specs
 from pedestrian.layers.dropout import dropout_forward
 from pedestrian.layers.linear import linear_backward, linear_forward
 from pedestrian.layers.lora import lora_backward, lora_forward

@@ -14,7 +14,8 @@ from torch_reference import default_cfg, param_shapes, random_params, reference_
 
 from pedestrian.checkpoint import load_checkpoint, save_checkpoint
 from pedestrian.cli import main
-from pedestrian.config import GPTConfig, count_params, param_specs, preset
+from pedestrian.config import GPTConfig, preset
+from pedestrian.model.layout import count_params, param_specs
 from pedestrian.model import GPT
 
 

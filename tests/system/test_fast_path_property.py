@@ -117,7 +117,7 @@ def _llama_params(cfg, seed, lora):
     """``(lora spec, params)`` by :func:`random_params`' rules over the names and shapes the model
     itself has (RMS norm's weight alone, SwiGLU's gate, ``n_kv_heads``' k and v columns)."""
     from pedestrian import GPT, GPTConfig
-    from pedestrian.config import fc_layers
+    from pedestrian.model.layout import fc_layers
 
     config = GPTConfig(**cfg)
     spec = {"targets": [name for name, _, _ in fc_layers(config)], "rank": 2} if lora else None

@@ -51,8 +51,8 @@ LAYERS = {
     "atomic": set(),                                       # crash-safe writes
     "layers": {"backend"},                                 # the paper's math, the reference
     "kernels": {"backend", "layers"},                      # the fast path, same signatures
-    "config": {"layers"},                                  # GPTConfig, presets, parameter specs
-    "model": {"backend", "config", "layers", "kernels"},   # the GPT, its parameters, its KV cache
+    "config": {"layers"},                                  # GPTConfig, presets
+    "model": {"backend", "config", "layers", "kernels"},   # the GPT, its parameters and their layout, its KV cache
     "text": {"atomic"},                                    # corpus, token files, tokenizers
     "generation": {"backend", "model", "text"},            # decoding, sampling, prompts in and text out
     "checkpoint": {"atomic", "backend", "config", "model", "text"},

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from pedestrian.config import GPTConfig, param_specs  # noqa: E402
+from pedestrian.config import GPTConfig  # noqa: E402
+from pedestrian.model.layout import param_specs  # noqa: E402
 from pedestrian.interop.hf import open_hf_weights  # noqa: E402
 from pedestrian.interop.hf_llama_config import (HF_DEFAULTS, config_from_hf, config_to_hf,  # noqa: E402
                                                 export_family, hf_family)
@@ -204,7 +205,8 @@ def test_legacy_rope_keys_and_nanotron_extras():
             "tie_word_embeddings": True, "vocab_size": 49152, "torch_dtype": "bfloat16", "hidden_act": "silu"}
     c = config_from_hf(smol)
     assert (c.rope_base, c.rope_scaling, c.n_kv_heads, c.d_head) == (100000.0, None, 3, 64)
-    from pedestrian.config import count_params, preset
+    from pedestrian.config import preset
+    from pedestrian.model.layout import count_params
 
     assert count_params(c) == count_params(preset("smollm2-135m")) == 134_515_008
     llama32 = dict(smol, rope_theta=500000.0, rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from pedestrian.config import (CONFIG_FIELDS, LORA_LAYER_KINDS, PRESETS, GPTConfig, RopeScaling, arch_fields,
-                               count_params, fc_layers, lora_ranks, lora_specs, param_specs, preset, resolve_lora_targets,
-                               swiglu_width)
+from pedestrian.config import CONFIG_FIELDS, PRESETS, GPTConfig, RopeScaling, arch_fields, preset, swiglu_width
+from pedestrian.model.layout import (LORA_LAYER_KINDS, count_params, fc_layers, lora_ranks, lora_specs, param_specs,
+                                     resolve_lora_targets)
 
 TINY = dict(vocab_size=50, context_length=16, d_model=24, n_heads=4, n_blocks=2)
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", position_encoding="rope", bias=False, d_mlp=40)

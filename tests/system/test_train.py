@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pedestrian.checkpoint import load_checkpoint
-from pedestrian.config import GPTConfig, param_specs
+from pedestrian.config import GPTConfig
+from pedestrian.model.layout import param_specs
 from pedestrian.model import GPT
 from pedestrian.training.optim import AdamW, CosineSchedule
 from pedestrian.training import (TrainingError, TrainSettings, estimate_loss, evaluate_tokens, read_log, train,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import (ARCHS, CONFIG_FIELDS, LORA_LAYER_KINDS, MLPS, NORMS, POSITION_ENCODINGS, PRESETS,
-                      GPTConfig, with_arch)
+from ..config import ARCHS, CONFIG_FIELDS, MLPS, NORMS, POSITION_ENCODINGS, PRESETS, GPTConfig, with_arch
+from ..model.layout import LORA_LAYER_KINDS
 from ..paper.explain import params_table
 
 

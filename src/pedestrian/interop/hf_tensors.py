@@ -29,7 +29,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ..config import GPTConfig, param_specs
+from ..config import GPTConfig
+from ..model.layout import param_specs
 from .files import listing
 from .hf_config import export_problems
 

@@ -59,8 +59,9 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from ..backend import to_numpy
-from ..config import GPTConfig, fc_layers
+from ..config import GPTConfig
 from ..model.inputs import check_finite_state
+from ..model.layout import fc_layers
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
 from .hf_llama_config import export_family

@@ -15,8 +15,9 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from ..config import GPTConfig, lora_layer_values, lora_specs
+from ..config import GPTConfig
 from .buffers import FlatParams, lora_regions
+from .layout import lora_layer_values, lora_specs
 
 __all__ = ["LoRA"]
 
@@ -33,7 +34,7 @@ class LoRA:
             (``D ~ N(0, 1/f_in)`` from ``seed``; ``U = 0``, so a new adapter starts as a no-op).
 
     Attributes:
-        specs: the adapters' parameter specs (:func:`pedestrian.config.lora_specs`).
+        specs: the adapters' parameter specs (:func:`pedestrian.model.layout.lora_specs`).
         targets: adapted layers, in layer order; ranks, alphas: ``{layer: r}``, ``{layer: α}``;
         rank, alpha: the defaults given; dropout: PEFT's ``lora_dropout``.
         weights: the :class:`FlatParams` of every ``X.lora_D``, ``X.lora_U`` (every one decayed).

@@ -17,7 +17,8 @@ import numpy as np
 from array_api_compat import is_torch_namespace
 
 from ..backend import persistent
-from ..config import GPTConfig, param_specs
+from ..config import GPTConfig
+from .layout import param_specs
 
 __all__ = ["FlatBuffer", "FlatParams", "base_regions", "lora_regions", "qkv_columns"]
 
@@ -106,7 +107,7 @@ def qkv_columns(config: GPTConfig) -> tuple:
 
 def base_regions(config: GPTConfig, specs=None) -> list:
     """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused): those of
-    ``specs`` (default :func:`pedestrian.config.param_specs`; a model with plugged layers passes
+    ``specs`` (default :func:`pedestrian.model.layout.param_specs`; a model with plugged layers passes
     :meth:`Slots.specs <pedestrian.model.slots.Slots.specs>`)."""
     specs = {s.name: s for s in (param_specs(config) if specs is None else specs)}
     cols = dict(qkv_columns(config))
@@ -129,6 +130,6 @@ def base_regions(config: GPTConfig, specs=None) -> list:
 
 
 def lora_regions(specs) -> list:
-    """The LoRA adapters' regions for :class:`FlatParams` from :func:`pedestrian.config.lora_specs`
+    """The LoRA adapters' regions for :class:`FlatParams` from :func:`pedestrian.model.layout.lora_specs`
     (every ``D`` and ``U`` decayed)."""
     return [(s.shape, True, [(s.name, None)]) for s in specs]

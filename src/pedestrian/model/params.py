@@ -19,10 +19,11 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from ..backend import persistent, to_numpy
-from ..config import GPTConfig, fc_layers, param_specs
+from ..config import GPTConfig
 from .adapters import LoRA
 from .buffers import FlatBuffer, FlatParams, base_regions, qkv_columns
 from .inputs import check_finite_state
+from .layout import fc_layers, param_specs
 
 __all__ = ["FC", "Delegated", "Norm", "Parameters"]
 
@@ -65,7 +66,7 @@ class Parameters:
         base: the base parameters' :class:`FlatParams`; base_grads: its gradient twin (``None``
             until the first backward or :attr:`grads`).
         params: ``name -> view`` of every parameter, base then LoRA (what ``model.params`` is).
-        specs: every base parameter's :class:`~pedestrian.config.ParamSpec`, in order (a plugged
+        specs: every base parameter's :class:`~pedestrian.model.layout.ParamSpec`, in order (a plugged
             layer's included, kind ``"plugged"``).
         lora: the :class:`LoRA` adapters, or ``None``.
         freeze_base: the base gets no gradients (its matmuls are skipped).

@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import GPTConfig, ParamSpec, param_specs
+from ..config import GPTConfig
+from .layout import ParamSpec, param_specs
 
 __all__ = ["SLOTS", "LAYER_FUNCTIONS", "LayerError", "Slots", "Plugged", "Instance", "load_layer",
            "layer_from_source", "import_file"]
@@ -385,7 +386,7 @@ class Slots:
             BuiltinMLP(config, kernels, self.activation))
 
     def specs(self) -> list[ParamSpec]:
-        """Every parameter in order: :func:`pedestrian.config.param_specs`, each plugged slot's
+        """Every parameter in order: :func:`pedestrian.model.layout.param_specs`, each plugged slot's
         instances in place of the built-in layers they replace (an activation's before
         ``mlp_contract``), kind ``"plugged"``, decayed when 2-D or larger."""
         out, done = [], set()

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import GPTConfig, count_params
+from ..config import GPTConfig
+from ..model.layout import count_params
 
 
 #: arithmetic operations per element of the reference layers (see the module docstring);
@@ -327,14 +328,14 @@ def plugged_rows(rows: list[Row], slots) -> list[Row]:
 def params_table(config: GPTConfig, per_block: bool = False, lora: tuple | None = None) -> str:
     """The parameter table ``pedestrian params`` prints: one row per parameter (name, shape,
     count; block 0 only unless ``per_block``), then one block's count, the count per kind
-    (:func:`pedestrian.config.param_specs`) and the total; with ``lora = (rank, targets)``, the
-    adapters :func:`pedestrian.config.lora_specs` adds and their share of the base. Nothing is
+    (:func:`pedestrian.model.layout.param_specs`) and the total; with ``lora = (rank, targets)``, the
+    adapters :func:`pedestrian.model.layout.lora_specs` adds and their share of the base. Nothing is
     allocated.
 
     Raises:
-        ValueError: LoRA targets or rank :func:`pedestrian.config.lora_specs` refuses.
+        ValueError: LoRA targets or rank :func:`pedestrian.model.layout.lora_specs` refuses.
     """
-    from ..config import lora_specs, param_specs
+    from ..model.layout import lora_specs, param_specs
 
     specs = param_specs(config)
     adapters = None if lora is None else lora_specs(config, lora[1], lora[0])   # refuse before any line

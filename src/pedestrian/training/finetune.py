@@ -32,7 +32,7 @@ from typing import ClassVar
 from pathlib import Path
 
 
-from ..config import LORA_LAYER_KINDS
+from ..model.layout import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, at_most, check, setting, specs
 

@@ -4,7 +4,7 @@ Everything works on the model's *flat* buffers (:meth:`pedestrian.model.GPT.trai
 the base parameters and their gradient, and the LoRA adapters' when they exist), so one update is a handful of vectorised in-place operations instead of one loop per tensor.
 The first ``n_decay`` entries of each buffer are the 2-D weight matrices (embeddings
 included) and get weight decay; the rest -- biases and layer-norm weights and biases -- do
-not (the usual GPT-2 / nanoGPT choice; see :func:`pedestrian.config.param_specs`).
+not (the usual GPT-2 / nanoGPT choice; see :func:`pedestrian.model.layout.param_specs`).
 
 The update is exactly ``torch.optim.AdamW`` (PyTorch 2.x, single-tensor path), step ``t``
 counting from 1, learning rate ``lr`` and weight decay ``λ``::
