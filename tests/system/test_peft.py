@@ -12,8 +12,8 @@ import pytest
 from hf_fixtures import hf_logits, hf_model, rel_err, save_hf_dir, torch, transformers
 
 from pedestrian.interop.hf import load_hf_model
-from pedestrian.interop.peft import (load_peft_adapter, lora_state_from_peft, peft_module, read_peft_adapter,
-                                     save_peft_adapter)
+from pedestrian.interop.peft import load_peft_adapter, lora_state_from_peft, read_peft_adapter, save_peft_adapter
+from pedestrian.interop.peft_modules import peft_module
 
 peft = pytest.importorskip("peft")
 

@@ -4,26 +4,8 @@ Hugging Face PEFT adds ``scaling · x Aᵀ Bᵀ`` to a module, with ``A`` of sha
 (``lora_A.weight``), ``B`` of shape ``(f_out, r)`` (``lora_B.weight``) and
 ``scaling = lora_alpha / r`` (``lora_alpha / √r`` with ``use_rslora``; per-module values from
 ``rank_pattern`` / ``alpha_pattern``). pedestrian adds ``α · x D U`` (paper section 6, plain
-scalar ``α``), so ``D = Aᵀ``, ``U = Bᵀ`` and ``α = scaling`` (EQUATIONS.md, "LoRA").
-
-Modules (HF GPT-2 -> pedestrian FC layer)::
-
-    transformer.h.{i}.attn.c_attn  -> blocks.{i}.attn.q, .k, .v   (output columns [q | k | v])
-    transformer.h.{i}.attn.c_proj  -> blocks.{i}.attn_proj
-    transformer.h.{i}.mlp.c_fc     -> blocks.{i}.mlp_expand
-    transformer.h.{i}.mlp.c_proj   -> blocks.{i}.mlp_contract
-    lm_head                        -> logits
-
-Modules (HF Llama / Qwen2 / Mistral -> pedestrian FC layer; one module per layer, ``nn.Linear``)::
-
-    model.layers.{i}.self_attn.q_proj / k_proj / v_proj  -> blocks.{i}.attn.q / .k / .v
-    model.layers.{i}.self_attn.o_proj                    -> blocks.{i}.attn_proj
-    model.layers.{i}.mlp.gate_proj / up_proj / down_proj -> blocks.{i}.mlp_gate / mlp_expand / mlp_contract
-    lm_head                                              -> logits
-
-(with grouped-query attention the k and v adapters have ``n_kv_heads · head_dim`` output
-columns, as the modules). The family is the base config's: GPT-2 when it is expressible as
-one (:func:`~.hf_config.export_problems`), else the Llama family.
+scalar ``α``), so ``D = Aᵀ``, ``U = Bᵀ`` and ``α = scaling`` (EQUATIONS.md, "LoRA"). Which module
+is which pedestrian layer, and PEFT's per-module rank and scaling: :mod:`.peft_modules`.
 
 GPT-2 fuses q, k, v in one ``c_attn`` module, so a PEFT adapter on it is shared:
 
@@ -65,27 +47,15 @@ from ..model.layout import fc_layers
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
 from .hf_llama_config import export_family
+from .peft_modules import fc_of_module, is_gpt2, pattern_value, peft_module, peft_scaling
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
-           "lora_state_to_peft", "peft_module", "peft_scaling"]
+           "lora_state_to_peft"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _META_KEY = "pedestrian_lora"
-_MODULE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$")
-_HF_TO_FC = {"attn.c_proj": "attn_proj", "mlp.c_fc": "mlp_expand", "mlp.c_proj": "mlp_contract"}
-_FC_TO_HF = {v: k for k, v in _HF_TO_FC.items()}
-_LLAMA_MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$")
-_LLAMA_TO_FC = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
-                "self_attn.o_proj": "attn_proj", "mlp.gate_proj": "mlp_gate", "mlp.up_proj": "mlp_expand",
-                "mlp.down_proj": "mlp_contract"}
-_FC_TO_LLAMA = {v: k for k, v in _LLAMA_TO_FC.items()}
-
-
-def _is_gpt2(config: GPTConfig) -> bool:
-    """Whether PEFT names ``config``'s modules as GPT-2's (else as Llama's)."""
-    return config.norm == "layernorm" and config.mlp == "standard"
 _LAYOUT_VERSIONS = (1, 2)      # 1: one rank and one alpha for all adapters; 2: per layer
 
 
@@ -112,40 +82,6 @@ _UNSUPPORTED = {  # adapter_config.json option -> value pedestrian needs
     "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
     "target_parameters": None, "trainable_token_indices": None, "layer_replication": None,
 }
-
-
-def peft_module(fc: str, config: GPTConfig | None = None) -> tuple[str, str | None]:
-    """pedestrian FC layer -> ``(PEFT module name, part of c_attn or None)``.
-
-    GPT-2 (``config`` None or GPT-2-shaped): ``"blocks.0.attn.k"`` ->
-    ``("transformer.h.0.attn.c_attn", "k")``; Llama family: ``"blocks.0.attn.k"`` ->
-    ``("model.layers.0.self_attn.k_proj", None)``; ``"logits"`` -> ``("lm_head", None)``.
-    """
-    if fc == "logits":
-        return "lm_head", None
-    _, i, rest = fc.split(".", 2)
-    if config is not None and not _is_gpt2(config):
-        return f"model.layers.{i}.{_FC_TO_LLAMA[rest]}", None
-    if rest.startswith("attn."):
-        return f"transformer.h.{i}.attn.c_attn", rest[len("attn."):]
-    return f"transformer.h.{i}.{_FC_TO_HF[rest]}", None
-
-
-def _pattern_value(patterns: Mapping, module: str, default):
-    """PEFT's rule (``peft.utils.other.get_pattern_key``): the first key ``k`` for which
-    ``re.match(rf"(.*\\.)?({k})$", module)`` matches gives the value."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def peft_scaling(peft_config: Mapping, module: str, rank: int) -> float:
-    """PEFT's ``scaling`` of one module: ``lora_alpha / r`` (``/ √r`` with ``use_rslora``),
-    with ``alpha_pattern`` applied; this is pedestrian's ``α`` for that module."""
-    alpha = _pattern_value(peft_config.get("alpha_pattern"), module, peft_config.get("lora_alpha", 8))
-    denom = math.sqrt(rank) if peft_config.get("use_rslora") else rank
-    return float(alpha) / denom
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -254,11 +190,11 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
             problems.append(f"{module} has only {sorted(ab)} (needs lora_A and lora_B)")
             continue
         A, B = ab["lora_A"], ab["lora_B"]
-        targets = _fc_of_module(module, config)
+        targets = fc_of_module(module, config)
         if targets is None:
             problems.append(f"{module} is not a module of this base (a GPT-2 with {config.n_blocks} "
                             "blocks has transformer.h.{i}.attn.c_attn / attn.c_proj / mlp.c_fc / "
-                            "mlp.c_proj and lm_head)" if _is_gpt2(config) else
+                            "mlp.c_proj and lm_head)" if is_gpt2(config) else
                             f"{module} is not a module of this base (a Llama with {config.n_blocks} blocks "
                             "has model.layers.{i}.self_attn.q_proj / k_proj / v_proj / o_proj, "
                             "mlp.gate_proj / up_proj / down_proj and lm_head)")
@@ -270,7 +206,7 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
                             f"(needs lora_A (r, {f_in}), lora_B ({f_out}, r))")
             continue
         rank = A.shape[0]
-        expected_rank = _pattern_value(peft_config.get("rank_pattern"), module, peft_config.get("r", rank))
+        expected_rank = pattern_value(peft_config.get("rank_pattern"), module, peft_config.get("r", rank))
         if expected_rank != rank:
             problems.append(f"{module}: tensors have rank {rank} but adapter_config.json says {expected_rank}")
             continue
@@ -362,23 +298,6 @@ def _is_block_diagonal(B: np.ndarray, parts, cols) -> bool:
     return not np.any(B[mask])
 
 
-def _fc_of_module(module: str, config: GPTConfig) -> list[str] | None:
-    if module in ("lm_head",):
-        return ["logits"]
-    if not _is_gpt2(config):
-        m = _LLAMA_MODULE.match(module)
-        if m is None or int(m.group(1)) >= config.n_blocks:
-            return None
-        return [f"blocks.{m.group(1)}.{_LLAMA_TO_FC[m.group(2)]}"]
-    m = _MODULE.match(module)
-    if m is None or int(m.group(1)) >= config.n_blocks:
-        return None
-    i, kind = int(m.group(1)), m.group(2)
-    if kind == "attn.c_attn":
-        return [f"blocks.{i}.attn.{p}" for p in "qkv"]
-    return [f"blocks.{i}.{_HF_TO_FC[kind]}"]
-
-
 def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
     """Attach the LoRA adapters of a PEFT directory to ``model`` (all or nothing).
 
@@ -428,7 +347,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     """
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
-    if _is_gpt2(model.config):
+    if is_gpt2(model.config):
         problems = export_problems(model.config)
         if problems:
             raise ValueError("PEFT adapters apply to a Hugging Face model, and this base is not a GPT-2: "
@@ -470,7 +389,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
             alpha_pattern[module] = scaling * R
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(A)
         tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(B)
-    conv1d = _is_gpt2(model.config) and any(m != "lm_head" for m in grouped)   # GPT-2's Conv1D
+    conv1d = is_gpt2(model.config) and any(m != "lm_head" for m in grouped)   # GPT-2's Conv1D
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
