@@ -99,10 +99,75 @@ def loss_layer(K, B=2, T=3, V=5, rng=RNG):
     return forward, backward, {"logits": 2 * rng.standard_normal((B, T, V)), "targets": targets}, {}
 
 
+def rmsnorm_layer(K, B=2, T=3, d=5, rng=RNG):
+    def forward(i, p):
+        return K.rmsnorm_forward(i["x"], p["weight"], 1e-5)
+
+    def backward(delta, cache):
+        dw = np.zeros(delta.shape[-1])
+        return {"x": K.rmsnorm_backward(delta, cache, dweight=dw)}, {"weight": dw}
+
+    return forward, backward, {"x": rng.standard_normal((B, T, d))}, {"weight": 1 + 0.1 * rng.standard_normal(d)}
+
+
+def swiglu_mlp_layer(K, B=2, T=3, d=4, m=5, rng=RNG):
+    names = ("w_gate", "w_up", "w_down")
+
+    def forward(i, p):
+        return K.swiglu_mlp_forward(i["x"], *(p[n] for n in names))
+
+    def backward(delta, cache):
+        grads = {n: np.zeros(shape) for n, shape in zip(names, ((d, m), (d, m), (m, d)))}
+        dx = K.swiglu_mlp_backward(delta, cache, *(params[n] for n in names),
+                                   dw_gate=grads["w_gate"], dw_up=grads["w_up"], dw_down=grads["w_down"])
+        return {"x": dx}, grads
+
+    params = {n: rng.standard_normal(shape) for n, shape in zip(names, ((d, m), (d, m), (m, d)))}
+    return forward, backward, {"x": rng.standard_normal((B, T, d))}, params
+
+
+def gqa_layer(K, B=2, T=4, n_heads=4, n_kv_heads=2, d_qk=3, d_head=2, rng=RNG):
+    def forward(i, p):
+        return K.multi_head_attention_forward(i["qkv"], n_heads, d_qk, d_head, causal=True, n_kv_heads=n_kv_heads)
+
+    def backward(delta, cache):
+        return {"qkv": K.multi_head_attention_backward(delta, cache)[0]}, {}
+
+    width = n_heads * d_qk + n_kv_heads * (d_qk + d_head)
+    return forward, backward, {"qkv": rng.standard_normal((B, T, width))}, {}
+
+
+def rope_layer(K, B=2, T=4, n_heads=2, n_kv_heads=1, d_qk=4, d_head=3, rng=RNG):
+    def forward(i, p):
+        return K.rope_forward(i["qkv"], n_heads, d_qk, base=100.0, n_kv_heads=n_kv_heads)
+
+    def backward(delta, cache):
+        return {"qkv": K.rope_backward(delta, cache)}, {}
+
+    width = n_heads * d_qk + n_kv_heads * (d_qk + d_head)
+    return forward, backward, {"qkv": rng.standard_normal((B, T, width))}, {}
+
+
+def lora_layer(K, B=2, T=3, f_in=4, r=2, f_out=5, rng=RNG):
+    def forward(i, p):
+        return K.lora_forward(i["x"], p["D"], p["U"], 0.5)
+
+    def backward(delta, cache):
+        dD, dU = np.zeros((f_in, r)), np.zeros((r, f_out))
+        dx = K.lora_backward(delta, cache, params["D"], params["U"], 0.5, dD=dD, dU=dU)
+        return {"x": dx}, {"D": dD, "U": dU}
+
+    params = {"D": rng.standard_normal((f_in, r)), "U": rng.standard_normal((r, f_out))}
+    return forward, backward, {"x": rng.standard_normal((B, T, f_in))}, params
+
+
 LAYERS = {
     "linear": linear_layer, "layernorm": layernorm_layer, "attention": attention_layer,
     "embedding": embedding_layer, "loss": loss_layer,
-    **{f"activation_{n}": (lambda K, n=n: activation_layer(K, n)) for n in ("relu", "gelu", "gelu_tanh")},
+    **{f"activation_{n}": (lambda K, n=n: activation_layer(K, n)) for n in ("relu", "gelu", "gelu_tanh", "silu")},
+    # the Llama family's layers (issue 33), RoPE and LoRA
+    "rmsnorm": rmsnorm_layer, "swiglu_mlp": swiglu_mlp_layer, "gqa_attention": gqa_layer, "rope": rope_layer,
+    "lora": lora_layer,
 }
 
 
@@ -242,7 +307,8 @@ def test_broken_backward_fails_on_the_right_tensor_only(case):
         assert "accumulation (+=) where a write (=) belongs" in report.tensors[1].problem
 
 
-@pytest.mark.parametrize("name", ["linear", "layernorm", "attention", "embedding", "loss", "activation_gelu"])
+@pytest.mark.parametrize("name", ["linear", "layernorm", "attention", "embedding", "loss", "activation_gelu",
+                                  "rmsnorm", "swiglu_mlp", "gqa_attention", "rope", "lora"])
 def test_a_relative_error_of_1e_4_fails(name):
     """The bound (~1e-9 of the gradient) is far below a 1e-4 relative error in any one tensor."""
     forward, backward, inputs, params = LAYERS[name](pedestrian.layers)
@@ -264,7 +330,9 @@ def test_correct_layers_pass_over_shapes(B, T, d, f_out, seed, kind):
     K = pedestrian.layers if kind == "reference" else pedestrian.kernels
     rng = np.random.default_rng(seed)
     for layer in (linear_layer(K, B, T, d, f_out, rng), layernorm_layer(K, B, T, max(d, 2), rng),
-                  attention_layer(K, B, T, 1 + d % 2, 1 + f_out % 3, 1 + d % 3, rng)):
+                  attention_layer(K, B, T, 1 + d % 2, 1 + f_out % 3, 1 + d % 3, rng),
+                  rmsnorm_layer(K, B, T, d, rng), swiglu_mlp_layer(K, B, T, d, f_out, rng),
+                  gqa_layer(K, B, T, 2 * (1 + d % 2), 1 + f_out % 2, 1 + f_out % 3, 1 + d % 3, rng)):
         report = check(layer, seed=seed, autograd=False)
         assert report.passed, str(report)
 
