@@ -195,6 +195,13 @@ def test_fast_rope_equals_the_reference(dtype, positions, d_qk, rotated, n_kv, s
     _same_rotation(fast, ref, dtype)
 
 
+def test_fast_rope_refuses_positions_of_another_length():
+    from pedestrian import kernels
+
+    with pytest.raises(ValueError, match=r"positions must be \(T,\) or \(B, T\)"):
+        kernels.rope_forward(np.zeros((2, 3, 3 * 8)), 1, 8, np.arange(4))
+
+
 def test_fast_rope_tables_serve_several_threads():
     """Threads decoding at different positions at once (each growing or reading the shared
     tables) get what one thread alone gets."""
