@@ -155,6 +155,81 @@ def test_bad_rotated_counts_are_errors():
             rope_forward(x, 2, 4, rotated=r)
 
 
+# =========================================================================== the fast kernel
+def _fast_and_reference(qkv, H, d_qk, positions, **kw):
+    from pedestrian import kernels, layers
+
+    y_fast, c_fast = kernels.rope_forward(qkv, H, d_qk, positions, **kw)
+    y_ref, c_ref = layers.rope_forward(qkv, H, d_qk, positions, **kw)
+    delta = np.random.default_rng(7).standard_normal(qkv.shape).astype(qkv.dtype)
+    return (y_fast, kernels.rope_backward(delta, c_fast)), (y_ref, layers.rope_backward(delta, c_ref))
+
+
+def _same_rotation(fast, ref, dtype) -> None:
+    """The fast kernel does the reference's float operations on the same float64 angles; NumPy's
+    cos/sin of a lone position and of a table row may differ by an ulp (another SIMD path), which
+    moves an output by ~2 ulps of its inputs: bound 4 eps of the largest entry (tighter than 1e-13
+    in float64 because nothing else differs)."""
+    for a, b in zip(fast, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.max(np.abs(a - b)) <= 4 * np.finfo(dtype).eps * np.max(np.abs(b))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("positions", ["none", "offset", "padded", "far", "negative"])
+@pytest.mark.parametrize("d_qk,rotated,n_kv,scaled", [(8, 8, 2, False), (6, 4, 1, True), (5, 2, 4, False)])
+def test_fast_rope_equals_the_reference(dtype, positions, d_qk, rotated, n_kv, scaled):
+    """The fast kernel (angles from a table, the turn in place) against the reference layer:
+    positions from 0, a decoding offset, left-padded rows, positions past the first table (it
+    grows), negative positions (no table row: computed directly); partial rotation, grouped
+    key heads, Llama 3's scaling."""
+    from pedestrian.config import RopeScaling
+
+    rng = np.random.default_rng(d_qk)
+    B, T, H, d_head = 2, 3, 4, 3
+    qkv = rng.standard_normal((B, T, (H + n_kv) * d_qk + n_kv * d_head)).astype(dtype)
+    pos = {"none": None, "offset": np.arange(40, 40 + T), "padded": np.array([[0, 0, 1], [5, 6, 7]]),
+           "far": np.arange(70_000, 70_000 + T), "negative": np.arange(-2, T - 2)}[positions]
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16) if scaled else None
+    fast, ref = _fast_and_reference(qkv, H, d_qk, pos, base=500.0, rotated=rotated, n_kv_heads=n_kv, scaling=scaling)
+    _same_rotation(fast, ref, dtype)
+
+
+def test_fast_rope_refuses_positions_of_another_length():
+    from pedestrian import kernels
+
+    with pytest.raises(ValueError, match=r"positions must be \(T,\) or \(B, T\)"):
+        kernels.rope_forward(np.zeros((2, 3, 3 * 8)), 1, 8, np.arange(4))
+
+
+def test_fast_rope_tables_serve_several_threads():
+    """Threads decoding at different positions at once (each growing or reading the shared
+    tables) get what one thread alone gets."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pedestrian import kernels
+    from pedestrian.kernels import rope
+
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((1, 1, 3 * 8 * 2)).astype(np.float32)
+    starts = [int(s) for s in rng.integers(0, 100_000, 16)]
+    key = (8, 123.0, None, np.dtype(np.float32))
+
+    def run(start):
+        return [kernels.rope_forward(qkv, 2, 8, np.array([t]), base=123.0, n_kv_heads=2)[0] for t in
+                range(start, start + 50)]
+
+    rope._TABLES.pop(key, None)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(run, starts))
+    rope._TABLES.pop(key, None)
+    for start, got in zip(starts, together):
+        for a, b in zip(got, run(start)):
+            assert np.array_equal(a, b)
+    assert not rope._TABLES[key][0].flags.writeable
+
+
 # =========================================================================== the whole model
 # id -> (B, T, cfg overrides, ignored targets): every value of every axis appears at least once:
 # heads {1, 3}; d_qk {2, 4, 5, 6, 8}; causal and not; fraction {1, 0.5, 1/3, 0.25}; T {1, 5, C};

@@ -10,13 +10,14 @@ same things faster, and every difference from the reference earns its lines by a
 - :mod:`.layernorm`, :mod:`.activations`, :mod:`.loss`, :mod:`.embedding` -- numba loops over
   rows (llm.c's layout);
 - :mod:`.rmsnorm` (rows, as the layer norm) and :mod:`.swiglu` (products on BLAS, the gate in numba loops);
+- :mod:`.rope` -- RoPE's angles from a table kept per model shape, the turn written in place (NumPy);
 - :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in numba loops;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;
 - :mod:`.blas` -- products and reductions written into preallocated arrays, shared over the
   same threads as the loops (:func:`.jit.num_threads`, a BLAS held to one thread).
 
-Dropout, LoRA and RoPE gain nothing measurable from a second version (docs/kernels.md): the
+Dropout and LoRA gain nothing measurable from a second version (docs/kernels.md): the
 reference ones are used.
 A model chooses with ``GPT(..., kernels="fast" | "reference")``, once, when it is built:
 :func:`kernels_for` gives it a *kernel table* (every function it calls, and its ``name``) for
@@ -49,9 +50,8 @@ from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from ..layers.lora import lora_backward, lora_forward
-from ..layers.rope import rope_backward, rope_forward
 from . import activations, attention, embedding, layernorm, linear, loss
-from . import rmsnorm, swiglu
+from . import rmsnorm, rope, swiglu
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -168,6 +168,8 @@ linear_backward = _seam(linear.linear_backward, layers.linear_backward)
 add = _seam(linear.add, layers.add)
 cross_entropy_forward = _seam(loss.cross_entropy_forward, layers.cross_entropy_forward)
 cross_entropy_backward = _seam(loss.cross_entropy_backward, layers.cross_entropy_backward)
+rope_forward = _seam(rope.rope_forward, layers.rope_forward)
+rope_backward = _seam(rope.rope_backward, layers.rope_backward)
 
 
 def default_kernels() -> str:

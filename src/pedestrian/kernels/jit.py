@@ -11,7 +11,8 @@ contraction into fused multiply-adds, reciprocals (:data:`FASTMATH`). Never ``nn
 a NaN or an inf must propagate to where the training loop catches it. For the same reason
 ``error_model="numpy"``: ``x / 0`` is ``±inf`` or NaN as in NumPy, not a ``ZeroDivisionError``
 (whose check would also stop a loop from vectorising). Sums may therefore be
-taken in another order than NumPy's; the tests' tolerances follow from that (n·ε bounds).
+taken in another order than NumPy's; the tests' tolerances follow from that (n·ε bounds). A kernel
+marked ``exact`` gets no fast-math flag at all and rounds as NumPy does.
 
 **The disk cache**, chosen when a kernel's dispatcher is made (not at import): numba's own --
 ``NUMBA_CACHE_DIR`` if set, else ``__pycache__`` beside this package, else numba's user-wide
@@ -148,13 +149,14 @@ def _numba():
     return _loaded[0]
 
 
-def _make(f, parallel: bool):
+def _make(f, parallel: bool, exact: bool = False):
     """The numba dispatcher of ``f`` (nothing compiled yet), cached on disk where numba finds a
-    writable folder, else in :func:`_fallback_folder`; its damaged cache entries are compiled again."""
+    writable folder, else in :func:`_fallback_folder`; its damaged cache entries are compiled again.
+    ``exact``: no fast-math flags at all (every product and sum rounded as NumPy rounds it)."""
     numba = _numba()
     if f.__globals__.get("prange") is range:           # the kernel module's `prange`: numba's
         f.__globals__["prange"] = numba.prange
-    njit = functools.partial(numba.njit, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
+    njit = functools.partial(numba.njit, nogil=True, fastmath=set() if exact else set(FASTMATH), parallel=parallel,
                              error_model="numpy")
     try:
         d = njit(cache=True)(f)                       # NUMBA_CACHE_DIR, __pycache__, user-wide folder
@@ -235,8 +237,8 @@ def _recompile_damaged_entries(dispatcher) -> None:
 class _Kernel:
     """One ``@kernel``: calls the numba dispatcher of ``py_func``, made at the first call."""
 
-    def __init__(self, f, parallel: bool = False) -> None:
-        self.py_func, self._parallel, self._dispatcher = f, parallel, None
+    def __init__(self, f, parallel: bool = False, exact: bool = False) -> None:
+        self.py_func, self._parallel, self._exact, self._dispatcher = f, parallel, exact, None
         functools.update_wrapper(self, f)
 
     def dispatcher(self):
@@ -244,7 +246,7 @@ class _Kernel:
         if self._dispatcher is None:
             with _LOCK:
                 if self._dispatcher is None:
-                    self._dispatcher = _make(self.py_func, self._parallel)
+                    self._dispatcher = _make(self.py_func, self._parallel, self._exact)
         return self._dispatcher
 
     def __call__(self, *args):
@@ -375,10 +377,10 @@ class _Parallel:
     it, parallel calls take a lock (threads of your own calling one model at once then wait for
     each other instead of crashing the process)."""
 
-    def __init__(self, f, size=None):
+    def __init__(self, f, size=None, exact: bool = False):
         serial = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         serial.__qualname__ = f.__qualname__ + "__serial"          # its own entry in the disk cache
-        self.serial, self.parallel = _Kernel(serial), _Kernel(f, parallel=True)
+        self.serial, self.parallel = _Kernel(serial, exact=exact), _Kernel(f, parallel=True, exact=exact)
         self.size = size or _first_size
         functools.update_wrapper(self, f)
 
@@ -438,18 +440,19 @@ def _locked(f):
     return call
 
 
-def kernel(func=None, *, parallel: bool = False, size=None):
+def kernel(func=None, *, parallel: bool = False, size=None, exact: bool = False):
     """``@kernel`` / ``@kernel(parallel=True, size=...)``: ``numba.njit`` with :data:`FASTMATH`,
     the disk cache and no GIL, made at the first call; ``parallel`` kernels share their ``prange``
     loops over :func:`num_threads` threads, serial or threaded by the job's size -- ``size(*args)``,
     in elements (multiply-adds for a product), by default the first argument's size
     (:class:`_Parallel`). Call them from Python, not from another kernel: use ``.serial`` there.
-    A kernel may call another ``@kernel`` (not parallel). Without numba the function is returned
-    as it is (plain Python)."""
+    A kernel may call another ``@kernel`` (not parallel). ``exact=True``: no fast-math flags (no
+    fused multiply-adds: a kernel that must give NumPy's bits). Without numba the function is
+    returned as it is (plain Python)."""
     def wrap(f):
         if not AVAILABLE:                             # plain Python, the same attributes
             f.serial = f.parallel = f
             return f
-        return _Parallel(f, size) if parallel else _Kernel(f)
+        return _Parallel(f, size, exact) if parallel else _Kernel(f, exact=exact)
 
     return wrap if func is None else wrap(func)
