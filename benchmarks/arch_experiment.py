@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiments import (curves, evaluate, pedestrian, plot, read_log, seeds_of,  # noqa: E402
+from experiments import (commands, curves, evaluate, pedestrian, plot, read_log, seeds_of,  # noqa: E402
                          write_results)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,10 +125,8 @@ def table(results: list[dict], args, date: str) -> str:
     lines += ["", "Tokens/s, CPU seconds and minutes: means over the seeds, on a 2-core machine shared with other "
               "jobs (their load changed during the runs), so a rough speed comparison only; the CPU seconds are "
               "those of the `pedestrian train` process (both threads, numba's first compilation and the "
-              "validations included). Commands (each run, then its evaluation):", "", "```bash"]
-    for r in results:
-        lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
-    lines += ["```", "", "![loss curves](arch_experiment.png)"]
+              "validations included). Commands (each run, then its evaluation):", ""]
+    lines += commands(results, "arch_experiment.png")
     return "\n".join(lines)
 
 

@@ -104,6 +104,15 @@ def plot(results: list[dict], path: Path, max_steps: int, key: str, colors: dict
     os.replace(tmp, path)
 
 
+def commands(results: list[dict], picture: str) -> list[str]:
+    """The end of a results section: every run's command and its evaluation in a bash block, then
+    the picture ``picture`` (a path relative to the page)."""
+    lines = ["```bash"]
+    for r in results:
+        lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
+    return lines + ["```", "", f"![loss curves]({picture})"]
+
+
 def write_results(doc: Path, heading: str, table: str) -> None:
     """Put ``table`` between ``doc``'s results markers (a new page titled ``heading`` if ``doc``
     does not exist); the text around the markers is kept."""

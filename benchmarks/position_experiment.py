@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiments import (curves, evaluate, pedestrian, plot, read_log, seeds_of,  # noqa: E402
+from experiments import (commands, curves, evaluate, pedestrian, plot, read_log, seeds_of,  # noqa: E402
                          write_results)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,10 +127,8 @@ def table(results: list[dict], max_steps: int, date: str) -> str:
               "for every model; mean over the seeds), predicted from its 64 predecessors in order, and with the "
               "first 63 of them shuffled (the last one, and so the bigram, kept): what the model gains from "
               "the order of its context. Minutes: wall clock on the shared 2-core machine (other jobs ran "
-              "beside; not a speed comparison). Commands (each run, then its evaluation):", "", "```bash"]
-    for r in results:
-        lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
-    lines += ["```", "", "![loss curves](position_experiment.png)"]
+              "beside; not a speed comparison). Commands (each run, then its evaluation):", ""]
+    lines += commands(results, "position_experiment.png")
     return "\n".join(lines)
 
 
