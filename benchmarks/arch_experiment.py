@@ -38,32 +38,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
-import resource
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experiments import (commands, curves, evaluate, pedestrian, plot, read_log, seeds_of,  # noqa: E402
+                         write_results)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ARCHS = ("gpt2", "llama")
 COLORS = {"gpt2": "tab:blue", "llama": "tab:red"}
 LABELS = {"gpt2": "GPT-2 style", "llama": "Llama style"}
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 VOCAB_SIZE = 84                              # the bundled plays' characters (the default model's V)
-
-
-def pedestrian(*args: str) -> tuple[str, float]:
-    """Run ``python -m pedestrian ARGS`` with this checkout's code; return its stdout and the CPU
-    seconds (user + system) it used."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "-m", "pedestrian", *args], env=env, text=True, capture_output=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"pedestrian {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return done.stdout, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def matched_d_mlp(vocab_size: int = VOCAB_SIZE) -> tuple[int, int, int]:
@@ -84,10 +72,6 @@ def matched_d_mlp(vocab_size: int = VOCAB_SIZE) -> tuple[int, int, int]:
     return best, params("llama", d_mlp=best), target
 
 
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def run_one(arch: str, seed: int, out: Path, args) -> dict:
     folder = out / f"seed{seed}" / arch
     done = folder / "result.json"
@@ -100,75 +84,21 @@ def run_one(arch: str, seed: int, out: Path, args) -> dict:
            str(args.eval_interval), "--max-minutes", "0", "--seed", str(seed), "--out", str(folder),
            "--no-sample", "--no-progress", "--overwrite"]
     _, cpu_s = pedestrian(*cmd)
-    text, _ = pedestrian("eval", str(folder / "latest"), "--no-progress")
-    m = re.search(r"step (\d+)\): val loss ([0-9.]+) nats per character .* over ([0-9,]+) targets", text)
-    if m is None:
-        raise SystemExit(f"cannot read the eval output: {text!r}")
+    evaluated = evaluate(folder)
     log = read_log(folder / "log.jsonl")
     rates = sorted(r["tokens_per_s"] for r in log if "tokens_per_s" in r)
     params, _ = pedestrian("params", "--preset", "char-small", "--vocab-size", str(VOCAB_SIZE), "--arch", arch, *width)
     total = re.search(r"total\s+([0-9,]+)", params)
     result = {"arch": arch, "seed": seed, "max_steps": args.max_steps, "folder": str(folder),
-              "command": "pedestrian " + " ".join(cmd), "step": int(m.group(1)),
-              "val_loss_full_split": float(m.group(2)), "val_targets": int(m.group(3).replace(",", "")),
-              "val_curve": [(r["step"], r["val_loss"]) for r in log if "val_loss" in r],
-              "train_curve": [(r["step"], r["loss"]) for r in log if "loss" in r],
-              "minutes": max(r["time_s"] for r in log if "time_s" in r) / 60,      # the run's own clock
+              "command": "pedestrian " + " ".join(cmd), **evaluated, **curves(log),
               "tokens_per_s_median": rates[len(rates) // 2], "cpu_s": cpu_s,
               "params": int(total.group(1).replace(",", "")) if total else None}
     done.write_text(json.dumps(result) + "\n", encoding="utf-8")
     return result
 
 
-def plot(results: list[dict], path: Path, max_steps: int) -> None:
-    """Validation (dots) and smoothed training loss of every run; the first seed solid, the
-    others dashed; the right panel zooms into the second half."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    seeds = sorted({r["seed"] for r in results}, key=[r["seed"] for r in results].index)
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11.5, 4.6), dpi=130, gridspec_kw={"width_ratios": [3, 2]})
-    tail = []
-    for r in results:
-        color, first = COLORS[r["arch"]], r["seed"] == seeds[0]
-        s, loss = np.array(r["train_curve"]).T
-        w = max(1, min(50, len(loss) // 5))
-        smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
-        vs, vl = np.array(r["val_curve"]).T
-        mean = np.mean([q["val_loss_full_split"] for q in results if q["arch"] == r["arch"]])
-        for a in (ax, zoom):
-            if first:
-                a.plot(s[w - 1:], smooth, color=color, lw=0.8, alpha=0.4)
-            a.plot(vs, vl, "o-" if first else "s--", color=color, ms=3.5 if first else 2.5, lw=1.6 if first else 1.0,
-                   label=(f"{LABELS[r['arch']]} ({r['params']:,} parameters): whole-split val {mean:.3f} "
-                          f"(mean of {len(seeds)} seed{'s' if len(seeds) > 1 else ''})" if first else None))
-        tail += [v for st, v in zip(vs, vl) if st >= max_steps * 0.5]
-        tail += [v for st, v in zip(s[w - 1:], smooth) if st >= max_steps * 0.5 and first]
-    for a in (ax, zoom):
-        a.set_xlabel("optimizer step")
-        a.set_ylabel("loss (nats per character)")
-        a.grid(alpha=0.3)
-    others = ", ".join(str(x) for x in seeds[1:])
-    ax.set_title(f"validation, 20 fixed batches (dots: seed {seeds[0]}"
-                 + (f"; dashed: seed {others}" if others else "") + "); training, 50-step mean (faint)", fontsize=9)
-    ax.legend(fontsize=8.5)
-    zoom.set_xlim(max_steps * 0.5, max_steps * 1.02)
-    zoom.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
-    zoom.set_title("second half, zoomed", fontsize=9)
-    fig.suptitle(f"Default char model size on the Shakespeare plays, {max_steps:,} steps per run: "
-                 "GPT-2 style against Llama style", fontsize=10.5)
-    fig.tight_layout()
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
 def table(results: list[dict], args, date: str) -> str:
-    seeds = sorted({r["seed"] for r in results}, key=[r["seed"] for r in results].index)
+    seeds = seeds_of(results)
     by = {(r["arch"], r["seed"]): r for r in results}
     mean = {a: sum(by[a, s]["val_loss_full_split"] for s in seeds) / len(seeds) for a in ARCHS}
     what = {"gpt2": "layer norm, GELU MLP 512 wide, learned positions, biases, 4 k/v heads",
@@ -195,10 +125,8 @@ def table(results: list[dict], args, date: str) -> str:
     lines += ["", "Tokens/s, CPU seconds and minutes: means over the seeds, on a 2-core machine shared with other "
               "jobs (their load changed during the runs), so a rough speed comparison only; the CPU seconds are "
               "those of the `pedestrian train` process (both threads, numba's first compilation and the "
-              "validations included). Commands (each run, then its evaluation):", "", "```bash"]
-    for r in results:
-        lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
-    lines += ["```", "", "![loss curves](arch_experiment.png)"]
+              "validations included). Commands (each run, then its evaluation):", ""]
+    lines += commands(results, "arch_experiment.png")
     return "\n".join(lines)
 
 
@@ -224,16 +152,17 @@ def main() -> int:
             print(f"  val loss {results[-1]['val_loss_full_split']:.4f} (whole split), "
                   f"{results[-1]['minutes']:.1f} min, {results[-1]['cpu_s']:.0f} CPU s", flush=True)
     date = datetime.date.today().isoformat()
-    plot(results, docs / "arch_experiment.png", args.max_steps)
+    plot(results, docs / "arch_experiment.png", args.max_steps, "arch", COLORS,
+         lambda r, mean, seeds: (f"{LABELS[r['arch']]} ({r['params']:,} parameters): whole-split val {mean:.3f} "
+                                 f"(mean of {len(seeds)} seed{'s' if len(seeds) > 1 else ''})"),
+         f"Default char model size on the Shakespeare plays, {args.max_steps:,} steps per run: "
+         "GPT-2 style against Llama style")
     kept = [{k: v for k, v in r.items() if k != "train_curve"} for r in results]   # per-step losses: the logs
     (docs / "arch_experiment.json").write_text(json.dumps(
         {"date": date, "max_steps": args.max_steps, "eval_interval": args.eval_interval, "seeds": args.seeds,
          "d_mlp": args.d_mlp, "results": kept}, indent=1) + "\n")
     doc = docs / "arch_experiment.md"
-    text = doc.read_text(encoding="utf-8") if doc.exists() else f"# GPT-2 against Llama\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(head + START + "\n" + table(results, args, date) + "\n" + END + tail, encoding="utf-8")
+    write_results(doc, "GPT-2 against Llama", table(results, args, date))
     print(f"wrote {doc}, {docs / 'arch_experiment.png'}, {docs / 'arch_experiment.json'}")
     return 0
 

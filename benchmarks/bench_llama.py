@@ -304,31 +304,14 @@ def _serve(side: str, B: int, T: int, n_blocks: int, threads: int, hf_dir: str, 
         conn.send(RuntimeError(f"{exc!r}\n{traceback.format_exc()}"))
 
 
-class _Side:
-    """One side in a process of its own (spawned), driven over a pipe (as in bench_train.py)."""
+class _Side(common.SpawnedSide):
+    """One side in a process of its own (spawned), driven over a pipe (:class:`common.SpawnedSide`,
+    as in bench_train.py)."""
+
+    show = staticmethod(str)              # _serve's error already holds the repr and the traceback
 
     def __init__(self, side: str, B: int, T: int, n_blocks: int, threads: int, hf_dir: str):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(side, B, T, n_blocks, threads, hf_dir, child), daemon=True)
-        self.proc.start()
-        self.info = self._recv()
-
-    def _recv(self):
-        reply = self.conn.recv()
-        if isinstance(reply, BaseException):
-            raise RuntimeError(f"benchmark side failed: {reply}")
-        return reply
-
-    def ask(self, *command):
-        self.conn.send(command)
-        return self._recv()
-
-    def close(self) -> None:
-        self.conn.send(("exit",))
-        self.proc.join(timeout=60)
+        super().__init__(_serve, side, B, T, n_blocks, threads, hf_dir)
 
 
 # ---------------------------------------------------------------------------------- measuring

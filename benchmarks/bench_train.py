@@ -400,36 +400,15 @@ def pick_torch_attention(tmodel, batches, reps: int) -> tuple[str, dict]:
     return best, med
 
 
-class _Side:
+class _Side(common.SpawnedSide):
     """One side of the comparison in a process of its own (spawned: nothing inherited), driven
-    over a pipe. Each side's thread pools then live alone in their process, as in a user's
+    over a pipe (:class:`common.SpawnedSide`). Each side's thread pools then live alone in their process, as in a user's
     training run: numba's OpenMP threads and PyTorch's spin for a while after each parallel
     region, so in one process each side's idle threads would slow the other's steps several-fold
     (measured: 2.3 s against 70 ms per step, back to back)."""
 
     def __init__(self, side: str, config, B: int, T: int, backend: str, *, reps: int = 2, attention: str = "auto"):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(side, config, B, T, backend, reps, attention, child),
-                                daemon=True)
-        self.proc.start()
-        self.info = self._recv()
-
-    def _recv(self):
-        reply = self.conn.recv()
-        if isinstance(reply, BaseException):
-            raise RuntimeError(f"benchmark side failed: {reply!r}")
-        return reply
-
-    def ask(self, *command):
-        self.conn.send(command)
-        return self._recv()
-
-    def close(self) -> None:
-        self.conn.send(("exit",))
-        self.proc.join(timeout=60)
+        super().__init__(_serve, side, config, B, T, backend, reps, attention)
 
 
 def force_attention(kind: str) -> None:

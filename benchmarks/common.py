@@ -7,6 +7,7 @@
 - :func:`child_json`: run this script again in a subprocess (for per-side peak memory) and
   read the JSON it prints on its last line.
 - :func:`update_doc_section`: replace a marked section of ``docs/performance.md``.
+- :class:`SpawnedSide`: one side of a comparison in a spawned process, driven over a pipe.
 
 Timing is by ``time.perf_counter``; every figure we report is a median.
 """
@@ -232,3 +233,35 @@ def machine_line(info: dict) -> str:
             f"Python {info['python']}, NumPy {info['numpy']} ({info['numpy_blas']}), "
             f"PyTorch {info.get('torch', '-')} ({threads}), float32; "
             f"1-minute load average at start {info['load_average_1m']}.")
+
+
+class SpawnedSide:
+    """One side of a comparison in a process of its own (spawned: nothing inherited), driven over
+    a pipe. ``target(*args, conn)`` runs there: it sends its ``info`` first, then answers each
+    command tuple it receives until ``("exit",)``; an exception it sends instead is raised here as
+    a ``RuntimeError`` whose message holds ``show(exception)`` (``repr`` unless a subclass says)."""
+
+    show = staticmethod(repr)
+
+    def __init__(self, target, *args):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        self.proc.start()
+        self.info = self._recv()
+
+    def _recv(self):
+        reply = self.conn.recv()
+        if isinstance(reply, BaseException):
+            raise RuntimeError(f"benchmark side failed: {self.show(reply)}")
+        return reply
+
+    def ask(self, *command):
+        self.conn.send(command)
+        return self._recv()
+
+    def close(self) -> None:
+        self.conn.send(("exit",))
+        self.proc.join(timeout=60)

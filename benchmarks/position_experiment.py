@@ -35,31 +35,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experiments import (commands, curves, evaluate, pedestrian, plot, read_log, seeds_of,  # noqa: E402
+                         write_results)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ENCODINGS = ("learned", "rope", "none")
 COLORS = {"learned": "tab:blue", "rope": "tab:orange", "none": "tab:green"}
-START, END = "<!-- results:start -->", "<!-- results:end -->"
-
-
-def pedestrian(*args: str) -> str:
-    """Run ``python -m pedestrian ARGS`` with this checkout's code; return its stdout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "pedestrian", *args], env=env, text=True,
-                          capture_output=True)
-    if done.returncode != 0:
-        raise SystemExit(f"pedestrian {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return done.stdout
-
-
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def run_one(encoding: str, seed: int, out: Path, args) -> dict:
@@ -68,21 +55,13 @@ def run_one(encoding: str, seed: int, out: Path, args) -> dict:
            "--seed", str(seed), "--out", str(folder), "--no-sample", "--no-progress", "--overwrite"]
     if not args.plot_only:
         pedestrian(*cmd)
-    text = pedestrian("eval", str(folder / "latest"), "--no-progress")
-    m = re.search(r"step (\d+)\): val loss ([0-9.]+) nats per character .* over ([0-9,]+) targets", text)
-    if m is None:
-        raise SystemExit(f"cannot read the eval output: {text!r}")
+    evaluated = evaluate(folder)
     log = read_log(folder / "log.jsonl")
-    minutes = max(r["time_s"] for r in log if "time_s" in r) / 60     # the run's own clock
     order = order_use(str(folder))
     params = re.search(r"total\s+([0-9,]+)", pedestrian("params", "--preset", "char-small", "--vocab-size",
-                                                        str(args.vocab_size), "--position-encoding", encoding))
+                                                        str(args.vocab_size), "--position-encoding", encoding)[0])
     return {"encoding": encoding, "seed": seed, "folder": str(folder), "command": "pedestrian " + " ".join(cmd),
-            "step": int(m.group(1)), "val_loss_full_split": float(m.group(2)),
-            "val_targets": int(m.group(3).replace(",", "")),
-            "val_curve": [(r["step"], r["val_loss"]) for r in log if "val_loss" in r],
-            "train_curve": [(r["step"], r["loss"]) for r in log if "loss" in r],
-            "minutes": minutes, "params": params.group(1) if params else None, "order": order}
+            **evaluated, **curves(log), "params": params.group(1) if params else None, "order": order}
 
 
 def order_use(folder: str, n_windows: int = 2048, seed: int = 0) -> dict:
@@ -120,55 +99,8 @@ def order_use(folder: str, n_windows: int = 2048, seed: int = 0) -> dict:
     return {"in_order": last_loss(x), "shuffled": last_loss(shuffled), "windows": n_windows}
 
 
-def plot(results: list[dict], path: Path, max_steps: int) -> None:
-    """Validation (dots) and smoothed training loss of every run; the first seed solid, the
-    others dashed; the right panel zooms into the second half."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    seeds = sorted({r["seed"] for r in results}, key=[r["seed"] for r in results].index)
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11.5, 4.6), dpi=130, gridspec_kw={"width_ratios": [3, 2]})
-    tail = []
-    for r in results:
-        color, first = COLORS[r["encoding"]], r["seed"] == seeds[0]
-        s, loss = np.array(r["train_curve"]).T
-        w = max(1, min(50, len(loss) // 5))
-        smooth = np.convolve(loss, np.ones(w) / w, mode="valid")
-        vs, vl = np.array(r["val_curve"]).T
-        mean = np.mean([q["val_loss_full_split"] for q in results if q["encoding"] == r["encoding"]])
-        for a in (ax, zoom):
-            if first:
-                a.plot(s[w - 1:], smooth, color=color, lw=0.8, alpha=0.4)
-            a.plot(vs, vl, "o-" if first else "s--", color=color, ms=3.5 if first else 2.5, lw=1.6 if first else 1.0,
-                   label=(f"{r['encoding']}: whole-split val {mean:.3f} (mean of {len(seeds)} seeds)"
-                          if first else None))
-        tail += [v for st, v in zip(vs, vl) if st >= max_steps * 0.5]
-        tail += [v for st, v in zip(s[w - 1:], smooth) if st >= max_steps * 0.5 and first]
-    for a in (ax, zoom):
-        a.set_xlabel("optimizer step")
-        a.set_ylabel("loss (nats per character)")
-        a.grid(alpha=0.3)
-    others = ", ".join(str(x) for x in seeds[1:])
-    ax.set_title(f"validation, 20 fixed batches (dots: seed {seeds[0]}"
-                 + (f"; dashed: seed {others}" if others else "") + "); training, 50-step mean (faint)", fontsize=9)
-    ax.legend(fontsize=8.5)
-    zoom.set_xlim(max_steps * 0.5, max_steps * 1.02)
-    zoom.set_ylim(min(tail) - 0.02, max(tail) + 0.02)
-    zoom.set_title("second half, zoomed", fontsize=9)
-    fig.suptitle(f"Default char model on the Shakespeare plays, causal, {max_steps:,} steps per run: "
-                 "learned positions / RoPE / no position encoding", fontsize=10.5)
-    fig.tight_layout()
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
 def table(results: list[dict], max_steps: int, date: str) -> str:
-    seeds = sorted({r["seed"] for r in results}, key=[r["seed"] for r in results].index)
+    seeds = seeds_of(results)
     by = {(r["encoding"], r["seed"]): r for r in results}
     mean = {e: sum(by[e, s]["val_loss_full_split"] for s in seeds) / len(seeds) for e in ENCODINGS}
     lines = [f"Measured {date}: {max_steps:,} steps per run of 16 × 64 characters (batch × context), "
@@ -195,10 +127,8 @@ def table(results: list[dict], max_steps: int, date: str) -> str:
               "for every model; mean over the seeds), predicted from its 64 predecessors in order, and with the "
               "first 63 of them shuffled (the last one, and so the bigram, kept): what the model gains from "
               "the order of its context. Minutes: wall clock on the shared 2-core machine (other jobs ran "
-              "beside; not a speed comparison). Commands (each run, then its evaluation):", "", "```bash"]
-    for r in results:
-        lines += [r["command"], f"pedestrian eval {r['folder']}/latest"]
-    lines += ["```", "", "![loss curves](position_experiment.png)"]
+              "beside; not a speed comparison). Commands (each run, then its evaluation):", ""]
+    lines += commands(results, "position_experiment.png")
     return "\n".join(lines)
 
 
@@ -222,15 +152,15 @@ def main() -> int:
             results.append(run_one(encoding, seed, out, args))
             print(f"  val loss {results[-1]['val_loss_full_split']:.4f} (whole split)", flush=True)
     date = datetime.date.today().isoformat()
-    plot(results, docs / "position_experiment.png", args.max_steps)
+    plot(results, docs / "position_experiment.png", args.max_steps, "encoding", COLORS,
+         lambda r, mean, seeds: f"{r['encoding']}: whole-split val {mean:.3f} (mean of {len(seeds)} seeds)",
+         f"Default char model on the Shakespeare plays, causal, {args.max_steps:,} steps per run: "
+         "learned positions / RoPE / no position encoding")
     kept = [{k: v for k, v in r.items() if k != "train_curve"} for r in results]   # per-step losses: the logs
     (docs / "position_experiment.json").write_text(json.dumps(
         {"date": date, "max_steps": args.max_steps, "seeds": args.seeds, "results": kept}, indent=1) + "\n")
     doc = docs / "position_experiment.md"
-    text = doc.read_text(encoding="utf-8") if doc.exists() else f"# Position encodings\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(head + START + "\n" + table(results, args.max_steps, date) + "\n" + END + tail, encoding="utf-8")
+    write_results(doc, "Position encodings", table(results, args.max_steps, date))
     print(f"wrote {doc}, {docs / 'position_experiment.png'}, {docs / 'position_experiment.json'}")
     return 0
 

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from cli_helpers import one_line_error
+from cli_helpers import fox_text, one_line_error
 
 from pedestrian.checkpoint import save_checkpoint
 from pedestrian.cli import main
@@ -18,7 +18,7 @@ from pedestrian.config import GPTConfig
 from pedestrian.model import GPT
 from pedestrian.text.tokenizer import CharTokenizer
 
-TEXT = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(40))
+TEXT = fox_text(40)
 
 
 _one_line_error = one_line_error

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import one_line_error
+from cli_helpers import one_line_error, write_fox_corpus
 
 from pedestrian.cli import build_parser, main
 from pedestrian.training.settings import settings_from_args
@@ -23,10 +23,7 @@ TINY = ["--context-length", "16", "--d-model", "16", "--n-heads", "2", "--n-bloc
 
 @pytest.fixture
 def corpus(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(200)),
-                    encoding="utf-8")
-    return path
+    return write_fox_corpus(tmp_path / "corpus.txt", 200)
 
 
 def _snapshot(folder: Path) -> dict:

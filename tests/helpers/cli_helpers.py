@@ -1,6 +1,20 @@
-"""Shared by the CLI tests: the one-line error rule of every command."""
+"""Shared by the CLI tests: the one-line error rule of every command, and a tiny text corpus."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+
+def fox_text(n_lines: int) -> str:
+    """A tiny corpus: ``n_lines`` numbered lines of the pangram "the quick brown fox jumps over the
+    lazy dog" (so a char tokenizer built from it knows every lowercase letter)."""
+    return "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(n_lines))
+
+
+def write_fox_corpus(path: Path, n_lines: int) -> Path:
+    """Write :func:`fox_text` ``(n_lines)`` to ``path`` (UTF-8); return ``path``."""
+    path.write_text(fox_text(n_lines), encoding="utf-8")
+    return path
 
 
 def one_line_error(capsys) -> str:

@@ -30,6 +30,8 @@ from pedestrian.training.optim import AdamW
 from pedestrian.text.tokenizer import CharTokenizer
 from pedestrian.training import plot_loss_curve
 
+from cli_helpers import write_fox_corpus
+
 ERRNOS = [errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EROFS]
 NAMES = {errno.ENOSPC: "ENOSPC", errno.EFBIG: "EFBIG", errno.EACCES: "EACCES", errno.EROFS: "EROFS"}
 CFG = GPTConfig(vocab_size=7, context_length=6, d_model=8, n_heads=2, n_blocks=1)
@@ -366,10 +368,7 @@ RESUME = ["--no-progress", "--no-plot"]
 
 @pytest.fixture
 def corpus(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(100)),
-                    encoding="utf-8")
-    return path
+    return write_fox_corpus(tmp_path / "corpus.txt", 100)
 
 
 def one_error_line(capsys) -> str:

@@ -20,6 +20,7 @@ from pedestrian.training import TrainSettings, read_log, train
 from pedestrian.training.files import gradient_record
 from pedestrian.training.step import TrainingError
 
+from cli_helpers import write_fox_corpus
 from gradcheck import EPS64, H_STEP, numerical_grad, token_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -239,10 +240,7 @@ def _settings(corpus, out, **kw):
 
 @pytest.fixture
 def corpus(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(200)),
-                    encoding="utf-8")
-    return path
+    return write_fox_corpus(tmp_path / "corpus.txt", 200)
 
 
 def test_dyt_trains_and_resumes_bit_exactly(corpus, tmp_path):
