@@ -28,6 +28,7 @@ from .hf_config import ACTIVATION_TO_HF, HF_TO_ACTIVATION, config_to_hf, export_
 from .hf_llama_config import config_from_hf, hf_family
 from .hf_llama_tensors import check_llama_shapes, llama_state_from_hf, llama_state_to_hf
 from .hf_tensors import check_hf_shapes, convert_from_hf, hf_tensor_shapes, state_from_hf, state_to_hf
+from .peft_modules import is_gpt2
 
 __all__ = [
     "merged_for_export",
@@ -311,8 +312,7 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                          f"is {config.vocab_size}")
     eos = _eos_id(tokenizer)
-    family = "gpt2" if config.norm == "layernorm" and config.mlp == "standard" else \
-        hf_llama_config.export_family(config)
+    family = "gpt2" if is_gpt2(config) else hf_llama_config.export_family(config)
     if family == "gpt2":
         hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
         tensors = state_to_hf(model.state_dict(), config)
