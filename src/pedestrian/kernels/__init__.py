@@ -49,9 +49,8 @@ from .. import layers
 from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
-from ..layers.lora import lora_backward, lora_forward
 from . import activations, attention, embedding, layernorm, linear, loss
-from . import rmsnorm, rope, swiglu
+from . import lora, rmsnorm, rope, swiglu
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -169,6 +168,8 @@ add = _seam(linear.add, layers.add)
 cross_entropy_forward = _seam(loss.cross_entropy_forward, layers.cross_entropy_forward)
 cross_entropy_backward = _seam(loss.cross_entropy_backward, layers.cross_entropy_backward)
 rope_forward = _seam(rope.rope_forward, layers.rope_forward)
+lora_forward = _seam(lora.lora_forward, layers.lora_forward)
+lora_backward = _seam(lora.lora_backward, layers.lora_backward)
 rope_backward = _seam(rope.rope_backward, layers.rope_backward)
 
 
