@@ -50,6 +50,7 @@ are its. Input checks: :mod:`pedestrian.model.inputs`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from types import SimpleNamespace
 
@@ -64,6 +65,7 @@ from .inputs import as_signal, as_tokens, check_cache, check_targets, check_toke
 from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
+from .inspection import named_activations, named_deltas
 from .slots import Slots
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
@@ -142,6 +144,9 @@ class GPT:
         self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed,
                                      numpy_views=self.numpy_chain, slots=self.slots)
         self.training = True
+        #: keep only each block's input in the forward and recompute its activations in the
+        #: backward, block by block (same numbers, bit for bit; about a third more arithmetic)
+        self.recompute = False
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
         #: held by :meth:`backward` while it writes the gradients (reentrant; see the class docstring)
@@ -242,35 +247,45 @@ class GPT:
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
-        rope = c.position_encoding == "rope"
-        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep)
+        recompute = self.recompute and keep and kv_cache is None
+        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=recompute)
         f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)    # (B, T, d)
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
-            b = SimpleNamespace()
-            b.a2, b.ln1 = S.norm.forward(x, w.ln1)                                   # (B, T, d)
-            qkv = self._fc_forward(w.qkv, b.a2, f.lora)                              # (B, T, H·d_qk+H_kv·(d_qk+d_head))
-            if rope:                                                                 # q, k turned by position
-                qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims,
-                                             n_kv_heads=c.n_kv_heads, scaling=c.rope_scaling)
-            b.a3, b.attn = K.multi_head_attention_forward(                           # (B, T, H·d_head)
-                qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal,
-                kv_cache=None if kv_cache is None else kv_cache.block(i), n_kv_heads=c.n_kv_heads)
-            b.a4 = self._fc_forward(w.attn_proj, b.a3, f.lora)                       # (B, T, d)
-            branch, b.drop4 = self._dropout(b.a4)
-            b.a5 = K.add(x, branch)                                                  # skip
-            b.a6, b.ln2 = S.norm.forward(b.a5, w.ln2)                                # (B, T, d)
-            b.a9 = S.mlp.forward(self._fc_forward, b, w, f.lora)                     # (B, T, d); a7, a8 on b
-            branch, b.drop9 = self._dropout(b.a9)
-            b.a10 = x = K.add(b.a5, branch)                                          # skip
-            if keep:                                                                 # else let go now
+            if recompute:                                                            # keep x and where its dropout draws start
+                f.blocks.append(SimpleNamespace(x=x, rng=copy.deepcopy(self.dropout_rng) if self._dropping_out() else None))
+            b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i))
+            x = b.a10
+            if keep and not recompute:                                               # else let go now
                 f.blocks.append(b)
+            del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
         f.a12 = self._fc_forward(W.logits, f.a11, f.lora)                            # (B, T, V)
         if targets is not None:
             f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
         self._acts = f
         return f.a12
+
+    def _block(self, x, w, positions, kv_block):
+        """Block ``a2 … a10`` from its input ``x`` (the dropped-out ``a1``, or the previous
+        ``a10``); returns the block's activations (and its adapters' caches, ``b.lora``)."""
+        c, K, S = self.config, self.kernels, self.slots
+        b = SimpleNamespace(lora={})
+        b.a2, b.ln1 = S.norm.forward(x, w.ln1)                                       # (B, T, d)
+        qkv = self._fc_forward(w.qkv, b.a2, b.lora)                                  # (B, T, H·d_qk+H_kv·(d_qk+d_head))
+        if c.position_encoding == "rope":                                            # q, k turned by position
+            qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims,
+                                         n_kv_heads=c.n_kv_heads, scaling=c.rope_scaling)
+        b.a3, b.attn = K.multi_head_attention_forward(                               # (B, T, H·d_head)
+            qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal, kv_cache=kv_block, n_kv_heads=c.n_kv_heads)
+        b.a4 = self._fc_forward(w.attn_proj, b.a3, b.lora)                           # (B, T, d)
+        branch, b.drop4 = self._dropout(b.a4)
+        b.a5 = K.add(x, branch)                                                      # skip
+        b.a6, b.ln2 = S.norm.forward(b.a5, w.ln2)                                    # (B, T, d)
+        b.a9 = S.mlp.forward(self._fc_forward, b, w, b.lora)                         # (B, T, d); a7, a8 on b
+        branch, b.drop9 = self._dropout(b.a9)
+        b.a10 = K.add(b.a5, branch)                                                  # skip
+        return b
 
     def _fc_forward(self, fc: FC, x, lora_caches: dict):
         """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
@@ -330,7 +345,7 @@ class GPT:
         if f is None or (delta_logits is None and f.loss is None):
             raise ValueError("backward() called before a forward with targets; call "
                              "model.loss(tokens, targets) first, or pass delta_logits=")
-        self._require_forward()                            # its activations were kept
+        self._require_forward(backward=True)               # its activations were kept
         if delta_logits is not None:
             delta_logits = as_signal(self, delta_logits, f.a12.shape)
             delta_logits = to_numpy(delta_logits) if self.numpy_chain else delta_logits
@@ -339,7 +354,7 @@ class GPT:
             d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
             top, blocks = self._backward(f, d12, keep_deltas)
         if keep_deltas:
-            self._deltas = _named_deltas(top, blocks)
+            self._deltas = named_deltas(top, blocks)
         return self.grads
 
     def _backward(self, f, d12, keep_deltas: bool):
@@ -348,24 +363,30 @@ class GPT:
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         rope = c.position_encoding == "rope"
         G = self.parameters.grad_table()                   # None = frozen: no gradient
-        top, kept = SimpleNamespace(d12=d12), []
+        top, kept, rng_after = SimpleNamespace(d12=d12), [], self.dropout_rng
         top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
         d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
             b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
+            if f.recomputed:                                                                   # a2 … a10 again, same draws
+                self.dropout_rng = rng_after if b.rng is None else copy.deepcopy(b.rng)
+                b = self._block(b.x, w, None, None)
             D = SimpleNamespace(d10=d10)                                                       # Δ10
             D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
-            D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, f.lora)                       # Δ6 (Δ8, Δ7 on D)
+            D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)
             D.d5 = K.add(D.d10, S.norm.backward(D.d6, b.ln2, g.ln2))                           # skip + LN2
             D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
-            D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, f.lora)             # Δ3
+            D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, b.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
             if rope:                                                                           # turned back: R(−tθ)
                 d_qkv = K.rope_backward(d_qkv, b.rope)
-            D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, f.lora)                        # Δ2 = Σ_h (...)
+            D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, b.lora)                        # Δ2 = Σ_h (...)
             d10 = K.add(D.d5, S.norm.backward(D.d2, b.ln1, g.ln1))                             # skip + LN1
             if keep_deltas:
                 kept.insert(0, D)
+            del b, D, d_qkv                                                                    # (before the next block's arrays)
+        if f.recomputed:
+            self.dropout_rng = rng_after                                                       # as the forward left it
         top.d1 = K.dropout_backward(d10, f.drop1)                                             # Δ1
         K.embedding_backward(top.d1, f.emb, dtok=G.tok_lookup, dpos=G.pos_emb)
         if G.tok_lookup is not G.tok_emb:                  # tied: W_logits = W_tokᵀ, so dW_tok has two parts
@@ -395,14 +416,7 @@ class GPT:
         Raises:
             ValueError: no forward has been run.
         """
-        f = self._require_forward()
-        out = {"a0": f.a0, "a1": f.a1}
-        for i, b in enumerate(f.blocks):
-            for n in _numbers(b, 2, 11):
-                out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
-            out[f"blocks.{i}.P"] = self.kernels.attention_weights(b.attn)
-        out.update(a11=f.a11, a12=f.a12)
-        return self._out(out)
+        return self._out(named_activations(self._require_forward(), self.kernels.attention_weights))
 
     def attention_weights(self) -> list:
         """``P`` of every block of the last forward (a KV-cache step included): a list over
@@ -415,9 +429,12 @@ class GPT:
         f = self._require_forward()
         return self._out([self.kernels.attention_weights(b.attn) for b in f.blocks])
 
-    def _require_forward(self):
+    def _require_forward(self, backward: bool = False):
         if self._acts is None:
             raise ValueError("no forward pass has been run yet")
+        if self._acts.recomputed and not backward:
+            raise ValueError("the last forward ran with model.recompute on, which keeps only each block's "
+                             "input: set model.recompute = False and run the forward again to inspect it")
         if not self._acts.kept:
             raise ValueError("the last forward ran with keep_activations=False (generation does): "
                              "run model.forward(tokens) again to keep its activations")
@@ -472,24 +489,6 @@ class GPT:
     unmerge_lora = Delegated()
     remove_lora = Delegated()
     lora_state_dict = Delegated()
-
-
-def _named_deltas(top, blocks) -> dict:
-    """:meth:`GPT.deltas`' dictionary from what :meth:`GPT._backward` returned."""
-    out = {"Δ12": top.d12}
-    for i, D in reversed(list(enumerate(blocks))):              # in the order the backward ran
-        out.update({f"blocks.{i}.Δ{n}": getattr(D, f"d{n}") for n in reversed(_numbers(D, 2, 11))})
-        out[f"blocks.{i}.Δcausal"] = D.causal
-    out.update({"Δ11": top.d11, "Δ1": top.d1})
-    return out
-
-
-def _numbers(block, first: int, stop: int) -> list:
-    """The activation (or signal) numbers ``first … stop − 1`` a block kept: SwiGLU's ``7_gate``,
-    ``7_up`` in place of ``7``; a plugged MLP's block has no ``7``, ``8``."""
-    prefix = "a" if hasattr(block, "a2") else "d"
-    numbers = [m for n in range(first, stop) for m in ([str(n)] if n != 7 else ["7", "7_gate", "7_up"])]
-    return [m for m in numbers if hasattr(block, prefix + m)]
 
 
 def eval_mode(model):

@@ -89,6 +89,9 @@ class FinetuneSettings:
     max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
                                      "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
                                      group=_OPTIM)
+    recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
+                              "backward: less memory, about a third more arithmetic, the same numbers",
+                              group=_OPTIM)
     val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
                                   metavar="F", group=_LOOP)
     eval_interval: int = setting(50, "steps between validations (each saves the adapters)", rule=POSITIVE_INT,

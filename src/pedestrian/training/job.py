@@ -30,7 +30,8 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
                   resume=None, group=None) -> Trainer:
     """The :class:`Trainer` of a run, every part made from ``settings`` (and ``resume``).
 
-    The model: put in training mode, its trainable parameters made rank 0's on every rank.
+    The model: put in training mode (``recompute`` as the settings say), its trainable parameters
+    made rank 0's on every rank.
     Optimization: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers
     (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``) with a
     :class:`~pedestrian.training.optim.CosineSchedule` (``lr`` after ``warmup_steps`` down to
@@ -61,7 +62,7 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
         TrainingError: a checkpoint whose optimizer step does not match its own step.
     """
     group = SingleProcess() if group is None else group
-    model.training = True
+    model.training, model.recompute = True, settings.recompute
     group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
     optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                       weight_decay=settings.weight_decay)

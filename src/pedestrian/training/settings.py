@@ -95,6 +95,9 @@ class TrainSettings:
     max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
                                      "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
                                      group=_OPTIM, tags=_RESUMABLE)
+    recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
+                              "backward: less memory, about a third more arithmetic, the same numbers",
+                              group=_OPTIM, tags=_PER_RUN)
     seed: int = setting(1337, "model init, dropout and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
     eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
                                  tags=_RESUMABLE)

@@ -1,0 +1,36 @@
+"""The paper's names for what a :class:`~pedestrian.model.gpt.GPT`'s last forward and backward
+kept (``a0 … a12``, ``Δ12 … Δ1``): the dictionaries :meth:`GPT.activations` and
+:meth:`GPT.deltas` return, built from the chain's per-block records.
+"""
+
+from __future__ import annotations
+
+
+def named_activations(f, attention_weights) -> dict:
+    """:meth:`GPT.activations`' dictionary from a forward's record ``f``; ``attention_weights``
+    makes a block's ``P`` from its attention cache."""
+    out = {"a0": f.a0, "a1": f.a1}
+    for i, b in enumerate(f.blocks):
+        for n in _numbers(b, 2, 11):
+            out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
+        out[f"blocks.{i}.P"] = attention_weights(b.attn)
+    out.update(a11=f.a11, a12=f.a12)
+    return out
+
+
+def named_deltas(top, blocks) -> dict:
+    """:meth:`GPT.deltas`' dictionary from what :meth:`GPT._backward` returned."""
+    out = {"Δ12": top.d12}
+    for i, D in reversed(list(enumerate(blocks))):              # in the order the backward ran
+        out.update({f"blocks.{i}.Δ{n}": getattr(D, f"d{n}") for n in reversed(_numbers(D, 2, 11))})
+        out[f"blocks.{i}.Δcausal"] = D.causal
+    out.update({"Δ11": top.d11, "Δ1": top.d1})
+    return out
+
+
+def _numbers(block, first: int, stop: int) -> list:
+    """The activation (or signal) numbers ``first … stop − 1`` a block kept: SwiGLU's ``7_gate``,
+    ``7_up`` in place of ``7``; a plugged MLP's block has no ``7``, ``8``."""
+    prefix = "a" if hasattr(block, "a2") else "d"
+    numbers = [m for n in range(first, stop) for m in ([str(n)] if n != 7 else ["7", "7_gate", "7_up"])]
+    return [m for m in numbers if hasattr(block, prefix + m)]
