@@ -20,7 +20,9 @@ threads never slow the other), both on the same number of threads
   read once per token; the read bandwidth measured in this run, see :func:`read_bandwidth_gbs`),
   and beside the weights' share alone (one NumPy ``x @ W`` per weight matrix); the KV cache's
   bytes with 3 key/value heads and with 9 (multi-head);
-- **a full training step** (forward, backward, AdamW on every weight) and **a LoRA step**
+- **a full training step** (forward, backward, AdamW on every weight), the same step
+  **recomputing each block in the backward** (pedestrian ``model.recompute``; transformers
+  ``gradient_checkpointing_enable()``), and **a LoRA step**
   (r 8 on q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, PEFT ``lora_alpha`` 16 =
   pedestrian's α 2, no dropout, base frozen; AdamW on the adapters), batch 1 × 512 tokens:
   the sides take turns (ABBA), each turn a few steps back to back; every step is timed by the
@@ -64,6 +66,7 @@ SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LORA_RANK, LORA_ALPHA = 8, 16.0            # PEFT's lora_alpha; pedestrian's α = lora_alpha / r
 PROMPT_LEN = 8
+KINDS = ["generate", "full", "recompute", "lora"]         # what is measured, in this order
 
 
 def make_config(T: int, n_blocks: int = 30):
@@ -111,6 +114,7 @@ class PedestrianSide:
         from pedestrian.training.optim import AdamW
 
         self.opt = None
+        self.model.recompute = mode == "recompute"
         if mode == "lora":
             self.model.add_lora(SEVEN, rank=LORA_RANK, alpha=LORA_ALPHA / LORA_RANK, freeze_base=True)
         self.opt = AdamW(self.model, **HPARAMS)
@@ -193,6 +197,11 @@ class TransformersSide:
         self.opt = None
         self.model.zero_grad(set_to_none=True)
         self.model.train()
+        m, new = self.model, hasattr(self.model, "activation_checkpointing_enable")   # (its name from v5)
+        if mode == "recompute":                    # transformers' own recompute, like for like
+            (m.activation_checkpointing_enable if new else m.gradient_checkpointing_enable)()
+        elif hasattr(m, "gradient_checkpointing_disable"):
+            (m.activation_checkpointing_disable if new else m.gradient_checkpointing_disable)()
         if mode == "lora":
             import peft
 
@@ -407,7 +416,7 @@ def run_steps(sides: dict, mode: str, rounds: int, per_turn: int, warmup: int) -
     losses = {name: [l for *_, l in first[name] + steps[name]] for name in sides}
     out["first_loss"] = {name: round(v[0], 5) for name, v in losses.items()}
     out["first_loss_difference"] = float(f"{abs(losses['pedestrian'][0] - losses['transformers'][0]):.3g}")
-    if mode == "full":        # the same weights, batches and AdamW: the losses follow each other
+    if mode in ("full", "recompute"):        # the same weights, batches and AdamW: the losses follow each other
         out["max_loss_difference"] = float(f"{max(abs(a - b) for a, b in zip(*losses.values())):.3g}")
     return out
 
@@ -455,6 +464,8 @@ def markdown(res: dict, info: dict) -> str:
              "| step | pedestrian s (wall / CPU) | transformers s (wall / CPU) | time ratio wall / CPU "
              "| peak RSS MiB (ped / transformers) | memory ratio |", "|---|---|---|---|---|---|"]
     for mode, label in (("full", "full training step (AdamW on all weights)"),
+                        ("recompute", "full step, recomputing each block in the backward (pedestrian "
+                                      "`--recompute`; transformers `gradient_checkpointing_enable()`)"),
                         ("lora", f"LoRA step (r {LORA_RANK}, all seven projections)")):
         r = res["steps"].get(mode)
         if r is None:
@@ -467,7 +478,15 @@ def markdown(res: dict, info: dict) -> str:
                      f"| {r['transformers_wall_s']:.2f} / {r['transformers_cpu_s']:.2f} "
                      + (f"| {r['ratio_wall']:.2f} / **{r['ratio_cpu']:.2f}** " if loaded else
                         f"| **{r['ratio_wall']:.2f}** / {r['ratio_cpu']:.2f} ") + f"| {mem_cols} |")
-    steps = res["steps"]
+    steps, memory = res["steps"], res.get("memory", {})
+    if "recompute" in steps and "full" in steps:   # against what a transformers user runs by default
+        r, f = steps["recompute"], steps["full"]
+        mem = (f", peak memory **{memory['recompute']['pedestrian']['peak_rss_mib'] / memory['full']['transformers']['peak_rss_mib']:.2f}**"
+               if "recompute" in memory and "full" in memory else "")
+        lines += ["", f"pedestrian `--recompute` against transformers' plain full step (the row above it): time "
+                  f"**{r['pedestrian_wall_s'] / f['transformers_wall_s']:.2f}** by the wall clock "
+                  f"({r['pedestrian_cpu_s'] / f['transformers_cpu_s']:.2f} by CPU time; medians of different "
+                  f"turns){mem}."]
     if steps:
         any_r = next(iter(steps.values()))
         lines += ["", f"Times: medians over {any_r['rounds']} rounds (ABBA) of {any_r['steps_per_turn']} steps "
@@ -532,7 +551,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--gen-repeats", type=int, default=3)
-    ap.add_argument("--only", nargs="+", choices=["generate", "full", "lora"], default=["generate", "full", "lora"])
+    ap.add_argument("--only", nargs="+", choices=KINDS, default=KINDS)
     ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step, 2 generation repeats")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--profile", action="store_true", help="cProfile one pedestrian step of each kind (stderr)")
@@ -578,7 +597,7 @@ def main(argv=None) -> int:
         if "generate" in args.only:
             res["generation"] = run_generation(sides, args.new_tokens, args.gen_repeats, config.vocab_size)
             print(f"[{time.perf_counter() - t_start:.0f} s] {json.dumps(res['generation'])}", file=sys.stderr)
-        for mode in ("full", "lora"):
+        for mode in KINDS[1:]:
             if mode not in args.only:
                 continue
             res["steps"][mode] = run_steps(sides, mode, args.rounds, args.steps_per_turn, args.warmup)
@@ -628,7 +647,7 @@ def main(argv=None) -> int:
         common.write_markdown(tag, text)
         if args.n_blocks != 30:
             tag += f"_{args.n_blocks}blocks"
-        if args.threads is None and args.n_blocks == 30 and set(args.only) == {"generate", "full", "lora"}:
+        if args.threads is None and args.n_blocks == 30 and set(args.only) == set(KINDS):
             common.update_doc_section("llama_numpy", text)
     return 0
 
