@@ -52,6 +52,7 @@ class FlatParams:
         flat: the ``(n,)`` buffer, zeros at first.
         views: ``name -> view`` with the parameter's shape.
         regions: ``name -> view`` of each whole region (a fused ``…attn.qkv.weight`` included).
+        spans: ``name -> (lo, hi)``: where each region lies in ``flat``.
         n_decay: the first ``n_decay`` entries of ``flat`` get weight decay.
     """
 
@@ -63,6 +64,7 @@ class FlatParams:
             self.flat = xp.zeros((total,), dtype=dtype, device=device)
             self.views: dict = {}
             self.regions: dict = {}
+            self.spans: dict = {}
             self.n_decay = 0
             offset = 0
             for shape, decay, members in regions:
@@ -70,7 +72,8 @@ class FlatParams:
                 region = xp.reshape(self.flat[offset:offset + size], shape)
                 for name, cols in members:
                     self.views[name] = region if cols is None else region[..., cols[0]:cols[1]]
-                self.regions[members[0][0] if len(members) == 1 else _fused_name(members[0][0])] = region
+                key = members[0][0] if len(members) == 1 else _fused_name(members[0][0])
+                self.regions[key], self.spans[key] = region, (offset, offset + size)
                 if decay:
                     self.n_decay = offset + size
                 offset += size

@@ -174,18 +174,16 @@ class GPT:
     @property
     def _workspace(self) -> Workspace:
         """The calling thread's memory pool of the fast kernels (made at its first call)."""
-        workspace = getattr(self._local, "workspace", None)
-        if workspace is None:
-            workspace = self._local.workspace = Workspace()
-        return workspace
+        if getattr(self._local, "workspace", None) is None:
+            self._local.workspace = Workspace()
+        return self._local.workspace
 
     @contextlib.contextmanager
     def inference(self):
         """``with model.inference():`` the calling thread's forwards run as in eval mode (no
         dropout, on the base or the adapters) while :attr:`training` stays as it is for other
         threads (:func:`pedestrian.generation.generate` uses it)."""
-        before = getattr(self._local, "inference", False)
-        self._local.inference = True
+        before, self._local.inference = getattr(self._local, "inference", False), True
         try:
             yield self
         finally:
@@ -212,8 +210,7 @@ class GPT:
                 (one slice of a larger batch: the slices' losses and gradients then add up).
             keep_activations: ``False`` keeps only the logits (no :meth:`activations`,
                 :meth:`attention_weights` or backward for this step): each block's arrays are
-                let go when the block ends. For inference loops (:func:`pedestrian.generation.generate.generate`
-                passes it: measured 10 µs of ~340 per token at char-small widths).
+                let go when the block ends (:func:`pedestrian.generation.generate.generate` passes it).
 
         Returns:
             logits ``(B, T, vocab_size)`` in the model's dtype and backend. Arrays of an earlier
@@ -319,7 +316,7 @@ class GPT:
         return float(self._acts.loss_value)
 
     # ------------------------------------------------------------------ backward
-    def backward(self, delta_logits=None, *, keep_deltas: bool = False) -> dict:
+    def backward(self, delta_logits=None, *, keep_deltas: bool = False, after_block=None) -> dict:
         """Hand-derived backward from ``Δ12`` down to ``Δ1`` and the embedding tables.
 
         Args:
@@ -328,6 +325,9 @@ class GPT:
                 the cross-entropy's ``Δ12`` from the last :meth:`loss`.
             keep_deltas: keep every error signal ``Δ1 … Δ12`` (and each block's ``Δcausal``)
                 for :meth:`deltas`.
+            after_block: ``after_block(i, grads)`` as soon as block ``i``'s gradients are written,
+                last block first; every block writes into the same one-block buffer ``grads``
+                (:mod:`pedestrian.training.blockwise` updates the block there).
 
         Returns:
             :attr:`grads`: ``name -> gradient``, same shapes as :attr:`params`, for the
@@ -352,17 +352,17 @@ class GPT:
         self._deltas = {}
         with self.lock, self._workspace:
             d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
-            top, blocks = self._backward(f, d12, keep_deltas)
+            top, blocks = self._backward(f, d12, keep_deltas, after_block)
         if keep_deltas:
             self._deltas = named_deltas(top, blocks)
         return self.grads
 
-    def _backward(self, f, d12, keep_deltas: bool):
+    def _backward(self, f, d12, keep_deltas: bool, after_block=None):
         """The Δ chain; returns the signals ``Δ12, Δ11, Δ1`` and, with ``keep_deltas``, each
         block's ``Δ10 … Δ2, Δcausal`` (first block first)."""
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         rope = c.position_encoding == "rope"
-        G = self.parameters.grad_table()                   # None = frozen: no gradient
+        G = self.parameters.grad_table(after_block is not None)                              # None = frozen: no gradient
         top, kept, rng_after = SimpleNamespace(d12=d12), [], self.dropout_rng
         top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
         d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
@@ -384,6 +384,8 @@ class GPT:
             d10 = K.add(D.d5, S.norm.backward(D.d2, b.ln1, g.ln1))                             # skip + LN1
             if keep_deltas:
                 kept.insert(0, D)
+            if after_block is not None:
+                after_block(i, self.parameters.block_grads())
             del b, D, d_qkv                                                                    # (before the next block's arrays)
         if f.recomputed:
             self.dropout_rng = rng_after                                                       # as the forward left it
@@ -407,14 +409,14 @@ class GPT:
     def activations(self) -> dict:
         """Every activation of the last forward, by the paper's numbering.
 
-        Keys: ``"a0"`` (tokens), ``"a1"``, ``"blocks.{i}.a2"`` … ``"blocks.{i}.a10"``,
-        ``"a11"``, ``"a12"`` (logits), plus ``"blocks.{i}.P"`` (attention probabilities,
-        ``(B, n_heads, T, L)``; ``L = T`` without a KV cache, the cached length with one). With
-        ``config.mlp == "swiglu"`` a block has ``"blocks.{i}.a7_gate"`` (``a6 W_gate``) and
-        ``"blocks.{i}.a7_up"`` (``a6 W_up``), each ``(B, T, d_mlp)``, in place of ``a7``.
+        Keys: ``"a0"`` (tokens), ``"a1"``, ``"blocks.{i}.a2"`` … ``"blocks.{i}.a10"``, ``"a11"``,
+        ``"a12"`` (logits), ``"blocks.{i}.P"`` (attention probabilities, ``(B, n_heads, T, L)``; ``L =
+        T`` without a KV cache, the cached length with one). SwiGLU: ``"blocks.{i}.a7_gate"`` (``a6
+        W_gate``) and ``"blocks.{i}.a7_up"`` (``a6 W_up``), ``(B, T, d_mlp)``, in place of ``a7``.
 
         Raises:
-            ValueError: no forward has been run.
+            ValueError: no forward has been run, or it kept no activations (:attr:`recompute`,
+                ``keep_activations=False``).
         """
         return self._out(named_activations(self._require_forward(), self.kernels.attention_weights))
 

@@ -86,6 +86,7 @@ class Parameters:
         self.lora: LoRA | None = None
         self.freeze_base = False
         self._lookup_grad = None                           # tied weights: the lookup's part of dW_tok
+        self._block_grads: FlatParams | None = None        # grad_table(shared_blocks=True)'s
         self._weight_table: SimpleNamespace | None = None
         self._init_weights(seed)
 
@@ -196,11 +197,20 @@ class Parameters:
             self._weight_table = self.layer_table(grads=False)
         return self._weight_table
 
-    def grad_table(self) -> SimpleNamespace:
-        """:meth:`layer_table` of the gradients (what a backward writes)."""
-        return self.layer_table(grads=True)
+    def grad_table(self, shared_blocks: bool = False) -> SimpleNamespace:
+        """:meth:`layer_table` of the gradients (what a backward writes); with ``shared_blocks``
+        every block writes into the same one-block buffer, :meth:`block_grads` (the whole-model
+        gradient buffer's block regions are then never written)."""
+        return self.layer_table(grads=True, shared_blocks=shared_blocks)
 
-    def layer_table(self, grads: bool) -> SimpleNamespace:
+    def block_grads(self) -> FlatParams:
+        """A gradient buffer of one block's regions, named ``blocks.0.…`` (made on first use)."""
+        if self._block_grads is None:
+            self._block_grads = self.base.like([r for r in base_regions(self.config, self.specs)
+                                                if r[2][0][0].startswith("blocks.0.")])
+        return self._block_grads
+
+    def layer_table(self, grads: bool, shared_blocks: bool = False) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
         ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
         ``.mlp_contract``, ``ln_final``,
@@ -215,6 +225,11 @@ class Parameters:
         if grads:
             self._grad_buffers()
             base = {} if self.freeze_base else {**self.base_grads.views, **self.base_grads.regions}
+            if shared_blocks:
+                one = self.block_grads()
+                one = {**one.views, **one.regions}
+                base = {k: one["blocks.0." + k.split(".", 2)[2]] if k.startswith("blocks.") else v
+                        for k, v in base.items()}
             P = {**base, **(self.lora.grads.views if self.lora is not None else {})}
         else:
             P = {**self.params, **self.base.regions}

@@ -35,7 +35,7 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
     Optimization: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers
     (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``) with a
     :class:`~pedestrian.training.optim.CosineSchedule` (``lr`` after ``warmup_steps`` down to
-    ``min_lr`` at ``max_steps``) and ``grad_clip``.
+    ``min_lr`` at ``max_steps``), ``grad_clip`` and ``update_in_backward``.
     Batches: ``grad_accum`` micro-batches of ``batch_size`` windows of ``settings.window(model)``
     tokens drawn from the training tokens with a generator seeded by ``seed`` (``Batches.rng``),
     dropout keyed by ``seed``, and ``eval_batches`` fixed validation batches (seed ``seed + 1``)
@@ -80,7 +80,8 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
     if settings.stop_step is not None and settings.stop_step < settings.max_steps:
         end, end_reason = settings.stop_step, "stop_step"
     optimization = Optimization(optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
-                                                          settings.min_lr), settings.grad_clip)
+                                                          settings.min_lr), settings.grad_clip,
+                                getattr(settings, "update_in_backward", False))      # (train only)
     batches = Batches(lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
                       validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
                       eval_interval=settings.eval_interval, dropout_seed=settings.seed, rng=rng)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..model.finite import finite_or_none
+from .blockwise import blockwise_step
 from .distributed import SingleProcess
 from .files import NoFiles
 from .optim import AdamW
@@ -75,11 +76,14 @@ class Optimization:
         optimizer: :class:`~pedestrian.training.optim.AdamW` over the model's trainable buffers.
         schedule: ``schedule(step) -> lr`` (:class:`~pedestrian.training.optim.CosineSchedule`).
         grad_clip: global gradient-norm threshold (0 = off).
+        in_backward: apply AdamW block by block inside the backward
+            (:func:`~pedestrian.training.blockwise.blockwise_step`; ``grad_clip`` 0).
     """
 
     optimizer: AdamW
     schedule: Callable[[int], float]
     grad_clip: float = 0.0
+    in_backward: bool = False
 
 
 @dataclass
@@ -212,10 +216,10 @@ class Trainer:
                 self.lr = self.optimization.schedule(self.step)
                 self.batches = self.data.next()
                 t0 = time.perf_counter()
-                self.loss, self.grad_norm = train_step(self.model, self.optimizer, self.batches, self.lr,
-                                                       self.optimization.grad_clip, self._accumulator(),
-                                                       self.group,
-                                                       self._dropout_key())
+                step = blockwise_step if self.optimization.in_backward else train_step
+                self.loss, self.grad_norm = step(self.model, self.optimizer, self.batches, self.lr,
+                                                 self.optimization.grad_clip, self._accumulator(),
+                                                 self.group, self._dropout_key())
                 self.step_seconds = time.perf_counter() - t0
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
                 self._count_skip()

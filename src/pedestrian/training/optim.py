@@ -381,26 +381,37 @@ class AdamW:
                 f"AdamW: the gradient norm is {grad_norm:g}, not a finite number <= {self.max_grad_norm:.3g} "
                 "(the largest whose square the dtype holds); the update was not applied and the "
                 "parameters and moments are unchanged. Clip the gradient (clip_grad_norm) first")
+        coefficients = self.advance(lr)
+        for gi, group in enumerate(self.groups):
+            self.update(gi, 0, int(group.params.shape[0]), group.grads, coefficients)
+
+    def advance(self, lr: float) -> tuple[float, float, float]:
+        """Count one update (:attr:`step_count` + 1) and return its coefficients for
+        :meth:`update`: ``(lr / (1 − β1ᵗ), √(1 − β2ᵗ), 1 − lr·λ)``. :meth:`step` calls it; so does an
+        update applied in parts (:mod:`pedestrian.training.blockwise`), once per update."""
         self.step_count += 1
         t = self.step_count
         b1, b2 = self.betas
-        step_size = lr / (1.0 - b1 ** t)
-        bc2_sqrt = (1.0 - b2 ** t) ** 0.5
-        decay = 1.0 - lr * self.weight_decay
-        b1, b2 = self.betas
-        for gi, group in enumerate(self.groups):
-            n = int(group.params.shape[0])
-            for lo, hi, f in ((0, group.n_decay, decay), (group.n_decay, n, 1.0)):
-                if hi <= lo:
-                    continue
-                p, g, m, v = group.params[lo:hi], group.grads[lo:hi], self.m[gi][lo:hi], self.v[gi][lo:hi]
-                if is_torch_array(p):
-                    for s in range(0, hi - lo, self.chunk_size):
-                        e = s + self.chunk_size
-                        self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)
-                else:                                 # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
-                    update = _adamw if JIT_AVAILABLE else _adamw_numpy
-                    update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt, self.chunk_size)
+        return lr / (1.0 - b1 ** t), (1.0 - b2 ** t) ** 0.5, 1.0 - lr * self.weight_decay
+
+    def update(self, gi: int, lo: int, hi: int, grads, coefficients) -> None:
+        """The AdamW update of entries ``lo:hi`` of group ``gi`` (parameters and moments) from
+        ``grads``, their gradient (``hi − lo`` entries), with :meth:`advance`'s ``coefficients``.
+        Every entry is updated on its own, so updating a buffer in parts gives the bits of one
+        :meth:`step`. No checks: the caller checks the gradient first (as :meth:`step` does)."""
+        step_size, bc2_sqrt, decay = coefficients
+        group, (b1, b2) = self.groups[gi], self.betas
+        for a, b, f in ((lo, min(hi, group.n_decay), decay), (max(lo, group.n_decay), hi, 1.0)):
+            if b <= a:
+                continue
+            p, g, m, v = group.params[a:b], grads[a - lo:b - lo], self.m[gi][a:b], self.v[gi][a:b]
+            if is_torch_array(p):
+                for s in range(0, b - a, self.chunk_size):
+                    e = s + self.chunk_size
+                    self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)
+            else:                                     # √(1 − β2ᵗ) · denom = √v + ε √(1 − β2ᵗ)
+                update = _adamw if JIT_AVAILABLE else _adamw_numpy
+                update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt, self.chunk_size)
 
     def _torch_chunk(self, p, g, m, v, step_size, bc2_sqrt, decay):
         # torch's multi-operand in-place operations (5 passes; torch.optim.AdamW's

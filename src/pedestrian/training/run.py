@@ -319,7 +319,8 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
     _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group)
 
     def gradient_norms(t: Trainer) -> None:   # after each validation, on the step's own batch; rank 0 logs
-        if group.is_writer and t.step % settings.eval_interval == 0 and t.skipped is None:
+        if group.is_writer and t.step % settings.eval_interval == 0 and t.skipped is None and \
+                not settings.update_in_backward:          # (it would write a whole-model gradient)
             files.log(gradient_record(model, *t.batches[0], t.step))
 
     trainer.on("step_end", gradient_norms)

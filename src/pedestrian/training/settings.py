@@ -98,6 +98,9 @@ class TrainSettings:
     recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
                               "backward: less memory, about a third more arithmetic, the same numbers",
                               group=_OPTIM, tags=_PER_RUN)
+    update_in_backward: bool = setting(False, "apply AdamW to each block inside the backward, so that no "
+                                       "whole-model gradient is held (less memory; needs --grad-clip 0 and "
+                                       "--grad-accum 1; a non-finite gradient stops the run)", group=_OPTIM)
     seed: int = setting(1337, "model init, dropout and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
     eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
                                  tags=_RESUMABLE)
@@ -131,6 +134,10 @@ class TrainSettings:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         if self.device == "cuda" and self.backend != "torch":
             raise TrainingError("--device cuda needs --backend torch (NumPy arrays live on the CPU)")
+        if self.update_in_backward and (self.grad_clip > 0 or self.grad_accum > 1 or self.nproc > 1
+                                        or self.backend != "numpy" or self.layer):
+            raise TrainingError("--update-in-backward updates each block before the whole gradient exists: "
+                                "it needs --grad-clip 0, --grad-accum 1, one process, --backend numpy and no --layer")
         try:
             self.model_config(vocab_size=1)
         except (TypeError, ValueError) as exc:
