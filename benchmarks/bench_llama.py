@@ -66,7 +66,7 @@ SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LORA_RANK, LORA_ALPHA = 8, 16.0            # PEFT's lora_alpha; pedestrian's α = lora_alpha / r
 PROMPT_LEN = 8
-KINDS = ["generate", "full", "recompute", "lora"]         # what is measured, in this order
+KINDS = ["generate", "full", "recompute", "lean", "lora"]         # what is measured, in this order
 
 
 def make_config(T: int, n_blocks: int = 30):
@@ -114,12 +114,16 @@ class PedestrianSide:
         from pedestrian.training.optim import AdamW
 
         self.opt = None
-        self.model.recompute = mode == "recompute"
+        self.model.recompute, self.lean = mode in ("recompute", "lean"), mode == "lean"
         if mode == "lora":
             self.model.add_lora(SEVEN, rank=LORA_RANK, alpha=LORA_ALPHA / LORA_RANK, freeze_base=True)
         self.opt = AdamW(self.model, **HPARAMS)
 
     def step(self, x, y) -> float:
+        if self.lean:                                # AdamW inside the backward (--update-in-backward)
+            from pedestrian.training.blockwise import blockwise_step
+
+            return float(blockwise_step(self.model, self.opt, [(x, y)], HPARAMS["lr"])[0])
         loss = self.model.loss(x, y)
         self.model.backward()
         self.opt.step()
@@ -195,10 +199,12 @@ class TransformersSide:
         import torch
 
         self.opt = None
+        for handle in getattr(self, "hooks", []):
+            handle.remove()
         self.model.zero_grad(set_to_none=True)
         self.model.train()
         m, new = self.model, hasattr(self.model, "activation_checkpointing_enable")   # (its name from v5)
-        if mode == "recompute":                    # transformers' own recompute, like for like
+        if mode in ("recompute", "lean"):          # transformers' own recompute, like for like
             (m.activation_checkpointing_enable if new else m.gradient_checkpointing_enable)()
         elif hasattr(m, "gradient_checkpointing_disable"):
             (m.activation_checkpointing_disable if new else m.gradient_checkpointing_disable)()
@@ -212,16 +218,28 @@ class TransformersSide:
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=HPARAMS["lr"],
                                      betas=HPARAMS["betas"], eps=HPARAMS["eps"], fused=True)
+        if mode == "lean":   # PyTorch's recipe: one AdamW per tensor, stepped as its gradient is ready
+            each = {p: torch.optim.AdamW([p], lr=HPARAMS["lr"], betas=HPARAMS["betas"], eps=HPARAMS["eps"],
+                                         weight_decay=HPARAMS["weight_decay"] if p.dim() >= 2 else 0.0, fused=True)
+                    for p in params}
+
+            def hook(p):
+                each[p].step()
+                each[p].zero_grad(set_to_none=True)
+
+            self.opt, self.hooks = None, [p.register_post_accumulate_grad_hook(hook) for p in params]
 
     def step(self, x, y) -> float:
         import torch
         import torch.nn.functional as F
 
-        self.opt.zero_grad(set_to_none=True)
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
         logits = self.model(input_ids=torch.from_numpy(x), use_cache=False).logits
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), torch.from_numpy(y).view(-1))
         loss.backward()
-        self.opt.step()
+        if self.opt is not None:
+            self.opt.step()
         return float(loss.detach())
 
     def generate(self, prompt: np.ndarray, n_new: int) -> tuple[list, np.ndarray]:
@@ -416,7 +434,7 @@ def run_steps(sides: dict, mode: str, rounds: int, per_turn: int, warmup: int) -
     losses = {name: [l for *_, l in first[name] + steps[name]] for name in sides}
     out["first_loss"] = {name: round(v[0], 5) for name, v in losses.items()}
     out["first_loss_difference"] = float(f"{abs(losses['pedestrian'][0] - losses['transformers'][0]):.3g}")
-    if mode in ("full", "recompute"):        # the same weights, batches and AdamW: the losses follow each other
+    if mode in ("full", "recompute", "lean"):        # the same weights, batches and AdamW: the losses follow each other
         out["max_loss_difference"] = float(f"{max(abs(a - b) for a, b in zip(*losses.values())):.3g}")
     return out
 
@@ -465,7 +483,10 @@ def markdown(res: dict, info: dict) -> str:
              "| peak RSS MiB (ped / transformers) | memory ratio |", "|---|---|---|---|---|---|"]
     for mode, label in (("full", "full training step (AdamW on all weights)"),
                         ("recompute", "full step, recomputing each block in the backward (pedestrian "
-                                      "`--recompute`; transformers `gradient_checkpointing_enable()`)"),
+                                      "`--recompute`; transformers `activation_checkpointing_enable()`)"),
+                        ("lean", "full step, recomputing and with AdamW inside the backward (pedestrian "
+                                 "`--recompute --update-in-backward`; transformers: the same recompute, one "
+                                 "fused AdamW per tensor in `register_post_accumulate_grad_hook`)"),
                         ("lora", f"LoRA step (r {LORA_RANK}, all seven projections)")):
         r = res["steps"].get(mode)
         if r is None:
@@ -479,11 +500,13 @@ def markdown(res: dict, info: dict) -> str:
                      + (f"| {r['ratio_wall']:.2f} / **{r['ratio_cpu']:.2f}** " if loaded else
                         f"| **{r['ratio_wall']:.2f}** / {r['ratio_cpu']:.2f} ") + f"| {mem_cols} |")
     steps, memory = res["steps"], res.get("memory", {})
-    if "recompute" in steps and "full" in steps:   # against what a transformers user runs by default
-        r, f = steps["recompute"], steps["full"]
-        mem = (f", peak memory **{memory['recompute']['pedestrian']['peak_rss_mib'] / memory['full']['transformers']['peak_rss_mib']:.2f}**"
-               if "recompute" in memory and "full" in memory else "")
-        lines += ["", f"pedestrian `--recompute` against transformers' plain full step (the row above it): time "
+    for mode, flags in (("recompute", "`--recompute`"), ("lean", "`--recompute --update-in-backward`")):
+        if mode not in steps or "full" not in steps:   # against what a transformers user runs by default
+            continue
+        r, f = steps[mode], steps["full"]
+        mem = (f", peak memory **{memory[mode]['pedestrian']['peak_rss_mib'] / memory['full']['transformers']['peak_rss_mib']:.2f}**"
+               if mode in memory and "full" in memory else "")
+        lines += ["", f"pedestrian {flags} against transformers' plain full step (the first row): time "
                   f"**{r['pedestrian_wall_s'] / f['transformers_wall_s']:.2f}** by the wall clock "
                   f"({r['pedestrian_cpu_s'] / f['transformers_cpu_s']:.2f} by CPU time; medians of different "
                   f"turns){mem}."]
