@@ -134,3 +134,17 @@ def test_model_token_embedding_gradient_is_the_one_hot_product(K, build_model):
     bound = sum_rounding_bound(tokens.size, ohe.T @ np.abs(d1))
     assert np.all(np.abs(as_np(grads["tok_emb.weight"]) - ohe.T @ d1) <= bound)
     assert np.max(np.abs(ohe.T @ d1)) > 1e-3
+
+
+@kernels_param()
+def test_accumulate_tok_adds_the_lookups_part_to_what_is_there(K):
+    """Tied weights: ``dtok`` already holds the logits' part; ``accumulate_tok`` adds
+    ``ohe(a0)ᵀ Δ1`` to it (each row a sum of at most 3 terms added to it: a rounding or two)."""
+    W_tok, W_pos, R = tables()
+    _, cache = K.embedding_forward(TOKENS, W_tok, W_pos)
+    logits_part = np.random.default_rng(1).standard_normal(W_tok.shape)
+    dtok, dpos = logits_part.copy(), np.full_like(W_pos, np.nan)      # dpos is still written
+    K.embedding_backward(R, cache, dtok=dtok, dpos=dpos, accumulate_tok=True)
+    want = logits_part + one_hot(TOKENS, V).T @ R.reshape(-1, D)
+    np.testing.assert_allclose(dtok, want, rtol=0, atol=8 * np.finfo(float).eps * np.abs(want).max())
+    np.testing.assert_allclose(dpos, backward(K, R, cache, W_tok, W_pos)[1], rtol=0, atol=0)

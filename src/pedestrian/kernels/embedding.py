@@ -65,7 +65,7 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     return out.reshape(B, T, d), (tokens, positions)
 
 
-def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
+def embedding_backward(delta, cache, *, dtok=None, dpos=None, accumulate_tok: bool = False) -> None:
     """``dW_tok[t] = Σ_{a0 = t} Δ1``, ``dW_pos[p] = Σ_batch Δ1[:, p]`` (EQUATIONS.md, "Embedding").
 
     Fast :func:`pedestrian.layers.embedding.embedding_backward` (writes ``dtok``, ``dpos``)."""
@@ -73,7 +73,8 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
     B, T, d = delta.shape
     rows = np.ascontiguousarray(delta).reshape(B * T, d)
     if dtok is not None:
-        dtok[...] = 0
+        if not accumulate_tok:
+            dtok[...] = 0
         _scatter_add(_ids(tokens, dtok.shape[0], "token id"), rows, dtok)
     if dpos is not None:
         dpos[...] = 0

@@ -42,8 +42,9 @@ def embedding_forward(tokens, tok_weight, pos_weight, positions=None):
     return a1, (tokens, positions)
 
 
-def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
-    """Gradients of both tables, *written* into ``dtok`` and ``dpos`` (every layer backward writes).
+def embedding_backward(delta, cache, *, dtok=None, dpos=None, accumulate_tok: bool = False) -> None:
+    """Gradients of both tables, *written* into ``dtok`` and ``dpos`` (every layer backward writes;
+    a tied token table is the one exception, ``accumulate_tok``).
 
     ``dW_tok = ohe(a0)ᵀ Δ1``: row ``t`` gets the sum of the rows of ``Δ1`` at every position
     holding token ``t`` -- repeated ids accumulate (a scatter-add into zeros; a plain fancy-index
@@ -53,8 +54,10 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
     Args:
         delta: ``(B, T, d)`` error signal ``Δ1``.
         cache: from :func:`embedding_forward`.
-        dtok: ``(V, d)`` array the token-table gradient is written to, or ``None`` (frozen). With
-            tied weights this is only the lookup's part: the model adds the logits' part.
+        dtok: ``(V, d)`` array the token-table gradient is written to, or ``None`` (frozen).
+        accumulate_tok: add the lookup's part into ``dtok`` instead of writing it: with tied
+            weights ``dtok`` already holds the logits' part (``dW_tok = (Δ12ᵀ a11) + ohe(a0)ᵀ Δ1``),
+            and no second ``(V, d)`` buffer is needed.
         dpos: ``(context_length, d)`` array the position-table gradient is written to, or ``None``.
 
     Raises:
@@ -66,7 +69,8 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None) -> None:
     delta_rows = xp.reshape(delta, (B * T, d))                                    # (B·T, d)
     if dtok is not None:
         check_ids(tokens, dtok.shape[0], "token id")
-        dtok[...] = 0
+        if not accumulate_tok:
+            dtok[...] = 0
         scatter_add_rows(dtok, xp.reshape(tokens, (-1,)), delta_rows)
     if dpos is not None:
         dpos[...] = 0

@@ -19,8 +19,9 @@ slots (:mod:`pedestrian.model.slots`): the chain calls them alike, built in or a
 
 Each step is one call of a layer function: the paper's reference layers (:mod:`pedestrian.layers`)
 or the fast kernels (:mod:`pedestrian.kernels`), same names and signatures, chosen once by
-``GPT(..., kernels=...)``. Every layer backward *writes* its parameters' gradients (never adds);
-the tied token table's two contributions are summed in one line of :meth:`GPT._backward`.
+``GPT(..., kernels=...)``. Every layer backward *writes* its parameters' gradients (never adds),
+but one: with tied weights the embedding backward adds the lookup's part of ``dW_tok`` to the
+logits' part written before it (``accumulate_tok``; no second ``(V, d)`` buffer).
 
 Dropout (off by default) sits on the edges, not in the names: ``a1``, ``a4`` and ``a9`` are the
 values before dropout, what flows on is ``dropout(a_i)``, and ``Δ_i = ∂L/∂a_i`` for them too.
@@ -390,9 +391,8 @@ class GPT:
         if f.recomputed:
             self.dropout_rng = rng_after                                                       # as the forward left it
         top.d1 = K.dropout_backward(d10, f.drop1)                                             # Δ1
-        K.embedding_backward(top.d1, f.emb, dtok=G.tok_lookup, dpos=G.pos_emb)
-        if G.tok_lookup is not G.tok_emb:                  # tied: W_logits = W_tokᵀ, so dW_tok has two parts
-            G.tok_emb += G.tok_lookup                      # logits' part (written as dW_logitsᵀ) + the lookup's
+        K.embedding_backward(top.d1, f.emb, dtok=G.tok_emb, dpos=G.pos_emb,      # tied: W_logits = W_tokᵀ, so the
+                             accumulate_tok=c.tie_weights)                      # lookup's part adds to the logits'
         return top, kept
 
     def _fc_backward(self, fc: FC, grad: FC, delta, x, lora_caches: dict):

@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from ..backend import persistent, to_numpy
+from ..backend import to_numpy
 from ..config import GPTConfig
 from .adapters import LoRA
 from .buffers import FlatBuffer, FlatParams, base_regions, qkv_columns
@@ -85,7 +85,6 @@ class Parameters:
         self.base_grads: FlatParams | None = None
         self.lora: LoRA | None = None
         self.freeze_base = False
-        self._lookup_grad = None                           # tied weights: the lookup's part of dW_tok
         self._block_grads: FlatParams | None = None        # grad_table(shared_blocks=True)'s
         self._weight_table: SimpleNamespace | None = None
         self._init_weights(seed)
@@ -219,8 +218,7 @@ class Parameters:
         :class:`~pedestrian.model.slots.Instance` (``blocks[i].ln1``, ``.act``, ``.mlp``; ``act`` is
         ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged).
         With ``grads``, the gradient arrays instead, ``None`` where a parameter gets none (frozen
-        or absent), and ``tok_lookup``: the array the embedding backward writes (``tok_emb``'s
-        own, or with tied weights a separate one, added to it after)."""
+        or absent)."""
         c = self.config
         if grads:
             self._grad_buffers()
@@ -265,14 +263,6 @@ class Parameters:
                   for i in range(c.n_blocks)]
         table = SimpleNamespace(tok_emb=P.get("tok_emb.weight"), pos_emb=P.get("pos_emb.weight"), blocks=blocks,
                                 ln_final=norm("ln_final"), logits=fc("logits"))
-        if grads:                                          # where the embedding backward writes dW_tok
-            table.tok_lookup = table.tok_emb
-            if c.tie_weights and table.tok_emb is not None:
-                if self._lookup_grad is None:
-                    b = self.base
-                    with persistent(b.xp):
-                        self._lookup_grad = b.xp.zeros(table.tok_emb.shape, dtype=b.dtype, device=b.device)
-                table.tok_lookup = to_numpy(self._lookup_grad) if self.numpy_views else self._lookup_grad
         return table
 
     # ------------------------------------------------------------------ LoRA adapters
