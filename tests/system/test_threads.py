@@ -196,6 +196,32 @@ def test_a_generated_tokens_products_follow_the_thread_count(monkeypatch, dtype)
                 assert np.array_equal(blas.few_rows_matmul(x[None], w), y[None])      # (B, T, k) as the model calls it
 
 
+def test_a_model_step_reads_the_thread_count_once_for_its_few_row_products(monkeypatch):
+    """Inside a model step (an active workspace) ``few_rows_matmul`` reads the thread count at its
+    first product and keeps it until the step's ``new_step``; outside one, at every call."""
+    from pedestrian.kernels import blas
+    from pedestrian.kernels.workspace import Workspace
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    if jit.threads_used() < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    taken = []
+    one = blas._one_thread_product
+    monkeypatch.setattr(blas, "_one_thread_product", lambda *args: (taken.append("one"), one(*args)))
+    x, w = np.ones((1, 64)), np.ones((64, 8))
+    workspace = Workspace()
+    with workspace:
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
+        blas.few_rows_matmul(x, w)                          # read: 1 thread
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+        blas.few_rows_matmul(x, w)                          # the same step: still 1
+        workspace.new_step()
+        blas.few_rows_matmul(x, w)                          # the next step: 2
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
+    blas.few_rows_matmul(x, w)                              # no step: read now
+    assert taken == ["one", "one", "one"]
+
+
 def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
     """Serial under ``SERIAL_BELOW`` elements, one thread under ``PARALLEL_MIN_ELEMENTS``, every
     thread from there -- counted on the first argument (the input), or by the kernel's own size

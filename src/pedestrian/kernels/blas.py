@@ -10,7 +10,7 @@ import numpy as np
 from . import schedule
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
 from .schedule import COPY_ROWS
-from .workspace import empty_array
+from .workspace import active_workspace, empty_array
 
 __all__ = ["matmul_into", "few_rows_matmul", "colsum"]
 
@@ -138,9 +138,19 @@ def few_rows_matmul(a, b):
     docs/kernels.md, "One generated token at SmolLM2-135M's shape"). When the fast kernels run
     one thread (:func:`pedestrian.kernels.jit.threads_used`), one call of the BLAS numba holds to
     one thread, ``gemv`` for one row (NumPy arrays of one float dtype, ``b`` C- or F-contiguous;
-    else ``a @ b``), so that ``PEDESTRIAN_NUM_THREADS=1`` holds for generation too.
+    else ``a @ b``), so that ``PEDESTRIAN_NUM_THREADS=1`` holds for generation too. Inside a
+    model step (an active :class:`~pedestrian.kernels.workspace.Workspace`) the thread count is
+    read once per step: reading the environment costs ~5 µs right after a weight has streamed
+    through the caches, ~150 times a token.
     """
-    if threads_used() > 1 or not (AVAILABLE and type(a) is np.ndarray and type(b) is np.ndarray
+    workspace = active_workspace()
+    if workspace is None:
+        threads = threads_used()
+    elif workspace.threads is None:
+        threads = workspace.threads = threads_used()
+    else:
+        threads = workspace.threads
+    if threads > 1 or not (AVAILABLE and type(a) is np.ndarray and type(b) is np.ndarray
                                   and b.ndim == 2 and a.dtype == b.dtype and a.dtype.kind == "f"
                                   and (b.flags.c_contiguous or b.flags.f_contiguous)):
         return a @ b
