@@ -140,8 +140,8 @@ def few_rows_matmul(a, b):
     one thread, ``gemv`` for one row (NumPy arrays of one float dtype, ``b`` C- or F-contiguous;
     else ``a @ b``), so that ``PEDESTRIAN_NUM_THREADS=1`` holds for generation too. Inside a
     model step (an active :class:`~pedestrian.kernels.workspace.Workspace`) the thread count is
-    read once per step: reading the environment costs ~5 µs right after a weight has streamed
-    through the caches, ~150 times a token.
+    read at the step's first such product and kept for the step (not read from the environment
+    for every product of a token).
     """
     workspace = active_workspace()
     if workspace is None:
@@ -150,9 +150,9 @@ def few_rows_matmul(a, b):
         threads = workspace.threads = threads_used()
     else:
         threads = workspace.threads
-    if threads > 1 or not (AVAILABLE and type(a) is np.ndarray and type(b) is np.ndarray
-                                  and b.ndim == 2 and a.dtype == b.dtype and a.dtype.kind == "f"
-                                  and (b.flags.c_contiguous or b.flags.f_contiguous)):
+    if threads > 1 or not (AVAILABLE and type(a) is np.ndarray and type(b) is np.ndarray and a.size
+                           and b.ndim == 2 and a.dtype == b.dtype and a.dtype.kind == "f"
+                           and (b.flags.c_contiguous or b.flags.f_contiguous)):
         return a @ b
     blas_one_thread()
     a2 = np.ascontiguousarray(a).reshape(-1, b.shape[0])
