@@ -9,7 +9,8 @@ What that promises, and what these tests check:
   small-matrix code, which orders its sums differently; a weight gradient ``xᵀ Δ`` is cut along
   the tokens, one block per thread, the partial sums added in block order);
 - each route of such a weight-gradient product (one call, cut along the tokens, row blocks)
-  computes the product;
+  computes the product; a generated token's products run one call of the one-thread BLAS on one
+  thread (NumPy's ``@``, whose BLAS threads stay awake between products, on two);
 - the BLAS numba calls (SciPy's) runs one thread once a fast kernel has run; NumPy's own BLAS
   keeps its threads (``a @ b`` in a user's code is not slowed down);
 - several Python threads may call models at once (numba's threading layer is thread-safe, or,
@@ -163,6 +164,62 @@ def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route,
     exact = x.T.astype(np.float64) @ d.astype(np.float64)
     bound = k * np.finfo(dtype).eps * (np.abs(x.T).astype(np.float64) @ np.abs(d).astype(np.float64))
     assert np.all(np.abs(out - exact) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_generated_tokens_products_follow_the_thread_count(monkeypatch, dtype):
+    """A few rows times a weight (``blas.few_rows_matmul``, a generated token's products): on one
+    thread one call of the one-thread BLAS, not NumPy's ``@`` (whose BLAS keeps its own threads:
+    ``PEDESTRIAN_NUM_THREADS=1`` must hold for generation too); on two NumPy's ``@``. Both equal
+    the product, a C-contiguous weight and a tied table's transpose, odd and even widths, 1-3 rows,
+    2-D or with a batch axis.
+    Tolerance: each entry a sum of ``k`` products, ``k·ε`` of ``Σ|x||W|`` (Higham, ch. 3)."""
+    from pedestrian.kernels import blas
+
+    taken = []
+    one = blas._one_thread_product
+    monkeypatch.setattr(blas, "_one_thread_product", lambda *args: (taken.append("one BLAS call"), one(*args)))
+    rng = np.random.default_rng(11)
+    for threads in ("1", "2"):
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", threads)
+        if threads == "2" and jit.threads_used() < 2:
+            continue                                        # (numba has one thread here)
+        for m, k, n in [(1, 577, 578), (2, 576, 1537), (3, 6, 9)]:
+            x = rng.standard_normal((m, k)).astype(dtype)
+            for w in (rng.standard_normal((k, n)).astype(dtype), rng.standard_normal((n, k)).astype(dtype).T):
+                taken.clear()
+                y = blas.few_rows_matmul(x, w)
+                assert taken == (["one BLAS call"] if threads == "1" else []) and y.shape == (m, n)
+                exact = x.astype(np.float64) @ w.astype(np.float64)
+                bound = k * np.finfo(dtype).eps * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+                assert np.all(np.abs(y - exact) <= bound), (threads, m, k, n)
+                assert np.array_equal(blas.few_rows_matmul(x[None], w), y[None])      # (B, T, k) as the model calls it
+
+
+def test_a_model_step_reads_the_thread_count_once_for_its_few_row_products(monkeypatch):
+    """Inside a model step (an active workspace) ``few_rows_matmul`` reads the thread count at its
+    first product and keeps it until the step's ``new_step``; outside one, at every call."""
+    from pedestrian.kernels import blas
+    from pedestrian.kernels.workspace import Workspace
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    if jit.threads_used() < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    taken = []
+    one = blas._one_thread_product
+    monkeypatch.setattr(blas, "_one_thread_product", lambda *args: (taken.append("one"), one(*args)))
+    x, w = np.ones((1, 64)), np.ones((64, 8))
+    workspace = Workspace()
+    with workspace:
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
+        blas.few_rows_matmul(x, w)                          # read: 1 thread
+        monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+        blas.few_rows_matmul(x, w)                          # the same step: still 1
+        workspace.new_step()
+        blas.few_rows_matmul(x, w)                          # the next step: 2
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1")
+    blas.few_rows_matmul(x, w)                              # no step: read now
+    assert taken == ["one", "one", "one"]
 
 
 def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):

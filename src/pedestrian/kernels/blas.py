@@ -1,5 +1,6 @@
-"""Products and reductions of the fast path, written into preallocated arrays: :func:`matmul_into`
-(2-D products shared over numba's threads as single-threaded BLAS calls) and :func:`colsum`.
+"""Products and reductions of the fast path: :func:`matmul_into` (2-D products written into
+preallocated arrays, shared over numba's threads as single-threaded BLAS calls),
+:func:`few_rows_matmul` (a generated token's products) and :func:`colsum`.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import numpy as np
 from . import schedule
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
 from .schedule import COPY_ROWS
-from .workspace import empty_array
+from .workspace import active_workspace, empty_array
 
-__all__ = ["matmul_into", "colsum"]
+__all__ = ["matmul_into", "few_rows_matmul", "colsum"]
 
 
 @kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * b.shape[0] * b.shape[1])  # m·k·n
@@ -126,6 +127,47 @@ def matmul_into(out, a, b, *, bias=None) -> None:
         out[...] = a @ b
     if bias is not None:
         out += bias
+
+
+def few_rows_matmul(a, b):
+    """``a @ b`` for an ``a`` ``(..., k)`` of a few rows (a generated token's input) and a 2-D
+    weight ``b`` ``(k, n)``: a new ``(..., n)`` array.
+
+    On several threads, NumPy's ``a @ b`` on its BLAS's own threads (their workers stay awake
+    between products; numba's, which wait passively, would have to be woken for each one:
+    docs/kernels.md, "One generated token at SmolLM2-135M's shape"). When the fast kernels run
+    one thread (:func:`pedestrian.kernels.jit.threads_used`), one call of the BLAS numba holds to
+    one thread, ``gemv`` for one row (NumPy arrays of one float dtype, ``b`` C- or F-contiguous;
+    else ``a @ b``), so that ``PEDESTRIAN_NUM_THREADS=1`` holds for generation too. Inside a
+    model step (an active :class:`~pedestrian.kernels.workspace.Workspace`) the thread count is
+    read at the step's first such product and kept for the step (not read from the environment
+    for every product of a token).
+    """
+    workspace = active_workspace()
+    if workspace is None:
+        threads = threads_used()
+    elif workspace.threads is None:
+        threads = workspace.threads = threads_used()
+    else:
+        threads = workspace.threads
+    if threads > 1 or not (AVAILABLE and type(a) is np.ndarray and type(b) is np.ndarray and a.size
+                           and b.ndim == 2 and a.dtype == b.dtype and a.dtype.kind == "f"
+                           and (b.flags.c_contiguous or b.flags.f_contiguous)):
+        return a @ b
+    blas_one_thread()
+    a2 = np.ascontiguousarray(a).reshape(-1, b.shape[0])
+    out = np.empty((a2.shape[0], b.shape[1]), a.dtype)
+    _one_thread_product(a2, b, out)
+    return out.reshape(*a.shape[:-1], b.shape[1])
+
+
+@kernel
+def _one_thread_product(a, b, out):
+    """``out = a b`` in one BLAS call: a matrix-vector product (``gemv``) for one row, else ``gemm``."""
+    if a.shape[0] == 1:
+        np.dot(b.T, a[0], out[0])
+    else:
+        np.dot(a, b, out)
 
 
 @kernel(parallel=True)

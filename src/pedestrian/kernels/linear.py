@@ -12,17 +12,18 @@ import numpy as np
 
 from ..layers.checks import check_float
 from . import schedule
-from .blas import colsum, matmul_into
+from .blas import colsum, few_rows_matmul, matmul_into
 from .workspace import empty_array
 
 
 def linear_forward(x, weight, bias=None):
     """``y = x W + b`` (EQUATIONS.md, "Fully connected (FC), activations, residual").
 
-    Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product)."""
+    Fast :func:`pedestrian.layers.linear.linear_forward` (bias added inside the product; a few
+    tokens' input: :func:`pedestrian.kernels.blas.few_rows_matmul`, then the bias)."""
     check_float(x, "the linear layer's input")
-    if x.size <= schedule.SMALL_ELEMENTS:   # a few tokens: the plain product is quickest
-        y = x @ weight
+    if x.size <= schedule.SMALL_ELEMENTS:   # a few tokens: one plain product is quickest
+        y = few_rows_matmul(x, weight)
         if bias is not None:
             y += bias
         return y, x

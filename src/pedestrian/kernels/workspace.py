@@ -21,7 +21,7 @@ import numpy as np
 
 from . import schedule
 
-__all__ = ["Workspace", "empty_array"]
+__all__ = ["Workspace", "empty_array", "active_workspace"]
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pedestrian_workspace", default=None)
 #: sys.getrefcount of a pooled array nobody else holds: the pool's list and getrefcount's own
@@ -46,6 +46,9 @@ class Workspace:
         self._next: dict[tuple, int] = {}                  # where the next search starts
         self._asked: set = set()
         self._tokens: list = []                            # contextvar tokens of nested `with`
+        #: the fast kernels' thread count as read once in this step (``None``: not yet; set by
+        #: :func:`pedestrian.kernels.blas.few_rows_matmul`, dropped by :meth:`new_step`)
+        self.threads: int | None = None
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pool.values())
@@ -78,7 +81,8 @@ class Workspace:
         return a
 
     def new_step(self) -> None:
-        """Drop the shapes nobody asked for since the last call."""
+        """Drop the shapes nobody asked for since the last call (and the step's thread count)."""
+        self.threads = None
         for key in [k for k in self._pool if k not in self._asked]:
             del self._pool[key]
         self._next = {}
@@ -98,6 +102,11 @@ class Workspace:
 
 
 _POOLING = hasattr(sys, "getrefcount")
+
+
+def active_workspace() -> Workspace | None:
+    """The workspace made active in this thread / context (``None``: none)."""
+    return _ACTIVE.get()
 
 
 def empty_array(shape, like):
