@@ -118,8 +118,9 @@ def test_what_it_cannot_do_is_refused_in_one_line():
 
 
 def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys):
-    """``pedestrian train --update-in-backward --grad-clip 0`` ends with the weights and losses of
-    ``--grad-clip 0`` without it; with clipping on it is refused in one line."""
+    """``pedestrian train --update-in-backward --recompute --grad-clip 0`` ends with the weights and
+    losses of ``--grad-clip 0`` without them, and the resume command it prints repeats both; with
+    clipping on, or accumulation, it is refused in one line naming what to change."""
     from pedestrian.checkpoint import load_checkpoint
     from pedestrian.training import read_log
 
@@ -130,7 +131,9 @@ def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys):
             "--no-sample"]
     runs = [tmp_path / "plain", tmp_path / "in_backward"]
     assert main(["train", "--out", str(runs[0]), *tiny]) == 0
-    assert main(["train", "--out", str(runs[1]), "--update-in-backward", *tiny]) == 0
+    assert main(["train", "--out", str(runs[1]), "--update-in-backward", "--recompute", *tiny]) == 0
+    said = capsys.readouterr().out       # the resume command it prints repeats the per-run switches
+    assert f"--out {runs[1]} --resume --no-progress --no-plot --recompute --update-in-backward --grad-clip 0" in said
     logs = [[(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if "loss" in r] for run in runs]
     assert logs[0] == logs[1] and len(logs[0]) == 4
     models = [load_checkpoint(run).model for run in runs]
@@ -141,3 +144,6 @@ def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "clipped"), "--update-in-backward", *clipped]) != 0
     err = capsys.readouterr().err
     assert "--update-in-backward" in err and "--grad-clip 0" in err and len(err.strip().splitlines()) == 1
+    assert main(["train", "--out", str(tmp_path / "accum"), "--update-in-backward", "--grad-accum", "2", *tiny]) != 0
+    err = capsys.readouterr().err                         # names what is wrong, not what is right already
+    assert err.strip().endswith("it needs --grad-accum 1") and len(err.strip().splitlines()) == 1

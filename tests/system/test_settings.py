@@ -143,7 +143,8 @@ def test_resumable_and_per_run_settings_are_the_declared_tags():
     exchange timeout belong to one invocation: a run may resume with others; so does recompute,
     which gives the same numbers)."""
     assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "nproc",
-                                "device", "dist_timeout", "check_layers", "recompute"}
+                                "device", "dist_timeout", "check_layers", "recompute",
+                                "update_in_backward"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
                                                      "max_skipped_steps", "layer"}
 

@@ -266,7 +266,7 @@ def plot_gradients(records: list[dict], path, title: str = "", max_blocks: int =
         axes[0, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), title="error signal")
         axes[1, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), title="parameters")
     else:
-        axes[0, 0].text(0.5, 0.5, "no gradient records yet\n(the run ended before --eval-interval)",
+        axes[0, 0].text(0.5, 0.5, "no gradient records\n(the run ended before --eval-interval,\nor ran with --update-in-backward)",
                         ha="center", va="center", transform=axes[0, 0].transAxes)
     fig.suptitle(title or "error signals and gradients over the run (Frobenius norms, whole batch)", fontsize=10)
     fig.tight_layout()

@@ -100,7 +100,8 @@ class TrainSettings:
                               group=_OPTIM, tags=_PER_RUN)
     update_in_backward: bool = setting(False, "apply AdamW to each block inside the backward, so that no "
                                        "whole-model gradient is held (less memory; needs --grad-clip 0 and "
-                                       "--grad-accum 1; a non-finite gradient stops the run)", group=_OPTIM)
+                                       "--grad-accum 1; a non-finite gradient stops the run)", group=_OPTIM,
+                                       tags=_PER_RUN)
     seed: int = setting(1337, "model init, dropout and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
     eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
                                  tags=_RESUMABLE)
@@ -134,10 +135,12 @@ class TrainSettings:
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         if self.device == "cuda" and self.backend != "torch":
             raise TrainingError("--device cuda needs --backend torch (NumPy arrays live on the CPU)")
-        if self.update_in_backward and (self.grad_clip > 0 or self.grad_accum > 1 or self.nproc > 1
-                                        or self.backend != "numpy" or self.layer):
+        needs = [fix for bad, fix in ((self.grad_clip > 0, "--grad-clip 0"), (self.grad_accum > 1, "--grad-accum 1"),
+                                      (self.nproc > 1, "one process"), (self.backend != "numpy", "--backend numpy"),
+                                      (bool(self.layer), "no --layer")) if bad]
+        if self.update_in_backward and needs:
             raise TrainingError("--update-in-backward updates each block before the whole gradient exists: "
-                                "it needs --grad-clip 0, --grad-accum 1, one process, --backend numpy and no --layer")
+                                f"it needs {', '.join(needs)}")
         try:
             self.model_config(vocab_size=1)
         except (TypeError, ValueError) as exc:
@@ -185,10 +188,12 @@ class TrainSettings:
 
 def per_run_flags(settings: TrainSettings) -> str:
     """The switches of this invocation that a printed ``--resume`` command must repeat, since on
-    resume they come from the command, not the checkpoint (``" --no-progress --no-plot"``, or
-    ``""``)."""
-    return "".join(f" {flag}" for flag, off in (("--no-progress", not settings.progress),
-                                                  ("--no-plot", not settings.plot)) if off)
+    resume they come from the command, not the checkpoint (``" --no-progress --no-plot"``,
+    ``" --recompute"``, or ``""``; ``--update-in-backward`` with the ``--grad-clip 0`` it needs)."""
+    return "".join(f" {flag}" for flag, on in (("--no-progress", not settings.progress),
+                                                 ("--no-plot", not settings.plot), ("--recompute", settings.recompute),
+                                                 ("--update-in-backward --grad-clip 0", settings.update_in_backward))
+                   if on)
 
 
 #: settings of one invocation: on resume they come from the command, not the checkpoint
