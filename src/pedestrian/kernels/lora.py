@@ -11,16 +11,16 @@ and then compete with numba's for the cores: on 2 cores that made a LoRA step of
 from __future__ import annotations
 
 from . import schedule
-from .blas import matmul_into
+from .blas import few_rows_matmul, matmul_into
 from .workspace import empty_array
 
 
 def _product(a, b):
-    """``a @ b`` of 2-D arrays on numba's threads; NumPy's ``@`` only when both ``a`` and the
-    product are small (a few tokens). A product with the rank as its short side, ``(N, r) @
-    (r, f)``, is not small: it is the adapter's largest."""
+    """``a @ b`` of 2-D arrays on numba's threads; a few tokens' (both ``a`` and the product
+    small) as the linear layer's, :func:`~pedestrian.kernels.blas.few_rows_matmul`. A product
+    with the rank as its short side, ``(N, r) @ (r, f)``, is not small: it is the adapter's largest."""
     if a.shape[0] * max(a.shape[1], b.shape[1]) <= schedule.SMALL_ELEMENTS:
-        return a @ b
+        return few_rows_matmul(a, b)
     out = empty_array((a.shape[0], b.shape[1]), a)
     matmul_into(out, a, b)
     return out

@@ -61,6 +61,12 @@ def fc_layers(config: GPTConfig) -> list[tuple[str, int, int]]:
     return out
 
 
+def in_block(name: str, i: int) -> str:
+    """``"blocks.7.attn_proj.weight"`` → ``"blocks.{i}.attn_proj.weight"``: a block parameter's
+    name in block ``i`` (the one-block gradient buffer's names are block 0's)."""
+    return f"blocks.{i}." + name.split(".", 2)[2]
+
+
 def fc_kind(fc_name: str) -> str:
     """``"blocks.3.attn.q"`` -> ``"q"``; ``"blocks.0.mlp_expand"`` -> ``"mlp_expand"``."""
     return fc_name.rsplit(".", 1)[-1]

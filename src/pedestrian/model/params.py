@@ -23,7 +23,7 @@ from ..config import GPTConfig
 from .adapters import LoRA
 from .buffers import FlatBuffer, FlatParams, base_regions, qkv_columns
 from .inputs import check_finite_state
-from .layout import fc_layers, param_specs
+from .layout import fc_layers, in_block, param_specs
 
 __all__ = ["FC", "Delegated", "Norm", "Parameters"]
 
@@ -226,7 +226,7 @@ class Parameters:
             if shared_blocks:
                 one = self.block_grads()
                 one = {**one.views, **one.regions}
-                base = {k: one["blocks.0." + k.split(".", 2)[2]] if k.startswith("blocks.") else v
+                base = {k: one[in_block(k, 0)] if k.startswith("blocks.") else v
                         for k, v in base.items()}
             P = {**base, **(self.lora.grads.views if self.lora is not None else {})}
         else:

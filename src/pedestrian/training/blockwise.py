@@ -36,6 +36,7 @@ import numpy as np
 
 from ..checkpoint import NonFiniteError
 from ..layers import IGNORE_INDEX
+from ..model.layout import in_block
 from .distributed import RowKeyedRNG
 from .optim import AdamW, global_grad_norm
 from .step import TrainingError, count_targets
@@ -99,7 +100,7 @@ def blockwise_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float
             optimizer.update(0, p_lo, p_hi, grads[lo:hi], coefficients)
 
     def after_block(i: int, grads) -> None:
-        apply(f"blocks.{i}", grads.flat, [(lo, hi, *base.spans[f"blocks.{i}." + name.split(".", 2)[2]])
+        apply(f"blocks.{i}", grads.flat, [(lo, hi, *base.spans[in_block(name, i)])
                                           for name, (lo, hi) in grads.spans.items()])
 
     model.backward(after_block=after_block)
