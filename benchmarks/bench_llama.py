@@ -22,7 +22,9 @@ threads never slow the other), both on the same number of threads
   bytes with 3 key/value heads and with 9 (multi-head);
 - **a full training step** (forward, backward, AdamW on every weight), the same step
   **recomputing each block in the backward** (pedestrian ``model.recompute``; transformers
-  ``gradient_checkpointing_enable()``), and **a LoRA step**
+  ``gradient_checkpointing_enable()``), that step with AdamW inside the backward on both sides, the
+  **memory-budget step** (pedestrian ``--update-in-backward --recompute-blocks`` :data:`BUDGET_BLOCKS`
+  against the peer's plain step: what each side's user runs to fit), and **a LoRA step**
   (r 8 on q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, PEFT ``lora_alpha`` 16 =
   pedestrian's α 2, no dropout, base frozen; AdamW on the adapters), batch 1 × 512 tokens:
   the sides take turns (ABBA), each turn a few steps back to back; every step is timed by the
@@ -66,7 +68,11 @@ SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LORA_RANK, LORA_ALPHA = 8, 16.0            # PEFT's lora_alpha; pedestrian's α = lora_alpha / r
 PROMPT_LEN = 8
-KINDS = ["generate", "full", "recompute", "lean", "lora"]         # what is measured, in this order
+KINDS = ["generate", "full", "recompute", "lean", "budget", "lora"]   # what is measured, in this order
+#: "budget": pedestrian --update-in-backward --recompute-blocks BUDGET_BLOCKS against transformers' plain
+#: full step (what its users run by default): the fewest recomputed blocks that keep pedestrian's peak
+#: memory under 0.7 of the peer's (about 17 MiB per block at this shape, docs/performance.md)
+BUDGET_BLOCKS = 16
 
 
 def make_config(T: int, n_blocks: int = 30):
@@ -114,7 +120,8 @@ class PedestrianSide:
         from pedestrian.training.optim import AdamW
 
         self.opt = None
-        self.model.recompute, self.lean = mode in ("recompute", "lean"), mode == "lean"
+        self.model.recompute = {"recompute": True, "lean": True, "budget": BUDGET_BLOCKS}.get(mode, False)
+        self.lean = mode in ("lean", "budget")
         if mode == "lora":
             self.model.add_lora(SEVEN, rank=LORA_RANK, alpha=LORA_ALPHA / LORA_RANK, freeze_base=True)
         self.opt = AdamW(self.model, **HPARAMS)
@@ -487,6 +494,8 @@ def markdown(res: dict, info: dict) -> str:
                         ("lean", "full step, recomputing and with AdamW inside the backward (pedestrian "
                                  "`--recompute --update-in-backward`; transformers: the same recompute, one "
                                  "fused AdamW per tensor in `register_post_accumulate_grad_hook`)"),
+                        ("budget", f"full step, pedestrian `--update-in-backward --recompute-blocks {BUDGET_BLOCKS}` "
+                                   f"(the first {BUDGET_BLOCKS} of {c['n_blocks']} blocks recomputed) against transformers' plain step"),
                         ("lora", f"LoRA step (r {LORA_RANK}, all seven projections)")):
         r = res["steps"].get(mode)
         if r is None:

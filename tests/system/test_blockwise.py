@@ -43,11 +43,11 @@ def _run(fields, dtype, blockwise, recompute=False, steps=3):
     return model, optimizer, out
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, 2])   # the blockwise side's; the plain step keeps all
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("fields", [dict(SMALL, dropout=0.1), LLAMA], ids=["gpt2-tied-dropout", "llama-untied"])
 def test_blockwise_step_is_the_step(fields, dtype, recompute):
-    (m0, o0, r0), (m1, o1, r1) = (_run(fields, dtype, b, recompute) for b in (False, True))
+    (m0, o0, r0), (m1, o1, r1) = _run(fields, dtype, False), _run(fields, dtype, True, recompute)
     for (loss0, norm0), (loss1, norm1) in zip(r0, r1):
         assert loss0 == loss1
         assert norm1 == pytest.approx(norm0, rel=1e-12 if dtype == "float64" else 1e-6)
@@ -117,10 +117,12 @@ def test_what_it_cannot_do_is_refused_in_one_line():
         check_blockwise(model, AdamW(model))
 
 
-def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys):
-    """``pedestrian train --update-in-backward --recompute --grad-clip 0`` ends with the weights and
-    losses of ``--grad-clip 0`` without them, and the resume command it prints repeats both; with
-    clipping on, or accumulation, it is refused in one line naming what to change."""
+@pytest.mark.parametrize("recompute", [["--recompute"], ["--recompute-blocks", "1"]])
+def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys, recompute):
+    """``pedestrian train --update-in-backward --recompute --grad-clip 0`` (or ``--recompute-blocks
+    1`` of 2) ends with the weights and losses of ``--grad-clip 0`` without them, and the resume
+    command it prints repeats them; with clipping on, or accumulation, it is refused in one line
+    naming what to change; so is ``--recompute-blocks`` above the model's blocks."""
     from pedestrian.checkpoint import load_checkpoint
     from pedestrian.training import read_log
 
@@ -131,9 +133,10 @@ def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys):
             "--no-sample"]
     runs = [tmp_path / "plain", tmp_path / "in_backward"]
     assert main(["train", "--out", str(runs[0]), *tiny]) == 0
-    assert main(["train", "--out", str(runs[1]), "--update-in-backward", "--recompute", *tiny]) == 0
+    assert main(["train", "--out", str(runs[1]), "--update-in-backward", *recompute, *tiny]) == 0
     said = capsys.readouterr().out       # the resume command it prints repeats the per-run switches
-    assert f"--out {runs[1]} --resume --no-progress --no-plot --recompute --update-in-backward --grad-clip 0" in said
+    assert (f"--out {runs[1]} --resume --no-progress --no-plot {' '.join(recompute)} --update-in-backward "
+            "--grad-clip 0") in said
     logs = [[(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if "loss" in r] for run in runs]
     assert logs[0] == logs[1] and len(logs[0]) == 4
     models = [load_checkpoint(run).model for run in runs]
@@ -147,3 +150,6 @@ def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "accum"), "--update-in-backward", "--grad-accum", "2", *tiny]) != 0
     err = capsys.readouterr().err                         # names what is wrong, not what is right already
     assert err.strip().endswith("it needs --grad-accum 1") and len(err.strip().splitlines()) == 1
+    assert main(["train", "--out", str(tmp_path / "many"), "--recompute-blocks", "3", *tiny]) != 0
+    err = capsys.readouterr().err
+    assert "--recompute-blocks 3: the model has 2 blocks" in err and len(err.strip().splitlines()) == 1

@@ -245,8 +245,8 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
         cache holds ``q/√d_qk`` ``(B·n_heads, T, d_qk)``, ``k`` ``(B·n_kv_heads, T, d_qk)``,
-        ``v`` ``(B·n_kv_heads, T, d_head)``, the outputs ``o`` ``(B·n_heads, T, d_head)`` and ``ℓ``
-        ``(B·n_heads, T)``: ``O(T)``.
+        ``v`` ``(B·n_kv_heads, T, d_head)``, ``ℓ`` ``(B·n_heads, T)`` and ``a3`` itself (the
+        backward's ``rowsum(Δ ∘ out)``): ``O(T)``.
 
     Raises:
         ValueError: a block size below 1; ``n_kv_heads`` not a divisor of ``n_heads``.
@@ -275,8 +275,8 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         _forward_units(q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
     out = _empty((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
-    return out, dict(tiled=True, q=q, k=k, v=v, o=o, lse=lse, d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv,
-                     causal=causal, blocks=(bq, bk))
+    return out, dict(tiled=True, q=q, k=k, v=v, out=out, lse=lse, d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv,
+                     causal=causal, blocks=(bq, bk))   # (the heads' outputs as a3 holds them, not a second copy)
 
 
 def _torch_forward(q, k, v, bq, bk, causal):
@@ -326,13 +326,14 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     Returns:
         ``(delta_qkv, delta_causal)``: ``(B, T, n_heads·(2·d_qk + d_head))`` and ``Δcausal`` or ``None``.
     """
-    q, k, v, o, lse = cache["q"], cache["k"], cache["v"], cache["o"], cache["lse"]
-    G, T, d_head = o.shape
+    q, k, v, lse = cache["q"], cache["k"], cache["v"], cache["lse"]
     d_qk, n_heads, causal = cache["d_qk"], cache["n_heads"], cache["causal"]
     n_kv = cache.get("n_kv_heads", n_heads)
     bq, bk = cache["blocks"]
-    B, hq, hk, group = G // n_heads, n_heads * d_qk, n_kv * d_qk, n_heads // n_kv
-    d = _split_heads(delta, B, n_heads)                                      # Δ per head, contiguous
+    B = delta.shape[0]
+    d, o = _split_heads(delta, B, n_heads), _split_heads(cache["out"], B, n_heads)   # Δ, out per head, contiguous
+    G, T, d_head = o.shape
+    hq, hk, group = n_heads * d_qk, n_kv * d_qk, n_heads // n_kv
     if is_torch_array(o):
         kept = o.new_zeros((G, T, T)) if keep_delta_causal else None
         if group == 1:

@@ -91,9 +91,14 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     return loss, (z, z_max, sum_e, t, n_counted, logits.shape)
 
 
-def cross_entropy_backward(cache):
+def cross_entropy_backward(cache, *, over_logits: bool = False):
     """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows
     (EQUATIONS.md, "Next-token loss").
+
+    Args:
+        cache: the forward's.
+        over_logits: write ``Δ12`` over the forward's logits (one ``(B, T, V)`` array less; the
+            logits are gone after, so the caller must hold no other use for them).
 
     Returns:
         ``(B, T, V)`` error signal at the logits. The one-hot matrix is never built: one
@@ -101,6 +106,6 @@ def cross_entropy_backward(cache):
     """
     z, z_max, sum_e, t, n_counted, shape = cache
     scale = (t >= 0) * (1.0 / max(n_counted, 1))           # counted / N, per row
-    delta = empty_array(z.shape, z)
+    delta = z if over_logits else empty_array(z.shape, z)  # (each entry read before it is written)
     _backward(z, z_max, t, sum_e, scale, delta)
     return delta.reshape(shape)

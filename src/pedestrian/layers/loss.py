@@ -55,8 +55,11 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     return loss, (y_pred, y_gt, counted, n_counted, logits.shape)
 
 
-def cross_entropy_backward(cache):
+def cross_entropy_backward(cache, *, over_logits: bool = False):
     """``Δ12 = (y_pred − onehot(target)) / N_counted`` on counted rows, ``0`` on ignored rows.
+
+    ``over_logits``: the fast kernel's switch (write ``Δ12`` over the logits); this layer keeps
+    ``y_pred``, not the logits, so it makes a new array either way.
 
     Returns:
         ``(B, T, V)`` error signal at the logits.

@@ -67,6 +67,7 @@ from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
 from .inspection import named_activations, named_deltas
+from .recompute import keep_only_what_backward_reads, recomputed_blocks
 from .slots import Slots
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
@@ -145,9 +146,10 @@ class GPT:
         self.parameters = Parameters(config, self.xp, self.dtype, self.dtype_name, self.device, seed=seed,
                                      numpy_views=self.numpy_chain, slots=self.slots)
         self.training = True
-        #: keep only each block's input in the forward and recompute its activations in the
-        #: backward, block by block (same numbers, bit for bit; about a third more arithmetic)
-        self.recompute = False
+        #: ``True``: keep only each block's input and recompute the block in the backward; an int
+        #: ``n``: only the first ``n`` blocks; either way the others keep only what their backward
+        #: reads (same numbers, bit for bit; :mod:`pedestrian.model.recompute`)
+        self.recompute: bool | int = False
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
         #: held by :meth:`backward` while it writes the gradients (reentrant; see the class docstring)
@@ -245,17 +247,17 @@ class GPT:
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
-        recompute = self.recompute and keep and kv_cache is None
-        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=recompute)
+        n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
+        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re)
         f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)    # (B, T, d)
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
-            if recompute:                                                            # keep x and where its dropout draws start
+            if i < n_re:                                                             # keep x and where its dropout draws start
                 f.blocks.append(SimpleNamespace(x=x, rng=copy.deepcopy(self.dropout_rng) if self._dropping_out() else None))
             b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i))
             x = b.a10
-            if keep and not recompute:                                               # else let go now
-                f.blocks.append(b)
+            if keep and i >= n_re:                                                   # else let go now
+                f.blocks.append(keep_only_what_backward_reads(b) if n_re else b)
             del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
         f.a12 = self._fc_forward(W.logits, f.a11, f.lora)                            # (B, T, V)
@@ -314,6 +316,7 @@ class GPT:
         are zero (documented convention; no NaN). ``n_total``: see :meth:`forward`.
         """
         self.forward(tokens, targets, n_total=n_total)
+        self._acts.logits_held = False                     # by no caller: Δ12 may take their place
         return float(self._acts.loss_value)
 
     # ------------------------------------------------------------------ backward
@@ -347,12 +350,17 @@ class GPT:
             raise ValueError("backward() called before a forward with targets; call "
                              "model.loss(tokens, targets) first, or pass delta_logits=")
         self._require_forward(backward=True)               # its activations were kept
+        if f.a12 is None:
+            raise ValueError("the last forward's logits became its Δ12 in its backward (model.recompute): "
+                             "run model.loss(tokens, targets) again before another backward")
         if delta_logits is not None:
             delta_logits = as_signal(self, delta_logits, f.a12.shape)
             delta_logits = to_numpy(delta_logits) if self.numpy_chain else delta_logits
         self._deltas = {}
         with self.lock, self._workspace:
-            d12 = self.kernels.cross_entropy_backward(f.loss) if delta_logits is None else delta_logits
+            over = delta_logits is None and f.recomputed and not getattr(f, "logits_held", True)
+            d12 = self.kernels.cross_entropy_backward(f.loss, over_logits=over) if delta_logits is None else delta_logits
+            f.a12 = None if over else f.a12                # (a second backward would read Δ12 as logits)
             top, blocks = self._backward(f, d12, keep_deltas, after_block)
         if keep_deltas:
             self._deltas = named_deltas(top, blocks)
@@ -369,7 +377,7 @@ class GPT:
         d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
             b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
-            if f.recomputed:                                                                   # a2 … a10 again, same draws
+            if i < f.recomputed:                                                               # a2 … a10 again, same draws
                 self.dropout_rng = rng_after if b.rng is None else copy.deepcopy(b.rng)
                 b = self._block(b.x, w, None, None)
             D = SimpleNamespace(d10=d10)                                                       # Δ10

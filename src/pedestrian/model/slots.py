@@ -300,7 +300,8 @@ class BuiltinActivation:
 class BuiltinMLP:
     """``a7 = FC_expand(a6)``, ``a8 = g(a7)`` (the activation slot), ``a9 = FC_contract(a8)``; or
     SwiGLU's ``a8 = silu(FC_gate(a6)) ∘ FC_up(a6)``, ``a9 = FC_down(a8)``. Keeps ``a7`` (or
-    ``a7_gate``, ``a7_up``) and ``a8`` on the block ``b``, and ``Δ8``, ``Δ7`` on ``D``.
+    ``a7_gate``, ``a7_up``) and ``a8`` on the block ``b``, and ``Δ8``, ``Δ7`` on ``D``; the backward
+    makes ``a8`` again from ``a7`` where the forward let it go (``b.a8 = None``, model.recompute).
 
     ``forward(fc, b, w, lora) -> a9`` and ``backward(fc, D, b, w, g, lora) -> Δ6`` (from ``D.d9``)
     take the model's fully connected layer (forward or backward, LoRA adapters included) as ``fc``,
@@ -320,6 +321,9 @@ class BuiltinMLP:
         return fc(w.mlp_contract, b.a8, lora)                                        # (B, T, d)
 
     def backward(self, fc, D, b, w, g, lora):
+        if b.a8 is None:                                                             # let go by the forward
+            b.a8 = (self.K.swiglu_forward(b.a7_gate, b.a7_up) if self.swiglu         # (model.recompute): again
+                    else self.activation.forward(b.a7, w.act))[0]
         D.d8 = fc(w.mlp_contract, g.mlp_contract, D.d9, b.a8, lora)                  # Δ8
         if not self.swiglu:
             D.d7 = self.activation.backward(D.d8, b.act, g.act)                      # Δ7

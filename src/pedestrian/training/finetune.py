@@ -92,6 +92,9 @@ class FinetuneSettings:
     recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
                               "backward: less memory, about a third more arithmetic, the same numbers",
                               group=_OPTIM)
+    recompute_blocks: int = setting(0, "recompute only the first N blocks (as Megatron-LM's --recompute-num-layers); "
+                                    "the others keep only what their backward reads; 0 = as --recompute says",
+                                    rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
     val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
                                   metavar="F", group=_LOOP)
     eval_interval: int = setting(50, "steps between validations (each saves the adapters)", rule=POSITIVE_INT,

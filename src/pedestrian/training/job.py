@@ -62,7 +62,10 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
         TrainingError: a checkpoint whose optimizer step does not match its own step.
     """
     group = SingleProcess() if group is None else group
-    model.training, model.recompute = True, settings.recompute
+    if settings.recompute_blocks > model.config.n_blocks:
+        raise TrainingError(f"--recompute-blocks {settings.recompute_blocks}: the model has {model.config.n_blocks} "
+                            "blocks; give at most that many (or --recompute for all of them)")
+    model.training, model.recompute = True, settings.recompute_blocks or settings.recompute
     group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
     optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                       weight_decay=settings.weight_decay)

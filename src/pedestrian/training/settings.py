@@ -98,6 +98,9 @@ class TrainSettings:
     recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
                               "backward: less memory, about a third more arithmetic, the same numbers",
                               group=_OPTIM, tags=_PER_RUN)
+    recompute_blocks: int = setting(0, "recompute only the first N blocks (as Megatron-LM's --recompute-num-layers); "
+                                    "the others keep only what their backward reads; 0 = as --recompute says",
+                                    rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM, tags=_PER_RUN)
     update_in_backward: bool = setting(False, "apply AdamW to each block inside the backward, so that no "
                                        "whole-model gradient is held (less memory; needs --grad-clip 0 and "
                                        "--grad-accum 1; a non-finite gradient stops the run)", group=_OPTIM,
@@ -189,9 +192,10 @@ class TrainSettings:
 def per_run_flags(settings: TrainSettings) -> str:
     """The switches of this invocation that a printed ``--resume`` command must repeat, since on
     resume they come from the command, not the checkpoint (``" --no-progress --no-plot"``,
-    ``" --recompute"``, or ``""``; ``--update-in-backward`` with the ``--grad-clip 0`` it needs)."""
+    ``" --recompute"``, ``" --recompute-blocks 12"``, or ``""``; ``--update-in-backward`` with the ``--grad-clip 0`` it needs)."""
     return "".join(f" {flag}" for flag, on in (("--no-progress", not settings.progress),
                                                  ("--no-plot", not settings.plot), ("--recompute", settings.recompute),
+                                                 (f"--recompute-blocks {settings.recompute_blocks}", settings.recompute_blocks),
                                                  ("--update-in-backward --grad-clip 0", settings.update_in_backward))
                    if on)
 
