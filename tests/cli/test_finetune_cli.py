@@ -145,6 +145,9 @@ def test_finetune_bad_input(run, tmp_path, capsys):
     assert not new.exists()                                        # nothing written
     one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "2", "--data", data,
                          "--out", tmp / "run")[::2], "already holds a run")
+    one_error_line(*main(capsys, "finetune", "--hf-dir", base, "--lora-rank", "2", "--update-in-backward",
+                         *common)[::2], "--update-in-backward is a flag of `pedestrian train`")
+    assert not new.exists()
 
 
 def test_export_bad_input(run, tmp_path, capsys):

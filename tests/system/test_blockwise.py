@@ -137,6 +137,8 @@ def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys, recomput
     said = capsys.readouterr().out       # the resume command it prints repeats the per-run switches
     assert (f"--out {runs[1]} --resume --no-progress --no-plot {' '.join(recompute)} --update-in-backward "
             "--grad-clip 0") in said
+    assert ("memory: " + ("every block" if recompute == ["--recompute"] else "the first 1 of 2 blocks")
+            + " recomputed in the backward") in said and "AdamW applied block by block" in said
     logs = [[(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if "loss" in r] for run in runs]
     assert logs[0] == logs[1] and len(logs[0]) == 4
     models = [load_checkpoint(run).model for run in runs]

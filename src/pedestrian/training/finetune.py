@@ -35,6 +35,7 @@ from pathlib import Path
 from ..model.layout import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, at_most, check, setting, specs
+from .settings import memory_plan
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "load_model", "LoadedModel", "adapter_base",
            "adapter_checkpoint_dir",
@@ -361,6 +362,8 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
              f"({100 * n_train / n_total:.2f}%); base frozen")
     log.info(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
              f"tokens; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; out: {out}")
+    if memory_plan(settings, model.config.n_blocks):
+        log.info(memory_plan(settings, model.config.n_blocks))
     files = RunFiles(out, replacing=had_run, stale=("peft",))
 
     def save(t: Trainer) -> None:

@@ -65,7 +65,7 @@ from .files import NoFiles, RunFiles, gradient_record
 from .job import build_trainer, failures_explained
 from .loop import Checkpoints, Trainer
 from .plugged import check_layers, layer_paths, match_recorded
-from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, per_run_flags
+from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, memory_plan, per_run_flags
 from .step import TrainingError
 
 log = logging.getLogger("pedestrian.train")
@@ -348,7 +348,8 @@ def _fmt(x: float) -> str:
 
 
 def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckpt, out, group) -> None:
-    """The opening lines of a run: model, data, steps, ranks and threads (and a warm-up warning)."""
+    """The opening lines of a run: model, data, steps, ranks, threads, the memory flags (and a warm-up
+    warning)."""
     B, T, k = settings.batch_size, settings.context_length, settings.grad_accum
     log.info(f"pedestrian train: {model.num_params(trainable_only=True):,} parameters, {model.config}")
     for slot, layer in model.slots.plugged.items():
@@ -364,6 +365,8 @@ def _say_plan(settings, model, tokenizer, train_tokens, val_tokens, trainer, ckp
                  f"{rows.stop - rows.start} of the {B} rows of every batch; rank 0 writes the files")
     if model.backend == "numpy" and model.kernels_name == "fast":
         log.info(f"threads: {threads_used()} (the fast kernels' numba threads; PEDESTRIAN_NUM_THREADS sets them)")
+    if memory_plan(settings, model.config.n_blocks):
+        log.info(memory_plan(settings, model.config.n_blocks))
     if settings.warmup_steps >= settings.max_steps:
         log.warning(f"--warmup-steps {settings.warmup_steps} >= --max-steps {settings.max_steps}: the "
                     f"learning rate never reaches its peak {settings.lr:g}; pass a smaller --warmup-steps")

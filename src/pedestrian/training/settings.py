@@ -200,6 +200,18 @@ def per_run_flags(settings: TrainSettings) -> str:
                    if on)
 
 
+def memory_plan(settings, n_blocks: int) -> str | None:
+    """The run's opening line on its memory flags (``None``: none on); ``settings``: a
+    :class:`TrainSettings` or a finetune's (which has no ``update_in_backward``)."""
+    said = [what for on, what in (
+        (settings.recompute_blocks, f"the first {settings.recompute_blocks} of {n_blocks} blocks recomputed in the "
+                                    "backward (--recompute-blocks)"),
+        (settings.recompute and not settings.recompute_blocks, "every block recomputed in the backward (--recompute)"),
+        (getattr(settings, "update_in_backward", False), "AdamW applied block by block inside the backward "
+                                                         "(--update-in-backward)")) if on]
+    return "memory: " + "; ".join(said) + "; the same numbers as without" if said else None
+
+
 #: settings of one invocation: on resume they come from the command, not the checkpoint
 PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tags & _PER_RUN)
 #: settings that may differ from the checkpoint's when resuming (they do not change what the
