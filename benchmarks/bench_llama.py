@@ -36,7 +36,7 @@ threads never slow the other), both on the same number of threads
 - **peak memory** of each step kind, each side alone in a fresh subprocess (``VmHWM`` after two
   steps, as bench_train.py's ``--child-memory``).
 
-Run (6.7 minutes measured on this 2-core machine, one thread each, while other jobs ran; the
+Run (9.8 minutes measured on this 2-core machine, two threads each, idle otherwise; the
 memory children take about 2 of them; ``--quick`` times fewer steps)::
 
     python3 benchmarks/bench_llama.py                 # everything, writes results + docs table
