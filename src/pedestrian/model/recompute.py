@@ -16,6 +16,8 @@ refuses such a forward.
 
 from __future__ import annotations
 
+import numbers
+
 __all__ = ["recomputed_blocks", "keep_only_what_backward_reads"]
 
 
@@ -28,8 +30,8 @@ def recomputed_blocks(setting, n_blocks: int) -> int:
     """
     if isinstance(setting, bool):
         return n_blocks if setting else 0
-    if isinstance(setting, int) and 0 <= setting <= n_blocks:
-        return setting
+    if isinstance(setting, numbers.Integral) and 0 <= setting <= n_blocks:      # (NumPy's integers too)
+        return int(setting)
     raise ValueError(f"model.recompute = {setting!r}: give True (every block), False, or a number of "
                      f"blocks from 0 to {n_blocks} (the first ones are recomputed)")
 
