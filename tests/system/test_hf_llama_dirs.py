@@ -382,3 +382,5 @@ def test_cli_finetune_then_sample_and_peft(folders, tmp_path, capsys):
     assert code == 0 and "LlamaForCausalLM" in out
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     assert rel_err(model.forward(X), hf_logits(merged, X, torch.float32)) <= REL32
+    written = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"]) == (0, 0)      # the base folder's, kept

@@ -272,7 +272,7 @@ def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> d
             "tokenizer_config.json": json_writer(tok_config)}
 
 
-def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) -> Path:
+def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, token_ids: dict | None = None) -> Path:
     """Write ``model`` (and ``tokenizer``) as a Hugging Face directory: a ``GPT2LMHeadModel``
     for a GPT-2-shaped config (layer norms, the standard MLP, learned positions), else a
     ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` with q, k, v biases only;
@@ -290,6 +290,10 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         tokenizer: optional; its end-of-text id (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`)
             becomes ``eos_token_id`` (and GPT-2's ``bos_token_id``).
         overwrite: replace the files in an existing non-empty directory.
+        token_ids: ``bos_token_id`` / ``eos_token_id`` for a Llama-family ``config.json`` (an int, a
+            list or ``None`` each, as Hugging Face writes them), in place of the tokenizer's
+            end-of-text id and no ``bos_token_id``: a merged fine-tune passes its base folder's,
+            so the export keeps them. GPT-2 writes its end-of-text id as both, its convention.
 
     Raises:
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
@@ -317,7 +321,9 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False) 
         hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
         tensors = state_to_hf(model.state_dict(), config)
     else:
-        hf_config = hf_llama_config.config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
+        ids = {"bos_token_id": None, "eos_token_id": eos, **(token_ids or {})}
+        hf_config = hf_llama_config.config_to_hf(config, dtype=model.dtype_name, bos_token_id=ids["bos_token_id"],
+                                                 eos_token_id=ids["eos_token_id"])
         tensors = llama_state_to_hf(model.state_dict(), config)
     writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
