@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UserError
-    from ..interop.hf import OutputExistsError, merged_for_export, save_pretrained
+    from ..interop.hf import OutputExistsError, merged_for_export, read_token_ids, save_pretrained
     from ..interop.peft import save_peft_adapter
     from ..training.finetune import adapter_checkpoint_dir, load_model
 
@@ -61,21 +61,9 @@ def run(args: argparse.Namespace) -> int:
             if tied:
                 print("note: the adapter on the tied logits is merged into a separate lm_head.weight, so "
                       "the exported model is untied (tie_word_embeddings=false; wte unchanged)")
-        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite,
-                              token_ids=_base_token_ids(loaded.base))
+        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite, token_ids=read_token_ids(loaded.base))
     except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
         raise UserError(exc.advice("pass --overwrite")) from None
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     print(f"wrote a Hugging Face {arch} ({model.num_params():,} parameters) to {out}")
     return 0
-
-
-def _base_token_ids(base) -> dict | None:
-    """The base Hugging Face folder's ``bos_token_id`` / ``eos_token_id`` (those it sets), or ``None``."""
-    from pathlib import Path
-
-    path = None if base is None else Path(base) / "config.json"
-    if path is None or not path.is_file():
-        return None
-    config = json.loads(path.read_text(encoding="utf-8"))
-    return {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config} or None

@@ -20,20 +20,15 @@ import argparse
 import sys
 
 from ..training.finetune import FinetuneSettings
-from ..training.specs import add_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, FinetuneSettings)           # every flag from the settings' declarations
-    parser.add_argument("--update-in-backward", action="store_true", help=argparse.SUPPRESS)   # train's: refused
+    FinetuneSettings.add_flags(parser)            # every flag from the settings' declarations
 
 
 def run(args: argparse.Namespace) -> int:
     from ..training.finetune import finetune
 
-    if args.update_in_backward:
-        raise ValueError("--update-in-backward is a flag of `pedestrian train`: finetune trains only the LoRA "
-                         "adapters, whose gradient is small; for less memory pass --recompute or --recompute-blocks N")
     result = finetune(FinetuneSettings.from_args(args))
     if result.stop_reason == "interrupted":
         print(f"interrupted: the adapters of step {result.step} are saved in {result.out / 'adapter'} and "

@@ -331,6 +331,17 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)
 
 
+def read_token_ids(hf_dir) -> dict | None:
+    """``bos_token_id`` / ``eos_token_id`` from ``hf_dir``'s ``config.json`` (those it sets; as
+    written there: an int, a list or ``None``), or ``None`` without a folder or file: what
+    :func:`save_pretrained`'s ``token_ids`` takes to keep a base model's ids in an export."""
+    path = None if hf_dir is None else Path(hf_dir) / "config.json"
+    if path is None or not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config} or None
+
+
 def merged_for_export(model):
     """A copy of ``model`` with its LoRA adapters merged, ready for :func:`save_pretrained`.
 

@@ -22,6 +22,7 @@ A run folder (``--out``) receives::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import logging
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from ..model.layout import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
-    POSITIVE_INT, PROBABILITY, at_most, check, setting, specs
+    POSITIVE_INT, PROBABILITY, add_flags, at_most, check, setting, specs
 from .settings import memory_plan
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "load_model", "LoadedModel", "adapter_base",
@@ -140,9 +141,22 @@ class FinetuneSettings:
         return dataclasses.asdict(self)
 
     @classmethod
+    def add_flags(cls, parser) -> None:
+        """``pedestrian finetune``'s flags, one per setting (:func:`pedestrian.training.specs.add_flags`),
+        and ``train``'s ``--update-in-backward``, hidden, so that :meth:`from_args` refuses it in one line."""
+        add_flags(parser, cls)
+        parser.add_argument("--update-in-backward", action="store_true", help=argparse.SUPPRESS)
+
+    @classmethod
     def from_args(cls, args) -> "FinetuneSettings":
         """The settings of ``pedestrian finetune``'s parsed arguments (an ``argparse.Namespace``
-        from :func:`pedestrian.training.specs.add_flags`): the flags given, the defaults for the rest."""
+        from :func:`pedestrian.training.specs.add_flags`): the flags given, the defaults for the rest.
+
+        Raises:
+            ValueError: ``--update-in-backward`` (a ``train`` flag the command takes only to refuse it)."""
+        if getattr(args, "update_in_backward", False):
+            raise ValueError("--update-in-backward is a flag of `pedestrian train`: finetune trains only the LoRA "
+                             "adapters, whose gradient is small; for less memory pass --recompute or --recompute-blocks N")
         given = {name: getattr(args, name) for name in specs(cls)}
         return cls(**{name: value for name, value in given.items() if value is not None})
 
