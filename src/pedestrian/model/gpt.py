@@ -66,8 +66,8 @@ from .inputs import as_signal, as_tokens, check_cache, check_targets, check_toke
 from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
-from .inspection import named_activations, named_deltas
-from .recompute import keep_only_what_backward_reads, recomputed_blocks
+from .inspection import named_activations, named_deltas, require_forward
+from .recompute import keep_only_what_backward_reads, loss_delta, recomputed_blocks
 from .slots import Slots
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
@@ -340,7 +340,8 @@ class GPT:
         Raises:
             ValueError: no forward since the last backward's inputs changed; no targets and no
                 ``delta_logits``; a ``delta_logits`` of the wrong shape; a forward that ran
-                against a KV cache.
+                against a KV cache; a second backward of a recomputing :meth:`loss` (its logits
+                became ``Δ12``, :mod:`pedestrian.model.recompute`).
 
         The calling thread's last forward is differentiated; the gradients are written under
         :attr:`lock` (see the class docstring for training from several threads).
@@ -349,18 +350,13 @@ class GPT:
         if f is None or (delta_logits is None and f.loss is None):
             raise ValueError("backward() called before a forward with targets; call "
                              "model.loss(tokens, targets) first, or pass delta_logits=")
-        self._require_forward(backward=True)               # its activations were kept
-        if f.a12 is None:
-            raise ValueError("the last forward's logits became its Δ12 in its backward (model.recompute): "
-                             "run model.loss(tokens, targets) again before another backward")
+        require_forward(f, backward=True)                  # its activations (and logits) were kept
         if delta_logits is not None:
             delta_logits = as_signal(self, delta_logits, f.a12.shape)
             delta_logits = to_numpy(delta_logits) if self.numpy_chain else delta_logits
         self._deltas = {}
         with self.lock, self._workspace:
-            over = delta_logits is None and f.recomputed and not getattr(f, "logits_held", True)
-            d12 = self.kernels.cross_entropy_backward(f.loss, over_logits=over) if delta_logits is None else delta_logits
-            f.a12 = None if over else f.a12                # (a second backward would read Δ12 as logits)
+            d12 = loss_delta(self.kernels, f) if delta_logits is None else delta_logits
             top, blocks = self._backward(f, d12, keep_deltas, after_block)
         if keep_deltas:
             self._deltas = named_deltas(top, blocks)
@@ -426,7 +422,7 @@ class GPT:
             ValueError: no forward has been run, or it kept no activations (:attr:`recompute`,
                 ``keep_activations=False``).
         """
-        return self._out(named_activations(self._require_forward(), self.kernels.attention_weights))
+        return self._out(named_activations(require_forward(self._acts), self.kernels.attention_weights))
 
     def attention_weights(self) -> list:
         """``P`` of every block of the last forward (a KV-cache step included): a list over
@@ -436,19 +432,8 @@ class GPT:
         Raises:
             ValueError: no forward has been run.
         """
-        f = self._require_forward()
+        f = require_forward(self._acts)
         return self._out([self.kernels.attention_weights(b.attn) for b in f.blocks])
-
-    def _require_forward(self, backward: bool = False):
-        if self._acts is None:
-            raise ValueError("no forward pass has been run yet")
-        if self._acts.recomputed and not backward:
-            raise ValueError("the last forward ran with model.recompute on, which keeps only each block's "
-                             "input: set model.recompute = False and run the forward again to inspect it")
-        if not self._acts.kept:
-            raise ValueError("the last forward ran with keep_activations=False (generation does): "
-                             "run model.forward(tokens) again to keep its activations")
-        return self._acts
 
     def deltas(self) -> dict:
         """Every error signal of the last ``backward(keep_deltas=True)``.

@@ -1,6 +1,7 @@
 """The paper's names for what a :class:`~pedestrian.model.gpt.GPT`'s last forward and backward
 kept (``a0 … a12``, ``Δ12 … Δ1``): the dictionaries :meth:`GPT.activations` and
-:meth:`GPT.deltas` return, built from the chain's per-block records.
+:meth:`GPT.deltas` return, built from the chain's per-block records; and whether a forward kept
+what is asked of it.
 """
 
 from __future__ import annotations
@@ -34,3 +35,20 @@ def _numbers(block, first: int, stop: int) -> list:
     prefix = "a" if hasattr(block, "a2") else "d"
     numbers = [m for n in range(first, stop) for m in ([str(n)] if n != 7 else ["7", "7_gate", "7_up"])]
     return [m for m in numbers if hasattr(block, prefix + m)]
+
+
+def require_forward(f, backward: bool = False):
+    """A thread's last forward record ``f``, if it kept what inspection (or, ``backward``, the
+    backward) needs; else ``ValueError`` naming what to run again."""
+    if f is None:
+        raise ValueError("no forward pass has been run yet")
+    if f.recomputed and not backward:
+        raise ValueError("the last forward ran with model.recompute on, which keeps only each block's "
+                         "input: set model.recompute = False and run the forward again to inspect it")
+    if not f.kept:
+        raise ValueError("the last forward ran with keep_activations=False (generation does): "
+                         "run model.forward(tokens) again to keep its activations")
+    if backward and f.a12 is None:
+        raise ValueError("the last forward's logits became its Δ12 in its backward (model.recompute): "
+                         "run model.loss(tokens, targets) again before another backward")
+    return f

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["recomputed_blocks", "keep_only_what_backward_reads"]
+__all__ = ["recomputed_blocks", "keep_only_what_backward_reads", "loss_delta"]
 
 
 def recomputed_blocks(setting, n_blocks: int) -> int:
@@ -43,3 +43,13 @@ def keep_only_what_backward_reads(b):
     if hasattr(b, "a8"):                                   # (a plugged whole MLP has none)
         b.a8 = None
     return b
+
+
+def loss_delta(kernels, f):
+    """The cross-entropy's ``Δ12`` of the forward record ``f``, written over its logits when ``f``
+    recomputes and came from :meth:`GPT.loss` (nobody else holds those logits); ``f.a12`` is
+    then ``None``, so that a second backward is refused instead of reading ``Δ12`` as logits."""
+    over = bool(f.recomputed) and not getattr(f, "logits_held", True)
+    delta = kernels.cross_entropy_backward(f.loss, over_logits=over)
+    f.a12 = None if over else f.a12
+    return delta
