@@ -384,3 +384,22 @@ def test_cli_finetune_then_sample_and_peft(folders, tmp_path, capsys):
     assert rel_err(model.forward(X), hf_logits(merged, X, torch.float32)) <= REL32
     written = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert (written["bos_token_id"], written["eos_token_id"]) == (0, 0)      # the base folder's, kept
+
+
+def test_cli_eval_of_a_folder_alone_is_transformers_loss(folders, tmp_path, capsys):
+    """``pedestrian eval --hf-dir DIR --data TEXT --split all``: the mean next-token loss over the
+    text's consecutive 64-token windows (the last one shorter), every target once, equal to
+    transformers' cross-entropy of the same windows (float32 both; the printed 4 decimals)."""
+    d, hf = folders["llama-gqa-4:2-tied"]
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT, encoding="utf-8")
+    assert cli.main(["eval", "--hf-dir", str(d), "--data", str(data), "--split", "all", "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    loss = float(re.search(r"all loss ([0-9.]+) nats per token", said).group(1))
+    ids = torch.tensor(tiny_tokenizer().encode(TEXT))
+    T = TINY["max_position_embeddings"]
+    windows = [ids[s:s + T + 1] for s in range(0, len(ids) - 1, T)]          # the last one shorter
+    with torch.no_grad():
+        nll = [torch.nn.functional.cross_entropy(hf(w[None, :-1]).logits[0].float(), w[1:], reduction="sum")
+               for w in windows]
+    assert f"the model in {d}" in said and loss == pytest.approx(float(sum(nll)) / (len(ids) - 1), abs=2e-4)

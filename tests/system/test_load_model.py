@@ -38,7 +38,7 @@ def test_a_train_checkpoint_loads_with_its_step_settings_and_tokenizer(checkpoin
 
 def test_bad_sources_are_one_line_errors(checkpoint, tmp_path):
     _, _, path = checkpoint
-    with pytest.raises(ValueError, match="pass --checkpoint CKPT .* or --hf-dir DIR"):
+    with pytest.raises(ValueError, match="pass a checkpoint .*--checkpoint CKPT.* or --hf-dir DIR"):
         load_model()
     with pytest.raises(ValueError, match="is not one, so leave --hf-dir out"):
         load_model(path, tmp_path)                          # --hf-dir is a fine-tune's base only

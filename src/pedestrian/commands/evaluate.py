@@ -3,13 +3,15 @@
 The corpus, tokenizer and split come from the checkpoint (as trained); --data evaluates on
 another text with the checkpoint's tokenizer (--split all: the whole of it). A `pedestrian
 finetune` run folder (or its adapter/ checkpoint) is evaluated on its base model plus the
-adapters: the base recorded in it, or --hf-dir BASE_DIR.
+adapters: the base recorded in it, or --hf-dir BASE_DIR. --hf-dir alone evaluates a Hugging Face
+model folder (with its tokenizer) on --data.
 
 Examples:
   pedestrian eval runs/shakespeare_char            # its latest/ checkpoint
   pedestrian eval runs/shakespeare_char/best --split train --max-batches 50
   pedestrian eval runs/shakespeare_char/best --data other_text.txt --split all
   pedestrian eval runs/finetune                    # LoRA fine-tune: base + adapters
+  pedestrian eval --hf-dir SmolLM2-135M --data my_notes.txt --split all
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint folder (…/latest, …/best) or run folder")
+    parser.add_argument("checkpoint", nargs="?", help="checkpoint folder (…/latest, …/best) or run folder")
     parser.add_argument("--data", metavar="PATH", help="corpus to evaluate on (default: the training corpus)")
     parser.add_argument("--split", choices=["val", "train", "all"], default="val",
                         help="which part of the corpus (default val: the held-out last fraction; "
                              "all: the whole text)")
     parser.add_argument("--hf-dir", metavar="DIR",
-                        help="base model of a fine-tune run (default: the one recorded in it)")
+                        help="base model of a fine-tune run (default: the one recorded in it); alone: the model")
     parser.add_argument("--val-fraction", type=float, metavar="F",
                         help="held-out fraction (default: the one used in training, else 0.1)")
     parser.add_argument("--batch-size", type=int, default=32, metavar="B", help="windows per forward pass")
@@ -39,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..training import TrainingError, corpus_split, evaluate_tokens
-    from ..training.finetune import adapter_checkpoint_dir, load_model
+    from ..training.finetune import load_model
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
@@ -47,16 +49,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-batches must be a positive integer, got {args.max_batches}")
     if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
-    if args.hf_dir and adapter_checkpoint_dir(args.checkpoint) is None:
-        raise ValueError(f"--hf-dir names the base model of a fine-tune run; {args.checkpoint} is "
-                         "not one, so leave --hf-dir out")
     loaded = load_model(args.checkpoint, args.hf_dir, dtype=args.dtype, backend=args.backend)
     model, tokenizer, path, step, saved = loaded.model, loaded.tokenizer, loaded.path, loaded.step, loaded.settings
+    what = f"checkpoint {path} (step {step})" if path else f"the model in {loaded.base}"
     if tokenizer is None:
-        raise TrainingError(f"checkpoint {path} has no tokenizer; it cannot be evaluated on text")
+        raise TrainingError(f"{what} has no tokenizer; it cannot be evaluated on text")
     data = args.data if args.data is not None else saved.get("data")
     if data is None and not saved:
-        raise TrainingError(f"checkpoint {path} does not record its training corpus; pass --data PATH")
+        raise TrainingError(f"{what} does not record a training corpus; pass --data PATH")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
     tokens = corpus_split(data, tokenizer, val_fraction, args.split)
     with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported below, in one line
@@ -65,13 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(loss):
         # finite weights (checkpoints refuse others) whose forward overflows: never print "nan"
         raise TrainingError(
-            f"the {args.split} loss of checkpoint {path} is {loss} (step {step}): its forward pass "
+            f"the {args.split} loss of {what} is {loss}: its forward pass "
             f"overflows in {model.dtype_name} (weights too large, a diverged run); try --dtype float64, "
             "or evaluate an earlier checkpoint")
     unit = "character" if tokenizer.to_dict().get("kind") == "char" else "token"
     # e^loss overflows a float above 709.8 nats: a perplexity of inf, not an OverflowError
     perplexity = math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
     shown = f"{perplexity:.2f}" if perplexity < 1e6 else f"{perplexity:.3g}"
-    print(f"checkpoint {path} (step {step}): {args.split} loss {loss:.4f} nats per {unit} "
+    print(f"{what}: {args.split} loss {loss:.4f} nats per {unit} "
           f"({loss / math.log(2):.4f} bits, perplexity {shown}) over {n:,} targets")
     return 0

@@ -310,8 +310,8 @@ def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backen
 
     if checkpoint is None:
         if hf_dir is None:
-            raise ValueError("pass --checkpoint CKPT (a train or finetune run) or --hf-dir DIR (a Hugging Face "
-                             "GPT-2, Llama, Qwen2 or Mistral directory)")
+            raise ValueError("pass a checkpoint (a train or finetune run: sample's --checkpoint CKPT, eval's CKPT) "
+                             "or --hf-dir DIR (a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory)")
         model, tokenizer = load_pretrained(hf_dir, dtype=dtype or "float32", backend=backend)
         return LoadedModel(model, tokenizer, base=str(hf_dir))
     adapter = checkpoint if adapters else adapter_checkpoint_dir(checkpoint)
