@@ -61,6 +61,7 @@ from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
+from . import decode
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .edge import NumpyCache, resolve_device, to_torch
@@ -245,6 +246,8 @@ class GPT:
         return self._out(logits)
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
+        if decode.fits(self, tokens, targets, kv_cache, keep):   # a generated token: fewer calls, same numbers
+            return decode.forward(self, tokens, kv_cache)
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
