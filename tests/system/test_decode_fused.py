@@ -91,7 +91,13 @@ def check_case(case, dtype) -> None:
     steps = [rng.integers(0, config.vocab_size, (B, T)) for T in case["Ts"]]
     padding = rng.integers(0, case["T0"], B) if case["padded"] and B > 1 else None
     model = GPT(config, seed=case["seed"], dtype=dtype)
-    fused, fused_cache = run_steps(model, prompt, steps, padding)
+    calls, original = [], decode.forward
+    decode.forward = lambda *a: calls.append(1) or original(*a)
+    try:
+        fused, fused_cache = run_steps(model, prompt, steps, padding)
+    finally:
+        decode.forward = original
+    assert len(calls) == sum(T <= 8 for T in [case["T0"], *case["Ts"]])   # (schedule.DECODE_MAX_T)
     chain, chain_cache = run_steps(model, prompt, steps, padding, keep=True)
     for a, b in zip(fused, chain):
         np.testing.assert_array_equal(a, b)

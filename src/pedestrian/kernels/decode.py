@@ -12,15 +12,10 @@ from __future__ import annotations
 
 from .attention_loops import decode_attention
 from .jit import kernel
-from .rmsnorm import _forward as _rmsnorm_rows
-from .rope import _turn
+from .rmsnorm import forward_rows as rmsnorm_rows
+from .rope import turn_rows
 
 __all__ = ["add_rmsnorm", "rmsnorm_rows", "rope_decode_attention"]
-
-#: :func:`pedestrian.kernels.rmsnorm.rmsnorm_forward`'s loop, serial: ``y = x/r ∘ w`` per row
-rmsnorm_rows = _rmsnorm_rows.serial
-#: :func:`pedestrian.kernels.rope.rope_forward`'s turn, serial
-_turn_rows = _turn.serial
 
 
 @kernel
@@ -45,7 +40,7 @@ def rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, keys, values, le
     B, T, width = qkv.shape
     flat = qkv.reshape((B * T, width))
     if r > 0:
-        _turn_rows(flat, cos, sin, n_qk, d_qk, r, turned)
+        turn_rows(flat, cos, sin, n_qk, d_qk, r, turned)
     else:
         turned[:, :] = flat
     decode_attention(turned.reshape((B, T, width)), keys, values, length, key_start, causal, scale, q_out, p_out,

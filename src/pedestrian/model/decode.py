@@ -22,6 +22,7 @@ import numpy as np
 
 from ..kernels import attention, linear, rmsnorm, rope, schedule, swiglu
 from ..kernels import decode as fused
+from ..kernels.jit import threads_used
 
 __all__ = ["fits", "forward"]
 
@@ -32,28 +33,26 @@ _STANDS_FOR = {"rmsnorm_forward": rmsnorm.rmsnorm_forward, "rope_forward": rope.
                "add": linear.add, "multi_head_attention_forward": attention.multi_head_attention_forward}
 
 
-def fits(model, tokens, targets, kv_cache, keep: bool) -> bool:
+def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     """Whether :func:`forward` computes this step: a KV-cache step of at most
-    :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens that keeps no activations and has
-    no targets, NumPy arrays of a model on the fast kernels with RMS norms, a SwiGLU MLP and RoPE
-    (or no positions), no LoRA adapters, no plugged layer, no dropout this step."""
+    :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens, ``plain`` (it keeps no
+    activations and runs no dropout), no targets, NumPy arrays of a model on the fast kernels with
+    RMS norms, a SwiGLU MLP and RoPE (or no positions), no LoRA adapters, no plugged layer."""
     c, K = model.config, model.kernels
-    if keep or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
+    if not plain or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
         return False
     if tokens.ndim != 2 or tokens.shape[1] > schedule.DECODE_MAX_T or model.slots.plugged or model.lora_targets:
         return False
     if c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
         return False
-    if c.dropout and model._dropping_out():
-        return False
     return all(getattr(K, name) is f for name, f in _STANDS_FOR.items())
 
 
 def forward(model, tokens, kv_cache):
-    """The logits ``(B, T, vocab_size)`` of ``tokens`` ``(B, T)`` after the cached ones (what
-    :meth:`GPT._forward <pedestrian.model.GPT.forward>` returns for them); writes their keys and values
-    into ``kv_cache`` (its ``length`` is counted by the caller) and keeps, as the model's last
-    forward, no activations.
+    """``(logits, kept)``: the logits ``(B, T, vocab_size)`` of ``tokens`` ``(B, T)`` after the
+    cached ones (what :meth:`GPT.forward <pedestrian.model.GPT.forward>` computes for them), and
+    what the model keeps of the step (no activations); writes their keys and values into
+    ``kv_cache`` (its ``length`` is counted by the caller).
 
     Raises:
         ValueError: the step does not fit the cache's capacity."""
@@ -71,8 +70,7 @@ def forward(model, tokens, kv_cache):
     dtype = x.dtype
     if c.position_encoding == "rope":                  # the angles, once for every block
         r = c.rope_dims
-        cos, sin = rope._angles(np.asarray(positions), r, c.rope_base, c.rope_scaling, dtype)
-        cos, sin = np.ascontiguousarray(cos).reshape(-1, r // 2), np.ascontiguousarray(sin).reshape(-1, r // 2)
+        cos, sin = rope.angle_rows(positions, r, c.rope_base, c.rope_scaling, dtype)
     else:
         r, cos = 0, np.zeros((1, 1), dtype)
         sin = cos
@@ -85,21 +83,37 @@ def forward(model, tokens, kv_cache):
     p, a3 = np.empty((B, H, T, L), dtype), np.empty((B, T, H * d_head), dtype)
     a8 = np.empty((B, T, c.d_mlp), dtype)
     n_qk, scale = H + H_kv, 1.0 / math.sqrt(d_qk)
-    mm = linear.linear_forward
+    mm = _products()
 
     fused.rmsnorm_rows(x2, W.blocks[0].ln1.weight, eps, y2, xhat, rrms)                    # a2 of block 0
     for i, w in enumerate(W.blocks):
         block = kv_cache.block(i)
-        qkv = mm(y, w.qkv.weight, w.qkv.bias)[0]                                          # (B, T, width)
+        qkv = mm(y, w.qkv)                                          # (B, T, width)
         fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, block.keys, block.values, L0,
                                     key_start, True, scale, q, p, a3)                       # a3
-        a4 = mm(a3, w.attn_proj.weight, w.attn_proj.bias)[0]
+        a4 = mm(a3, w.attn_proj)
         fused.add_rmsnorm(x2, a4.reshape(B * T, d), w.ln2.weight, eps, y2, xhat, rrms)      # a5 in x, a6 in y
-        gate, up = mm(y, w.mlp_gate.weight, w.mlp_gate.bias)[0], mm(y, w.mlp_expand.weight, w.mlp_expand.bias)[0]
-        swiglu._gate_forward(gate.reshape(-1), up.reshape(-1), a8.reshape(-1))              # a8
-        a9 = mm(a8, w.mlp_contract.weight, w.mlp_contract.bias)[0]
+        gate, up = mm(y, w.mlp_gate), mm(y, w.mlp_expand)
+        swiglu.gate_into(gate.reshape(-1), up.reshape(-1), a8.reshape(-1))              # a8
+        a9 = mm(a8, w.mlp_contract)
         norm = W.blocks[i + 1].ln1 if i + 1 < len(W.blocks) else W.ln_final
         fused.add_rmsnorm(x2, a9.reshape(B * T, d), norm.weight, eps, y2, xhat, rrms)      # a10 in x, next a2 / a11 in y
-    logits = mm(y, W.logits.weight, W.logits.bias)[0]                                     # (B, T, V)
-    model._acts = SimpleNamespace(a0=tokens, a12=logits, blocks=[], lora={}, loss=None, kept=False, recomputed=0)
-    return logits
+    logits = mm(y, W.logits)                                     # (B, T, V)
+    return logits, SimpleNamespace(a0=tokens, a12=logits, blocks=[], lora={}, loss=None, kept=False, recomputed=0)
+
+
+def _products():
+    """``product(x, fc) = x W + b`` by :func:`pedestrian.kernels.linear.linear_forward`'s route for
+    ``x``, without its per-call checks where that route is NumPy's ``x @ W`` (a few tokens on
+    several threads: :func:`pedestrian.kernels.blas.few_rows_matmul`)."""
+    if threads_used() == 1:
+        return lambda x, fc: linear.linear_forward(x, fc.weight, fc.bias)[0]
+
+    def product(x, fc):
+        if x.size > schedule.SMALL_ELEMENTS:
+            return linear.linear_forward(x, fc.weight, fc.bias)[0]
+        y = x @ fc.weight
+        if fc.bias is not None:
+            y += fc.bias
+        return y
+    return product

@@ -246,8 +246,10 @@ class GPT:
         return self._out(logits)
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
-        if decode.fits(self, tokens, targets, kv_cache, keep):   # a generated token: fewer calls, same numbers
-            return decode.forward(self, tokens, kv_cache)
+        plain = not keep and not (self.config.dropout and self._dropping_out())   # nothing kept, no dropout
+        if decode.fits(self, tokens, targets, kv_cache, plain):                     # a generated token: fewer
+            logits, self._acts = decode.forward(self, tokens, kv_cache)             # calls, the same numbers
+            return logits
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
