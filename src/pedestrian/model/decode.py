@@ -4,7 +4,7 @@ for a KV-cache step of a few tokens that keeps nothing, in fewer calls.
 The same layers in the same order, with the same products (the few-token branch of
 :func:`pedestrian.kernels.linear.linear_forward`, on the same arrays) and the same compiled loops
 (:mod:`pedestrian.kernels.decode`), so the same numbers as the chain -- but per block four numba
-calls beside the five products instead of about ten kernel calls, each with its checks, reshapes
+calls beside the five products instead of seven kernel calls, each with its checks, reshapes
 and pooled arrays: the skip and the next norm are one call (``add_rmsnorm``, ``a5 = x + a4``
 with ``a6 = LN2(a5)``, ``a10 = a5 + a9`` with the next block's ``a2``), RoPE, the cache append
 and the attention one more; the RoPE angles are looked up once for all blocks and the scratch
