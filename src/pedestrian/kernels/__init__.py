@@ -11,6 +11,8 @@ same things faster, and every difference from the reference earns its lines by a
   rows (llm.c's layout);
 - :mod:`.rmsnorm` (rows, as the layer norm) and :mod:`.swiglu` (products on BLAS, the gate in numba loops);
 - :mod:`.rope` -- RoPE's angles from a table kept per model shape, the turn written in place (NumPy);
+- :mod:`.decode` -- a generated token's fused calls (the skip with the next RMS norm; RoPE, the
+  cache append and the attention), run by :mod:`pedestrian.model.decode`;
 - :mod:`.attention`, :mod:`.linear` -- products on BLAS, the softmax in numba loops;
 - :mod:`.workspace` -- a memory pool: a step's arrays are handed out again once nothing uses
   them, so memory is not returned to the OS and faulted in again every step;

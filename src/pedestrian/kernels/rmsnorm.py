@@ -37,6 +37,10 @@ def _forward(x, weight, eps, y, xhat, rrms):
             y[r, j] = h * weight[j]
 
 
+#: :func:`_forward` on one thread, for a kernel that calls it (:mod:`pedestrian.kernels.decode`)
+forward_rows = _forward.serial
+
+
 @kernel(parallel=True)
 def _backward(delta, xhat, rrms, weight, out, dw_part):
     """Per row: ``g = Δ ∘ w``, ``Δ_in = (g − x̂ ∘ mean(g ∘ x̂)) / r``; per block of rows

@@ -21,7 +21,7 @@ from ..layers.rope import rope_angles
 from .jit import kernel, prange
 from .workspace import empty_array
 
-__all__ = ["rope_forward", "rope_backward"]
+__all__ = ["rope_forward", "rope_backward", "angle_rows", "turn_rows"]
 
 #: ``(r, base, scaling, dtype) -> (cos, sin)``, each ``(n, 1, r/2)`` for positions ``0 … n−1``
 _TABLES: dict = {}
@@ -64,6 +64,17 @@ def _turn(x, cos, sin, n_qk, d_qk, r, y):
                 a, b = x[i, o + j], x[i, o + half + j]
                 y[i, o + j] = a * cos[m, j] - b * sin[m, j]
                 y[i, o + half + j] = b * cos[m, j] + a * sin[m, j]
+
+
+#: :func:`_turn` on one thread, for a kernel that calls it (:mod:`pedestrian.kernels.decode`)
+turn_rows = _turn.serial
+
+
+def angle_rows(positions, r: int, base: float, scaling, dtype):
+    """``(cos, sin)`` of ``positions`` ``(T,)`` or ``(B, T)`` from the table, as C-contiguous
+    ``(T or B·T, r/2)`` arrays: the rows :func:`turn_rows` reads."""
+    cos, sin = _angles(np.asarray(positions), r, base, scaling, dtype)
+    return np.ascontiguousarray(cos).reshape(-1, r // 2), np.ascontiguousarray(sin).reshape(-1, r // 2)
 
 
 def _rotate(qkv, n_qk: int, d_qk: int, r: int, cos, sin):

@@ -27,6 +27,10 @@ def _gate_forward(gate, up, out):
         out[i] = silu_parts(gate[i], one, lo, hi)[0] * up[i]
 
 
+#: ``out = silu(gate) ∘ up`` of flat arrays, written into ``out`` (serial or threaded by size)
+gate_into = _gate_forward
+
+
 @kernel(parallel=True)
 def _gate_backward(delta, gate, up, d_gate, d_up):
     """``Δ7_up = Δ8 ∘ silu(a7_gate)``, ``Δ7_gate = Δ8 ∘ a7_up ∘ silu'(a7_gate)``."""

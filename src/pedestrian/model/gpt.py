@@ -61,6 +61,7 @@ from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..kernels import kernels_for
 from ..kernels.workspace import Workspace
+from . import decode
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .edge import NumpyCache, resolve_device, to_torch
@@ -245,6 +246,10 @@ class GPT:
         return self._out(logits)
 
     def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
+        plain = not keep and not (self.config.dropout and self._dropping_out())   # nothing kept, no dropout
+        if decode.fits(self, tokens, targets, kv_cache, plain):                     # a generated token: fewer
+            logits, self._acts = decode.forward(self, tokens, kv_cache)             # calls, the same numbers
+            return logits
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
