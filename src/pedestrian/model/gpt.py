@@ -68,7 +68,7 @@ from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
 from .inspection import named_activations, named_deltas, require_forward
-from .recompute import keep_only_what_backward_reads, loss_delta, recomputed_blocks
+from .recompute import keep_only_what_backward_reads, loss_delta, recomputed_blocks, take_block
 from .slots import Slots
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
@@ -377,7 +377,7 @@ class GPT:
         top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
         d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
-            b, w, g = f.blocks[i], W.blocks[i], G.blocks[i]
+            b, w, g = take_block(f, i), W.blocks[i], G.blocks[i]                              # (loss(): let go after)
             if i < f.recomputed:                                                               # a2 … a10 again, same draws
                 self.dropout_rng = rng_after if b.rng is None else copy.deepcopy(b.rng)
                 b = self._block(b.x, w, None, None)

@@ -7,7 +7,9 @@ arithmetic for memory (``--recompute``, ``--recompute-blocks N``; docs/guide.md,
   (the skips' backward reads nothing, the norms keep their own ``x̂``), and ``a8`` is made again
   from ``a7`` in the backward (elementwise, the same kernel: the same bits).
 - A loss computed by :meth:`GPT.loss` (whose logits nobody outside the model holds) gets its
-  ``Δ12`` written over the logits (fast kernels): one ``(B, T, V)`` array less.
+  ``Δ12`` written over the logits (fast kernels): one ``(B, T, V)`` array less; and its backward
+  lets go of each block's arrays as soon as that block's backward has read them, so the blocks
+  recomputed later (the first ones) take their arrays from the pool instead of new memory.
 
 None of this changes a number: losses, gradients and ``Δ``s are the bits of ``recompute = False``
 (tests/system/test_recompute.py). What is let go cannot be inspected: :meth:`GPT.activations`
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["recomputed_blocks", "keep_only_what_backward_reads", "loss_delta"]
+__all__ = ["recomputed_blocks", "keep_only_what_backward_reads", "loss_delta", "take_block"]
 
 
 def recomputed_blocks(setting, n_blocks: int) -> int:
@@ -49,7 +51,22 @@ def loss_delta(kernels, f):
     """The cross-entropy's ``Δ12`` of the forward record ``f``, written over its logits when ``f``
     recomputes and came from :meth:`GPT.loss` (nobody else holds those logits); ``f.a12`` is
     then ``None``, so that a second backward is refused instead of reading ``Δ12`` as logits."""
-    over = bool(f.recomputed) and not getattr(f, "logits_held", True)
+    over = _spent_by_backward(f)
     delta = kernels.cross_entropy_backward(f.loss, over_logits=over)
     f.a12 = None if over else f.a12
     return delta
+
+
+def take_block(f, i: int):
+    """Block ``i``'s record in the forward record ``f`` for its backward; the record lets go of it
+    when ``f`` recomputes and came from :meth:`GPT.loss` (whose second backward is refused)."""
+    b = f.blocks[i]
+    if _spent_by_backward(f):
+        f.blocks[i] = None
+    return b
+
+
+def _spent_by_backward(f) -> bool:
+    """Whether the backward of ``f`` may write over what it reads and let it go: ``f`` recomputes
+    and came from :meth:`GPT.loss`, so nobody outside the model holds its logits."""
+    return bool(f.recomputed) and not getattr(f, "logits_held", True)
