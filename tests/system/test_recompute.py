@@ -121,6 +121,10 @@ def test_delta12_over_the_logits_only_when_no_caller_holds_them():
     model.backward()
     with pytest.raises(ValueError, match="run model.loss"):
         model.backward()
+    model.loss(x, x)                           # a signal of one's own: the blocks were let go all the same
+    model.backward(delta_logits=np.ones_like(before))
+    with pytest.raises(ValueError, match="run model.loss"):
+        model.backward(delta_logits=np.ones_like(before))
 
 
 def test_inspection_after_a_recomputing_forward_is_refused_in_one_line():

@@ -49,6 +49,6 @@ def require_forward(f, backward: bool = False):
         raise ValueError("the last forward ran with keep_activations=False (generation does): "
                          "run model.forward(tokens) again to keep its activations")
     if backward and f.a12 is None:
-        raise ValueError("the last forward's logits became its Δ12 in its backward (model.recompute): "
+        raise ValueError("the last forward's backward wrote over what it read and let it go (model.recompute): "
                          "run model.loss(tokens, targets) again before another backward")
     return f
