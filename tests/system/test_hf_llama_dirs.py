@@ -257,6 +257,8 @@ def names_seven():
 REFUSED = {   # case -> (config.json edit, the field and value the one line names)
     "yarn": ("llama-gqa-4:2-tied", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
              "rope_type='yarn'"),
+    "yarn-beside-rope_parameters": ("llama-gqa-4:2-tied", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+                                    "rope_type='yarn'"),          # (transformers reads it first: it was ignored)
     "sliding-window": ("mistral-no-window", {"sliding_window": 4096}, "sliding_window=4096"),
     "qwen2-sliding": ("qwen2-qkv-biases", {"use_sliding_window": True}, "use_sliding_window=True"),
     "gelu": ("llama-gqa-4:2-tied", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -266,6 +268,18 @@ REFUSED = {   # case -> (config.json edit, the field and value the one line name
     "sinks": ("llama-gqa-4:2-tied", {"attention_sink": True}, "attention_sink=True"),
     "another-model": ("llama-gqa-4:2-tied", {"model_type": "gemma"}, "model_type='gemma'"),
 }
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_first_as_transformers_does(folders, tmp_path):
+    """A config.json with both keys (transformers 5 writes ``rope_parameters``; an older tool or a
+    hand edit adds ``rope_scaling``): transformers takes ``rope_scaling``, its theta from
+    ``rope_theta`` beside it, and so does pedestrian -- the same logits, Llama 3's scaling on."""
+    d = edited_copy(folders, tmp_path, "llama-gqa-4:2-tied",
+                    {"rope_scaling": {k: v for k, v in L3.items() if k != "rope_theta"}, "rope_theta": 5000.0})
+    model = load_hf_model(d)
+    assert model.config.rope_scaling is not None and model.config.rope_base == 5000.0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    assert rel_err(model.forward(X), hf_logits(hf, X, torch.float32)) <= REL32
 
 
 def edited_copy(folders, tmp_path, case, edit):

@@ -95,8 +95,10 @@ def hf_family(hf_config: Mapping, *, source: str = "config.json") -> str:
 
 
 def _rope(c: Mapping, source: str) -> tuple[float, RopeScaling | None]:
-    """``(rope_base, rope_scaling)`` from ``rope_parameters`` or ``rope_theta`` + ``rope_scaling``."""
-    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    """``(rope_base, rope_scaling)`` from ``rope_scaling`` or else ``rope_parameters``, the theta
+    from that object or else ``rope_theta`` beside it (transformers' order when a config.json has
+    both: ``PreTrainedConfig.convert_rope_params_to_dict``, ``rope_scaling or rope_parameters``)."""
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{source}: rope_parameters={params!r} is not an object")
     if params and all(isinstance(v, Mapping) or v is None for v in params.values()):   # per layer type
