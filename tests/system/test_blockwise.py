@@ -144,7 +144,10 @@ def test_train_update_in_backward_writes_the_same_run(tmp_path, capsys, recomput
     models = [load_checkpoint(run).model for run in runs]
     for name, value in models[0].params.items():
         assert np.array_equal(value, models[1].params[name]), name
-    capsys.readouterr()
+    # a resume takes --grad-clip 0 from its checkpoint: --update-in-backward alone switches it on there
+    assert main(["train", "--out", str(runs[0]), "--resume", "--update-in-backward", "--max-steps", "6",
+                 "--no-progress", "--no-plot", "--no-sample"]) == 0
+    assert "on the 2 fixed validation batches" in capsys.readouterr().out      # its own --eval-batches
     clipped = [("1" if a == "0" and b == "--grad-clip" else a) for b, a in zip(["", *tiny], tiny)]
     assert main(["train", "--out", str(tmp_path / "clipped"), "--update-in-backward", *clipped]) != 0
     err = capsys.readouterr().err

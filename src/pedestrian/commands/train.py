@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if not result.is_writer:
         return 0
     print(f"final validation loss {result.val_loss:.4f} nats per token at step {result.step} "
-          f"(on the {settings.eval_batches} fixed validation batches; `pedestrian eval` takes the whole "
+          f"(on the {result.eval_batches} fixed validation batches; `pedestrian eval` takes the whole "
           f"split) ({result.seconds / 60:.1f} min); latest checkpoint {out / 'latest'}", file=sys.stdout)
     if args.sample:
         folder, texts = final_samples(out)

@@ -87,6 +87,7 @@ class TrainResult:
     tokenizer: Any = None
     is_writer: bool = True                    # rank 0 (or the only process): it wrote the files
     resume_command: str = ""                  # how to continue this run
+    eval_batches: int = 0                     # the validation batches of val_loss (a resumed run: its own)
 
 
 def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> tuple[TrainSettings, Checkpoint]:
@@ -225,7 +226,7 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
             is kept). Nothing on disk is changed before the inputs are validated.
     """
     t_start = time.perf_counter()
-    settings.validate()
+    settings.validate(resuming=resume)
     own_group = group is None
     if own_group:
         group = process_group(settings.device, settings.dist_timeout)
@@ -332,7 +333,7 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
                          best_val_loss=best_val, seconds=time.perf_counter() - t_start,
                          tokens_per_second=trainer.tokens_per_second(), stop_reason=reason, out=out,
                          model=model, tokenizer=tokenizer, is_writer=group.is_writer,
-                         resume_command=resume_command)
+                         resume_command=resume_command, eval_batches=settings.eval_batches)
     if reason == "interrupted":
         log.info(f"interrupted ({trainer.interrupted_by}) after step {result.step}: checkpoint saved in "
                  f"{out / 'latest'}")

@@ -127,9 +127,11 @@ class TrainSettings:
     dist_timeout: float = setting(300.0, "seconds a rank waits for the others in an exchange before the run "
                                   "stops with an error", rule=POSITIVE, metavar="S", group=_LOOP, tags=_PER_RUN)
 
-    def validate(self) -> None:
+    def validate(self, *, resuming: bool = False) -> None:
         """Raise :class:`TrainingError` naming the first bad setting (by its flag) and its valid
-        values (:func:`pedestrian.training.specs.check`), or a bad model setting."""
+        values (:func:`pedestrian.training.specs.check`), or a bad model setting. ``resuming``: the
+        flags of a ``--resume`` command, whose other settings come from the checkpoint (the run's
+        own settings are validated once merged), so ``--update-in-backward``'s needs are not read here."""
         try:
             check(self)
         except ValueError as exc:
@@ -141,7 +143,7 @@ class TrainSettings:
         needs = [fix for bad, fix in ((self.grad_clip > 0, "--grad-clip 0"), (self.grad_accum > 1, "--grad-accum 1"),
                                       (self.nproc > 1, "one process"), (self.backend != "numpy", "--backend numpy"),
                                       (bool(self.layer), "no --layer")) if bad]
-        if self.update_in_backward and needs:
+        if self.update_in_backward and needs and not resuming:
             raise TrainingError("--update-in-backward updates each block before the whole gradient exists: "
                                 f"it needs {', '.join(needs)}")
         try:
