@@ -260,7 +260,9 @@ REFUSED = {   # case -> (config.json edit, the field and value the one line name
     "yarn-beside-rope_parameters": ("llama-gqa-4:2-tied", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
                                     "rope_type='yarn'"),          # (transformers reads it first: it was ignored)
     "sliding-window": ("mistral-no-window", {"sliding_window": 4096}, "sliding_window=4096"),
-    "qwen2-sliding": ("qwen2-qkv-biases", {"use_sliding_window": True}, "use_sliding_window=True"),
+    "qwen2-sliding": ("qwen2-qkv-biases", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+                                            "layer_types": None},
+                      "use_sliding_window=True"),
     "gelu": ("llama-gqa-4:2-tied", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     "experts": ("mistral-no-window", {"num_local_experts": 8}, "num_local_experts=8"),
     "o_proj-bias": ("llama-gqa-4:2-tied", {"attention_bias": True}, "attention_bias=true"),
@@ -280,6 +282,15 @@ def test_rope_scaling_beside_rope_parameters_is_read_first_as_transformers_does(
     assert model.config.rope_scaling is not None and model.config.rope_base == 5000.0
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
     assert rel_err(model.forward(X), hf_logits(hf, X, torch.float32)) <= REL32
+
+
+def test_qwen2_sliding_window_on_but_no_layer_sliding_loads_exact(folders, tmp_path):
+    """``use_sliding_window`` true from layer ``max_window_layers`` (28 here) on, of 2 layers: no
+    layer slides in transformers, so the folder loads, with transformers' logits."""
+    d = edited_copy(folders, tmp_path, "qwen2-qkv-biases", {"use_sliding_window": True, "max_window_layers": 28})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    assert set(hf.config.layer_types) == {"full_attention"}
+    assert rel_err(load_hf_model(d).forward(X), hf_logits(hf, X, torch.float32)) <= REL32
 
 
 def edited_copy(folders, tmp_path, case, edit):

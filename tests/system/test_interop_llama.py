@@ -254,7 +254,7 @@ REFUSED = [
     ("llama", dict(num_key_value_heads=3), "n_kv_heads must be a positive integer dividing n_heads=4"),
     ("mistral", dict(sliding_window=4096), "sliding_window=4096 (a sliding-window attention) is not implemented"),
     ("mistral", dict(), "sliding_window=4096"),                       # the class default when the key is absent
-    ("qwen2", dict(use_sliding_window=True), "use_sliding_window=True (a sliding-window attention)"),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "use_sliding_window=True with max_window_layers=1"),
     ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types contains 'sliding_attention'"),
     ("mixtral", dict(), "model_type='mixtral' is not implemented"),
     ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0,
@@ -275,6 +275,11 @@ def test_refused_with_one_line(family, change, message):
 def test_qwen2_sliding_window_is_irrelevant_without_use_sliding_window():
     assert config_from_hf(dict(TINY, model_type="qwen2", num_key_value_heads=2, sliding_window=4096,
                                 max_window_layers=1)).qkv_bias
+    # switched on, but from layer 28 on (Qwen2Config's default max_window_layers) of 2: no layer slides
+    kw = dict(num_key_value_heads=2, use_sliding_window=True)
+    assert config_from_hf(dict(TINY, model_type="qwen2", **kw)).qkv_bias
+    layers = transformers.Qwen2Config(**{k: v for k, v in TINY.items() if k != "model_type"}, **kw).layer_types
+    assert set(layers) == {"full_attention"}
 
 
 def test_export_refuses_what_no_llama_has_and_gpt2_refuses_llama():

@@ -70,7 +70,8 @@ class SafetensorsFile:
                 self.shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
                 self.dtypes = {k: v.get_dtype() for k, v in slices.items()}
         except (SafetensorError, OSError, ValueError) as exc:
-            raise ValueError(f"{path} is not a safetensors file ({exc})") from None
+            raise ValueError(f"{path} is not a safetensors file ({exc}); copy or download it again "
+                             "(a cut-off copy looks like this)") from None
 
     def get(self, name: str) -> np.ndarray:
         """The tensor ``name`` as a NumPy array (BF16, which NumPy lacks, widened to float32)."""

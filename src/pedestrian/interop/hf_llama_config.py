@@ -18,7 +18,9 @@
 Refused, each with one line naming the field and its value: another ``hidden_act``, another
 ``rope_type`` (linear, dynamic, yarn, longrope, ...), ``partial_rotary_factor`` other than 1
 (Llama's rotate_half turns the whole head), a sliding window (Mistral ``sliding_window`` not
-null -- it is 4096 when the key is missing; Qwen2 ``use_sliding_window`` true; ``layer_types``
+null -- it is 4096 when the key is missing; Qwen2 ``use_sliding_window`` true with a
+``sliding_window`` and, without ``layer_types``, ``max_window_layers`` below ``num_hidden_layers``
+-- transformers' ``Qwen2Config`` slides layers ``max_window_layers`` and up; ``layer_types``
 other than ``full_attention``), Llama ``attention_bias`` or ``mlp_bias`` true alone, per-layer
 ``rope_parameters`` that differ, ``is_encoder_decoder`` or ``add_cross_attention`` true, and the
 keys of features the Llama code does not have (:data:`REFUSED_KEYS`: experts, q/k norms,
@@ -59,7 +61,8 @@ HF_DEFAULTS = {
     "llama": dict(_COMMON, vocab_size=32000, intermediate_size=11008, max_position_embeddings=2048,
                   attention_bias=False, mlp_bias=False),
     "qwen2": dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
-                  num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, layer_types=None),
+                  num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                  layer_types=None),
     "mistral": dict(_COMMON, vocab_size=32000, intermediate_size=14336, max_position_embeddings=131072,
                     num_key_value_heads=8, sliding_window=4096),
 }
@@ -150,10 +153,12 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
     if family == "mistral" and c["sliding_window"] is not None:
         raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} (a sliding-window attention) is "
                          "not implemented; only null (full causal attention)")
-    if family == "qwen2":
-        if c["use_sliding_window"]:
-            raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} (a sliding-window "
-                             "attention) is not implemented; only false")
+    if family == "qwen2" and c["use_sliding_window"] and c["sliding_window"] is not None and \
+            c.get("layer_types") is None and c["max_window_layers"] < c["num_hidden_layers"]:
+        raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} with max_window_layers="
+                         f"{c['max_window_layers']!r} of {c['num_hidden_layers']!r} layers (a sliding-window "
+                         "attention from that layer on) is not implemented; pedestrian loads only models whose "
+                         "every layer attends to the whole causal context")
     other = [t for t in c.get("layer_types") or [] if t != "full_attention"]
     if other:
         raise ValueError(f"{source}: layer_types contains {other[0]!r}; pedestrian implements only "
