@@ -117,7 +117,7 @@ def resolve_checkpoint_dir(path) -> Path:
     """Find the checkpoint folder a user path stands for.
 
     Accepts a checkpoint folder (holding ``state.json``), one of its files, or a run folder
-    (``runs/NAME``, meaning its ``latest/``). A folder missing only because a save was killed
+    (``runs/NAME``, meaning its ``latest/``; a fine-tuning run's: its ``adapter/``). A folder missing only because a save was killed
     between its two renames is found at ``.NAME.old``.
 
     Raises:
@@ -127,7 +127,7 @@ def resolve_checkpoint_dir(path) -> Path:
     p = Path(path).expanduser()
     if p.is_file() and p.name in (STATE_FILE, MODEL_FILE, OPTIMIZER_FILE):
         p = p.parent
-    for candidate in (p, p / "latest"):
+    for candidate in (p, p / "latest", p / "adapter"):
         if (candidate / STATE_FILE).is_file():
             return candidate
         old = interrupted_copy(candidate)
@@ -140,7 +140,8 @@ def resolve_checkpoint_dir(path) -> Path:
             "`step 0: val loss` line is the model's own loss on --data)")
     raise FileNotFoundError(
         f"no checkpoint at {p}: expected a folder holding {STATE_FILE} (e.g. runs/NAME/latest or "
-        "runs/NAME/best) or a run folder holding latest/; train one with `pedestrian train`")
+        "runs/NAME/best) or a run folder holding latest/ (a fine-tuning run's: adapter/); train one with "
+        "`pedestrian train`")
 
 
 def read_state(path) -> tuple[Path, dict]:
@@ -338,7 +339,8 @@ def load_checkpoint(path, *, backend: str = "numpy", dtype: str | None = None, b
     """Load a checkpoint written by :func:`save_checkpoint`.
 
     Args:
-        path: a checkpoint folder, one of its files, or a run folder (its ``latest/``).
+        path: a checkpoint folder, one of its files, or a run folder (its ``latest/``, or a
+            fine-tuning run's ``adapter/``).
         backend: ``"numpy"`` or ``"torch"`` for the rebuilt model.
         dtype: ``"float32"`` / ``"float64"``; ``None`` keeps the saved dtype.
         base_model: for an adapter-only checkpoint (``params="lora"``), the

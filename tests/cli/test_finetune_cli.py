@@ -302,6 +302,7 @@ def test_finetune_stops_on_non_finite_steps_naming_the_last_good_adapter(run, tm
     assert f"the adapter checkpoint of step 4 in {out / 'adapter'} is kept (the last good one)" in lines[3]
     ckpt = load_checkpoint(out / "adapter", base_model=load_pretrained(base)[0])
     assert ckpt.step == 4 and ckpt.meta["skipped_steps"] == 2 and ckpt.optimizer_state()["step"] == 2
+    assert load_checkpoint(out, base_model=load_pretrained(base)[0]).path == out / "adapter"   # the run folder too
     assert not (out / "peft").exists()
 
 
