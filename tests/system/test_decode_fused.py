@@ -26,9 +26,6 @@ What is compared, at every step:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,9 +38,10 @@ from pedestrian.generation.generate import generate
 from pedestrian.model import GPT
 from pedestrian.model.kv_cache import KVCache
 
+from thread_runs import run_with_threads
+
 settings.register_profile("decode-ci", max_examples=30, derandomize=True, database=None, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SRC = Path(__file__).resolve().parents[2] / "src"
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8}
 
@@ -133,14 +131,7 @@ def test_property_in_process(case, dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_property_with_threads(threads):
     """The property test in a fresh interpreter with ``PEDESTRIAN_NUM_THREADS = threads``."""
-    env = dict(os.environ, PEDESTRIAN_DECODE_PROPERTY="1", PEDESTRIAN_NUM_THREADS=str(threads),
-               OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-x",
-                           f"{__file__}::test_property_in_process"],
-                          env=env, capture_output=True, text=True, timeout=1200, cwd=str(SRC.parent))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+    run_with_threads(__file__, "test_property_in_process", threads, {"PEDESTRIAN_DECODE_PROPERTY": "1"})
 
 
 @pytest.fixture

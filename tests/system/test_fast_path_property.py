@@ -65,8 +65,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +74,7 @@ from hypothesis import strategies as st
 
 from gradcheck import build_model, token_batch
 from torch_reference import default_cfg, fc_layer_names, random_params
+from thread_runs import run_with_threads
 
 #: examples per thread count in CI (two subprocesses: ~1 min in all on two cores)
 CI_EXAMPLES = 50
@@ -94,7 +93,6 @@ FLOAT32_FLOOR_ROUNDINGS = 64
 FLOAT32_SPREAD = 4
 FLOAT32_SENSITIVITY_ROUNDINGS = 16
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, lora, activation,
@@ -299,15 +297,8 @@ def test_property_with_threads(threads, tmp_path):
     the BLAS on as many), so its thread pools are those of such a
     machine. Prints the worst relative differences it met (``pytest -s`` shows them)."""
     report = tmp_path / "worst.json"
-    env = dict(os.environ, PEDESTRIAN_PROPERTY="1", PEDESTRIAN_NUM_THREADS=str(threads),
-               PEDESTRIAN_PROPERTY_REPORT=str(report),
-               OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-x",
-                           f"{__file__}::test_property_in_process"],
-                          env=env, capture_output=True, text=True, timeout=1200, cwd=str(SRC.parent))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+    run_with_threads(__file__, "test_property_in_process", threads,
+                     {"PEDESTRIAN_PROPERTY": "1", "PEDESTRIAN_PROPERTY_REPORT": str(report)})
     for key, (err, case) in sorted(json.loads(report.read_text()).items()):
         print(f"threads={threads} {key}: worst |fast - reference| / scale = {err:.2e} at {case}")
 

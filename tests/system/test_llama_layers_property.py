@@ -23,8 +23,6 @@ same (float32) numbers (its own error is 2^-29 of that bound).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +33,7 @@ from hypothesis import strategies as st
 import pedestrian.kernels as fast
 import pedestrian.layers as reference
 from llama_oracles import SILU_ROUNDINGS, rmsnorm_bounds, swiglu_mlp_bounds
+from thread_runs import run_with_threads
 
 #: examples per thread count in CI (derandomized: every run checks the same cases)
 CI_EXAMPLES = 40
@@ -43,7 +42,6 @@ settings.register_profile("llama-ci", max_examples=CI_EXAMPLES, derandomize=True
 settings.register_profile("llama-thorough", max_examples=1500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 THRESHOLD_T = (1, 2, 3, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300)
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def run_layers(K, x, w_norm, eps, weights, d_norm, d_mlp):
@@ -148,13 +146,6 @@ def test_property_with_threads(threads, tmp_path):
     """The property test in a fresh interpreter with ``PEDESTRIAN_NUM_THREADS = threads`` (and the
     BLAS on as many). Prints the worst error / bound it met (``pytest -s`` shows it)."""
     report = tmp_path / "worst.txt"
-    env = dict(os.environ, PEDESTRIAN_LLAMA_PROPERTY="1", PEDESTRIAN_NUM_THREADS=str(threads),
-               PEDESTRIAN_LLAMA_PROPERTY_REPORT=str(report),
-               OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-x",
-                           f"{__file__}::test_property_in_process"],
-                          env=env, capture_output=True, text=True, timeout=1200, cwd=str(SRC.parent))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+    run_with_threads(__file__, "test_property_in_process", threads,
+                     {"PEDESTRIAN_LLAMA_PROPERTY": "1", "PEDESTRIAN_LLAMA_PROPERTY_REPORT": str(report)})
     print(f"threads={threads}: worst error / bound = {float(report.read_text()):.3f}")
