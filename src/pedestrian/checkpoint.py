@@ -117,8 +117,8 @@ def resolve_checkpoint_dir(path) -> Path:
     """Find the checkpoint folder a user path stands for.
 
     Accepts a checkpoint folder (holding ``state.json``), one of its files, or a run folder
-    (``runs/NAME``, meaning its ``latest/``; a fine-tuning run's: its ``adapter/``). A folder missing only because a save was killed
-    between its two renames is found at ``.NAME.old``.
+    (``runs/NAME``, meaning its ``latest/``; a fine-tuning run's: its ``adapter/``). A folder
+    missing only because a save was killed between its two renames is found at ``.NAME.old``.
 
     Raises:
         FileNotFoundError: nothing loadable there (the message says what was expected; a Hugging
