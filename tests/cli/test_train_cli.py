@@ -323,6 +323,32 @@ def test_progress_bar_never_shows_val_nan(corpus, tmp_path, capsys):
     assert re.search(r"val \d\.\d{4}", last_bar), last_bar        # updated after the final validation
 
 
+def test_progress_bar_draws_each_steps_own_loss(corpus, tmp_path, capsys, monkeypatch):
+    """Every frame of the bar shows the loss of the step it counts (it showed the step before's:
+    the loss was set after the update that drew the frame). Frames drawn at every update here."""
+    import re
+
+    from pedestrian.training import loop, read_log
+
+    make = loop.Trainer._progress_bar
+
+    def every_update(self):
+        bar = make(self)
+        bar.mininterval, bar.miniters = 0, 0
+        return bar
+
+    monkeypatch.setattr(loop.Trainer, "_progress_bar", every_update)
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), "--max-steps", "3", *TINY,
+            "--eval-interval", "100", "--no-sample"]
+    argv.remove("--no-progress")
+    assert main(argv) == 0
+    frames = [line for line in re.split(r"[\r\n]", capsys.readouterr().err) if line.startswith("train")]
+    losses = {r["step"]: f"loss {r['loss']:.4f}" for r in read_log(tmp_path / "run" / "log.jsonl") if "loss" in r}
+    for step in (2, 3):
+        drawn = [f for f in frames if f" {step}/3 " in f]
+        assert drawn and all(losses[step] in f for f in drawn), (step, losses, drawn)
+
+
 @pytest.mark.parametrize("flags, expect", [
     (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),

@@ -226,9 +226,10 @@ class Trainer:
                 self.files.log(self._step_record())
                 if self.bar is None:         # from the end of the first step: its compile is in
                     self.bar = self._progress_bar()      # no rate and no time left
-                else:
+                    self._postfix(refresh=True)
+                else:                        # (the postfix first: the update draws this step's loss)
+                    self._postfix()
                     self.bar.update(1)
-                self._postfix()
                 t_chores = time.perf_counter()
                 if self.data.eval_interval and self.step % self.data.eval_interval == 0:
                     self.evaluate(say=True)
