@@ -344,6 +344,29 @@ def test_run_writes_log_checkpoints_and_plot(corpus, tmp_path):
     assert latest.step == 40 and latest.meta["settings"]["max_steps"] == 40
 
 
+def test_throughput_leaves_out_the_first_step(corpus, tmp_path, monkeypatch):
+    """The reported tokens/s is that of the steps after the first, whose time on a first run holds
+    the kernels' compile: a first step made 2 s slower leaves it above 3× the all-steps mean
+    (6 steps of 64 tokens; the mean over the whole run would be below 192 tokens/s)."""
+    import time
+
+    import pedestrian.training.loop as loop_module
+
+    real, calls = loop_module.train_step, [0]
+
+    def slow_first(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", slow_first)
+    t0 = time.perf_counter()
+    r = train(_settings(corpus, tmp_path / "run", eval_interval=100))
+    whole = 6 * 4 * 16 / (time.perf_counter() - t0)
+    assert r.step == 6 and r.tokens_per_second > 3 * whole, (r.tokens_per_second, whole)
+
+
 def test_max_minutes_stops_gracefully(corpus, tmp_path):
     s = _settings(corpus, tmp_path / "run", max_steps=10_000, max_minutes=0.02, plot=True, eval_interval=5)
     r = train(s)

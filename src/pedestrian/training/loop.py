@@ -167,7 +167,7 @@ class Trainer:
         self.skipped_in_a_row, self.skipped_total = 0, 0
         self.last_eval = self.last_save = -1
         self.step_seconds, self.steps_this_run = 0.0, 0
-        self.t_loop = time.perf_counter()
+        self.t_loop = self.t_warm = time.perf_counter()
         self.stop_reason: str | None = None
         self.interrupted_by = ""                    # the first stop request ("SIGINT", "stdout closed")
         self.batches: list = []                     # the last step's micro-batches
@@ -222,6 +222,7 @@ class Trainer:
                                                  self.group, self._dropout_key())
                 self.step_seconds = time.perf_counter() - t0
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
+                self.t_warm = time.perf_counter() if self.steps_this_run == 1 else self.t_warm
                 self._count_skip()
                 self.files.log(self._step_record())
                 if self.bar is None:         # from the end of the first step: its compile is in
@@ -302,8 +303,12 @@ class Trainer:
         return loss
 
     def tokens_per_second(self) -> float:
-        """Mean training throughput of this run so far (validation and saving included)."""
-        return self.data.tokens_per_step * self.steps_this_run / max(time.perf_counter() - self.t_loop, 1e-9)
+        """Mean training throughput of this run so far after its first step (validation and saving
+        included), tokens a second: the first step of a first run also compiles the kernels (tens
+        of seconds), which no later step repeats. Before a second step: the first step's own."""
+        if self.steps_this_run < 2:
+            return self.data.tokens_per_step * self.steps_this_run / max(time.perf_counter() - self.t_loop, 1e-9)
+        return self.data.tokens_per_step * (self.steps_this_run - 1) / max(time.perf_counter() - self.t_warm, 1e-9)
 
     def non_finite_message(self, kept: str) -> str:
         """The error of a ``"non_finite"`` stop; ``kept`` says which checkpoint is the last good
