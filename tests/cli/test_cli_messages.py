@@ -100,6 +100,8 @@ def test_eval_on_a_short_file_names_the_evaluated_part(char_ckpt, tmp_path, caps
     assert "training split" not in err and "val part" in err and "--split all" in err
     assert main(["eval", str(char_ckpt), "--data", str(one), "--split", "all", "--no-progress"]) == 0
     assert "all loss" in capsys.readouterr().out
+    assert main(["eval", str(char_ckpt), "--data", str(one), "--split", "all"]) == 0    # shorter than a window:
+    assert "batch" not in capsys.readouterr().err                                       # no empty bar ("0batch")
 
 
 def test_sample_piped_into_head_ends_quietly(char_ckpt):

@@ -147,7 +147,8 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
     from tqdm import tqdm
 
     with eval_mode(model):
-        for chunk in tqdm(chunks, desc="eval", unit="batch", disable=not progress, file=sys.stderr):
+        # (a text shorter than one window has no full batch: no bar, rather than an empty one)
+        for chunk in tqdm(chunks, desc="eval", unit="batch", disable=not progress or not chunks, file=sys.stderr):
             idx = np.asarray(chunk)[:, None] + np.arange(T + 1)
             w = np.asarray(tokens[idx], dtype=np.int64)
             total += model.loss(w[:, :-1], w[:, 1:]) * w[:, 1:].size
