@@ -14,11 +14,8 @@ from pedestrian.text.tokenizer import CharTokenizer
 
 
 def _one_line_error(capsys, *fragments) -> str:
-    """The stdout of a call whose stderr is one ``error: ...`` line holding every fragment (the
-    compile notice left out, as by :func:`cli_helpers.one_line_error`: its timer can fire in any
-    later call of the process)."""
     out, err = capsys.readouterr()
-    lines = [line for line in err.strip().splitlines() if not line.startswith("pedestrian: compiled ")]
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for f in fragments:
         assert f in lines[0], (f, lines[0])

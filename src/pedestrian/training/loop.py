@@ -222,7 +222,8 @@ class Trainer:
                                                  self.group, self._dropout_key())
                 self.step_seconds = time.perf_counter() - t0
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
-                self.t_warm = time.perf_counter() if self.steps_this_run == 1 else self.t_warm
+                if self.steps_this_run == 1:
+                    self.t_warm = time.perf_counter()
                 self._count_skip()
                 self.files.log(self._step_record())
                 if self.bar is None:         # from the end of the first step: its compile is in
@@ -306,9 +307,9 @@ class Trainer:
         """Mean training throughput of this run so far after its first step (validation and saving
         included), tokens a second: the first step of a first run also compiles the kernels (tens
         of seconds), which no later step repeats. Before a second step: the first step's own."""
-        if self.steps_this_run < 2:
-            return self.data.tokens_per_step * self.steps_this_run / max(time.perf_counter() - self.t_loop, 1e-9)
-        return self.data.tokens_per_step * (self.steps_this_run - 1) / max(time.perf_counter() - self.t_warm, 1e-9)
+        start, steps = (self.t_loop, self.steps_this_run) if self.steps_this_run < 2 else \
+            (self.t_warm, self.steps_this_run - 1)
+        return self.data.tokens_per_step * steps / max(time.perf_counter() - start, 1e-9)
 
     def non_finite_message(self, kept: str) -> str:
         """The error of a ``"non_finite"`` stop; ``kept`` says which checkpoint is the last good
