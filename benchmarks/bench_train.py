@@ -13,6 +13,7 @@ Run (about 2 minutes per backend on 2 cores)::
     python3 benchmarks/bench_train.py --config char-small --steps 10 --no-memory   # quick look
     python3 benchmarks/bench_train.py --config char-small llama-char --no-breakdown  # GPT-2 vs Llama style
     python3 benchmarks/bench_train.py --config all --threads 1       # single-threaded, both sides
+    python3 benchmarks/bench_train.py --config all --backend torch --device cuda --no-breakdown  # on a GPU
 
 Configs: char-small (GPT-2's layout at 4 x 128, tanh GELU, biases), nanogpt-recipe (the model of
 nanoGPT's README CPU recipe: the same widths, exact GELU, no biases), gpt2-124M and llama-char
@@ -192,7 +193,7 @@ def build_torch_model(config, attention: str):
 
         def forward(self, idx, targets):
             T = idx.shape[1]
-            x = self.wte(idx) + self.wpe(torch.arange(T))
+            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
             for block in self.h:
                 x = block(x)
             logits = self.lm_head(self.ln_f(x))
@@ -379,7 +380,15 @@ def make_batches(config, B, T, n=4, seed=0):
     return out
 
 
-def pick_torch_attention(tmodel, batches, reps: int) -> tuple[str, dict]:
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a GPU runs torch's calls asynchronously); a no-op on the CPU."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def pick_torch_attention(tmodel, batches, reps: int, device: str = "cpu") -> tuple[str, dict]:
     """Time forward+backward with SDPA and with manual attention; keep the faster.
 
     Two interleaved rounds per mode, each with one untimed call first.
@@ -391,6 +400,7 @@ def pick_torch_attention(tmodel, batches, reps: int) -> tuple[str, dict]:
         for j in range(reps + 1):
             t0 = time.perf_counter()
             tmodel(x, y).backward()
+            sync(device)
             if j:
                 times.setdefault(mode, []).append(time.perf_counter() - t0)
         tmodel.zero_grad(set_to_none=True)
@@ -407,8 +417,9 @@ class _Side(common.SpawnedSide):
     region, so in one process each side's idle threads would slow the other's steps several-fold
     (measured: 2.3 s against 70 ms per step, back to back)."""
 
-    def __init__(self, side: str, config, B: int, T: int, backend: str, *, reps: int = 2, attention: str = "auto"):
-        super().__init__(_serve, side, config, B, T, backend, reps, attention)
+    def __init__(self, side: str, config, B: int, T: int, backend: str, *, reps: int = 2, attention: str = "auto",
+                 device: str = "cpu"):
+        super().__init__(_serve, side, config, B, T, backend, reps, attention, device)
 
 
 def force_attention(kind: str) -> None:
@@ -420,38 +431,44 @@ def force_attention(kind: str) -> None:
         TILED_MIN_T.update({k: (1 << 40 if kind == "full" else 1) for k in TILED_MIN_T})
 
 
-def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention: str, conn) -> None:
+def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention: str, device: str, conn) -> None:
     """The side's process (``"pedestrian"`` or ``"torch"``): build its model from pedestrian's
     seed-0 weights, then answer ``("steps", n, lead_in)`` with ``[(seconds, loss), …]`` of the
     ``n`` timed steps, ``("block", n)``, ``("breakdown",)``, ``("profile",)``, ``("exit",)``.
     ``attention``: pedestrian's attention kernel, ``"auto"`` (the library's choice), ``"full"``
-    or ``"tiled"`` (``bench_context.py --kernels``)."""
+    or ``"tiled"`` (``bench_context.py --kernels``). ``device``: ``"cpu"`` or a torch device
+    (both sides' arrays there; each step waits for the device before its time is taken)."""
     try:
         from pedestrian.model import GPT
 
         force_attention(attention)
         batches = make_batches(config, B, T, n=2 if T > 256 else 4)
-        model = GPT(config, seed=0, backend=backend if side == "pedestrian" else "numpy")
+        on_device = side == "pedestrian" and device != "cpu"
+        model = GPT(config, seed=0, backend=backend if side == "pedestrian" else "numpy",
+                    device=device if on_device else None)
         info: dict = {}
         if side == "pedestrian":
             opt, info["optimizer"] = make_optimizer(model)
             if backend == "torch":
                 import torch
 
-                batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+                batches = [(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)) for x, y in batches]
 
             def step(k: int) -> float:
-                return float(pedestrian_step(model, opt, *batches[k % len(batches)]))
+                loss = float(pedestrian_step(model, opt, *batches[k % len(batches)]))
+                sync(device)
+                return loss
         else:
             import torch
 
             torch.manual_seed(0)
-            batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+            batches = [(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)) for x, y in batches]
             tmodel = build_torch_model(config, "sdpa")
             copy_weights_to_torch(model.params, tmodel, config)
+            tmodel.to(device)
             topt, info["optimizer"] = make_torch_optimizer(tmodel)
             info["optimizer"] = f"torch.optim.AdamW({info['optimizer']})"
-            info["attention"], info["attention_ms"] = pick_torch_attention(tmodel, batches, reps=reps)
+            info["attention"], info["attention_ms"] = pick_torch_attention(tmodel, batches, reps=reps, device=device)
 
             def step(k: int) -> float:
                 return torch_step(tmodel, topt, *batches[k % len(batches)])
@@ -496,10 +513,10 @@ def _serve(side: str, config, B: int, T: int, backend: str, reps: int, attention
 
 
 def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
-               breakdown: bool, profile: bool) -> dict:
+               breakdown: bool, profile: bool, device: str = "cpu") -> dict:
     config, B, T = make_config(name)
     reps = 2 if name != "gpt2-124M" else 1
-    sides = (_Side("pedestrian", config, B, T, backend, reps=reps), _Side("torch", config, B, T, backend, reps=reps))
+    sides = tuple(_Side(side, config, B, T, backend, reps=reps, device=device) for side in ("pedestrian", "torch"))
     attention, attention_ms = sides[1].info["attention"], sides[1].info["attention_ms"]
     per_round, lead_in = ROUNDS[name]
     times: tuple[list, list] = ([], [])
@@ -528,7 +545,7 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
 
     model = GPT(config, seed=0)
     result = {
-        "config": name, "backend": backend, "kernels": model.kernels_name, "batch_size": B, "seq_len": T,
+        "config": name, "backend": backend, "device": device, "kernels": model.kernels_name, "batch_size": B, "seq_len": T,
         "n_params": model.num_params(), "steps_timed": steps, "warmup": warmup,
         "pedestrian_ms": round(ped_ms, 2), "torch_ms": round(tor_ms, 2),
         "pedestrian_ms_iqr": [round(1e3 * q, 2) for q in statistics.quantiles(ped_t, n=4)[::2]],
@@ -559,7 +576,7 @@ def run_config(name: str, backend: str, warmup: int, steps: int, memory: bool,
         for side in ("pedestrian", "torch"):
             result[f"{side}_peak_rss_mib"] = common.child_json(
                 [__file__, "--child-memory", side, "--config", name, "--backend", backend,
-                 "--torch-attention", attention])
+                 "--torch-attention", attention, "--device", device])
     return result
 
 
@@ -569,34 +586,40 @@ def _threads() -> int:
     return threads_used()
 
 
-def child_memory(side: str, name: str, backend: str, attention: str) -> dict:
-    """Peak RSS of 3 training steps of one side alone (this runs in its own process)."""
+def child_memory(side: str, name: str, backend: str, attention: str, device: str = "cpu") -> dict:
+    """Peak RSS of 3 training steps of one side alone (this runs in its own process); on a GPU
+    also the peak of PyTorch's device allocator (``torch.cuda.max_memory_allocated``), which both
+    sides allocate through."""
     base = common.peak_rss_mib()
     config, B, T = make_config(name)
     batches = make_batches(config, B, T, n=3)
+    if backend == "torch" or side == "torch":
+        import torch
+
+        batches = [(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)) for x, y in batches]
     if side == "pedestrian":
         from pedestrian.model import GPT
 
-        model = GPT(config, seed=0, backend=backend)
+        model = GPT(config, seed=0, backend=backend, device=None if device == "cpu" else device)
         opt, _ = make_optimizer(model)
-        if backend == "torch":
-            import torch
-
-            batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
         for x, y in batches:
             pedestrian_step(model, opt, x, y)
     else:
-        import torch
-
-        tmodel = build_torch_model(config, attention)   # its own init: values do not change memory
+        tmodel = build_torch_model(config, attention).to(device)   # its own init: values do not change memory
         topt, _ = make_torch_optimizer(tmodel)
         for x, y in batches:
-            torch_step(tmodel, topt, torch.from_numpy(x), torch.from_numpy(y))
-    return {"peak_rss_mib": round(common.peak_rss_mib(), 1), "rss_before_model_mib": round(base, 1)}
+            torch_step(tmodel, topt, x, y)
+    out = {"peak_rss_mib": round(common.peak_rss_mib(), 1), "rss_before_model_mib": round(base, 1)}
+    if device != "cpu":
+        out["peak_device_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return out
 
 
 # ---------------------------------------------------------------------------------- report
-def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
+def markdown(results: list[dict], info: dict, peaks: dict | None, backend: str, device: str = "cpu") -> str:
+    """The results as a section of ``docs/performance.md``; ``peaks`` ``None`` (a GPU run): no MFU."""
+    if peaks is None:
+        return _markdown_device(results, info, backend, device)
     peak = peaks["numpy" if backend == "numpy" else "torch"]["square"]
     lines = [f"### Training step, `backend=\"{backend}\"`", "", common.machine_line(info), "",
              f"Matmul peak measured in this run (float32, {peaks['numpy']['square_n']}² square, best of the start and the end): "
@@ -645,11 +668,34 @@ def markdown(results: list[dict], info: dict, peaks: dict, backend: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _markdown_device(results: list[dict], info: dict, backend: str, device: str) -> str:
+    lines = [f"### Training step, `backend=\"{backend}\", device=\"{device}\"`", "",
+             common.machine_line(info) + f" GPU: {info.get('gpu', '?')}.", "",
+             "Both sides' arrays on the GPU; each timed step ends with `torch.cuda.synchronize()`. Paused: each "
+             "timed step after a pause; back to back: steps in a row. Peak memory: PyTorch's device allocator "
+             "(`torch.cuda.max_memory_allocated`, 3 steps of each side alone in a fresh process).", "",
+             "| config | B×T | pedestrian ms | PyTorch ms | ratio | back to back ms (ped / torch) | ratio b2b "
+             "| tokens/s (ped / torch) | peak GPU MiB (ped / torch) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        mem = (f"{r['pedestrian_peak_rss_mib']['peak_device_mib']:.0f} / {r['torch_peak_rss_mib']['peak_device_mib']:.0f}"
+               if "torch_peak_rss_mib" in r else "not measured")
+        lines.append(
+            f"| {r['config']} | {r['batch_size']}×{r['seq_len']} | {r['pedestrian_ms']:.1f} | {r['torch_ms']:.1f} "
+            f"| **{r['ratio']:.2f}** | {r['pedestrian_back_to_back_ms']:.1f} / {r['torch_back_to_back_ms']:.1f} "
+            f"| **{r['ratio_back_to_back']:.2f}** | {r['pedestrian_tokens_per_s']:.0f} / {r['torch_tokens_per_s']:.0f} | {mem} |")
+    lines += ["", "PyTorch side: " + ", ".join(f"{r['config']}: {r['torch_optimizer']}, attention `{r['torch_attention']}`"
+                                              for r in results) + ". Largest |loss difference| between the sides: "
+              + ", ".join(f"{r['config']} {r['max_loss_difference']:.1e}" for r in results) + "."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", nargs="+", default=["all"], choices=["all", *CONFIGS],
                     help="one or more configs, or all (default)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
+    ap.add_argument("--device", default="cpu", help="cpu (default) or a torch device such as cuda (needs --backend "
+                    "torch): both sides' arrays there")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default per config)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -670,11 +716,19 @@ def main(argv=None) -> int:
 
     if args.child_memory:
         config_name = args.config[0]
-        print(json.dumps(child_memory(args.child_memory, config_name, args.backend, args.torch_attention)))
+        print(json.dumps(child_memory(args.child_memory, config_name, args.backend, args.torch_attention,
+                                      args.device)))
         return 0
+    if args.device != "cpu" and args.backend != "torch":
+        ap.error(f"--device {args.device} needs --backend torch (NumPy arrays live on the CPU)")
 
     info = common.machine_info()
-    peaks = {"numpy": common.matmul_peak_gflops("numpy"), "torch": common.matmul_peak_gflops("torch")}
+    if args.device == "cpu":
+        peaks = {"numpy": common.matmul_peak_gflops("numpy"), "torch": common.matmul_peak_gflops("torch")}
+    else:                                     # the CPU's matmul peak says nothing of a GPU's step
+        import torch
+
+        peaks, info["gpu"] = None, torch.cuda.get_device_name(args.device)
     print(json.dumps({"machine": info, "matmul_peak": peaks}), file=sys.stderr)
     every = "all" in args.config
     names = list(CONFIGS) if every else list(dict.fromkeys(args.config))
@@ -682,27 +736,30 @@ def main(argv=None) -> int:
     for name in names:
         w, s = DEFAULT_STEPS[name]
         r = run_config(name, args.backend, args.warmup if args.warmup is not None else w,
-                       args.steps or s, not args.no_memory, not args.no_breakdown, args.profile)
+                       args.steps or s, not args.no_memory,
+                       not args.no_breakdown and args.device == "cpu",   # (a GPU's calls return before they end)
+                       args.profile, args.device)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "pedestrian_breakdown"}), file=sys.stderr)
     # the peak again at the end: the larger of the two is the less disturbed measurement
-    for lib in peaks:
+    for lib in peaks or ():
         again = common.matmul_peak_gflops(lib)
         for k in ("square", "batched_48x64"):
             peaks[lib][k] = max(peaks[lib][k], again[k])
-    backend_peak = peaks["numpy" if args.backend == "numpy" else "torch"]["square"]
-    for r in results:
-        r["pedestrian_mfu"] = round(r["pedestrian_gflops"] / backend_peak, 3)
-        r["torch_mfu"] = round(r["torch_gflops"] / peaks["torch"]["square"], 3)
-    text = markdown(results, info, peaks, args.backend)
+    if peaks is not None:
+        backend_peak = peaks["numpy" if args.backend == "numpy" else "torch"]["square"]
+        for r in results:
+            r["pedestrian_mfu"] = round(r["pedestrian_gflops"] / backend_peak, 3)
+            r["torch_mfu"] = round(r["torch_gflops"] / peaks["torch"]["square"], 3)
+    text = markdown(results, info, peaks, args.backend, args.device)
     print(text)
     if not args.no_save:
-        tag = f"train_{args.backend}" + ("" if every else "_" + "_".join(names)) \
-            + ("" if args.threads is None else f"_{args.threads}thread")
+        tag = f"train_{args.backend}" + ("" if args.device == "cpu" else "_" + args.device.split(":")[0]) \
+            + ("" if every else "_" + "_".join(names)) + ("" if args.threads is None else f"_{args.threads}thread")
         common.write_json(tag, {"machine": info, "matmul_peak": peaks, "hparams": HPARAMS,
                                 "results": results})
         common.write_markdown(tag, text)
-        if every and args.threads is None:
+        if every and args.threads is None and args.device == "cpu":
             common.update_doc_section(tag, text)
     return 0
 

@@ -74,6 +74,6 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None, accumulate_tok: bo
         scatter_add_rows(dtok, xp.reshape(tokens, (-1,)), delta_rows)
     if dpos is not None:
         dpos[...] = 0
-        pos = xp.arange(T) if positions is None else positions
+        pos = xp.arange(T, device=tokens.device) if positions is None else positions
         check_ids(pos, dpos.shape[0], "position")
         scatter_add_rows(dpos, xp.reshape(xp.broadcast_to(pos, (B, T)), (-1,)), delta_rows)
