@@ -336,3 +336,65 @@ def test_a_full_disk_while_saving_names_the_last_adapter_checkpoint(run, tmp_pat
     assert "ENOSPC" in err and f"the adapter checkpoint of step 2 in {out / 'adapter'} is kept" in err
     assert "--overwrite" in err
     assert {p.name: p.read_bytes() for p in (out / "adapter").iterdir()} == seen["at_failure"]
+
+
+def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path, capsys, monkeypatch):
+    """Ctrl-C after step 3, then the same command with --resume: the adapters, the AdamW state
+    and the log equal those of the run that was never stopped, bit for bit (the batches' generator
+    is recorded, the adapter-dropout masks depend only on the step)."""
+    import os
+    import signal
+
+    import pedestrian.training.loop as loop_module
+    from pedestrian.checkpoint import load_checkpoint
+    from pedestrian.training import read_log
+
+    tmp, base, _ = run
+    argv = ["finetune", "--hf-dir", base, "--data", tmp / "data.txt", "--lora-rank", "2", "--lora-dropout", "0.1",
+            "--lora-targets", "q", "mlp_contract", "--max-steps", "6", "--context-length", "16", "--batch-size", "2",
+            "--eval-interval", "2", "--eval-batches", "1", "--lr", "1e-2", "--no-progress", "--no-plot"]
+    assert main(capsys, *argv, "--out", tmp_path / "straight")[0] == 0
+    real, calls = loop_module.train_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", step)
+    out = tmp_path / "stopped"
+    code, _, err = main(capsys, *argv, "--out", out)
+    assert code == 130 and "continue with the same command and --resume" in err
+    monkeypatch.setattr(loop_module, "train_step", real)
+    assert json.loads((out / "adapter" / "state.json").read_text())["step"] == 3
+    code, _, err = main(capsys, *argv, "--out", out, "--resume")
+    assert code == 0, err
+    base_model = load_pretrained(base)[0]
+    a = load_checkpoint(tmp_path / "straight", base_model=base_model)
+    a_params = {k: v.copy() for k, v in a.model.params.items() if ".lora_" in k}
+    a_opt = a.optimizer_state()
+    b = load_checkpoint(out, base_model=load_pretrained(base)[0])
+    assert b.step == a.step == 6
+    for k, v in a_params.items():
+        np.testing.assert_array_equal(b.model.params[k], v, err_msg=k)
+    b_opt = b.optimizer_state()
+    assert b_opt["step"] == a_opt["step"] and all(np.array_equal(b_opt[k], a_opt[k]) for k in ("lora.m", "lora.v"))
+    assert read_log(out / "log.jsonl") == [dict(r, time_s=r2["time_s"], tokens_per_s=r2["tokens_per_s"])
+                                           if "time_s" in r else r for r, r2 in
+                                           zip(read_log(tmp_path / "straight" / "log.jsonl"), read_log(out / "log.jsonl"))]
+
+
+def test_finetune_resume_refuses_what_it_cannot_continue(run, tmp_path, capsys):
+    tmp, base, out = run
+    argv = ["finetune", "--hf-dir", base, "--data", tmp / "data.txt", "--lora-rank", "4", "--no-progress"]
+    code, _, err = main(capsys, *argv, "--out", tmp_path / "none", "--resume")
+    one_error_line(code, err, "holds no adapter checkpoint", "start the run without --resume")
+    code, _, err = main(capsys, *argv, "--out", out, "--resume")                    # at its --max-steps 40
+    one_error_line(code, err, "already reaches --max-steps 40", "pass a larger --max-steps")
+    code, _, err = main(capsys, *argv, "--out", out, "--resume", "--max-steps", "50", "--lora-rank", "8")
+    one_error_line(code, err, "fine-tuned with --lora-rank 4 (you gave 8)", "Resume without those flags")
+    code, _, err = main(capsys, *argv, "--out", out, "--resume", "--overwrite")
+    one_error_line(code, err, "pass one of them")
+    code, _, err = main(capsys, *argv, "--out", out, "--max-steps", "50")
+    one_error_line(code, err, "already holds a run; pass --resume to continue it")

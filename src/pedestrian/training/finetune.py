@@ -36,6 +36,7 @@ from pathlib import Path
 from ..model.layout import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, add_flags, at_most, check, setting, specs
+from .specs import flag as flag_name
 from .settings import memory_plan
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "load_model", "LoadedModel", "adapter_base",
@@ -108,6 +109,9 @@ class FinetuneSettings:
     out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP)
     overwrite: bool = setting(False, "replace an existing run in --out (kept until the first checkpoint)",
                               group=_LOOP)
+    resume: bool = setting(False, "continue the run in --out from its adapter checkpoint (the same command "
+                           "with --resume: its recorded settings, adapters, AdamW moments and batch order; "
+                           "--max-steps may be raised)", group=_LOOP)
     progress: bool = setting(True, "no progress bar", group=_LOOP)
     plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP)
 
@@ -158,7 +162,66 @@ class FinetuneSettings:
             raise ValueError("--update-in-backward is a flag of `pedestrian train`: finetune trains only the LoRA "
                              "adapters, whose gradient is small; for less memory pass --recompute or --recompute-blocks N")
         given = {name: getattr(args, name) for name in specs(cls)}
-        return cls(**{name: value for name, value in given.items() if value is not None})
+        settings = cls(**{name: value for name, value in given.items() if value is not None})
+        settings._given = frozenset(name for name, value in given.items() if value is not None)
+        return settings
+
+    def given(self) -> frozenset:
+        """The settings given explicitly: the flags on the command line (:meth:`from_args`), else
+        those that differ from their default."""
+        if hasattr(self, "_given"):
+            return self._given
+        default = type(self)(hf_dir=self.hf_dir, data=self.data)
+        return frozenset(name for name in specs(self) if getattr(self, name) != getattr(default, name)) \
+            | {"hf_dir", "data"}
+
+
+#: what ``--resume`` takes from the command line rather than from the run's record
+RESUMABLE = frozenset({"max_steps", "eval_interval", "max_skipped_steps", "progress", "plot", "backend",
+                       "resume", "out"})
+
+
+def _resumed(settings: FinetuneSettings, out: Path):
+    """The settings to go on with (the run's recorded ones, with the :data:`RESUMABLE` ones given
+    now) and the adapter checkpoint in ``out/adapter``, loaded onto its base (the same weights:
+    SHA-256). Raises ``ValueError`` naming what does not match or cannot be resumed."""
+    from ..checkpoint import load_checkpoint
+    from ..interop.hf import load_pretrained
+
+    if settings.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    if adapter_checkpoint_dir(out) is None:
+        raise ValueError(f"--resume: {out} holds no adapter checkpoint (adapter/state.json) to continue; "
+                         "start the run without --resume")
+    folder, state = _adapter_state(out)
+    meta = state.get("meta") or {}
+    if meta.get("finetune") is None or meta.get("data_rng") is None:
+        raise ValueError(f"{folder} does not record its settings and batch order (written by an older pedestrian), "
+                         "so it cannot be resumed exactly; start again with --overwrite")
+    names = specs(FinetuneSettings)
+    saved = FinetuneSettings(**{k: v for k, v in meta["finetune"].items() if k in names})
+    conflicts = [f"{flag_name(k)} {getattr(saved, k)!r} (you gave {getattr(settings, k)!r})"
+                 for k in sorted(settings.given() - RESUMABLE - {"hf_dir", "data"})
+                 if getattr(settings, k) != getattr(saved, k)]
+    if Path(settings.data).expanduser().resolve() != Path(saved.data).expanduser().resolve():
+        conflicts.append(f"--data {saved.data!r} (you gave {settings.data!r})")
+    if conflicts:
+        raise ValueError(f"the run in {out} was fine-tuned with " + "; ".join(conflicts)
+                         + ". Resume without those flags, or start a new run with --out NEW_DIR")
+    for name in RESUMABLE & settings.given():
+        setattr(saved, name, getattr(settings, name))
+    saved.hf_dir, saved.resume = settings.hf_dir, True        # (the base may have moved: checked below)
+    saved.validate()
+    if int(state.get("step", 0)) >= saved.max_steps:
+        raise ValueError(f"the run in {out} is at step {state.get('step')}, which already reaches --max-steps "
+                         f"{saved.max_steps}; pass a larger --max-steps to fine-tune on")
+    recorded = (state.get("base") or {}).get("sha256")
+    if recorded and base_fingerprint(saved.hf_dir)["sha256"] != recorded:
+        raise ValueError(f"the adapters in {folder} were trained on other weights than those in {saved.hf_dir}; "
+                         "pass the base they were trained on with --hf-dir")
+    base, tokenizer = load_pretrained(saved.hf_dir, dtype=saved.dtype, backend=saved.backend)
+    ckpt = load_checkpoint(folder, backend=saved.backend, base_model=base)
+    return saved, ckpt, ckpt.tokenizer or tokenizer
 
 
 @dataclass
@@ -362,13 +425,20 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
                          "are for pedestrian train)")
     out = Path(settings.out).expanduser()
     had_run = out.exists() and any(out.iterdir())
-    if had_run and not settings.overwrite:
-        raise ValueError(f"{out} already holds a run; choose another --out or pass --overwrite")
-    model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
+    ckpt = None
+    if settings.resume:
+        settings, ckpt, tokenizer = _resumed(settings, out)
+        model = ckpt.model
+    elif had_run and not settings.overwrite:
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it, choose another --out, or "
+                         "pass --overwrite")
+    else:
+        model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
     T = settings.window(model)
     _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
-    model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
-                   dropout=settings.lora_dropout, freeze_base=True)
+    if ckpt is None:
+        model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
+                       dropout=settings.lora_dropout, freeze_base=True)
     base = base_fingerprint(settings.hf_dir)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
@@ -378,22 +448,28 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
              f"tokens; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; out: {out}")
     if memory_plan(settings, model.config.n_blocks):
         log.info(memory_plan(settings, model.config.n_blocks))
-    files = RunFiles(out, replacing=had_run, stale=("peft",))
+    files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=had_run and ckpt is None,
+                     stale=("peft",))
+    initial_val = math.nan
 
     def save(t: Trainer) -> None:
-        meta = {"finetune": settings.to_dict(), "val_loss": finite_or_none(t.val_loss),
-                "train_loss": finite_or_none(t.loss), "skipped_steps": t.skipped_total}
+        meta = {"finetune": settings.to_dict(), "data_rng": t.data.rng.bit_generator.state,
+                "val_loss": finite_or_none(t.val_loss), "train_loss": finite_or_none(t.loss),
+                "initial_val_loss": finite_or_none(initial_val), "skipped_steps": t.skipped_total}
         files.save_checkpoint("adapter", model, t.optimizer, tokenizer, t.step, meta, params="lora", base=base)
 
-    trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="finetune", t_start=t_start)
-    trainer.checkpoints = Checkpoints(files, save, out / "adapter", name="adapter checkpoint",
-                                      previous=f"the previous run in {out} is left as it was" if had_run else None,
+    trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="finetune", t_start=t_start,
+                            resume=ckpt)
+    previous = (f"the adapter checkpoint of step {ckpt.step} in {out / 'adapter'} is kept" if ckpt else
+                f"the previous run in {out} is left as it was" if had_run else None)
+    trainer.checkpoints = Checkpoints(files, save, out / "adapter", name="adapter checkpoint", previous=previous,
                                       go_on="run the fine-tuning again with a lower --lr and --overwrite",
                                       start_again="run the fine-tuning again with --overwrite")
     title = f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}"
     with failures_explained(trainer, plot=title if settings.plot else None):
-        initial_val = trainer.evaluate()
-        if math.isfinite(initial_val):
+        recorded = ckpt.meta.get("initial_val_loss") if ckpt else None
+        initial_val = trainer.evaluate() if recorded is None else float(recorded)
+        if math.isfinite(initial_val) and ckpt is None:
             log.info(f"step 0: val loss {initial_val:.4f}")
         if trainer.run() != "non_finite":
             save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
