@@ -160,10 +160,11 @@ def test_each_finetune_setting_reaches_the_settings_from_its_flag(name, monkeypa
 
     spec = specs(FinetuneSettings)[name]
     value = _valid_other_value(FinetuneSettings, name)
-    seen = []
+    seen, given = [], []
 
-    def fake_finetune(settings):
+    def fake_finetune(settings, explicit=None):
         seen.append(settings)
+        given.append(explicit)
         raise ValueError("stop here")
 
     monkeypatch.setattr(finetune_module, "finetune", fake_finetune)
@@ -175,6 +176,7 @@ def test_each_finetune_setting_reaches_the_settings_from_its_flag(name, monkeypa
     assert cli.main(["finetune", *argv]) == 2
     assert seen == [dataclasses.replace(FinetuneSettings(hf_dir="base", data="d.txt", lora_rank=8),
                                         **{name: value})]
+    assert given == [frozenset({"hf_dir", "data", "lora_rank", name})]      # what --resume checks
 
 
 @pytest.mark.parametrize("name", [n for n in specs(FinetuneSettings) if n not in ("hf_dir", "data")])

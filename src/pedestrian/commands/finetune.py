@@ -12,7 +12,8 @@ Examples:
   pedestrian sample --hf-dir gpt2-ft --prompt "Dear diary,"
   pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
       --lora-targets q_proj k_proj v_proj o_proj gate_proj up_proj down_proj --out runs/smol-ft
-  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --out runs/smol-ft --resume --max-steps 400
+  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
+      --out runs/smol-ft --resume --max-steps 400     # the same command, continued
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..training.finetune import finetune
 
-    result = finetune(FinetuneSettings.from_args(args))
+    result = finetune(FinetuneSettings.from_args(args), explicit=FinetuneSettings.explicit(args))
     if result.stop_reason == "interrupted":
         print(f"interrupted: the adapters of step {result.step} are saved in {result.out / 'adapter'} and "
               f"{result.out / 'peft'}; continue with the same command and --resume", file=sys.stderr)

@@ -162,18 +162,17 @@ class FinetuneSettings:
             raise ValueError("--update-in-backward is a flag of `pedestrian train`: finetune trains only the LoRA "
                              "adapters, whose gradient is small; for less memory pass --recompute or --recompute-blocks N")
         given = {name: getattr(args, name) for name in specs(cls)}
-        settings = cls(**{name: value for name, value in given.items() if value is not None})
-        settings._given = frozenset(name for name, value in given.items() if value is not None)
-        return settings
+        return cls(**{name: value for name, value in given.items() if value is not None})
 
-    def given(self) -> frozenset:
-        """The settings given explicitly: the flags on the command line (:meth:`from_args`), else
-        those that differ from their default."""
-        if hasattr(self, "_given"):
-            return self._given
+    @staticmethod
+    def explicit(args) -> frozenset:
+        """The settings ``pedestrian finetune``'s parsed arguments give (the flags on the command line)."""
+        return frozenset(name for name in specs(FinetuneSettings) if getattr(args, name, None) is not None)
+
+    def non_default(self) -> frozenset:
+        """The settings that differ from their default (what a caller of :func:`finetune` gave)."""
         default = type(self)(hf_dir=self.hf_dir, data=self.data)
-        return frozenset(name for name in specs(self) if getattr(self, name) != getattr(default, name)) \
-            | {"hf_dir", "data"}
+        return frozenset(name for name in specs(self) if getattr(self, name) != getattr(default, name))
 
 
 #: what ``--resume`` takes from the command line rather than from the run's record
@@ -181,10 +180,11 @@ RESUMABLE = frozenset({"max_steps", "eval_interval", "max_skipped_steps", "progr
                        "resume", "out"})
 
 
-def _resumed(settings: FinetuneSettings, out: Path):
-    """The settings to go on with (the run's recorded ones, with the :data:`RESUMABLE` ones given
-    now) and the adapter checkpoint in ``out/adapter``, loaded onto its base (the same weights:
-    SHA-256). Raises ``ValueError`` naming what does not match or cannot be resumed."""
+def _resumed(settings: FinetuneSettings, out: Path, given: frozenset):
+    """The settings to go on with (the run's recorded ones, with the :data:`RESUMABLE` ones of
+    ``given`` taken from ``settings``) and the adapter checkpoint in ``out/adapter``, loaded onto its
+    base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
+    resumed."""
     from ..checkpoint import load_checkpoint
     from ..interop.hf import load_pretrained
 
@@ -201,14 +201,14 @@ def _resumed(settings: FinetuneSettings, out: Path):
     names = specs(FinetuneSettings)
     saved = FinetuneSettings(**{k: v for k, v in meta["finetune"].items() if k in names})
     conflicts = [f"{flag_name(k)} {getattr(saved, k)!r} (you gave {getattr(settings, k)!r})"
-                 for k in sorted(settings.given() - RESUMABLE - {"hf_dir", "data"})
+                 for k in sorted(given - RESUMABLE - {"hf_dir", "data"})
                  if getattr(settings, k) != getattr(saved, k)]
     if Path(settings.data).expanduser().resolve() != Path(saved.data).expanduser().resolve():
         conflicts.append(f"--data {saved.data!r} (you gave {settings.data!r})")
     if conflicts:
         raise ValueError(f"the run in {out} was fine-tuned with " + "; ".join(conflicts)
                          + ". Resume without those flags, or start a new run with --out NEW_DIR")
-    for name in RESUMABLE & settings.given():
+    for name in RESUMABLE & given:
         setattr(saved, name, getattr(settings, name))
     saved.hf_dir, saved.resume = settings.hf_dir, True        # (the base may have moved: checked below)
     saved.validate()
@@ -391,10 +391,16 @@ def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backen
                        hf_dir or (state.get("base") or {}).get("hf_dir"))
 
 
-def finetune(settings: FinetuneSettings) -> FinetuneResult:
+def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     """Run a LoRA fine-tuning job with the loop of ``pedestrian train`` (:mod:`pedestrian.training.loop`:
     the same step, non-finite rule, validation, checkpoints and ``Ctrl-C`` handling); see the
     module docstring for what it writes. Messages go to the ``pedestrian.finetune`` logger.
+
+    Args:
+        settings: the run's settings; with ``resume``, those of ``explicit`` must match the run's
+            record but for :data:`RESUMABLE` ones (``--max-steps`` ...), which replace it.
+        explicit: the names of the settings given (``FinetuneSettings.explicit(args)``); ``None``:
+            those that differ from their default.
 
     Returns:
         a :class:`FinetuneResult`; ``stop_reason`` ``"max_steps"``, or ``"interrupted"`` (SIGINT
@@ -427,7 +433,8 @@ def finetune(settings: FinetuneSettings) -> FinetuneResult:
     had_run = out.exists() and any(out.iterdir())
     ckpt = None
     if settings.resume:
-        settings, ckpt, tokenizer = _resumed(settings, out)
+        given = settings.non_default() if explicit is None else frozenset(explicit)
+        settings, ckpt, tokenizer = _resumed(settings, out, given)
         model = ckpt.model
     elif had_run and not settings.overwrite:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it, choose another --out, or "
