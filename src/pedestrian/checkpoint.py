@@ -51,6 +51,9 @@ FORMAT = "pedestrian-checkpoint"
 VERSION = 1
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+#: how the base buffer's moments are laid out (2: SwiGLU's gate and up weights one region, 2026-12-04;
+#: 1, or no record: apart, converted on reading)
+FLAT_LAYOUT = 2
 STATE_FILE = "state.json"
 _HINT = "re-run training, or use another checkpoint (e.g. the run's best/ or latest/ folder)"
 
@@ -109,7 +112,26 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} holds no optimizer state (it was saved "
                                   "for inference only); it cannot be resumed, only evaluated or sampled")
         tensors = _read_safetensors(self.path, OPTIMIZER_FILE, self.state)
+        if self.state["optimizer"].get("layout", 1) < 2 and self.config.mlp == "swiglu" and "base.m" in tensors:
+            tensors = _gate_up_fused(tensors, self.model)
         return {"step": int(self.state["optimizer"]["step"]), **tensors}
+
+
+def _gate_up_fused(tensors: dict, model) -> dict:
+    """The base buffer's moments of a checkpoint written before SwiGLU's gate and up weights were
+    one region (layout 1: each ``(d, m)`` apart), in the layout ``model`` has, by parameter name."""
+    from .model.buffers import FlatParams, base_regions
+
+    specs = model.parameters.specs
+    out = dict(tensors)
+    for key in ("base.m", "base.v"):
+        old = FlatParams(np, tensors[key].dtype, base_regions(model.config, specs, fuse_gate_up=False))
+        new = FlatParams(np, tensors[key].dtype, base_regions(model.config, specs))
+        old.flat[...] = tensors[key]
+        for name, view in old.views.items():
+            new.views[name][...] = view
+        out[key] = new.flat
+    return out
 
 
 # ---------------------------------------------------------------------------------------- paths
@@ -237,7 +259,7 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
     if optimizer is not None:
         opt_state = optimizer.state_dict()
         state["optimizer"] = {"step": int(opt_state["step"]), **opt_state["hyper"],
-                              "groups": [g.name for g in optimizer.groups]}
+                              "groups": [g.name for g in optimizer.groups], "layout": FLAT_LAYOUT}
         opt_tensors = {k: v for k, v in opt_state.items() if k not in ("step", "hyper")}
         if params == "lora":
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}

@@ -107,6 +107,33 @@ def test_swiglu_gate_matches_autograd(K):
     assert_autograd_close(d_up, grads["u"], "Δ7_up")
 
 
+@kernels_param()
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape,m", [((3, 2), 9), ((1, 1), 1), ((2, 33), 31), ((3, 64), 64), ((2, 100), 257)],
+                         ids=["tiny", "one", "odd", "2^13", "2^15+"])
+def test_swiglu_gate_on_the_halves_of_the_fused_gate_up_output(K, shape, m, dtype):
+    """The model's route: ``a7 = a6 W_gate_up`` is one ``(..., 2m)`` array ``[a7_gate | a7_up]``; the
+    gate reads its halves in place and the backward writes ``Δ7 = [Δ7_gate | Δ7_up]`` in one array
+    -- the same numbers, bit for bit, as on two separate arrays (elementwise formulas: the same
+    operations in the same order), across the kernels' serial / threaded sizes (2^12, 2^15)."""
+    rng = np.random.default_rng(m)
+    a7 = (2.0 * rng.standard_normal((*shape, 2 * m))).astype(dtype)
+    R = rng.standard_normal((*shape, m)).astype(dtype)
+    g, u = a7[..., :m], a7[..., m:]
+    a8, cache = K.swiglu_forward(g, u)
+    d7 = K.swiglu_backward(R, cache, fused=True)
+    a8_apart, cache_apart = K.swiglu_forward(np.ascontiguousarray(g), np.ascontiguousarray(u))
+    d_gate, d_up = K.swiglu_backward(R, cache_apart)
+    np.testing.assert_array_equal(a8, a8_apart)
+    assert d7.shape == a7.shape
+    np.testing.assert_array_equal(d7, np.concatenate((d_gate, d_up), axis=-1))
+    np.testing.assert_array_equal(K.swiglu_backward(R, cache)[0], d_gate)      # (not fused: halves apart)
+    if dtype == np.float64 and m == 9:
+        out, grads = autograd(lambda g, u: F.silu(g) * u, {"g": g, "u": u}, upstream=R)
+        assert_autograd_close(a8, out, "a8")
+        assert_autograd_close(d7, np.concatenate((grads["g"], grads["u"]), axis=-1), "Δ7")
+
+
 # =========================================================================== the MLP
 @kernels_param()
 @WIDTHS

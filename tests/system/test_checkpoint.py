@@ -332,3 +332,43 @@ def test_train_whose_weights_turn_non_finite_keeps_the_last_good_checkpoint(tmp_
     assert "ln_final.bias (1 NaN, 0 inf of 8 values)" in err
     assert f"the checkpoint of step 3 in {out / 'latest'} is kept" in err and "--resume" in err
     assert load_checkpoint(out).step == 3
+
+
+def test_moments_of_a_checkpoint_with_gate_and_up_apart_are_read_in_the_fused_layout(tmp_path):
+    """Checkpoints written before SwiGLU's gate and up weights became one region (layout 1: each
+    ``(d, m)`` region apart) hold the base moments in that order; reading them gives the moments
+    of every parameter by name, in today's layout, so a resumed run goes on exactly."""
+    from safetensors.numpy import load_file, save_file
+
+    from pedestrian.checkpoint import _file_record
+    from pedestrian.config import preset
+    from pedestrian.model.buffers import FlatParams, base_regions
+    from pedestrian.training.optim import AdamW
+
+    model = GPT(preset("llama-char", vocab_size=17, n_blocks=2, context_length=8), seed=0)
+    opt = AdamW(model, lr=1e-2)
+    x = np.random.default_rng(0).integers(0, 17, (2, 9))
+    model.loss(x[:, :-1], x[:, 1:])
+    model.backward()
+    opt.step()
+    want = {k: np.array(v) for k, v in opt.state_dict().items() if k.startswith("base.")}
+    folder = save_checkpoint(tmp_path / "ckpt", model, opt)
+    regions = base_regions(model.config, model.parameters.specs)
+    old_regions = base_regions(model.config, model.parameters.specs, fuse_gate_up=False)
+    assert regions != old_regions                               # the layouts differ
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    for key in ("base.m", "base.v"):                          # write the moments as layout 1 did
+        new, old = FlatParams(np, np.float32, regions), FlatParams(np, np.float32, old_regions)
+        new.flat[...] = tensors[key]
+        for name, view in new.views.items():
+            old.views[name][...] = view
+        assert not np.array_equal(old.flat, tensors[key])
+        tensors[key] = old.flat
+    save_file(tensors, str(folder / "optimizer.safetensors"))
+    state = json.loads((folder / "state.json").read_text())
+    del state["optimizer"]["layout"]
+    state["files"]["optimizer.safetensors"] = _file_record(folder / "optimizer.safetensors")
+    (folder / "state.json").write_text(json.dumps(state))
+    got = load_checkpoint(folder).optimizer_state()
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)

@@ -42,27 +42,84 @@ def _gate_backward(delta, gate, up, d_gate, d_up):
         d_gate[i] = delta[i] * up[i] * dsilu
 
 
+@kernel(parallel=True)
+def _gate_forward_fused(a7, out):
+    """``a8 = silu(a7_gate) ∘ a7_up`` from the fused gate/up layer's ``(rows, 2m)`` output
+    ``a7 = [a7_gate | a7_up]``, row by row (contiguous halves: vectorised)."""
+    T = a7.dtype.type
+    one, lo, hi = T(1.0), T(-SILU_SATURATE), T(SILU_SATURATE)
+    m = out.shape[1]
+    for r in prange(a7.shape[0]):
+        gate, up, o = a7[r, :m], a7[r, m:], out[r]
+        for j in range(m):
+            o[j] = silu_parts(gate[j], one, lo, hi)[0] * up[j]
+
+
+#: ``out = silu(a7_gate) ∘ a7_up`` of a fused ``(rows, 2m)`` ``a7``, into ``out`` ``(rows, m)``
+gate_fused_into = _gate_forward_fused
+
+
+@kernel(parallel=True)
+def _gate_backward_fused(a7, delta, d7):
+    """:func:`_gate_backward` from and into the fused layout: ``a7``, ``d7`` ``(rows, 2m)``."""
+    T = a7.dtype.type
+    one, lo, hi = T(1.0), T(-SILU_SATURATE), T(SILU_SATURATE)
+    m = delta.shape[1]
+    for r in prange(a7.shape[0]):
+        gate, up, dl, d_gate, d_up = a7[r, :m], a7[r, m:], delta[r], d7[r, :m], d7[r, m:]
+        for j in range(m):
+            silu, dsilu = silu_parts(gate[j], one, lo, hi)
+            d_up[j] = dl[j] * silu
+            d_gate[j] = dl[j] * up[j] * dsilu
+
+
 def _flat(a):
     return np.ascontiguousarray(a).reshape(-1)
+
+
+def _fused(gate, up):
+    """The ``(rows, 2m)`` array whose two halves ``gate`` and ``up`` are (the fused gate/up layer's
+    output, read in place), or ``None`` if they are not the halves of one C-contiguous array."""
+    m, size = gate.shape[-1], gate.itemsize
+    rows = gate.size // max(m, 1)
+    strides = np.empty((*gate.shape[:-1], 2 * m), gate.dtype, order="C").strides if gate.ndim else ()
+    if (gate.shape != up.shape or gate.dtype != up.dtype or not gate.ndim or gate.strides != strides
+            or up.strides != strides or up.ctypes.data != gate.ctypes.data + m * size):
+        return None
+    return np.lib.stride_tricks.as_strided(gate, (rows, 2 * m), (2 * m * size, size), writeable=False)
 
 
 def swiglu_forward(gate, up):
     """``a8 = silu(a7_gate) ∘ a7_up`` (EQUATIONS.md, "SiLU and the SwiGLU MLP").
 
-    Fast :func:`pedestrian.layers.swiglu.swiglu_forward` (same arguments and results)."""
+    Fast :func:`pedestrian.layers.swiglu.swiglu_forward` (same arguments and results; ``gate``,
+    ``up`` may be the halves of the fused gate/up layer's output, read in place)."""
     out = empty_array(gate.shape, gate)
-    _gate_forward(_flat(gate), _flat(up), out.reshape(-1))
+    a7 = None if gate.flags.c_contiguous else _fused(gate, up)
+    if a7 is not None:
+        _gate_forward_fused(a7, out.reshape(-1, gate.shape[-1]))
+    else:
+        _gate_forward(_flat(gate), _flat(up), out.reshape(-1))
     return out, (gate, up)
 
 
-def swiglu_backward(delta, cache):
+def swiglu_backward(delta, cache, *, fused: bool = False):
     """``Δ7_gate = Δ8 ∘ a7_up ∘ silu'(a7_gate)``, ``Δ7_up = Δ8 ∘ silu(a7_gate)`` (EQUATIONS.md, "SiLU and
     the SwiGLU MLP").
 
-    Fast :func:`pedestrian.layers.swiglu.swiglu_backward` (same arguments and results)."""
+    Fast :func:`pedestrian.layers.swiglu.swiglu_backward` (same arguments and results; with
+    ``fused`` both halves of ``Δ7`` are written straight into it)."""
     gate, up = cache
+    m = gate.shape[-1]
+    a7 = None if gate.flags.c_contiguous else _fused(gate, up)
+    if fused and a7 is not None:
+        d7 = empty_array((*gate.shape[:-1], 2 * m), gate)
+        _gate_backward_fused(a7, np.ascontiguousarray(delta).reshape(-1, m), d7.reshape(-1, 2 * m))
+        return d7
     d_gate, d_up = empty_array(gate.shape, gate), empty_array(gate.shape, gate)
     _gate_backward(_flat(delta), _flat(gate), _flat(up), d_gate.reshape(-1), d_up.reshape(-1))
+    if fused:
+        return np.concatenate((d_gate, d_up), axis=-1)
     return d_gate, d_up
 
 

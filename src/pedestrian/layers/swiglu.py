@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..backend import array_namespace
 from .activations import activation_backward, activation_forward
 from .linear import linear_backward, linear_forward
 
@@ -50,19 +51,21 @@ def swiglu_forward(gate, up):
     return activation_forward(gate, "silu")[0] * up, (gate, up)             # (..., m)
 
 
-def swiglu_backward(delta, cache):
+def swiglu_backward(delta, cache, *, fused: bool = False):
     """``Δ7_up = Δ8 ∘ silu(a7_gate)``, ``Δ7_gate = Δ8 ∘ a7_up ∘ silu'(a7_gate)``.
 
     Args:
         delta: ``Δ8`` ``(..., m)``; cache: from :func:`swiglu_forward`.
+        fused: return the two side by side in one array, ``Δ7 = [Δ7_gate | Δ7_up]`` ``(..., 2m)``:
+            the signal of the gate and up layers fused as one (``mlp_gate_up``, as ``qkv``).
 
     Returns:
-        ``(Δ7_gate, Δ7_up)``, each ``(..., m)``.
+        ``(Δ7_gate, Δ7_up)``, each ``(..., m)``; with ``fused``, ``Δ7`` ``(..., 2m)``.
     """
     gate, up = cache
     d_up = delta * activation_forward(gate, "silu")[0]                       # Δ8 ∘ silu(g), (..., m)
     d_gate = activation_backward(delta * up, gate, "silu")                  # Δ8 ∘ u ∘ silu'(g), (..., m)
-    return d_gate, d_up
+    return array_namespace(delta).concat((d_gate, d_up), axis=-1) if fused else (d_gate, d_up)
 
 
 def swiglu_mlp_forward(x, w_gate, w_up, w_down):

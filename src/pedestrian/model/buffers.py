@@ -4,7 +4,8 @@ An optimizer then updates a whole model with a few vectorised operations, and da
 parallelism sums gradients with one addition per buffer. The decayed 2-D weights come first, so
 weight decay is a slice. The q, k, v weights (and biases) of a block are column slices of one
 fused region, the block's ``attn.qkv`` layer: three FC layers of the same input are one FC layer
-with their columns side by side.
+with their columns side by side; so are SwiGLU's gate and up weights, ``mlp_gate_up`` (one
+product makes ``[a7_gate | a7_up]``).
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ class FlatParams:
 
 
 def _fused_name(member: str) -> str:
-    """``blocks.0.attn.q.weight`` -> ``blocks.0.attn.qkv.weight``."""
+    """``blocks.0.attn.q.weight`` -> ``blocks.0.attn.qkv.weight``; ``blocks.0.mlp_gate.weight`` ->
+    ``blocks.0.mlp_gate_up.weight``."""
     prefix, _, last = member.rpartition(".")        # prefix blocks.0.attn.q, last weight
+    if prefix.endswith(".mlp_gate"):
+        return f"{prefix}_up.{last}"
     return prefix.rsplit(".", 1)[0] + ".qkv." + last
 
 
@@ -108,13 +112,14 @@ def qkv_columns(config: GPTConfig) -> tuple:
     return ("q", (0, hq)), ("k", (hq, hq + hk)), ("v", (hq + hk, hq + hk + hv))
 
 
-def base_regions(config: GPTConfig, specs=None) -> list:
-    """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused): those of
-    ``specs`` (default :func:`pedestrian.model.layout.param_specs`; a model with plugged layers passes
-    :meth:`Slots.specs <pedestrian.model.slots.Slots.specs>`)."""
+def base_regions(config: GPTConfig, specs=None, *, fuse_gate_up: bool = True) -> list:
+    """The base parameters' regions for :class:`FlatParams` (each block's q, k, v fused, and its
+    SwiGLU gate and up): those of ``specs`` (default :func:`pedestrian.model.layout.param_specs`; a
+    model with plugged layers passes :meth:`Slots.specs <pedestrian.model.slots.Slots.specs>`).
+    ``fuse_gate_up=False``: gate and up apart (the layout of checkpoints written before 2026-12-04)."""
     specs = {s.name: s for s in (param_specs(config) if specs is None else specs)}
     cols = dict(qkv_columns(config))
-    width = cols["v"][1]
+    width, m = cols["v"][1], config.d_mlp
     regions, fused_done = [], set()
     for name, spec in specs.items():
         parts = name.split(".")
@@ -127,7 +132,13 @@ def base_regions(config: GPTConfig, specs=None) -> list:
             shape = (config.d_model, width) if parts[4] == "weight" else (width,)
             members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
             regions.append((shape, spec.decay, members))
-        else:
+        elif (fuse_gate_up and len(parts) == 4 and parts[2] == "mlp_gate"
+              and f"blocks.{parts[1]}.mlp_expand.{parts[3]}" in specs):   # blocks.i.mlp_gate.{weight,bias}
+            up = specs[f"blocks.{parts[1]}.mlp_expand.{parts[3]}"]
+            shape = (*spec.shape[:-1], 2 * m)
+            regions.append((shape, spec.decay, [(name, (0, m)), (up.name, (m, 2 * m))]))
+        elif not (fuse_gate_up and len(parts) == 4 and parts[2] == "mlp_expand"
+                  and f"blocks.{parts[1]}.mlp_gate.{parts[3]}" in specs):   # (placed with the gate)
             regions.append((spec.shape, spec.decay, [(name, None)]))
     return regions
 

@@ -81,7 +81,8 @@ def forward(model, tokens, kv_cache):
     y2, xhat, rrms = y.reshape(B * T, d), np.empty((B * T, d), dtype), np.empty(B * T)
     turned, q = np.empty((B * T, width), dtype), np.empty((B, H, T, d_qk), dtype)
     p, a3 = np.empty((B, H, T, L), dtype), np.empty((B, T, H * d_head), dtype)
-    a8 = np.empty((B, T, c.d_mlp), dtype)
+    m = c.d_mlp
+    a8 = np.empty((B, T, m), dtype)
     n_qk, scale = H + H_kv, 1.0 / math.sqrt(d_qk)
     mm = _products()
 
@@ -93,8 +94,8 @@ def forward(model, tokens, kv_cache):
                                     key_start, True, scale, q, p, a3)                       # a3
         a4 = mm(a3, w.attn_proj)
         fused.add_rmsnorm(x2, a4.reshape(B * T, d), w.ln2.weight, eps, y2, xhat, rrms)      # a5 in x, a6 in y
-        gate, up = mm(y, w.mlp_gate), mm(y, w.mlp_expand)
-        swiglu.gate_into(gate.reshape(-1), up.reshape(-1), a8.reshape(-1))              # a8
+        a7 = mm(y, w.mlp_gate_up).reshape(B * T, -1)                                   # [a7_gate | a7_up]
+        swiglu.gate_fused_into(a7, a8.reshape(B * T, m))                                  # a8
         a9 = mm(a8, w.mlp_contract)
         norm = W.blocks[i + 1].ln1 if i + 1 < len(W.blocks) else W.ln_final
         fused.add_rmsnorm(x2, a9.reshape(B * T, d), norm.weight, eps, y2, xhat, rrms)      # a10 in x, next a2 / a11 in y

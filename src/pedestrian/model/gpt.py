@@ -43,9 +43,9 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     blocks.{i}.ln1.<name>, blocks.{i}.act.<name>, blocks.{i}.mlp.<name>, ...  -- plugged layers' (in slots.py)
 
 Storage: ``model.parameters``, a :class:`~pedestrian.model.params.Parameters` (every parameter and
-gradient a view into one flat buffer, a block's q, k, v one fused ``attn.qkv`` layer; the LoRA
-adapters; the layer table ``W`` / ``G`` the chain reads and writes); the model's parameter methods
-are its. Input checks: :mod:`pedestrian.model.inputs`.
+gradient a view into one flat buffer, a block's q, k, v one fused ``attn.qkv`` layer, SwiGLU's gate
+and up one ``mlp_gate_up``; the LoRA adapters; the layer table ``W`` / ``G`` the chain reads and
+writes); the model's parameter methods are its. Input checks: :mod:`pedestrian.model.inputs`.
 """
 
 from __future__ import annotations
@@ -294,13 +294,15 @@ class GPT:
 
     def _fc_forward(self, fc: FC, x, lora_caches: dict):
         """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
-        layer (one dropout mask for the layer's input, shared by its adapters)."""
+        layer (one dropout mask for the layer's input, shared by its adapters; one each with
+        ``fc.own_masks``)."""
         y, _ = self.kernels.linear_forward(x, fc.weight, fc.bias)
         if not fc.adapters:
             return y
-        mask = self._lora_mask(x)
+        mask = None if fc.own_masks else self._lora_mask(x)
         for name, lora_D, lora_U, lo, hi in fc.adapters:
-            y_lora, lora_caches[name] = self.kernels.lora_forward(x, lora_D, lora_U, self.lora_alphas[name], mask)
+            y_lora, lora_caches[name] = self.kernels.lora_forward(x, lora_D, lora_U, self.lora_alphas[name],
+                                                                  self._lora_mask(x) if fc.own_masks else mask)
             y[..., lo:hi] += y_lora
         return y
 

@@ -3,7 +3,8 @@ buffers, the LoRA adapters, the layer table the forward and backward read, and t
 lookup gradient.
 
 :class:`Parameters` owns a base :class:`~pedestrian.model.buffers.FlatParams` (every base
-parameter a view into one flat array, a block's q, k, v one fused ``attn.qkv`` region), its
+parameter a view into one flat array, a block's q, k, v one fused ``attn.qkv`` region, SwiGLU's
+gate and up one ``mlp_gate_up``), its
 gradient twin, and, after :meth:`Parameters.add_lora`, a :class:`~pedestrian.model.adapters.LoRA`
 (the adapters' own flat buffer and settings). :class:`~pedestrian.model.GPT` holds one as
 ``model.parameters`` and hands its parameter methods on to it.
@@ -37,11 +38,14 @@ class Norm(NamedTuple):
 
 class FC(NamedTuple):
     """A fully connected layer's ``weight``, ``bias`` (``None`` when absent) and LoRA adapters
-    ``(name, D, U, lo, hi)`` on its output columns ``lo:hi`` -- or the gradients of all three."""
+    ``(name, D, U, lo, hi)`` on its output columns ``lo:hi`` -- or the gradients of all three.
+    ``own_masks``: each adapter draws its own input-dropout mask (the gate and up layers fused as
+    one, each its own PEFT module), else one mask is shared (q, k, v: GPT-2's one ``c_attn``)."""
 
     weight: object
     bias: object
     adapters: tuple
+    own_masks: bool = False
 
 
 class Parameters:
@@ -212,9 +216,9 @@ class Parameters:
     def layer_table(self, grads: bool, shared_blocks: bool = False) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
         ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
-        ``.mlp_contract``, ``ln_final``,
+        ``.mlp_gate_up`` (SwiGLU; else ``None``) / ``.mlp_contract``, ``ln_final``,
         ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
-        fused ``qkv`` layer; tied logits use ``W_tokᵀ``); a plugged layer's place holds its
+        fused ``qkv`` layer, SwiGLU's gate and up one ``mlp_gate_up``; tied logits use ``W_tokᵀ``); a plugged layer's place holds its
         :class:`~pedestrian.model.slots.Instance` (``blocks[i].ln1``, ``.act``, ``.mlp``; ``act`` is
         ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged).
         With ``grads``, the gradient arrays instead, ``None`` where a parameter gets none (frozen
@@ -246,18 +250,22 @@ class Parameters:
         def mlp(p):
             if S and "mlp" in S.plugged:
                 return dict(mlp=S.entry("mlp", f"{p}.mlp", P))
-            return dict(mlp_gate=fc(f"{p}.mlp_gate") if c.mlp == "swiglu" else None,
+            swiglu = c.mlp == "swiglu"
+            gate_up = ((f"{p}.mlp_gate", 0, c.d_mlp), (f"{p}.mlp_expand", c.d_mlp, 2 * c.d_mlp))
+            return dict(mlp_gate=fc(f"{p}.mlp_gate") if swiglu else None,
                         mlp_expand=fc(f"{p}.mlp_expand"), mlp_contract=fc(f"{p}.mlp_contract"),
+                        mlp_gate_up=fc(f"{p}.mlp_gate_up", gate_up, own_masks=True) if swiglu else None,
                         act=S and S.entry("activation", f"{p}.act", P))
 
-        def fc(name, parts=((None, 0, None),)):
-            adapters = tuple((a, P[f"{a}.lora_D"], P[f"{a}.lora_U"], lo, hi) for a, lo, hi in
-                             ((name if part is None else f"{name[:-3]}{part}", lo, hi) for part, lo, hi in parts)
-                             if a in lora)
-            return FC(P.get(f"{name}.weight"), P.get(f"{name}.bias"), adapters)
+        def fc(name, parts=None, own_masks=False):
+            """``parts``: the adapted layers fused in this one, ``(name, lo, hi)`` (default: itself)."""
+            adapters = tuple((a, P[f"{a}.lora_D"], P[f"{a}.lora_U"], lo, hi)
+                             for a, lo, hi in (parts or ((name, 0, None),)) if a in lora)
+            return FC(P.get(f"{name}.weight"), P.get(f"{name}.bias"), adapters, own_masks)
 
-        qkv_parts = tuple((h, lo, hi) for h, (lo, hi) in qkv_columns(c))
-        blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"), qkv=fc(f"blocks.{i}.attn.qkv", qkv_parts),
+        blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"),
+                                  qkv=fc(f"blocks.{i}.attn.qkv", tuple((f"blocks.{i}.attn.{h}", lo, hi)
+                                                                       for h, (lo, hi) in qkv_columns(c))),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2"),
                                   **mlp(f"blocks.{i}"))
                   for i in range(c.n_blocks)]

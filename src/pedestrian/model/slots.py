@@ -299,7 +299,9 @@ class BuiltinActivation:
 
 class BuiltinMLP:
     """``a7 = FC_expand(a6)``, ``a8 = g(a7)`` (the activation slot), ``a9 = FC_contract(a8)``; or
-    SwiGLU's ``a8 = silu(FC_gate(a6)) ∘ FC_up(a6)``, ``a9 = FC_down(a8)``. Keeps ``a7`` (or
+    SwiGLU's ``a8 = silu(FC_gate(a6)) ∘ FC_up(a6)``, ``a9 = FC_down(a8)``, the gate and up layers
+    one fused product (``mlp_gate_up``, as ``qkv``: ``a7_gate``, ``a7_up`` are the halves of its
+    output, ``Δ6 = [Δ7_gate | Δ7_up] W_gate_upᵀ``). Keeps ``a7`` (or
     ``a7_gate``, ``a7_up``) and ``a8`` on the block ``b``, and ``Δ8``, ``Δ7`` on ``D``; the backward
     makes ``a8`` again from ``a7`` where the forward let it go (``b.a8 = None``, model.recompute).
 
@@ -311,9 +313,10 @@ class BuiltinMLP:
         self.K, self.swiglu, self.activation = kernels, config.mlp == "swiglu", activation
 
     def forward(self, fc, b, w, lora):
-        if self.swiglu:
-            b.a7_gate = fc(w.mlp_gate, b.a6, lora)                                   # (B, T, d_mlp)
-            b.a7_up = fc(w.mlp_expand, b.a6, lora)                                   # (B, T, d_mlp)
+        if self.swiglu:                                                              # one product, both layers:
+            a7 = fc(w.mlp_gate_up, b.a6, lora)                                       # (B, T, 2·d_mlp)
+            m = a7.shape[-1] // 2
+            b.a7_gate, b.a7_up = a7[..., :m], a7[..., m:]                            # (B, T, d_mlp) views
             b.a8, b.act = self.K.swiglu_forward(b.a7_gate, b.a7_up)                  # silu(gate) ∘ up
         else:
             b.a7 = fc(w.mlp_expand, b.a6, lora)                                      # (B, T, d_mlp)
@@ -328,9 +331,10 @@ class BuiltinMLP:
         if not self.swiglu:
             D.d7 = self.activation.backward(D.d8, b.act, g.act)                      # Δ7
             return fc(w.mlp_expand, g.mlp_expand, D.d7, b.a6, lora)                  # Δ6
-        D.d7_gate, D.d7_up = self.K.swiglu_backward(D.d8, b.act)                     # Δ7_gate, Δ7_up
-        return self.K.add(fc(w.mlp_gate, g.mlp_gate, D.d7_gate, b.a6, lora),         # Δ6: both paths
-                          fc(w.mlp_expand, g.mlp_expand, D.d7_up, b.a6, lora))
+        d7 = self.K.swiglu_backward(D.d8, b.act, fused=True)                         # [Δ7_gate | Δ7_up]
+        m = d7.shape[-1] // 2
+        D.d7_gate, D.d7_up = d7[..., :m], d7[..., m:]                                # (B, T, d_mlp) views
+        return fc(w.mlp_gate_up, g.mlp_gate_up, d7, b.a6, lora)                      # Δ6: both paths, one product
 
 
 class PluggedMLP:
