@@ -164,12 +164,13 @@ class PedestrianSide:
 
     def gemv_pass(self, repeats: int = 3) -> dict:
         """The weights' share of a decoding step alone: one 1-row NumPy product ``x @ W`` with
-        every weight matrix of the model (the tied table once, as the logits' ``Wᵀ``), best of
-        ``repeats`` by the wall clock and by CPU time -- what a decoder built on these BLAS calls
-        costs without anything else (norms, RoPE, attention, SwiGLU, skips, Python)."""
-        P = self.model.params
-        mats = [P[k] for k in P if P[k].ndim == 2 and k != "tok_emb.weight" and "lora" not in k]
-        mats.append(P["tok_emb.weight"].T)
+        every weight matrix the decoding step multiplies by (a block's q, k, v one region, its
+        gate and up one: the parameter buffer's regions; the tied table once, as the logits'
+        ``Wᵀ``), best of ``repeats`` by the wall clock and by CPU time -- what a decoder built on
+        these BLAS calls costs without anything else (norms, RoPE, attention, SwiGLU, skips, Python)."""
+        R = self.model.parameters.base.regions
+        mats = [R[k] for k in R if R[k].ndim == 2 and k != "tok_emb.weight"]
+        mats.append(R["tok_emb.weight"].T)
         xs = {n: np.ones((1, n), dtype=mats[0].dtype) for n in {w.shape[0] for w in mats}}
         best_w = best_c = float("inf")
         for _ in range(repeats + 1):
@@ -567,12 +568,13 @@ def markdown(res: dict, info: dict) -> str:
                   f"(median {100 * statistics.median(p['share_of_round_limit']):.0f} %; the table's share, against "
                   f"the best reading of the whole run, is the lower bound).",
                   "",
-                  f"GEMV pass: one 1-row NumPy product `x @ W` with each of the model's {gp['matrices']} weight "
-                  f"matrices ({gp['bytes'] / 1e6:.0f} MB) and nothing else takes {gp['wall_ms']:.1f} ms "
+                  f"GEMV pass: one 1-row NumPy product `x @ W` with each of the {gp['matrices']} weight matrices a "
+                  f"decoding step multiplies by (a block's q, k, v one, its gate and up one; {gp['bytes'] / 1e6:.0f} MB) "
+                  f"and nothing else takes {gp['wall_ms']:.1f} ms "
                   f"({gp['cpu_ms']:.1f} ms CPU); pedestrian's decode step takes {1e3 / p['decode_tokens_per_s']:.1f} ms "
                   f"({1e3 / p['decode_tokens_per_cpu_s']:.1f} ms CPU): the difference is the per-token work besides "
-                  f"the weights ({res['model']['n_blocks']} blocks of norms, RoPE, cached attention, SwiGLU, skips, and the Python around "
-                  f"{res['model']['n_blocks'] * 6 + 3} layer calls).",
+                  f"the weights ({res['model']['n_blocks']} blocks of norms, RoPE, cached attention, SwiGLU, skips, and the Python "
+                  "around them).",
                   "",
                   f"KV cache (pedestrian's `KVCache.nbytes`, {c['context_length']} positions, float32): "
                   f"{kv[str(c['n_kv_heads'])] / 2**20:.1f} MiB with {c['n_kv_heads']} key/value heads, "

@@ -80,10 +80,14 @@ def _flat(a):
 def _fused(gate, up):
     """The ``(rows, 2m)`` array whose two halves ``gate`` and ``up`` are (the fused gate/up layer's
     output, read in place), or ``None`` if they are not the halves of one C-contiguous array."""
+    if gate.ndim < 2:                                          # (one row: contiguous, never here)
+        return None
     m, size = gate.shape[-1], gate.itemsize
-    rows = gate.size // max(m, 1)
-    strides = np.empty((*gate.shape[:-1], 2 * m), gate.dtype, order="C").strides if gate.ndim else ()
-    if (gate.shape != up.shape or gate.dtype != up.dtype or not gate.ndim or gate.strides != strides
+    rows, strides = gate.size // max(m, 1), [size]
+    for n in (2 * m, *gate.shape[-2:0:-1]):                   # C order of (..., 2m), last axis first
+        strides.insert(0, strides[0] * n)
+    strides = tuple(strides)
+    if (gate.shape != up.shape or gate.dtype != up.dtype or gate.strides != strides
             or up.strides != strides or up.ctypes.data != gate.ctypes.data + m * size):
         return None
     return np.lib.stride_tricks.as_strided(gate, (rows, 2 * m), (2 * m * size, size), writeable=False)
