@@ -342,10 +342,8 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path,
     """Ctrl-C after step 3, then the same command with --resume: the adapters, the AdamW state
     and the log equal those of the run that was never stopped, bit for bit (the batches' generator
     is recorded, the adapter-dropout masks depend only on the step)."""
-    import os
-    import signal
-
     import pedestrian.training.loop as loop_module
+    from cli_helpers import ctrl_c_at_step
     from pedestrian.checkpoint import load_checkpoint
     from pedestrian.training import read_log
 
@@ -354,15 +352,8 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path,
             "--lora-targets", "q", "mlp_contract", "--max-steps", "6", "--context-length", "16", "--batch-size", "2",
             "--eval-interval", "2", "--eval-batches", "1", "--lr", "1e-2", "--no-progress", "--no-plot"]
     assert main(capsys, *argv, "--out", tmp_path / "straight")[0] == 0
-    real, calls = loop_module.train_step, [0]
-
-    def step(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "train_step", step)
+    real = loop_module.train_step
+    ctrl_c_at_step(monkeypatch, 3)
     out = tmp_path / "stopped"
     code, _, err = main(capsys, *argv, "--out", out)
     assert code == 130 and "continue with the same command and --resume" in err

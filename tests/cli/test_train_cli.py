@@ -288,20 +288,9 @@ def test_overwrite_keeps_the_old_run_until_the_first_checkpoint(run, corpus, cap
 
 
 def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypatch):
-    import os
-    import signal
+    from cli_helpers import ctrl_c_at_step
 
-    import pedestrian.training.loop as loop_module
-
-    real, calls = loop_module.train_step, [0]
-
-    def step(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "train_step", step)
+    ctrl_c_at_step(monkeypatch, 2)
     out = tmp_path / "run"
     assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "6", *TINY]) == 130
     err = capsys.readouterr().err

@@ -44,3 +44,22 @@ def break_layernorm_backward(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(fast, "layernorm_backward", wrong)
+
+
+def ctrl_c_at_step(monkeypatch, n: int) -> None:
+    """Make the training loop receive SIGINT (Ctrl-C) during its ``n``-th step (1-based), as a user
+    pressing Ctrl-C would: the loop finishes that step, saves and stops."""
+    import os
+    import signal
+
+    import pedestrian.training.loop as loop_module
+
+    real, calls = loop_module.train_step, [0]
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", step)
