@@ -348,7 +348,9 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path,
     from pedestrian.training import read_log
 
     tmp, base, _ = run
-    argv = ["finetune", "--hf-dir", base, "--data", tmp / "data.txt", "--lora-rank", "2", "--lora-dropout", "0.1",
+    data = tmp_path / "data.txt"
+    data.write_text((tmp / "data.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    argv = ["finetune", "--hf-dir", base, "--data", data, "--lora-rank", "2", "--lora-dropout", "0.1",
             "--lora-targets", "q", "mlp_contract", "--max-steps", "6", "--context-length", "16", "--batch-size", "2",
             "--eval-interval", "2", "--eval-batches", "1", "--lr", "1e-2", "--no-progress", "--no-plot"]
     assert main(capsys, *argv, "--out", tmp_path / "straight")[0] == 0
@@ -356,7 +358,8 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path,
     ctrl_c_at_step(monkeypatch, 3)
     out = tmp_path / "stopped"
     code, _, err = main(capsys, *argv, "--out", out)
-    assert code == 130 and "continue with the same command and --resume" in err
+    assert code == 130 and f"continue with: pedestrian finetune --hf-dir {base} --data {data} " \
+        f"--lora-rank 2 --out {out} --resume" in err
     monkeypatch.setattr(loop_module, "train_step", real)
     assert json.loads((out / "adapter" / "state.json").read_text())["step"] == 3
     code, _, err = main(capsys, *argv, "--out", out, "--resume")
@@ -374,17 +377,40 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path,
     assert read_log(out / "log.jsonl") == [dict(r, time_s=r2["time_s"], tokens_per_s=r2["tokens_per_s"])
                                            if "time_s" in r else r for r, r2 in
                                            zip(read_log(tmp_path / "straight" / "log.jsonl"), read_log(out / "log.jsonl"))]
+    # the record: the text's absolute path (a resume or eval from another folder finds it)
+    assert json.loads((out / "adapter" / "state.json").read_text())["meta"]["finetune"]["data"] == str(data.resolve())
+    # the same layers by their Llama-style or pedestrian names, in any order: the same run
+    swapped = ["mlp_contract" if a == "q" else "q" if a == "mlp_contract" else a for a in argv]
+    code, _, err = main(capsys, *swapped, "--out", out, "--resume", "--max-steps", "7")
+    assert code == 0, err
+    # from Python, every setting must match the record (here --lora-targets and more do not)
+    from pedestrian.training.finetune import FinetuneSettings, finetune
+    with pytest.raises(ValueError, match=r"was fine-tuned with .*--lora-dropout 0.1 \(you gave 0.0\); .*"
+                                         r"--lora-targets q mlp_contract \(you gave q v\)"):
+        finetune(FinetuneSettings(hf_dir=str(base), data=str(data), lora_rank=2, out=str(out), resume=True, max_steps=9))
+    data.write_text(data.read_text(encoding="utf-8") + "one more line\n", encoding="utf-8")   # another text
+    code, _, err = main(capsys, *argv, "--out", out, "--resume", "--max-steps", "9")
+    one_error_line(code, err, "is not the one the run in", "changed since")
 
 
 def test_finetune_resume_refuses_what_it_cannot_continue(run, tmp_path, capsys):
     tmp, base, out = run
     argv = ["finetune", "--hf-dir", base, "--data", tmp / "data.txt", "--lora-rank", "4", "--no-progress"]
     code, _, err = main(capsys, *argv, "--out", tmp_path / "none", "--resume")
+    one_error_line(code, err, "does not exist", "start the run without --resume")
+    (tmp_path / "empty").mkdir()
+    code, _, err = main(capsys, *argv, "--out", tmp_path / "empty", "--resume")
     one_error_line(code, err, "holds no adapter checkpoint", "start the run without --resume")
+    (tmp_path / "trained" / "latest").mkdir(parents=True)                # a `pedestrian train` run
+    (tmp_path / "trained" / "latest" / "state.json").write_text("{}")
+    code, _, err = main(capsys, *argv, "--out", tmp_path / "trained", "--resume")
+    one_error_line(code, err, "holds a `pedestrian train` run: choose another --out")
+    code, _, err = main(capsys, *argv, "--out", tmp_path / "trained")
+    one_error_line(code, err, "holds a `pedestrian train` run; choose another --out")
     code, _, err = main(capsys, *argv, "--out", out, "--resume")                    # at its --max-steps 40
     one_error_line(code, err, "already reaches --max-steps 40", "pass a larger --max-steps")
     code, _, err = main(capsys, *argv, "--out", out, "--resume", "--max-steps", "50", "--lora-rank", "8")
-    one_error_line(code, err, "fine-tuned with --lora-rank 4 (you gave 8)", "Resume without those flags")
+    one_error_line(code, err, "fine-tuned with --lora-rank 4 (you gave 8)", "leave those flags out")
     code, _, err = main(capsys, *argv, "--out", out, "--resume", "--overwrite")
     one_error_line(code, err, "pass one of them")
     code, _, err = main(capsys, *argv, "--out", out, "--max-steps", "50")

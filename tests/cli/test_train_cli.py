@@ -46,7 +46,7 @@ def run(corpus, tmp_path, capsys):
 def test_train_eval_resume(run, corpus, capsys):
     state = json.loads((run / "latest" / "state.json").read_text())
     assert state["step"] == 6 and state["config"]["d_model"] == 16
-    assert state["meta"]["settings"]["data"] == str(corpus)
+    assert state["meta"]["settings"]["data"] == str(corpus.resolve())
     assert (run / "best" / "state.json").is_file()
     assert main(["eval", str(run), "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -229,6 +229,21 @@ def test_bpe_tokenizer_run(corpus, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(out), "--no-progress"]) == 0
     assert "nats per token" in capsys.readouterr().out
+
+
+def test_a_relative_data_path_is_recorded_absolute(corpus, tmp_path, capsys, monkeypatch):
+    """A run started with --data given relative to the working folder is resumed and evaluated
+    from another folder (the record holds the absolute path), also with --data spelled anew."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--data", corpus.name, "--out", "run", "--max-steps", "2", *TINY]) == 0
+    assert json.loads((tmp_path / "run" / "latest" / "state.json").read_text())["meta"]["settings"]["data"] \
+        == str(corpus.resolve())
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert main(["train", "--out", "../run", "--resume", "--max-steps", "3", "--no-progress", "--no-plot"]) == 0
+    assert main(["train", "--out", "../run", "--resume", "--data", f"../{corpus.name}", "--max-steps", "4",
+                 "--no-progress", "--no-plot"]) == 0
+    assert main(["eval", "../run", "--no-progress"]) == 0
 
 
 def test_resume_without_a_checkpoint(tmp_path, capsys):

@@ -12,8 +12,7 @@ Examples:
   pedestrian sample --hf-dir gpt2-ft --prompt "Dear diary,"
   pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
       --lora-targets q_proj k_proj v_proj o_proj gate_proj up_proj down_proj --out runs/smol-ft
-  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
-      --out runs/smol-ft --resume --max-steps 400     # the same command, continued
+  pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 --out runs/smol-ft --resume
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     result = finetune(FinetuneSettings.from_args(args), explicit=FinetuneSettings.explicit(args))
     if result.stop_reason == "interrupted":
         print(f"interrupted: the adapters of step {result.step} are saved in {result.out / 'adapter'} and "
-              f"{result.out / 'peft'}; continue with the same command and --resume", file=sys.stderr)
+              f"{result.out / 'peft'}; continue with: {result.resume_command}", file=sys.stderr)
         return 130
     print(f"validation loss {result.initial_val_loss:.4f} -> {result.val_loss:.4f} nats/token after "
           f"{result.step} steps ({result.trainable_params:,} trainable parameters); "

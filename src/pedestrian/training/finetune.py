@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import logging
 import math
+import shlex
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,7 +36,7 @@ from pathlib import Path
 from ..model.layout import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, add_flags, at_most, check, setting, specs
-from .specs import flag as flag_name
+from .adapter_runs import adapter_checkpoint_dir, base_fingerprint
 from .settings import memory_plan
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "load_model", "LoadedModel", "adapter_base",
@@ -57,7 +57,8 @@ class FinetuneSettings:
     below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
 
     ``lora_alpha`` is the paper's scalar ``α`` (PEFT's ``lora_alpha / r``); ``lora_targets`` are
-    layer kinds (``q k v attn_proj mlp_expand mlp_contract logits``, ``all``) or full layer names.
+    layer kinds (``q k v attn_proj mlp_gate mlp_expand mlp_contract logits``, ``all``), their Llama
+    names (``q_proj`` ... ``down_proj``, ``lm_head``) or full layer names.
     The optimisation settings mean what they mean in :class:`pedestrian.training.TrainSettings`
     (the same loop runs both, :mod:`pedestrian.training.loop`).
     """
@@ -169,60 +170,6 @@ class FinetuneSettings:
         """The settings ``pedestrian finetune``'s parsed arguments give (the flags on the command line)."""
         return frozenset(name for name in specs(FinetuneSettings) if getattr(args, name, None) is not None)
 
-    def non_default(self) -> frozenset:
-        """The settings that differ from their default (what a caller of :func:`finetune` gave)."""
-        default = type(self)(hf_dir=self.hf_dir, data=self.data)
-        return frozenset(name for name in specs(self) if getattr(self, name) != getattr(default, name))
-
-
-#: what ``--resume`` takes from the command line rather than from the run's record
-RESUMABLE = frozenset({"max_steps", "eval_interval", "max_skipped_steps", "progress", "plot", "backend",
-                       "resume", "out"})
-
-
-def _resumed(settings: FinetuneSettings, out: Path, given: frozenset):
-    """The settings to go on with (the run's recorded ones, with the :data:`RESUMABLE` ones of
-    ``given`` taken from ``settings``) and the adapter checkpoint in ``out/adapter``, loaded onto its
-    base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
-    resumed."""
-    from ..checkpoint import load_checkpoint
-    from ..interop.hf import load_pretrained
-
-    if settings.overwrite:
-        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
-    if adapter_checkpoint_dir(out) is None:
-        raise ValueError(f"--resume: {out} holds no adapter checkpoint (adapter/state.json) to continue; "
-                         "start the run without --resume")
-    folder, state = _adapter_state(out)
-    meta = state.get("meta") or {}
-    if meta.get("finetune") is None or meta.get("data_rng") is None:
-        raise ValueError(f"{folder} does not record its settings and batch order (written by an older pedestrian), "
-                         "so it cannot be resumed exactly; start again with --overwrite")
-    names = specs(FinetuneSettings)
-    saved = FinetuneSettings(**{k: v for k, v in meta["finetune"].items() if k in names})
-    conflicts = [f"{flag_name(k)} {getattr(saved, k)!r} (you gave {getattr(settings, k)!r})"
-                 for k in sorted(given - RESUMABLE - {"hf_dir", "data"})
-                 if getattr(settings, k) != getattr(saved, k)]
-    if Path(settings.data).expanduser().resolve() != Path(saved.data).expanduser().resolve():
-        conflicts.append(f"--data {saved.data!r} (you gave {settings.data!r})")
-    if conflicts:
-        raise ValueError(f"the run in {out} was fine-tuned with " + "; ".join(conflicts)
-                         + ". Resume without those flags, or start a new run with --out NEW_DIR")
-    for name in RESUMABLE & given:
-        setattr(saved, name, getattr(settings, name))
-    saved.hf_dir, saved.resume = settings.hf_dir, True        # (the base may have moved: checked below)
-    saved.validate()
-    if int(state.get("step", 0)) >= saved.max_steps:
-        raise ValueError(f"the run in {out} is at step {state.get('step')}, which already reaches --max-steps "
-                         f"{saved.max_steps}; pass a larger --max-steps to fine-tune on")
-    recorded = (state.get("base") or {}).get("sha256")
-    if recorded and base_fingerprint(saved.hf_dir)["sha256"] != recorded:
-        raise ValueError(f"the adapters in {folder} were trained on other weights than those in {saved.hf_dir}; "
-                         "pass the base they were trained on with --hf-dir")
-    base, tokenizer = load_pretrained(saved.hf_dir, dtype=saved.dtype, backend=saved.backend)
-    ckpt = load_checkpoint(folder, backend=saved.backend, base_model=base)
-    return saved, ckpt, ckpt.tokenizer or tokenizer
-
 
 @dataclass
 class FinetuneResult:
@@ -239,43 +186,7 @@ class FinetuneResult:
     model: object = None
     tokenizer: object = None
     stop_reason: str = "max_steps"
-
-
-def base_fingerprint(hf_dir) -> dict:
-    """``{"hf_dir", "weights", "sha256"}`` of a base model directory: which weight file holds
-    its tensors (see :func:`pedestrian.interop.hf.open_hf_weights`) and that file's SHA-256, so
-    an adapter can later be matched against the very weights it was trained on."""
-    from ..interop.hf import open_hf_weights
-
-    source = Path(open_hf_weights(hf_dir).source)
-    h = hashlib.sha256()
-    with open(source, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return {"hf_dir": str(Path(hf_dir).expanduser().resolve()), "weights": source.name,
-            "sha256": h.hexdigest()}
-
-
-def adapter_checkpoint_dir(path) -> Path | None:
-    """The adapter-only checkpoint ``path`` stands for, or ``None`` if it is not one.
-
-    Accepts a ``pedestrian finetune`` run folder (its ``adapter/``), the adapter checkpoint
-    folder itself, or one of its files. Never raises for a path that is something else
-    (a full checkpoint, a train run folder, nothing at all): it returns ``None`` then.
-    """
-    from ..checkpoint import read_state
-
-    p = Path(path).expanduser()
-    if p.is_file():
-        p = p.parent
-    for candidate in (p, p / "adapter"):
-        if (candidate / "state.json").is_file():
-            try:
-                folder, state = read_state(candidate)
-            except (OSError, ValueError):
-                return None
-            return folder if state.get("params") == "lora" else None
-    return None
+    resume_command: str = ""        #: how to continue this run (after an interrupt, or to more steps)
 
 
 def _adapter_state(adapter_dir) -> tuple[Path, dict]:
@@ -398,9 +309,10 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
 
     Args:
         settings: the run's settings; with ``resume``, those of ``explicit`` must match the run's
-            record but for :data:`RESUMABLE` ones (``--max-steps`` ...), which replace it.
-        explicit: the names of the settings given (``FinetuneSettings.explicit(args)``); ``None``:
-            those that differ from their default.
+            record but for :data:`~pedestrian.training.adapter_runs.RESUMABLE` ones (``--max-steps`` ...), which replace it.
+        explicit: the names of the settings given (``FinetuneSettings.explicit(args)``); ``None``
+            (a call from Python): every setting, so each must equal the run's record but for the
+            :data:`~pedestrian.training.adapter_runs.RESUMABLE` ones.
 
     Returns:
         a :class:`FinetuneResult`; ``stop_reason`` ``"max_steps"``, or ``"interrupted"`` (SIGINT
@@ -408,7 +320,9 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
 
     Raises:
         ValueError / FileNotFoundError: bad settings, started as a rank of several (torchrun), a
-            base that is not GPT-2, a corpus too short for one window, an existing run in ``out``
+            base that is not a GPT-2, Llama, Qwen2 or Mistral directory (or asks for what
+            pedestrian does not implement), a corpus too short for one window, a ``resume`` that
+            does not match the run's record (settings, base weights, text), an existing run in ``out``
             without ``overwrite`` (with it, the old run is kept until the first checkpoint),
             ``max_skipped_steps`` non-finite steps in a row (:class:`pedestrian.training.loop.TrainingError`,
             naming the last good checkpoint). Nothing is written before the inputs are validated.
@@ -418,8 +332,9 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     from ..interop.hf import load_pretrained
     from ..interop.peft import save_peft_adapter
     from ..model.finite import finite_or_none
-    from .corpus import prepare_data
+    from .corpus import absolute_path, data_fingerprint, prepare_data
     from .distributed import launched_rank
+    from .adapter_runs import is_train_run, resumed
     from .files import RunFiles
     from .job import build_trainer, failures_explained
     from .loop import Checkpoints, Trainer
@@ -433,17 +348,27 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     had_run = out.exists() and any(out.iterdir())
     ckpt = None
     if settings.resume:
-        given = settings.non_default() if explicit is None else frozenset(explicit)
-        settings, ckpt, tokenizer = _resumed(settings, out, given)
+        given = frozenset(specs(settings)) if explicit is None else frozenset(explicit)
+        settings, ckpt, tokenizer = resumed(settings, out, given)
         model = ckpt.model
     elif had_run and not settings.overwrite:
+        if is_train_run(out):
+            raise ValueError(f"{out} holds a `pedestrian train` run; choose another --out for the fine-tuning (or "
+                             "--overwrite to replace that run)")
         raise ValueError(f"{out} already holds a run; pass --resume to continue it, choose another --out, or "
                          "pass --overwrite")
     else:
+        settings = dataclasses.replace(settings, data=absolute_path(settings.data))   # (recorded so)
         model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
     T = settings.window(model)
     _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
-    if ckpt is None:
+    data_sha = data_fingerprint(train_tokens, val_tokens)
+    if ckpt is not None and ckpt.meta.get("data_sha256") not in (None, data_sha):
+        raise ValueError(f"the text in {settings.data} is not the one the run in {out} was fine-tuned on (it "
+                         "changed since); resuming needs the same text: restore it, or start again with --overwrite")
+    if ckpt is not None:
+        log.info(f"resumed from {ckpt.path} at step {ckpt.step}")
+    else:
         model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
                        dropout=settings.lora_dropout, freeze_base=True)
     base = base_fingerprint(settings.hf_dir)
@@ -462,7 +387,8 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     def save(t: Trainer) -> None:
         meta = {"finetune": settings.to_dict(), "data_rng": t.data.rng.bit_generator.state,
                 "val_loss": finite_or_none(t.val_loss), "train_loss": finite_or_none(t.loss),
-                "initial_val_loss": finite_or_none(initial_val), "skipped_steps": t.skipped_total}
+                "initial_val_loss": finite_or_none(initial_val), "skipped_steps": t.skipped_total,
+                "data_sha256": data_sha}
         files.save_checkpoint("adapter", model, t.optimizer, tokenizer, t.step, meta, params="lora", base=base)
 
     trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="finetune", t_start=t_start,
@@ -488,4 +414,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
              f"{out / 'adapter'} and {out / 'peft'}")
     return FinetuneResult(step=trainer.step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
                           trainable_params=n_train, total_params=n_total, seconds=seconds, out=out,
-                          model=model, tokenizer=tokenizer, stop_reason=reason)
+                          model=model, tokenizer=tokenizer, stop_reason=reason,
+                          resume_command="pedestrian finetune " + " ".join(shlex.quote(str(a)) for a in (
+                              "--hf-dir", settings.hf_dir, "--data", settings.data, "--lora-rank",
+                              settings.lora_rank, "--out", out, "--resume")))

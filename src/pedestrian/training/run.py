@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ from .distributed import (CommunicationError, LaunchFailure, launch, launched_ra
                           reports_to_launcher)
 from ..model.finite import finite_or_none
 from ..kernels.jit import threads_used
-from .corpus import prepare_data
+from .corpus import absolute_path, prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .job import build_trainer, failures_explained
 from .loop import Checkpoints, Trainer
@@ -109,6 +110,8 @@ def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> t
                 mine, theirs = settings.model.get(k), ckpt.config.to_dict().get(k)   # derived widths resolved
             else:
                 k, mine, theirs = key, getattr(settings, key), getattr(saved, key)
+            if k == "data" and mine is not None and theirs is not None:   # (a run recorded before
+                theirs = absolute_path(theirs)                             # paths were absolute)
             if mine != theirs:
                 conflicts.append(f"{k}={theirs!r} (you gave {mine!r})")
     if conflicts:
@@ -227,6 +230,8 @@ def train(settings: TrainSettings, *, resume: bool = False, explicit: set[str] |
     """
     t_start = time.perf_counter()
     settings.validate(resuming=resume)
+    if settings.data is not None:             # recorded absolute: a resume or eval elsewhere finds it
+        settings = dataclasses.replace(settings, data=absolute_path(settings.data))
     own_group = group is None
     if own_group:
         group = process_group(settings.device, settings.dist_timeout)
