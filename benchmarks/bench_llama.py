@@ -70,6 +70,11 @@ HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LORA_RANK, LORA_ALPHA = 8, 16.0            # PEFT's lora_alpha; pedestrian's α = lora_alpha / r
 PROMPT_LEN = 8
 KINDS = ["generate", "full", "recompute", "lean", "budget", "lora"]   # what is measured, in this order
+#: pause before each generation turn: a side's idle threads spin for a while after its turn (the
+#: second round's first run, right after the other side's, measured 70-76 % of the limit where the
+#: rounds after a bandwidth reading measured 84-94 %, four runs of 2026-12-04; with the pause, three
+#: runs: 79-90 %, the second round 79, 85 and 90 %)
+SETTLE_S = 0.5
 #: "budget": pedestrian --update-in-backward --recompute-blocks BUDGET_BLOCKS against transformers' plain
 #: full step (what its users run by default): few recomputed blocks that keep pedestrian's peak memory
 #: under 0.7 of the peer's with some 70 MiB to spare (about 15.5 MiB per block at this shape,
@@ -403,6 +408,7 @@ def run_generation(sides: dict, n_new: int, repeats: int, vocab: int, threads: i
     for r in range(repeats):
         reads.append(read_bandwidth_gbs(threads, repeats=3)["read"])
         for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            time.sleep(SETTLE_S)                                # the other side's threads go idle
             runs[name].append(sides[name].ask("generate", prompt, n_new))
     out: dict = {"new_tokens": n_new, "prompt_len": PROMPT_LEN, "repeats": repeats, "read_gbs_per_round": reads}
     for name, rs in runs.items():
