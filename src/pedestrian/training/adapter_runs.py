@@ -80,7 +80,7 @@ def resumed(settings, out: Path, given: frozenset):
     ``given`` taken from ``settings``, a :class:`~pedestrian.training.finetune.FinetuneSettings`) and
     the adapter checkpoint in ``out/adapter``, loaded onto its
     base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
-    resumed."""
+    resumed. Returns ``(settings, checkpoint, tokenizer, base fingerprint)``."""
     from ..checkpoint import load_checkpoint
     from ..interop.hf import load_pretrained
 
@@ -116,10 +116,10 @@ def resumed(settings, out: Path, given: frozenset):
     if int(state.get("step", 0)) >= saved.max_steps:
         raise ValueError(f"the run in {out} is at step {state.get('step')}, which already reaches --max-steps "
                          f"{saved.max_steps}; pass a larger --max-steps to fine-tune on")
-    recorded = (state.get("base") or {}).get("sha256")
-    if recorded and base_fingerprint(saved.hf_dir)["sha256"] != recorded:
+    recorded, base_now = (state.get("base") or {}).get("sha256"), base_fingerprint(saved.hf_dir)
+    if recorded and base_now["sha256"] != recorded:
         raise ValueError(f"the adapters in {folder} were trained on other weights than those in {saved.hf_dir}; "
                          "pass the base they were trained on with --hf-dir")
     base, tokenizer = load_pretrained(saved.hf_dir, dtype=saved.dtype, backend=saved.backend)
     ckpt = load_checkpoint(folder, backend=saved.backend, base_model=base)
-    return saved, ckpt, ckpt.tokenizer or tokenizer
+    return saved, ckpt, ckpt.tokenizer or tokenizer, base_now

@@ -346,10 +346,10 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
                          "are for pedestrian train)")
     out = Path(settings.out).expanduser()
     had_run = out.exists() and any(out.iterdir())
-    ckpt = None
+    ckpt = base = None
     if settings.resume:
         given = frozenset(specs(settings)) if explicit is None else frozenset(explicit)
-        settings, ckpt, tokenizer = resumed(settings, out, given)
+        settings, ckpt, tokenizer, base = resumed(settings, out, given)
         model = ckpt.model
     elif had_run and not settings.overwrite:
         if is_train_run(out):
@@ -371,7 +371,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     else:
         model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
                        dropout=settings.lora_dropout, freeze_base=True)
-    base = base_fingerprint(settings.hf_dir)
+    base = base or base_fingerprint(settings.hf_dir)              # (a resume has hashed it already)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
