@@ -356,6 +356,13 @@ def test_moments_of_a_checkpoint_with_gate_and_up_apart_are_read_in_the_fused_la
     regions = base_regions(model.config, model.parameters.specs)
     old_regions = base_regions(model.config, model.parameters.specs, fuse_gate_up=False)
     assert regions != old_regions                               # the layouts differ
+    # layout 1 as written before the change (commit 09e17a0): every parameter its own contiguous
+    # region in spec order, but q, k, v (columns of attn.qkv)
+    layout1 = FlatParams(np, np.float32, old_regions)
+    assert all(v.flags.c_contiguous for n, v in layout1.views.items() if ".attn." not in n)
+    assert [n for n in layout1.regions if ".attn." not in n] == [
+        s.name for s in model.parameters.specs if ".attn." not in s.name and s.decay] + [
+        s.name for s in model.parameters.specs if ".attn." not in s.name and not s.decay]
     tensors = load_file(str(folder / "optimizer.safetensors"))
     for key in ("base.m", "base.v"):                          # write the moments as layout 1 did
         new, old = FlatParams(np, np.float32, regions), FlatParams(np, np.float32, old_regions)

@@ -27,9 +27,6 @@ def _gate_forward(gate, up, out):
         out[i] = silu_parts(gate[i], one, lo, hi)[0] * up[i]
 
 
-#: ``out = silu(gate) ∘ up`` of flat arrays, written into ``out`` (serial or threaded by size)
-gate_into = _gate_forward
-
 
 @kernel(parallel=True)
 def _gate_backward(delta, gate, up, d_gate, d_up):

@@ -121,6 +121,11 @@ def base_regions(config: GPTConfig, specs=None, *, fuse_gate_up: bool = True) ->
     cols = dict(qkv_columns(config))
     width, m = cols["v"][1], config.d_mlp
     regions, fused_done = [], set()
+
+    def gate_up_pair(parts) -> bool:            # blocks.i.mlp_{gate,expand}.{weight,bias}, both there
+        return (fuse_gate_up and len(parts) == 4 and parts[2] in ("mlp_gate", "mlp_expand")
+                and all(f"blocks.{parts[1]}.{k}.{parts[3]}" in specs for k in ("mlp_gate", "mlp_expand")))
+
     for name, spec in specs.items():
         parts = name.split(".")
         if len(parts) == 5 and parts[2] == "attn":                # blocks.i.attn.{q,k,v}.{weight,bias}
@@ -132,13 +137,11 @@ def base_regions(config: GPTConfig, specs=None, *, fuse_gate_up: bool = True) ->
             shape = (config.d_model, width) if parts[4] == "weight" else (width,)
             members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
             regions.append((shape, spec.decay, members))
-        elif (fuse_gate_up and len(parts) == 4 and parts[2] == "mlp_gate"
-              and f"blocks.{parts[1]}.mlp_expand.{parts[3]}" in specs):   # blocks.i.mlp_gate.{weight,bias}
-            up = specs[f"blocks.{parts[1]}.mlp_expand.{parts[3]}"]
-            shape = (*spec.shape[:-1], 2 * m)
-            regions.append((shape, spec.decay, [(name, (0, m)), (up.name, (m, 2 * m))]))
-        elif not (fuse_gate_up and len(parts) == 4 and parts[2] == "mlp_expand"
-                  and f"blocks.{parts[1]}.mlp_gate.{parts[3]}" in specs):   # (placed with the gate)
+        elif gate_up_pair(parts):
+            if parts[2] == "mlp_gate":                           # (the up half is placed with it)
+                up = f"blocks.{parts[1]}.mlp_expand.{parts[3]}"
+                regions.append(((*spec.shape[:-1], 2 * m), spec.decay, [(name, (0, m)), (up, (m, 2 * m))]))
+        else:
             regions.append((spec.shape, spec.decay, [(name, None)]))
     return regions
 

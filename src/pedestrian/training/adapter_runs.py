@@ -78,8 +78,7 @@ def _shown(value) -> str:
 def resumed(settings, out: Path, given: frozenset):
     """The settings to go on with (the run's recorded ones, with the :data:`RESUMABLE` ones of
     ``given`` taken from ``settings``, a :class:`~pedestrian.training.finetune.FinetuneSettings`) and
-    the adapter checkpoint in ``out/adapter``, loaded onto its
-    base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
+    the adapter checkpoint in ``out/adapter``, loaded onto its base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
     resumed. Returns ``(settings, checkpoint, tokenizer, base fingerprint)``."""
     from ..checkpoint import load_checkpoint
     from ..interop.hf import load_pretrained
@@ -88,11 +87,12 @@ def resumed(settings, out: Path, given: frozenset):
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if not out.is_dir():
         raise ValueError(f"--resume: {out} does not exist; start the run without --resume")
-    if adapter_checkpoint_dir(out) is None:
+    folder = adapter_checkpoint_dir(out)
+    if folder is None:
         raise ValueError(f"--resume: {out} holds no adapter checkpoint (adapter/state.json) to continue"
                          + ("; it holds a `pedestrian train` run: choose another --out" if is_train_run(out)
                             else "; start the run without --resume"))
-    folder, state = read_state(adapter_checkpoint_dir(out))
+    folder, state = read_state(folder)
     meta = state.get("meta") or {}
     if meta.get("finetune") is None or meta.get("data_rng") is None:
         raise ValueError(f"{folder} does not record its settings and batch order (written by an older pedestrian), "
