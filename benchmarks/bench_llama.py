@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -172,20 +173,35 @@ class PedestrianSide:
         every weight matrix the decoding step multiplies by (a block's q, k, v one region, its
         gate and up one: the parameter buffer's regions; the tied table once, as the logits'
         ``Wᵀ``), best of ``repeats`` by the wall clock and by CPU time -- what a decoder built on
-        these BLAS calls costs without anything else (norms, RoPE, attention, SwiGLU, skips, Python)."""
+        these BLAS calls costs without anything else (norms, RoPE, attention, SwiGLU, skips, Python).
+        ``by_kind``: the best pass's milliseconds and GB/s for each kind of matrix (its name
+        without the block number: the 30 blocks' o_proj together, ...)."""
         R = self.model.parameters.base.regions
-        mats = [R[k] for k in R if R[k].ndim == 2 and k != "tok_emb.weight"]
-        mats.append(R["tok_emb.weight"].T)
-        xs = {n: np.ones((1, n), dtype=mats[0].dtype) for n in {w.shape[0] for w in mats}}
+        named = [(k, R[k]) for k in R if R[k].ndim == 2 and k != "tok_emb.weight"]
+        named.append(("logits (tok_emb.weight ᵀ)", R["tok_emb.weight"].T))
+        kinds = [(re.sub(r"^blocks\.\d+\.", "", k), w) for k, w in named]
+        xs = {n: np.ones((1, n), dtype=named[0][1].dtype) for n in {w.shape[0] for _, w in named}}
         best_w = best_c = float("inf")
         for _ in range(repeats + 1):
+            spent: dict[str, float] = dict.fromkeys((k for k, _ in kinds), 0.0)
             w0, c0 = time.perf_counter(), time.process_time()
-            for w in mats:
+            for kind, w in kinds:
+                t = time.perf_counter()
                 xs[w.shape[0]] @ w
-            best_w, best_c = min(best_w, time.perf_counter() - w0), min(best_c, time.process_time() - c0)
-        nbytes = sum(int(w.nbytes) for w in mats)
-        return {"bytes": nbytes, "matrices": len(mats), "wall_ms": round(1e3 * best_w, 2),
-                "cpu_ms": round(1e3 * best_c / self.threads(), 2)}
+                spent[kind] += time.perf_counter() - t
+            wall = time.perf_counter() - w0
+            if wall < best_w:
+                best_w, best_spent = wall, spent
+            best_c = min(best_c, time.process_time() - c0)
+        nbytes = sum(int(w.nbytes) for _, w in kinds)
+        by_kind = {}
+        for kind in best_spent:
+            ws = [w for k, w in kinds if k == kind]
+            kb = sum(int(w.nbytes) for w in ws)
+            by_kind[kind] = {"shape": list(ws[0].shape), "count": len(ws), "ms": round(1e3 * best_spent[kind], 3),
+                             "gbs": round(kb / best_spent[kind] / 1e9, 2)}
+        return {"bytes": nbytes, "matrices": len(kinds), "wall_ms": round(1e3 * best_w, 2),
+                "cpu_ms": round(1e3 * best_c / self.threads(), 2), "by_kind": by_kind}
 
     def threads(self) -> int:
         from pedestrian.kernels.jit import threads_used
@@ -580,7 +596,12 @@ def markdown(res: dict, info: dict) -> str:
                   f"({gp['cpu_ms']:.1f} ms CPU); pedestrian's decode step takes {1e3 / p['decode_tokens_per_s']:.1f} ms "
                   f"({1e3 / p['decode_tokens_per_cpu_s']:.1f} ms CPU): the difference is the per-token work besides "
                   f"the weights ({res['model']['n_blocks']} blocks of norms, RoPE, cached attention, SwiGLU, skips, and the Python "
-                  "around them).",
+                  "around them). The pass by kind of matrix (ms for all blocks, GB/s): "
+                  + "; ".join(f"{k} {v['shape'][0]}×{v['shape'][1]} ×{v['count']}: {v['ms']:.2f} ms, {v['gbs']:.1f} GB/s"
+                              for k, v in gp.get("by_kind", {}).items())
+                  + f". The pass alone reads at {100 * bw.get('gemv', float('nan')) / res['bandwidth_used_gbs']:.0f} % "
+                  f"of the bandwidth used for the limit, a ceiling for any decoder on these products; the decode "
+                  f"step is the pass × {(1e3 / p['decode_tokens_per_s']) / gp['wall_ms']:.2f}.",
                   "",
                   f"KV cache (pedestrian's `KVCache.nbytes`, {c['context_length']} positions, float32): "
                   f"{kv[str(c['n_kv_heads'])] / 2**20:.1f} MiB with {c['n_kv_heads']} key/value heads, "
