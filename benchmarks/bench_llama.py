@@ -415,6 +415,21 @@ def read_bandwidth_gbs(threads: int, n_bytes: int = 1 << 29, repeats: int = 5) -
     return out
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """``(busy, own)``: the CPU seconds every core has been busy since boot (``/proc/stat``: all
+    but idle and iowait, the hypervisor's steal included), and this process's with its waited-for
+    children (``os.times``). The difference between two readings, over the wall clock and the
+    cores, is the share of the machine other processes took meanwhile -- unlike the load average,
+    which also counts the benchmark's own threads. ``None`` where ``/proc/stat`` is missing."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return busy, sum(os.times()[:4])
+
+
 def run_generation(sides: dict, n_new: int, repeats: int, vocab: int, threads: int) -> dict:
     prompt = np.random.default_rng(1).integers(0, vocab, PROMPT_LEN).astype(np.int64)
     for name in sides:                                          # warm-up: imports, first calls
@@ -497,13 +512,17 @@ def _rss_mib() -> float:
 def markdown(res: dict, info: dict) -> str:
     g, bw, c = res["generation"], res["bandwidth_gbs"], res["model"]
     limit = res["bandwidth_limit_tokens_per_s"]
-    load = info["load_average_1m"]
-    loaded = max(load, res["load_average_end"]) > 0.7 * info["logical_cores"]
-    under_load = (f" **Measured under load** (1-minute load average {load} at the start, "
-                  f"{res['load_average_end']} at the end, on {info['logical_cores']} cores): other processes shared "
+    load, others = info["load_average_1m"], res.get("others_cpu_share")
+    # the end's load average counts the benchmark's own threads: other processes' CPU time where known
+    loaded = others > 0.2 if others is not None else max(load, res["load_average_end"]) > 0.7 * info["logical_cores"]
+    seen = (f"other processes took {100 * others:.0f} % of the cores' time over the run" if others is not None
+            else f"1-minute load average {load} at the start, {res['load_average_end']} at the end")
+    under_load = (f" **Measured under load** ({seen}, on {info['logical_cores']} cores): other processes shared "
                   f"the cores, so absolute times are inflated and noisy; the ratios compare neighbouring turns, "
                   f"and the CPU-time ratio (in bold) is the one to read: the wall clock also counts the "
-                  f"seconds a side waited for a core." if loaded else "")
+                  f"seconds a side waited for a core." if loaded else
+                  f" Other processes took {100 * others:.0f} % of the cores' time over the run." if others is not None
+                  else "")
     lines = [f"### Llama family at SmolLM2-135M's shape, `backend=\"numpy\"`", "",
              common.machine_line(info) + under_load, "",
              f"Model: preset `smollm2-135m` at context {c['context_length']} ({c['n_params']:,} parameters, "
@@ -657,7 +676,7 @@ def main(argv=None) -> int:
                            "d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
                            "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size},
                  "weight_bytes": 4 * n_params, "steps": {}, "generation": None}
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), cpu_seconds()
     with tempfile.TemporaryDirectory(prefix="bench_llama_") as hf_dir:
         sides = {"transformers": _Side("transformers", B, T, args.n_blocks, threads, hf_dir)}      # writes the folder
         sides["pedestrian"] = _Side("pedestrian", B, T, args.n_blocks, threads, hf_dir)            # reads it
@@ -712,6 +731,10 @@ def main(argv=None) -> int:
             res["memory"][mode] = m
     res["load_average_end"] = round(os.getloadavg()[0], 2)
     res["runtime_s"] = round(time.perf_counter() - t_start, 1)
+    cpu_end = cpu_seconds()
+    if cpu_start and cpu_end:             # other processes' share of the cores over the run
+        others = (cpu_end[0] - cpu_start[0]) - (cpu_end[1] - cpu_start[1])
+        res["others_cpu_share"] = round(max(0.0, others) / (res["runtime_s"] * (os.cpu_count() or 1)), 3)
     text = markdown(res, info)
     print(text)
     if not args.no_save:
