@@ -128,42 +128,83 @@ def test_bad_thread_count_refuses_a_training_run_before_it_writes_anything(monke
     assert not out.exists()
 
 
-@pytest.mark.parametrize("route", ["one call", "split along the shared axis", "row blocks (partials too large)"])
+#: (m, k, n) of a product that takes each route at two threads (MIN_PART_ROWS 16, PARALLEL_MIN_MACS 2^18)
+ROUTE_SHAPES = {"one call": (65, 777, 129), "split": (65, 777, 129), "columns": (33, 129, 777),
+                "rows": (777, 129, 65), "columns (partials too large)": (65, 777, 129),
+                "rows (a transposed a copied in chunks)": (777, 129, 65),
+                "split (partials added on the threads)": (200, 900, 190)}    # m·n ≥ PARALLEL_MIN_ELEMENTS
+
+
+def _operand(rng, rows, cols, layout, dtype):
+    """A ``(rows, cols)`` operand stored C-ordered, as the transpose of a C-ordered array (a
+    weight gradient's ``xᵀ``, the tied table's ``W_tokᵀ``), or as a band of columns of a wider
+    one (a fused region's ``q``)."""
+    if layout == "C":
+        return rng.standard_normal((rows, cols)).astype(dtype)
+    if layout == "transposed":
+        return rng.standard_normal((cols, rows)).astype(dtype).T
+    return rng.standard_normal((rows, cols + 8)).astype(dtype)[:, 3:3 + cols]
+
+
+@pytest.mark.parametrize("route", list(ROUTE_SHAPES))
+@pytest.mark.parametrize("layouts", [("C", "C"), ("transposed", "C"), ("C", "transposed"), ("band", "band")])
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_weight_gradient_products_equal_numpy_on_every_route(monkeypatch, route, dtype):
-    """``xᵀ Δ`` with ``x`` stored (a weight gradient) takes one of three routes in
-    ``blas._numba_matmul``; each must be the product. Tolerance: each entry is a sum of ``k``
-    products, ``k·ε`` of ``Σ|x||Δ|`` bounds any order of summation (Higham, ch. 3)."""
+def test_products_equal_numpy_on_every_route(monkeypatch, route, layouts, bias, dtype):
+    """``blas.matmul_into`` cuts a product along its longest side (``blas._route``): the shared
+    axis, the output's columns, or its rows, each band one BLAS call on views of the operands
+    (``blas._gemm_into``: their strides passed to BLAS, no copy); one call on one thread. Every
+    route, with each operand C-ordered, transposed or a band of a wider array, with and without
+    a bias (the split route takes none), must be the product; so must a transposed ``a`` copied
+    row chunk by row chunk (``schedule.COPY_MIN_STRIDE``). Tolerance: each entry is a sum of
+    ``k`` products (and the bias), ``(k + 1)·ε`` of ``Σ|a||b| + |bias|`` bounds any order of
+    summation (Higham, ch. 3)."""
     from pedestrian.kernels import blas, schedule
 
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "1" if route == "one call" else "2")
     if route != "one call" and jit.threads_used() < 2:
         pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
-    if route == "row blocks (partials too large)":
+    if route == "columns (partials too large)":
         monkeypatch.setattr(schedule, "SPLIT_K_MAX_PARTIAL", 0)
+    if route == "rows (a transposed a copied in chunks)":
+        monkeypatch.setattr(schedule, "COPY_MIN_STRIDE", 0)          # (the chunk, COPY_ROWS, is compiled in)
     taken = []
-
-    class Spy:                                              # records which kernel ran
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-            self.serial = lambda *args: (taken.append(name + ".serial"), kernel.serial(*args))
-
-        def __call__(self, *args):
-            taken.append(self.name)
-            return self.kernel(*args)
-
-    monkeypatch.setattr(blas, "_gemm_split_k", Spy("split", blas._gemm_split_k))
-    monkeypatch.setattr(blas, "_gemm", Spy("rows", blas._gemm))
+    real = blas._route
+    monkeypatch.setattr(blas, "_route", lambda *args: taken.append(real(*args)) or taken[-1])
     rng = np.random.default_rng(7)
-    k, m, n = 777, 65, 129                                  # odd widths, n < k
-    x, d = rng.standard_normal((k, m)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-    out = np.empty((m, n), dtype)
-    blas.matmul_into(out, x.T, d)
-    assert taken == [{"one call": "split.serial", "split along the shared axis": "split",
-                      "row blocks (partials too large)": "rows"}[route]]
-    exact = x.T.astype(np.float64) @ d.astype(np.float64)
-    bound = k * np.finfo(dtype).eps * (np.abs(x.T).astype(np.float64) @ np.abs(d).astype(np.float64))
+    m, k, n = ROUTE_SHAPES[route]
+    a, b = _operand(rng, m, k, layouts[0], dtype), _operand(rng, k, n, layouts[1], dtype)
+    row = rng.standard_normal(n).astype(dtype) if bias else None
+    out = np.full((m, n), np.nan, dtype)
+    blas.matmul_into(out, a, b, bias=row)
+    expected = {"one call": "rows", "split": "columns" if bias else "split",
+                "split (partials added on the threads)": "rows" if bias else "split"}.get(route, route.split(" ")[0])
+    assert [r for r, _ in taken] == [expected]
+    assert taken[0][1] == (1 if route == "one call" else 2)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    exact = a64 @ b64 + (0.0 if row is None else row.astype(np.float64))
+    bound = (k + 1) * np.finfo(dtype).eps * (np.abs(a64) @ np.abs(b64) + (0.0 if row is None else np.abs(row)))
     assert np.all(np.abs(out - exact) <= bound)
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 5), (7, 1, 5), (7, 5, 1), (1, 1, 1), (40, 1, 9000), (9000, 1, 40), (1, 9000, 40)])
+@pytest.mark.parametrize("layouts", [("C", "C"), ("transposed", "transposed"), ("band", "transposed"), ("transposed", "band")])
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_products_with_an_axis_of_length_one(monkeypatch, shape, layouts, threads):
+    """An axis of length 1 may carry any stride (a transposed ``(n, 1)`` array has strides
+    ``(8, 8)``): ``blas._gemm_into`` must still hand BLAS a valid layout (a leading dimension at
+    least the rows it spans). The first version read such a ``bᵀ`` as row-major with ``ldb = 1``
+    and the property test's d_head-1 cases came out wrong by O(1). Bound as above."""
+    from pedestrian.kernels import blas
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", threads)
+    rng = np.random.default_rng(3)
+    m, k, n = shape
+    a, b = _operand(rng, m, k, layouts[0], np.float64), _operand(rng, k, n, layouts[1], np.float64)
+    out = np.full((m, n), np.nan)
+    blas.matmul_into(out, a, b)
+    bound = (k + 1) * np.finfo(np.float64).eps * (np.abs(a) @ np.abs(b))
+    assert np.all(np.abs(out - a @ b) <= bound)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -9,45 +9,115 @@ import numpy as np
 
 from . import schedule
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
-from .schedule import COPY_ROWS
+from .schedule import COPY_ROWS, PARALLEL_MIN_ELEMENTS
 from .workspace import active_workspace, empty_array
 
 __all__ = ["matmul_into", "few_rows_matmul", "colsum"]
 
 
+#: numba's own entry to SciPy's BLAS ``?gemm`` (``numba_xxgemm``, what its ``np.dot`` calls), with
+#: the strides (``lda``, ``ldb``, ``ldc``) of views: made when numba is loaded (:func:`_load_gemm`)
+_xxgemm = None
+
+
+def _load_gemm() -> None:
+    global _xxgemm
+    if _xxgemm is None:
+        from numba import types
+
+        p = types.voidptr
+        _xxgemm = types.ExternalFunction("numba_xxgemm", types.intc(
+            types.char, types.char, types.char, types.intp, types.intp, types.intp,   # kind, transa, transb, m, n, k
+            p, p, types.intp, p, types.intp, p, p, types.intp))                        # α, a, lda, b, ldb, β, c, ldc
+
+
+@kernel
+def _gemm_into(a, b, out):
+    """``out = a @ b`` in one BLAS ``gemm`` call on views: ``a`` ``(m, k)`` and ``b`` ``(k, n)``
+    each with one axis of unit stride (a band of rows or columns of a C- or F-ordered array, a
+    transposed array), ``out`` ``(m, n)`` with rows of unit stride (a band of columns too); no copy.
+    Row-major views are the column-major ``outᵀ = bᵀ aᵀ`` BLAS computes, as numba's ``np.dot``."""
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        for i in range(m):
+            for j in range(n):
+                out[i, j] = 0.0
+        return
+    size = out.itemsize                                 # (an axis of length 1 may have any stride)
+    if a.strides[1] == size and a.strides[0] >= k * size:
+        ta, lda = 110, a.strides[0] // size            # 'n': a row-major, aᵀ as stored
+    else:
+        ta, lda = 116, a.strides[1] // size            # 't': a column-major
+    if b.strides[1] == size and b.strides[0] >= n * size:
+        tb, ldb = 110, b.strides[0] // size
+    else:
+        tb, ldb = 116, b.strides[1] // size
+    alpha, beta = np.ones(1, out.dtype), np.zeros(1, out.dtype)
+    status = _xxgemm(np.int8(115 if size == 4 else 100), np.int8(tb), np.int8(ta), n, m, k, alpha.ctypes, b.ctypes,
+                     max(ldb, 1), a.ctypes, max(lda, 1), beta.ctypes, out.ctypes, max(out.strides[0] // size, 1))
+    if status != 0:
+        raise RuntimeError("numba found no BLAS gemm (SciPy's scipy.linalg.cython_blas): reinstall scipy")
+
+
 @kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * b.shape[0] * b.shape[1])  # m·k·n
-def _gemm(a, b, bias, out, parts):
-    """``out = a @ b (+ bias)``, 2-D: ``out``'s rows in ``parts`` blocks, one single-threaded BLAS
-    call each (a transposed ``a`` is copied first, :data:`COPY_ROWS` rows at a time: ``k × rows``
-    numbers against ``k × rows × n`` multiply-adds, and no copy of the whole operand -- the tied
-    logits' ``(V, B·T)``)."""
+def _gemm(a, b, bias, out, parts, by_columns, copy_rows):
+    """``out = a @ b (+ bias)``, 2-D: ``out``'s rows, or its columns (``by_columns``), in ``parts``
+    bands, one single-threaded BLAS call each (:func:`_gemm_into`, on views). A band of rows
+    multiplies by all of ``b``, a band of columns by all of ``a``: each thread packs the whole
+    operand it shares, so the longer side of ``out`` is the one cut. ``copy_rows``: a transposed
+    ``a`` whose rows lie far apart in memory (the tied logits' ``Δ12ᵀ``) is copied first,
+    :data:`COPY_ROWS` rows at a time (``k × rows`` numbers against ``k × rows × n``
+    multiply-adds; no copy of the whole operand)."""
     m, n = out.shape
     for part in prange(parts):
-        lo, hi = m * part // parts, m * (part + 1) // parts
-        step = hi - lo if a.flags.c_contiguous else COPY_ROWS
-        for i in range(lo, hi, max(step, 1)):
-            j = min(i + step, hi)
-            np.dot(np.ascontiguousarray(a[i:j]), b, out[i:j])
-        if bias.shape[0]:
-            for i in range(lo, hi):
-                for j in range(n):
-                    out[i, j] += bias[j]
+        if by_columns:
+            lo, hi = n * part // parts, n * (part + 1) // parts
+            _gemm_into(a, b[:, lo:hi], out[:, lo:hi])
+            if bias.shape[0]:
+                for i in range(m):
+                    for j in range(lo, hi):
+                        out[i, j] += bias[j]
+        else:
+            lo, hi = m * part // parts, m * (part + 1) // parts
+            if copy_rows:
+                for i in range(lo, hi, COPY_ROWS):
+                    j = min(i + COPY_ROWS, hi)
+                    _gemm_into(np.ascontiguousarray(a[i:j]), b, out[i:j])
+            else:
+                _gemm_into(a[lo:hi], b, out[lo:hi])
+            if bias.shape[0]:
+                for i in range(lo, hi):
+                    for j in range(n):
+                        out[i, j] += bias[j]
 
 
-@kernel(parallel=True, size=lambda at, b, *rest: at.shape[0] * at.shape[1] * b.shape[1])
-def _gemm_split_k(at, b, out, partial):
-    """``out = atᵀ b`` (``at`` ``(k, m)``, ``b`` ``(k, n)``, both C-contiguous: a weight gradient
-    ``xᵀ Δ``): the shared axis in ``len(partial) + 1`` blocks of rows, one single-threaded BLAS
-    call each (``atᵀ`` is a transposed view, no copy), block 0 into ``out`` and block ``p`` into
-    ``partial[p − 1]``, then added in block order."""
-    k, parts = at.shape[0], partial.shape[0] + 1
+@kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * a.shape[1] * b.shape[1])
+def _gemm_split_k(a, b, out, partial):
+    """``out = a b`` with the shared axis (``a`` ``(m, k)``, ``b`` ``(k, n)``) in
+    ``len(partial) + 1`` bands, one single-threaded BLAS call each on views (:func:`_gemm_into`),
+    band 0 into ``out`` and band ``p`` into ``partial[p − 1]``, then added in band order: a
+    weight gradient ``xᵀ Δ`` over many tokens, the tied logits' ``Δ12 W_tok``."""
+    k, parts = a.shape[1], partial.shape[0] + 1
     for part in prange(parts):
         lo, hi = k * part // parts, k * (part + 1) // parts
-        np.dot(at[lo:hi].T, b[lo:hi], out if part == 0 else partial[part - 1])
-    for i in prange(out.shape[0]):
-        for p in range(parts - 1):
-            for j in range(out.shape[1]):
-                out[i, j] += partial[p, i, j]
+        _gemm_into(a[:, lo:hi], b[lo:hi], out if part == 0 else partial[part - 1])
+    if out.size >= PARALLEL_MIN_ELEMENTS:        # (a second parallel region wakes the threads again)
+        for i in prange(out.shape[0]):
+            _add_partials(out, partial, i)
+    else:
+        for i in range(out.shape[0]):
+            _add_partials(out, partial, i)
+
+
+@kernel
+def _add_partials(out, partial, i):
+    """``out[i] += partial[0, i] + partial[1, i] + …``, in band order."""
+    for p in range(partial.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] += partial[p, i, j]
 
 
 _NO_BIAS: dict = {}
@@ -65,52 +135,64 @@ def _numba_matmul(out, a, b, bias) -> bool:
         if bias is not None:
             return False
         out, a, b = out.T, b.T, a.T                        # outᵀ = bᵀ aᵀ, rows of outᵀ
-    if not (b.flags.c_contiguous or b.flags.f_contiguous):
-        b = np.ascontiguousarray(b)
+    a, b = _blas_view(a), _blas_view(b)
     blas_one_thread()
-    route, parts = _route(*a.shape, out.shape[1], bias is None and a.T.flags.c_contiguous and b.flags.c_contiguous)
+    _load_gemm()
+    (m, k), n = a.shape, out.shape[1]
+    route, parts = _route(m, k, n, bias is None)
     if route == "split":
-        m, n = out.shape
-        partial = empty_array((parts - 1, m, n), out) if parts > 1 else np.empty((0, m, n), out.dtype)
-        (_gemm_split_k if parts > 1 else _gemm_split_k.serial)(a.T, b, out, partial)   # (pooled in a step)
+        partial = empty_array((parts - 1, m, n), out)                                  # (pooled in a step)
+        _gemm_split_k(a, b, out, partial)
     else:
         bias = _NO_BIAS.setdefault(out.dtype, np.zeros(0, out.dtype)) if bias is None else bias
-        (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts)
+        far = a.strides[1] != a.itemsize and a.strides[1] >= schedule.COPY_MIN_STRIDE   # (a transposed a)
+        (_gemm if parts > 1 else _gemm.serial)(a, b, bias, out, parts, route == "columns", far and route == "rows")
     return True
 
 
-def _route(m: int, k: int, n: int, at_stored: bool) -> tuple[str, int]:
-    """How ``(m, k) @ (k, n)`` runs, and in how many parts (:mod:`.schedule`'s thresholds):
+def _blas_view(x):
+    """``x`` where BLAS reads it in place (:func:`_gemm_into`: one axis of unit stride, the other's
+    stride at least the rows it spans), else a C-contiguous copy."""
+    size = x.itemsize
+    if (x.strides[1] == size and x.strides[0] >= x.shape[1] * size) or \
+            (x.strides[0] == size and x.strides[1] >= x.shape[0] * size):
+        return x
+    return np.ascontiguousarray(x)
 
-    - ``"split"`` -- ``a`` is a transposed C-contiguous ``at`` (a weight gradient ``xᵀ Δ``),
-      no bias: on one thread (a small product, or one thread) one BLAS call on the transposed
-      view, no copy; on several, the shared axis cut in blocks when the output is narrower than
-      it (``n < k``: the partial outputs, ``m·n`` each, cost less to add than ``a``'s copy,
-      ``m·k``) and the partials fit :data:`.schedule.SPLIT_K_MAX_PARTIAL` (char-small's four
-      weight gradients of a layer 3.8 → 2.9 ms: docs/kernels.md, "linear");
-    - ``"rows"`` -- otherwise ``out``'s rows in blocks of at least
-      :data:`.schedule.MIN_PART_ROWS`, one single-threaded BLAS call each (as fast as
-      OpenBLAS's own threads: docs/kernels.md, "One pool of threads"); one block below
-      :data:`.schedule.PARALLEL_MIN_MACS` multiply-adds.
+
+def _route(m: int, k: int, n: int, no_bias: bool) -> tuple[str, int]:
+    """How ``(m, k) @ (k, n)`` runs, and in how many bands (:mod:`.schedule`'s thresholds). Each
+    band is one single-threaded BLAS call on views (no copy), and each call packs the whole of the
+    operand its band does not cut, so the longest of the three sides is the one cut:
+
+    - one call below :data:`.schedule.PARALLEL_MIN_MACS` multiply-adds or on one thread;
+    - ``"split"`` -- the shared axis ``k`` the longest (a weight gradient ``xᵀ Δ`` over many
+      tokens, the tied logits' ``Δ12 W_tok``), no bias, and the partial outputs (``m·n`` each)
+      within :data:`.schedule.SPLIT_K_MAX_PARTIAL`: bands of ``k``, the partials added (char-small's
+      four weight gradients of a layer 3.8 → 2.9 ms: docs/kernels.md, "linear");
+    - ``"columns"`` -- ``out`` wider than tall (``n > m``: few tokens times a wide weight);
+    - ``"rows"`` -- otherwise; bands of at least :data:`.schedule.MIN_PART_ROWS` rows or columns
+      (docs/kernels.md, "One pool of threads", "Bands of the longer side").
     """
     threads = threads_used() if m * k * n >= schedule.PARALLEL_MIN_MACS else 1
-    if at_stored:
+    if threads == 1:
+        return "rows", 1
+    if no_bias and k > max(m, n):
         parts = min(threads, k // schedule.MIN_PART_ROWS)
-        if threads == 1:
-            return "split", 1
-        if parts > 1 and n < k and (parts - 1) * m * n <= schedule.SPLIT_K_MAX_PARTIAL:
+        if parts > 1 and (parts - 1) * m * n <= schedule.SPLIT_K_MAX_PARTIAL:
             return "split", parts
+    if n > m:
+        return "columns", max(1, min(threads, n // schedule.MIN_PART_ROWS))
     return "rows", max(1, min(threads, m // schedule.MIN_PART_ROWS))
 
 
 def matmul_into(out, a, b, *, bias=None) -> None:
     """``out[...] = a @ b (+ bias)`` without an intermediate when the backend allows it.
 
-    NumPy, 2-D: numba's threads share the product out in row blocks, each one single-threaded
-    BLAS call (:func:`pedestrian.kernels.jit.blas_one_thread`), the bias added in the same loop;
-    a product ``xᵀ Δ`` of a transposed C-contiguous ``x`` (a weight gradient) narrower than the
-    shared axis is cut along that axis instead (:func:`_gemm_split_k`). The bits depend on the
-    shapes and the thread count only.
+    NumPy, 2-D: numba's threads share the product out in bands of its longest side (rows or
+    columns of ``out``, or the shared axis: :func:`_route`), each one single-threaded BLAS call on
+    views (:func:`pedestrian.kernels.jit.blas_one_thread`, :func:`_gemm_into`), the bias added in
+    the same loop. The bits depend on the shapes and the thread count only.
 
     Args:
         out: preallocated array of the product's shape (may be a strided view into a flat

@@ -27,11 +27,16 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 #: a 2-D product is shared over the threads from this many multiply-adds (m·k·n); below, one
 #: BLAS call. Not measured (set with "one pool of threads", commit f64960b, docs/kernels.md)
 PARALLEL_MIN_MACS = 1 << 18
-#: rows (or shared-axis rows, split along k) per block of a shared product at least. Not measured
+#: rows, columns or shared-axis rows per band of a shared product at least. Not measured
 MIN_PART_ROWS = 16
-#: rows of a transposed left operand copied at a time inside a row block (compiled in): gpt2's
-#: tied-logits gradient no longer copies the whole (V, B·T) operand, peak RSS 2659 → 2562-2611
-#: MiB (commit fffffcc)
+#: a transposed left operand whose rows lie this many bytes apart or more is copied, COPY_ROWS rows
+#: at a time, before its row band's BLAS call; nearer, BLAS reads the view. SmolLM2-135M's shape, T
+#: = 512, 2 threads: the tied logits' gradient Δ12ᵀ a11 (rows 196,608 bytes apart) 156 ms copied
+#: against 213 ms read in place; the weight gradients' xᵀ (2,304-6,144 bytes) 1.96 against 2.25
+#: and 5.46 against 6.58 ms read in place (docs/kernels.md, "Bands of the longer side")
+COPY_MIN_STRIDE = 1 << 16
+#: rows of such an operand copied at a time inside a row band (compiled in): gpt2's tied-logits
+#: gradient no longer copies the whole (V, B·T) operand, peak RSS 2659 → 2562-2611 MiB (commit fffffcc)
 COPY_ROWS = 1024
 #: numbers of the split-k route's partial outputs at most (16 MiB of float32): the tied logits'
 #: (V, d) at large batches take the row blocks, not 154 MB of scratch per thread (commit ca50603)
