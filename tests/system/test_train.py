@@ -151,6 +151,29 @@ def test_evaluate_tokens_counts_every_target_once():
     assert model.training  # restored
 
 
+def test_evaluate_tokens_keeps_no_activations_and_bounds_each_forwards_logits(monkeypatch):
+    """``pedestrian eval`` of a SmolLM2-shaped folder (context 2,048, vocabulary 49,152) was
+    killed for memory at the default 32 windows: every activation kept as for a backward, and
+    32 windows of logits (13 GB) in one forward. The forward now keeps nothing, and a batch
+    whose logits pass ``EVAL_LOGITS_BYTES`` runs as several forwards -- the same loss (the same
+    windows; the sum of per-forward means times their counts, float64 rounding apart)."""
+    from pedestrian.training import corpus
+
+    cfg = GPTConfig(**TINY)
+    model = GPT(cfg, seed=0, dtype="float64")
+    tokens = np.random.default_rng(2).integers(0, 11, 8 * 5 + 4).astype(np.uint16)
+    whole, n = evaluate_tokens(model, tokens, batch_size=4)
+    with pytest.raises(ValueError, match="keep_activations=False"):
+        model.activations()                                  # nothing was kept
+    sizes = []
+    real = model.loss
+    monkeypatch.setattr(model, "loss", lambda x, y, **kw: sizes.append(x.shape[0]) or real(x, y, **kw))
+    monkeypatch.setattr(corpus, "EVAL_LOGITS_BYTES", 2 * 8 * 11 * 8)     # two windows' float64 logits
+    split, n2 = evaluate_tokens(model, tokens, batch_size=4)
+    assert sizes == [2, 2, 1, 1] and n2 == n == 43               # 5 windows in batches of 4, then the rest
+    assert split == pytest.approx(whole, rel=1e-12)
+
+
 def test_estimate_loss_turns_dropout_off():
     model = GPT(GPTConfig(**TINY, dropout=0.5), seed=0, dtype="float64")
     x = np.zeros((2, 8), dtype=np.int64)

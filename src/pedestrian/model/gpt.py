@@ -316,13 +316,15 @@ class GPT:
         p = self.config.dropout if self._dropping_out() else 0.0
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
-    def loss(self, tokens, targets, *, n_total: int | None = None) -> float:
+    def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True) -> float:
         """Forward with targets; returns the mean next-token cross-entropy (nats per token).
 
         If every target is the ignore index ``-100`` the loss is ``0.0`` and the gradients
-        are zero (documented convention; no NaN). ``n_total``: see :meth:`forward`.
+        are zero (documented convention; no NaN). ``n_total``, ``keep_activations``: see
+        :meth:`forward` (``False``: an evaluation, holding one block's arrays at a time; no
+        backward follows).
         """
-        self.forward(tokens, targets, n_total=n_total)
+        self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
         self._acts.logits_held = False                     # by no caller: Δ12 may take their place
         return float(self._acts.loss_value)
 

@@ -135,17 +135,24 @@ def prepare_data(settings, tokenizer=None, group=None, window: int | None = None
 
 
 # ---------------------------------------------------------------------------------------- evaluation, logs
+#: at most this many bytes of logits per forward pass of an evaluation (:func:`evaluate_tokens`)
+EVAL_LOGITS_BYTES = 1 << 30
+
+
 def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches: int | None = None,
                     progress: bool = False) -> tuple[float, int]:
     """Mean next-token loss over a whole token stream, every target counted once.
 
     The stream is cut into consecutive non-overlapping windows of ``context_length`` inputs
     (the next token of each window starts the following one); a shorter final window covers
-    the remainder. Dropout is off.
+    the remainder. Dropout is off; the forward keeps no activations (one block's arrays at a
+    time), and a batch whose logits would pass :data:`EVAL_LOGITS_BYTES` runs as several
+    forwards of fewer windows (a Llama folder's context of 2,048-8,192 positions times a
+    vocabulary of 49,152: 0.4-1.6 GB of float32 logits per window).
 
     Args:
         tokens: 1-D ids (e.g. a memory-mapped validation split), at least 2.
-        batch_size: windows per forward pass.
+        batch_size: windows per batch (per forward pass, up to the logits' budget).
         max_batches: stop after this many full batches (``None`` = the whole stream).
 
     Returns:
@@ -163,16 +170,20 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
         chunks = chunks[:max_batches]
     from tqdm import tqdm
 
+    dt = model.dtype                                                 # a NumPy type or a torch dtype
+    itemsize = np.dtype(dt).itemsize if isinstance(dt, type) else dt.itemsize
+    per_forward = max(1, EVAL_LOGITS_BYTES // (T * model.config.vocab_size * itemsize))
     with eval_mode(model):
         # (a text shorter than one window has no full batch: no bar, rather than an empty one)
         for chunk in tqdm(chunks, desc="eval", unit="batch", disable=not progress or not chunks, file=sys.stderr):
-            idx = np.asarray(chunk)[:, None] + np.arange(T + 1)
-            w = np.asarray(tokens[idx], dtype=np.int64)
-            total += model.loss(w[:, :-1], w[:, 1:]) * w[:, 1:].size
-            count += w[:, 1:].size
+            for i in range(0, len(chunk), per_forward):
+                idx = np.asarray(chunk[i:i + per_forward])[:, None] + np.arange(T + 1)
+                w = np.asarray(tokens[idx], dtype=np.int64)
+                total += model.loss(w[:, :-1], w[:, 1:], keep_activations=False) * w[:, 1:].size
+                count += w[:, 1:].size
         rest = n - 1 - n_windows * T
         if rest > 0 and (max_batches is None or len(chunks) * batch_size >= n_windows):
             w = np.asarray(tokens[n_windows * T:], dtype=np.int64)[None, :]
-            total += model.loss(w[:, :-1], w[:, 1:]) * rest
+            total += model.loss(w[:, :-1], w[:, 1:], keep_activations=False) * rest
             count += rest
     return total / count, count

@@ -201,7 +201,7 @@ def estimate_loss(model, batches, group=None) -> float:
         parts = []
         for x, y in batches:
             rows = group.rows(x.shape[0])
-            parts.append(model.loss(x[rows], y[rows], n_total=n_total))    # its share of the mean
+            parts.append(model.loss(x[rows], y[rows], n_total=n_total, keep_activations=False))  # its share
     return float(sum(group.sum(parts, "the validation loss")))
 
 
