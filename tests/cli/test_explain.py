@@ -127,6 +127,27 @@ def test_llama_totals_match_a_hand_count():
     assert row["a8"].forward == "silu(a7_gate) ∘ a7_up" and row["a2"].forward == "RMS1(x)"
 
 
+def test_a_finetune_checkpoint_gives_its_batch_window_and_adapters(tmp_path, capsys):
+    """A ``pedestrian finetune`` checkpoint records its settings under ``meta["finetune"]``, not
+    ``meta["settings"]``: explain took B = 1 and the model's whole context, and said nothing of
+    the adapters (found by a fresh user's trial). Now: its micro-batch, its training window, and
+    one line on the LoRA run (the adapters' count: r·(f_in + f_out) per adapted layer)."""
+    from pedestrian.checkpoint import save_checkpoint
+    from pedestrian import GPT
+
+    config = GPTConfig(**{**TINY, "context_length": 8})
+    model = GPT(config, dtype="float64")
+    model.add_lora(["q", "v"], rank=2, alpha=1.0)
+    meta = {"finetune": {"batch_size": 3, "context_length": 5, "lora_rank": 2, "lora_targets": ["q", "v"]}}
+    save_checkpoint(tmp_path / "ck", model, meta=meta, params="lora", base={"hf_dir": "x"})
+    assert cli_main(["explain", "--checkpoint", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "B=3 T=5" in out
+    assert "r=2 on q v, 32 trainable parameters" in out          # q and v, 4 -> 4 each: 2 · r(4 + 4)
+    assert cli_main(["explain", "--checkpoint", str(tmp_path / "ck"), "--seq-len", "7"]) == 0
+    assert "B=3 T=7" in capsys.readouterr().out
+
+
 def test_explain_llama_presets(capsys):
     assert cli_main(["explain", "--preset", "llama-char"]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,8 @@ The model: a checkpoint (--checkpoint: its config, dtype, batch and context), a 
 train` settings file (--config FILE.toml), a preset (--preset, with the field flags of
 `pedestrian params`), or else the default model of `pedestrian train` on the bundled plays (84
 characters). --batch-size and --seq-len set B and T (default: the run's batch size, or 1, and
-the context length). Nothing is allocated. How FLOPs and memory are counted: the notes under
+the context length; a `pedestrian finetune` run's micro-batch and training window, with a line on
+its LoRA adapters). Nothing is allocated. How FLOPs and memory are counted: the notes under
 the table and pedestrian.paper.explain.
 
 Examples:
@@ -20,6 +21,8 @@ Examples:
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 
 from ..config import CONFIG_FIELDS, GPTConfig
 from ..paper.explain import explain_table
@@ -38,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None]:
-    """``(config, batch size or None, dtype, a checkpoint's plugged layers)`` from the chosen source."""
+    """``(config, batch size or None, dtype, a checkpoint's plugged layers)`` from the chosen source
+    (a ``pedestrian finetune`` checkpoint: its settings under ``meta["finetune"]``, read by :func:`run`)."""
     sources = [name for name in ("checkpoint", "config", "preset") if getattr(args, name)]
     if len(sources) > 1:
         raise ValueError(f"give at most one of --checkpoint, --config, --preset (got {', '.join(sources)})")
@@ -52,7 +56,8 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None]:
 
         _, state = read_state(args.checkpoint)
         config = GPTConfig.from_dict(state["config"])
-        settings = (state.get("meta") or {}).get("settings") or {}
+        meta = state.get("meta") or {}
+        settings = meta.get("settings") or meta.get("finetune") or {}
         return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32"), state.get("layers")
     if args.config:
         from ..training.settings import config_file_model
@@ -68,7 +73,27 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None]:
 
 def run(args: argparse.Namespace) -> int:
     config, run_batch, dtype, layers = _resolve(args)
+    finetuned = _finetune_settings(args)
     B = args.batch_size if args.batch_size is not None else (run_batch or 1)
-    T = args.seq_len if args.seq_len is not None else config.context_length
+    window = (finetuned.get("context_length") or min(256, config.context_length)) if finetuned else None
+    T = args.seq_len if args.seq_len is not None else (window or config.context_length)
     print(explain_table(config, B, T, dtype, layers))
+    if finetuned:
+        from ..model.layout import lora_specs
+
+        rank, targets = finetuned["lora_rank"], finetuned["lora_targets"]
+        n = sum(int(np.prod(s.shape)) for s in lora_specs(config, targets, rank))
+        print(f"\nA LoRA run (pedestrian finetune: r={rank} on {' '.join(targets)}, {n:,} trainable "
+              f"parameters). The table counts a step that trains every parameter; this run keeps "
+              f"gradients and AdamW moments for the adapters only, and computes no gradient of the frozen "
+              f"base's weights.")
     return 0
+
+
+def _finetune_settings(args) -> dict:
+    """A ``pedestrian finetune`` checkpoint's recorded settings (``{}`` for anything else)."""
+    if not args.checkpoint:
+        return {}
+    from ..checkpoint import read_state
+
+    return (read_state(args.checkpoint)[1].get("meta") or {}).get("finetune") or {}
