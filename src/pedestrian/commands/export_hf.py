@@ -66,4 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(exc.advice("pass --overwrite")) from None
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     print(f"wrote a Hugging Face {arch} ({model.num_params():,} parameters) to {out}")
+    if (out / "pedestrian_tokenizer.json").is_file():
+        print("note: its character tokenizer has no Hugging Face format: transformers loads the model from this "
+              "folder but AutoTokenizer cannot; pedestrian reads pedestrian_tokenizer.json (sample, eval, "
+              "load_pretrained)")
     return 0
