@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
 from ..config import CONFIG_FIELDS, GPTConfig
-from ..paper.explain import explain_table
+from ..paper.explain import explain_table, lora_run_note
 from .params import add_config_arguments, config_from_args
 
 
@@ -40,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or the checkpoint's)")
 
 
-def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None]:
-    """``(config, batch size or None, dtype, a checkpoint's plugged layers)`` from the chosen source
-    (a ``pedestrian finetune`` checkpoint: its settings under ``meta["finetune"]``, read by :func:`run`)."""
+def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None, dict]:
+    """``(config, batch size or None, dtype, a checkpoint's plugged layers, a pedestrian finetune
+    checkpoint's recorded settings or {})`` from the chosen source."""
     sources = [name for name in ("checkpoint", "config", "preset") if getattr(args, name)]
     if len(sources) > 1:
         raise ValueError(f"give at most one of --checkpoint, --config, --preset (got {', '.join(sources)})")
@@ -57,43 +55,29 @@ def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None]:
         _, state = read_state(args.checkpoint)
         config = GPTConfig.from_dict(state["config"])
         meta = state.get("meta") or {}
-        settings = meta.get("settings") or meta.get("finetune") or {}
-        return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32"), state.get("layers")
+        finetune = meta.get("finetune") or {}                # (a finetune run's settings are there)
+        settings = meta.get("settings") or finetune
+        return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32"), state.get("layers"), finetune
     if args.config:
         from ..training.settings import config_file_model
 
         config, settings = config_file_model(args.config, args.vocab_size or None)
-        return config, settings.batch_size, args.dtype or settings.dtype, None
+        return config, settings.batch_size, args.dtype or settings.dtype, None, {}
     if args.preset or args.vocab_size:
-        return config_from_args(args), None, dtype, None
+        return config_from_args(args), None, dtype, None, {}
     from ..training import DEFAULT_MODEL, TrainSettings
 
-    return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype, None
+    return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype, None, {}
 
 
 def run(args: argparse.Namespace) -> int:
-    config, run_batch, dtype, layers = _resolve(args)
-    finetuned = _finetune_settings(args)
+    from ..training.finetune import training_window
+
+    config, run_batch, dtype, layers, finetune = _resolve(args)
     B = args.batch_size if args.batch_size is not None else (run_batch or 1)
-    window = (finetuned.get("context_length") or min(256, config.context_length)) if finetuned else None
+    window = training_window(finetune.get("context_length"), config.context_length) if finetune else None
     T = args.seq_len if args.seq_len is not None else (window or config.context_length)
     print(explain_table(config, B, T, dtype, layers))
-    if finetuned:
-        from ..model.layout import lora_specs
-
-        rank, targets = finetuned["lora_rank"], finetuned["lora_targets"]
-        n = sum(int(np.prod(s.shape)) for s in lora_specs(config, targets, rank))
-        print(f"\nA LoRA run (pedestrian finetune: r={rank} on {' '.join(targets)}, {n:,} trainable "
-              f"parameters). The table counts a step that trains every parameter; this run keeps "
-              f"gradients and AdamW moments for the adapters only, and computes no gradient of the frozen "
-              f"base's weights.")
+    if finetune:
+        print("\n" + lora_run_note(config, finetune["lora_rank"], finetune["lora_targets"]))
     return 0
-
-
-def _finetune_settings(args) -> dict:
-    """A ``pedestrian finetune`` checkpoint's recorded settings (``{}`` for anything else)."""
-    if not args.checkpoint:
-        return {}
-    from ..checkpoint import read_state
-
-    return (read_state(args.checkpoint)[1].get("meta") or {}).get("finetune") or {}

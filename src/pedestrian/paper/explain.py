@@ -27,6 +27,7 @@ the model's own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..config import GPTConfig
@@ -360,3 +361,20 @@ def params_table(config: GPTConfig, per_block: bool = False, lora: tuple | None 
         lines.append(f"{'LoRA r=' + str(lora[0]) + ' on ' + ','.join(lora[1]):<32}{n:>16,}"
                      f"   ({100 * n / total:.2f}% of the base; {len(adapters) // 2} adapted layers)")
     return "\n".join(lines)
+
+
+def lora_run_note(config: GPTConfig, rank: int, targets) -> str:
+    """One line for :func:`explain_table`'s reader on a ``pedestrian finetune`` run: its
+    adapters (``rank``, ``targets``, the trainable count of
+    :func:`pedestrian.model.layout.lora_specs`), and that the table counts a step training every
+    parameter while the run keeps gradients and moments for the adapters only.
+
+    Raises:
+        ValueError: targets or rank :func:`pedestrian.model.layout.lora_specs` refuses.
+    """
+    from ..model.layout import lora_specs
+
+    n = sum(math.prod(s.shape) for s in lora_specs(config, targets, rank))
+    return (f"A LoRA run (pedestrian finetune: r={rank} on {' '.join(targets)}, {n:,} trainable parameters). "
+            "The table counts a step that trains every parameter; this run keeps gradients and AdamW "
+            "moments for the adapters only, and computes no gradient of the frozen base's weights.")

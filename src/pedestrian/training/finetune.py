@@ -51,6 +51,12 @@ DEFAULT_TARGETS = ("q", "v")
 _LORA, _OPTIM, _LOOP = "LoRA", "optimisation", "loop"
 
 
+def training_window(context_length: int | None, model_context: int) -> int:
+    """A fine-tuning window's tokens: ``context_length`` (``--context-length``), by default
+    ``min(256, the model's context)``."""
+    return context_length or min(256, model_context)
+
+
 @dataclass
 class FinetuneSettings:
     """Settings of a LoRA fine-tuning run: the ``pedestrian finetune`` flags, each declared once
@@ -129,7 +135,7 @@ class FinetuneSettings:
             ValueError: longer than the model's context.
         """
         C = model.config.context_length
-        T = self.context_length or min(256, C)
+        T = training_window(self.context_length, C)
         if T > C:
             raise ValueError(f"--context-length {T} is longer than the model's context ({C} positions)")
         return T
