@@ -170,9 +170,7 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
         chunks = chunks[:max_batches]
     from tqdm import tqdm
 
-    dt = model.dtype                                                 # a NumPy type or a torch dtype
-    itemsize = np.dtype(dt).itemsize if isinstance(dt, type) else dt.itemsize
-    per_forward = max(1, EVAL_LOGITS_BYTES // (T * model.config.vocab_size * itemsize))
+    per_forward = max(1, EVAL_LOGITS_BYTES // (T * model.config.vocab_size * np.dtype(model.dtype_name).itemsize))
     with eval_mode(model):
         # (a text shorter than one window has no full batch: no bar, rather than an empty one)
         for chunk in tqdm(chunks, desc="eval", unit="batch", disable=not progress or not chunks, file=sys.stderr):
