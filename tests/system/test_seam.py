@@ -204,14 +204,47 @@ def test_fast_lora_equals_the_reference(rows, f_in, r, f_out, masked, dtype):
     mask = (rng.random((rows, f_in)) > 0.3).astype(dtype) / dtype_type(dtype)(0.7) if masked else None
     delta = rng.standard_normal((rows, f_out)).astype(dtype)
     tol = 64 * max(f_in, rows, r) * np.finfo(dtype).eps
-    got, want = [], []
-    for side, out in ((fast, got), (reference, want)):
-        y, cache = side.lora_forward(x, D, U, 0.5, mask)
-        dD, dU = np.zeros_like(D), np.zeros_like(U)
-        out += [y, side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU), dD, dU]
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(b)), np.max(np.abs(a - b)) / np.max(np.abs(b))
+    base_out = rng.standard_normal((rows, f_out + 5)).astype(dtype)      # the frozen layer's output
+    base_in = rng.standard_normal((rows, f_in)).astype(dtype)            # and its Δ Wᵀ
+    for into in (False, True):
+        got, want = [], []
+        for side, out in ((fast, got), (reference, want)):
+            wide = base_out.copy()                                       # the adapter's columns 2 … 2+f_out
+            y, cache = side.lora_forward(x, D, U, 0.5, mask, out=wide[:, 2:2 + f_out] if into else None)
+            dD, dU, d_in = np.zeros_like(D), np.zeros_like(U), base_in.copy()
+            out += [wide if into else y, dD, dU,
+                    side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU, delta_in=d_in if into else None)]
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(b)), (into, np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        if into:                                        # added into the arrays given, the rest untouched
+            assert got[0] is not None and np.array_equal(got[0][:, :2], base_out[:, :2])
+            assert np.array_equal(got[0][:, 2 + f_out:], base_out[:, 2 + f_out:])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("need_input, with_dD, with_dU", [(False, True, True), (True, False, True),
+                                                          (True, True, False), (False, False, True)])
+def test_fast_lora_backward_into_writes_only_what_is_asked_for(need_input, with_dD, with_dU, dtype):
+    """The one-region backward (``delta_in`` given) writes the gradients asked for, adds into
+    ``delta_in`` only when ``need_input``, and equals the reference (tolerance as above)."""
+    rng = np.random.default_rng(3)
+    x, delta = rng.standard_normal((2, 300, 40)).astype(dtype), rng.standard_normal((2, 300, 24)).astype(dtype)
+    D, U = rng.standard_normal((40, 4)).astype(dtype), rng.standard_normal((4, 24)).astype(dtype)
+    tol = 64 * 600 * np.finfo(dtype).eps
+    results = []
+    for side in (fast, reference):
+        _, cache = side.lora_forward(x, D, U, 0.5)
+        dD = np.full_like(D, 7.0) if with_dD else None
+        dU = np.full_like(U, 7.0) if with_dU else None
+        d_in = np.ones_like(x)
+        back = side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU, need_input=need_input, delta_in=d_in)
+        assert (back is d_in) if need_input else (back is None)
+        if not need_input:
+            assert np.array_equal(d_in, np.ones_like(x))
+        results.append([a for a in (dD, dU, d_in) if a is not None])
+    for a, b in zip(*results):
+        assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(b))
 
 
 def dtype_type(dtype):

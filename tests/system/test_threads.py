@@ -153,7 +153,7 @@ def _operand(rng, rows, cols, layout, dtype):
 def test_products_equal_numpy_on_every_route(monkeypatch, route, layouts, bias, dtype):
     """``blas.matmul_into`` cuts a product along its longest side (``blas._route``): the shared
     axis, the output's columns, or its rows, each band one BLAS call on views of the operands
-    (``blas._gemm_into``: their strides passed to BLAS, no copy); one call on one thread. Every
+    (``blas.gemm_into``: their strides passed to BLAS, no copy); one call on one thread. Every
     route, with each operand C-ordered, transposed or a band of a wider array, with and without
     a bias (the split route takes none), must be the product; so must a transposed ``a`` copied
     row chunk by row chunk (``schedule.COPY_MIN_STRIDE``). Tolerance: each entry is a sum of
@@ -192,7 +192,7 @@ def test_products_equal_numpy_on_every_route(monkeypatch, route, layouts, bias, 
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_products_with_an_axis_of_length_one(monkeypatch, shape, layouts, threads):
     """An axis of length 1 may carry any stride (a transposed ``(n, 1)`` array has strides
-    ``(8, 8)``): ``blas._gemm_into`` must still hand BLAS a valid layout (a leading dimension at
+    ``(8, 8)``): ``blas.gemm_into`` must still hand BLAS a valid layout (a leading dimension at
     least the rows it spans). The first version read such a ``bᵀ`` as row-major with ``ldb = 1``
     and the property test's d_head-1 cases came out wrong by O(1). Bound as above."""
     from pedestrian.kernels import blas

@@ -16,11 +16,13 @@ __all__ = ["matmul_into", "few_rows_matmul", "colsum"]
 
 
 #: numba's own entry to SciPy's BLAS ``?gemm`` (``numba_xxgemm``, what its ``np.dot`` calls), with
-#: the strides (``lda``, ``ldb``, ``ldc``) of views: made when numba is loaded (:func:`_load_gemm`)
+#: the strides (``lda``, ``ldb``, ``ldc``) of views: made when numba is loaded (:func:`load_gemm`)
 _xxgemm = None
 
 
-def _load_gemm() -> None:
+def load_gemm() -> None:
+    """Make :data:`_xxgemm` (imports numba; call before the first kernel that uses
+    :func:`gemm_into` is compiled). Idempotent."""
     global _xxgemm
     if _xxgemm is None:
         from numba import types
@@ -32,11 +34,19 @@ def _load_gemm() -> None:
 
 
 @kernel
-def _gemm_into(a, b, out):
-    """``out = a @ b`` in one BLAS ``gemm`` call on views: ``a`` ``(m, k)`` and ``b`` ``(k, n)``
-    each with one axis of unit stride (a band of rows or columns of a C- or F-ordered array, a
-    transposed array), ``out`` ``(m, n)`` with rows of unit stride (a band of columns too); no copy.
-    Row-major views are the column-major ``outᵀ = bᵀ aᵀ`` BLAS computes, as numba's ``np.dot``."""
+def gemm_into(a, b, out):
+    """``out = a @ b``: :func:`gemm_into_scaled` with ``α = 1``, ``β = 0``."""
+    gemm_into_scaled(a, b, out, 1.0, 0.0)
+
+
+@kernel
+def gemm_into_scaled(a, b, out, alpha, beta):
+    """``out = α (a @ b) + β out`` in one BLAS ``gemm`` call on views: ``a`` ``(m, k)`` and ``b``
+    ``(k, n)`` each with one axis of unit stride (a band of rows or columns of a C- or F-ordered
+    array, a transposed array), ``out`` ``(m, n)`` with rows of unit stride (a band of columns
+    too); no copy. Row-major views are the column-major ``outᵀ = bᵀ aᵀ`` BLAS computes, as
+    numba's ``np.dot``. ``β = 1`` adds the product into ``out`` (a LoRA branch into its base
+    layer's output: :mod:`pedestrian.kernels.lora`)."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0:
@@ -44,7 +54,7 @@ def _gemm_into(a, b, out):
     if k == 0:
         for i in range(m):
             for j in range(n):
-                out[i, j] = 0.0
+                out[i, j] = 0.0 if beta == 0.0 else beta * out[i, j]
         return
     size = out.itemsize                                 # (an axis of length 1 may have any stride)
     if a.strides[1] == size and a.strides[0] >= k * size:
@@ -55,9 +65,9 @@ def _gemm_into(a, b, out):
         tb, ldb = 110, b.strides[0] // size
     else:
         tb, ldb = 116, b.strides[1] // size
-    alpha, beta = np.ones(1, out.dtype), np.zeros(1, out.dtype)
-    status = _xxgemm(np.int8(115 if size == 4 else 100), np.int8(tb), np.int8(ta), n, m, k, alpha.ctypes, b.ctypes,
-                     max(ldb, 1), a.ctypes, max(lda, 1), beta.ctypes, out.ctypes, max(out.strides[0] // size, 1))
+    scale, keep = np.full(1, alpha, out.dtype), np.full(1, beta, out.dtype)
+    status = _xxgemm(np.int8(115 if size == 4 else 100), np.int8(tb), np.int8(ta), n, m, k, scale.ctypes, b.ctypes,
+                     max(ldb, 1), a.ctypes, max(lda, 1), keep.ctypes, out.ctypes, max(out.strides[0] // size, 1))
     if status != 0:
         raise RuntimeError("numba found no BLAS gemm (SciPy's scipy.linalg.cython_blas): reinstall scipy")
 
@@ -65,7 +75,7 @@ def _gemm_into(a, b, out):
 @kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * b.shape[0] * b.shape[1])  # m·k·n
 def _gemm(a, b, bias, out, parts, by_columns, copy_rows):
     """``out = a @ b (+ bias)``, 2-D: ``out``'s rows, or its columns (``by_columns``), in ``parts``
-    bands, one single-threaded BLAS call each (:func:`_gemm_into`, on views). A band of rows
+    bands, one single-threaded BLAS call each (:func:`gemm_into`, on views). A band of rows
     multiplies by all of ``b``, a band of columns by all of ``a``: each thread packs the whole
     operand it shares, so the longer side of ``out`` is the one cut. ``copy_rows``: a transposed
     ``a`` whose rows lie far apart in memory (the tied logits' ``Δ12ᵀ``) is copied first,
@@ -75,7 +85,7 @@ def _gemm(a, b, bias, out, parts, by_columns, copy_rows):
     for part in prange(parts):
         if by_columns:
             lo, hi = n * part // parts, n * (part + 1) // parts
-            _gemm_into(a, b[:, lo:hi], out[:, lo:hi])
+            gemm_into(a, b[:, lo:hi], out[:, lo:hi])
             if bias.shape[0]:
                 for i in range(m):
                     for j in range(lo, hi):
@@ -85,9 +95,9 @@ def _gemm(a, b, bias, out, parts, by_columns, copy_rows):
             if copy_rows:
                 for i in range(lo, hi, COPY_ROWS):
                     j = min(i + COPY_ROWS, hi)
-                    _gemm_into(np.ascontiguousarray(a[i:j]), b, out[i:j])
+                    gemm_into(np.ascontiguousarray(a[i:j]), b, out[i:j])
             else:
-                _gemm_into(a[lo:hi], b, out[lo:hi])
+                gemm_into(a[lo:hi], b, out[lo:hi])
             if bias.shape[0]:
                 for i in range(lo, hi):
                     for j in range(n):
@@ -97,13 +107,13 @@ def _gemm(a, b, bias, out, parts, by_columns, copy_rows):
 @kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * a.shape[1] * b.shape[1])
 def _gemm_split_k(a, b, out, partial):
     """``out = a b`` with the shared axis (``a`` ``(m, k)``, ``b`` ``(k, n)``) in
-    ``len(partial) + 1`` bands, one single-threaded BLAS call each on views (:func:`_gemm_into`),
+    ``len(partial) + 1`` bands, one single-threaded BLAS call each on views (:func:`gemm_into`),
     band 0 into ``out`` and band ``p`` into ``partial[p − 1]``, then added in band order: a
     weight gradient ``xᵀ Δ`` over many tokens, the tied logits' ``Δ12 W_tok``."""
     k, parts = a.shape[1], partial.shape[0] + 1
     for part in prange(parts):
         lo, hi = k * part // parts, k * (part + 1) // parts
-        _gemm_into(a[:, lo:hi], b[lo:hi], out if part == 0 else partial[part - 1])
+        gemm_into(a[:, lo:hi], b[lo:hi], out if part == 0 else partial[part - 1])
     if out.size >= PARALLEL_MIN_ELEMENTS:        # (a second parallel region wakes the threads again)
         for i in prange(out.shape[0]):
             _add_partials(out, partial, i)
@@ -137,7 +147,7 @@ def _numba_matmul(out, a, b, bias) -> bool:
         out, a, b = out.T, b.T, a.T                        # outᵀ = bᵀ aᵀ, rows of outᵀ
     a, b = _blas_view(a), _blas_view(b)
     blas_one_thread()
-    _load_gemm()
+    load_gemm()
     (m, k), n = a.shape, out.shape[1]
     route, parts = _route(m, k, n, bias is None)
     if route == "split":
@@ -151,7 +161,7 @@ def _numba_matmul(out, a, b, bias) -> bool:
 
 
 def _blas_view(x):
-    """``x`` where BLAS reads it in place (:func:`_gemm_into`: one axis of unit stride, the other's
+    """``x`` where BLAS reads it in place (:func:`gemm_into`: one axis of unit stride, the other's
     stride at least the rows it spans), else a C-contiguous copy."""
     size = x.itemsize
     if (x.strides[1] == size and x.strides[0] >= x.shape[1] * size) or \
@@ -191,7 +201,7 @@ def matmul_into(out, a, b, *, bias=None) -> None:
 
     NumPy, 2-D: numba's threads share the product out in bands of its longest side (rows or
     columns of ``out``, or the shared axis: :func:`_route`), each one single-threaded BLAS call on
-    views (:func:`pedestrian.kernels.jit.blas_one_thread`, :func:`_gemm_into`), the bias added in
+    views (:func:`pedestrian.kernels.jit.blas_one_thread`, :func:`gemm_into`), the bias added in
     the same loop. The bits depend on the shapes and the thread count only.
 
     Args:
