@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import schedule
-from .blas import gemm_into, gemm_into_scaled, load_gemm, few_rows_matmul, matmul_into
+from .blas import few_rows_matmul, gemm_into, gemm_into_scaled, load_gemm, matmul_into
 from .jit import AVAILABLE, blas_one_thread, kernel, prange, threads_used
 from .workspace import empty_array
 
@@ -54,7 +54,8 @@ def _fused(n_rows: int, *arrays) -> int:
     return max(1, min(threads_used(), n_rows // schedule.MIN_PART_ROWS))
 
 
-@kernel(parallel=True, size=lambda x, D, U, *rest: x.shape[0] * (x.shape[1] + U.shape[1]) * D.shape[1])
+@kernel(parallel=True, size=lambda x, D, U, *rest:
+        x.shape[0] * (x.shape[1] + U.shape[1]) * D.shape[1])                  # multiply-adds
 def _forward_bands(x, D, U, alpha, h, out, parts):
     """``h = x D``, ``out += α h U``, in ``parts`` bands of rows (two BLAS calls each)."""
     n = x.shape[0]
@@ -64,7 +65,8 @@ def _forward_bands(x, D, U, alpha, h, out, parts):
         gemm_into_scaled(h[lo:hi], U, out[lo:hi], alpha, 1.0)
 
 
-@kernel(parallel=True, size=lambda delta, x, h, D, *rest: delta.shape[0] * (2 * delta.shape[1] + 2 * x.shape[1]) * D.shape[1])
+@kernel(parallel=True, size=lambda delta, x, h, D, *rest:
+        delta.shape[0] * 2 * (delta.shape[1] + x.shape[1]) * D.shape[1])   # multiply-adds
 def _backward_bands(delta, x, h, D, U, alpha, g, dD_parts, dU_parts, delta_in, parts):
     """In ``parts`` bands of rows: ``g = Δ Uᵀ``, the band's ``hᵀ Δ`` and ``xᵀ g`` into
     ``dU_parts[p]``, ``dD_parts[p]`` (each skipped when that array is empty), ``Δ_in += α g Dᵀ``

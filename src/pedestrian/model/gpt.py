@@ -415,7 +415,7 @@ class GPT:
         delta_in = K.linear_backward(delta, x, fc.weight, dweight=grad.weight, dbias=grad.bias)
         for (name, lora_D, lora_U, lo, hi), (_, dD, dU, _, _) in zip(fc.adapters, grad.adapters):
             K.lora_backward(delta[..., lo:hi], lora_caches[name], lora_D, lora_U, self.lora_alphas[name],
-                            dD=dD, dU=dU, delta_in=delta_in)                         # Δ_in += (α (Δ Uᵀ) Dᵀ) ∘ m
+                            dD=dD, dU=dU, delta_in=delta_in)                # Δ_in += (α (Δ Uᵀ) Dᵀ) ∘ m
         return delta_in
 
     # ------------------------------------------------------------------ inspection
