@@ -40,8 +40,9 @@ def test_finetune_with_lora_dropout(tmp_path, capsys):
     assert model.lora_dropout == 0.2 and plain.lora_dropout == 0.0
     # the same seed, data and steps: only the masks differ, so the adapters do
     assert any(not np.array_equal(v, plain.params[k]) for k, v in model.lora_state_dict().items())
-    model.training = False
+    assert not model.training                   # loaded for inference, as PEFT's from_pretrained: no dropout
     x = np.random.default_rng(3).integers(0, 300, size=(2, 16))
+    np.testing.assert_array_equal(model.forward(x), model.forward(x))
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(base)).eval()
     with_adapter = peft.PeftModel.from_pretrained(hf, str(tmp_path / "drop" / "peft")).eval()
     # float32 logits of O(1-10): a few ulps of the largest, both libraries rounding their own way

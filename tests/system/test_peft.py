@@ -115,7 +115,8 @@ PEFT_CONFIGS = {
     "everything-patterns": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc", "lm_head"],
                                 rank_pattern={"transformer.h.1.mlp.c_fc": 2},
                                 alpha_pattern={"c_proj": 3.0, "lm_head": 16}),
-    "rslora": dict(r=4, lora_alpha=6, use_rslora=True, target_modules=["attn.c_proj", "mlp.c_proj"]),
+    "rslora": dict(r=4, lora_alpha=6, use_rslora=True, target_modules=["attn.c_proj", "mlp.c_proj"],
+                   lora_dropout=0.1),
 }
 
 
@@ -131,6 +132,8 @@ def test_adapter_made_by_peft_loads_with_the_same_logits(base_dir, tmp_path, kin
         assert model.lora_targets == [f"blocks.{i}.attn.{p}" for i in range(2) for p in "qkv"]
     if kind == "rslora":
         assert model.lora_alpha == 6 / 2.0                           # lora_alpha / sqrt(r)
+        # loaded for inference, as PEFT's from_pretrained: the file's dropout kept, not applied
+        assert model.lora_dropout == 0.1 and not model.training
     # and the adapters train: gradients reach every D and U
     y = np.roll(X, -1, axis=1)
     model.loss(X, y)
@@ -309,6 +312,7 @@ def test_training_gradients_with_dropout_equal_peft_with_the_same_masks(base_dir
     make_peft_adapter(base_dir, tmp_path / "a", **PEFT_PATTERNED)
     model = load_hf_model(base_dir, dtype="float64")
     load_peft_adapter(model, tmp_path / "a")
+    model.training = True                          # (loaded for inference, as PEFT's is_trainable=False)
     y = np.roll(X, -1, axis=1)
     masks = replay_masks(model, copy.deepcopy(model.dropout_rng), *X.shape)
     loss = model.loss(X, y)

@@ -310,6 +310,9 @@ def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
     Afterwards ``model``'s logits equal those of the HF model with the adapter applied by PEFT;
     each layer has the module's rank and scaling (``rank_pattern`` / ``alpha_pattern``
     included), and :attr:`~pedestrian.model.GPT.lora_dropout` is the file's ``lora_dropout``.
+    ``model`` is left in inference mode (``model.training = False``: no dropout), as PEFT's
+    ``PeftModel.from_pretrained`` leaves its model (``is_trainable=False``, ``eval()``); set
+    ``model.training = True`` to train on with the file's dropout.
 
     Raises:
         FileNotFoundError: missing files. ValueError: the model already has adapters, the
@@ -328,6 +331,7 @@ def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
     model.add_lora(list(lora.ranks), lora.rank, lora.alpha, rank_pattern=lora.ranks, alpha_pattern=lora.alphas,
                    dropout=lora.dropout, freeze_base=freeze_base)
     model.load_state_dict(lora.state, strict=False)
+    model.training = False
 
 
 # ------------------------------------------------------------------------------------ writing

@@ -97,8 +97,8 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
             chosen.append(t)
         else:
             raise ValueError(
-                f"unknown LoRA target {t!r}; use kinds {LORA_LAYER_KINDS}, 'all', "
-                "or full layer names like 'blocks.0.attn.q'"
+                f"unknown LoRA target {t!r}; use kinds {LORA_LAYER_KINDS}, their Hugging Face Llama "
+                f"names {tuple(HF_LORA_KINDS)}, 'all', or full layer names like 'blocks.0.attn.q'"
             )
     return [name for name in layers if name in set(chosen)]
 

@@ -223,7 +223,9 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
         dtype: default: the checkpoint's.
 
     Returns:
-        ``(model, tokenizer)``, adapters attached (unmerged).
+        ``(model, tokenizer)``, adapters attached (unmerged), the model in inference mode
+        (``model.training = False``: no dropout on the adapters, as PEFT's
+        ``PeftModel.from_pretrained`` leaves its model); set ``model.training = True`` to train on.
 
     Raises:
         FileNotFoundError: no checkpoint or no base directory.
@@ -252,6 +254,7 @@ def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backen
                              "with --hf-dir")
     model, tokenizer = load_pretrained(base_dir, dtype=dtype or state.get("dtype", "float32"), backend=backend)
     ckpt = load_checkpoint(folder, backend=backend, base_model=model)
+    ckpt.model.training = False
     return ckpt.model, ckpt.tokenizer or tokenizer
 
 
