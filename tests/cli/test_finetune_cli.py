@@ -409,6 +409,11 @@ def test_finetune_resume_refuses_what_it_cannot_continue(run, tmp_path, capsys):
     one_error_line(code, err, "holds a `pedestrian train` run; choose another --out")
     code, _, err = main(capsys, *argv, "--out", out, "--resume")                    # at its --max-steps 40
     one_error_line(code, err, "already reaches --max-steps 40", "pass a larger --max-steps")
+    other = save_hf_dir(hf_model(seed=9), tmp_path / "other")     # another base: that is said first
+    capsys.readouterr()
+    code, _, err = main(capsys, "finetune", "--hf-dir", other, "--data", tmp / "data.txt", "--lora-rank", "4",
+                        "--no-progress", "--out", out, "--resume")
+    one_error_line(code, err, "trained on other weights", "pass the base they were trained on")
     code, _, err = main(capsys, *argv, "--out", out, "--resume", "--max-steps", "50", "--lora-rank", "8")
     one_error_line(code, err, "fine-tuned with --lora-rank 4 (you gave 8)", "leave those flags out")
     code, _, err = main(capsys, *argv, "--out", out, "--resume", "--overwrite")

@@ -113,13 +113,13 @@ def resumed(settings, out: Path, given: frozenset):
     saved.hf_dir, saved.data, saved.resume = settings.hf_dir, absolute_path(settings.data), True   # (the base
     #                                                                  may have moved: checked below)
     saved.validate()
+    recorded, base_now = (state.get("base") or {}).get("sha256"), base_fingerprint(saved.hf_dir)
+    if recorded and base_now["sha256"] != recorded:             # (first: the wrong base is the problem)
+        raise ValueError(f"the adapters in {folder} were trained on other weights than those in {saved.hf_dir}; "
+                         "pass the base they were trained on with --hf-dir")
     if int(state.get("step", 0)) >= saved.max_steps:
         raise ValueError(f"the run in {out} is at step {state.get('step')}, which already reaches --max-steps "
                          f"{saved.max_steps}; pass a larger --max-steps to fine-tune on")
-    recorded, base_now = (state.get("base") or {}).get("sha256"), base_fingerprint(saved.hf_dir)
-    if recorded and base_now["sha256"] != recorded:
-        raise ValueError(f"the adapters in {folder} were trained on other weights than those in {saved.hf_dir}; "
-                         "pass the base they were trained on with --hf-dir")
     base, tokenizer = load_pretrained(saved.hf_dir, dtype=saved.dtype, backend=saved.backend)
     ckpt = load_checkpoint(folder, backend=saved.backend, base_model=base)
     return saved, ckpt, ckpt.tokenizer or tokenizer, base_now
