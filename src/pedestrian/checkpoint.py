@@ -160,6 +160,12 @@ def resolve_checkpoint_dir(path) -> Path:
             f"no checkpoint at {p}: it holds config.json, a Hugging Face model folder, which the commands "
             f"take as --hf-dir {p} (`pedestrian sample --hf-dir`, `pedestrian finetune --hf-dir`, whose "
             "`step 0: val loss` line is the model's own loss on --data)")
+    if (p / "adapter_config.json").is_file():   # a PEFT adapter folder (a finetune run's peft/)
+        run = p.parent if (p.parent / "adapter" / STATE_FILE).is_file() else None
+        raise FileNotFoundError(
+            f"no checkpoint at {p}: it holds adapter_config.json, a PEFT adapter, which the commands do "
+            f"not take; " + (f"pass its fine-tuning run, --checkpoint {run}" if run is not None else
+                             "load it in Python with pedestrian.interop.peft.load_peft_adapter"))
     raise FileNotFoundError(
         f"no checkpoint at {p}: expected a folder holding {STATE_FILE} (e.g. runs/NAME/latest or "
         "runs/NAME/best) or a run folder holding latest/ (a fine-tuning run's: adapter/); train one with "

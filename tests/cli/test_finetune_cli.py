@@ -260,6 +260,9 @@ def test_sample_and_eval_accept_a_finetune_run(run_all, tmp_path, capsys):
     code, stdout, err = main(capsys, "eval", out / "adapter", "--hf-dir", base, "--split", "all",
                              "--no-progress")
     assert code == 0 and "all loss" in stdout, err
+    # the run's PEFT folder given as a checkpoint: named, with the run to pass instead
+    code, _, err = main(capsys, "sample", "--checkpoint", out / "peft", "--prompt", "a")
+    one_error_line(code, err, "a PEFT adapter", f"--checkpoint {out}")
     # the recorded base is gone: a short CLI-level message naming the fix
     moved = tmp_path / "ft"
     import shutil
