@@ -360,9 +360,10 @@ def test_an_interrupted_finetune_resumes_to_the_uninterrupted_run(run, tmp_path,
     real = loop_module.train_step
     ctrl_c_at_step(monkeypatch, 3)
     out = tmp_path / "stopped"
-    code, _, err = main(capsys, *argv, "--out", out)
+    code, said, err = main(capsys, *argv, "--out", out)
     assert code == 130 and f"continue with: pedestrian finetune --hf-dir {base} --data {data} " \
         f"--lora-rank 2 --out {out} --resume" in err
+    assert "(at step 2, the last evaluation)" in said + err         # the val loss is step 2's, not 3's
     monkeypatch.setattr(loop_module, "train_step", real)
     assert json.loads((out / "adapter" / "state.json").read_text())["step"] == 3
     code, _, err = main(capsys, *argv, "--out", out, "--resume")

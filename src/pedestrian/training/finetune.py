@@ -418,9 +418,10 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     reason = trainer.stop_reason
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
+    at = "" if trainer.last_eval == trainer.step else f" (at step {trainer.last_eval}, the last evaluation)"
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "
-             f"{loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}, {seconds / 60:.1f} min; adapters in "
-             f"{out / 'adapter'} and {out / 'peft'}")
+             f"{loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}{at}, {seconds / 60:.1f} min; adapters "
+             f"in {out / 'adapter'} and {out / 'peft'}")
     return FinetuneResult(step=trainer.step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
                           trainable_params=n_train, total_params=n_total, seconds=seconds, out=out,
                           model=model, tokenizer=tokenizer, stop_reason=reason,
