@@ -210,10 +210,10 @@ def test_fast_lora_equals_the_reference(rows, f_in, r, f_out, masked, dtype):
         got, want = [], []
         for side, out in ((fast, got), (reference, want)):
             wide = base_out.copy()                                       # the adapter's columns 2 … 2+f_out
-            y, cache = side.lora_forward(x, D, U, 0.5, mask, out=wide[:, 2:2 + f_out] if into else None)
+            y, cache = side.lora_forward(x, D, U, 0.5, mask, add_to=wide[:, 2:2 + f_out] if into else None)
             dD, dU, d_in = np.zeros_like(D), np.zeros_like(U), base_in.copy()
             out += [wide if into else y, dD, dU,
-                    side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU, delta_in=d_in if into else None)]
+                    side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU, add_to=d_in if into else None)]
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(b)), (into, np.max(np.abs(a - b)) / np.max(np.abs(b)))
@@ -226,8 +226,8 @@ def test_fast_lora_equals_the_reference(rows, f_in, r, f_out, masked, dtype):
 @pytest.mark.parametrize("need_input, with_dD, with_dU", [(False, True, True), (True, False, True),
                                                           (True, True, False), (False, False, True)])
 def test_fast_lora_backward_into_writes_only_what_is_asked_for(need_input, with_dD, with_dU, dtype):
-    """The one-region backward (``delta_in`` given) writes the gradients asked for, adds into
-    ``delta_in`` only when ``need_input``, and equals the reference (tolerance as above)."""
+    """The one-region backward (``add_to`` given) writes the gradients asked for, adds into
+    ``add_to`` only when ``need_input``, and equals the reference (tolerance as above)."""
     rng = np.random.default_rng(3)
     x, delta = rng.standard_normal((2, 300, 40)).astype(dtype), rng.standard_normal((2, 300, 24)).astype(dtype)
     D, U = rng.standard_normal((40, 4)).astype(dtype), rng.standard_normal((4, 24)).astype(dtype)
@@ -238,7 +238,7 @@ def test_fast_lora_backward_into_writes_only_what_is_asked_for(need_input, with_
         dD = np.full_like(D, 7.0) if with_dD else None
         dU = np.full_like(U, 7.0) if with_dU else None
         d_in = np.ones_like(x)
-        back = side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU, need_input=need_input, delta_in=d_in)
+        back = side.lora_backward(delta, cache, D, U, 0.5, dD=dD, dU=dU, need_input=need_input, add_to=d_in)
         assert (back is d_in) if need_input else (back is None)
         if not need_input:
             assert np.array_equal(d_in, np.ones_like(x))

@@ -2,7 +2,7 @@
 EQUATIONS.md "LoRA").
 
 The same products as the reference. Where the caller hands over the base layer's output (or,
-without a dropout mask, its input signal) to add into, each direction is one parallel region:
+without a dropout mask, its input signal) to add into (``add_to``), each direction is one parallel region:
 numba's threads take bands of the tokens, and a band runs its products as single-threaded BLAS
 calls on views, the last one adding into the caller's array (``gemm`` with ``β = 1``), so the
 branch is never a temporary of its own and no NumPy pass scales or adds it; the weight
@@ -94,43 +94,43 @@ def _sum_bands(parts, alpha, out):
             out[i, j] = alpha * s
 
 
-def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, out=None):
+def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, add_to=None):
     """``α · ((x ∘ m) D) U``: fast :func:`pedestrian.layers.lora.lora_forward` (same arguments,
-    shapes, dtypes, cache ``(x ∘ m, (x ∘ m) D, m)`` and ``out``). With ``out``: one parallel
-    region, the branch added into ``out`` by the last product's BLAS call."""
+    shapes, dtypes, cache ``(x ∘ m, (x ∘ m) D, m)`` and ``add_to``). With ``add_to``: one
+    parallel region, the branch added into it by the last product's BLAS call."""
     x_in = x if mask is None else x * mask                         # (..., f_in)
     f_in, r = lora_D.shape
     f_out = lora_U.shape[1]
     lead = x.shape[:-1]
     x2 = _rows(x_in, f_in)
-    out2 = None if out is None else _rows(out, f_out)
+    out2 = None if add_to is None else _rows(add_to, f_out)
     parts = 0 if out2 is None or x2 is None else _fused(x2.shape[0], x2, lora_D, lora_U, out2)
     if parts:
         h = empty_array((x2.shape[0], r), x2)                       # (N, r)
         (_forward_bands if parts > 1 else _forward_bands.serial)(x2, lora_D, lora_U, float(alpha), h, out2, parts)
-        return out, (x_in, h.reshape(*lead, r), mask)
+        return add_to, (x_in, h.reshape(*lead, r), mask)
     h = _product(x_in.reshape(-1, f_in), lora_D)                    # (N, r)
     y = _product(h, lora_U)                                         # (N, f_out)
     y *= alpha
     y = y.reshape(*lead, f_out)
     cache = (x_in, h.reshape(*lead, r), mask)
-    if out is None:
+    if add_to is None:
         return y, cache
-    out += y
-    return out, cache
+    add_to += y
+    return add_to, cache
 
 
 def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=None, need_input=True,
-                  delta_in=None):
+                  add_to=None):
     """``dD = α (x∘m)ᵀ (Δ Uᵀ)``, ``dU = α ((x∘m) D)ᵀ Δ``, ``Δ_in = (α (Δ Uᵀ) Dᵀ) ∘ m``: fast
     :func:`pedestrian.layers.lora.lora_backward` (same arguments and contract; ``dD``, ``dU``
-    written in place, ``Δ_in`` added into ``delta_in`` when given). With ``delta_in`` (or
+    written in place, ``Δ_in`` added into ``add_to`` when given). With ``add_to`` (or
     ``need_input=False``) and no mask: one parallel region over bands of tokens."""
     x_in, h, mask = cache
     f_in, r = lora_D.shape
     f_out = lora_U.shape[1]
     delta_rows = _rows(delta, f_out)                                # (N, f_out)
-    din_rows = None if delta_in is None else _rows(delta_in, f_in)
+    din_rows = None if add_to is None else _rows(add_to, f_in)
     x_rows, h_rows = _rows(x_in, f_in), _rows(h, r)
     fusable = mask is None and delta_rows is not None and (din_rows is not None or not need_input)
     wanted = [a for a in (dD, dU, din_rows if need_input else None) if a is not None]
@@ -147,7 +147,7 @@ def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=Non
             _sum_bands(dU_parts, float(alpha), dU)
         if dD is not None:
             _sum_bands(dD_parts, float(alpha), dD)
-        return delta_in if need_input else None
+        return add_to if need_input else None
     delta_rows = delta.reshape(-1, f_out)
     g = _product(delta_rows, lora_U.T)                              # (N, r) = Δ Uᵀ
     if dU is not None:
@@ -163,7 +163,7 @@ def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=Non
     if mask is not None:
         lora_in *= mask.reshape(-1, f_in)
     lora_in = lora_in.reshape(*delta.shape[:-1], f_in)
-    if delta_in is None:
+    if add_to is None:
         return lora_in
-    delta_in += lora_in
-    return delta_in
+    add_to += lora_in
+    return add_to

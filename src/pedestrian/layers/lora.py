@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..backend import array_namespace
 
 
-def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, out=None):
+def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, add_to=None):
     """The adapter's branch ``α · ((x ∘ m) D) U``, added by the caller to the frozen ``x W + b``.
 
     Args:
@@ -24,24 +24,24 @@ def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, out=None):
         mask: the inverted-dropout mask ``m`` of the adapter's input, shaped like ``x`` and
             holding ``0`` or ``1/(1-p)`` (what :func:`pedestrian.layers.dropout.dropout_forward`
             returns), or ``None`` for no dropout (evaluation, or ``p = 0``).
-        out: optional ``(..., f_out)`` array (a view may do: the frozen layer's output, or the
+        add_to: optional ``(..., f_out)`` array (a view may do: the frozen layer's output, or the
             adapter's columns of it) the branch is added into, in place.
 
     Returns:
-        ``(y_lora, cache)``: ``(..., f_out)`` (``out`` itself when given, the branch added);
+        ``(y_lora, cache)``: ``(..., f_out)`` (``add_to`` itself when given, the branch added);
         ``cache = (x ∘ m, (x ∘ m) D, m)``. ``D U`` is never formed.
     """
     x_in = x if mask is None else x * mask                  # (..., f_in)  dropout(x)
     h = x_in @ lora_D                                       # (..., r)
     y = alpha * (h @ lora_U)                                # (..., f_out)
-    if out is None:
+    if add_to is None:
         return y, (x_in, h, mask)
-    out += y                                                # (..., f_out)
-    return out, (x_in, h, mask)
+    add_to += y                                             # (..., f_out)  x W + α x D U
+    return add_to, (x_in, h, mask)
 
 
 def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=None, need_input=True,
-                  delta_in=None):
+                  add_to=None):
     """``dD = α (x∘m)ᵀ (Δ Uᵀ)``, ``dU = α ((x∘m) D)ᵀ Δ``, input signal ``(α (Δ Uᵀ) Dᵀ) ∘ m``.
 
     ``Δ Uᵀ`` is computed once. The dropout mask ``m`` (kept in the cache) enters twice: the
@@ -52,11 +52,11 @@ def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=Non
         delta: ``(..., f_out)``; cache: from :func:`lora_forward`.
         dD, dU: ``(f_in, r)`` / ``(r, f_out)`` arrays the gradients are written into (or ``None``).
         need_input: compute the adapter's share of ``Δ_in``.
-        delta_in: optional ``(..., f_in)`` array (the frozen layer's ``Δ Wᵀ``) the share is
+        add_to: optional ``(..., f_in)`` array (the frozen layer's ``Δ Wᵀ``) the share is
             added into, in place.
 
     Returns:
-        the adapter's share of ``Δ_in`` ``(..., f_in)`` (``delta_in`` itself when given, the
+        the adapter's share of ``Δ_in`` ``(..., f_in)`` (``add_to`` itself when given, the
         share added), or ``None`` when not asked for.
     """
     xp = array_namespace(delta)
@@ -72,7 +72,7 @@ def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=Non
         return None
     share = xp.reshape(alpha * (g @ xp.matrix_transpose(lora_D)), (*delta.shape[:-1], f_in))  # (..., f_in)
     share = share if mask is None else share * mask                          # (..., f_in)
-    if delta_in is None:
+    if add_to is None:
         return share
-    delta_in += share                                                        # (..., f_in)
-    return delta_in
+    add_to += share                                                          # (..., f_in)  Δ Wᵀ + share
+    return add_to

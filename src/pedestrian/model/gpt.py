@@ -303,7 +303,7 @@ class GPT:
         for name, lora_D, lora_U, lo, hi in fc.adapters:                             # y[..., lo:hi] += α (x∘m) D U
             _, lora_caches[name] = self.kernels.lora_forward(x, lora_D, lora_U, self.lora_alphas[name],
                                                              self._lora_mask(x) if fc.own_masks else mask,
-                                                             out=y[..., lo:hi])
+                                                             add_to=y[..., lo:hi])
         return y
 
     def _lora_mask(self, x):
@@ -415,7 +415,7 @@ class GPT:
         delta_in = K.linear_backward(delta, x, fc.weight, dweight=grad.weight, dbias=grad.bias)
         for (name, lora_D, lora_U, lo, hi), (_, dD, dU, _, _) in zip(fc.adapters, grad.adapters):
             K.lora_backward(delta[..., lo:hi], lora_caches[name], lora_D, lora_U, self.lora_alphas[name],
-                            dD=dD, dU=dU, delta_in=delta_in)                # Δ_in += (α (Δ Uᵀ) Dᵀ) ∘ m
+                            dD=dD, dU=dU, add_to=delta_in)                  # Δ_in += (α (Δ Uᵀ) Dᵀ) ∘ m
         return delta_in
 
     # ------------------------------------------------------------------ inspection
