@@ -15,7 +15,8 @@ from ..backend import array_namespace
 
 
 def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, add_to=None):
-    """The adapter's branch ``α · ((x ∘ m) D) U``, added by the caller to the frozen ``x W + b``.
+    """The adapter's branch ``α · ((x ∘ m) D) U``, added to the frozen ``x W + b`` (by the caller,
+    or here into ``add_to``).
 
     Args:
         x: ``(..., f_in)`` float array.
