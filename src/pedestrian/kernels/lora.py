@@ -39,19 +39,20 @@ def _rows(x, width: int):
     return rows if rows.size == 0 or np.may_share_memory(rows, x) else None   # (a copy shares nothing)
 
 
-def _fused(n_rows: int, *arrays) -> int:
-    """Bands of tokens for the one-region path (0: not applicable): NumPy arrays of one float
-    dtype, each 2-D view with rows of unit stride, and more than a few tokens."""
-    if not AVAILABLE or n_rows * arrays[0].shape[1] <= schedule.SMALL_ELEMENTS:
+def _fused(*arrays) -> int:
+    """Bands of tokens (the first array's rows) for the one-region path (0: not applicable):
+    NumPy arrays of one float dtype, each 2-D view with rows of unit stride, and more than a few
+    tokens."""
+    first = arrays[0]
+    if not AVAILABLE or first.size <= schedule.SMALL_ELEMENTS or first.dtype.kind != "f":
         return 0
-    dtype = arrays[0].dtype
     for a in arrays:
-        if a is None or type(a) is not np.ndarray or a.dtype != dtype or dtype.kind != "f" \
+        if a is None or type(a) is not np.ndarray or a.dtype != first.dtype \
                 or a.strides[1] != a.itemsize or a.strides[0] < a.shape[1] * a.itemsize:
             return 0
     blas_one_thread()
     load_gemm()
-    return max(1, min(threads_used(), n_rows // schedule.MIN_PART_ROWS))
+    return max(1, min(threads_used(), first.shape[0] // schedule.MIN_PART_ROWS))
 
 
 @kernel(parallel=True, size=lambda x, D, U, *rest:
@@ -104,7 +105,7 @@ def lora_forward(x, lora_D, lora_U, alpha: float, mask=None, *, add_to=None):
     lead = x.shape[:-1]
     x2 = _rows(x_in, f_in)
     out2 = None if add_to is None else _rows(add_to, f_out)
-    parts = 0 if out2 is None or x2 is None else _fused(x2.shape[0], x2, lora_D, lora_U, out2)
+    parts = 0 if out2 is None or x2 is None else _fused(x2, lora_D, lora_U, out2)
     if parts:
         h = empty_array((x2.shape[0], r), x2)                       # (N, r)
         (_forward_bands if parts > 1 else _forward_bands.serial)(x2, lora_D, lora_U, float(alpha), h, out2, parts)
@@ -134,7 +135,7 @@ def lora_backward(delta, cache, lora_D, lora_U, alpha: float, *, dD=None, dU=Non
     x_rows, h_rows = _rows(x_in, f_in), _rows(h, r)
     fusable = mask is None and delta_rows is not None and (din_rows is not None or not need_input)
     wanted = [a for a in (dD, dU, din_rows if need_input else None) if a is not None]
-    parts = _fused(delta_rows.shape[0], delta_rows, x_rows, h_rows, lora_D, lora_U, *wanted) if fusable else 0
+    parts = _fused(delta_rows, x_rows, h_rows, lora_D, lora_U, *wanted) if fusable else 0
     if parts:
         dtype = delta_rows.dtype
         g = empty_array((delta_rows.shape[0], r), delta_rows)      # (N, r) = Δ Uᵀ
