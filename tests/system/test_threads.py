@@ -273,6 +273,7 @@ def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
     taken = []
     monkeypatch.setattr(jit, "_layer", ["omp"])
     monkeypatch.setattr(jit, "_use_threads", taken.append)
+    monkeypatch.setattr(jit, "CORES", jit.Cores())                 # (all the threads: none measured yet)
     monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
     for k in (activations._times, attention_loops.heads_forward):
         monkeypatch.setattr(k, "serial", lambda *args: taken.append("serial"))
@@ -300,15 +301,13 @@ print(numba.threading_layer(), omppool.openmp_vendor)
 """
 
 
-@pytest.mark.parametrize("policy,spin", [(None, "0"), ("ACTIVE", "30000000000")], ids=["default", "yours"])
-def test_openmp_threads_wait_passively_unless_you_say_otherwise(policy, spin):
-    """GNU OpenMP reads ``OMP_WAIT_POLICY`` once, when numba loads it; the kernels set ``PASSIVE``
-    for that moment unless you set it (or ``GOMP_SPINCOUNT``). By default GNU OpenMP's idle
-    threads spin 300,000 rounds after every parallel region (GCC's libgomp manual, GOMP_SPINCOUNT):
-    beside other jobs on the cores, tiny-model steps took 10-40x longer on 2 threads than on 1
-    (docs/kernels.md, "One pool of threads"). Read back from OpenMP itself: ``OMP_DISPLAY_ENV``
-    prints its settings when it loads (``GOMP_SPINCOUNT``: the rounds an idle thread spins; 30
-    billion for ``ACTIVE``, the same manual). The threads used to start before it was set."""
+@pytest.mark.parametrize("policy,spin", [(None, jit.SPIN_ROUNDS), ("ACTIVE", "30000000000")], ids=["default", "yours"])
+def test_openmp_threads_spin_briefly_unless_you_say_otherwise(policy, spin):
+    """GNU OpenMP reads its wait settings once, when numba loads it; the kernels set
+    ``GOMP_SPINCOUNT`` to :data:`jit.SPIN_ROUNDS` for that moment unless you set it or
+    ``OMP_WAIT_POLICY``. Read back from OpenMP itself: ``OMP_DISPLAY_ENV`` prints its settings
+    when it loads (``GOMP_SPINCOUNT``: the rounds an idle thread spins before it sleeps; 30
+    billion for ``ACTIVE``: GCC's libgomp manual)."""
     import os
     import subprocess
     import sys
@@ -320,3 +319,142 @@ def test_openmp_threads_wait_passively_unless_you_say_otherwise(policy, spin):
     if child.stdout.split() != ["omp", "GNU"]:
         pytest.skip(f"numba's threads run on {child.stdout.strip()!r} here, not GNU OpenMP")
     assert f"GOMP_SPINCOUNT = '{spin}'" in child.stderr
+
+
+_IDLE_CHILD = _SPIN_CHILD + """
+import time
+c0 = time.process_time()
+time.sleep(1.0)
+print(time.process_time() - c0)
+"""
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"], ids=["default", "spinning forever"])
+def test_a_process_idle_between_calls_does_not_burn_a_core(policy):
+    """A server that ran a step and waits for the next request: over one second of waiting its
+    threads use at most 0.25 CPU seconds -- :data:`jit.SPIN_ROUNDS` rounds of spinning after the
+    last region (7.5-8 ms measured on an AMD EPYC; a spin round is a ``pause`` instruction, 10 to
+    150 cycles on x86 CPUs, so 300,000 rounds take at most about 45 ms at 1 GHz), then sleep. The
+    control: with ``OMP_WAIT_POLICY=ACTIVE`` (30 billion rounds) the idle thread burns most of
+    the second, which shows that the measurement sees a spinning thread."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(PEDESTRIAN_NUM_THREADS="2", **({"OMP_WAIT_POLICY": policy} if policy else {}))
+    child = subprocess.run([sys.executable, "-c", _IDLE_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr
+    layer, vendor, idle_cpu = child.stdout.split()
+    if (layer, vendor) != ("omp", "GNU"):
+        pytest.skip(f"numba's threads run on {layer!r} / {vendor!r} here, not GNU OpenMP")
+    if policy is None:
+        assert float(idle_cpu) <= 0.25
+    else:
+        assert float(idle_cpu) >= 0.5
+
+
+def test_the_threads_running_a_region_change_no_bit(monkeypatch):
+    """The cores a region gets set how many threads run its parts, not the parts: a step with every
+    region on one thread (as on a busy machine) gives the same bits as on all of them -- GPT-2
+    and Llama layouts, the tiled attention (T = 300), float32 and float64."""
+    from pedestrian.config import arch_fields
+
+    monkeypatch.setenv("PEDESTRIAN_NUM_THREADS", "2")
+    if jit.threads_used() < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    llama = GPTConfig(vocab_size=50, context_length=320, d_model=48, n_heads=4, n_blocks=2, dropout=0.0,
+                      **arch_fields("llama", 48, 4))
+    for config in (CFG, llama):
+        for dtype, B, T in (("float32", 8, 64), ("float64", 2, 300)):
+            runs = []
+            for running in (None, 1):
+                cores = jit.Cores()
+                cores.running, cores.next_trial = running, float("inf")
+                monkeypatch.setattr(jit, "CORES", cores)
+                model = GPT(config, seed=0, dtype=dtype)
+                rng = np.random.default_rng(1)
+                x, y = rng.integers(0, 50, (B, T)), rng.integers(0, 50, (B, T))
+                runs.append((model.loss(x, y), {k: v.copy() for k, v in model.backward().items()}))
+            (l1, g1), (l2, g2) = runs
+            assert l1 == l2 and all(np.array_equal(g, g2[k]) for k, g in g1.items()), (config.norm, dtype)
+
+
+def test_the_cores_take_threads_down_and_try_them_again(monkeypatch):
+    """The rule of :class:`jit.Cores` on measured windows: a window whose CPU rate is under
+    ``SHARE`` of its threads sets the count to the cores it got; all the threads are tried again
+    after ``PROBE_S``, the wait doubling after each trial that fails (up to ``PROBE_MAX_S``); a
+    trial that gets its cores restores them. Regions that overlap another thread's are not counted."""
+    cores = jit.Cores()
+    clock = [100.0]
+    monkeypatch.setattr(jit.time, "perf_counter", lambda: clock[0])
+    window = cores.WINDOW_S
+
+    def window_at(k: int, rate: float) -> None:
+        for _ in range(cores.WINDOW_REGIONS):
+            cores._count(k, 2, window / cores.WINDOW_REGIONS, rate * window / cores.WINDOW_REGIONS, clock[0])
+
+    assert cores.threads(2) == 2
+    window_at(2, 1.9)                                          # the cores are there
+    assert cores.running is None and cores.threads(2) == 2
+    window_at(2, 1.0)                                          # one core's worth: down to 1
+    assert cores.running == 1 and cores.threads(2) == 1
+    clock[0] += cores.PROBE_S / 2
+    assert cores.threads(2) == 1                               # not yet
+    clock[0] += cores.PROBE_S
+    assert cores.threads(2) == 2 and cores.trial               # a trial of both threads
+    window_at(2, 1.2)                                          # fails: wait twice as long
+    assert cores.running == 1 and not cores.trial
+    clock[0] += 1.5 * cores.PROBE_S
+    assert cores.threads(2) == 1
+    clock[0] += cores.PROBE_S
+    assert cores.threads(2) == 2
+    window_at(2, 1.95)                                         # the machine is free again
+    assert cores.running is None and cores.wait_s == cores.PROBE_S
+    assert [r for _, r in cores.changes] == [1, None]
+    for _ in range(10):                                        # doubling stops at PROBE_MAX_S
+        window_at(2, 0.5)
+        clock[0] = cores.next_trial
+        assert cores.threads(2) == 2
+    assert cores.wait_s == cores.PROBE_MAX_S
+
+    calls = []
+    cores = jit.Cores()
+    monkeypatch.setattr(jit, "_use_threads", calls.append)
+    monkeypatch.setattr(cores, "_count", lambda *a: calls.append("counted"))
+    inner = lambda: cores.run(lambda: calls.append("inner"), 2, ())      # noqa: E731
+    cores.run(lambda: inner(), 2, ())                          # a region overlapped by another
+    cores.run(lambda: calls.append("alone"), 2, ())
+    assert calls == [2, 2, "inner", 2, "alone", "counted"]
+
+
+_CROWDED_CHILD = """
+import os, numpy as np
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})     # two threads on one core
+from pedestrian.config import GPTConfig
+from pedestrian.model import GPT
+from pedestrian.kernels import jit
+cfg = GPTConfig(vocab_size=50, context_length=64, d_model=64, n_heads=2, n_blocks=2, dropout=0.0)
+x = np.random.default_rng(3).integers(0, 50, (8, 64))
+model = GPT(cfg, seed=0)
+for _ in range(30):
+    model.loss(x, x); model.backward()
+print(jit.threads_used(), jit.CORES.running, [r for _, r in jit.CORES.changes])
+"""
+
+
+def test_two_threads_on_one_core_run_on_one():
+    """The cores measured, not assumed: a process held to one core (its affinity) with two threads
+    asked for gets at most one core's worth of CPU time in its regions, so :class:`jit.Cores`
+    runs them on one thread (and a trial of two, if one came, found the same)."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    env = {**os.environ, "PEDESTRIAN_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+    child = subprocess.run([sys.executable, "-c", _CROWDED_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr
+    threads, running, changes = child.stdout.strip().split(" ", 2)
+    assert threads == "2" and running == "1" and changes.startswith("[1"), child.stdout

@@ -225,9 +225,9 @@ def few_rows_matmul(a, b):
     """``a @ b`` for an ``a`` ``(..., k)`` of a few rows (a generated token's input) and a 2-D
     weight ``b`` ``(k, n)``: a new ``(..., n)`` array.
 
-    On several threads, NumPy's ``a @ b`` on its BLAS's own threads (their workers stay awake
-    between products; numba's, which wait passively, would have to be woken for each one:
-    docs/kernels.md, "One generated token at SmolLM2-135M's shape"). When the fast kernels run
+    On several threads, NumPy's ``a @ b`` on its BLAS's own threads (bands over numba's threads,
+    one parallel region per product, measured slower with the threads sleeping between regions
+    and within 5-8 % spinning: docs/kernels.md, "One generated token at SmolLM2-135M's shape"). When the fast kernels run
     one thread (:func:`pedestrian.kernels.jit.threads_used`), one call of the BLAS numba holds to
     one thread, ``gemv`` for one row (NumPy arrays of one float dtype, ``b`` C- or F-contiguous;
     else ``a @ b``), so that ``PEDESTRIAN_NUM_THREADS=1`` holds for generation too. Inside a

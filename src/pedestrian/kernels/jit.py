@@ -26,7 +26,9 @@ them from the disk cache prints nothing. :func:`dispatchers` lists the dispatche
 
 **Threads.** Kernels may be called from several Python threads at once (numba's ``tbb`` and
 ``omp`` layers are thread-safe; where numba fell back to ``workqueue``, parallel calls take a
-lock). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
+lock). Between regions an idle OpenMP thread spins a few milliseconds, then sleeps
+(:data:`SPIN_ROUNDS`); where other processes hold the cores, :data:`CORES` runs the regions on
+fewer threads (the same bits). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
 child forked after it started: numba stops such a child with SIGTERM. In a child forked after
 numba's threads started on ``omp``, every kernel therefore runs its serial compilation
 (:func:`threads_used` is 1); a child started by ``spawn`` or ``forkserver`` has its own threads.
@@ -52,7 +54,8 @@ import numpy as np
 
 from . import schedule
 
-__all__ = ["AVAILABLE", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used", "blas_one_thread"]
+__all__ = ["AVAILABLE", "CORES", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used",
+           "blas_one_thread"]
 
 #: numba is installed (found, not imported: that happens at the first kernel call)
 AVAILABLE = importlib.util.find_spec("numba") is not None
@@ -370,7 +373,8 @@ class _Parallel:
     otherwise): the serial one under :data:`.schedule.SERIAL_BELOW` (and always in a child forked
     after numba's OpenMP threads started), else the parallel one, on ``threads_used()`` threads
     from :data:`.schedule.PARALLEL_MIN_ELEMENTS` and on one below (the same compiled loops
-    whatever the thread count, so the same bits).
+    whatever the thread count, so the same bits). Of those threads, as many run the region as
+    the cores give it (:data:`CORES`): the work's partition is unchanged, so the bits too.
 
     numba's threading layer: its default choice (``tbb``, then ``omp``, then ``workqueue``).
     ``workqueue`` must not be entered by two Python threads at once, so where numba fell back to
@@ -389,8 +393,10 @@ class _Parallel:
         if n < schedule.SERIAL_BELOW or _forked_from_omp:
             return self.serial(*args)
         workqueue = _layer_is_workqueue()    # (first: numba.set_num_threads would start the threads)
-        _use_threads(threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1)
-        return (_locked(self.parallel) if workqueue else self.parallel)(*args)
+        if workqueue or n < schedule.PARALLEL_MIN_ELEMENTS:
+            _use_threads(threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1)
+            return (_locked(self.parallel) if workqueue else self.parallel)(*args)
+        return CORES.run(self.parallel, threads_used(), args)
 
 
 _layer: list = []
@@ -414,23 +420,120 @@ def _touch_loop(a):
 _touch = _Kernel(_touch_loop, parallel=True)
 
 
+#: GNU OpenMP's rounds of spinning before an idle thread sleeps, set for the moment numba loads
+#: OpenMP unless you set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``: GNU's own default (libgomp
+#: manual, GOMP_SPINCOUNT), 7.5-8 ms on an AMD EPYC, so a thread is still awake for the next
+#: region of a step (char-small, 2 idle cores: 30.5 against 36.3 ms a step sleeping between
+#: regions) and asleep soon after a call (a server between requests: docs/guide.md, "A shared
+#: machine"). On a busy machine :data:`CORES` takes the threads down instead.
+SPIN_ROUNDS = "300000"
+
+
 def _start_threads() -> None:
-    """Start numba's threads (its first parallel call) with OpenMP's idle threads waiting
-    passively -- ``OMP_WAIT_POLICY=PASSIVE`` for this one start, unless set by you (your
-    ``GOMP_SPINCOUNT`` wins over it in GNU OpenMP): OpenMP reads it once, when numba loads it,
+    """Start numba's threads (its first parallel call) with OpenMP's idle threads spinning
+    :data:`SPIN_ROUNDS` rounds after a region, then sleeping -- ``GOMP_SPINCOUNT`` for this one
+    start, unless you set it or ``OMP_WAIT_POLICY``: OpenMP reads it once, when numba loads it,
     so this must run before anything else starts the threads (``numba.set_num_threads`` does).
-    By default GNU OpenMP's idle threads spin 300,000 rounds after each parallel region; beside
-    other jobs on the cores the spinning burned the process's share of them, 2 threads 3-40x
-    one thread's time (docs/guide.md, "A shared machine"). The environment is restored at once
-    (a PyTorch imported later keeps its own)."""
-    ours = "OMP_WAIT_POLICY" not in os.environ
+    The environment is restored at once (a PyTorch imported later keeps its own)."""
+    ours = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
     if ours:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = SPIN_ROUNDS
     try:
         _touch(np.zeros(2))
     finally:
         if ours:
-            del os.environ["OMP_WAIT_POLICY"]
+            del os.environ["GOMP_SPINCOUNT"]
+
+
+class Cores:
+    """How many of a parallel region's ``threads_used()`` threads run it: all of them while the
+    regions get their cores, fewer while other processes hold the cores.
+
+    Measured inside the regions that run on several threads: the process's CPU time over the
+    wall time (``rate``). Threads that have their cores run (or spin) all through a region:
+    ``rate`` is the thread count. Beside other jobs a thread waits for its turn on a core, the
+    others wait for it, and spinning burns the process's share: two threads then took 1.5-2.5x
+    one thread's time (docs/guide.md, "A shared machine"). After :data:`WINDOW_S` of measured
+    regions (and :data:`WINDOW_REGIONS` at least, or three times as long), a ``rate`` under
+    :data:`SHARE` of the threads sets the count to the cores the regions got (``int(rate)``, at
+    least 1); all the threads are tried again after :data:`PROBE_S` seconds (doubling after each
+    trial that fails, up to :data:`PROBE_MAX_S`). A region that another Python thread's region
+    overlapped is not counted. ``changes`` lists the last changes (time, threads; ``None``: all).
+
+    The bits do not depend on it: every kernel cuts its work by ``threads_used()`` (the row
+    bands, the partial sums of a product), and this only sets how many threads run those parts
+    (``numba.set_num_threads`` on the same compiled loops).
+    """
+
+    WINDOW_S = 0.01
+    WINDOW_REGIONS = 8
+    SHARE = 0.8
+    PROBE_S = 0.5
+    PROBE_MAX_S = 8.0
+
+    def __init__(self) -> None:
+        self.running: int | None = None        # threads running a region (None: all of them)
+        self.trial = False                     # this window tries all the threads again
+        self.next_trial, self.wait_s = 0.0, self.PROBE_S
+        self.wall = self.cpu = 0.0
+        self.regions = self.in_flight = self.started = 0
+        self.changes: list = []                # (time, threads running) at each change, for logs
+        self.lock = threading.Lock()
+
+    def threads(self, threads: int) -> int:
+        """The threads of the next region of ``threads``."""
+        running = self.running
+        if running is None or running >= threads:
+            return threads
+        if not self.trial and time.perf_counter() >= self.next_trial:
+            self.trial, self.wall, self.cpu, self.regions = True, 0.0, 0.0, 0
+        return threads if self.trial else running
+
+    def run(self, f, threads: int, args):
+        """``f(*args)`` on :meth:`threads` of ``threads``, measured when on several."""
+        k = self.threads(threads)
+        _use_threads(k)
+        if k == 1:
+            return f(*args)
+        with self.lock:
+            alone, self.in_flight, self.started = self.in_flight == 0, self.in_flight + 1, self.started + 1
+            mine = self.started
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return f(*args)
+        finally:
+            c1, t1 = time.process_time(), time.perf_counter()
+            with self.lock:
+                self.in_flight -= 1
+                if alone and self.started == mine:
+                    self._count(k, threads, t1 - t0, c1 - c0, t1)
+
+    def _count(self, k: int, threads: int, wall: float, cpu: float, now: float) -> None:
+        self.wall, self.cpu, self.regions = self.wall + wall, self.cpu + cpu, self.regions + 1
+        if self.wall < self.WINDOW_S or (self.regions < self.WINDOW_REGIONS and self.wall < 3 * self.WINDOW_S):
+            return
+        rate = self.cpu / self.wall
+        self.wall = self.cpu = 0.0
+        self.regions = 0
+        self.trial = False
+        if rate >= self.SHARE * k:                     # the threads had their cores
+            if k == threads and self.running is not None:
+                self._set(None, now)
+                self.wait_s = self.PROBE_S
+            return
+        self._set(max(1, min(k - 1, int(rate))), now)
+        self.next_trial = now + self.wait_s
+        self.wait_s = min(2 * self.wait_s, self.PROBE_MAX_S)
+
+    def _set(self, running: int | None, now: float) -> None:
+        if running != self.running:
+            self.running = running
+            self.changes.append((now, running))
+            del self.changes[:-64]
+
+
+#: the process's :class:`Cores` (one for every model and Python thread: the cores are shared)
+CORES = Cores()
 
 
 def _locked(f):
