@@ -230,10 +230,10 @@ class GPT:
         tokens = as_tokens(self, tokens, "token ids")
         if kv_cache is not None:
             check_cache(self, kv_cache, tokens)
-        check_tokens(tokens, c.vocab_size, c.context_length)
-        if targets is not None:
+        tokens = check_tokens(tokens, c.vocab_size, c.context_length)      # (in a step on a device: ids
+        if targets is not None:                                             # made safe, model/inputs.py)
             targets = as_tokens(self, targets, "targets")
-            check_targets(self.xp, targets, tokens, c.vocab_size)
+            targets = check_targets(self.xp, targets, tokens, c.vocab_size)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
         if self.numpy_chain:                               # the edge: NumPy views in
@@ -316,17 +316,20 @@ class GPT:
         p = self.config.dropout if self._dropping_out() else 0.0
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
-    def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True) -> float:
+    def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
+             read: bool = True) -> float:
         """Forward with targets; returns the mean next-token cross-entropy (nats per token).
 
         If every target is the ignore index ``-100`` the loss is ``0.0`` and the gradients
         are zero (documented convention; no NaN). ``n_total``, ``keep_activations``: see
         :meth:`forward` (``False``: an evaluation, holding one block's arrays at a time; no
-        backward follows).
+        backward follows). ``read=False`` returns the loss as the 0-d array it is, unread (on a
+        device, no host synchronisation; :func:`~pedestrian.training.step.train_step` reads it
+        once per step).
         """
         self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
         self._acts.logits_held = False                     # by no caller: Δ12 may take their place
-        return float(self._acts.loss_value)
+        return float(self._acts.loss_value) if read else self._acts.loss_value
 
     # ------------------------------------------------------------------ backward
     def backward(self, delta_logits=None, *, keep_deltas: bool = False, after_block=None) -> dict:

@@ -41,7 +41,7 @@ from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
 from ..kernels.jit import kernel, prange
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
-           "clip_grad_norm"]
+           "squared_sums", "clip_grad_norm"]
 
 #: NumPy: elements per chunk of the update kernel (the unit its threads share out)
 NUMPY_CHUNK = 1 << 16
@@ -151,7 +151,20 @@ def _scaled_sum_squares(g) -> tuple[float, float]:
     return s, math.ldexp(1.0, exponent)
 
 
-def global_grad_norm(grads) -> float:
+def squared_sums(grads) -> list:
+    """``Σ g²`` of each flat buffer as :func:`global_grad_norm` starts from it, in the buffer's
+    dtype, unread: 0-d tensors on the device for torch buffers (no host synchronisation),
+    floats for NumPy ones. Pass them, read, to ``global_grad_norm(grads, sums=...)``."""
+    if not isinstance(grads, (list, tuple)):
+        grads = [grads]
+    if grads and is_torch_array(grads[0]):
+        import torch
+
+        return [torch.dot(g, g) for g in grads]
+    return [_dot(g) for g in grads]
+
+
+def global_grad_norm(grads, sums=None) -> float:
     """The global L2 norm ``sqrt(Σ_buffers Σ_i g_i²)`` of one or several flat gradient buffers.
 
     Overflow-safe: the fast path is one dot product per buffer in the buffer's dtype; when that
@@ -163,6 +176,8 @@ def global_grad_norm(grads) -> float:
 
     Args:
         grads: a flat array, or a list of them (NumPy or torch).
+        sums: each buffer's ``Σ g²`` in its dtype, already read (floats from :func:`squared_sums`,
+            e.g. read from a device with the step's other numbers); ``None``: computed here.
 
     Returns:
         Python float; ``nan`` if a gradient holds a NaN, ``inf`` if one holds an inf.
@@ -172,8 +187,8 @@ def global_grad_norm(grads) -> float:
     if not isinstance(grads, (list, tuple)):
         grads = [grads]
     parts = []                                          # (s, a): the buffer's Σ g² = a² s
-    for g in grads:
-        s = _dot(g)
+    for i, g in enumerate(grads):
+        s = _dot(g) if sums is None else float(sums[i])
         tiny = float(np.finfo(np.float64 if "64" in str(g.dtype) else np.float32).tiny)
         if not math.isfinite(s) or 0.0 < s < tiny * 2.0 ** 24:
             parts.append(_scaled_sum_squares(g))        # overflow, NaN, or subnormal rounding
