@@ -150,7 +150,7 @@ def _dkdv_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_
     dk = tl.zeros([BLOCK_N, P_QK], k.dtype)
     dv = tl.zeros([BLOCK_N, P_V], k.dtype)
     lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0                               # no tile above the diagonal
-    for member in range(GROUP):                                                        # the group's query heads, in order
+    for member in range(GROUP):                                              # the group's query heads, in order
         h = kvh * GROUP + member
         bh = b * H + h
         for start_m in range(lo, T, BLOCK_M):
@@ -355,9 +355,10 @@ def _tiled_cache(cache) -> dict:
     def split(a, heads):                                                      # (B, T, heads·w) -> (B·heads, T, w)
         return a.reshape(B, T, heads, -1).transpose(1, 2).reshape(B * heads, T, -1)
 
-    return dict(tiled=True, q=split(qkv[..., :hq], n_heads) * (1.0 / math.sqrt(d_qk)), k=split(qkv[..., hq:hq + hk], n_kv),
-                v=split(qkv[..., hq + hk:], n_kv), out=cache["out"], lse=cache["lse"], d_qk=d_qk, n_heads=n_heads,
-                n_kv_heads=n_kv, causal=cache["causal"], blocks=cache["blocks"])
+    return dict(tiled=True, q=split(qkv[..., :hq], n_heads) * (1.0 / math.sqrt(d_qk)),
+                k=split(qkv[..., hq:hq + hk], n_kv), v=split(qkv[..., hq + hk:], n_kv), out=cache["out"],
+                lse=cache["lse"], d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv, causal=cache["causal"],
+                blocks=cache["blocks"])
 
 
 def attention_weights(cache):
