@@ -287,6 +287,11 @@ def test_unsupported_calls_run_the_existing_path(monkeypatch):
     want, _ = layers.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV)
     torch.testing.assert_close(a3, want, rtol=0, atol=1e-14)
     assert not cache.get("gpu_flash") and torch.equal(cache_k[:, :, :T], _heads(qkv[..., H * d_qk:(H + KV) * d_qk], KV))
+    here = qkv.to(DEVICE)
+    assert gpu.supported(here, d_qk, d_head, n_heads=H)                       # and each change below is not:
+    assert not gpu.supported(here.half(), d_qk, d_head) and not gpu.supported(here, d_qk, gpu.MAX_WIDTH + 1)
+    assert not gpu.supported(here[:, :0], d_qk, d_head) and not gpu.supported(here, d_qk, d_head, n_heads=70_000)
+    assert not gpu.supported(here.cpu().numpy(), d_qk, d_head)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if not CUDA:
         assert not gpu.supported(qkv, d_qk, d_head)
@@ -298,7 +303,6 @@ def test_unsupported_calls_run_the_existing_path(monkeypatch):
         torch.testing.assert_close(d_qkv, layers.multi_head_attention_backward(delta, ref_cache)[0], rtol=0, atol=1e-14)
         torch.testing.assert_close(gpu.attention_weights(cache), layers.attention_weights(ref_cache),
                                    rtol=0, atol=1e-14)
-    assert not gpu.supported(qkv.half(), d_qk, d_head) and not gpu.supported(qkv, d_qk, gpu.MAX_WIDTH + 1)
 
 
 def test_bad_arguments_are_named():

@@ -35,7 +35,8 @@ The same contract as :func:`pedestrian.layers.multi_head_attention_forward` /
 Explicit fallbacks (:mod:`pedestrian.kernels.attention`'s GPU path, the reference layers and the
 tiled torch loop): a KV-cache step (``kv_cache``), data of another dtype (float16, bfloat16),
 arrays that are not torch tensors, CPU tensors unless ``TRITON_INTERPRET=1`` (Triton's interpreter,
-the tests' way), head widths above :data:`MAX_WIDTH`; ``keep_delta_causal=True`` and
+the tests' way), head widths above :data:`MAX_WIDTH`, no tokens, more than 65,535 (batch row, head)
+pairs (:func:`supported`); ``keep_delta_causal=True`` and
 :func:`attention_weights` (``O(T²)`` arrays for pictures) recompute from this cache with the tiled
 torch loop. The model has no dropout on attention weights, so none is needed here.
 """
@@ -237,17 +238,20 @@ def _default_blocks(d_qk: int, d_head: int, dtype) -> tuple:
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """``TRITON_INTERPRET`` asks for Triton's interpreter (as :func:`pedestrian.gpu.interpreting`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def supported(qkv, d_qk: int, d_head: int, kv_cache=None) -> bool:
+def supported(qkv, d_qk: int, d_head: int, kv_cache=None, n_heads: int = 1) -> bool:
     """Whether these kernels run this call (else the fallback, module docstring): a torch tensor of
     float32 / float64 on a CUDA device (or any device under ``TRITON_INTERPRET=1``), no KV cache,
-    head widths up to :data:`MAX_WIDTH`."""
+    head widths up to :data:`MAX_WIDTH`, at least one token and ``B·n_heads`` within a CUDA grid's
+    second axis (65,535)."""
     import torch
 
     return (kv_cache is None and isinstance(qkv, torch.Tensor) and qkv.dtype in (torch.float32, torch.float64)
-            and (qkv.device.type == "cuda" or _interpreted()) and max(d_qk, d_head) <= MAX_WIDTH)
+            and (qkv.device.type == "cuda" or _interpreted()) and max(d_qk, d_head) <= MAX_WIDTH
+            and qkv.ndim == 3 and qkv.shape[1] > 0 and 0 < qkv.shape[0] * n_heads <= 65_535)
 
 
 def _check_blocks(block_m: int, block_n: int, on_gpu: bool) -> None:
@@ -278,7 +282,7 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a block size that is not a power
             of two; ``qkv``'s last axis not ``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` wide.
     """
-    if not supported(qkv, d_qk, d_head, kv_cache):
+    if not supported(qkv, d_qk, d_head, kv_cache, n_heads):
         from ..kernels.attention import on_device_forward
 
         return on_device_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache, n_kv_heads=n_kv_heads)
