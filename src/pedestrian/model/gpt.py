@@ -59,7 +59,7 @@ import numpy as np
 
 from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
-from ..kernels import kernels_for
+from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
 from . import decode
 from .buffers import FlatBuffer
@@ -71,7 +71,7 @@ from .inspection import named_activations, named_deltas, require_forward
 from .recompute import keep_only_what_backward_reads, loss_delta, recomputed_blocks, take_block
 from .slots import Slots
 
-__all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
+__all__ = ["GPT", "GPTConfig", "FlatBuffer"]
 
 
 class GPT:
@@ -92,7 +92,7 @@ class GPT:
             are made there, and NumPy token ids are moved there.
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
             layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Chosen here
-            once (:func:`pedestrian.kernels.kernels_for`): the table :attr:`kernels`. Both compute
+            once (:func:`pedestrian.gpu.kernels_for`): the table :attr:`kernels`. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
         layers: ``{slot: layer}`` -- your own layers in the slots ``"norm"``, ``"activation"``,
             ``"mlp"`` (a module of :func:`pedestrian.load_layer`, or its path), run in the chain
@@ -134,7 +134,7 @@ class GPT:
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
         self.device = resolve_device(backend, device)
-        #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
+        #: the kernel table (:func:`pedestrian.gpu.kernels_for`), chosen here once
         self.kernels = kernels_for(kernels, self.device, self.dtype)
         #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
         #: NumPy arrays); what enters and leaves the model is converted at its edge (model/edge.py)
@@ -285,8 +285,7 @@ class GPT:
             qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal, kv_cache=kv_block, n_kv_heads=c.n_kv_heads)
         b.a4 = self._fc_forward(w.attn_proj, b.a3, b.lora)                           # (B, T, d)
         branch, b.drop4 = self._dropout(b.a4)
-        b.a5 = K.add(x, branch)                                                      # skip
-        b.a6, b.ln2 = S.norm.forward(b.a5, w.ln2)                                    # (B, T, d)
+        (b.a5, b.a6), b.ln2 = S.norm.add_forward(x, branch, w.ln2)                  # skip, then LN2 (B, T, d)
         b.a9 = S.mlp.forward(self._fc_forward, b, w, b.lora)                         # (B, T, d); a7, a8 on b
         branch, b.drop9 = self._dropout(b.a9)
         b.a10 = K.add(b.a5, branch)                                                  # skip
@@ -391,14 +390,14 @@ class GPT:
             D = SimpleNamespace(d10=d10)                                                       # Δ10
             D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
             D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)
-            D.d5 = K.add(D.d10, S.norm.backward(D.d6, b.ln2, g.ln2))                           # skip + LN2
+            D.d5 = S.norm.add_backward(D.d6, b.ln2, D.d10, g.ln2)                             # skip + LN2
             D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, b.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
             if rope:                                                                           # turned back: R(−tθ)
                 d_qkv = K.rope_backward(d_qkv, b.rope)
             D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, b.lora)                        # Δ2 = Σ_h (...)
-            d10 = K.add(D.d5, S.norm.backward(D.d2, b.ln1, g.ln1))                             # skip + LN1
+            d10 = S.norm.add_backward(D.d2, b.ln1, D.d5, g.ln1)                               # skip + LN1
             if keep_deltas:
                 kept.insert(0, D)
             if after_block is not None:
@@ -496,10 +495,3 @@ class GPT:
     unmerge_lora = Delegated()
     remove_lora = Delegated()
     lora_state_dict = Delegated()
-
-
-def eval_mode(model):
-    """``with eval_mode(model):`` runs its body without dropout in the calling thread
-    (:meth:`GPT.inference`): evaluation, the gradient-norm record and generation. ``model.training``
-    itself is left as it is, also when the body raises (other threads may be training)."""
-    return model.inference()
