@@ -22,11 +22,12 @@ same products, plus the reference's own bound in float64. Per query row ``α``:
 - ``dP = Δ vᵀ``: ``γ_{d_head} |Δ||v|ᵀ``; ``D = rowsum(Δ ∘ out)``:
   ``γ_{d_head} Σ_c |Δ||out| + Σ_c |Δ| δout``.
 - ``Δcausal = P ∘ (dP − D)``: ``E = P ∘ ((ρ + 2u) |dP − D| + γ_{d_head} |Δ||v|ᵀ + δD)``.
-- ``dq = Δcausal k s``: ``(E |k| + (T + 2) u |Δcausal||k|) s``;
+- ``dq = Δcausal (k − k_0) s`` (key 0 subtracted, module gpu.attention): ``(E |k − k_0| +
+  (T + 3) u |Δcausal||k − k_0|) s``;
   ``dk = Σ_group Δcausalᵀ q s``: ``Σ_group (Eᵀ |q| + (gT + 2) u |Δcausal|ᵀ |q|) s``.
 
 The reference (float64, full matrices) has the same bound with ``u = 2⁻⁵³``, its ``dq`` taken
-from ``k − k̄`` (``|k| + |k̄|`` in place of ``|k|``) and its ``dk`` less its mean row (plus that
+from ``k − k̄`` (in place of ``k − k_0``) and its ``dk`` less its mean row (plus that
 mean's bound and ``(T + 1) u`` of the mean of ``|dk|``). float64 kernels: both bounds, each
 about ``1e-14`` of the entries' scale at these sizes. float32 kernels against the float64
 reference on the same (exactly widened) inputs: the float32 bound, about ``(T + d) · 6e-8``
@@ -118,8 +119,8 @@ def _bounds(qkv, delta, H, KV, d_qk, d_head, causal, u, reference=False):
     dS = P * (dP - D[..., None])
     E = P * ((rho + 2 * u)[..., None] * (dP - D[..., None]).abs() + gamma(d_head) * (d.abs() @ v.abs().mT)
              + b_D[..., None])
-    k_abs = k.abs() + (k.mean(-2, keepdim=True).abs() if reference else 0.0)   # |k − k̄| <= |k| + |k̄|
-    b_dq = (E @ k_abs + (T + 2) * u * (dS.abs() @ k_abs)) * s
+    k_abs = (k - k.mean(-2, keepdim=True) if reference else k - k[..., :1, :]).abs()   # k − k̄ / k − k_0
+    b_dq = (E @ k_abs + (T + 3) * u * (dS.abs() @ k_abs)) * s                # (+1: the subtraction)
     b_dk = (E.mT @ q.abs() + (grp * T + 2) * u * (dS.abs().mT @ q.abs())) * s
     if reference:                                                             # its mean row: bound and rounding
         b_dk = b_dk + b_dk.mean(-2, keepdim=True) + (T + 1) * u * (dS.mT @ q * s).abs().mean(-2, keepdim=True)

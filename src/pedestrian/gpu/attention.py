@@ -25,8 +25,9 @@ The same contract as :func:`pedestrian.layers.multi_head_attention_forward` /
 - **Causal.** Tiles wholly above the diagonal are never visited (the forward and ``dq`` stop at
   the diagonal block, ``dk``/``dv`` start at it); inside a tile the mask is applied to ``S``
   (``−∞``) and to ``P`` and ``Δcausal`` (``0``) before any sum, so a loss at position ``t``
-  sends exactly ``0`` to ``q``, ``k``, ``v`` after ``t`` (no key mean is subtracted: the
-  reference's float32 correction takes it over all positions, which is not causal; issue 49).
+  sends exactly ``0`` to ``q``, ``k``, ``v`` after ``t``. The reference's float32 correction of
+  ``dq`` (``k − k̄``, the mean over all keys) is taken here with key 0 instead, which every query
+  sees; ``dk`` keeps its mean row (removing it, over all positions, is not causal; issue 49).
 - **Widths.** Any ``d_qk``, ``d_head``: a tile's columns are padded to a power of two (at least
   16) and the padding masked on load (zeros) and store. ``T`` need not be a multiple of a block.
 - **Dtypes.** float32 (products in IEEE float32, no TF32, float32 sums) and float64 (float64
@@ -185,7 +186,12 @@ def _dq_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_st
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``dq_I = Σ_J Δcausal_IJ k_J /√d_qk`` with ``P_IJ = exp(S_IJ − ℓ_I)``,
     ``Δcausal_IJ = P_IJ ∘ (Δ_I v_Jᵀ − D_I)`` (EQUATIONS.md, "Tiled attention"): one query block
-    of one query head, over the key blocks it sees."""
+    of one query head, over the key blocks it sees.
+
+    Taken as ``Σ_J Δcausal_IJ (k_J − k_0)``: equal, since each row of ``Δcausal`` sums to 0, and
+    the rounding left in that row sum is then scaled by the keys' spread, not by a large common
+    part of them (the reference's float32 correction, with key 0 -- which every query sees -- in
+    place of the mean over all keys, so nothing after a query's position enters its ``dq``)."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -202,6 +208,7 @@ def _dq_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_st
                  mask=row_ok[:, None] & (cv[None, :] < D_V), other=0.0)               # Δ_I (BLOCK_M, P_V)
     ell = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
     d_row = tl.load(DR + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+    k0 = tl.load(base + k_col + cq, mask=cq < D_QK, other=0.0)                       # key 0: every query sees it
     dq = tl.zeros([BLOCK_M, P_QK], q.dtype)
     hi = tl.minimum(start_m + BLOCK_M, T) if CAUSAL else T                            # no tile above the diagonal
     for start_n in range(0, hi, BLOCK_N):
@@ -218,7 +225,7 @@ def _dq_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_st
         p = tl.where(allowed, tl.exp(s - ell[:, None]), 0.0)                          # P_IJ, 0 where masked
         dp = tl.dot(do, vt, input_precision="ieee", out_dtype=q.dtype)                # dP_IJ = Δ_I v_Jᵀ
         ds = tl.where(allowed, p * (dp - d_row[:, None]), 0.0)                        # Δcausal_IJ
-        dq += tl.dot(ds, k, input_precision="ieee", out_dtype=q.dtype)                # += Δcausal_IJ k_J
+        dq += tl.dot(ds, k - k0[None, :], input_precision="ieee", out_dtype=q.dtype)  # += Δcausal_IJ (k_J − k_0)
     tl.store(DQKV + b.to(tl.int64) * stride_b + offs_m[:, None] * stride_t + h * D_QK + cq[None, :], dq * SCALE,
              mask=row_ok[:, None] & (cq[None, :] < D_QK))
 
