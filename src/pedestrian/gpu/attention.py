@@ -27,7 +27,7 @@ The same contract as :func:`pedestrian.layers.multi_head_attention_forward` /
   (``−∞``) and to ``P`` and ``Δcausal`` (``0``) before any sum, so a loss at position ``t``
   sends exactly ``0`` to ``q``, ``k``, ``v`` after ``t``. The reference's float32 correction of
   ``dq`` (``k − k̄``, the mean over all keys) is taken here with key 0 instead, which every query
-  sees; ``dk`` keeps its mean row (removing it, over all positions, is not causal; issue 49).
+  sees; ``dk``'s mean row is not removed (that would take every position: not causal; issue 49).
 - **Widths.** Any ``d_qk``, ``d_head``: a tile's columns are padded to a power of two (at least
   16) and the padding masked on load (zeros) and store. ``T`` need not be a multiple of a block.
 - **Dtypes.** float32 (products in IEEE float32, no TF32, float32 sums) and float64 (float64
