@@ -49,11 +49,11 @@ GPU_KERNELS = {
     "swiglu_backward": "swiglu:swiglu_backward",
     "rope_forward": "rope:rope_forward",
     "rope_backward": "rope:rope_backward",
-#    "embedding_backward": "embedding:embedding_backward",
+    "embedding_backward": "embedding:embedding_backward",
 #    "cross_entropy_forward": "loss:cross_entropy_forward",
 #    "cross_entropy_backward": "loss:cross_entropy_backward",
-#    "lora_forward": "lora:lora_forward",
-#    "lora_backward": "lora:lora_backward",
+    "lora_forward": "lora:lora_forward",
+    "lora_backward": "lora:lora_backward",
 }
 
 

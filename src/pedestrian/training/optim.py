@@ -23,7 +23,8 @@ Ba, "Adam", ICLR 2015, with the bias corrections folded in as PyTorch does.)
 NumPy buffers: one pass of a numba kernel (:func:`_adamw`) reads ``θ, g, m, v`` once and writes
 ``θ, m, v`` once, its chunks of ``chunk_size`` elements shared over numba's threads
 (``prange``; the result does not depend on the split). PyTorch tensors: chunks of in-place
-multi-operand operations (``lerp_``, ``addcmul_``, ``addcdiv_``), two chunk-sized temporaries.
+multi-operand operations (``lerp_``, ``addcmul_``, ``addcdiv_``), two chunk-sized temporaries; on a
+CUDA device with Triton installed, one kernel pass (:mod:`pedestrian.gpu.adamw`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import gpu
 from ..backend import is_torch_array, to_numpy
 from ..model.finite import non_finite_counts, non_finite_report
 from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
@@ -420,7 +422,11 @@ class AdamW:
             if b <= a:
                 continue
             p, g, m, v = group.params[a:b], grads[a - lo:b - lo], self.m[gi][a:b], self.v[gi][a:b]
-            if is_torch_array(p):
+            if is_torch_array(p) and p.device.type == "cuda" and gpu.available():   # one Triton pass
+                from ..gpu.adamw import adamw_update
+
+                adamw_update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt)
+            elif is_torch_array(p):
                 for s in range(0, b - a, self.chunk_size):
                     e = s + self.chunk_size
                     self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)
