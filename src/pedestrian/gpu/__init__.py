@@ -50,8 +50,6 @@ GPU_KERNELS = {
     "rope_forward": "rope:rope_forward",
     "rope_backward": "rope:rope_backward",
     "embedding_backward": "embedding:embedding_backward",
-#    "cross_entropy_forward": "loss:cross_entropy_forward",
-#    "cross_entropy_backward": "loss:cross_entropy_backward",
     "lora_forward": "lora:lora_forward",
     "lora_backward": "lora:lora_backward",
 }
