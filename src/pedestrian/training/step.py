@@ -205,7 +205,11 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     Raises:
         ValueError: no micro-batch.
         TrainingError: every target of every micro-batch is ``-100`` (nothing to train on;
-            raised before any forward, on every rank alike, and nothing is changed).
+            raised before any forward, on every rank alike, and nothing is changed; for targets
+            given as tensors on a device, at the step's read, before any update).
+        ValueError, TypeError: bad token or target ids (:meth:`GPT.forward
+            <pedestrian.model.GPT.forward>`); on a device, a bad id's at the step's read, before
+            any update.
         CommunicationError: another rank failed (:mod:`pedestrian.training.distributed`).
     """
     group = _ONE if group is None else group
@@ -228,8 +232,10 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
             rows = group.rows(x.shape[0])
             if dropout_key is not None:
                 model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
-            loss_i = model.loss(x[rows], y[rows], n_total=n_total, read=not on_device)  # its share of the mean
-            total = total + (loss_i.double() if on_device else loss_i)   # (float64, as Python's sum)
+            if on_device:           # its share of the step's mean, unread; summed in float64 as Python sums
+                total = total + model.loss(x[rows], y[rows], n_total=n_total, read=False).double()
+            else:
+                total += model.loss(x[rows], y[rows], n_total=n_total)     # its share of the step's mean
             model.backward()
             if k == 1:
                 break
