@@ -51,8 +51,9 @@ LAYERS = {
     "atomic": set(),                                       # crash-safe writes
     "layers": {"backend"},                                 # the paper's math, the reference
     "kernels": {"backend", "layers"},                      # the fast path, same signatures
+    "gpu": {"backend", "kernels", "layers"},               # the GPU's fast path (Triton), falling back on kernels
     "config": {"layers"},                                  # GPTConfig, presets
-    "model": {"backend", "config", "layers", "kernels"},   # the GPT, its parameters and their layout, its KV cache
+    "model": {"backend", "config", "gpu", "layers", "kernels"},   # the GPT, its parameters and their layout, its KV cache
     "text": {"atomic"},                                    # corpus, token files, tokenizers
     "generation": {"backend", "model", "text"},            # decoding, sampling, prompts in and text out
     "checkpoint": {"atomic", "backend", "config", "model", "text"},
@@ -60,7 +61,7 @@ LAYERS = {
     "paper": {"atomic", "config", "layers", "model", "text"},  # the paper on screen: tables, demo, pictures
     # the training run: settings and the flag merge, ranks, the trainer, LoRA fine-tuning; paper's
     # check_gradients checks a run's plugged layers before its first step (training/plugged.py)
-    "training": {"atomic", "backend", "checkpoint", "config", "generation", "interop", "kernels", "layers",
+    "training": {"atomic", "backend", "checkpoint", "config", "generation", "gpu", "interop", "kernels", "layers",
                  "model", "paper", "text"},
     "cli": {"atomic", "training"},
     # the commands parse and print: they reach the math only through the model and paper/

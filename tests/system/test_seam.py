@@ -165,7 +165,16 @@ def test_the_table_is_read_when_a_model_is_built(monkeypatch):
     monkeypatch.setattr(fast, "layernorm_forward", spy)
     cfg = GPTConfig(vocab_size=7, context_length=4, d_model=8, n_heads=2, n_blocks=1)
     GPT(cfg).forward([[1, 2, 3]])
-    assert len(calls) == 3                                   # ln1, ln2, ln_final
+    assert len(calls) == 2                                   # ln1, ln_final (ln2: with the skip, below)
+    real_add = fast.add_layernorm_forward
+
+    def spy_add(*args, **kwargs):
+        calls.append(2)
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(fast, "add_layernorm_forward", spy_add)
+    GPT(cfg).forward([[1, 2, 3]])
+    assert calls == [1, 1, 1, 2, 1]                          # ln1, the skip and ln2, ln_final
 
 
 def test_no_kernels_are_chosen_by_name_comparison():

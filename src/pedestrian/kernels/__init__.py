@@ -52,7 +52,7 @@ from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from . import activations, attention, embedding, layernorm, linear, loss
-from . import lora, rmsnorm, rope, swiglu
+from . import lora, residual, rmsnorm, rope, swiglu
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -60,6 +60,7 @@ KERNELS = ("fast", "reference")
 __all__ = [
     "IGNORE_INDEX", "KERNELS", "KVBlock", "kernels_for", "default_kernels",
     "activation_backward", "activation_forward", "add", "attention_weights",
+    "add_layernorm_backward", "add_layernorm_forward", "add_rmsnorm_backward", "add_rmsnorm_forward",
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
@@ -167,6 +168,10 @@ swiglu_mlp_backward = _seam(swiglu.swiglu_mlp_backward, layers.swiglu_mlp_backwa
 linear_forward = _seam(linear.linear_forward, layers.linear_forward)
 linear_backward = _seam(linear.linear_backward, layers.linear_backward)
 add = _seam(linear.add, layers.add)
+add_layernorm_forward = _seam(residual.add_layernorm_forward, layers.add_layernorm_forward)
+add_layernorm_backward = _seam(residual.add_layernorm_backward, layers.add_layernorm_backward)
+add_rmsnorm_forward = _seam(residual.add_rmsnorm_forward, layers.add_rmsnorm_forward)
+add_rmsnorm_backward = _seam(residual.add_rmsnorm_backward, layers.add_rmsnorm_backward)
 cross_entropy_forward = _seam(loss.cross_entropy_forward, layers.cross_entropy_forward)
 cross_entropy_backward = _seam(loss.cross_entropy_backward, layers.cross_entropy_backward)
 rope_forward = _seam(rope.rope_forward, layers.rope_forward)
@@ -199,7 +204,8 @@ def kernels_for(name: str | None = None, device=None, dtype=None) -> SimpleNames
             without importing it): the reference table, after one warning per process.
         device: where the model's arrays live: ``None`` / ``"cpu"`` / a torch CPU device, or a
             torch device elsewhere (a GPU: ``"fast"`` is then the reference layers with the tiled
-            attention's torch loop, :func:`.attention.on_device_forward`).
+            attention's torch loop, :func:`.attention.on_device_forward`; a model on a CUDA
+            device gets the Triton kernels over this table, :func:`pedestrian.gpu.kernels_for`).
         dtype: the model's dtype (a name, a NumPy or torch dtype; ``None``: float32). ``"fast"``
             of another dtype than :data:`FAST_DTYPES` is the table a GPU gets.
 

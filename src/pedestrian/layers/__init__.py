@@ -32,7 +32,13 @@ from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward
 from .loss import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
-from .residual import add
+from .residual import (
+    add,
+    add_layernorm_backward,
+    add_layernorm_forward,
+    add_rmsnorm_backward,
+    add_rmsnorm_forward,
+)
 from .rope import rope_angles, rope_backward, rope_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .swiglu import SwiGLUCache, swiglu_backward, swiglu_forward, swiglu_mlp_backward, swiglu_mlp_forward
@@ -46,11 +52,13 @@ MODEL_FUNCTIONS = (
     "cross_entropy_forward", "cross_entropy_backward", "add", "rope_forward", "rope_backward",
     "rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward",
     "swiglu_mlp_forward", "swiglu_mlp_backward",
+    "add_layernorm_forward", "add_layernorm_backward", "add_rmsnorm_forward", "add_rmsnorm_backward",
 )
 
 __all__ = [
     "ACTIVATIONS", "IGNORE_INDEX", "KVBlock", "MODEL_FUNCTIONS",
     "activation_backward", "activation_forward", "add",
+    "add_layernorm_backward", "add_layernorm_forward", "add_rmsnorm_backward", "add_rmsnorm_forward",
     "attention_head_backward", "attention_head_forward", "attention_mask", "attention_weights",
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",

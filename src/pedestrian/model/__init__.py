@@ -6,6 +6,13 @@ the checks of its inputs (``inputs.py``, ``finite.py``) and the KV cache its att
 extends (``kv_cache.py``); the edge of a torch-CPU model that runs the NumPy kernels (``edge.py``).
 """
 
-from .gpt import GPT, eval_mode
+from .gpt import GPT
 
 __all__ = ["GPT", "eval_mode"]
+
+
+def eval_mode(model):
+    """``with eval_mode(model):`` runs its body without dropout in the calling thread
+    (:meth:`GPT.inference`): evaluation, the gradient-norm record and generation. ``model.training``
+    itself is left as it is, also when the body raises (other threads may be training)."""
+    return model.inference()

@@ -59,7 +59,7 @@ import numpy as np
 
 from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
-from ..kernels import kernels_for
+from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
 from . import decode
 from .buffers import FlatBuffer
@@ -71,7 +71,7 @@ from .inspection import named_activations, named_deltas, require_forward
 from .recompute import keep_only_what_backward_reads, loss_delta, recomputed_blocks, take_block
 from .slots import Slots
 
-__all__ = ["GPT", "GPTConfig", "FlatBuffer", "eval_mode"]
+__all__ = ["GPT", "GPTConfig", "FlatBuffer"]
 
 
 class GPT:
@@ -92,7 +92,7 @@ class GPT:
             are made there, and NumPy token ids are moved there.
         kernels: ``"fast"`` (default; :mod:`pedestrian.kernels`) or ``"reference"`` (the paper's
             layers, :mod:`pedestrian.layers`); ``None`` reads ``PEDESTRIAN_KERNELS``. Chosen here
-            once (:func:`pedestrian.kernels.kernels_for`): the table :attr:`kernels`. Both compute
+            once (:func:`pedestrian.gpu.kernels_for`): the table :attr:`kernels`. Both compute
             the same numbers (to rounding; tested to 1e-12 in float64).
         layers: ``{slot: layer}`` -- your own layers in the slots ``"norm"``, ``"activation"``,
             ``"mlp"`` (a module of :func:`pedestrian.load_layer`, or its path), run in the chain
@@ -134,7 +134,7 @@ class GPT:
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
         self.device = resolve_device(backend, device)
-        #: the kernel table (:func:`pedestrian.kernels.kernels_for`), chosen here once
+        #: the kernel table (:func:`pedestrian.gpu.kernels_for`), chosen here once
         self.kernels = kernels_for(kernels, self.device, self.dtype)
         #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
         #: NumPy arrays); what enters and leaves the model is converted at its edge (model/edge.py)
@@ -230,10 +230,10 @@ class GPT:
         tokens = as_tokens(self, tokens, "token ids")
         if kv_cache is not None:
             check_cache(self, kv_cache, tokens)
-        check_tokens(tokens, c.vocab_size, c.context_length)
-        if targets is not None:
+        tokens = check_tokens(tokens, c.vocab_size, c.context_length)      # (in a step on a device: ids
+        if targets is not None:                                             # made safe, model/inputs.py)
             targets = as_tokens(self, targets, "targets")
-            check_targets(self.xp, targets, tokens, c.vocab_size)
+            targets = check_targets(self.xp, targets, tokens, c.vocab_size)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
         if self.numpy_chain:                               # the edge: NumPy views in
@@ -285,8 +285,7 @@ class GPT:
             qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal, kv_cache=kv_block, n_kv_heads=c.n_kv_heads)
         b.a4 = self._fc_forward(w.attn_proj, b.a3, b.lora)                           # (B, T, d)
         branch, b.drop4 = self._dropout(b.a4)
-        b.a5 = K.add(x, branch)                                                      # skip
-        b.a6, b.ln2 = S.norm.forward(b.a5, w.ln2)                                    # (B, T, d)
+        (b.a5, b.a6), b.ln2 = S.norm.add_forward(x, branch, w.ln2)                  # skip, then LN2 (B, T, d)
         b.a9 = S.mlp.forward(self._fc_forward, b, w, b.lora)                         # (B, T, d); a7, a8 on b
         branch, b.drop9 = self._dropout(b.a9)
         b.a10 = K.add(b.a5, branch)                                                  # skip
@@ -316,17 +315,20 @@ class GPT:
         p = self.config.dropout if self._dropping_out() else 0.0
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
-    def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True) -> float:
+    def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
+             read: bool = True) -> float:
         """Forward with targets; returns the mean next-token cross-entropy (nats per token).
 
         If every target is the ignore index ``-100`` the loss is ``0.0`` and the gradients
         are zero (documented convention; no NaN). ``n_total``, ``keep_activations``: see
         :meth:`forward` (``False``: an evaluation, holding one block's arrays at a time; no
-        backward follows).
+        backward follows). ``read=False`` returns the loss as the 0-d array it is, unread (on a
+        device, no host synchronisation; :func:`~pedestrian.training.step.train_step` reads it
+        once per step).
         """
         self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
         self._acts.logits_held = False                     # by no caller: Δ12 may take their place
-        return float(self._acts.loss_value)
+        return float(self._acts.loss_value) if read else self._acts.loss_value
 
     # ------------------------------------------------------------------ backward
     def backward(self, delta_logits=None, *, keep_deltas: bool = False, after_block=None) -> dict:
@@ -388,14 +390,14 @@ class GPT:
             D = SimpleNamespace(d10=d10)                                                       # Δ10
             D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
             D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)
-            D.d5 = K.add(D.d10, S.norm.backward(D.d6, b.ln2, g.ln2))                           # skip + LN2
+            D.d5 = S.norm.add_backward(D.d6, b.ln2, D.d10, g.ln2)                             # skip + LN2
             D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, b.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
             if rope:                                                                           # turned back: R(−tθ)
                 d_qkv = K.rope_backward(d_qkv, b.rope)
             D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, b.lora)                        # Δ2 = Σ_h (...)
-            d10 = K.add(D.d5, S.norm.backward(D.d2, b.ln1, g.ln1))                             # skip + LN1
+            d10 = S.norm.add_backward(D.d2, b.ln1, D.d5, g.ln1)                               # skip + LN1
             if keep_deltas:
                 kept.insert(0, D)
             if after_block is not None:
@@ -493,10 +495,3 @@ class GPT:
     unmerge_lora = Delegated()
     remove_lora = Delegated()
     lora_state_dict = Delegated()
-
-
-def eval_mode(model):
-    """``with eval_mode(model):`` runs its body without dropout in the calling thread
-    (:meth:`GPT.inference`): evaluation, the gradient-norm record and generation. ``model.training``
-    itself is left as it is, also when the body raises (other threads may be training)."""
-    return model.inference()

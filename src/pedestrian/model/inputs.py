@@ -1,7 +1,12 @@
 """What a :class:`~pedestrian.model.GPT` checks before it computes: token and target batches,
 an upstream error signal, a KV cache's room, and loaded weights (finite in the model's dtype).
 
-Every check raises with a message that names the fix; none of them changes anything.
+Every check raises with a message that names the fix; none of them changes anything. Inside
+:func:`~pedestrian.layers.checks.deferred_checks` (a training step on a device) the id checks of
+torch tensors read nothing: their verdict is a flag on the device, raised as the same error when
+the step reads its flags, and the ids are returned with every bad one replaced by a valid one, so
+that no kernel reads outside a table before the error is raised (on a GPU an index out of
+range is a device-side assert that ends the process).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import Mapping
 import numpy as np
 
 from ..backend import array_namespace, is_torch_array, to_numpy
+from ..layers.checks import deferring
 from ..layers.loss import IGNORE_INDEX
 from .finite import non_finite_counts, non_finite_report
 
@@ -44,8 +50,10 @@ def check_finite_state(state: Mapping[str, object], dtype: str) -> dict[str, np.
     return out
 
 
-def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "token ids") -> None:
-    """Validate a ``(B, T)`` integer token batch.
+def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "token ids"):
+    """Validate a ``(B, T)`` integer token batch; returns the ids to compute with: ``tokens``
+    itself, or inside :func:`~pedestrian.layers.checks.deferred_checks` a torch tensor's ids with
+    each one out of range replaced by 0 (its error raised when the flags are read).
 
     Raises:
         TypeError: not an integer array.
@@ -69,6 +77,11 @@ def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "toke
             f"sequence length T={T} exceeds the model's context_length={context_length}; "
             f"feed at most the last {context_length} tokens"
         )
+    flags = None if type(tokens) is np.ndarray else deferring()
+    if flags is not None:                                        # a flag on the device, no read
+        bad = (tokens < 0) | (tokens >= vocab_size)
+        flags.add(bad.any(), lambda: check_tokens(tokens, vocab_size, context_length, what))
+        return array_namespace(tokens).where(bad, 0, tokens)
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
@@ -76,10 +89,14 @@ def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "toke
             f"{what} contain {bad}, outside [0, vocab_size={vocab_size}); "
             "the tokenizer and the model config do not match"
         )
+    return tokens
 
 
-def check_targets(xp, targets, tokens, vocab_size: int) -> None:
-    """Validate ``(B, T)`` targets for ``tokens``: integers in ``[0, vocab_size)`` or the ignore index.
+def check_targets(xp, targets, tokens, vocab_size: int):
+    """Validate ``(B, T)`` targets for ``tokens``: integers in ``[0, vocab_size)`` or the ignore
+    index; returns the targets to compute with (as :func:`check_tokens`: inside
+    :func:`~pedestrian.layers.checks.deferred_checks` a torch tensor's bad targets become the
+    ignore index, their error raised when the flags are read).
 
     Raises:
         TypeError: not integers.  ValueError: another shape, or an id out of range.
@@ -90,10 +107,15 @@ def check_targets(xp, targets, tokens, vocab_size: int) -> None:
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape "
                          f"{tuple(tokens.shape)} (position t predicts token t+1)")
     bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
+    flags = None if type(targets) is np.ndarray else deferring()
+    if flags is not None:                                        # a flag on the device, no read
+        flags.add(xp.any(bad), lambda: check_targets(xp, targets, tokens, vocab_size))
+        return xp.where(bad, IGNORE_INDEX, targets)
     if bool(xp.any(bad)):
         value = int(targets[bad][0])
         raise ValueError(f"target id {value} is outside [0, vocab_size={vocab_size}) "
                          f"and is not the ignore index {IGNORE_INDEX}")
+    return targets
 
 
 def check_cache(model, kv_cache, tokens) -> None:

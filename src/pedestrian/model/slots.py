@@ -222,6 +222,16 @@ class Plugged:
                 target[...] = self._checked(grad, target, f"{where}.{name} gradient")
         return self._checked(deltas["x"], delta, f"{where} input delta 'x'")
 
+    def add_forward(self, x, r, w: Instance):
+        """``((s, y), cache)``: the skip ``s = x + r``, then this layer on it (in the norm slot)."""
+        s = x + r
+        y, cache = self.forward(s, w)
+        return (s, y), cache
+
+    def add_backward(self, delta, cache, delta_skip, g: Instance | None):
+        """``Δ_skip + Δ_in``: the signal at the skip's output that also feeds this layer."""
+        return delta_skip + self.backward(delta, cache, g)
+
     def _checked(self, a, like, what: str):
         """``a`` as a C-contiguous array of the model's dtype with ``like``'s shape and finite values."""
         if not isinstance(a, np.ndarray) and not np.isscalar(a):
@@ -282,6 +292,18 @@ class BuiltinNorm:
         if self.rms:
             return self.K.rmsnorm_backward(delta, cache, dweight=g.weight)
         return self.K.layernorm_backward(delta, cache, dweight=g.weight, dbias=g.bias)
+
+    def add_forward(self, x, r, w):
+        """``((s, y), cache)``: the skip ``s = x + r`` and the norm of it, one kernel call."""
+        if self.rms:
+            return self.K.add_rmsnorm_forward(x, r, w.weight, self.eps)
+        return self.K.add_layernorm_forward(x, r, w.weight, w.bias, self.eps)
+
+    def add_backward(self, delta, cache, delta_skip, g):
+        """``Δ_skip + normᵀ(Δ)``, the signal at a skip's output that feeds this norm; writes ``g``'s arrays."""
+        if self.rms:
+            return self.K.add_rmsnorm_backward(delta, cache, delta_skip, dweight=g.weight)
+        return self.K.add_layernorm_backward(delta, cache, delta_skip, dweight=g.weight, dbias=g.bias)
 
 
 class BuiltinActivation:

@@ -23,7 +23,8 @@ Ba, "Adam", ICLR 2015, with the bias corrections folded in as PyTorch does.)
 NumPy buffers: one pass of a numba kernel (:func:`_adamw`) reads ``θ, g, m, v`` once and writes
 ``θ, m, v`` once, its chunks of ``chunk_size`` elements shared over numba's threads
 (``prange``; the result does not depend on the split). PyTorch tensors: chunks of in-place
-multi-operand operations (``lerp_``, ``addcmul_``, ``addcdiv_``), two chunk-sized temporaries.
+multi-operand operations (``lerp_``, ``addcmul_``, ``addcdiv_``), two chunk-sized temporaries; on a
+CUDA device with Triton installed, one kernel pass (:mod:`pedestrian.gpu.adamw`).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import gpu
 from ..backend import is_torch_array, to_numpy
 from ..model.finite import non_finite_counts, non_finite_report
 from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
 from ..kernels.jit import kernel, prange
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
-           "clip_grad_norm"]
+           "squared_sums", "clip_grad_norm"]
 
 #: NumPy: elements per chunk of the update kernel (the unit its threads share out)
 NUMPY_CHUNK = 1 << 16
@@ -151,7 +153,20 @@ def _scaled_sum_squares(g) -> tuple[float, float]:
     return s, math.ldexp(1.0, exponent)
 
 
-def global_grad_norm(grads) -> float:
+def squared_sums(grads) -> list:
+    """``Σ g²`` of each flat buffer as :func:`global_grad_norm` starts from it, in the buffer's
+    dtype, unread: 0-d tensors on the device for torch buffers (no host synchronisation),
+    floats for NumPy ones. Pass them, read, to ``global_grad_norm(grads, sums=...)``."""
+    if not isinstance(grads, (list, tuple)):
+        grads = [grads]
+    if grads and is_torch_array(grads[0]):
+        import torch
+
+        return [torch.dot(g, g) for g in grads]
+    return [_dot(g) for g in grads]
+
+
+def global_grad_norm(grads, sums=None) -> float:
     """The global L2 norm ``sqrt(Σ_buffers Σ_i g_i²)`` of one or several flat gradient buffers.
 
     Overflow-safe: the fast path is one dot product per buffer in the buffer's dtype; when that
@@ -163,6 +178,8 @@ def global_grad_norm(grads) -> float:
 
     Args:
         grads: a flat array, or a list of them (NumPy or torch).
+        sums: each buffer's ``Σ g²`` in its dtype, already read (floats from :func:`squared_sums`,
+            e.g. read from a device with the step's other numbers); ``None``: computed here.
 
     Returns:
         Python float; ``nan`` if a gradient holds a NaN, ``inf`` if one holds an inf.
@@ -172,8 +189,8 @@ def global_grad_norm(grads) -> float:
     if not isinstance(grads, (list, tuple)):
         grads = [grads]
     parts = []                                          # (s, a): the buffer's Σ g² = a² s
-    for g in grads:
-        s = _dot(g)
+    for i, g in enumerate(grads):
+        s = _dot(g) if sums is None else float(sums[i])
         tiny = float(np.finfo(np.float64 if "64" in str(g.dtype) else np.float32).tiny)
         if not math.isfinite(s) or 0.0 < s < tiny * 2.0 ** 24:
             parts.append(_scaled_sum_squares(g))        # overflow, NaN, or subnormal rounding
@@ -405,7 +422,11 @@ class AdamW:
             if b <= a:
                 continue
             p, g, m, v = group.params[a:b], grads[a - lo:b - lo], self.m[gi][a:b], self.v[gi][a:b]
-            if is_torch_array(p):
+            if is_torch_array(p) and p.device.type == "cuda" and gpu.available():   # one Triton pass
+                from ..gpu.adamw import adamw_update
+
+                adamw_update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt)
+            elif is_torch_array(p):
                 for s in range(0, b - a, self.chunk_size):
                     e = s + self.chunk_size
                     self._torch_chunk(p[s:e], g[s:e], m[s:e], v[s:e], step_size, bc2_sqrt, f)

@@ -37,20 +37,33 @@ Non-finite numbers (one rule, for train and finetune alike):
 - A non-finite validation loss is warned about, is never the "best", and is recorded as ``null``.
 - Before every checkpoint the weights and AdamW moments are checked; if one is not finite the run
   stops with an error naming the last good checkpoint, and nothing is written.
+
+On a device (a model whose chain runs on torch tensors: ``backend="torch"`` on a GPU, or the
+reference layers), a step waits for the device once: the forwards and backwards of its
+micro-batches, the accumulation and the sums of squares of the gradient norm are queued with
+nothing read, their input checks kept as flags on the device
+(:func:`~pedestrian.layers.checks.deferred_checks`: the token and target ids, and -- for targets
+given as tensors -- whether any counts); then the loss, the sums of squares and one flag of every
+check come to the host together, as one small tensor (:func:`_read_step`). A set flag raises the
+error the check raises at once elsewhere (same text, value and position, found again on the host)
+and nothing is updated; otherwise the skip rule above decides and the clipping and the AdamW
+update are queued with numbers the host now knows. NumPy arrays are checked at once, as ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 
 from ..backend import is_torch_array
+from ..layers.checks import deferred_checks
 from ..model.finite import non_finite_counts, non_finite_report
 from .distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
 from ..model import eval_mode
-from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm
+from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm, squared_sums
 
 class TrainingError(ValueError):
     """Training cannot start or continue (bad settings, non-finite numbers, an existing run)."""
@@ -104,6 +117,60 @@ def count_targets(targets) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
+def _no_target_counts(k: int) -> TrainingError:
+    return TrainingError(f"every target of the step's {k} micro-batch(es) is the ignore index {IGNORE_INDEX}, "
+                         "so there is no loss to train on (an update would only apply momentum and weight "
+                         f"decay); leave out the windows whose targets are all {IGNORE_INDEX}")
+
+
+def _counted_on_device(batches, flags):
+    """The step's count of targets that count: a Python int when every micro-batch's targets are
+    NumPy arrays (counted on the host, nothing to wait for), else a 0-d int64 tensor on their
+    device, with a flag in ``flags`` for a count of 0 (its host check raises
+    :func:`_no_target_counts`' error)."""
+    if all(isinstance(y, np.ndarray) for _, y in batches):
+        return sum(count_targets(y) for _, y in batches)
+    import torch
+
+    device = next(y.device for _, y in batches if is_torch_array(y))
+    n = sum((torch.as_tensor(np.asarray(y) != IGNORE_INDEX, device=device) if isinstance(y, np.ndarray)
+             else y != IGNORE_INDEX).sum() for _, y in batches)
+    flags.add(n == 0, lambda: _refuse_empty(batches))
+    return n
+
+
+def _refuse_empty(batches) -> None:
+    if sum(count_targets(y) for _, y in batches) == 0:
+        raise _no_target_counts(len(batches))
+
+
+def _on_device(model, groups) -> bool:
+    """Whether ``model``'s chain runs on torch tensors (a GPU, or the reference layers on the
+    CPU): its step then reads the device once (module docstring). A torch model on the CPU with
+    the fast kernels computes on NumPy views and reads nothing from a device."""
+    return is_torch_array(groups[0].grads) and not getattr(model, "numpy_chain", False)
+
+
+def _read_step(total, groups, flags) -> tuple[float, list[float]]:
+    """The step's one read from the device: its summed loss (float64 on the device), each
+    gradient buffer's ``Σ g²`` (:func:`~pedestrian.training.optim.squared_sums`) and whether any
+    check's flag is set, as one float64 tensor brought to the host. A set flag raises the first
+    failing check's error (:meth:`~pedestrian.layers.checks.DeviceFlags.raise_first`).
+
+    Returns:
+        ``(loss, sums)``: the loss and the sums of squares as Python floats.
+    """
+    import torch
+
+    sums = squared_sums([g.grads for g in groups])
+    bad = flags.any()
+    parts = [total, *sums] + ([] if bad is None else [bad])
+    values = torch.stack([torch.as_tensor(v, device=sums[0].device).to(torch.float64) for v in parts]).tolist()
+    if bad is not None and values[-1]:
+        flags.raise_first()
+    return values[0], values[1:1 + len(sums)]
+
+
 #: one process, for the functions below when no group is given
 _ONE = SingleProcess()
 
@@ -138,7 +205,11 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     Raises:
         ValueError: no micro-batch.
         TrainingError: every target of every micro-batch is ``-100`` (nothing to train on;
-            raised before any forward, on every rank alike, and nothing is changed).
+            raised before any forward, on every rank alike, and nothing is changed; for targets
+            given as tensors on a device, at the step's read, before any update).
+        ValueError, TypeError: bad token or target ids (:meth:`GPT.forward
+            <pedestrian.model.GPT.forward>`); on a device, a bad id's at the step's read, before
+            any update.
         CommunicationError: another rank failed (:mod:`pedestrian.training.distributed`).
     """
     group = _ONE if group is None else group
@@ -148,30 +219,39 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         raise ValueError("train_step needs at least one micro-batch")
     if k > 1 and accum_buffers is None:
         accum_buffers = [empty_like(g.grads) for g in groups]
-    n_total = sum(count_targets(y) for _, y in batches)      # global: every rank sees every row
-    if n_total == 0:
-        raise TrainingError(f"every target of the step's {k} micro-batch(es) is the ignore index {IGNORE_INDEX}, "
-                            "so there is no loss to train on (an update would only apply momentum and weight "
-                            f"decay); leave out the windows whose targets are all {IGNORE_INDEX}")
-    total = 0.0
-    for i, (x, y) in enumerate(batches):
-        rows = group.rows(x.shape[0])
-        if dropout_key is not None:
-            model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
-        total += model.loss(x[rows], y[rows], n_total=n_total)     # its share of the step's mean
-        model.backward()
-        if k == 1:
-            break
-        for g, acc in zip(groups, accum_buffers):
-            if i == 0:
-                _copy_into(acc, g.grads)
-            elif i < k - 1:
-                _add_into(acc, g.grads)
-            else:                                   # last one: g ← g + Σ previous
-                _add_into(g.grads, acc)
-    group.sum_buffers([g.grads for g in groups], "the gradients")
+    on_device = _on_device(model, groups)
+    with deferred_checks() if on_device else contextlib.nullcontext() as flags:
+        if on_device:                                          # a tensor: its 0 is a flag
+            n_total = _counted_on_device(batches, flags)
+        else:
+            n_total = sum(count_targets(y) for _, y in batches)      # global: every rank sees every row
+        if isinstance(n_total, int) and n_total == 0:
+            raise _no_target_counts(k)
+        total = 0.0
+        for i, (x, y) in enumerate(batches):
+            rows = group.rows(x.shape[0])
+            if dropout_key is not None:
+                model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
+            if on_device:           # its share of the step's mean, unread; summed in float64 as Python sums
+                total = total + model.loss(x[rows], y[rows], n_total=n_total, read=False).double()
+            else:
+                total += model.loss(x[rows], y[rows], n_total=n_total)     # its share of the step's mean
+            model.backward()
+            if k == 1:
+                break
+            for g, acc in zip(groups, accum_buffers):
+                if i == 0:
+                    _copy_into(acc, g.grads)
+                elif i < k - 1:
+                    _add_into(acc, g.grads)
+                else:                                   # last one: g ← g + Σ previous
+                    _add_into(g.grads, acc)
+        group.sum_buffers([g.grads for g in groups], "the gradients")
+        sums = None
+        if on_device:                                  # the step's one read (module docstring)
+            total, sums = _read_step(total, groups, flags)
     loss = group.sum([total], "the loss")[0]
-    norm = global_grad_norm([g.grads for g in groups])
+    norm = global_grad_norm([g.grads for g in groups], sums=sums)
     if skip_reason(loss, norm, grad_clip, optimizer) is not None:
         return loss, norm
     after = norm
