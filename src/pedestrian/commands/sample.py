@@ -84,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load_model(args: argparse.Namespace):
     """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir``
-    (:func:`pedestrian.training.finetune.load_model`)."""
+    (:func:`pedestrian.load.load_model`)."""
     from ..cli import UserError
-    from ..training.finetune import adapter_checkpoint_dir, load_model
+    from ..load import adapter_checkpoint_dir, load_model
 
     if args.checkpoint and args.hf_dir and adapter_checkpoint_dir(args.checkpoint) is None:
         raise UserError(f"--hf-dir with --checkpoint names the base model of a fine-tune run; "
