@@ -98,16 +98,15 @@ def _load_model(args: argparse.Namespace):
     return loaded.model, loaded.tokenizer
 
 
-def named(name: str) -> str:
-    """A setting's flag, for the library's messages: ``top_p`` -> ``--top-p``, ``stop_ids`` -> ``--stop-id``."""
-    return flag({"stop_ids": "stop_id"}.get(name, name))
-
-
 def sampling_from_args(args: argparse.Namespace) -> Sampling:
-    """The :class:`~pedestrian.generation.sampling.Sampling` of ``pedestrian sample``'s flags
-    (a ``ValueError`` names the flag)."""
+    """The :class:`~pedestrian.generation.sampling.Sampling` of ``pedestrian sample``'s flags; a
+    ``ValueError`` names the flag (``top_p``: ``--top-p``, ``stop_ids``: ``--stop-id``)."""
     return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed,
-                    stop_ids=tuple(args.stop_id), stop=tuple(args.stop), ignore_eot=args.ignore_eot, named=named)
+                    tuple(args.stop_id), tuple(args.stop), args.ignore_eot, named=named)
+
+
+def named(name: str) -> str:
+    return flag({"stop_ids": "stop_id"}.get(name, name))
 
 
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
