@@ -44,12 +44,11 @@ import common  # noqa: E402
 def per_token_seconds(model, n_new: int, use_cache: bool, batch: int = 1) -> np.ndarray:
     """Seconds between consecutive new tokens; entry ``j`` is the step whose window held
     ``1 + j`` tokens (prompt of one token). Entry 0 also holds the cache allocation."""
-    from pedestrian.generation.generate import generate
+    from pedestrian.generation.generate import Sampling, generate
 
     prompt = np.zeros((batch, 1), dtype=np.int64)
     stamps = [time.perf_counter()]
-    generate(model, prompt, n_new, temperature=0, use_cache=use_cache,
-             on_token=lambda ids: stamps.append(time.perf_counter()))
+    generate(model, prompt, n_new, Sampling(temperature=0), use_cache=use_cache, on_token=lambda ids: stamps.append(time.perf_counter()))
     return np.diff(np.asarray(stamps))
 
 
@@ -60,13 +59,13 @@ def rolling_median(x: np.ndarray, width: int = 9) -> np.ndarray:
 
 def end_to_end(model, n_new: int, use_cache: bool, reps: int) -> float:
     """tokens/s of ``generate`` for ``n_new`` greedy tokens from a one-token prompt (median)."""
-    from pedestrian.generation.generate import generate
+    from pedestrian.generation.generate import Sampling, generate
 
     prompt = np.zeros((1, 1), dtype=np.int64)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        generate(model, prompt, n_new, temperature=0, use_cache=use_cache)
+        generate(model, prompt, n_new, Sampling(temperature=0), use_cache=use_cache)
         times.append(time.perf_counter() - t0)
     return n_new / statistics.median(times)
 

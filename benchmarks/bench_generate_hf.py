@@ -120,7 +120,7 @@ def _timed(f) -> float:
 def run(backend: str, lengths: list[int], repeats: int, hf_no_cache: bool, size: str = "tiny") -> dict:
     import torch
 
-    from pedestrian.generation.generate import generate
+    from pedestrian.generation.generate import Sampling, generate
     from pedestrian.interop.hf import load_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +131,7 @@ def run(backend: str, lengths: list[int], repeats: int, hf_no_cache: bool, size:
     threads = pick_torch_threads(hf_model, prompt)
     rows = []
     for n_new in lengths:
-        sides = {"pedestrian": lambda: generate(model, prompt, n_new, temperature=0.0),
+        sides = {"pedestrian": lambda: generate(model, prompt, n_new, Sampling(temperature=0.0)),
                  "hf_cache": lambda: hf_generate(hf_model, prompt, n_new, True)}
         if hf_no_cache and n_new <= 200:
             sides["hf_no_cache"] = lambda: hf_generate(hf_model, prompt, n_new, False)

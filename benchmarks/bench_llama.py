@@ -145,11 +145,10 @@ class PedestrianSide:
         return float(loss)
 
     def generate(self, prompt: np.ndarray, n_new: int) -> tuple[list, np.ndarray]:
-        from pedestrian.generation.generate import generate
+        from pedestrian.generation.generate import Sampling, generate
 
         stamps: list[tuple[float, float]] = []
-        out = generate(self.model, prompt[None, :], n_new, temperature=0.0,
-                       on_token=lambda ids: stamps.append((time.perf_counter(), time.process_time())))
+        out = generate(self.model, prompt[None, :], n_new, Sampling(temperature=0.0), on_token=lambda ids: stamps.append((time.perf_counter(), time.process_time())))
         return stamps, np.asarray(out)[0, len(prompt):]
 
     def kv_cache_bytes(self) -> dict:

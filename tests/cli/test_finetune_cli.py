@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hf_fixtures import TEXT, hf_logits, hf_model, save_hf_dir, tiny_tokenizer, transformers
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian import cli
 from pedestrian.checkpoint import save_checkpoint
 from pedestrian.training.finetune import adapter_base, load_finetuned
@@ -253,7 +254,7 @@ def test_sample_and_eval_accept_a_finetune_run(run_all, tmp_path, capsys):
     model, tok = load_finetuned(out)                                   # the same text as the library
     from pedestrian.generation.generate import generate
 
-    ids = generate(model, np.array(tok.encode("the quick")), 5, temperature=0)
+    ids = generate(model, np.array(tok.encode("the quick")), 5, Sampling(temperature=0))
     assert texts[0] == tok.decode(ids) + "\n"
     code, stdout, err = main(capsys, "eval", out, "--no-progress")
     assert code == 0 and "val loss" in stdout, err

@@ -9,6 +9,7 @@ import io
 import numpy as np
 import pytest
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian import cli
 from pedestrian.commands import sample as sample_cmd
 from pedestrian.config import GPTConfig
@@ -44,7 +45,7 @@ def test_prints_prompt_then_generated_text(char_setup):
     args = parse("--prompt", "the ", "--max-new-tokens", "20", "--temperature", "0.9",
                  "--top-k", "5", "--seed", "7")
     assert sample_cmd.run_sample(model, tok, args, out=out) == 0
-    ids = generate(model, np.array([tok.encode("the ")]), 20, temperature=0.9, top_k=5, seed=7)
+    ids = generate(model, np.array([tok.encode("the ")]), 20, Sampling(temperature=0.9, top_k=5, seed=7))
     assert out.getvalue() == "the " + tok.decode(ids[0, 4:]) + "\n"
     assert len(out.chunks) >= 20                      # printed token by token, not at the end
     # same seed, same text
@@ -62,7 +63,7 @@ def test_num_samples_and_greedy(char_setup):
     assert text.count("--- sample") == 3
     bodies = [part.split("\n", 1)[1] for part in text.split("--- sample")[1:]]
     assert len(set(bodies)) == 1                      # greedy: three identical samples
-    greedy = generate(model, np.array([tok.encode("he")]), 8, temperature=0)
+    greedy = generate(model, np.array([tok.encode("he")]), 8, Sampling(temperature=0))
     assert bodies[0] == "he" + tok.decode(greedy[0, 2:]) + "\n"
 
 
@@ -166,7 +167,7 @@ def test_long_prompt_keeps_last_tokens_with_warning(char_setup):
     sample_cmd.run_sample(model, tok, parse("--prompt", prompt, "--max-new-tokens", "5",
                                             "--temperature", "0"), out=out, err=err)
     assert err.getvalue().startswith("warning: ") and "only the last 32 condition" in err.getvalue()
-    ids = generate(model, np.array([tok.encode(prompt[-32:])]), 5, temperature=0)
+    ids = generate(model, np.array([tok.encode(prompt[-32:])]), 5, Sampling(temperature=0))
     assert out.getvalue() == prompt + tok.decode(ids[0, 32:]) + "\n"
 
 
@@ -181,7 +182,7 @@ def test_cli_with_a_real_checkpoint(char_setup, tmp_path, capsys):
                      "--top-p", "0.95", "--seed", "3", "--stats"])
     captured = capsys.readouterr()
     assert code == 0
-    ids = generate(model, np.array([tok.encode("the")]), 12, temperature=0.8, top_k=4, top_p=0.95, seed=3)
+    ids = generate(model, np.array([tok.encode("the")]), 12, Sampling(temperature=0.8, top_k=4, top_p=0.95, seed=3))
     assert captured.out == "the" + tok.decode(ids[0, 3:]) + "\n"
     assert "tokens/s" in captured.err
 
@@ -218,7 +219,7 @@ def test_penalty_and_min_p_reach_generate(char_setup):
                                                 "--seed", "2", *extra), out=out)
         ids = generate(model, np.array([tok.encode("the ")]), 40, seed=2, **kw)
         assert out.getvalue() == "the " + tok.decode(ids[0, 4:]) + "\n"
-        plain = generate(model, np.array([tok.encode("the ")]), 40, seed=2)
+        plain = generate(model, np.array([tok.encode("the ")]), 40, Sampling(seed=2))
         assert not np.array_equal(ids, plain), extra               # the setting changed the text
 
 
@@ -242,7 +243,7 @@ def padded_setup():
     model = GPT(GPTConfig(vocab_size=128, context_length=32, d_model=16, n_heads=2, n_blocks=1,
                           tie_weights=False), seed=4)
     model.params["logits.bias"][tok.vocab_size:] += 5.0
-    free = generate(model, np.array([tok.encode("the")] * 8), 40, seed=0)
+    free = generate(model, np.array([tok.encode("the")] * 8), 40, Sampling(seed=0))
     assert (free[:, 3:] >= tok.vocab_size).mean() > 0.5           # unmasked: mostly undecodable
     return model, tok
 

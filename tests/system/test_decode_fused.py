@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pedestrian.model.decode as decode
+from pedestrian.generation.sampling import Sampling
 from pedestrian.config import GPTConfig
 from pedestrian.generation.generate import generate
 from pedestrian.model import GPT
@@ -145,7 +146,7 @@ def fused_calls(monkeypatch) -> list:
 def test_generate_runs_the_fused_step_and_gets_the_chains_tokens(fused_calls):
     model = GPT(llama(), seed=3)
     prompt = np.random.default_rng(0).integers(0, 29, (2, 5))
-    out, logits = generate(model, prompt, 6, temperature=0.0, return_logits=True)
+    out, logits = generate(model, prompt, 6, Sampling(temperature=0.0), return_logits=True)
     assert fused_calls == [(2, 5)] + [(2, 1)] * 5                 # the prompt too: 5 <= DECODE_MAX_T
     with pytest.raises(ValueError, match="keep_activations=False"):
         model.activations()

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import pedestrian
+from pedestrian.generation.sampling import Sampling
 from pedestrian.config import GPTConfig
 from pedestrian.generation.generate import generate
 from pedestrian.kernels import jit
@@ -55,11 +56,11 @@ def test_one_model_serves_four_threads_generating_and_scoring_at_once():
     batches = [(X[i:i + 2], Y[i:i + 2]) for i in range(0, 8, 2)]
     prompts = [X[i:i + 1, :3 + i] for i in range(4)]
     alone_loss = [model.loss(x, y) for x, y in batches]
-    alone_tokens = [generate(model, p, 12, temperature=0.0) for p in prompts]
+    alone_tokens = [generate(model, p, 12, Sampling(temperature=0.0)) for p in prompts]
 
     def job(i: int):
         k = i % 4
-        return generate(model, prompts[k], 12, temperature=0.0) if i % 2 else model.loss(*batches[k])
+        return generate(model, prompts[k], 12, Sampling(temperature=0.0)) if i % 2 else model.loss(*batches[k])
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(job, range(32)))
@@ -116,7 +117,7 @@ def test_generating_in_one_thread_leaves_the_others_in_training_mode():
         started.set()
         finish.wait(60)
 
-    worker = threading.Thread(target=generate, args=(model, X[:1, :3], 2), kwargs=dict(temperature=0.0, on_token=pause))
+    worker = threading.Thread(target=generate, args=(model, X[:1, :3], 2, Sampling(temperature=0.0)), kwargs=dict(on_token=pause))
     worker.start()
     try:
         assert started.wait(120)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pedestrian
+from pedestrian.generation.sampling import Sampling
 from pedestrian.checkpoint import load_checkpoint
 from pedestrian.cli import main
 from pedestrian.config import GPTConfig
@@ -460,7 +461,7 @@ def test_torch_model_keeps_every_array_on_its_device():
     arrays = [*model.params.values(), *model.grads.values(), *opt.m, *opt.v, *model.activations().values()]
     assert {a.device.type for a in arrays} == {torch.device(dev).type}
     model.training = False
-    assert generate(model, x[:, :2], 3, temperature=0).shape == (2, 5)
+    assert generate(model, x[:, :2], 3, Sampling(temperature=0)).shape == (2, 5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here: the GPU path is unmeasured)")

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian.config import GPTConfig
 from pedestrian.generation.generate import KVCache, generate, model_step
 from pedestrian.model import GPT
@@ -105,7 +106,7 @@ def test_cached_logits_equal_full_forward_across_larger_slides(shift):
                                       temperature=1.0, seed=2)
     assert len(set(starts)) > 2
     # the uncached path applies the same window rule, so it draws the same tokens
-    ref = generate(model, prompt, 2 * C + 3, temperature=1.0, seed=2, use_cache=False, window_shift=shift)
+    ref = generate(model, prompt, 2 * C + 3, Sampling(temperature=1.0, seed=2), use_cache=False, window_shift=shift)
     np.testing.assert_array_equal(tokens, ref)
 
 
@@ -132,9 +133,9 @@ def test_cached_logits_with_unmerged_lora(dtype):
     prompt = rng.integers(0, 29, size=(3, 4))
     check_every_step(model, prompt, C, TOL[dtype], temperature=1.0, seed=5)
     # ... and the adapters change the logits (the cached path does not silently skip them)
-    with_lora = generate(model, prompt, 1, temperature=0, return_logits=True)[1]
+    with_lora = generate(model, prompt, 1, Sampling(temperature=0), return_logits=True)[1]
     model.remove_lora()
-    without = generate(model, prompt, 1, temperature=0, return_logits=True)[1]
+    without = generate(model, prompt, 1, Sampling(temperature=0), return_logits=True)[1]
     assert rel_err(with_lora, without) > 1e-3
 
 
@@ -157,7 +158,7 @@ def test_torch_backend_cached_logits(dtype):
     # same tokens as the numpy model with the same weights (float64: logits agree to 1e-15)
     if dtype == "float64":
         np_model = make_model(dtype)
-        np.testing.assert_array_equal(tokens, generate(np_model, prompt, C, temperature=1.0, seed=7))
+        np.testing.assert_array_equal(tokens, generate(np_model, prompt, C, Sampling(temperature=1.0, seed=7)))
 
 
 def test_model_step_prefill_all_logits_and_decode():
@@ -243,11 +244,11 @@ def test_uncached_generation_gives_the_same_tokens():
 def test_prompt_is_kept_and_shapes():
     model = make_model("float64")
     prompt = np.random.default_rng(0).integers(0, 29, size=(2, 4))
-    out = generate(model, prompt, 5, temperature=0)
+    out = generate(model, prompt, 5, Sampling(temperature=0))
     assert out.shape == (2, 9) and out.dtype == np.int64
     np.testing.assert_array_equal(out[:, :4], prompt)
     np.testing.assert_array_equal(generate(model, prompt, 0), prompt)
-    one_d = generate(model, list(prompt[0]), 5, temperature=0)   # a 1-D prompt gives a 1-D result
+    one_d = generate(model, list(prompt[0]), 5, Sampling(temperature=0))   # a 1-D prompt gives a 1-D result
     np.testing.assert_array_equal(one_d, out[0])
 
 
@@ -255,7 +256,7 @@ def test_on_token_streams_each_step():
     model = make_model("float64")
     prompt = np.zeros((3, 2), dtype=np.int64)
     seen = []
-    out = generate(model, prompt, 6, temperature=1.0, seed=0, on_token=lambda ids: seen.append(ids.copy()))
+    out = generate(model, prompt, 6, Sampling(temperature=1.0, seed=0), on_token=lambda ids: seen.append(ids.copy()))
     assert len(seen) == 6
     np.testing.assert_array_equal(np.stack(seen, axis=1), out[:, 2:])
 
@@ -263,10 +264,10 @@ def test_on_token_streams_each_step():
 def test_stop_tokens_end_rows_and_pad():
     model = make_model("float64")
     prompt = np.random.default_rng(1).integers(0, 29, size=(3, 3))
-    free = generate(model, prompt, 12, temperature=1.0, seed=4)
+    free = generate(model, prompt, 12, Sampling(temperature=1.0, seed=4))
     new = free[:, 3:]
     stop = int(new[0, 2])                             # a token row 0 emits at step 2
-    out = generate(model, prompt, 12, temperature=1.0, seed=4, stop_tokens=[stop])
+    out = generate(model, prompt, 12, Sampling(temperature=1.0, seed=4, stop_ids=[stop]))
     for b in range(3):
         hits = np.flatnonzero(new[b] == stop)
         if hits.size:                                  # identical until the stop, then padded with it
@@ -276,22 +277,22 @@ def test_stop_tokens_end_rows_and_pad():
         else:
             np.testing.assert_array_equal(out[b, 3:], new[b, :out.shape[1] - 3])
     # when every row stops, generation ends early
-    free1 = generate(model, prompt[:1], 12, temperature=1.0, seed=4)[0, 3:]
+    free1 = generate(model, prompt[:1], 12, Sampling(temperature=1.0, seed=4))[0, 3:]
     stop1 = int(free1[4])
     k = int(np.flatnonzero(free1 == stop1)[0])
-    single = generate(model, prompt[:1], 12, temperature=1.0, seed=4, stop_tokens=stop1)
+    single = generate(model, prompt[:1], 12, Sampling(temperature=1.0, seed=4, stop_ids=stop1))
     assert single.shape == (1, 3 + k + 1) and single[0, -1] == stop1
     np.testing.assert_array_equal(single[0, 3:], free1[:k + 1])
     with pytest.raises(ValueError, match="stop_tokens"):
-        generate(model, prompt, 2, stop_tokens=[29])
+        generate(model, prompt, 2, Sampling(stop_ids=[29]))
 
 
 def test_seeded_generation_is_reproducible():
     model = make_model("float32")
     prompt = np.zeros((2, 1), dtype=np.int64)
-    a = generate(model, prompt, 25, temperature=1.2, top_k=10, seed=123)
-    b = generate(model, prompt, 25, temperature=1.2, top_k=10, seed=123)
-    c = generate(model, prompt, 25, temperature=1.2, top_k=10, seed=124)
+    a = generate(model, prompt, 25, Sampling(temperature=1.2, top_k=10, seed=123))
+    b = generate(model, prompt, 25, Sampling(temperature=1.2, top_k=10, seed=123))
+    c = generate(model, prompt, 25, Sampling(temperature=1.2, top_k=10, seed=124))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
 
@@ -300,8 +301,8 @@ def test_dropout_is_off_and_training_flag_restored():
     model = make_model("float64", dropout=0.5)
     model.training = True
     prompt = np.zeros((1, 3), dtype=np.int64)
-    a = generate(model, prompt, 10, temperature=0)
-    b = generate(model, prompt, 10, temperature=0, use_cache=False)
+    a = generate(model, prompt, 10, Sampling(temperature=0))
+    b = generate(model, prompt, 10, Sampling(temperature=0), use_cache=False)
     np.testing.assert_array_equal(a, b)
     assert model.training is True
 
@@ -310,7 +311,7 @@ def test_prompt_longer_than_context_keeps_last_tokens_with_warning():
     model = make_model("float64")
     prompt = np.random.default_rng(0).integers(0, 29, size=(2, C + 5))
     with pytest.warns(UserWarning, match="context_length"):
-        out, logits = generate(model, prompt, 3, temperature=0, return_logits=True)
+        out, logits = generate(model, prompt, 3, Sampling(temperature=0), return_logits=True)
     np.testing.assert_array_equal(out[:, :C + 5], prompt)           # the whole prompt is returned
     assert rel_err(logits[0], full_logits(model, prompt[:, -C:])) <= 1e-10
 
@@ -331,11 +332,11 @@ def test_bad_generation_input():
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, good, -1)
     with pytest.raises(ValueError, match="temperature"):
-        generate(model, good, 3, temperature=-0.5)
+        generate(model, good, 3, Sampling(temperature=-0.5))
     with pytest.raises(ValueError, match="top_p"):
-        generate(model, good, 3, top_p=0.0)
+        generate(model, good, 3, Sampling(top_p=0.0))
     with pytest.raises(ValueError, match="top_k"):
-        generate(model, good, 3, top_k=0)
+        generate(model, good, 3, Sampling(top_k=0))
     with pytest.raises(ValueError, match="window_shift"):
         generate(model, good, 3, window_shift=0)
     with pytest.raises(ValueError, match="window_shift"):
@@ -348,7 +349,7 @@ def test_non_causal_model_has_no_cache():
         KVCache(model, 1)
     with pytest.raises(ValueError, match="use_cache=False"):
         generate(model, np.zeros((1, 2), dtype=np.int64), 3)
-    out = generate(model, np.zeros((1, 2), dtype=np.int64), 3, temperature=0, use_cache=False)
+    out = generate(model, np.zeros((1, 2), dtype=np.int64), 3, Sampling(temperature=0), use_cache=False)
     assert out.shape == (1, 5)
 
 
@@ -356,4 +357,4 @@ def test_no_warning_for_normal_prompts():
     model = make_model("float64")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        generate(model, np.zeros((1, C), dtype=np.int64), 2, temperature=0)
+        generate(model, np.zeros((1, C), dtype=np.int64), 2, Sampling(temperature=0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian import GPT, GPTConfig
 from pedestrian.generation.generate import generate
 from pedestrian.model.kv_cache import KVCache
@@ -24,10 +25,10 @@ def test_each_row_equals_its_prompt_alone_through_the_context_boundary(kernels, 
     model = GPT(CFG, seed=1, dtype="float64", kernels=kernels)
     prompts = _prompts()
     n_new = 14                                     # 12 + 14 > context 16: every row slides at the end
-    out, logits = generate(model, prompts, n_new, temperature=0.0, return_logits=True, use_cache=use_cache)
+    out, logits = generate(model, prompts, n_new, Sampling(temperature=0.0), return_logits=True, use_cache=use_cache)
     assert isinstance(out, list) and len(out) == 3
     for b, prompt in enumerate(prompts):
-        alone, alone_logits = generate(model, prompt, n_new, temperature=0.0, return_logits=True)
+        alone, alone_logits = generate(model, prompt, n_new, Sampling(temperature=0.0), return_logits=True)
         np.testing.assert_array_equal(out[b], alone)
         assert out[b][:len(prompt)].tolist() == prompt.tolist()
         # the rows differ from the row alone only in the order of float64 sums over keys (the
@@ -52,15 +53,14 @@ def test_padding_is_never_attended_and_positions_start_at_each_row():
 def test_repetition_penalty_sees_only_the_real_prompt_tokens():
     model = GPT(CFG, seed=3, dtype="float64")
     prompts = _prompts((2, 6), seed=4)
-    out = generate(model, prompts, 6, temperature=0.0, repetition_penalty=1.5)
+    out = generate(model, prompts, 6, Sampling(temperature=0.0, repetition_penalty=1.5))
     for b, prompt in enumerate(prompts):
-        np.testing.assert_array_equal(out[b], generate(model, prompt, 6, temperature=0.0,
-                                                       repetition_penalty=1.5))
+        np.testing.assert_array_equal(out[b], generate(model, prompt, 6, Sampling(temperature=0.0, repetition_penalty=1.5)))
 
 
 def test_prompts_of_one_length_keep_the_array_interface():
     model = GPT(CFG, seed=0)
-    out = generate(model, [[1, 2, 3], [4, 5, 6]], 3, temperature=0.0)
+    out = generate(model, [[1, 2, 3], [4, 5, 6]], 3, Sampling(temperature=0.0))
     assert isinstance(out, np.ndarray) and out.shape == (2, 6)
     with pytest.raises(ValueError, match="empty"):
         generate(model, [[1, 2], []], 3)

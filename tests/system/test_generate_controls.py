@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian.config import GPTConfig
 from pedestrian.generation.generate import generate
 from pedestrian.model import GPT
@@ -58,9 +59,9 @@ def test_penalty_counts_tokens_that_slid_out_of_the_window():
     model.params["logits.bias"][[0, 2]] = [50.0, 20.0]
     prompt = np.array([[0] + [1] * 13])                          # 14 > C = 12: token 0 slid out
     with pytest.warns(UserWarning):
-        assert generate(model, prompt, 1, temperature=0)[0, -1] == 0
+        assert generate(model, prompt, 1, Sampling(temperature=0))[0, -1] == 0
     with pytest.warns(UserWarning):
-        assert generate(model, prompt, 1, temperature=0, repetition_penalty=1e3)[0, -1] == 2
+        assert generate(model, prompt, 1, Sampling(temperature=0, repetition_penalty=1e3))[0, -1] == 2
 
 
 def test_vocab_limit_never_generates_padded_ids():
@@ -68,7 +69,7 @@ def test_vocab_limit_never_generates_padded_ids():
     model = make_model(V=128, seed=1, tie_weights=False)
     model.params["logits.bias"][40:] += 6.0
     prompt = np.random.default_rng(2).integers(0, 40, size=(64, 4))
-    free = generate(model, prompt, 60, seed=3)
+    free = generate(model, prompt, 60, Sampling(seed=3))
     assert (free[:, 4:] >= 40).mean() > 0.5                      # without the limit: mostly padding
     for kw in (dict(), dict(temperature=0), dict(top_k=3), dict(top_p=0.5, min_p=0.1),
                dict(repetition_penalty=1.5)):
@@ -83,7 +84,7 @@ def test_vocab_limit_never_generates_padded_ids():
 def test_on_token_can_finish_rows():
     model = make_model()
     prompt = np.random.default_rng(4).integers(0, 23, size=(3, 3))
-    free = generate(model, prompt, 10, seed=6)
+    free = generate(model, prompt, 10, Sampling(seed=6))
     calls = []
 
     def on_token(ids):
@@ -91,7 +92,7 @@ def test_on_token_can_finish_rows():
         step = len(calls)
         return np.array([step >= 2, False, step >= 4])           # rows 0 and 2 end early
 
-    tokens = generate(model, prompt, 10, seed=6, on_token=on_token)
+    tokens = generate(model, prompt, 10, Sampling(seed=6), on_token=on_token)
     assert tokens.shape == (3, 13)
     np.testing.assert_array_equal(tokens[1], free[1])            # an unfinished row is untouched
     np.testing.assert_array_equal(tokens[0, :5], free[0, :5])
@@ -99,9 +100,9 @@ def test_on_token_can_finish_rows():
     np.testing.assert_array_equal(tokens[2, :7], free[2, :7])
     assert (tokens[2, 7:] == free[2, 6]).all()
     # every row finished: generation ends at once
-    tokens = generate(model, prompt, 10, seed=6, on_token=lambda ids: np.ones(3, dtype=bool))
+    tokens = generate(model, prompt, 10, Sampling(seed=6), on_token=lambda ids: np.ones(3, dtype=bool))
     assert tokens.shape == (3, 4)
-    assert generate(model, prompt, 10, seed=6, on_token=lambda ids: None).shape == (3, 13)
+    assert generate(model, prompt, 10, Sampling(seed=6), on_token=lambda ids: None).shape == (3, 13)
     with pytest.raises(ValueError, match=r"on_token must return None or a \(B,\) = \(3,\) bool array"):
         generate(model, prompt, 5, on_token=lambda ids: [True, False])
 
@@ -111,4 +112,4 @@ def test_nan_weights_stop_generation_with_an_error(use_cache):
     model = make_model()
     model.params["blocks.0.mlp_expand.weight"][3, 5] = np.nan
     with pytest.raises(NonFiniteLogitsError, match=r"row 0: 23 of 23.*row 1: 23 of 23.*non-finite weights"):
-        generate(model, np.zeros((2, 3), dtype=np.int64), 5, temperature=0, use_cache=use_cache)
+        generate(model, np.zeros((2, 3), dtype=np.int64), 5, Sampling(temperature=0), use_cache=use_cache)

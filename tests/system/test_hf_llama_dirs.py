@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hf_fixtures import TEXT, tiny_tokenizer, torch, transformers
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian import cli
 from pedestrian.generation.generate import generate
 from pedestrian.interop.hf import load_hf_model, load_pretrained, save_pretrained
@@ -157,7 +158,7 @@ def test_greedy_generation_equals_generate(folders):
     with torch.no_grad():
         want = hf.generate(torch.as_tensor(prompt), max_new_tokens=20, do_sample=False,
                            pad_token_id=0).numpy()
-    got = generate(model, prompt, 20, temperature=0)
+    got = generate(model, prompt, 20, Sampling(temperature=0))
     np.testing.assert_array_equal(np.asarray(got), want)
 
 

@@ -58,15 +58,17 @@ LAYERS = {
     "generation": {"backend", "model", "text"},            # decoding, sampling, prompts in and text out
     "checkpoint": {"atomic", "backend", "config", "model", "text"},
     "interop": {"atomic", "backend", "config", "model", "text"},      # Hugging Face, PEFT
+    # model folders, each read once: a Hugging Face directory, a checkpoint, a fine-tune's base + adapters
+    "load": {"checkpoint", "interop"},
     "paper": {"atomic", "config", "layers", "model", "text"},  # the paper on screen: tables, demo, pictures
     # the training run: settings and the flag merge, ranks, the trainer, LoRA fine-tuning; paper's
     # check_gradients checks a run's plugged layers before its first step (training/plugged.py)
     "training": {"atomic", "backend", "checkpoint", "config", "generation", "gpu", "interop", "kernels", "layers",
-                 "model", "paper", "text"},
+                 "load", "model", "paper", "text"},
     "cli": {"atomic", "training"},
     # the commands parse and print: they reach the math only through the model and paper/
-    "commands": {"checkpoint", "cli", "config", "generation", "interop", "kernels", "model", "paper", "text",
-                 "training"},
+    "commands": {"checkpoint", "cli", "config", "generation", "interop", "kernels", "load", "model", "paper",
+                 "text", "training"},
     "__init__": {"config", "model", "paper"},              # ``from pedestrian import GPT``, check_gradients (lazily)
     "__main__": {"cli"},
 }

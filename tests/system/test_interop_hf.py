@@ -11,6 +11,7 @@ import pytest
 from hf_fixtures import (edit_config, hf_logits, hf_model, rel_err, save_hf_dir, save_tokenizer,
                          tiny_tokenizer, torch, transformers)
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian.config import GPTConfig
 from pedestrian.generation.generate import generate
 from pedestrian.interop.hf import (config_from_hf, load_hf_model, load_hf_tokenizer, load_pretrained,
@@ -131,7 +132,7 @@ def test_greedy_generation_matches_transformers_generate(saved, dtype):
     top2 = np.sort(m64.forward(ref[:, :-1])[0, prompt.shape[1] - 1:], axis=-1)[:, -2:]
     assert np.min(top2[:, 1] - top2[:, 0]) > 4 * tol
     for use_cache in (True, False):
-        ours = generate(model, prompt, 40, temperature=0, use_cache=use_cache)
+        ours = generate(model, prompt, 40, Sampling(temperature=0), use_cache=use_cache)
         np.testing.assert_array_equal(ours, ref)
 
 

@@ -27,6 +27,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian import GPT  # noqa: E402
 from pedestrian.backend import to_numpy  # noqa: E402
 from pedestrian.config import GPTConfig, RopeScaling  # noqa: E402
@@ -137,8 +138,8 @@ def test_adamw_steps_and_kv_cache_generation_equal_the_cpu(device, case):
             #                                               gradient to steps of ±lr: sign of noise)
     ref.training = dev.training = False
     prompt = x[:, :5]
-    want = generate(ref, prompt, 12, temperature=0)
-    got = generate(dev, prompt, 12, temperature=0)
+    want = generate(ref, prompt, 12, Sampling(temperature=0))
+    got = generate(dev, prompt, 12, Sampling(temperature=0))
     np.testing.assert_array_equal(to_numpy(got.cpu()) if hasattr(got, "cpu") else got, want)
 
 
@@ -157,4 +158,4 @@ def test_a_nan_weight_on_the_device_is_caught_not_trained_on_or_sampled(device):
         np.testing.assert_array_equal(to_numpy(v.cpu()), before[k], err_msg=k)
     dev.training = False
     with pytest.raises(NonFiniteLogitsError, match="non-finite weights"):
-        generate(dev, x[:, :3], 4, temperature=0)
+        generate(dev, x[:, :3], 4, Sampling(temperature=0))

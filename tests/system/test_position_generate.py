@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian.generation.generate import KVCache, generate, model_step
 from pedestrian.kernels import kernels_for
 from pedestrian.layers.rope import rope_forward
@@ -77,8 +78,7 @@ def test_keep_cache_equals_a_sliding_window_forward_of_the_whole_sequence(encodi
     n_new = 3 * C
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")                           # a prompt longer than the context
-        tokens, logits = generate(model, prompt, n_new, temperature=1.0, seed=T0, window_shift=shift,
-                                  return_logits=True)
+        tokens, logits = generate(model, prompt, n_new, Sampling(temperature=1.0, seed=T0), window_shift=shift, return_logits=True)
     starts = key_starts(T0, n_new, shift)
     assert starts[-1] > 0                                          # the window did slide
     ref = whole_sequence_logits(cfg, params, tokens[:, :T0 + n_new - 1], starts)
@@ -93,8 +93,7 @@ def test_rebuild_equals_a_forward_over_the_window(encoding, shift, kernels, buil
     cfg, params, model = make(build_model, encoding, kernels)
     T0, n_new = 5, 3 * C
     prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], size=(2, T0))
-    tokens, logits = generate(model, prompt, n_new, temperature=1.0, seed=2, window_shift=shift,
-                              past_context="rebuild", return_logits=True)
+    tokens, logits = generate(model, prompt, n_new, Sampling(temperature=1.0, seed=2), window_shift=shift, past_context="rebuild", return_logits=True)
     starts = key_starts(T0, n_new, shift)
     worst = 0.0
     for j in range(n_new):
@@ -102,7 +101,7 @@ def test_rebuild_equals_a_forward_over_the_window(encoding, shift, kernels, buil
         window = tokens[:, starts[q]:q + 1]
         worst = max(worst, rel_err(logits[j], np.asarray(model.forward(window))[:, -1]))
     assert worst <= TOL
-    uncached = generate(model, prompt, n_new, temperature=1.0, seed=2, window_shift=shift, use_cache=False)
+    uncached = generate(model, prompt, n_new, Sampling(temperature=1.0, seed=2), window_shift=shift, use_cache=False)
     np.testing.assert_array_equal(uncached, tokens)               # the same rule without a cache
 
 
@@ -114,8 +113,8 @@ def test_keep_cache_sees_further_back_than_the_window_only_after_the_first_block
     for n_blocks, same in ((1, True), (2, False)):
         cfg, _, model = make(build_model, encoding, n_blocks=n_blocks)
         prompt = np.random.default_rng(3).integers(0, cfg["vocab_size"], size=(1, 4))
-        kept = generate(model, prompt, 2 * C, temperature=0.0, return_logits=True)[1]
-        rebuilt = generate(model, prompt, 2 * C, temperature=0.0, past_context="rebuild", return_logits=True)[1]
+        kept = generate(model, prompt, 2 * C, Sampling(temperature=0.0), return_logits=True)[1]
+        rebuilt = generate(model, prompt, 2 * C, Sampling(temperature=0.0), past_context="rebuild", return_logits=True)[1]
         inside = C - 4                                             # steps before the first slide
         assert rel_err(kept[:inside], rebuilt[:inside]) <= TOL
         err = rel_err(kept, rebuilt)

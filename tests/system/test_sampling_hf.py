@@ -22,6 +22,7 @@ from hf_fixtures import hf_model, save_hf_dir, tiny_tokenizer, torch, transforme
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pedestrian.generation.sampling import Sampling
 from pedestrian.generation.generate import generate
 from pedestrian.interop.hf import load_pretrained
 from pedestrian.generation.sampling import filter_logits
@@ -137,7 +138,7 @@ def test_greedy_repetition_penalty_matches_hf_generate(tmp_path, dtype, penalty)
         top2 = np.sort(filter_logits(logits[t], repetition_penalty=penalty, seen=ref[0, :t + 1]))[-2:]
         assert top2[1] - top2[0] > 4 * tol, t
     for use_cache in (True, False):
-        ours = generate(model, prompt, 40, temperature=0, repetition_penalty=penalty, use_cache=use_cache)
+        ours = generate(model, prompt, 40, Sampling(temperature=0, repetition_penalty=penalty), use_cache=use_cache)
         np.testing.assert_array_equal(ours, ref)
 
 

@@ -22,6 +22,7 @@ import pytest
 
 import pedestrian.kernels as fast
 import pedestrian.layers as reference
+from pedestrian.generation.sampling import Sampling
 from pedestrian.config import GPTConfig
 from pedestrian.kernels import KERNELS, kernels_for
 from pedestrian.model import GPT
@@ -299,7 +300,7 @@ def test_a_torch_cpu_model_converts_only_at_its_edge(monkeypatch):
     assert isinstance(logits, torch.Tensor) and cache.length == 3
     assert np.array_equal(logits.numpy(), numpy_model.forward(x[:1, :3]))
     assert float(cache.keys[0][0, :, :3].abs().sum()) > 0                  # written into the cache's tensors
-    greedy = [generate(m, [1, 2, 3], 4, temperature=0) for m in (ours, numpy_model)]
+    greedy = [generate(m, [1, 2, 3], 4, Sampling(temperature=0)) for m in (ours, numpy_model)]
     assert np.array_equal(*greedy)
     called = {name for name, _ in seen}
     assert {"linear_forward", "multi_head_attention_backward", "dropout_forward", "cross_entropy_backward"} <= called

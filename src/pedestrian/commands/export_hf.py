@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UserError
-    from ..interop.hf import OutputExistsError, merged_for_export, read_token_ids, save_pretrained
+    from ..interop.hf import OutputExistsError, merged_for_export, save_pretrained, token_ids
     from ..interop.peft import save_peft_adapter
-    from ..training.finetune import adapter_checkpoint_dir, load_model
+    from ..load import adapter_checkpoint_dir, load_model
 
     if args.checkpoint and adapter_checkpoint_dir(args.checkpoint) is not None:
         args.adapter, args.checkpoint = args.checkpoint, None      # an adapter: same as --adapter
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             if tied:
                 print("note: the adapter on the tied logits is merged into a separate lm_head.weight, so "
                       "the exported model is untied (tie_word_embeddings=false; wte unchanged)")
-        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite, token_ids=read_token_ids(loaded.base))
+        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite, token_ids=token_ids(loaded.hf_config))
     except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
         raise UserError(exc.advice("pass --overwrite")) from None
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]

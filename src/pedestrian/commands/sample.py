@@ -35,6 +35,8 @@ import sys
 from typing import TextIO
 
 from ..generation.prompts import check_completion, encode_prompt, read_prompts, write_completions
+from ..generation.sampling import Sampling
+from ..training.specs import flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load_model(args: argparse.Namespace):
     """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir``
-    (:func:`pedestrian.training.finetune.load_model`)."""
+    (:func:`pedestrian.load.load_model`)."""
     from ..cli import UserError
-    from ..training.finetune import adapter_checkpoint_dir, load_model
+    from ..load import adapter_checkpoint_dir, load_model
 
     if args.checkpoint and args.hf_dir and adapter_checkpoint_dir(args.checkpoint) is None:
         raise UserError(f"--hf-dir with --checkpoint names the base model of a fine-tune run; "
@@ -96,9 +98,15 @@ def _load_model(args: argparse.Namespace):
     return loaded.model, loaded.tokenizer
 
 
-def flag(name: str) -> str:
-    """A setting's flag, for the library's messages: ``top_p`` -> ``--top-p``."""
-    return "--" + {"stop_ids": "stop_id"}.get(name, name).replace("_", "-")
+def sampling_from_args(args: argparse.Namespace) -> Sampling:
+    """The :class:`~pedestrian.generation.sampling.Sampling` of ``pedestrian sample``'s flags; a
+    ``ValueError`` names the flag (``top_p``: ``--top-p``, ``stop_ids``: ``--stop-id``)."""
+    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed,
+                    tuple(args.stop_id), tuple(args.stop), args.ignore_eot, named=named)
+
+
+def named(name: str) -> str:
+    return flag({"stop_ids": "stop_id"}.get(name, name))
 
 
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
@@ -113,18 +121,17 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    repetition_penalty=args.repetition_penalty, num_samples=args.num_samples,
-                    stop=list(args.stop), stop_ids=list(args.stop_id), window_shift=args.window_shift)
-    check_completion(model, tokenizer, max_new_tokens=args.max_new_tokens, named=flag, **settings)
+    sampling = sampling_from_args(args)
+    check_completion(model, tokenizer, max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
+                     stop_ids=sampling.stop_ids, window_shift=args.window_shift, named=named)
     prompts = read_prompts([args.prompt] if isinstance(args.prompt, str) else args.prompt or [],
                            getattr(args, "prompts_file", None))
     given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
     only = "the --prompt" if given else "no --prompt was given, so the prompt"      # a single prompt
     prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]
-    done = write_completions(model, tokenizer, prompts, prompt_ids, args.max_new_tokens, out, err, seed=args.seed,
-                             ignore_eot=args.ignore_eot, use_cache=not args.no_cache, **settings)
+    done = write_completions(model, tokenizer, prompts, prompt_ids, args.max_new_tokens, sampling, out, err,
+                             num_samples=args.num_samples, window_shift=args.window_shift, use_cache=not args.no_cache)
     if args.stats:
         B = len(done.rows)
         err.write(f"[{done.new_tokens} new tokens x {B} in {done.seconds:.3f} s: "

@@ -37,23 +37,22 @@ Public API::
     cache = KVCache(model, batch_size)
     logits = model_step(model, cache, tokens_new)          # (B, V): logits of the last new token
     ids = sample_next(logits, rng, temperature, top_k, top_p)
-    out = generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                   seed=None, stop_tokens=None, use_cache=True, on_token=None,
-                   window_shift=1, past_context=None)
+    out = generate(model, prompt_ids, max_new_tokens, Sampling(temperature=0.8, top_k=40, seed=0),
+                   use_cache=True, on_token=None, window_shift=1, past_context=None)
 """
 
 from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
 from ..backend import is_torch_array, to_numpy
 from ..model import eval_mode
 from ..model.kv_cache import KVCache
-from .sampling import check_sampling, filter_logits, sample_next, sample_unchecked  # noqa: F401 (re-exported)
+from .sampling import Sampling, check_sampling, check_vocab_limit, filter_logits, sample_next, sample_unchecked  # noqa: F401
 
 #: what generation does past the context length (module docstring)
 PAST_CONTEXT_RULES = ("rebuild", "keep-cache")
@@ -61,6 +60,7 @@ PAST_CONTEXT_RULES = ("rebuild", "keep-cache")
 __all__ = [
     "KVCache",
     "PAST_CONTEXT_RULES",
+    "Sampling",
     "model_step",
     "sample_next",
     "filter_logits",
@@ -173,27 +173,43 @@ def _check_prompt(prompt_ids, vocab_size: int) -> np.ndarray:
     return prompt.astype(np.int64)
 
 
-def _stop_set(stop_tokens, vocab_size: int) -> np.ndarray | None:
-    if stop_tokens is None:
+def _stop_set(stop_ids: tuple, vocab_size: int) -> np.ndarray | None:
+    if not stop_ids:
         return None
-    if isinstance(stop_tokens, numbers.Integral):
-        stop_tokens = [stop_tokens]
-    stops = np.asarray(list(stop_tokens))
-    if stops.size == 0:
-        return None
-    if not np.issubdtype(stops.dtype, np.integer) or stops.min() < 0 or stops.max() >= vocab_size:
-        raise ValueError(f"stop_tokens must be token ids in [0, vocab_size={vocab_size}), got "
-                         f"{list(stop_tokens)}")
-    return stops.astype(np.int64)
+    if min(stop_ids) < 0 or max(stop_ids) >= vocab_size:
+        raise ValueError(f"stop_tokens must be token ids in [0, vocab_size={vocab_size}), got {list(stop_ids)}")
+    return np.asarray(stop_ids, dtype=np.int64)
 
 
-def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
-             seed: int | np.random.Generator | None = None,
-             stop_tokens: int | Iterable[int] | None = None, use_cache: bool = True,
-             on_token: Callable[[np.ndarray], object] | None = None, *, window_shift: int = 1,
-             past_context: str | None = None, return_logits: bool = False, min_p: float | None = None,
-             repetition_penalty: float | None = None, vocab_limit: int | None = None):
+#: the keywords ``generate`` took before a :class:`Sampling` held them (issue 46): still read, with a warning
+_LOOSE = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+          "repetition_penalty": "repetition_penalty", "seed": "seed", "stop_tokens": "stop_ids"}
+
+
+def loose_sampling(sampling: Sampling | None, loose: dict, where: str) -> Sampling:
+    """``sampling``, or the :class:`Sampling` of the old loose keywords ``loose`` (a
+    ``DeprecationWarning``); ``TypeError`` for an unknown keyword or both ways at once."""
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(f"{where}(): the sampling settings are one Sampling(temperature=..., ...), got {sampling!r}")
+    unknown = sorted(set(loose) - set(_LOOSE))
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    if not loose:
+        return Sampling() if sampling is None else sampling
+    if sampling is not None:
+        raise TypeError(f"{where}(): pass the sampling settings either as a Sampling or as keywords, not both")
+    warnings.warn(f"{where}(temperature=..., top_k=..., ...) is deprecated: pass one "
+                  f"pedestrian.generation.Sampling(...)", DeprecationWarning, stacklevel=3)
+    given = {_LOOSE[k]: v for k, v in loose.items()}
+    if given.get("stop_ids") is None:
+        given.pop("stop_ids", None)
+    return Sampling(**given)
+
+
+def generate(model, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None, *,
+             use_cache: bool = True, on_token: Callable[[np.ndarray], object] | None = None,
+             window_shift: int = 1, past_context: str | None = None, vocab_limit: int | None = None,
+             return_logits: bool = False, **loose):
     """Autoregressive generation for ``B`` prompts.
 
     Args:
@@ -209,20 +225,19 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             ``context_length`` tokens only, with a ``UserWarning``; the returned array still
             starts with the whole prompt.
         max_new_tokens: ``>= 0`` tokens to generate per row.
-        temperature, top_k, top_p, min_p: see :func:`~pedestrian.generation.sampling.sample_next`
-            (``temperature=0``: greedy); applied in Hugging Face's order (see
-            :mod:`pedestrian.generation.sampling`).
-        repetition_penalty: ``None`` / ``1``: none; ``r > 0``: each row's seen tokens -- its
-            whole prompt (also the part beyond the context) and every token generated so far,
-            each counted once -- have a positive logit divided by ``r``, a negative one
-            multiplied by it (HF ``repetition_penalty``); applied in greedy decoding too.
+        sampling: a :class:`~pedestrian.generation.sampling.Sampling` (default ``Sampling()``:
+            temperature 1, no filter, fresh entropy): temperature, top-k, top-p, min-p in Hugging
+            Face's order (:mod:`pedestrian.generation.sampling`; ``temperature=0``: greedy); the
+            repetition penalty ``r`` -- each row's seen tokens, its whole prompt (also the part
+            beyond the context) and every token generated so far, each counted once, have a
+            positive logit divided by ``r``, a negative one multiplied by it (HF
+            ``repetition_penalty``; in greedy decoding too); the seed (the same seed gives the
+            same tokens); ``stop_ids``: a row that emits one is finished (the stop token is kept
+            in the output, and the row is padded with it afterwards); generation ends early when
+            every row is finished.
         vocab_limit: ``None`` or ``1 <= n <= vocab_size``: only ids ``< n`` are ever generated
             (the others are masked to ``-inf`` before any penalty or filter) -- pass the
             tokenizer's size for a model whose vocabulary is padded (GPT-2's 50,304).
-        seed: seed or ``numpy.random.Generator``; the same seed gives the same tokens.
-        stop_tokens: id or ids; a row that emits one is finished (the stop token is kept in the
-            output, and the row is padded with it afterwards); generation ends early when
-            every row is finished.
         use_cache: ``True``: KV cache (:func:`model_step`); ``False``: a full
             ``model.forward`` over the window at every step (the reference: the same tokens as
             the cache with the ``"rebuild"`` rule, which past the context is not the default of
@@ -238,6 +253,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
             ``"keep-cache"`` for a ``"rope"`` or ``"none"`` model with ``use_cache``, else
             ``"rebuild"``.
         return_logits: also return the float64 logits each token was drawn from.
+        loose: the keywords of earlier versions (``temperature=``, ``top_k=``, ``top_p=``,
+            ``min_p=``, ``repetition_penalty=``, ``seed=``, ``stop_tokens=``), deprecated: they
+            make the ``Sampling``, with a ``DeprecationWarning``.
 
     Returns:
         ``(B, T0 + n)`` int64 NumPy array (``(T0 + n,)`` for a 1-D prompt; for prompts of
@@ -248,12 +266,12 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
 
     Raises:
         ValueError / TypeError: empty or non-integer prompt, ids outside the vocabulary,
-            ``max_new_tokens < 0``, bad sampling settings (see :func:`check_sampling`), bad
-            ``window_shift``, ``vocab_limit > vocab_size``, a non-causal model with
+            ``max_new_tokens < 0``, a stop id outside the vocabulary, bad ``window_shift``, ``vocab_limit > vocab_size``, a non-causal model with
             ``use_cache=True``, an ``on_token`` result that is not ``(B,)``, ``past_context``
             not one of the two rules, ``"keep-cache"`` with learned positions or without a cache.
             NonFiniteLogitsError (a ValueError): the model produced NaN logits.
     """
+    sampling = loose_sampling(sampling, loose, "generate")
     c = model.config
     C, V = c.context_length, c.vocab_size
     ragged = _ragged(prompt_ids)
@@ -266,7 +284,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         prompt, padding = _left_pad(ragged, V)
     if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, vocab_limit)
+    check_vocab_limit(vocab_limit)
     if vocab_limit is not None and vocab_limit > V:
         raise ValueError(f"vocab_limit={vocab_limit} is larger than the model's vocab_size={V}")
     if not isinstance(window_shift, numbers.Integral) or not 1 <= window_shift <= C:
@@ -282,8 +300,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     if keep_cache and not use_cache:
         raise ValueError("past_context='keep-cache' needs use_cache=True (without a cache every step "
                          "recomputes the window: that is 'rebuild')")
-    stops = _stop_set(stop_tokens, V)
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    stops = _stop_set(sampling.stop_ids, V)
+    rng = sampling.rng()
     B, T0 = prompt.shape
     if T0 - padding.min() > C:
         warnings.warn(f"the prompt has {T0 - padding.min()} tokens but the model's context_length is {C}: only the "
@@ -296,7 +314,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
     kept_logits = []
     rows = np.arange(B)
     seen = None                                        # (B, V): the tokens each row has seen
-    if repetition_penalty is not None and repetition_penalty != 1.0:
+    if sampling.penalised:
         seen = np.zeros((B, V), dtype=bool)
         seen[rows[:, None], prompt] = True
         for b in np.flatnonzero(padding):              # the padding id is no token of the row
@@ -324,8 +342,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
         for step in range(max_new_tokens):
             if return_logits:
                 kept_logits.append(np.asarray(to_numpy(logits), dtype=np.float64))
-            ids = sample_unchecked(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, seen,
-                          vocab_limit)
+            ids = sample_unchecked(logits, rng, sampling, seen, vocab_limit)
             ids = np.where(finished, pad, ids)
             if stops is not None:
                 newly = ~finished & np.isin(ids, stops)

@@ -4,8 +4,8 @@ their stop strings -- what ``pedestrian sample`` runs, for any caller.
 Usage::
 
     ids = [encode_prompt(tokenizer, text) for text in prompts]
-    check_completion(model, tokenizer, max_new_tokens=200, temperature=0.8, stop=["\\n\\n"])
-    done = complete(model, tokenizer, ids, 200, temperature=0.8, stop=["\\n\\n"], seed=0)
+    sampling = Sampling(temperature=0.8, stop=["\\n\\n"], seed=0)   # checked here, once
+    done = complete(model, tokenizer, ids, 200, sampling)
     done.texts[row]                                   # the continuation of row ``row``, as text
 
 Rows are ``num_samples`` samples of each prompt, prompt by prompt (``done.rows[row] =
@@ -21,6 +21,7 @@ cannot decode.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -29,8 +30,8 @@ import numpy as np
 
 from ..text.bpe_tokenizer import EOS_TOKENS
 from ..text.tokenizer import BPETokenizer, StopText, UnknownCharacterError, check_text
-from .generate import generate
-from .sampling import check_sampling
+from .generate import generate, loose_sampling
+from .sampling import Sampling
 
 EOT = "<|endoftext|>"
 
@@ -102,32 +103,24 @@ def encode_prompt(tokenizer, text: str, what: str = "the prompt") -> list[int]:
     return list(ids)
 
 
-def check_completion(model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0, top_k=None,
-                     top_p=None, min_p=None, repetition_penalty=None, num_samples: int = 1,
-                     stop: Sequence[str] = (), stop_ids: Sequence[int] = (), window_shift: int = 1,
-                     named: Callable[[str], str] | None = None) -> None:
-    """Check every setting of :func:`complete` before anything is generated.
+def check_completion(model, tokenizer, *, max_new_tokens: int, num_samples: int = 1, stop_ids=(),
+                     window_shift: int = 1, named: Callable[[str], str] | None = None) -> None:
+    """Check what :func:`complete` is given beside its :class:`~pedestrian.generation.sampling.Sampling`
+    (which checked itself when made), before anything is generated.
 
     ``named``: how a message names a setting (default: the keyword; ``pedestrian sample`` passes
-    its flags). The sampling settings are those of
-    :func:`~pedestrian.generation.sampling.check_sampling`.
+    its flags); ``stop_ids``: the sampling's.
 
     Raises:
-        ValueError: a bad sampling setting; ``max_new_tokens < 0``; ``num_samples < 1``; an
-            empty or non-Unicode stop text; ``window_shift`` outside ``[1, context_length]``; a
-            tokenizer larger than the model's vocabulary; a stop id that is not a token id.
+        ValueError: ``max_new_tokens < 0``; ``num_samples < 1``; ``window_shift`` outside
+            ``[1, context_length]``; a tokenizer larger than the model's vocabulary; a stop id
+            that is not a token id of the model.
     """
     n = named or str
-    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, named=n)
     if max_new_tokens < 0:
         raise ValueError(f"{n('max_new_tokens')} must be >= 0, got {max_new_tokens}")
     if num_samples < 1:
         raise ValueError(f"{n('num_samples')} must be >= 1, got {num_samples}")
-    if any(text == "" for text in stop):
-        raise ValueError(f"{n('stop')} needs a non-empty text (an empty stop string would end every sample "
-                         "before its first token)")
-    for i, text in enumerate(stop):                 # bytes that are not UTF-8: it could never match
-        check_text(text, n("stop") if len(stop) == 1 else f"{n('stop')} {i + 1}")
     C, V = model.config.context_length, model.config.vocab_size
     if not 1 <= window_shift <= C:
         raise ValueError(f"{n('window_shift')} must be in [1, context_length={C}] (window_shift), "
@@ -138,6 +131,20 @@ def check_completion(model, tokenizer, *, max_new_tokens: int, temperature: floa
     bad = [i for i in stop_ids if not 0 <= i < V]
     if bad:
         raise ValueError(f"{n('stop_ids')} {bad[0]} is not a token id of this model: ids are 0 ... {V - 1}")
+
+
+def _loose(sampling: Sampling | None, loose: dict) -> Sampling:
+    """``complete``'s deprecated keywords: those of ``generate`` and the stops."""
+    stops = {k: loose.pop(k) for k in ("stop", "stop_ids", "ignore_eot") if k in loose}
+    sampling = loose_sampling(sampling, loose, "complete")
+    if stops:
+        if not loose:
+            import warnings
+
+            warnings.warn("complete(stop=..., stop_ids=..., ignore_eot=...) is deprecated: pass them in "
+                          "pedestrian.generation.Sampling(...)", DeprecationWarning, stacklevel=3)
+        sampling = dataclasses.replace(sampling, **stops)
+    return sampling
 
 
 @dataclass
@@ -157,38 +164,38 @@ class Completion:
     seconds: float
 
 
-def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
-             temperature: float = 1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-             seed=None, num_samples: int = 1, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
-             ignore_eot: bool = False, window_shift: int = 1, use_cache: bool = True,
-             on_text: Callable[[int, str], None] | None = None) -> Completion:
+def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+             sampling: Sampling | None = None, *, num_samples: int = 1, window_shift: int = 1,
+             use_cache: bool = True, on_text: Callable[[int, str], None] | None = None, **loose) -> Completion:
     """Continue each prompt ``num_samples`` times, as one batch, and decode the continuations.
 
     Args:
         model: a :class:`~pedestrian.model.GPT`; tokenizer: a Char/BPE tokenizer (see the module).
         prompt_ids: one list of token ids per prompt (:func:`encode_prompt`).
-        max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, window_shift,
-            use_cache: as :func:`~pedestrian.generation.generate.generate`.
-        stop / stop_ids / ignore_eot: where a row ends (module docstring).
+        max_new_tokens, window_shift, use_cache: as :func:`~pedestrian.generation.generate.generate`.
+        sampling: a :class:`~pedestrian.generation.sampling.Sampling` (default ``Sampling()``); its
+            ``stop`` / ``stop_ids`` / ``ignore_eot`` say where a row ends (module docstring).
         on_text: called as ``on_text(row, text)`` with each piece of decoded text as soon as it
             is certain (a character complete, no stop string that it may begin).
+        loose: ``generate``'s deprecated keywords (``temperature=`` ...), and ``stop=``,
+            ``stop_ids=``, ``ignore_eot=``: they make the ``Sampling``, with a ``DeprecationWarning``.
 
-    The settings are checked first (:func:`check_completion`, keyword names). A prompt longer
-    than the context keeps its last ``context_length`` tokens (``generate`` warns).
+    The other settings are checked first (:func:`check_completion`, keyword names). A prompt
+    longer than the context keeps its last ``context_length`` tokens (``generate`` warns).
 
     Raises:
         ValueError: as :func:`check_completion`; NaN logits while generating
             (:class:`~pedestrian.generation.sampling.NonFiniteLogitsError`).
     """
-    check_completion(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, num_samples=num_samples,
-                     stop=stop, stop_ids=stop_ids, window_shift=window_shift)
-    stops = list(stop_ids) + ([eot_id(tokenizer)] if eot_id(tokenizer) is not None and not ignore_eot else [])
-    stop_set = set(stops)
+    sampling = _loose(sampling, loose)
+    check_completion(model, tokenizer, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                     stop_ids=sampling.stop_ids, window_shift=window_shift)
+    eot = None if sampling.ignore_eot else eot_id(tokenizer)
+    stop_set = set(sampling.stop_ids) | ({eot} if eot is not None else set())
     rows = [(i, j) for i in range(len(prompt_ids)) for j in range(num_samples)]
     row_ids = [np.asarray(prompt_ids[i], dtype=np.int64) for i, _ in rows]
     prompt = row_ids if len({len(r) for r in row_ids}) > 1 else np.stack(row_ids)
-    decoders = [StopText(tokenizer, list(stop)) for _ in rows]
+    decoders = [StopText(tokenizer, list(sampling.stop)) for _ in rows]
     texts: list[list[str]] = [[] for _ in rows]
     done = np.zeros(len(rows), dtype=bool)
 
@@ -210,10 +217,8 @@ def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_toke
         return done.copy()
 
     t0 = time.perf_counter()
-    ids = generate(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stops or None,
-                   use_cache=use_cache, on_token=on_token, window_shift=window_shift,
-                   vocab_limit=tokenizer.vocab_size)
+    ids = generate(model, prompt, max_new_tokens, sampling.ending_at([eot] if eot is not None else []),
+                   use_cache=use_cache, on_token=on_token, window_shift=window_shift, vocab_limit=tokenizer.vocab_size)
     seconds = time.perf_counter() - t0
     for r in range(len(rows)):
         emit(r, decoders[r].finish())
@@ -222,7 +227,8 @@ def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_toke
 
 
 def write_completions(model, tokenizer, prompts: Sequence[str], prompt_ids: Sequence[Sequence[int]],
-                      max_new_tokens: int, out, err=None, *, num_samples: int = 1, **settings) -> Completion:
+                      max_new_tokens: int, sampling: Sampling, out, err=None, *, num_samples: int = 1,
+                      **settings) -> Completion:
     """:func:`complete` the prompts (``prompt_ids``, encoded from the texts ``prompts``; ``settings``:
     the other keywords of :func:`complete`) and write the text to the stream ``out`` as
     ``pedestrian sample`` prints it: one prompt and one sample is streamed -- the prompt, each
@@ -251,7 +257,7 @@ def write_completions(model, tokenizer, prompts: Sequence[str], prompt_ids: Sequ
     with warnings.catch_warnings():
         if err is not None:                             # already said above, in one line
             warnings.filterwarnings("ignore", message="the prompt has", category=UserWarning)
-        done = complete(model, tokenizer, prompt_ids, max_new_tokens, num_samples=num_samples,
+        done = complete(model, tokenizer, prompt_ids, max_new_tokens, sampling, num_samples=num_samples,
                         on_text=stream if streaming else None, **settings)
     if streaming:
         out.write("\n")

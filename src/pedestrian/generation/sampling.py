@@ -45,14 +45,19 @@ Non-finite logits (one policy, every path: greedy, each filter, the draw):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from ..backend import is_torch_array, to_numpy
+from ..text.tokenizer_base import check_text
 
-__all__ = ["sample_next", "sample_unchecked", "filter_logits", "check_sampling", "NonFiniteLogitsError"]
+__all__ = ["Sampling", "sample_next", "sample_unchecked", "filter_logits", "check_sampling", "NonFiniteLogitsError"]
 
 
 class NonFiniteLogitsError(ValueError):
@@ -109,12 +114,85 @@ def check_sampling(temperature, top_k, top_p, min_p=None, repetition_penalty=Non
         if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
             raise ValueError(f"{n('repetition_penalty')} must be a finite number > 0 (1 = no penalty, > 1 "
                              f"discourages repeats, e.g. 1.2), got {repetition_penalty:g}")
+    check_vocab_limit(vocab_limit, n)
+
+
+def check_vocab_limit(vocab_limit, named=None) -> None:
+    """Raise ``TypeError`` / ``ValueError`` unless ``vocab_limit`` is ``None`` or an integer ``>= 1``."""
+    n = named or str
     if vocab_limit is not None:
-        if not integer(vocab_limit):
+        if not isinstance(vocab_limit, numbers.Integral) or isinstance(vocab_limit, bool):
             raise TypeError(f"{n('vocab_limit')} must be a positive integer or None, got {vocab_limit!r}")
         if vocab_limit < 1:
             raise ValueError(f"{n('vocab_limit')} must be >= 1 (the number of ids that may be sampled), "
                              f"got {vocab_limit}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen and where a row ends: one value, validated once, when it is
+    made, and passed whole (:func:`~pedestrian.generation.generate.generate`,
+    :func:`~pedestrian.generation.prompts.complete`, ``pedestrian sample``).
+
+    Attributes:
+        temperature, top_k, top_p, min_p, repetition_penalty: the steps of the module docstring
+            (their valid values: :func:`check_sampling`); ``temperature=0`` is greedy.
+        seed: an int or a ``numpy.random.Generator`` (``None``: fresh entropy); the same seed
+            gives the same tokens.
+        stop_ids: token ids that end a row (the token is kept in ``generate``'s output, not in
+            ``complete``'s text).
+        stop: texts that end a row right before them (``complete``: matched on the decoded text).
+        ignore_eot: ``complete`` does not stop at ``<|endoftext|>``.
+        named: how a message names a setting (default: the keyword; ``pedestrian sample`` passes
+            its flags, ``--top-p``); not part of the value.
+
+    Raises:
+        ValueError / TypeError: a bad setting (:func:`check_sampling`), a stop id that is no
+            integer, an empty or non-Unicode stop text. (Whether a stop id is one of the model's
+            is checked where the model is known: ``generate``, ``complete``.)
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | np.random.Generator | None = None
+    stop_ids: tuple = ()
+    stop: tuple = ()
+    ignore_eot: bool = False
+    named: Callable[[str], str] = dataclasses.field(default=str, repr=False, compare=False)
+
+    def __post_init__(self):
+        n = self.named
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty, named=n)
+        ids = (self.stop_ids,) if isinstance(self.stop_ids, numbers.Integral) else tuple(self.stop_ids)
+        if any(not isinstance(i, numbers.Integral) or isinstance(i, bool) for i in ids):
+            raise TypeError(f"{n('stop_ids')} must be token ids (integers), got {list(ids)}")
+        texts = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(text == "" for text in texts):
+            raise ValueError(f"{n('stop')} needs a non-empty text (an empty stop string would end every sample "
+                             "before its first token)")
+        for i, text in enumerate(texts):                # bytes that are not UTF-8: it could never match
+            check_text(text, n("stop") if len(texts) == 1 else f"{n('stop')} {i + 1}")
+        object.__setattr__(self, "stop_ids", tuple(int(i) for i in ids))
+        object.__setattr__(self, "stop", texts)
+
+    def ending_at(self, stop_ids) -> "Sampling":
+        """This sampling, also ending at the token ids ``stop_ids`` (``complete`` adds
+        ``<|endoftext|>``); what was checked is not checked again."""
+        more = copy.copy(self)
+        object.__setattr__(more, "stop_ids", self.stop_ids + tuple(int(i) for i in stop_ids))
+        return more
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition penalty changes anything (``r`` given and not 1)."""
+        return self.repetition_penalty is not None and self.repetition_penalty != 1.0
+
+    def rng(self) -> np.random.Generator:
+        """The generator the draws come from: ``seed`` itself, or a new one seeded with it."""
+        return self.seed if isinstance(self.seed, np.random.Generator) else np.random.default_rng(self.seed)
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:
@@ -257,14 +335,13 @@ def _draw(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.sum(cdf <= u[:, None], axis=-1).astype(np.int64)
 
 
-def sample_unchecked(logits, rng, temperature, top_k, top_p, min_p=None, repetition_penalty=None,
-                     seen_mask=None, vocab_limit=None) -> np.ndarray:
-    """:func:`sample_next` without validation (the generation loop validates once);
+def sample_unchecked(logits, rng, s: Sampling, seen_mask=None, vocab_limit=None) -> np.ndarray:
+    """:func:`sample_next` without validation (a :class:`Sampling` was validated when made);
     ``seen_mask`` is ``None`` or a ``(B, V)`` bool array."""
-    x, certain = _prepare(logits, repetition_penalty, seen_mask, vocab_limit)
-    if temperature == 0:
+    x, certain = _prepare(logits, s.repetition_penalty, seen_mask, vocab_limit)
+    if s.temperature == 0:
         return x.argmax(axis=-1).astype(np.int64)        # greedy; ties (and +inf ties) -> lowest id
-    return _draw(_warp(x, certain, temperature, top_k, top_p, min_p), rng)
+    return _draw(_warp(x, certain, s.temperature, s.top_k, s.top_p, s.min_p), rng)
 
 
 def _check_penalty_inputs(repetition_penalty, seen) -> None:
@@ -372,7 +449,8 @@ def sample_next(logits, rng: np.random.Generator | int | None = None, temperatur
 
     Order and source: the module docstring (Hugging Face ``transformers``' logits processors).
     """
-    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty, vocab_limit)
+    s = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
+    check_vocab_limit(vocab_limit)
     shape = tuple(getattr(logits, "shape", ()))
     if len(shape) != 2:
         raise ValueError(f"logits must have shape (B, V), got {getattr(logits, 'shape', None)}")
@@ -382,5 +460,4 @@ def sample_next(logits, rng: np.random.Generator | int | None = None, temperatur
     if not isinstance(rng, np.random.Generator):
         rng = np.random.default_rng(rng)
     mask = None if seen is None else _seen_mask(seen, *shape)
-    return sample_unchecked(logits, rng, temperature, top_k, top_p, min_p, repetition_penalty, mask,
-                   vocab_limit)
+    return sample_unchecked(logits, rng, s, mask, vocab_limit)

@@ -15,6 +15,7 @@ are the ones to import (``pedestrian.interop.hf.load_pretrained``, ``config_from
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,12 +27,13 @@ from .files import OutputExistsError, SafetensorsFile, json_writer, listing, tor
 from . import hf_llama_config
 from .hf_config import ACTIVATION_TO_HF, HF_TO_ACTIVATION, config_to_hf, export_problems, read_hf_config
 from .hf_llama_config import config_from_hf, hf_family
-from .hf_llama_tensors import check_llama_shapes, llama_state_from_hf, llama_state_to_hf
+from .hf_llama_tensors import check_llama_shapes, convert_llama_from_hf, llama_state_to_hf
 from .hf_tensors import check_hf_shapes, convert_from_hf, hf_tensor_shapes, state_from_hf, state_to_hf
 from .peft_modules import is_gpt2
 
 __all__ = [
     "merged_for_export",
+    "HFFolder",
     "load_pretrained",
     "load_hf_model",
     "load_hf_tokenizer",
@@ -130,10 +132,89 @@ def _read_index(index: Path) -> tuple[list[str], dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------ loading
+class HFFolder:
+    """A Hugging Face model directory, read as one run needs it: ``config.json`` opened once (when
+    made), its family and :class:`~pedestrian.config.GPTConfig` decided once; the tensor names and
+    shapes read and checked once, by :meth:`model` (before any tensor's data); the weight file's
+    SHA-256 only when asked (:meth:`fingerprint`, once).
+
+    Attributes:
+        path: the directory. hf_config: the parsed ``config.json``. family: ``"gpt2"``,
+        ``"llama"``, ``"qwen2"`` or ``"mistral"`` (:func:`hf_family`). config: the ``GPTConfig``.
+
+    Raises:
+        FileNotFoundError: no directory or ``config.json``. ValueError: another model family, or
+            a setting pedestrian does not implement (one line naming the field and its value).
+    """
+
+    def __init__(self, hf_dir):
+        self.path = Path(hf_dir).expanduser()
+        self.hf_config = read_hf_config(hf_dir)
+        source = str(Path(hf_dir) / "config.json")
+        self.family = hf_family(self.hf_config, source=source)
+        self.config = config_from_hf(self.hf_config, source=source, family=self.family)
+        self._weights: HFWeights | None = None
+        self._fingerprint: dict | None = None
+
+    @property
+    def weights(self) -> HFWeights:
+        """The weight file(s), opened on first use (:func:`open_hf_weights`)."""
+        if self._weights is None:
+            self._weights = open_hf_weights(self.path)
+        return self._weights
+
+    def tokenizer(self):
+        """The folder's tokenizer (:func:`load_hf_tokenizer`); ``ValueError`` if it has more ids
+        than the model's ``vocab_size`` (it belongs to another model)."""
+        tokenizer = load_hf_tokenizer(self.path)
+        if tokenizer.vocab_size > self.config.vocab_size:
+            raise ValueError(f"the tokenizer in {self.path} has {tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {self.config.vocab_size}; the tokenizer belongs to another model")
+        return tokenizer
+
+    def model(self, *, dtype: str = "float32", backend: str = "numpy"):
+        """The :class:`~pedestrian.model.GPT` holding the folder's weights (see :func:`load_hf_model`)."""
+        from ..model import GPT
+
+        config, weights = self.config, self.weights
+        if self.family != "gpt2":
+            check_llama_shapes(weights.shapes, config, weights.source)
+            canon = {name: name for name in weights.shapes}
+        else:
+            canon = check_hf_shapes(weights.shapes, config, weights.source)
+        bad = [f"{k} ({weights.dtypes[k]})" for k in canon if weights.dtypes[k] not in _FLOAT_CODES]
+        if bad:
+            raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
+        tensors = {full: weights[name] for name, full in canon.items()}
+        convert = convert_from_hf if self.family == "gpt2" else convert_llama_from_hf
+        state = convert(tensors, config, weights.source)
+        model = GPT(config, dtype=dtype, backend=backend)
+        try:
+            model.load_state_dict(state, strict=True)
+        except ValueError as exc:                       # e.g. a NaN weight: name the file it is in
+            raise ValueError(f"{weights.source}: {exc}") from None
+        return model
+
+    def fingerprint(self) -> dict:
+        """``{"hf_dir", "weights", "sha256"}``: the directory (absolute), the file that holds the
+        tensors (:func:`open_hf_weights`) and its SHA-256, so that adapters can later be matched
+        against the very weights they were trained on. Computed once (the file read in 4 MiB
+        blocks)."""
+        if self._fingerprint is None:
+            source = Path(self.weights.source)
+            h = hashlib.sha256()
+            with open(source, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            self._fingerprint = {"hf_dir": str(self.path.resolve()), "weights": source.name,
+                                 "sha256": h.hexdigest()}
+        return self._fingerprint
+
+
 def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
     """A pedestrian :class:`~pedestrian.model.GPT` holding a Hugging Face model's weights: a
     ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``MistralForCausalLM``
-    (the family of ``config.json``, :func:`hf_family`).
+    (the family of ``config.json``, :func:`hf_family`): ``HFFolder(hf_dir).model(...)``.
 
     Args:
         hf_dir: directory with ``config.json`` and the weights (see :func:`open_hf_weights`).
@@ -150,32 +231,7 @@ def load_hf_model(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
             the field and its value), tensors that do not match the config, or weights that are
             NaN or ±inf (every problem listed; nothing is loaded).
     """
-    from ..model import GPT
-
-    hf_config = read_hf_config(hf_dir)
-    source = str(Path(hf_dir) / "config.json")
-    config = config_from_hf(hf_config, source=source)
-    weights = open_hf_weights(hf_dir)
-    llama = hf_family(hf_config, source=source) != "gpt2"
-    if llama:
-        check_llama_shapes(weights.shapes, config, weights.source)
-        canon = {name: name for name in weights.shapes}
-    else:
-        canon = check_hf_shapes(weights.shapes, config, weights.source)
-    bad = [f"{k} ({weights.dtypes[k]})" for k in canon if weights.dtypes[k] not in _FLOAT_CODES]
-    if bad:
-        raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
-    tensors = {full: weights[name] for name, full in canon.items()}
-    if llama:
-        state = llama_state_from_hf(tensors, config, source=weights.source)
-    else:
-        state = convert_from_hf(tensors, config, weights.source)
-    model = GPT(config, dtype=dtype, backend=backend)
-    try:
-        model.load_state_dict(state, strict=True)
-    except ValueError as exc:                       # e.g. a NaN weight: name the file it is in
-        raise ValueError(f"{weights.source}: {exc}") from None
-    return model
+    return HFFolder(hf_dir).model(dtype=dtype, backend=backend)
 
 
 def load_hf_tokenizer(hf_dir):
@@ -204,9 +260,8 @@ def load_hf_tokenizer(hf_dir):
 
 
 def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
-    """Load a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory: ``(GPT, tokenizer)``.
-
-    See :func:`load_hf_model` (weights and config) and :func:`load_hf_tokenizer`.
+    """Load a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory: ``(GPT, tokenizer)``
+    (:class:`HFFolder`: the config read once; the tokenizer, cheap, before the weights).
 
     Raises:
         FileNotFoundError: no directory, ``config.json``, weights or tokenizer files.
@@ -214,12 +269,9 @@ def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
             field), mismatching tensors (all listed), or a tokenizer with more ids than the
             model's ``vocab_size``.
     """
-    config = config_from_hf(read_hf_config(hf_dir), source=str(Path(hf_dir) / "config.json"))
-    tokenizer = load_hf_tokenizer(hf_dir)          # cheap: fail before reading the weights
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model's "
-                         f"vocab_size is {config.vocab_size}; the tokenizer belongs to another model")
-    return load_hf_model(hf_dir, dtype=dtype, backend=backend), tokenizer
+    folder = HFFolder(hf_dir)
+    tokenizer = folder.tokenizer()                 # cheap: fail before reading the weights
+    return folder.model(dtype=dtype, backend=backend), tokenizer
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -331,15 +383,11 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)
 
 
-def read_token_ids(hf_dir) -> dict | None:
-    """``bos_token_id`` / ``eos_token_id`` from ``hf_dir``'s ``config.json`` (those it sets; as
-    written there: an int, a list or ``None``), or ``None`` without a folder or file: what
-    :func:`save_pretrained`'s ``token_ids`` takes to keep a base model's ids in an export."""
-    path = None if hf_dir is None else Path(hf_dir) / "config.json"
-    if path is None or not path.is_file():
-        return None
-    config = json.loads(path.read_text(encoding="utf-8"))
-    return {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config} or None
+def token_ids(hf_config: dict | None) -> dict | None:
+    """``bos_token_id`` / ``eos_token_id`` of a parsed ``config.json`` (those it sets; as written
+    there: an int, a list or ``None``), or ``None`` without one: what :func:`save_pretrained`'s
+    ``token_ids`` takes to keep a base model's ids in an export (:attr:`HFFolder.hf_config`)."""
+    return {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config} or None if hf_config else None
 
 
 def merged_for_export(model):

@@ -132,7 +132,7 @@ def _rope(c: Mapping, source: str) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"{source}: {exc}") from None
 
 
-def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTConfig:
+def config_from_hf(hf_config: Mapping, *, source: str = "config.json", family: str | None = None) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face GPT-2, Llama, Qwen2 or Mistral ``config.json``
     (the module table; missing keys take the class's defaults, :data:`HF_DEFAULTS`).
 
@@ -140,7 +140,7 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json") -> GPTCon
         ValueError: another model, or a setting pedestrian does not implement -- one line naming
             the field and its value (the first one found).
     """
-    family = hf_family(hf_config, source=source)
+    family = family or hf_family(hf_config, source=source)       # (given: decided by the caller already)
     if family == "gpt2":
         return gpt2_config_from_hf(hf_config, source=source)
     c = {**HF_DEFAULTS[family], **hf_config}

@@ -111,6 +111,12 @@ def llama_state_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, *,
             ``lm_head.weight`` that differs from ``model.embed_tokens.weight``.
     """
     check_llama_shapes({k: np.shape(v) for k, v in tensors.items()}, config, source)
+    return convert_llama_from_hf(tensors, config, source)
+
+
+def convert_llama_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, source: str) -> dict:
+    """:func:`llama_state_from_hf` after :func:`check_llama_shapes`: the tied ``lm_head.weight``
+    checked, the tensors renamed (and transposed where the module table says)."""
     if (config.tie_weights and "lm_head.weight" in tensors
             and not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])):
         raise ValueError(f"{source}: config.json says tie_word_embeddings=true but lm_head.weight differs from "

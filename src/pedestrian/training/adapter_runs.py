@@ -1,54 +1,19 @@
-"""A fine-tuning run's record: where its adapter checkpoint is, the fingerprint of the base it was
-trained on, and ``pedestrian finetune --resume`` -- what a resumed run takes from its record and
-from the command line, and the checks that it continues the very run it names (settings, base
-weights; the text is checked by :func:`pedestrian.training.finetune.finetune` once tokenized)."""
+"""``pedestrian finetune --resume``: what a resumed run takes from its record and from the command
+line, and the checks that it continues the very run it names (settings; the base weights,
+:func:`pedestrian.load.adapters_on_base`; the text is checked by
+:func:`pedestrian.training.finetune.finetune` once tokenized)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from ..checkpoint import read_state
+from ..load import HFFolder, adapter_checkpoint_dir, adapters_on_base, check_base
 from .corpus import absolute_path
 from .specs import flag as flag_name
 from .specs import specs
 
-__all__ = ["RESUMABLE", "adapter_checkpoint_dir", "base_fingerprint", "is_train_run", "resumed"]
-
-
-def base_fingerprint(hf_dir) -> dict:
-    """``{"hf_dir", "weights", "sha256"}`` of a base model directory: which weight file holds
-    its tensors (see :func:`pedestrian.interop.hf.open_hf_weights`) and that file's SHA-256, so
-    an adapter can later be matched against the very weights it was trained on."""
-    from ..interop.hf import open_hf_weights
-
-    source = Path(open_hf_weights(hf_dir).source)
-    h = hashlib.sha256()
-    with open(source, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return {"hf_dir": str(Path(hf_dir).expanduser().resolve()), "weights": source.name,
-            "sha256": h.hexdigest()}
-
-
-def adapter_checkpoint_dir(path) -> Path | None:
-    """The adapter-only checkpoint ``path`` stands for, or ``None`` if it is not one.
-
-    Accepts a ``pedestrian finetune`` run folder (its ``adapter/``), the adapter checkpoint
-    folder itself, or one of its files. Never raises for a path that is something else
-    (a full checkpoint, a train run folder, nothing at all): it returns ``None`` then.
-    """
-    p = Path(path).expanduser()
-    if p.is_file():
-        p = p.parent
-    for candidate in (p, p / "adapter"):
-        if (candidate / "state.json").is_file():
-            try:
-                folder, state = read_state(candidate)
-            except (OSError, ValueError):
-                return None
-            return folder if state.get("params") == "lora" else None
-    return None
+__all__ = ["RESUMABLE", "is_train_run", "resumed"]
 
 
 #: what ``--resume`` takes from the command line rather than from the run's record
@@ -80,9 +45,6 @@ def resumed(settings, out: Path, given: frozenset):
     ``given`` taken from ``settings``, a :class:`~pedestrian.training.finetune.FinetuneSettings`) and
     the adapter checkpoint in ``out/adapter``, loaded onto its base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
     resumed. Returns ``(settings, checkpoint, tokenizer, base fingerprint)``."""
-    from ..checkpoint import load_checkpoint
-    from ..interop.hf import load_pretrained
-
     if settings.overwrite:
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if not out.is_dir():
@@ -113,13 +75,10 @@ def resumed(settings, out: Path, given: frozenset):
     saved.hf_dir, saved.data, saved.resume = settings.hf_dir, absolute_path(settings.data), True   # (the base
     #                                                                  may have moved: checked below)
     saved.validate()
-    recorded, base_now = (state.get("base") or {}).get("sha256"), base_fingerprint(saved.hf_dir)
-    if recorded and base_now["sha256"] != recorded:             # (first: the wrong base is the problem)
-        raise ValueError(f"the adapters in {folder} were trained on other weights than those in {saved.hf_dir}; "
-                         "pass the base they were trained on with --hf-dir")
+    base, fix = HFFolder(saved.hf_dir), "pass the base they were trained on with --hf-dir"
+    check_base(folder, state, base, fix)                          # (first: the wrong base is the problem)
     if int(state.get("step", 0)) >= saved.max_steps:
         raise ValueError(f"the run in {out} is at step {state.get('step')}, which already reaches --max-steps "
                          f"{saved.max_steps}; pass a larger --max-steps to fine-tune on")
-    base, tokenizer = load_pretrained(saved.hf_dir, dtype=saved.dtype, backend=saved.backend)
-    ckpt = load_checkpoint(folder, backend=saved.backend, base_model=base)
-    return saved, ckpt, ckpt.tokenizer or tokenizer, base_now
+    ckpt, tokenizer = adapters_on_base(folder, state, base, dtype=saved.dtype, backend=saved.backend, fix=fix)
+    return saved, ckpt, tokenizer, base.fingerprint()

@@ -36,12 +36,10 @@ from pathlib import Path
 from ..model.layout import LORA_LAYER_KINDS
 from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
     POSITIVE_INT, PROBABILITY, add_flags, at_most, check, setting, specs
-from .adapter_runs import adapter_checkpoint_dir, base_fingerprint
+from ..load import LoadedModel, adapter_base, adapter_checkpoint_dir, base_fingerprint, load_finetuned, load_model  # noqa: F401 (their home was here)
 from .settings import memory_plan
 
-__all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "load_finetuned", "load_model", "LoadedModel", "adapter_base",
-           "adapter_checkpoint_dir",
-           "base_fingerprint", "DEFAULT_TARGETS"]
+__all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "DEFAULT_TARGETS"]
 
 log = logging.getLogger("pedestrian.finetune")
 
@@ -195,122 +193,6 @@ class FinetuneResult:
     resume_command: str = ""        #: how to continue this run (after an interrupt, or to more steps)
 
 
-def _adapter_state(adapter_dir) -> tuple[Path, dict]:
-    from ..checkpoint import read_state
-
-    p = Path(adapter_dir).expanduser()
-    if not (p / "state.json").is_file() and (p / "adapter" / "state.json").is_file():
-        p = p / "adapter"
-    folder, state = read_state(p)
-    if state.get("params") != "lora":
-        raise ValueError(f"{folder} is a full checkpoint, not an adapter-only one; use --checkpoint "
-                         "(pedestrian.checkpoint.load_checkpoint) for it")
-    return folder, state
-
-
-def adapter_base(adapter_dir) -> dict:
-    """The base recorded in an adapter-only checkpoint: ``{"config", "hf_dir", "weights",
-    "sha256"}`` (whatever was recorded; see :func:`base_fingerprint`)."""
-    return dict(_adapter_state(adapter_dir)[1].get("base") or {})
-
-
-def load_finetuned(adapter_dir, hf_dir=None, *, dtype: str | None = None, backend: str = "numpy"):
-    """A fine-tuned model: the base model with the adapters of an adapter-only checkpoint.
-
-    Args:
-        adapter_dir: the checkpoint (``RUN/adapter``, or the run folder ``RUN``).
-        hf_dir: the base directory (default: the one recorded in the checkpoint).
-        dtype: default: the checkpoint's.
-
-    Returns:
-        ``(model, tokenizer)``, adapters attached (unmerged), the model in inference mode
-        (``model.training = False``: no dropout on the adapters, as PEFT's
-        ``PeftModel.from_pretrained`` leaves its model); set ``model.training = True`` to train on.
-
-    Raises:
-        FileNotFoundError: no checkpoint or no base directory.
-        ValueError: not an adapter-only checkpoint, or a base whose weights differ from the
-            ones the adapters were trained on (SHA-256 of the weight file) or whose config
-            differs.
-    """
-    from ..checkpoint import load_checkpoint
-    from ..interop.hf import load_pretrained
-
-    folder, state = _adapter_state(adapter_dir)
-    recorded = state.get("base") or {}
-    base_dir = hf_dir if hf_dir is not None else recorded.get("hf_dir")
-    if base_dir is None:
-        raise ValueError(f"{folder} does not record its base model directory; pass --hf-dir BASE_DIR")
-    if hf_dir is None and not (Path(base_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"the base model of the adapters in {folder}, {base_dir}, is gone; "
-                                "pass --hf-dir BASE_DIR (the Hugging Face directory they were "
-                                "trained on)")
-    if recorded.get("sha256"):
-        now = base_fingerprint(base_dir)
-        if now["sha256"] != recorded["sha256"]:
-            raise ValueError(f"the adapters in {folder} were trained on other weights than those in "
-                             f"{base_dir} ({recorded.get('weights')} SHA-256 {recorded['sha256'][:12]}..., "
-                             f"found {now['weights']} {now['sha256'][:12]}...); pass the right base "
-                             "with --hf-dir")
-    model, tokenizer = load_pretrained(base_dir, dtype=dtype or state.get("dtype", "float32"), backend=backend)
-    ckpt = load_checkpoint(folder, backend=backend, base_model=model)
-    ckpt.model.training = False
-    return ckpt.model, ckpt.tokenizer or tokenizer
-
-
-@dataclass
-class LoadedModel:
-    """What :func:`load_model` read: the model, its tokenizer (``None`` if none was saved), the
-    checkpoint folder (``None`` for a Hugging Face directory) and its step, the run's recorded
-    settings (``pedestrian train``'s, or a fine-tune's), and the base directory of a fine-tune
-    (or the Hugging Face directory itself; ``None`` for a full checkpoint)."""
-
-    model: object
-    tokenizer: object
-    path: Path | None = None
-    step: int = 0
-    settings: dict = dataclasses.field(default_factory=dict)
-    base: str | None = None
-
-
-def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backend: str = "numpy",
-               adapters: bool | None = None) -> LoadedModel:
-    """The model a command samples, evaluates or exports: a ``pedestrian train`` checkpoint (or
-    run folder), a ``pedestrian finetune`` run (its base plus the adapters, :func:`load_finetuned`;
-    ``hf_dir`` overrides the recorded base), or a Hugging Face directory ``hf_dir`` alone.
-
-    Args:
-        dtype: default: the checkpoint's, float32 for a Hugging Face directory.
-        adapters: ``True``: ``checkpoint`` must be a fine-tune's (else the error of
-            :func:`load_finetuned`); ``None``: whichever it is.
-
-    Raises:
-        ValueError: neither source given; ``hf_dir`` with a full checkpoint; the errors of
-            :func:`load_finetuned` and :func:`pedestrian.checkpoint.load_checkpoint`.
-    """
-    from ..checkpoint import load_checkpoint
-    from ..interop.hf import load_pretrained
-
-    if checkpoint is None:
-        if hf_dir is None:
-            raise ValueError("pass a checkpoint (a train or finetune run: sample's --checkpoint CKPT, eval's CKPT) "
-                             "or --hf-dir DIR (a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory)")
-        model, tokenizer = load_pretrained(hf_dir, dtype=dtype or "float32", backend=backend)
-        return LoadedModel(model, tokenizer, base=str(hf_dir))
-    adapter = checkpoint if adapters else adapter_checkpoint_dir(checkpoint)
-    if adapter is None:
-        if hf_dir is not None:
-            raise ValueError(f"--hf-dir names the base model of a fine-tune run; {checkpoint} is not one, "
-                             "so leave --hf-dir out")
-        ckpt = load_checkpoint(checkpoint, backend=backend, dtype=dtype)
-        return LoadedModel(ckpt.model, ckpt.tokenizer, ckpt.path, ckpt.step, ckpt.meta.get("settings") or {})
-    model, tokenizer = load_finetuned(adapter, hf_dir, dtype=dtype, backend=backend)
-    folder, state = _adapter_state(adapter)
-    return LoadedModel(model, tokenizer, folder, int(state.get("step", 0)),
-                       (state.get("meta") or {}).get("finetune") or {},
-                       hf_dir or (state.get("base") or {}).get("hf_dir"))
-
-
 def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     """Run a LoRA fine-tuning job with the loop of ``pedestrian train`` (:mod:`pedestrian.training.loop`:
     the same step, non-finite rule, validation, checkpoints and ``Ctrl-C`` handling); see the
@@ -338,7 +220,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
         WriteError (an ``OSError``): a file of the run cannot be written (no space, no
             permission, read-only, ...); the message names the last adapter checkpoint saved.
     """
-    from ..interop.hf import load_pretrained
+    from ..interop.hf import HFFolder
     from ..interop.peft import save_peft_adapter
     from ..model.finite import finite_or_none
     from .corpus import absolute_path, data_fingerprint, prepare_data
@@ -368,7 +250,9 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
                          "pass --overwrite")
     else:
         settings = dataclasses.replace(settings, data=absolute_path(settings.data))   # (recorded so)
-        model, tokenizer = load_pretrained(settings.hf_dir, dtype=settings.dtype, backend=settings.backend)
+        folder = HFFolder(settings.hf_dir)
+        tokenizer = folder.tokenizer()                 # cheap: fail before reading the weights
+        model = folder.model(dtype=settings.dtype, backend=settings.backend)
     T = settings.window(model)
     _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
     data_sha = data_fingerprint(train_tokens, val_tokens)
@@ -380,7 +264,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     else:
         model.add_lora(settings.lora_targets, settings.lora_rank, settings.lora_alpha, seed=settings.seed,
                        dropout=settings.lora_dropout, freeze_base=True)
-    base = base or base_fingerprint(settings.hf_dir)              # (a resume has hashed it already)
+    base = base or folder.fingerprint()                           # (a resume has hashed it already)
     n_train, n_total = model.num_params(trainable_only=True), model.num_params()
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "

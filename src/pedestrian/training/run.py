@@ -384,7 +384,7 @@ def final_samples(out, n: int = 2, chars: int = 200) -> tuple[Path, list[str]]:
     in ``out`` -- its ``best`` checkpoint, else ``latest`` -- as ``pedestrian train`` prints them
     at the end: temperature 0.8, top-k 40, seed 0 (:func:`pedestrian.generation.generate.generate`),
     each started from ``<|endoftext|>`` (a BPE tokenizer's) or a newline."""
-    from ..generation.generate import generate
+    from ..generation.generate import Sampling, generate
 
     out = Path(out)
     folder = out / "best" if (out / "best" / "state.json").is_file() else out / "latest"
@@ -399,7 +399,7 @@ def final_samples(out, n: int = 2, chars: int = 200) -> tuple[Path, list[str]]:
             start = 0
     per_token = 1 if tok.to_dict().get("kind") == "char" else 3       # BPE: ~3-4 characters a token
     ids = generate(model, np.full((n, 1), start, dtype=np.int64), max(1, chars // per_token),
-                   temperature=0.8, top_k=min(40, model.config.vocab_size), seed=0)
+                   Sampling(temperature=0.8, top_k=min(40, model.config.vocab_size), seed=0))
     texts = [tok.decode([int(t) for t in row[1:] if int(t) != start or per_token == 1])[:chars].strip()
              for row in ids]
     return folder, texts
