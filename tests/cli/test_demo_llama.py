@@ -20,6 +20,7 @@ import pytest
 
 from pedestrian.cli import main
 from pedestrian.paper.demo import demo_model
+from cli_helpers import break_norm_backward
 from test_demo_autograd import key_of
 from torch_reference import delta_names, param_shapes, reference_loss_and_grads
 
@@ -107,17 +108,7 @@ def test_the_oracle_sees_the_llama_layers(llama, change):
 
 
 def test_a_wrong_rmsnorm_backward_fails_its_lines(monkeypatch, llama):
-    import pedestrian.kernels as fast
-
-    real = fast.rmsnorm_backward
-
-    def wrong(delta, cache, *, dweight=None):
-        out = real(delta, cache, dweight=dweight)
-        if dweight is not None:
-            dweight *= 1.001
-        return out
-
-    monkeypatch.setattr(fast, "rmsnorm_backward", wrong)
+    break_norm_backward(monkeypatch, "rmsnorm")
     status, out = run("--check", "autograd", "--kernels", "fast")
     assert status == 1
     failing = sorted(key_of(r) for r in lines_of(out, "autograd") if r.endswith("<- FAILED"))

@@ -32,18 +32,25 @@ def one_line_error(capsys) -> str:
 
 def break_layernorm_backward(monkeypatch) -> None:
     """Make the fast layer-norm backward wrong by 0.1 % in ``dw`` (a gradient the demo's checks
-    must catch)."""
+    must catch): both entries of the kernel table that run it, the norm alone and the skip fused
+    in front of it (``add_layernorm_backward``)."""
+    break_norm_backward(monkeypatch, "layernorm")
+
+
+def break_norm_backward(monkeypatch, norm: str) -> None:
+    """``dweight`` of the fast ``<norm>_backward`` and ``add_<norm>_backward`` times 1.001."""
     import pedestrian.kernels as fast
 
-    real = fast.layernorm_backward
+    def wrong(real):
+        def call(*args, dweight=None, **kwargs):
+            out = real(*args, dweight=dweight, **kwargs)
+            if dweight is not None:
+                dweight *= 1.001
+            return out
+        return call
 
-    def wrong(delta, cache, *, dweight=None, dbias=None):
-        out = real(delta, cache, dweight=dweight, dbias=dbias)
-        if dweight is not None:
-            dweight *= 1.001
-        return out
-
-    monkeypatch.setattr(fast, "layernorm_backward", wrong)
+    for name in (f"{norm}_backward", f"add_{norm}_backward"):
+        monkeypatch.setattr(fast, name, wrong(getattr(fast, name)))
 
 
 def ctrl_c_at_step(monkeypatch, n: int) -> None:
