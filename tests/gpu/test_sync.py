@@ -29,7 +29,8 @@ torch = pytest.importorskip("torch")
 from pedestrian import GPT  # noqa: E402
 from pedestrian.config import GPTConfig  # noqa: E402
 from pedestrian.kernels import kernels_for  # noqa: E402
-from pedestrian.layers.checks import check_ids, deferred_checks  # noqa: E402
+from pedestrian.layers.checks import check_ids  # noqa: E402
+from pedestrian.model.device_checks import deferred_checks  # noqa: E402
 from pedestrian.training import TrainingError, train_step  # noqa: E402
 from pedestrian.training.optim import AdamW, clip_grad_norm, global_grad_norm, squared_sums  # noqa: E402
 from pedestrian.training.step import skip_reason  # noqa: E402

@@ -42,7 +42,7 @@ On a device (a model whose chain runs on torch tensors: ``backend="torch"`` on a
 reference layers), a step waits for the device once: the forwards and backwards of its
 micro-batches, the accumulation and the sums of squares of the gradient norm are queued with
 nothing read, their input checks kept as flags on the device
-(:func:`~pedestrian.layers.checks.deferred_checks`: the token and target ids, and -- for targets
+(:func:`~pedestrian.model.device_checks.deferred_checks`: the token and target ids, and -- for targets
 given as tensors -- whether any counts); then the loss, the sums of squares and one flag of every
 check come to the host together, as one small tensor (:func:`_read_step`). A set flag raises the
 error the check raises at once elsewhere (same text, value and position, found again on the host)
@@ -58,7 +58,7 @@ import math
 import numpy as np
 
 from ..backend import is_torch_array
-from ..layers.checks import deferred_checks
+from ..model.device_checks import deferred_checks
 from ..model.finite import non_finite_counts, non_finite_report
 from .distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
@@ -155,7 +155,7 @@ def _read_step(total, groups, flags) -> tuple[float, list[float]]:
     """The step's one read from the device: its summed loss (float64 on the device), each
     gradient buffer's ``Σ g²`` (:func:`~pedestrian.training.optim.squared_sums`) and whether any
     check's flag is set, as one float64 tensor brought to the host. A set flag raises the first
-    failing check's error (:meth:`~pedestrian.layers.checks.DeviceFlags.raise_first`).
+    failing check's error (:meth:`~pedestrian.model.device_checks.DeviceFlags.raise_first`).
 
     Returns:
         ``(loss, sums)``: the loss and the sums of squares as Python floats.
