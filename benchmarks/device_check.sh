@@ -11,7 +11,7 @@
 #
 #   benchmarks/device_check.sh             # on a GPU
 #   benchmarks/device_check.sh --dry-run   # anywhere: the same steps on the CPU, the Triton
-#                                          # kernels under the interpreter, tiny shapes (~1 minute)
+#                                          # kernels under the interpreter, tiny shapes (~3 minutes)
 #
 # PYTHON picks the interpreter (default: python3); the log and the benchmark's files go to
 # benchmarks/results/ (or to $OUT when it is set, as on a lent machine). Exit status: the first
