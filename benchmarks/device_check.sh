@@ -2,13 +2,16 @@
 # The prepared device check of issue 45 (under 8 minutes on one H100 or H200):
 #   1. the GPU tests with the Triton kernels compiled (tests/gpu without TRITON_INTERPRET) and the
 #      float64 gradient grid on the device (tests/system/test_on_device.py);
-#   2. the GPU benchmark (benchmarks/bench_gpu.py): pedestrian, PyTorch eager and torch.compile at
+#   2. a step's host synchronisations (benchmarks/count_syncs.py: torch.cuda.set_sync_debug_mode
+#      "warn" around train_step, each synchronisation counted with its place; one a step expected),
+#      written to syncs_<card>.json;
+#   3. the GPU benchmark (benchmarks/bench_gpu.py): pedestrian, PyTorch eager and torch.compile at
 #      char-small 12x64, gpt2-124M 8x1024, SmolLM2-135M's shape 4x2048, float32; its JSON and
 #      Markdown table, and the bench:gpu table of docs/performance.md.
 #
 #   benchmarks/device_check.sh             # on a GPU
 #   benchmarks/device_check.sh --dry-run   # anywhere: the same steps on the CPU, the Triton
-#                                          # kernels under the interpreter, tiny shapes (~1 minute)
+#                                          # kernels under the interpreter, tiny shapes (~3 minutes)
 #
 # PYTHON picks the interpreter (default: python3); the log and the benchmark's files go to
 # benchmarks/results/ (or to $OUT when it is set, as on a lent machine). Exit status: the first
@@ -44,6 +47,7 @@ print(f"device check: {card}; torch {torch.__version__}; triton {tv}; Python {pl
 PYEOF
 if [ $DRY -eq 1 ]; then
     step tests env TRITON_INTERPRET=1 "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu tests/system/test_on_device.py
+    step syncs "$PY" benchmarks/count_syncs.py --dry-run --out "$DEST"
     step bench "$PY" benchmarks/bench_gpu.py --dry-run --out "$DEST"
 else
     if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -51,6 +55,7 @@ else
         exit 2
     fi
     step tests env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/system/test_on_device.py
+    step syncs env -u TRITON_INTERPRET "$PY" benchmarks/count_syncs.py --out "$DEST"
     step bench env -u TRITON_INTERPRET "$PY" benchmarks/bench_gpu.py --out "$DEST"
     if [ "$DEST" != "benchmarks/results" ] && [ -f docs/performance.md ]; then
         cp docs/performance.md "$DEST/performance.md"      # with its refreshed bench:gpu table

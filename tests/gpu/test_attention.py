@@ -64,6 +64,19 @@ def _sizes(T: int, block_m: int, block_n: int) -> tuple:
     return T + 37, max(16, block_m), max(16, block_n)
 
 
+def _forward(qkv, *args, block_m=None, block_n=None, **kwargs):
+    """The kernel's forward with tiles of ``block_m`` query rows, ``block_n`` key columns (set as
+    :data:`pedestrian.gpu.attention.TILES` for the call; ``None``: the default's)."""
+    before = gpu.TILES
+    if block_m is not None or block_n is not None:
+        bm, bn = gpu.default_tiles(args[1], args[2], qkv.dtype)
+        gpu.TILES = (bm if block_m is None else block_m, bn if block_n is None else block_n)
+    try:
+        return gpu.multi_head_attention_forward(qkv, *args, **kwargs)
+    finally:
+        gpu.TILES = before
+
+
 def _qkv(B, T, H, KV, d_qk, d_head, dtype, seed, shift=0.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, H * d_qk + KV * (d_qk + d_head), generator=g, dtype=torch.float64) + shift
@@ -172,7 +185,7 @@ def test_forward_and_backward_match_the_reference(case, dtype):
     T, bm, bn = _sizes(T, bm, bn)
     qkv = _qkv(B, T, H, KV, d_qk, d_head, dtype, seed=sum(case[:6]))
     delta = _delta(B, T, H, d_head, dtype, seed=7)
-    a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=causal, n_kv_heads=KV,
+    a3, cache = _forward(qkv, H, d_qk, d_head, causal=causal, n_kv_heads=KV,
                                                  block_m=bm, block_n=bn)
     d_qkv, kept = gpu.multi_head_attention_backward(delta, cache)
     assert a3.dtype == dtype and d_qkv.dtype == dtype and d_qkv.shape == qkv.shape and kept is None
@@ -203,7 +216,7 @@ def test_against_autograd_in_float64():
     T, bm, bn = _sizes(T, 4, 8)
     qkv = _qkv(B, T, H, KV, d_qk, d_head, torch.float64, seed=11)
     delta = _delta(B, T, H, d_head, torch.float64, seed=12)
-    a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, causal=True, n_kv_heads=KV,
+    a3, cache = _forward(qkv, H, d_qk, d_head, causal=True, n_kv_heads=KV,
                                                  block_m=bm, block_n=bn)
     d_qkv, _ = gpu.multi_head_attention_backward(delta, cache)
     x = qkv.detach().clone().requires_grad_(True)
@@ -230,13 +243,13 @@ def test_a_loss_at_t_sends_exactly_zero_to_later_positions(dtype):
     for t in (0, 5, T - 2):
         delta = torch.zeros(B, T, H * d_head, dtype=dtype, device=DEVICE)
         delta[:, t] = _delta(B, 1, H, d_head, dtype, seed=t)[:, 0]
-        a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
+        a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
         d_qkv, _ = gpu.multi_head_attention_backward(delta, cache)
         assert torch.count_nonzero(d_qkv[:, t + 1:]) == 0, f"a loss at {t} reached a later position"
         assert torch.count_nonzero(d_qkv[:, t]) > 0                          # (the test can fail)
         later = qkv.clone()
         later[:, t + 1:] = _qkv(B, T - t - 1, H, KV, d_qk, d_head, dtype, seed=99 + t)
-        changed, _ = gpu.multi_head_attention_forward(later, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
+        changed, _ = _forward(later, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
         assert torch.equal(changed[:, :t + 1], a3[:, :t + 1])
         assert not torch.equal(changed[:, t + 1:], a3[:, t + 1:])
 
@@ -250,7 +263,7 @@ def test_two_runs_are_bitwise_equal(dtype):
     delta = _delta(B, T, H, d_head, dtype, seed=22)
     runs = []
     for _ in range(2):
-        a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
+        a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
         runs.append((a3, gpu.multi_head_attention_backward(delta, cache)[0]))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
@@ -263,7 +276,7 @@ def test_weights_and_delta_causal_on_request_from_the_tiled_loop():
     T, bm, bn = _sizes(T, 4, 8)
     qkv = _qkv(B, T, H, KV, d_qk, d_head, torch.float64, seed=31)
     delta = _delta(B, T, H, d_head, torch.float64, seed=32)
-    a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
+    a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn)
     ref_a3, ref_cache = layers.multi_head_attention_forward(qkv.cpu(), H, d_qk, d_head, n_kv_heads=KV)
     ref_d, ref_causal = layers.multi_head_attention_backward(delta.cpu(), ref_cache, keep_delta_causal=True)
     p = gpu.attention_weights(cache)
@@ -284,7 +297,7 @@ def test_unsupported_calls_run_the_existing_path(monkeypatch):
     cache_k = torch.zeros(B, KV, 8, d_qk, dtype=torch.float64)
     cache_v = torch.zeros(B, KV, 8, d_head, dtype=torch.float64)
     block = layers.KVBlock(cache_k, cache_v, 0)
-    a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, kv_cache=block, n_kv_heads=KV)
+    a3, cache = _forward(qkv, H, d_qk, d_head, kv_cache=block, n_kv_heads=KV)
     want, _ = layers.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV)
     torch.testing.assert_close(a3, want, rtol=0, atol=1e-14)
     assert not cache.get("gpu_flash") and torch.equal(cache_k[:, :, :T], _heads(qkv[..., H * d_qk:(H + KV) * d_qk], KV))
@@ -296,7 +309,7 @@ def test_unsupported_calls_run_the_existing_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if not CUDA:
         assert not gpu.supported(qkv, d_qk, d_head)
-        a3, cache = gpu.multi_head_attention_forward(qkv, H, d_qk, d_head, n_kv_heads=KV)
+        a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV)
         assert not cache.get("gpu_flash")
         delta = torch.ones_like(a3)
         d_qkv, _ = gpu.multi_head_attention_backward(delta, cache)
@@ -309,8 +322,8 @@ def test_unsupported_calls_run_the_existing_path(monkeypatch):
 def test_bad_arguments_are_named():
     qkv = _qkv(1, 5, 2, 1, 8, 8, torch.float32, seed=51)
     with pytest.raises(ValueError, match="block_m=6 must be a power of two"):
-        gpu.multi_head_attention_forward(qkv, 2, 8, 8, n_kv_heads=1, block_m=6)
+        _forward(qkv, 2, 8, 8, n_kv_heads=1, block_m=6)
     with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=2"):
-        gpu.multi_head_attention_forward(qkv, 2, 8, 8, n_kv_heads=3)
+        _forward(qkv, 2, 8, 8, n_kv_heads=3)
     with pytest.raises(ValueError, match="qkv has 32 columns"):
-        gpu.multi_head_attention_forward(qkv, 2, 8, 8, n_kv_heads=2)
+        _forward(qkv, 2, 8, 8, n_kv_heads=2)

@@ -29,9 +29,10 @@ torch = pytest.importorskip("torch")
 from pedestrian import GPT  # noqa: E402
 from pedestrian.config import GPTConfig  # noqa: E402
 from pedestrian.kernels import kernels_for  # noqa: E402
-from pedestrian.layers.checks import check_ids, deferred_checks  # noqa: E402
+from pedestrian.layers.checks import check_ids  # noqa: E402
+from pedestrian.model.device_checks import deferred_checks  # noqa: E402
 from pedestrian.training import TrainingError, train_step  # noqa: E402
-from pedestrian.training.optim import AdamW, clip_grad_norm, global_grad_norm, squared_sums  # noqa: E402
+from pedestrian.training.optim import AdamW, clip_grad_norm, clip_scale, global_grad_norm, squared_sums  # noqa: E402
 from pedestrian.training.step import skip_reason  # noqa: E402
 
 V = 11
@@ -273,9 +274,78 @@ def test_on_a_gpu_the_step_synchronises_nowhere_but_its_read(case):
             n_total = (y != -100).sum()
             model.loss(x, y, n_total=n_total, read=False)
             model.backward()
-            squared_sums([g.grads for g in opt.groups])
+            sums = squared_sums([g.grads for g in opt.groups])
             flags.any()
-        clip_grad_norm(opt.groups, 1.0, norm=2.0)
+        clip_grad_norm(opt.groups, 1.0, norm=2.0)               # the fallback's pass over g
         opt.step(1e-2, grad_norm=1.0)
+        opt.step(1e-2, grad_norm=1.0, grad_scale=clip_scale(sums, 1.0))   # the kernel clipping: train_step's
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+# --------------------------------------------------------------------------- clipping inside the AdamW kernel
+def test_a_step_clips_inside_the_adamw_kernel_as_clip_then_step_does(monkeypatch):
+    """Where the update is the GPU's Triton pass (here under the interpreter: ``kernel_pass``
+    made true for CPU tensors), train_step computes the clipping scale on the device from the
+    unread sums of squares and the kernel applies it as it reads the gradient: the gradient
+    buffer is left unscaled, no read is added before the update, and the parameters and moments
+    equal those of the reference order (clip_grad_norm's pass over g, then the kernel with
+    scale 1).
+
+    Bound: the two scales come from the same float64 sums (one buffer: the same sum, root and
+    quotient), so they differ at most by the rounding of a float64 scale to the dtype, one ulp
+    of the dtype: ``δ ≤ eps`` relative. The kernel then reads ``s·g`` rounded once on both sides;
+    ``m = (1 − β1)·sg`` moves by ``δ`` relative plus two roundings on each side, ``v = (1 − β2)(sg)²``
+    by ``2δ`` plus three, the update ``step·m/(√v + ε)`` by ``δ + δ`` (numerator and √ of the
+    denominator) plus four, and ``θ·decay − update`` rounds twice more:
+    ``|Δθ| ≤ (2 + 2·4)·eps·|update| + 2·eps·|θ|``, ``|Δm| ≤ (1 + 2·2)·eps·|m|``, ``|Δv| ≤ (2 + 2·3)·eps·|v|``."""
+    from pedestrian.gpu import adamw as gpu_adamw
+
+    monkeypatch.setattr(AdamW, "kernel_pass", lambda self: True)
+    scales = []
+    real = gpu_adamw.adamw_update
+    monkeypatch.setattr(gpu_adamw, "adamw_update",
+                        lambda *a, grad_scale=1.0: scales.append(grad_scale) or real(*a, grad_scale=grad_scale))
+    model, twin = _model("gpt2"), _model("gpt2")
+    opt, twin_opt = AdamW(model, lr=1e-2, weight_decay=0.1), AdamW(twin, lr=1e-2, weight_decay=0.1)
+    batches = _batches(1)
+    theta = opt.groups[0].params.clone()
+    loss, norm = train_step(model, opt, batches, 1e-2, grad_clip=0.05)
+    assert norm > 0.05 * 2                                           # the clipping is active
+    assert len(scales) == 2 and all(torch.is_tensor(s) and s.shape == () for s in scales)   # decayed, not
+    assert float(scales[0]) == pytest.approx(0.05 / (norm + 1e-6), rel=1e-12)
+    assert global_grad_norm([opt.groups[0].grads]) == norm           # g read scaled, never written
+
+    (x, y), = batches
+    twin.loss(x, y, n_total=int((y != -100).sum()))
+    twin.backward()
+    want_norm = global_grad_norm([twin_opt.groups[0].grads])
+    assert want_norm == norm
+    clip_grad_norm(twin_opt.groups, 0.05, norm=want_norm)
+    twin_opt.step(1e-2, grad_norm=want_norm * min(1.0, 0.05 / (want_norm + 1e-6)))
+    assert all(s == 1.0 for s in scales[2:])                         # (the reference order: scale 1)
+
+    e = float(torch.finfo(theta.dtype).eps)
+    got_p, want_p = opt.groups[0].params.double(), twin_opt.groups[0].params.double()
+    update = (theta.double() * (1 - 1e-2 * 0.1) - want_p).abs()       # |update| (decay aside: no decay
+    for got, want, tol in ((got_p, want_p, 10 * e * update + 2 * e * theta.double().abs() + 1e-30),
+                           (opt.m[0].double(), twin_opt.m[0].double(), 5 * e * twin_opt.m[0].double().abs()),
+                           (opt.v[0].double(), twin_opt.v[0].double(), 8 * e * twin_opt.v[0].double().abs())):
+        assert bool(((got - want).abs() <= tol).all()), float(((got - want).abs() - tol).max())
+
+
+def test_the_clipping_scale_is_computed_on_the_device_unread():
+    """clip_scale: ``min(1, c / (√Σ s + 1e-6))`` from 0-d tensors, no read; 1 when no clipping is due."""
+    sums = [torch.tensor(9.0, dtype=torch.float32), torch.tensor(16.0, dtype=torch.float64)]
+    with host_reads() as reads:
+        small, large = clip_scale(sums, 1.0), clip_scale(sums, 100.0)
+    assert reads == [] and small.shape == () and small.dtype == torch.float64
+    assert float(small) == 1.0 / (5.0 + 1e-6) and float(large) == 1.0
+
+
+def test_a_grad_scale_without_the_kernel_is_refused():
+    model = _model("gpt2")
+    opt = AdamW(model, lr=1e-2)
+    with pytest.raises(ValueError, match="needs the GPU's AdamW kernel"):
+        opt.step(1e-2, grad_norm=1.0, grad_scale=0.5)
+    assert opt.step_count == 0

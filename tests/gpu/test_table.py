@@ -1,5 +1,6 @@
 """The GPU table itself (:mod:`pedestrian.gpu`): every kernel it names is a contract function
-with the reference's signature; the rest of the table is the fallback's; ``import pedestrian``
+with the reference's exact signature (names, kinds, defaults, annotations: tuning knobs such as
+the attention's tiles live beside it, :data:`pedestrian.gpu.attention.TILES`); the rest of the table is the fallback's; ``import pedestrian``
 imports no Triton; a table on CPU tensors needs the interpreter."""
 
 from __future__ import annotations
@@ -25,18 +26,11 @@ def test_every_gpu_kernel_is_a_contract_function_with_the_reference_signature():
         f = getattr(t, name)
         if name in gpu.GPU_KERNELS:
             assert f.__module__.startswith("pedestrian.gpu."), name
-            assert _calls(f) == _calls(getattr(layers, name)), name
+            assert inspect.signature(f) == inspect.signature(getattr(layers, name)), \
+                (name, inspect.signature(f), inspect.signature(getattr(layers, name)))
         else:
             assert f is getattr(fallback, name), name
     assert t.name == "fast"
-
-
-def _calls(function):
-    """How a function is called: its parameters' names, kinds and defaults (not annotations), less
-    keyword-only tile sizes ``block_*=None`` the reference lacks (the attention's tuning knobs)."""
-    params = inspect.signature(function).parameters.values()
-    return [(p.name, p.kind, p.default) for p in params
-            if not (p.kind is p.KEYWORD_ONLY and p.name.startswith("block_") and p.default is None)]
 
 
 def test_importing_pedestrian_imports_no_triton():

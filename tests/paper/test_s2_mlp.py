@@ -202,3 +202,44 @@ def test_skip_addition_and_its_backward(K, rng):
     out, grads = autograd(lambda x: x + (x @ torch.as_tensor(W) + torch.as_tensor(b)), {"x": x}, upstream=R)
     assert_autograd_close(y, out, "x + f(x)")
     assert_autograd_close(d_x, grads["x"], "Δ at the skip's input")
+
+
+# =========================================================================== expand layer + activation, one call
+@kernels_param()
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_linear_activation_matches_autograd(K, name, bias, rng):
+    """``a8 = g(a6 W + b)`` (linear_activation_forward) and its backward (``Δ6``, ``Δ7``, ``dW``,
+    ``db``) against autograd; ``Δ7`` against autograd's gradient at ``a7``."""
+    x, W, b, _ = linear_case(rng, bias)
+    R = rng.standard_normal((2, 3, 5))
+    (a7, a8), cache = K.linear_activation_forward(x, W, b, name)
+    dW, db = np.full_like(W, np.nan), np.full(W.shape[1], np.nan)
+    d6, d7 = K.linear_activation_backward(R, cache, W, name, dweight=dW, dbias=db if bias else None)
+    inputs = {"x": x, "W": W} | ({"b": b} if bias else {})
+    out, grads = autograd(lambda x, W, b=None: ACTIVATIONS[name](x @ W + (0 if b is None else b)), inputs, upstream=R)
+    assert_autograd_close(a8, out, f"{name}(x W + b)")
+    assert_autograd_close(a7, x @ W + (0 if b is None else b), "a7")
+    _, at_a7 = autograd(lambda z: ACTIVATIONS[name](z), {"z": np.asarray(a7)}, upstream=R)
+    assert_autograd_close(d7, at_a7["z"], "Δ7")
+    assert_autograd_close(d6, grads["x"], "Δ6")
+    assert_autograd_close(dW, grads["W"], "∂L/∂W")
+    if bias:
+        assert_autograd_close(db, grads["b"], "∂L/∂b")
+    else:
+        assert np.all(np.isnan(db))                            # dbias=None: nothing written
+
+
+@kernels_param()
+def test_linear_activation_matches_finite_differences(K, rng):
+    x, W, b, _ = linear_case(rng)
+    R = 0.5 * rng.standard_normal((2, 3, 5))
+
+    def f():
+        return projection(K.linear_activation_forward(x, W, b, "gelu_tanh")[0][1], R)
+
+    dW, db = np.zeros_like(W), np.zeros_like(b)
+    d6, _ = K.linear_activation_backward(R, K.linear_activation_forward(x, W, b, "gelu_tanh")[1], W, "gelu_tanh",
+                                         dweight=dW, dbias=db)
+    for what, analytic, arr in (("W", dW, W), ("b", db, b), ("x", d6, x)):
+        assert_fd_close(analytic, numerical_grad(f, arr), f"linear_activation.{what}")

@@ -78,19 +78,32 @@ def test_a_non_finite_block_gradient_stops_the_step_naming_the_block(monkeypatch
     model = GPT(GPTConfig(**SMALL), seed=2, dtype="float64")
     optimizer = AdamW(model, lr=1e-2)
     before = {k: v.copy() for k, v in model.params.items()}
-    calls, real = [], model.kernels.layernorm_backward
+    # The chain calls a layer norm's backward in two ways: the final norm alone
+    # (layernorm_backward), each block's two norms with the skip they feed (add_layernorm_backward).
+    # Both are spied on, one count of norm backwards in the order the chain makes them.
+    calls, real, real_add = [], model.kernels.layernorm_backward, model.kernels.add_layernorm_backward
 
-    def broken(delta, cache, *, dweight=None, dbias=None):
-        out = real(delta, cache, dweight=dweight, dbias=dbias)
+    def spoil(dweight) -> None:
         calls.append(1)
         if len(calls) == 4:                 # final norm, block 2's two, then block 1's second norm
             dweight[0] = np.nan
+
+    def broken(delta, cache, *, dweight=None, dbias=None):
+        out = real(delta, cache, dweight=dweight, dbias=dbias)
+        spoil(dweight)
+        return out
+
+    def broken_add(delta, cache, delta_skip, *, dweight=None, dbias=None):
+        out = real_add(delta, cache, delta_skip, dweight=dweight, dbias=dbias)
+        spoil(dweight)
         return out
 
     monkeypatch.setattr(model.kernels, "layernorm_backward", broken)
+    monkeypatch.setattr(model.kernels, "add_layernorm_backward", broken_add)
     x = np.random.default_rng(0).integers(0, 31, (2, 40))
     with pytest.raises(NonFiniteError, match=r"gradient of blocks\.1 .*blocks after it were updated"):
         blockwise_step(model, optimizer, [(x, x)], 1e-2)
+    assert len(calls) == 5                  # block 1 finished, then the step stopped: block 0 never ran
     changed = {k for k in before if not np.array_equal(before[k], model.params[k])}
     assert changed and all(k.startswith("blocks.2.") for k in changed)
 

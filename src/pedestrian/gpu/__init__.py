@@ -45,6 +45,8 @@ GPU_KERNELS = {
     "attention_weights": "attention:attention_weights",
     "activation_forward": "activations:activation_forward",
     "activation_backward": "activations:activation_backward",
+    "linear_activation_forward": "activations:linear_activation_forward",
+    "linear_activation_backward": "activations:linear_activation_backward",
     "swiglu_forward": "swiglu:swiglu_forward",
     "swiglu_backward": "swiglu:swiglu_backward",
     "rope_forward": "rope:rope_forward",

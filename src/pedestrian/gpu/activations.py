@@ -7,6 +7,13 @@ One elementwise kernel per direction, the activation a compile-time switch: the 
 GELU tanh is written as ``½(1 + tanh u) = σ(2u)`` (Triton's interpreter has no ``tanh``, and ``σ``
 from ``e^{−|z|}`` has no cancellation: :func:`sigmoid_pair`), with ``1 − tanh² u = 4 σ(2u) σ(−2u)``.
 The tails follow the reference: ``g(−∞) = 0``, ``g'(−∞) = 0``, ``g'(∞) = 1``, NaN stays NaN.
+
+The MLP's expand layer and its activation (:func:`linear_activation_forward`): the product
+without its bias on cuBLAS, then one pass that reads the product and the bias and writes
+``a7 = x W + b`` (over the product) and ``a8 = g(a7)``; backward, one pass that reads ``Δ8`` and
+``a7``, writes ``Δ7 = Δ8 ∘ g'(a7)`` and each program's column sums of ``Δ7`` over its
+:data:`~.common.ROWS` rows (the bias gradient's partials, summed in a fixed order afterwards: no
+atomics), then the two products ``dW = a6ᵀ Δ7`` and ``Δ6 = Δ7 Wᵀ`` on cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ import triton.language as tl
 
 from ..layers.activations import ACTIVATIONS, SILU_SATURATE, check_activation
 from ..layers.checks import check_float
-from .common import ELEMENTS, flat, programs
+from .common import ELEMENTS, ROWS, flat, programs, rows, write_sum
+
+#: columns one program of the bias backward covers (its partial column sums)
+COLUMNS = 128
 
 @triton.jit
 def sigmoid_pair(z):
@@ -87,6 +97,38 @@ def _backward_kernel(DY, X, DX, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DX + offs, dy * activation_slope(x, KIND), mask=mask)
 
 
+@triton.jit
+def _bias_forward_kernel(P, B, A7, A8, n, d, HAS_B: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """``a7 = p + b`` (``b`` the row's bias, column ``i mod d``), ``a8 = g(a7)`` over ``BLOCK`` elements."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a7 = tl.load(P + offs, mask=mask, other=0.0)
+    if HAS_B:
+        a7 = a7 + tl.load(B + offs % d, mask=mask, other=0.0)
+        tl.store(A7 + offs, a7, mask=mask)
+    tl.store(A8 + offs, activation_value(a7, KIND), mask=mask)
+
+
+@triton.jit
+def _bias_backward_kernel(DY, A7, DX, DB, n_rows, d, HAS_DB: tl.constexpr, KIND: tl.constexpr,
+                          ROWS_PER: tl.constexpr, BLOCK: tl.constexpr):
+    """``Δ7 = Δ8 ∘ g'(a7)`` on ``ROWS_PER`` rows × ``BLOCK`` columns; their column sums into row
+    ``program_id(0)`` of ``DB`` (in row order)."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < d
+    db = tl.zeros([BLOCK], dtype=DY.dtype.element_ty)
+    for i in range(ROWS_PER):
+        row = tl.program_id(0) * ROWS_PER + i
+        mask = in_row & (cols * 0 + row < n_rows)          # (a block: the interpreter refuses block & scalar)
+        dy = tl.load(DY + row * d + cols, mask=mask, other=0.0)
+        a7 = tl.load(A7 + row * d + cols, mask=mask, other=0.0)
+        dx = dy * activation_slope(a7, KIND)
+        tl.store(DX + row * d + cols, dx, mask=mask)
+        db += tl.where(mask, dx, 0.0)
+    if HAS_DB:
+        tl.store(DB + tl.program_id(0) * d + cols, db, mask=in_row)
+
+
 #: the kernels' ``KIND`` of each name, and the SiLU clip they write as a literal (tests/gpu check it)
 KINDS = {name: k for k, name in enumerate(ACTIVATIONS)}
 SATURATE = SILU_SATURATE
@@ -117,3 +159,41 @@ def activation_backward(delta, cache, name: str):
     _backward_kernel[(programs(dy.numel(), ELEMENTS),)](dy, x1, dx, dy.numel(), KIND=KINDS[name],
                                                         BLOCK=ELEMENTS)
     return dx.reshape(delta.shape)
+
+
+def linear_activation_forward(x, weight, bias, name: str):
+    """``a7 = a6 W + b``, ``a8 = g(a7)``: the product ``a6 W`` on cuBLAS, then one pass for ``+ b`` and ``g``.
+
+    GPU :func:`pedestrian.layers.activations.linear_activation_forward` (same arguments, results,
+    cache ``(x, a7)``)."""
+    check_activation(name)
+    check_float(x, "the linear layer's input")
+    a7 = rows(x) @ weight                                                   # (N, f_out), bias not yet added
+    a8 = torch.empty_like(a7)
+    _bias_forward_kernel[(programs(a7.numel(), ELEMENTS),)](
+        a7, a7 if bias is None else bias, a7, a8, a7.numel(), a7.shape[1], HAS_B=bias is not None,
+        KIND=KINDS[name], BLOCK=ELEMENTS)
+    shape = (*x.shape[:-1], a7.shape[1])
+    a7 = a7.reshape(shape)
+    return (a7, a8.reshape(shape)), (x, a7)
+
+
+def linear_activation_backward(delta, cache, weight, name: str, *, dweight=None, dbias=None):
+    """``Δ7 = Δ8 ∘ g'(a7)`` and ``db = Σ_tokens Δ7`` in one pass, then ``dW = a6ᵀ Δ7``, ``Δ6 = Δ7 Wᵀ`` on cuBLAS.
+
+    GPU :func:`pedestrian.layers.activations.linear_activation_backward` (same arguments, results)."""
+    check_activation(name)
+    x, a7 = cache
+    dy = rows(delta)
+    n, d = dy.shape
+    d7 = torch.empty_like(dy)
+    grid = (programs(n, ROWS), programs(d, COLUMNS))
+    partials = None if dbias is None else torch.empty((grid[0], d), dtype=dy.dtype, device=dy.device)
+    _bias_backward_kernel[grid](dy, rows(a7), d7, d7 if partials is None else partials, n, d,
+                                HAS_DB=partials is not None, KIND=KINDS[name], ROWS_PER=ROWS, BLOCK=COLUMNS)
+    write_sum(partials, dbias)
+    x2 = rows(x)
+    if dweight is not None:
+        dweight[...] = x2.T @ d7                                            # (f_in, f_out)
+    d6 = (d7 @ weight.T).reshape(*x.shape[:-1], weight.shape[0])            # (..., f_in)
+    return d6, d7.reshape(delta.shape)

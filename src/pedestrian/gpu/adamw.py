@@ -50,11 +50,13 @@ def adamw_update(p, g, m, v, decay: float, b1: float, b2: float, step: float, ep
         p, g, m, v: the parameters, their gradient, the two moments (``g`` is only read).
         decay, b1, b2, step, eps: as :func:`pedestrian.training.optim._adamw` takes them (``step``
             and ``eps`` carrying the bias corrections).
-        grad_scale: ``s``, the clipping scale (``min(1, max_norm / (norm + 1e-6))``), or 1.
+        grad_scale: ``s``, the clipping scale (``min(1, max_norm / (norm + 1e-6))``), or 1: a
+            float, or a 0-d tensor on ``p``'s device (computed there from the step's sums of
+            squares, :func:`pedestrian.training.optim.clip_scale`: never read on the host).
     """
     n = p.numel()
     if n == 0:
         return
-    coefficients = torch.tensor([decay, 1.0 - b1, b2, 1.0 - b2, step, eps, grad_scale], dtype=p.dtype)
-    _adamw_kernel[(programs(n, ELEMENTS),)](p, g, m, v, coefficients.to(p.device, non_blocking=True), n,
-                                           BLOCK=ELEMENTS)
+    scalars = torch.tensor([decay, 1.0 - b1, b2, 1.0 - b2, step, eps], dtype=p.dtype).to(p.device, non_blocking=True)
+    scale = torch.as_tensor(grad_scale, dtype=p.dtype, device=p.device).reshape(1)     # (a tensor: no read)
+    _adamw_kernel[(programs(n, ELEMENTS),)](p, g, m, v, torch.cat([scalars, scale]), n, BLOCK=ELEMENTS)

@@ -50,7 +50,7 @@ import os
 import triton
 import triton.language as tl
 
-from ..layers.attention import check_kv_heads
+from ..layers.attention import KVBlock, check_kv_heads
 
 __all__ = ["MAX_WIDTH", "attention_weights", "multi_head_attention_backward", "multi_head_attention_forward",
            "supported"]
@@ -235,7 +235,13 @@ def _width(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _default_blocks(d_qk: int, d_head: int, dtype) -> tuple:
+#: ``(block_m, block_n)``, query rows and key columns of every call's tiles (powers of two, at
+#: least 16 on a GPU), or ``None``: :func:`default_tiles` per call. A setting for tests and tuning
+#: (the tests set small tiles so that a few tokens span several), not part of the contract's signature.
+TILES: tuple | None = None
+
+
+def default_tiles(d_qk: int, d_head: int, dtype) -> tuple:
     """``(block_m, block_n)`` for a GPU: 64 × 64 float32 tiles up to width 64, narrower key blocks
     for wider heads and float64 (registers). Not tuned on a GPU yet (docs/kernels.md)."""
     wide = max(d_qk, d_head) > 64
@@ -264,13 +270,12 @@ def supported(qkv, d_qk: int, d_head: int, kv_cache=None, n_heads: int = 1) -> b
 def _check_blocks(block_m: int, block_n: int, on_gpu: bool) -> None:
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value < 1 or value & (value - 1) or (on_gpu and value < 16):
-            raise ValueError(f"{name}={value} must be a power of two (at least 16 on a GPU); "
-                             "pass e.g. 16, 32 or 64")
+            raise ValueError(f"attention TILES: {name}={value} must be a power of two (at least 16 on a "
+                             "GPU); set e.g. pedestrian.gpu.attention.TILES = (32, 32), or None")
 
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache=None, n_kv_heads: int | None = None,
-                                 block_m: int | None = None, block_n: int | None = None):
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
     """``out = softmax(q kᵀ/√d_qk, causal mask) v`` per head, ``ℓ = log Σ_β exp(S_αβ)`` per query
     row (EQUATIONS.md, "One attention head", "Tiled attention", "Grouped-query attention").
 
@@ -278,16 +283,15 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))`` torch tensor on a CUDA device
             (float32 or float64); other calls run the fallback (module docstring).
         n_heads, d_qk, d_head, causal, kv_cache, n_kv_heads: as the reference's.
-        block_m, block_n: query rows and key columns of a tile (powers of two, at least 16 on a
-            GPU); ``None``: :func:`_default_blocks`.
+        (The tiles: :data:`TILES`.)
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``; the cache holds ``qkv`` (not copied),
         ``a3``, ``ℓ`` ``(B·n_heads, T)`` and the layout: ``O(T)`` beside ``qkv``.
 
     Raises:
-        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a block size that is not a power
-            of two; ``qkv``'s last axis not ``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` wide.
+        ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a :data:`TILES` size that is not a
+            power of two; ``qkv``'s last axis not ``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` wide.
     """
     if not supported(qkv, d_qk, d_head, kv_cache, n_heads):
         from ..kernels.attention import on_device_forward
@@ -298,8 +302,7 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     if width != n_heads * d_qk + n_kv * (d_qk + d_head):
         raise ValueError(f"qkv has {width} columns but n_heads={n_heads}, n_kv_heads={n_kv}, d_qk={d_qk}, "
                          f"d_head={d_head} need {n_heads * d_qk + n_kv * (d_qk + d_head)}; pass the fused projection")
-    bm, bn = _default_blocks(d_qk, d_head, qkv.dtype)
-    bm, bn = bm if block_m is None else block_m, bn if block_n is None else block_n
+    bm, bn = default_tiles(d_qk, d_head, qkv.dtype) if TILES is None else TILES
     _check_blocks(bm, bn, qkv.device.type == "cuda")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()

@@ -63,6 +63,7 @@ __all__ = [
     "add_layernorm_backward", "add_layernorm_forward", "add_rmsnorm_backward", "add_rmsnorm_forward",
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
+    "linear_activation_backward", "linear_activation_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
     "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward", "swiglu_mlp_backward", "swiglu_mlp_forward",
@@ -152,6 +153,8 @@ def _seam(fast, other):
 
 activation_forward = _seam(activations.activation_forward, layers.activation_forward)
 activation_backward = _seam(activations.activation_backward, layers.activation_backward)
+linear_activation_forward = _seam(activations.linear_activation_forward, layers.linear_activation_forward)
+linear_activation_backward = _seam(activations.linear_activation_backward, layers.linear_activation_backward)
 multi_head_attention_forward = _seam(attention.multi_head_attention_forward, attention.on_device_forward)
 multi_head_attention_backward = _seam(attention.multi_head_attention_backward, attention.on_device_backward)
 attention_weights = _seam(attention.attention_weights, attention.on_device_weights)

@@ -12,7 +12,13 @@ for speed (memory reuse, row blocks, threads, fused operations). A model picks o
 with ``GPT(..., kernels="reference" | "fast")`` (``docs/kernels.md``).
 """
 
-from .activations import ACTIVATIONS, activation_backward, activation_forward
+from .activations import (
+    ACTIVATIONS,
+    activation_backward,
+    activation_forward,
+    linear_activation_backward,
+    linear_activation_forward,
+)
 from .attention import (
     KVBlock,
     attention_head_backward,
@@ -53,6 +59,7 @@ MODEL_FUNCTIONS = (
     "rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward",
     "swiglu_mlp_forward", "swiglu_mlp_backward",
     "add_layernorm_forward", "add_layernorm_backward", "add_rmsnorm_forward", "add_rmsnorm_backward",
+    "linear_activation_forward", "linear_activation_backward",
 )
 
 __all__ = [
@@ -62,6 +69,7 @@ __all__ = [
     "attention_head_backward", "attention_head_forward", "attention_mask", "attention_weights",
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
     "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
+    "linear_activation_backward", "linear_activation_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward",
     "rope_angles", "rope_backward", "rope_forward",

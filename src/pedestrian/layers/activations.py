@@ -10,6 +10,7 @@ import math
 
 from ..backend import array_namespace, erf
 from .checks import check_float
+from .linear import linear_backward, linear_forward
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -101,3 +102,37 @@ def activation_backward(delta, cache, name: str):
     du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
     sech2 = 1.0 - t * t                                                      # 1 − tanh² u
     return delta * (0.5 * (1.0 + t) + xp.where(sech2 == 0, zero, 0.5 * x * sech2 * du_dx))
+
+
+def linear_activation_forward(x, weight, bias, name: str):
+    """``a7 = a6 W + b``, ``a8 = g(a7)``: the MLP's expand layer and its activation, one call so
+    that a fast path may add the bias and apply ``g`` in one pass after the product.
+
+    Args:
+        x: ``(..., f_in)`` float array (``a6``); weight: ``(f_in, f_out)``; bias: ``(f_out,)`` or
+            ``None`` (:func:`~pedestrian.layers.linear.linear_forward`).
+        name: as in :func:`activation_forward`.
+
+    Returns:
+        ``((a7, a8), cache)``: both ``(..., f_out)``; ``cache = (x, the activation's cache)``.
+    """
+    a7, _ = linear_forward(x, weight, bias)                                  # (..., f_out) x W + b
+    a8, act = activation_forward(a7, name)                                   # (..., f_out) g(a7)
+    return (a7, a8), (x, act)
+
+
+def linear_activation_backward(delta, cache, weight, name: str, *, dweight=None, dbias=None):
+    """``Δ7 = Δ8 ∘ g'(a7)``, then the expand layer's ``dW = a6ᵀ Δ7``, ``db = Σ_tokens Δ7``, ``Δ6 = Δ7 Wᵀ``.
+
+    Args:
+        delta: ``(..., f_out)`` the signal at ``a8``; cache: from :func:`linear_activation_forward`.
+        weight, dweight, dbias: as in :func:`~pedestrian.layers.linear.linear_backward` (written).
+        name: as in :func:`activation_forward`.
+
+    Returns:
+        ``(Δ6, Δ7)``: ``(..., f_in)`` and ``(..., f_out)``.
+    """
+    x, act = cache
+    d7 = activation_backward(delta, act, name)                               # (..., f_out) Δ8 ∘ g'(a7)
+    d6 = linear_backward(d7, x, weight, dweight=dweight, dbias=dbias)        # (..., f_in) Δ7 Wᵀ
+    return d6, d7

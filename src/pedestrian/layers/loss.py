@@ -5,9 +5,7 @@ Reference implementation: the paper's math only, written against the array API s
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..backend import array_namespace, is_torch_array
+from ..backend import array_namespace
 from .checks import check_float, check_ids
 
 IGNORE_INDEX = -100  # PyTorch's default ignore_index
@@ -26,13 +24,12 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
         n_total: divide by this many counted targets instead of the number counted here: for one
             slice of a larger batch (one rank of a distributed batch) the loss and gradient are then this slice's share of the whole
             batch's mean, and the slices' losses and gradients simply add up. An int, or a 0-d
-            integer array on the logits' device (a count never read on the host).
+            integer array on the logits' device (never read: on a device, nothing waits for it).
 
     Returns:
         ``(loss, cache)``: ``loss`` a 0-d array of ``logits``' dtype (nats per counted token);
-        ``cache`` holds ``y_pred`` (the softmax), the one-hot targets and the count (an int for
-        NumPy arrays; for other arrays a 0-d integer array on their device, so that no host
-        synchronisation waits for it).
+        ``cache`` holds ``y_pred`` (the softmax), the one-hot targets and the divisor (a 0-d
+        array of the logits' dtype on their device, never read on the host).
 
     Raises:
         ValueError: a target outside ``[0, V)`` that is not ``ignore_index`` (named, with its position).
@@ -45,7 +42,8 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     z = xp.reshape(logits, (-1, V))                                          # (N, V)
     t = xp.reshape(targets, (-1,))                                           # (N,)
     counted = t != ignore_index                                              # (N,) bool
-    n_counted = _count(xp, counted, n_total)                                 # int, or 0-d on the device
+    n_counted = xp.sum(xp.astype(counted, xp.int64)) if n_total is None else n_total  # int or 0-d
+    divisor = _at_least_one(xp, n_counted, z)                                # 0-d max(n, 1), unread
     y_gt = xp.astype(xp.arange(V, device=t.device)[None, :] == xp.where(counted, t, xp.zeros_like(t))[:, None],
                      z.dtype)
     y_gt = y_gt * xp.astype(counted, z.dtype)[:, None]                       # one-hot, 0 rows ignored
@@ -56,21 +54,16 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     log_sum_exp = xp.log(sum_e) + z_max                                      # (N, 1)
     nll = xp.sum(xp.where(y_gt > 0, log_sum_exp - z, xp.zeros_like(z)), axis=-1)  # −log y_pred[target]
     # (a where, not y_gt · (…): a −∞ logit off the target is 0 · ∞ = NaN in a product)
-    loss = xp.sum(nll) / _at_least_one(xp, n_counted)
-    return loss, (y_pred, y_gt, counted, n_counted, logits.shape)
+    loss = xp.sum(nll) / divisor
+    return loss, (y_pred, y_gt, counted, divisor, logits.shape)
 
 
-def _count(xp, counted, n_total):
-    """The divisor: ``n_total``, else the number of counted targets -- a Python int for NumPy
-    arrays, a 0-d array left on the device for others (reading it would wait for the device)."""
-    if isinstance(counted, np.ndarray) or n_total is not None and not is_torch_array(n_total):
-        return int(xp.sum(xp.astype(counted, xp.int64))) if n_total is None else int(n_total)
-    return xp.sum(xp.astype(counted, xp.int64)) if n_total is None else n_total
-
-
-def _at_least_one(xp, n):
-    """``max(n, 1)`` of a count, a Python int or a 0-d integer array (no read)."""
-    return max(n, 1) if isinstance(n, int) else xp.where(n > 0, n, 1)
+def _at_least_one(xp, n, like):
+    """``max(n, 1)`` of a count (an int, or a 0-d integer array left unread) as a 0-d array of
+    ``like``'s dtype on its device (exact up to 2^24 counted targets in float32, as an int
+    divisor is rounded)."""
+    n = xp.asarray(n, device=like.device)                                    # 0-d integer
+    return xp.astype(xp.where(n > 0, n, xp.ones_like(n)), like.dtype)         # 0-d, like's dtype
 
 
 def cross_entropy_backward(cache, *, over_logits: bool = False):
@@ -83,6 +76,6 @@ def cross_entropy_backward(cache, *, over_logits: bool = False):
         ``(B, T, V)`` error signal at the logits.
     """
     xp = array_namespace(cache[0])
-    y_pred, y_gt, counted, n_counted, shape = cache
-    delta = (y_pred * xp.astype(counted, y_pred.dtype)[:, None] - y_gt) / _at_least_one(xp, n_counted)
+    y_pred, y_gt, counted, divisor, shape = cache
+    delta = (y_pred * xp.astype(counted, y_pred.dtype)[:, None] - y_gt) / divisor
     return xp.reshape(delta, shape)

@@ -2,7 +2,7 @@
 an upstream error signal, a KV cache's room, and loaded weights (finite in the model's dtype).
 
 Every check raises with a message that names the fix; none of them changes anything. Inside
-:func:`~pedestrian.layers.checks.deferred_checks` (a training step on a device) the id checks of
+:func:`~pedestrian.model.device_checks.deferred_checks` (a training step on a device) the id checks of
 torch tensors read nothing: their verdict is a flag on the device, raised as the same error when
 the step reads its flags, and the ids are returned with every bad one replaced by a valid one, so
 that no kernel reads outside a table before the error is raised (on a GPU an index out of
@@ -16,8 +16,8 @@ from typing import Mapping
 import numpy as np
 
 from ..backend import array_namespace, is_torch_array, to_numpy
-from ..layers.checks import deferring
 from ..layers.loss import IGNORE_INDEX
+from .device_checks import deferring
 from .finite import non_finite_counts, non_finite_report
 
 __all__ = ["check_tokens", "check_targets", "check_cache", "check_finite_state", "as_tokens", "as_signal"]
@@ -52,7 +52,7 @@ def check_finite_state(state: Mapping[str, object], dtype: str) -> dict[str, np.
 
 def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "token ids"):
     """Validate a ``(B, T)`` integer token batch; returns the ids to compute with: ``tokens``
-    itself, or inside :func:`~pedestrian.layers.checks.deferred_checks` a torch tensor's ids with
+    itself, or inside :func:`~pedestrian.model.device_checks.deferred_checks` a torch tensor's ids with
     each one out of range replaced by 0 (its error raised when the flags are read).
 
     Raises:
@@ -95,7 +95,7 @@ def check_tokens(tokens, vocab_size: int, context_length: int, what: str = "toke
 def check_targets(xp, targets, tokens, vocab_size: int):
     """Validate ``(B, T)`` targets for ``tokens``: integers in ``[0, vocab_size)`` or the ignore
     index; returns the targets to compute with (as :func:`check_tokens`: inside
-    :func:`~pedestrian.layers.checks.deferred_checks` a torch tensor's bad targets become the
+    :func:`~pedestrian.model.device_checks.deferred_checks` a torch tensor's bad targets become the
     ignore index, their error raised when the flags are read).
 
     Raises:

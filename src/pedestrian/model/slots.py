@@ -340,16 +340,29 @@ class BuiltinMLP:
             m = a7.shape[-1] // 2
             b.a7_gate, b.a7_up = a7[..., :m], a7[..., m:]                            # (B, T, d_mlp) views
             b.a8, b.act = self.K.swiglu_forward(b.a7_gate, b.a7_up)                  # silu(gate) ∘ up
+        elif self._fused(w.mlp_expand):                                              # a7 = a6 W + b, a8 = g(a7),
+            (b.a7, b.a8), b.act = self.K.linear_activation_forward(                  # one call (B, T, d_mlp)
+                b.a6, w.mlp_expand.weight, w.mlp_expand.bias, self.activation.name)
         else:
             b.a7 = fc(w.mlp_expand, b.a6, lora)                                      # (B, T, d_mlp)
             b.a8, b.act = self.activation.forward(b.a7, w.act)                       # g
         return fc(w.mlp_contract, b.a8, lora)                                        # (B, T, d)
+
+    def _fused(self, expand) -> bool:
+        """Whether the expand layer and the activation run as one kernel call: a built-in
+        activation, and no LoRA adapter on the layer (its branch is added after the bias, before
+        ``g``: the two calls keep that order)."""
+        return isinstance(self.activation, BuiltinActivation) and not expand.adapters
 
     def backward(self, fc, D, b, w, g, lora):
         if b.a8 is None:                                                             # let go by the forward
             b.a8 = (self.K.swiglu_forward(b.a7_gate, b.a7_up) if self.swiglu         # (model.recompute): again
                     else self.activation.forward(b.a7, w.act))[0]
         D.d8 = fc(w.mlp_contract, g.mlp_contract, D.d9, b.a8, lora)                  # Δ8
+        if not self.swiglu and self._fused(w.mlp_expand):                            # Δ7, dW, db, Δ6: one call
+            d6, D.d7 = self.K.linear_activation_backward(D.d8, b.act, w.mlp_expand.weight, self.activation.name,
+                                                         dweight=g.mlp_expand.weight, dbias=g.mlp_expand.bias)
+            return d6
         if not self.swiglu:
             D.d7 = self.activation.backward(D.d8, b.act, g.act)                      # Δ7
             return fc(w.mlp_expand, g.mlp_expand, D.d7, b.a6, lora)                  # Δ6

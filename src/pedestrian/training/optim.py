@@ -43,7 +43,7 @@ from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
 from ..kernels.jit import kernel, prange
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
-           "squared_sums", "clip_grad_norm"]
+           "squared_sums", "clip_grad_norm", "clip_scale"]
 
 #: NumPy: elements per chunk of the update kernel (the unit its threads share out)
 NUMPY_CHUNK = 1 << 16
@@ -247,6 +247,19 @@ def clip_grad_norm(grads, max_norm: float, norm: float | None = None) -> float:
     return norm
 
 
+def clip_scale(sums, max_norm: float):
+    """The clipping scale ``min(1, max_norm / (N + 1e-6))``, ``N = √(Σ_buffers Σ g²)``, computed on
+    the device from the unread sums of squares of :func:`squared_sums` (0-d tensors): a 0-d
+    float64 tensor there, never read on the host, for the AdamW kernel to apply as it reads the
+    gradient (:meth:`AdamW.step`'s ``grad_scale``). :func:`clip_grad_norm`'s convention; valid
+    where :func:`global_grad_norm` takes its fast path (every sum finite and not subnormal: the
+    caller checks the sums it read), where ``N`` is the same sum and root in float64."""
+    import torch
+
+    total = torch.stack([torch.as_tensor(s).to(torch.float64) for s in sums]).sum()     # Σ Σ g², float64
+    return torch.clamp(float(max_norm) / (torch.sqrt(total) + 1e-6), max=1.0)           # 0-d, unread
+
+
 @dataclass(frozen=True)
 class CosineSchedule:
     """Linear warm-up, then cosine decay to ``min_lr`` (GPT-2 / nanoGPT style).
@@ -373,14 +386,24 @@ class AdamW:
         return pair
 
     # ------------------------------------------------------------------ update
-    def step(self, lr: float | None = None, *, grad_norm: float | None = None) -> None:
+    def kernel_pass(self) -> bool:
+        """Whether :meth:`update` runs the GPU's one Triton pass (:mod:`pedestrian.gpu.adamw`):
+        CUDA buffers with Triton installed. Only then does :meth:`step` take a ``grad_scale``."""
+        p = self.groups[0].params
+        return is_torch_array(p) and p.device.type == "cuda" and gpu.available()
+
+    def step(self, lr: float | None = None, *, grad_norm: float | None = None, grad_scale=None) -> None:
         """One AdamW update of every group from its current gradient buffer.
 
         Args:
             lr: learning rate for this update (default :attr:`lr`), e.g. from a
                 :class:`CosineSchedule`.
-            grad_norm: the global norm of the gradients as they are now (after clipping), if
-                the caller knows it; else it is computed (one pass, :func:`global_grad_norm`).
+            grad_norm: the global norm of the gradients as the update sees them (after clipping),
+                if the caller knows it; else it is computed (one pass, :func:`global_grad_norm`).
+            grad_scale: the clipping scale the kernel applies as it reads the gradient (a 0-d
+                tensor on the device, :func:`clip_scale`, or a float), instead of a pass of
+                :func:`clip_grad_norm` over it; only where :meth:`kernel_pass` (``ValueError``
+                elsewhere). ``None``: 1.
 
         Raises:
             FloatingPointError: the gradient norm is NaN, inf or above :attr:`max_grad_norm`
@@ -398,9 +421,13 @@ class AdamW:
                 f"AdamW: the gradient norm is {grad_norm:g}, not a finite number <= {self.max_grad_norm:.3g} "
                 "(the largest whose square the dtype holds); the update was not applied and the "
                 "parameters and moments are unchanged. Clip the gradient (clip_grad_norm) first")
+        if grad_scale is not None and not self.kernel_pass():
+            raise ValueError("AdamW.step(grad_scale=...) needs the GPU's AdamW kernel (CUDA buffers, triton "
+                             "installed); elsewhere clip the gradient with clip_grad_norm first")
         coefficients = self.advance(lr)
         for gi, group in enumerate(self.groups):
-            self.update(gi, 0, int(group.params.shape[0]), group.grads, coefficients)
+            self.update(gi, 0, int(group.params.shape[0]), group.grads, coefficients,
+                        grad_scale=1.0 if grad_scale is None else grad_scale)
 
     def advance(self, lr: float) -> tuple[float, float, float]:
         """Count one update (:attr:`step_count` + 1) and return its coefficients for
@@ -411,21 +438,22 @@ class AdamW:
         b1, b2 = self.betas
         return lr / (1.0 - b1 ** t), (1.0 - b2 ** t) ** 0.5, 1.0 - lr * self.weight_decay
 
-    def update(self, gi: int, lo: int, hi: int, grads, coefficients) -> None:
+    def update(self, gi: int, lo: int, hi: int, grads, coefficients, *, grad_scale=1.0) -> None:
         """The AdamW update of entries ``lo:hi`` of group ``gi`` (parameters and moments) from
         ``grads``, their gradient (``hi − lo`` entries), with :meth:`advance`'s ``coefficients``.
         Every entry is updated on its own, so updating a buffer in parts gives the bits of one
-        :meth:`step`. No checks: the caller checks the gradient first (as :meth:`step` does)."""
+        :meth:`step`. No checks: the caller checks the gradient first (as :meth:`step` does).
+        ``grad_scale``: the GPU kernel's clipping scale (:meth:`step`); 1 on every other path."""
         step_size, bc2_sqrt, decay = coefficients
         group, (b1, b2) = self.groups[gi], self.betas
         for a, b, f in ((lo, min(hi, group.n_decay), decay), (max(lo, group.n_decay), hi, 1.0)):
             if b <= a:
                 continue
             p, g, m, v = group.params[a:b], grads[a - lo:b - lo], self.m[gi][a:b], self.v[gi][a:b]
-            if is_torch_array(p) and p.device.type == "cuda" and gpu.available():   # one Triton pass
+            if self.kernel_pass():                                                   # one Triton pass
                 from ..gpu.adamw import adamw_update
 
-                adamw_update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt)
+                adamw_update(p, g, m, v, f, b1, b2, step_size * bc2_sqrt, self.eps * bc2_sqrt, grad_scale=grad_scale)
             elif is_torch_array(p):
                 for s in range(0, b - a, self.chunk_size):
                     e = s + self.chunk_size

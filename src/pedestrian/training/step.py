@@ -42,12 +42,15 @@ On a device (a model whose chain runs on torch tensors: ``backend="torch"`` on a
 reference layers), a step waits for the device once: the forwards and backwards of its
 micro-batches, the accumulation and the sums of squares of the gradient norm are queued with
 nothing read, their input checks kept as flags on the device
-(:func:`~pedestrian.layers.checks.deferred_checks`: the token and target ids, and -- for targets
+(:func:`~pedestrian.model.device_checks.deferred_checks`: the token and target ids, and -- for targets
 given as tensors -- whether any counts); then the loss, the sums of squares and one flag of every
 check come to the host together, as one small tensor (:func:`_read_step`). A set flag raises the
 error the check raises at once elsewhere (same text, value and position, found again on the host)
 and nothing is updated; otherwise the skip rule above decides and the clipping and the AdamW
-update are queued with numbers the host now knows. NumPy arrays are checked at once, as ever.
+update are queued with numbers the host now knows. Where the AdamW update is the GPU's one
+Triton pass, the clipping scale is not among them: it is computed on the device from the unread
+sums of squares and applied by that pass as it reads the gradient (no pass of its own, nothing
+read). NumPy arrays are checked at once, as ever.
 """
 
 from __future__ import annotations
@@ -58,12 +61,12 @@ import math
 import numpy as np
 
 from ..backend import is_torch_array
-from ..layers.checks import deferred_checks
+from ..model.device_checks import deferred_checks
 from ..model.finite import non_finite_counts, non_finite_report
 from .distributed import RowKeyedRNG, SingleProcess
 from ..layers.loss import IGNORE_INDEX
 from ..model import eval_mode
-from .optim import AdamW, ParamGroup, clip_grad_norm, global_grad_norm, squared_sums
+from .optim import AdamW, ParamGroup, clip_grad_norm, clip_scale, global_grad_norm, squared_sums
 
 class TrainingError(ValueError):
     """Training cannot start or continue (bad settings, non-finite numbers, an existing run)."""
@@ -151,14 +154,15 @@ def _on_device(model, groups) -> bool:
     return is_torch_array(groups[0].grads) and not getattr(model, "numpy_chain", False)
 
 
-def _read_step(total, groups, flags) -> tuple[float, list[float]]:
+def _read_step(total, groups, flags) -> tuple[float, list[float], list]:
     """The step's one read from the device: its summed loss (float64 on the device), each
     gradient buffer's ``Σ g²`` (:func:`~pedestrian.training.optim.squared_sums`) and whether any
     check's flag is set, as one float64 tensor brought to the host. A set flag raises the first
-    failing check's error (:meth:`~pedestrian.layers.checks.DeviceFlags.raise_first`).
+    failing check's error (:meth:`~pedestrian.model.device_checks.DeviceFlags.raise_first`).
 
     Returns:
-        ``(loss, sums)``: the loss and the sums of squares as Python floats.
+        ``(loss, sums, on_device)``: the loss and the sums of squares as Python floats, and the
+        sums as the 0-d tensors they are on the device (for :func:`_device_clip_scale`).
     """
     import torch
 
@@ -168,7 +172,22 @@ def _read_step(total, groups, flags) -> tuple[float, list[float]]:
     values = torch.stack([torch.as_tensor(v, device=sums[0].device).to(torch.float64) for v in parts]).tolist()
     if bad is not None and values[-1]:
         flags.raise_first()
-    return values[0], values[1:1 + len(sums)]
+    return values[0], values[1:1 + len(sums)], sums
+
+
+def _device_clip_scale(optimizer: AdamW, groups, sums, device_sums, grad_clip: float):
+    """The clipping scale as a 0-d tensor on the device (:func:`~pedestrian.training.optim.clip_scale`),
+    for the AdamW kernel to apply as it reads the gradient -- no pass over the gradient, nothing
+    read -- or ``None`` where :func:`~pedestrian.training.optim.clip_grad_norm` clips instead: no
+    kernel (:meth:`AdamW.kernel_pass <pedestrian.training.optim.AdamW.kernel_pass>`), or a sum of
+    squares that overflowed or is subnormal (the norm then comes from the overflow-safe pass)."""
+    if device_sums is None or not optimizer.kernel_pass():
+        return None
+    for s, g in zip(sums, groups):
+        tiny = float(np.finfo(np.float64 if "64" in str(g.grads.dtype) else np.float32).tiny)
+        if not math.isfinite(s) or 0.0 < s < tiny * 2.0 ** 24:
+            return None
+    return clip_scale(device_sums, grad_clip)
 
 
 #: one process, for the functions below when no group is given
@@ -247,18 +266,20 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
                 else:                                   # last one: g ← g + Σ previous
                     _add_into(g.grads, acc)
         group.sum_buffers([g.grads for g in groups], "the gradients")
-        sums = None
+        sums = device_sums = None
         if on_device:                                  # the step's one read (module docstring)
-            total, sums = _read_step(total, groups, flags)
+            total, sums, device_sums = _read_step(total, groups, flags)
     loss = group.sum([total], "the loss")[0]
     norm = global_grad_norm([g.grads for g in groups], sums=sums)
     if skip_reason(loss, norm, grad_clip, optimizer) is not None:
         return loss, norm
-    after = norm
+    after, scale = norm, None
     if grad_clip > 0:
-        clip_grad_norm(groups, grad_clip, norm=norm)
         after = norm * min(1.0, grad_clip / (norm + 1e-6))
-    optimizer.step(lr, grad_norm=after)
+        scale = _device_clip_scale(optimizer, groups, sums, device_sums, grad_clip)   # the kernel clips, or
+        if scale is None:
+            clip_grad_norm(groups, grad_clip, norm=norm)                              # a pass over g does
+    optimizer.step(lr, grad_norm=after, grad_scale=scale)
     return loss, norm
 
 
