@@ -71,7 +71,6 @@ def test_loss_logits_and_every_gradient_through_the_gpu_table_equal_the_referenc
     y[0, :3] = -100
     loss_ref, loss_dev = ref.loss(x, y), dev.loss(x, y)
     assert abs(loss_dev - loss_ref) <= 1e-12 * abs(loss_ref)
-    _close(dev.activations()["a12"], np.asarray(ref.activations()["a12"]), "logits")
     g_ref, g_dev = ref.backward(), dev.backward()
     assert set(g_dev) == set(g_ref) and g_ref
     for name, g in g_ref.items():
@@ -80,3 +79,4 @@ def test_loss_logits_and_every_gradient_through_the_gpu_table_equal_the_referenc
             _close(g_dev[name], np.zeros_like(g), name, scale=np.abs(g_ref[name.replace(".k.", ".q.")]).max())
         else:
             _close(g_dev[name], g, name)
+    _close(dev.forward(x), np.asarray(ref.forward(x)), "logits")      # (model.loss fuses the head: no a12)

@@ -184,12 +184,16 @@ def ours(case_id: str, kernels: str) -> dict:
     model = build_model(cfg, params, dtype="float64", lora=lora, lora_alpha=LORA_ALPHA, freeze_base=freeze,
                          kernels=kernels)
     assert model.kernels_name == kernels
+    fused_loss = model.loss(tokens, targets)              # the head fused with its loss (model/head.py)
+    fused_grads = {k: as_np(v) for k, v in model.backward().items()}
+    model.fused_head = False                              # the chain of record: a12 and Δ12 kept
     loss = model.loss(tokens, targets)
     grads = {k: as_np(v) for k, v in model.backward(keep_deltas=True).items()}
     return dict(loss=loss, grads=grads, deltas={k: as_np(v) for k, v in model.deltas().items()},
                 acts={k: as_np(v) for k, v in model.activations().items()},
                 P=[as_np(p) for p in model.attention_weights()], key_bias_bounds=model_key_bias_bounds(model),
-                all_ignored=bool(np.all(targets == -100)), freeze=freeze, params=set(params))
+                all_ignored=bool(np.all(targets == -100)), freeze=freeze, params=set(params),
+                fused_loss=fused_loss, fused_grads=fused_grads)
 
 
 # =========================================================================== the grid
@@ -218,6 +222,17 @@ def test_gradient_grid_matches_autograd(case_id, kernels):
             assert np.all(np.abs(g) <= bound) and np.all(np.abs(ref["grads"][name]) <= bound), name
         else:
             assert_autograd_close(g, ref["grads"][name], name)
+
+    # the same loss and gradients from the head fused with its loss (model.loss's default path)
+    assert abs(got["fused_loss"] - ref["loss"]) <= 1e-9 * max(abs(ref["loss"]), 1.0)
+    assert set(got["fused_grads"]) == set(got["grads"])
+    for name, g in got["fused_grads"].items():
+        if got["all_ignored"]:
+            assert np.all(g == 0.0), name
+        elif name.endswith(".attn.k.bias"):
+            assert np.all(np.abs(g) <= got["key_bias_bounds"][int(name.split(".")[1])]), name
+        else:
+            assert_autograd_close(g, ref["grads"][name], f"fused head: {name}")
 
     # error signals Δ1 … Δ12 (same names as the reference) plus Δcausal per block
     block_names = [f"blocks.{i}.Δcausal" for i in range(cfg["n_blocks"])]
@@ -280,6 +295,7 @@ def test_float32_model_matches_float64_autograd(case_id, kernels, build_model, t
 
     model = build_model(cfg, params, dtype="float32", lora=lora, lora_alpha=LORA_ALPHA,
                         freeze_base=bool(lora_case and lora_case[1]), kernels=kernels)
+    model.fused_head = False                              # a12, Δ12 kept (the fused head: the grid above)
     loss = model.loss(tokens, targets)
     grads = model.backward(keep_deltas=True)
     deltas = model.deltas()
@@ -397,6 +413,7 @@ def test_cross_entropy_delta12_given_explicitly_equals_the_default(kernels, buil
     cfg = default_cfg()
     model = build_model(cfg, random_params(cfg, seed=9), dtype="float64", kernels=kernels)
     tokens, targets = token_batch(cfg, 2, CTX, seed=9, n_ignored=2)
+    model.fused_head = False                              # Δ12 kept (model/head.py)
     model.loss(tokens, targets)
     grads = {k: as_np(v) for k, v in model.backward(keep_deltas=True).items()}
     d12 = as_np(model.deltas()["Δ12"])

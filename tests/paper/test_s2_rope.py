@@ -265,6 +265,7 @@ def test_float64_gradients_match_autograd(case_id, kernels, build_model, token_b
     tokens, targets = token_batch(cfg, B, T, seed=len(case_id), n_ignored=n_ignored)
     model = build_model(cfg, params, dtype="float64")
     model.kernels = __import__("pedestrian.kernels", fromlist=["kernels_for"]).kernels_for(kernels)
+    model.fused_head = False                              # a12, Δ12 kept (the fused head: test_model.py)
     loss = model.loss(tokens, targets)
     grads = model.backward(keep_deltas=True)
     deltas = model.deltas()

@@ -287,6 +287,7 @@ def _model_step(build_model, cfg, params, tokens, targets, tiled: bool, monkeypa
     with monkeypatch.context() as m:
         m.setitem(TILED_MIN_T, "numpy", 1 if tiled else 1 << 30)
         model = build_model(cfg, params, dtype="float64")
+        model.fused_head = False                          # Δ12 kept (the fused head: test_model.py's grid)
         loss = model.loss(tokens, targets)
         grads = {k: np.array(g) for k, g in model.backward(keep_deltas=True).items()}
         deltas = {k: np.array(d) for k, d in model.deltas().items()}
@@ -355,6 +356,7 @@ def test_model_torch_backend_tiled_matches_numpy_full(build_model, token_batch, 
     with monkeypatch.context() as m:
         m.setitem(TILED_MIN_T, "numpy", 1)
         model = build_model(cfg, params, dtype="float64", backend="torch")
+        model.fused_head = False
         model.loss(torch.tensor(tokens), torch.tensor(targets))
         grads_t = model.backward(keep_deltas=True)
         deltas_t = model.deltas()

@@ -54,6 +54,8 @@ GPU_KERNELS = {
     "embedding_backward": "embedding:embedding_backward",
     "lora_forward": "lora:lora_forward",
     "lora_backward": "lora:lora_backward",
+    "head_loss_forward": "head_loss:head_loss_forward",
+    "head_loss_backward": "head_loss:head_loss_backward",
 }
 
 

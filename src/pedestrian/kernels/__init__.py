@@ -8,7 +8,7 @@ same things faster, and every difference from the reference earns its lines by a
   compiled on first use and cached on disk), and :mod:`.vecmath` -- ``exp``, ``Φ``, ``φ`` as
   polynomials the compiler vectorises;
 - :mod:`.layernorm`, :mod:`.activations`, :mod:`.loss`, :mod:`.embedding` -- numba loops over
-  rows (llm.c's layout);
+  rows (llm.c's layout); :mod:`.head_loss` -- the output head fused with its loss, chunk by chunk;
 - :mod:`.rmsnorm` (rows, as the layer norm) and :mod:`.swiglu` (products on BLAS, the gate in numba loops);
 - :mod:`.rope` -- RoPE's angles from a table kept per model shape, the turn written in place (NumPy);
 - :mod:`.decode` -- a generated token's fused calls (the skip with the next RMS norm; RoPE, the
@@ -51,7 +51,7 @@ from .. import layers
 from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
-from . import activations, attention, embedding, layernorm, linear, loss
+from . import activations, attention, embedding, head_loss, layernorm, linear, loss
 from . import lora, residual, rmsnorm, rope, swiglu
 
 #: the two implementations a model can run
@@ -62,8 +62,8 @@ __all__ = [
     "activation_backward", "activation_forward", "add", "attention_weights",
     "add_layernorm_backward", "add_layernorm_forward", "add_rmsnorm_backward", "add_rmsnorm_forward",
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
-    "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
-    "linear_activation_backward", "linear_activation_forward",
+    "embedding_backward", "embedding_forward", "head_loss_backward", "head_loss_forward",
+    "layernorm_backward", "layernorm_forward", "linear_activation_backward", "linear_activation_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
     "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward", "swiglu_mlp_backward", "swiglu_mlp_forward",
@@ -177,6 +177,8 @@ add_rmsnorm_forward = _seam(residual.add_rmsnorm_forward, layers.add_rmsnorm_for
 add_rmsnorm_backward = _seam(residual.add_rmsnorm_backward, layers.add_rmsnorm_backward)
 cross_entropy_forward = _seam(loss.cross_entropy_forward, layers.cross_entropy_forward)
 cross_entropy_backward = _seam(loss.cross_entropy_backward, layers.cross_entropy_backward)
+head_loss_forward = _seam(head_loss.head_loss_forward, layers.head_loss_forward)
+head_loss_backward = _seam(head_loss.head_loss_backward, layers.head_loss_backward)
 rope_forward = _seam(rope.rope_forward, layers.rope_forward)
 lora_forward = _seam(lora.lora_forward, layers.lora_forward)
 lora_backward = _seam(lora.lora_backward, layers.lora_backward)

@@ -34,6 +34,7 @@ from .attention import (
 )
 from .dropout import dropout_backward, dropout_forward
 from .embedding import embedding_backward, embedding_forward
+from .head_loss import HEAD_CHUNK_BYTES, head_chunk_rows, head_loss_backward, head_loss_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward
@@ -55,7 +56,8 @@ MODEL_FUNCTIONS = (
     "layernorm_forward", "layernorm_backward", "activation_forward", "activation_backward",
     "dropout_forward", "dropout_backward", "lora_forward", "lora_backward",
     "multi_head_attention_forward", "multi_head_attention_backward", "attention_weights",
-    "cross_entropy_forward", "cross_entropy_backward", "add", "rope_forward", "rope_backward",
+    "cross_entropy_forward", "cross_entropy_backward", "head_loss_forward", "head_loss_backward", "add",
+    "rope_forward", "rope_backward",
     "rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward",
     "swiglu_mlp_forward", "swiglu_mlp_backward",
     "add_layernorm_forward", "add_layernorm_backward", "add_rmsnorm_forward", "add_rmsnorm_backward",
@@ -63,13 +65,13 @@ MODEL_FUNCTIONS = (
 )
 
 __all__ = [
-    "ACTIVATIONS", "IGNORE_INDEX", "KVBlock", "MODEL_FUNCTIONS",
+    "ACTIVATIONS", "HEAD_CHUNK_BYTES", "IGNORE_INDEX", "KVBlock", "MODEL_FUNCTIONS",
     "activation_backward", "activation_forward", "add",
     "add_layernorm_backward", "add_layernorm_forward", "add_rmsnorm_backward", "add_rmsnorm_forward",
     "attention_head_backward", "attention_head_forward", "attention_mask", "attention_weights",
     "cross_entropy_backward", "cross_entropy_forward", "dropout_backward", "dropout_forward",
-    "embedding_backward", "embedding_forward", "layernorm_backward", "layernorm_forward",
-    "linear_activation_backward", "linear_activation_forward",
+    "embedding_backward", "embedding_forward", "head_chunk_rows", "head_loss_backward", "head_loss_forward",
+    "layernorm_backward", "layernorm_forward", "linear_activation_backward", "linear_activation_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward",
     "rope_angles", "rope_backward", "rope_forward",

@@ -44,8 +44,9 @@ def to_torch(values):
     array out again while the caller holds the tensor."""
     if values is None:
         return None
-    if isinstance(values, dict):
-        return {k: to_torch(v) for k, v in values.items()}
+    if isinstance(values, dict):                           # (an inspection dictionary keeps its kind)
+        out = {k: to_torch(v) for k, v in values.items()}
+        return values.like(out) if hasattr(values, "like") else out
     if isinstance(values, list):
         return [to_torch(v) for v in values]
     import torch

@@ -61,14 +61,14 @@ from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
-from . import decode
+from . import decode, head
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
 from .inspection import named_activations, named_deltas, require_forward
-from .recompute import keep_only_what_backward_reads, loss_delta, recomputed_blocks, take_block
+from .recompute import keep_only_what_backward_reads, recomputed_blocks, take_block
 from .slots import Slots
 
 __all__ = ["GPT", "GPTConfig", "FlatBuffer"]
@@ -151,6 +151,8 @@ class GPT:
         #: ``n``: only the first ``n`` blocks; either way the others keep only what their backward
         #: reads (same numbers, bit for bit; :mod:`pedestrian.model.recompute`)
         self.recompute: bool | int = False
+        #: :meth:`loss` fuses the output head with its loss, never keeping the logits (model/head.py)
+        self.fused_head = True
         self.dropout_rng = np.random.default_rng(seed + 1_000_003)
         self._local = threading.local()                    # per thread: last forward, memory pool
         #: held by :meth:`backward` while it writes the gradients (reentrant; see the class docstring)
@@ -265,9 +267,7 @@ class GPT:
                 f.blocks.append(keep_only_what_backward_reads(b) if n_re else b)
             del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
-        f.a12 = self._fc_forward(W.logits, f.a11, f.lora)                            # (B, T, V)
-        if targets is not None:
-            f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
+        head.forward(self, f, W.logits, targets, n_total)                           # a12 (B, T, V), loss; or fused
         self._acts = f
         return f.a12
 
@@ -326,7 +326,11 @@ class GPT:
         device, no host synchronisation; :func:`~pedestrian.training.step.train_step` reads it
         once per step).
         """
-        self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
+        self._local.fuse = self.fused_head                 # (model/head.py: when the head is fused)
+        try:
+            self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
+        finally:
+            self._local.fuse = False
         self._acts.logits_held = False                     # by no caller: Δ12 may take their place
         return float(self._acts.loss_value) if read else self._acts.loss_value
 
@@ -363,24 +367,23 @@ class GPT:
                              "model.loss(tokens, targets) first, or pass delta_logits=")
         require_forward(f, backward=True)                  # its activations (and logits) were kept
         if delta_logits is not None:
-            delta_logits = as_signal(self, delta_logits, f.a12.shape)
+            delta_logits = as_signal(self, delta_logits, f.logits_shape)
             delta_logits = to_numpy(delta_logits) if self.numpy_chain else delta_logits
         self._deltas = {}
         with self.lock, self._workspace:
-            d12 = loss_delta(self.kernels, f) if delta_logits is None else delta_logits
-            top, blocks = self._backward(f, d12, keep_deltas, after_block)
+            top, blocks = self._backward(f, delta_logits, keep_deltas, after_block)
         if keep_deltas:
             self._deltas = named_deltas(top, blocks)
         return self.grads
 
-    def _backward(self, f, d12, keep_deltas: bool, after_block=None):
+    def _backward(self, f, delta_logits, keep_deltas: bool, after_block=None):
         """The Δ chain; returns the signals ``Δ12, Δ11, Δ1`` and, with ``keep_deltas``, each
         block's ``Δ10 … Δ2, Δcausal`` (first block first)."""
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         rope = c.position_encoding == "rope"
         G = self.parameters.grad_table(after_block is not None)                              # None = frozen: no gradient
-        top, kept, rng_after = SimpleNamespace(d12=d12), [], self.dropout_rng
-        top.d11 = self._fc_backward(W.logits, G.logits, d12, f.a11, f.lora)                  # Δ11
+        top, kept, rng_after = SimpleNamespace(), [], self.dropout_rng
+        top.d12, top.d11 = head.backward(self, f, W.logits, G.logits, delta_logits)         # Δ12 (fused: None), Δ11
         d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
             b, w, g = take_block(f, i), W.blocks[i], G.blocks[i]                              # (loss(): let go after)

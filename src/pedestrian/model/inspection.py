@@ -7,21 +7,49 @@ what is asked of it.
 from __future__ import annotations
 
 
+class Named(dict):
+    """An inspection dictionary; a name the step did not keep (``not_kept``: name -> why) raises a
+    ``KeyError`` that says why and how to keep it (the fused head's ``a12``, ``Δ12``)."""
+
+    def __init__(self, items=(), not_kept=None):
+        super().__init__(items)
+        self.not_kept = dict(not_kept or {})
+
+    def __missing__(self, key):
+        if key in self.not_kept:
+            raise KeyError(f"{key} {self.not_kept[key]}")
+        raise KeyError(key)
+
+    def like(self, items) -> "Named":
+        """Other values under the same names and the same ``not_kept``."""
+        return Named(items, self.not_kept)
+
+
+def _unkept(name: str, f) -> dict:
+    """``{name: why}`` when the record ``f`` ran the fused head (``a12`` / ``Δ12`` never made whole)."""
+    from .head import NOT_KEPT
+
+    return {name: NOT_KEPT} if getattr(f, "head", None) is not None else {}
+
+
 def named_activations(f, attention_weights) -> dict:
     """:meth:`GPT.activations`' dictionary from a forward's record ``f``; ``attention_weights``
-    makes a block's ``P`` from its attention cache."""
-    out = {"a0": f.a0, "a1": f.a1}
+    makes a block's ``P`` from its attention cache. After a fused loss there is no ``"a12"``."""
+    out = Named({"a0": f.a0, "a1": f.a1}, _unkept("a12", f))
     for i, b in enumerate(f.blocks):
         for n in _numbers(b, 2, 11):
             out[f"blocks.{i}.a{n}"] = getattr(b, f"a{n}")
         out[f"blocks.{i}.P"] = attention_weights(b.attn)
-    out.update(a11=f.a11, a12=f.a12)
+    out.update(a11=f.a11, **({} if out.not_kept else {"a12": f.a12}))
     return out
 
 
 def named_deltas(top, blocks) -> dict:
-    """:meth:`GPT.deltas`' dictionary from what :meth:`GPT._backward` returned."""
-    out = {"Δ12": top.d12}
+    """:meth:`GPT.deltas`' dictionary from what :meth:`GPT._backward` returned (no ``"Δ12"``
+    after a fused loss: ``top.d12`` is ``None``)."""
+    from .head import NOT_KEPT
+
+    out = Named({} if top.d12 is None else {"Δ12": top.d12}, {"Δ12": NOT_KEPT} if top.d12 is None else {})
     for i, D in reversed(list(enumerate(blocks))):              # in the order the backward ran
         out.update({f"blocks.{i}.Δ{n}": getattr(D, f"d{n}") for n in reversed(_numbers(D, 2, 11))})
         out[f"blocks.{i}.Δcausal"] = D.causal
@@ -48,7 +76,7 @@ def require_forward(f, backward: bool = False):
     if not f.kept:
         raise ValueError("the last forward ran with keep_activations=False (generation does): "
                          "run model.forward(tokens) again to keep its activations")
-    if backward and f.a12 is None:
+    if backward and f.a12 is None and getattr(f, "head", None) is None:
         raise ValueError("the last forward's backward wrote over what it read and let it go (model.recompute): "
                          "run model.loss(tokens, targets) again before another backward")
     return f

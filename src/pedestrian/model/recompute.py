@@ -61,8 +61,8 @@ def take_block(f, i: int):
     """Block ``i``'s record in the forward record ``f`` for its backward; the record lets go of it
     when ``f`` recomputes and came from :meth:`GPT.loss` (whose second backward is refused)."""
     b = f.blocks[i]
-    if _spent_by_backward(f):                              # (f.a12 None: a second backward is refused,
-        f.blocks[i] = f.a12 = None                         # also after a backward(delta_logits=))
+    if _spent_by_backward(f):                              # (f.a12, f.head None: a second backward is
+        f.blocks[i] = f.a12 = f.head = None                # refused, also after a backward(delta_logits=))
     return b
 
 

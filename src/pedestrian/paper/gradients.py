@@ -216,9 +216,13 @@ def check_model_gradients(model, x, y, check: str = "fd", *, entries: int = 3, s
         :func:`gradient_lines` entry, and the oracle's loss (``None`` for ``"fd"``).
     """
     rng = np.random.default_rng(0) if rng is None else rng
-    loss = model.loss(x, y)
-    grads = {k: np.array(v) for k, v in model.backward(keep_deltas=True).items()}
-    deltas = {k: np.array(v) for k, v in model.deltas().items()}
+    fused, model.fused_head = model.fused_head, False     # Δ12 is shown: the logits kept (model/head.py)
+    try:
+        loss = model.loss(x, y)
+        grads = {k: np.array(v) for k, v in model.backward(keep_deltas=True).items()}
+        deltas = {k: np.array(v) for k, v in model.deltas().items()}
+    finally:
+        model.fused_head = fused
     truth = None
     if check == "autograd":
         oracle = autograd_oracle() if oracle is None else oracle
