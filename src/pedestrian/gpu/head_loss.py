@@ -22,7 +22,7 @@ import triton.language as tl
 from ..backend import array_namespace
 from ..layers.checks import check_float, check_ids
 from ..layers.head_loss import HeadLossCache, head_chunk_rows
-from ..layers.loss import IGNORE_INDEX, _at_least_one, _count
+from ..layers.loss import IGNORE_INDEX, count_divisor
 
 #: logits one program reads at a time along a row
 BLOCK = 1024
@@ -84,7 +84,8 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
     N = h_rows.shape[0]
     counted = t != ignore_index
     xp = array_namespace(h)
-    C = _at_least_one(xp, _count(xp, counted, n_total))
+    n_counted = xp.sum(xp.astype(counted, xp.int64)) if n_total is None else n_total
+    C = count_divisor(xp, n_counted, h_rows)                                 # 0-d, never read
     C_t = torch.as_tensor(C, device=h.device)
     t = torch.where(counted, t, -1).to(torch.int64).contiguous()
     stat = torch.float64 if h.dtype == torch.float64 else torch.float32

@@ -145,7 +145,7 @@ def _numba_matmul(out, a, b, bias) -> bool:
         if bias is not None:
             return False
         out, a, b = out.T, b.T, a.T                        # outᵀ = bᵀ aᵀ, rows of outᵀ
-    a, b = _blas_view(a), _blas_view(b)
+    a, b = blas_view(a), blas_view(b)
     blas_one_thread()
     load_gemm()
     (m, k), n = a.shape, out.shape[1]
@@ -160,7 +160,7 @@ def _numba_matmul(out, a, b, bias) -> bool:
     return True
 
 
-def _blas_view(x):
+def blas_view(x):
     """``x`` where BLAS reads it in place (:func:`gemm_into`: one axis of unit stride, the other's
     stride at least the rows it spans), else a C-contiguous copy."""
     size = x.itemsize

@@ -19,7 +19,7 @@ from ..layers.checks import check_float, check_ids
 from ..layers.head_loss import HeadLossCache, head_chunk_rows
 from ..layers.loss import IGNORE_INDEX
 from . import loss as _loss
-from .blas import _blas_view, colsum, gemm_into_scaled, load_gemm, matmul_into
+from .blas import blas_view, colsum, gemm_into_scaled, load_gemm, matmul_into
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .schedule import MIN_PART_ROWS
 from .workspace import empty_array
@@ -42,7 +42,7 @@ def _accumulate(out, a, b, first: bool) -> None:
     head's ``dW`` is the transpose of the token table's layout: ``outᵀ += bᵀ aᵀ``)."""
     if not out.flags.c_contiguous:
         out, a, b = out.T, b.T, a.T
-    a, b = _blas_view(a), _blas_view(b)
+    a, b = blas_view(a), blas_view(b)
     blas_one_thread()
     load_gemm()
     parts = max(1, min(threads_used(), out.shape[1] // MIN_PART_ROWS))
@@ -91,10 +91,10 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
         h_c, z = h_rows[lo:hi], z_all[:hi - lo]                              # (n, d), (n, V)
         matmul_into(z, h_c, weight, bias=bias)                               # z_c = h_c W + b
         z_max = np.max(z, axis=-1)                                           # (n,)
-        _loss._forward(z, z_max, t[lo:hi], sum_e[:hi - lo], nll[lo:hi])      # Σe, −log p[target]
+        _loss.nll_rows(z, z_max, t[lo:hi], sum_e[:hi - lo], nll[lo:hi])      # Σe, −log p[target]
         if not grad:
             continue
-        _loss._backward(z, z_max, t[lo:hi], sum_e[:hi - lo], scale[lo:hi], z)   # Δ12_c over z_c
+        _loss.delta_rows(z, z_max, t[lo:hi], sum_e[:hi - lo], scale[lo:hi], z)   # Δ12_c over z_c
         matmul_into(dh[lo:hi], z, weight.T)                                  # Δ11_c = Δ12_c Wᵀ
         if dW is not None:
             _accumulate(dW, h_c.T, z, first=lo == 0)                        # dW += h_cᵀ Δ12_c

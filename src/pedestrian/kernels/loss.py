@@ -20,7 +20,7 @@ from .workspace import empty_array
 
 
 @kernel(parallel=True)
-def _forward(z, z_max, targets, sum_e, nll):
+def nll_rows(z, z_max, targets, sum_e, nll):
     """Per row: ``Σe = Σ e^{z − max z}``, ``nll = max z + log Σe − z[target]`` (target < 0: 0)."""
     n, V = z.shape
     zero = z.dtype.type(0.0)
@@ -38,7 +38,7 @@ def _forward(z, z_max, targets, sum_e, nll):
 
 
 @kernel(parallel=True)
-def _backward(z, z_max, targets, sum_e, scale, delta):
+def delta_rows(z, z_max, targets, sum_e, scale, delta):
     """Per row: ``Δ = (scale/Σe) · e^{z − max z}``, ``Δ[target] −= scale`` (``scale = counted / N``;
     ``e^{z − ℓ}`` would lose the digits of a large ``ℓ``)."""
     n, V = z.shape
@@ -86,7 +86,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     t = np.where(counted, t, -1)                           # −1: not counted
     sum_e, nll = np.empty(z.shape[0]), np.empty(z.shape[0])
     z_max = np.max(z, axis=-1)                             # NumPy's SIMD loop: 5.2 against 6.7 ms
-    _forward(z, z_max, t, sum_e, nll)        # (gpt2's logits, one thread)
+    nll_rows(z, z_max, t, sum_e, nll)        # (gpt2's logits, one thread)
     loss = z.dtype.type(nll.sum() / max(n_counted, 1))
     return loss, (z, z_max, sum_e, t, n_counted, logits.shape)
 
@@ -107,5 +107,5 @@ def cross_entropy_backward(cache, *, over_logits: bool = False):
     z, z_max, sum_e, t, n_counted, shape = cache
     scale = (t >= 0) * (1.0 / max(n_counted, 1))           # counted / N, per row
     delta = z if over_logits else empty_array(z.shape, z)  # (each entry read before it is written)
-    _backward(z, z_max, t, sum_e, scale, delta)
+    delta_rows(z, z_max, t, sum_e, scale, delta)
     return delta.reshape(shape)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from ..backend import array_namespace
 from .checks import check_float, check_ids
-from .loss import IGNORE_INDEX, _at_least_one, _count
+from .loss import IGNORE_INDEX, count_divisor
 
 __all__ = ["HEAD_CHUNK_BYTES", "HeadLossCache", "head_chunk_rows", "head_loss_backward", "head_loss_forward"]
 
@@ -87,7 +87,8 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
     t = xp.reshape(targets, (-1,))                                           # (N,)
     N = h_rows.shape[0]
     counted = t != ignore_index                                              # (N,) bool
-    C = _at_least_one(xp, _count(xp, counted, n_total))                      # int, or 0-d on the device
+    n_counted = xp.sum(xp.astype(counted, xp.int64)) if n_total is None else n_total  # int or 0-d
+    C = count_divisor(xp, n_counted, h_rows)                                 # 0-d max(n, 1), unread
     vocab = xp.arange(V, device=t.device)                                    # (V,)
     loss, dh, dW, db = xp.zeros((), dtype=h.dtype, device=h.device), [], None, None
     for lo in range(0, N, rows):

@@ -43,7 +43,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     t = xp.reshape(targets, (-1,))                                           # (N,)
     counted = t != ignore_index                                              # (N,) bool
     n_counted = xp.sum(xp.astype(counted, xp.int64)) if n_total is None else n_total  # int or 0-d
-    divisor = _at_least_one(xp, n_counted, z)                                # 0-d max(n, 1), unread
+    divisor = count_divisor(xp, n_counted, z)                                # 0-d max(n, 1), unread
     y_gt = xp.astype(xp.arange(V, device=t.device)[None, :] == xp.where(counted, t, xp.zeros_like(t))[:, None],
                      z.dtype)
     y_gt = y_gt * xp.astype(counted, z.dtype)[:, None]                       # one-hot, 0 rows ignored
@@ -58,7 +58,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int = IGNORE_INDEX, *, 
     return loss, (y_pred, y_gt, counted, divisor, logits.shape)
 
 
-def _at_least_one(xp, n, like):
+def count_divisor(xp, n, like):
     """``max(n, 1)`` of a count (an int, or a 0-d integer array left unread) as a 0-d array of
     ``like``'s dtype on its device (exact up to 2^24 counted targets in float32, as an int
     divisor is rounded)."""

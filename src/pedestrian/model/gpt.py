@@ -267,7 +267,7 @@ class GPT:
                 f.blocks.append(keep_only_what_backward_reads(b) if n_re else b)
             del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
-        head.forward(self, f, W.logits, targets, n_total)                           # a12 (B, T, V), loss; or fused
+        head.forward(self, f, W.logits, targets, n_total, getattr(self._local, "fuse", False), self._fc_forward)  # a12, loss
         self._acts = f
         return f.a12
 
@@ -383,7 +383,7 @@ class GPT:
         rope = c.position_encoding == "rope"
         G = self.parameters.grad_table(after_block is not None)                              # None = frozen: no gradient
         top, kept, rng_after = SimpleNamespace(), [], self.dropout_rng
-        top.d12, top.d11 = head.backward(self, f, W.logits, G.logits, delta_logits)         # Δ12 (fused: None), Δ11
+        top.d12, top.d11 = head.backward(self, f, W.logits, G.logits, delta_logits, self._fc_backward)  # Δ12 (or None), Δ11
         d10 = S.norm.backward(top.d11, f.ln_final, G.ln_final)
         for i in reversed(range(c.n_blocks)):
             b, w, g = take_block(f, i), W.blocks[i], G.blocks[i]                              # (loss(): let go after)

@@ -27,35 +27,35 @@ NOT_KEPT = ("not kept: model.loss fuses the output head with its loss (the logit
             "model.fused_head = False before model.loss to keep them")
 
 
-def forward(model, f, fc, targets, n_total) -> None:
-    """Record on ``f`` the head's output: ``f.a12`` and the cross-entropy's ``f.loss``, or in a
-    :meth:`GPT.loss` with :attr:`GPT.fused_head` (targets given, no adapter on the head) ``f.head``,
-    the fused layer's cache (``f.a12 = None``); ``f.loss_value`` the loss and ``f.logits_shape``
-    ``(B, T, V)`` either way."""
+def forward(model, f, fc, targets, n_total, fuse: bool, fc_forward) -> None:
+    """Record on ``f`` the head's output: ``f.a12`` and the cross-entropy's ``f.loss``, or when
+    ``fuse`` (a :meth:`GPT.loss` with :attr:`GPT.fused_head`; targets given, no adapter on the
+    head) ``f.head``, the fused layer's cache (``f.a12 = None``); ``f.loss_value`` the loss and
+    ``f.logits_shape`` ``(B, T, V)`` either way. ``fc_forward``: the model's FC forward."""
     K = model.kernels
     f.head = None
-    if getattr(model._local, "fuse", False) and targets is not None and not fc.adapters:
+    if fuse and targets is not None and not fc.adapters:
         grad_weight = f.kept and not model.freeze_base
         f.loss_value, f.head = K.head_loss_forward(f.a11, fc.weight, fc.bias, targets, n_total=n_total,
                                                    grad=f.kept, grad_weight=grad_weight)
         f.a12, f.loss, f.logits_shape = None, f.head, f.head.logits_shape
         return
-    f.a12 = model._fc_forward(fc, f.a11, f.lora)                                     # (B, T, V)
+    f.a12 = fc_forward(fc, f.a11, f.lora)                                            # (B, T, V)
     f.logits_shape = tuple(f.a12.shape)
     if targets is not None:
         f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
 
 
-def backward(model, f, fc, grad, delta_logits):
+def backward(model, f, fc, grad, delta_logits, fc_backward):
     """``(Δ12, Δ11)`` of the record ``f``: the fused head's ``Δ11`` (``Δ12 = None``: never made
     whole), its gradients written into ``grad``'s arrays; else ``Δ12`` (``delta_logits``, or the
-    cross-entropy's) through the logits layer's backward."""
+    cross-entropy's) through the logits layer's backward ``fc_backward`` (the model's)."""
     from .recompute import loss_delta
 
     if f.head is not None and delta_logits is None:
         return None, model.kernels.head_loss_backward(f.head, dweight=grad.weight, dbias=grad.bias)
     d12 = loss_delta(model.kernels, f) if delta_logits is None else delta_logits
-    return d12, model._fc_backward(fc, grad, d12, f.a11, f.lora)
+    return d12, fc_backward(fc, grad, d12, f.a11, f.lora)
 
 
 def logits_shape(f) -> tuple:
