@@ -26,9 +26,9 @@ them from the disk cache prints nothing. :func:`dispatchers` lists the dispatche
 
 **Threads.** Kernels may be called from several Python threads at once (numba's ``tbb`` and
 ``omp`` layers are thread-safe; where numba fell back to ``workqueue``, parallel calls take a
-lock). Between regions an idle OpenMP thread spins a few milliseconds, then sleeps
-(:data:`SPIN_ROUNDS`); where other processes hold the cores, :data:`CORES` runs the regions on
-fewer threads (the same bits). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
+lock). Between regions an idle OpenMP thread spins about half a millisecond, then sleeps
+(:data:`SPIN_ROUNDS`); where other processes hold the cores, :data:`CORES` runs a region on one
+thread when that has been faster (the same bits). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
 child forked after it started: numba stops such a child with SIGTERM. In a child forked after
 numba's threads started on ``omp``, every kernel therefore runs its serial compilation
 (:func:`threads_used` is 1); a child started by ``spawn`` or ``forkserver`` has its own threads.
@@ -373,8 +373,9 @@ class _Parallel:
     otherwise): the serial one under :data:`.schedule.SERIAL_BELOW` (and always in a child forked
     after numba's OpenMP threads started), else the parallel one, on ``threads_used()`` threads
     from :data:`.schedule.PARALLEL_MIN_ELEMENTS` and on one below (the same compiled loops
-    whatever the thread count, so the same bits). Of those threads, as many run the region as
-    the cores give it (:data:`CORES`): the work's partition is unchanged, so the bits too.
+    whatever the thread count, so the same bits). :data:`CORES` runs a region on all those
+    threads or on one, whichever has been faster for its kind: the work's partition is
+    unchanged, so the bits too.
 
     numba's threading layer: its default choice (``tbb``, then ``omp``, then ``workqueue``).
     ``workqueue`` must not be entered by two Python threads at once, so where numba fell back to
@@ -393,10 +394,11 @@ class _Parallel:
         if n < schedule.SERIAL_BELOW or _forked_from_omp:
             return self.serial(*args)
         workqueue = _layer_is_workqueue()    # (first: numba.set_num_threads would start the threads)
-        if workqueue or n < schedule.PARALLEL_MIN_ELEMENTS:
-            _use_threads(threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1)
+        threads = threads_used() if n >= schedule.PARALLEL_MIN_ELEMENTS else 1
+        if workqueue or threads == 1:
+            _use_threads(threads)
             return (_locked(self.parallel) if workqueue else self.parallel)(*args)
-        return CORES.run(self.parallel, threads_used(), args)
+        return CORES.run(self.parallel, threads, n, args)
 
 
 _layer: list = []
@@ -421,12 +423,14 @@ _touch = _Kernel(_touch_loop, parallel=True)
 
 
 #: GNU OpenMP's rounds of spinning before an idle thread sleeps, set for the moment numba loads
-#: OpenMP unless you set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``: GNU's own default (libgomp
-#: manual, GOMP_SPINCOUNT), 7.5-8 ms on an AMD EPYC, so a thread is still awake for the next
-#: region of a step (char-small, 2 idle cores: 30.5 against 36.3 ms a step sleeping between
-#: regions) and asleep soon after a call (a server between requests: docs/guide.md, "A shared
-#: machine"). On a busy machine :data:`CORES` takes the threads down instead.
-SPIN_ROUNDS = "300000"
+#: OpenMP unless you set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``: 0.5 ms on an AMD EPYC (a
+#: round is a ``pause`` instruction: 10-150 cycles on x86), longer than 99 % of the gaps between
+#: two regions of a char-small step (median 23 µs, 99th percentile 415 µs), so a thread is awake
+#: for the next region of a step (2 idle cores: 30.5 ms a step, 36.3 sleeping after each region)
+#: and asleep soon after a call: a server between requests, a busy machine (docs/guide.md, "A
+#: shared machine"). GNU's own default, 300,000 rounds (7.5-8 ms here), burned the cores others
+#: needed.
+SPIN_ROUNDS = "20000"
 
 
 def _start_threads() -> None:
@@ -446,90 +450,59 @@ def _start_threads() -> None:
 
 
 class Cores:
-    """How many of a parallel region's ``threads_used()`` threads run it: all of them while the
-    regions get their cores, fewer while other processes hold the cores.
+    """How many threads run a parallel region: all of ``threads_used()``, or one -- whichever
+    has been faster for that kind of region, measured.
 
-    Measured inside the regions that run on several threads: the process's CPU time over the
-    wall time (``rate``). Threads that have their cores run (or spin) all through a region:
-    ``rate`` is the thread count. Beside other jobs a thread waits for its turn on a core, the
-    others wait for it, and spinning burns the process's share: two threads then took 1.5-2.5x
-    one thread's time (docs/guide.md, "A shared machine"). After :data:`WINDOW_S` of measured
-    regions (and :data:`WINDOW_REGIONS` at least, or three times as long), a ``rate`` under
-    :data:`SHARE` of the threads sets the count to the cores the regions got (``int(rate)``, at
-    least 1); all the threads are tried again after :data:`PROBE_S` seconds (doubling after each
-    trial that fails, up to :data:`PROBE_MAX_S`). A region that another Python thread's region
-    overlapped is not counted. ``changes`` lists the last changes (time, threads; ``None``: all).
+    A kind of region is a kernel and the size of its job to a power of two. For each kind the
+    wall time per element is kept for both choices (an exponential average, weight
+    :data:`ALPHA`); a region runs with the faster one, and every :data:`EXPLORE` calls of a kind
+    with the other, whose time then replaces the one kept (it may be old). The first call of a
+    kind is not timed (it may compile); the next two time both choices.
+
+    On an idle machine every region of a training step is faster on all the threads. Beside
+    other jobs a thread waits for its turn on a core and the others wait for it at the region's
+    end: a region on one thread is then faster, and runs so, until a try on all the threads is
+    faster again (docs/guide.md, "A shared machine"). Python threads of your own calling kernels
+    at once are other jobs too.
 
     The bits do not depend on it: every kernel cuts its work by ``threads_used()`` (the row
-    bands, the partial sums of a product), and this only sets how many threads run those parts
+    bands, the partial sums of a product); this only sets how many threads run those parts
     (``numba.set_num_threads`` on the same compiled loops).
     """
 
-    WINDOW_S = 0.01
-    WINDOW_REGIONS = 8
-    SHARE = 0.8
-    PROBE_S = 0.5
-    PROBE_MAX_S = 8.0
+    EXPLORE = 128
+    ALPHA = 0.25
 
     def __init__(self) -> None:
-        self.running: int | None = None        # threads running a region (None: all of them)
-        self.trial = False                     # this window tries all the threads again
-        self.next_trial, self.wait_s = 0.0, self.PROBE_S
-        self.wall = self.cpu = 0.0
-        self.regions = self.in_flight = self.started = 0
-        self.changes: list = []                # (time, threads running) at each change, for logs
-        self.lock = threading.Lock()
+        #: kind -> ``[seconds per element on all threads, on one thread, calls]`` (0: not yet timed)
+        self.kinds: dict = {}
 
-    def threads(self, threads: int) -> int:
-        """The threads of the next region of ``threads``."""
-        running = self.running
-        if running is None or running >= threads:
-            return threads
-        if not self.trial and time.perf_counter() >= self.next_trial:
-            self.trial, self.wall, self.cpu, self.regions = True, 0.0, 0.0, 0
-        return threads if self.trial else running
-
-    def run(self, f, threads: int, args):
-        """``f(*args)`` on :meth:`threads` of ``threads``, measured when on several."""
-        k = self.threads(threads)
-        _use_threads(k)
-        if k == 1:
-            return f(*args)
-        with self.lock:
-            alone, self.in_flight, self.started = self.in_flight == 0, self.in_flight + 1, self.started + 1
-            mine = self.started
-        t0, c0 = time.perf_counter(), time.process_time()
+    def run(self, f, threads: int, n: int, args):
+        """``f(*args)``, a region of ``n`` elements, on ``threads`` threads or one (see above)."""
+        s = self.kinds.get((f, n.bit_length()))
+        if s is None:
+            s = self.kinds[(f, n.bit_length())] = [0.0, 0.0, 0]
+        s[2] += 1
+        explore = False
+        if not s[0] or not s[1]:                       # warm-up, then one call each way
+            i = 1 if s[0] and s[2] > 2 else 0
+        else:
+            i = 0 if s[0] <= s[1] else 1
+            if s[2] % self.EXPLORE == 0:
+                i, explore = 1 - i, True
+        _use_threads(threads if i == 0 else 1)
+        t0 = time.perf_counter()
         try:
             return f(*args)
         finally:
-            c1, t1 = time.process_time(), time.perf_counter()
-            with self.lock:
-                self.in_flight -= 1
-                if alone and self.started == mine:
-                    self._count(k, threads, t1 - t0, c1 - c0, t1)
+            if s[2] > 1:
+                t = (time.perf_counter() - t0) / n
+                s[i] = t if explore or not s[i] else s[i] + self.ALPHA * (t - s[i])
 
-    def _count(self, k: int, threads: int, wall: float, cpu: float, now: float) -> None:
-        self.wall, self.cpu, self.regions = self.wall + wall, self.cpu + cpu, self.regions + 1
-        if self.wall < self.WINDOW_S or (self.regions < self.WINDOW_REGIONS and self.wall < 3 * self.WINDOW_S):
-            return
-        rate = self.cpu / self.wall
-        self.wall = self.cpu = 0.0
-        self.regions = 0
-        self.trial = False
-        if rate >= self.SHARE * k:                     # the threads had their cores
-            if k == threads and self.running is not None:
-                self._set(None, now)
-                self.wait_s = self.PROBE_S
-            return
-        self._set(max(1, min(k - 1, int(rate))), now)
-        self.next_trial = now + self.wait_s
-        self.wait_s = min(2 * self.wait_s, self.PROBE_MAX_S)
-
-    def _set(self, running: int | None, now: float) -> None:
-        if running != self.running:
-            self.running = running
-            self.changes.append((now, running))
-            del self.changes[:-64]
+    def share_on_all(self) -> float:
+        """The share of calls (since the process started) whose kind now prefers all the threads."""
+        calls = sum(s[2] for s in self.kinds.values())
+        return sum(s[2] for s in self.kinds.values() if s[0] and s[1] and s[0] <= s[1]) / max(calls, 1)
 
 
 #: the process's :class:`Cores` (one for every model and Python thread: the cores are shared)
