@@ -5,16 +5,18 @@ them a resumed run may change.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CONFIG_FIELDS, PRESETS, GPTConfig, with_arch
+from ..config import (ARCHS, CONFIG_CHOICES, CONFIG_FIELDS, CONFIG_HELP, CONFIG_SWITCHES, PRESETS, GPTConfig,
+                      merge_config)
 from ..text.data import BUNDLED_CORPUS
 from .distributed import DEVICES
 from .specs import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
-                        check, config_value, kind_of, setting, specs)
+                    add_field_flags, check, config_value, kind_of, setting, specs)
 from .step import TrainingError
 
 try:  # Python 3.11+
@@ -222,6 +224,41 @@ PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tag
 RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {n for n, s in specs(TrainSettings).items() if s.tags & _RESUMABLE}
 
 
+# ---------------------------------------------------------------------------------------- the model's flags
+#: GPTConfig fields with a flag in one command only (``pedestrian train``'s dropout, ``params``' q, k, v biases)
+MODEL_EXTRA_HELP = {"dropout": "dropout probability (default 0)",
+                    "qkv_bias": "q, k, v biases even with --no-bias (--no-qkv-bias: none, the others as --no-bias says)"}
+
+
+def add_model_flags(parser, *extra: str):
+    """The model flags of ``train``, ``params`` and ``explain``: ``--preset``, ``--arch`` and one
+    flag per :data:`~pedestrian.config.CONFIG_HELP` field (and the ``extra`` ones of
+    :data:`MODEL_EXTRA_HELP`), made from GPTConfig's fields. Returns their group ("model")."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
+    g.add_argument("--arch", choices=list(ARCHS), help="gpt2 (default) or llama (RMS norm, SwiGLU, RoPE, "
+                   "no biases, n_heads/2 key/value heads); fills the fields not given explicitly")
+    add_field_flags(g, GPTConfig, {**CONFIG_HELP, **{k: MODEL_EXTRA_HELP[k] for k in extra}},
+                    choices=CONFIG_CHOICES, aliases=CONFIG_SWITCHES)
+    return g
+
+
+def config_from_args(args, base: dict | None = None) -> GPTConfig:
+    """A :class:`GPTConfig` from ``--preset``, ``--arch`` and the field flags, over ``base``
+    (:func:`~pedestrian.config.merge_config`).
+
+    Raises:
+        ValueError: required widths missing (the message names them) or invalid values.
+    """
+    given = {f: getattr(args, f) for f in GPTConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    values, _ = merge_config(given, preset=getattr(args, "preset", None), arch=getattr(args, "arch", None), base=base)
+    missing = [f for f in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks") if f not in values]
+    if missing:
+        raise ValueError("missing model settings: " + ", ".join("--" + m.replace("_", "-") for m in missing)
+                         + " (or pass --preset)")
+    return GPTConfig(**values)
+
+
 # ---------------------------------------------------------------------------------------- a settings file
 #: TrainSettings fields with a flag / config key (each declared once, above)
 TRAIN_KEYS = tuple(name for name, spec in specs(TrainSettings).items() if spec.flag)
@@ -285,7 +322,7 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
         TrainingError: ``--vocab-size`` given, or an unknown preset.
         FileNotFoundError / ValueError: the config file (:func:`read_config_file`).
     """
-    given = read_config_file(args.config) if args.config else {}
+    given = read_config_file(args.config) if getattr(args, "config", None) else {}
     for name in TRAIN_KEYS + MODEL_KEYS:
         value = getattr(args, name, None)
         if value is not None:
@@ -294,26 +331,18 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
         raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
     preset, arch = given.pop("preset", None), given.pop("arch", None)
     model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
-    if preset is not None and preset not in PRESETS:
-        raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    model = dict(DEFAULT_MODEL)
-    if preset is not None:
-        model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
-        model.setdefault("dropout", 0.0)
-    model.update(model_given)
     try:
-        filled = with_arch(model, arch, model_given)
+        model, model_keys = merge_config(model_given, preset=preset, arch=arch, base=DEFAULT_MODEL)
     except ValueError as exc:
         raise TrainingError(str(exc)) from None
-    arch_keys = {k for k in filled if k not in model or filled[k] != model[k]}
-    model = filled
+    model = {k: v for k, v in model.items() if k != "vocab_size"}
+    model.setdefault("dropout", 0.0)                   # (a preset's model: GPTConfig's default)
     for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
         if spec.none_means is not None and name in given and given[name] == spec.none_means:
             given[name] = None
     settings = TrainSettings(**given, model=model)
     # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
-    model_keys = set(model_given) | arch_keys | (set(model) - {"dropout"} if preset is not None else set())
-    explicit = set(given) | {f"model.{k}" for k in model_keys}
+    explicit = set(given) | {f"model.{k}" for k in model_keys - {"vocab_size"}}
     return settings, explicit
 
 
@@ -325,14 +354,7 @@ def config_file_model(path, vocab_size: int | None = None) -> tuple[GPTConfig, T
     Raises:
         the errors of :func:`read_config_file`; FileNotFoundError: no corpus (char tokenizer).
     """
-    given = read_config_file(path)
-    settings = TrainSettings(**{k: v for k, v in given.items()
-                                if k in TrainSettings.__dataclass_fields__ and k != "model"})
-    model = dict(DEFAULT_MODEL)
-    if "preset" in given:
-        model = {k: v for k, v in PRESETS[given["preset"]].items() if k != "vocab_size"}
-    model_given = {k: v for k, v in given.items() if k in GPTConfig.__dataclass_fields__}
-    model = with_arch({**model, **model_given}, given.get("arch"), model_given)
+    settings, _ = settings_from_args(argparse.Namespace(config=path))
     if vocab_size is None and settings.tokenizer == "bpe":
         vocab_size = settings.bpe_vocab_size
     if vocab_size is None:
@@ -340,4 +362,4 @@ def config_file_model(path, vocab_size: int | None = None) -> tuple[GPTConfig, T
         from ..text.tokenizer import CharTokenizer
 
         vocab_size = CharTokenizer.from_text(load_corpus(settings.data)).vocab_size
-    return GPTConfig(vocab_size=vocab_size, **model), settings
+    return settings.model_config(vocab_size), settings

@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Rule", "Spec", "setting", "specs", "check", "add_flags", "config_value", "kind_of", "flag",
+__all__ = ["Rule", "Spec", "setting", "specs", "check", "add_flags", "add_field_flags", "config_value", "kind_of", "flag",
            "POSITIVE_INT", "NON_NEGATIVE_INT", "POSITIVE", "NON_NEGATIVE", "OPEN_UNIT", "HALF_OPEN_UNIT",
            "NON_ZERO", "PROBABILITY", "at_most"]
 
@@ -236,6 +236,27 @@ def add_flags(parser, cls, *, groups: dict | None = None, keep_defaults: bool = 
             kw["required"] = True
         group.add_argument(flag(f.name), **kw)
     return groups
+
+
+def add_field_flags(group, cls, helps: dict, *, choices: dict | None = None, aliases: dict | None = None) -> None:
+    """A flag for each field ``helps`` names (``{field: help}``) of the dataclass ``cls``, declared
+    elsewhere (:class:`~pedestrian.config.GPTConfig`'s): the type from the field's type hint
+    (:func:`kind_of`), ``choices`` by field; a bool is a switch -- ``--no-NAME`` for a field that
+    defaults to ``True`` (with its ``aliases``, e.g. ``--untied``), ``--NAME`` for ``False``, both
+    for ``None``. Every flag's argparse default is ``None`` (not given)."""
+    hints, choices, aliases = typing.get_type_hints(cls), choices or {}, aliases or {}
+    for name, help_text in helps.items():
+        kind, default = kind_of(hints[name]), cls.__dataclass_fields__[name].default
+        if kind is bool:
+            if default is not True:
+                group.add_argument(flag(name), dest=name, action="store_true", default=None, help=help_text)
+            if default is not False:
+                group.add_argument(flag("no_" + name), *[a for a in [aliases.get(name)] if a], dest=name,
+                                   action="store_false", default=None,
+                                   help=help_text if default else f"not {flag(name)}")
+            continue
+        group.add_argument(flag(name), dest=name, type=kind, help=help_text,
+                           **({"choices": list(choices[name])} if name in choices else {}))
 
 
 def kind_of(hint) -> type:
