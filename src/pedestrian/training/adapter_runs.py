@@ -9,8 +9,7 @@ from pathlib import Path
 
 from ..checkpoint import read_state
 from ..load import HFFolder, adapter_checkpoint_dir, adapters_on_base, check_base
-from .corpus import absolute_path
-from .settings import resume_settings
+from .settings import absolute_path, resume_settings
 from .specs import specs
 
 __all__ = ["is_train_run", "resumed"]

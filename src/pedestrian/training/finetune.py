@@ -37,7 +37,7 @@ from ..model.layout import LORA_LAYER_KINDS
 from .specs import NON_ZERO, POSITIVE_INT, PROBABILITY, add_flags, check, setting, specs, with_defaults
 from ..load import LoadedModel, adapter_base, adapter_checkpoint_dir, base_fingerprint, load_finetuned, load_model  # noqa: F401 (their home was here)
 from .settings import TAG_PER_RUN as _PER_RUN
-from .settings import RunSettings, memory_plan
+from .settings import RunSettings, absolute_path, memory_plan
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "DEFAULT_TARGETS"]
 
@@ -194,7 +194,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     from ..interop.hf import HFFolder
     from ..interop.peft import save_peft_adapter
     from ..model.finite import finite_or_none
-    from .corpus import absolute_path, data_fingerprint, prepare_data
+    from .corpus import data_fingerprint, prepare_data
     from .distributed import launched_rank
     from .adapter_runs import is_train_run, resumed
     from .files import RunFiles

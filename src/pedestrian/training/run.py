@@ -61,12 +61,12 @@ from .distributed import (CommunicationError, LaunchFailure, launch, launched_ra
                           reports_to_launcher)
 from ..model.finite import finite_or_none
 from ..kernels.jit import threads_used
-from .corpus import absolute_path, prepare_data
+from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .job import build_trainer, failures_explained
 from .loop import Checkpoints, Trainer
 from .plugged import check_layers, layer_paths, match_recorded
-from .settings import TrainSettings, memory_plan, per_run_flags, resume_settings
+from .settings import TrainSettings, absolute_path, memory_plan, per_run_flags, resume_settings
 from .step import TrainingError
 
 log = logging.getLogger("pedestrian.train")

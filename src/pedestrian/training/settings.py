@@ -245,6 +245,12 @@ def resume_rules(cls) -> tuple[frozenset, frozenset]:
 PER_RUN_SETTINGS, RESUMABLE_SETTINGS = resume_rules(TrainSettings)
 
 
+def absolute_path(path) -> str:
+    """``path`` (a corpus file or folder) as an absolute path, ``~`` expanded: what a run records,
+    so that ``--resume`` and ``eval`` from another working folder find the same text."""
+    return str(Path(path).expanduser().resolve())
+
+
 def _shown(value) -> str:
     """A setting's value as a command line would give it (a list as its words)."""
     return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else repr(value)
@@ -263,8 +269,6 @@ def resume_settings(settings, recorded, explicit, *, run: str, config: dict | No
     Raises:
         ValueError: every explicit setting that differs from the record, by its flag, and how to go on.
     """
-    from .corpus import absolute_path
-
     per_run, may_change = resume_rules(type(settings))
     names = set(explicit) - may_change
     if "model" in names:
