@@ -7,7 +7,8 @@ A checkpoint is a folder (``runs/NAME/latest``, ``runs/NAME/best``)::
     state.json              format/version, model config, dtype, step, tokenizer, the state of
                             the model's dropout generator (``null`` when training drew masks
                             keyed by step and row: pedestrian.training.distributed.RowKeyedRNG needs no
-                            state), optimizer step and hyper-parameters, LoRA settings, which
+                            state), optimizer step (its hyper-parameters are the run's settings,
+                            in "meta"; older checkpoints repeat them here, unread), LoRA settings, which
                             base model an adapter-only checkpoint belongs to, the plugged
                             layers (slot, file path, source text: pedestrian.model.slots), the
                             byte size and SHA-256 of both .safetensors files, and a free-form
@@ -264,9 +265,9 @@ def save_checkpoint(directory, model, optimizer=None, tokenizer=None, step: int 
     opt_tensors = None
     if optimizer is not None:
         opt_state = optimizer.state_dict()
-        state["optimizer"] = {"step": int(opt_state["step"]), **opt_state["hyper"],
+        state["optimizer"] = {"step": int(opt_state["step"]),      # (its hyper-parameters: the run's settings)
                               "groups": [g.name for g in optimizer.groups], "layout": FLAT_LAYOUT}
-        opt_tensors = {k: v for k, v in opt_state.items() if k not in ("step", "hyper")}
+        opt_tensors = {k: v for k, v in opt_state.items() if k != "step"}
         if params == "lora":
             opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("lora.")}
     json.dumps(state)  # fail early (TypeError) if meta is not serialisable

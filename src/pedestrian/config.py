@@ -14,10 +14,31 @@ from typing import Mapping
 
 from .layers.activations import ACTIVATIONS
 
-#: the GPTConfig fields a user sets by name (a command-line flag, a TOML key); the rest follow
-CONFIG_FIELDS = ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "d_head", "d_qk",
-                 "mlp_ratio", "activation", "ln_eps", "bias", "tie_weights", "causal",
-                 "position_encoding", "rope_base", "rope_fraction", "norm", "mlp", "n_kv_heads", "d_mlp")
+#: the GPTConfig fields a user sets by name, each with its one-line help: the commands' model flags
+#: (:func:`pedestrian.training.specs.add_config_flags`; ``--no-bias`` for a field that defaults to
+#: ``True``) and a settings file's [model] keys are made from these and the fields' types
+CONFIG_HELP = {
+    "vocab_size": "token ids V", "context_length": "the most tokens a sequence holds",
+    "d_model": "width of the residual stream", "n_heads": "attention heads per block",
+    "n_blocks": "transformer blocks", "d_head": "value width per head (default d_model / n_heads)",
+    "d_qk": "query/key width per head (default d_head)",
+    "mlp_ratio": "MLP width = mlp_ratio * d_model, unless --d-mlp is given (4)",
+    "norm": "the blocks' norm (layernorm: GPT-2; rmsnorm: Llama)",
+    "mlp": "the MLP (standard: GPT-2; swiglu: Llama's gated one)",
+    "n_kv_heads": "key/value heads, dividing --n-heads (grouped-query attention)",
+    "d_mlp": "MLP width, SwiGLU's too (default mlp_ratio · d_model; --arch llama: 8/3 · d_model rounded up to "
+             "a multiple of 8)",
+    "activation": "the MLP's nonlinearity (default gelu_tanh; silu for swiglu)",
+    "ln_eps": "the norm's epsilon (1e-5)", "bias": "no biases (RMS norm has none either way)",
+    "tie_weights": "separate logits weights (default: the token embedding's transpose)",
+    "causal": "bidirectional attention (no causal mask)",
+    "position_encoding": "learned table (GPT-2, default), rotary q/k (rope), or none",
+    "rope_base": "RoPE base b: pair j turns by b^(-2j/r) per position (10000)",
+    "rope_fraction": "fraction of each head's d_qk RoPE rotates (1.0)",
+}
+CONFIG_FIELDS = tuple(CONFIG_HELP)
+#: the shorter names the switches of ``tie_weights`` and ``causal`` are known by (beside ``--no-...``)
+CONFIG_SWITCHES = {"tie_weights": "--untied", "causal": "--non-causal"}
 #: how token positions reach the model: a learned table added to the embedding (GPT-2), rotary
 #: embeddings of every head's queries and keys (RoPE), or nothing but the causal mask
 POSITION_ENCODINGS = ("learned", "rope", "none")
@@ -28,6 +49,9 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("standard", "swiglu")
 #: the activation each MLP kind uses when ``activation`` is not given
 DEFAULT_ACTIVATION = {"standard": "gelu_tanh", "swiglu": "silu"}
+#: the valid values of the fields that have a list of them (a flag's choices)
+CONFIG_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "mlp": MLPS,
+                  "position_encoding": POSITION_ENCODINGS}
 
 
 @dataclass(frozen=True)
@@ -375,6 +399,27 @@ def with_arch(values: dict, arch: str | None, given) -> dict:
                    "rope_scaling")}
         fields["activation"] = "gelu_tanh"
     return {**values, **{k: v for k, v in fields.items() if k not in given}}
+
+
+def merge_config(given: dict, *, preset: str | None = None, arch: str | None = None,
+                 base: dict | None = None) -> tuple[dict, set]:
+    """The one merge of a model's fields, for every command and settings file: ``base`` (or, with
+    ``preset``, the preset's fields instead), then ``given`` (flags, a settings file's keys), then
+    the fields of ``arch`` that ``given`` does not set (:func:`with_arch`).
+
+    Returns:
+        ``(fields, explicit)``: the merged fields, and those set on purpose -- ``given``, the
+        preset's, and those ``arch`` changed.
+
+    Raises:
+        ValueError: an unknown preset or architecture, or ``arch`` without the widths.
+    """
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    values = {**(PRESETS[preset] if preset is not None else base or {}), **given}
+    filled = with_arch(values, arch, given)
+    changed = {k for k in filled if k not in values or filled[k] != values[k]}
+    return filled, set(given) | changed | set(PRESETS.get(preset, ()))
 
 
 # the Llama-style character model: char-small's widths with arch_fields("llama", 128, 4)

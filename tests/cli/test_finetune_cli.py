@@ -420,7 +420,7 @@ def test_finetune_resume_refuses_what_it_cannot_continue(run, tmp_path, capsys):
                         "--no-progress", "--out", out, "--resume")
     one_error_line(code, err, "trained on other weights", "pass the base they were trained on")
     code, _, err = main(capsys, *argv, "--out", out, "--resume", "--max-steps", "50", "--lora-rank", "8")
-    one_error_line(code, err, "fine-tuned with --lora-rank 4 (you gave 8)", "leave those flags out")
+    one_error_line(code, err, "fine-tuned with a different config: --lora-rank 4 (you gave 8)", "leave those flags out")
     code, _, err = main(capsys, *argv, "--out", out, "--resume", "--overwrite")
     one_error_line(code, err, "pass one of them")
     code, _, err = main(capsys, *argv, "--out", out, "--max-steps", "50")

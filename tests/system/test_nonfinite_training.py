@@ -133,15 +133,19 @@ def test_adamw_refuses_a_gradient_whose_square_overflows_the_dtype():
 
 def test_adamw_eps_must_be_positive_because_zero_makes_nan():
     """torch.optim.AdamW with eps=0: an entry whose gradient has always been 0 (a token no batch
-    held) gets 0/0 = NaN. Ours refuses eps <= 0."""
+    held) gets 0/0 = NaN. Ours refuses eps <= 0 (and an infinite lr) where they are declared, the
+    settings of a run (AdamW takes its hyper-parameters as given)."""
+    from pedestrian.training import TrainSettings
+    from pedestrian.training.specs import check
+
     p = torch.zeros(3, requires_grad=True)
     p.grad = torch.tensor([1.0, 0.0, 2.0])
     torch.optim.AdamW([p], lr=0.1, eps=0.0, foreach=False).step()
     assert math.isnan(float(p.detach()[1]))                               # the oracle's NaN
-    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
-        AdamW([_group([1.0, 0.0])], eps=0.0)
-    with pytest.raises(ValueError, match="learning rate"):
-        AdamW([_group([1.0, 0.0])], lr=math.inf)
+    with pytest.raises(ValueError, match="--eps must be a finite number > 0"):
+        check(TrainSettings(eps=0.0))
+    with pytest.raises(ValueError, match="--lr must be a finite number > 0, got inf"):
+        check(TrainSettings(lr=math.inf))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -175,10 +176,6 @@ def test_schedule_warmup_then_cosine():
     cos_part = [s(i) for i in range(10, 111)]
     assert all(a >= b for a, b in zip(cos_part, cos_part[1:]))
     assert CosineSchedule(1.0, 0, 5)(0) == 1.0          # no warm-up
-    for bad in (dict(max_lr=0, warmup_steps=1, max_steps=2), dict(max_lr=1, warmup_steps=-1, max_steps=2),
-                dict(max_lr=1, warmup_steps=1, max_steps=0), dict(max_lr=1, warmup_steps=1, max_steps=2, min_lr=2)):
-        with pytest.raises(ValueError):
-            CosineSchedule(**bad)
 
 
 def test_schedule_matches_torch_lambdalr():
@@ -239,9 +236,26 @@ def test_param_groups_follow_lora_freezing():
     assert [g.name for g in param_groups(model)] == ["base", "lora"]
 
 
-def test_bad_hyper_parameters():
-    g = _groups(np.random.default_rng(5))
-    for kw in (dict(lr=0), dict(betas=(1.0, 0.9)), dict(eps=-1), dict(weight_decay=-0.1)):
-        with pytest.raises(ValueError):
-            AdamW(g, **kw)
-    assert math.isclose(AdamW(g).lr, 1e-3)
+@pytest.mark.parametrize("cls", ["train", "finetune"])
+def test_bad_hyper_parameters_are_refused_where_they_are_declared(cls):
+    """AdamW's and the schedule's values are checked once, by the settings that declare them
+    (pedestrian.training.specs), with the flag's name; AdamW and CosineSchedule take them as given."""
+    from pedestrian.training import TrainSettings
+    from pedestrian.training.finetune import FinetuneSettings
+    from pedestrian.training.specs import check
+
+    make = TrainSettings if cls == "train" else lambda **kw: FinetuneSettings(hf_dir="h", data="d", **kw)
+    for kw, message in ((dict(lr=0), "--lr must be a finite number > 0, got 0"),
+                        (dict(lr=math.inf), "--lr must be a finite number > 0, got inf"),
+                        (dict(beta1=1.0), "--beta1 must be in [0, 1), got 1.0"),
+                        (dict(beta2=-0.1), "--beta2 must be in [0, 1), got -0.1"),
+                        (dict(weight_decay=-0.1), "--weight-decay must be a finite number >= 0, got -0.1"),
+                        (dict(lr=1e-3, min_lr=2e-3), "--min-lr must be in [0, lr=0.001], got 0.002"),
+                        (dict(warmup_steps=-1), "--warmup-steps must be an integer >= 0, got -1"),
+                        (dict(max_steps=0), "--max-steps must be a positive integer, got 0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check(make(**kw))
+    if cls == "train":
+        with pytest.raises(ValueError, match=re.escape("--eps must be a finite number > 0, got 0")):
+            check(make(eps=0))
+    assert math.isclose(AdamW(_groups(np.random.default_rng(5))).lr, 1e-3)

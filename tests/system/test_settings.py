@@ -141,12 +141,27 @@ def test_resumable_and_per_run_settings_are_the_declared_tags():
     """The sets the resume logic uses (before the declarations they were written out by hand,
     with the same members; max_skipped_steps is new and resumable; the ranks, the device and the
     exchange timeout belong to one invocation: a run may resume with others; so does recompute,
-    which gives the same numbers, with its number of blocks)."""
+    which gives the same numbers, with its number of blocks; and a run may go on with the other
+    array library, --backend, as a fine-tuning run always could)."""
     assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "nproc",
                                 "device", "dist_timeout", "check_layers", "recompute",
                                 "recompute_blocks", "update_in_backward"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
-                                                     "max_skipped_steps", "layer"}
+                                                     "max_skipped_steps", "layer", "backend"}
+
+
+def test_finetune_resumes_by_the_same_declared_tags():
+    """One list of what may change on resume: the tags of the shared declarations (RunSettings)
+    mean the same for a fine-tuning run, which adds its own per-run settings (the base folder,
+    checked by its SHA-256 instead; --out, --resume, --overwrite). The hand-written list it had
+    before held the same names but hf_dir and overwrite (taken from the command then too)."""
+    from pedestrian.training.settings import RunSettings, resume_rules
+
+    per_run, may_change = resume_rules(FinetuneSettings)
+    shared = set(specs(RunSettings))
+    assert per_run & shared == PER_RUN_SETTINGS & shared and may_change & shared == RESUMABLE_SETTINGS & shared
+    assert per_run == {"progress", "plot", "recompute", "recompute_blocks", "hf_dir", "out", "resume", "overwrite"}
+    assert may_change == per_run | {"max_steps", "eval_interval", "max_skipped_steps", "backend"}
 
 
 FINETUNE_FLAGS = [n for n, s in specs(FinetuneSettings).items() if s.flag]

@@ -205,10 +205,12 @@ def _train_losses(out):
     return {r["step"]: r["loss"] for r in read_log(out / "log.jsonl") if "loss" in r}
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_resume_is_exact(corpus, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, old_layout", [("float64", False), ("float32", False), ("float32", True)])
+def test_resume_is_exact(corpus, tmp_path, dtype, old_layout):
     """2N steps in one run == N steps, stop, resume, N steps: the same loss at every step, bit
-    for bit, with dropout and gradient accumulation on (data RNG, dropout RNG, moments restored)."""
+    for bit, with dropout and gradient accumulation on (data RNG, dropout RNG, moments restored).
+    ``old_layout``: the checkpoint resumed from repeats AdamW's hyper-parameters in state.json's
+    "optimizer", as checkpoints did before the settings held them alone: it resumes the same."""
     model = dict(context_length=16, d_model=16, n_heads=2, n_blocks=2, dropout=0.1)
     common = dict(dtype=dtype, grad_accum=2, model=model, checkpoint_interval=4)
     one = _settings(corpus, tmp_path / "one", **common)
@@ -216,6 +218,12 @@ def test_resume_is_exact(corpus, tmp_path, dtype):
     two = _settings(corpus, tmp_path / "two", stop_step=3, **common)
     r = train(two)
     assert r.step == 3 and r.stop_reason == "stop_step"
+    state_file = tmp_path / "two" / "latest" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert set(state["optimizer"]) == {"step", "groups", "layout"}          # each value stored once
+    if old_layout:
+        state["optimizer"].update(lr=1e-2, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1)
+        state_file.write_text(json.dumps(state))
     resumed = _settings(corpus, tmp_path / "two", **common)
     r = train(resumed, resume=True, explicit={"out"})
     assert r.step == 6

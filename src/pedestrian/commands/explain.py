@@ -24,14 +24,14 @@ import argparse
 
 from ..config import CONFIG_FIELDS, GPTConfig
 from ..paper.explain import explain_table, lora_run_note
-from .params import add_config_arguments, config_from_args
+from ..training.settings import add_model_flags, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("which model (at most one of these)")
     src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint folder or run folder")
     src.add_argument("--config", metavar="FILE.toml", help="a `pedestrian train` settings file")
-    add_config_arguments(parser)                  # --preset and the field flags
+    add_model_flags(parser)                       # --preset and the field flags
     parser.add_argument("--batch-size", type=int, metavar="B", help="sequences per step")
     parser.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (default: context length)")
     parser.add_argument("--dtype", choices=["float32", "float64"], help="for the memory column (default float32, "

@@ -33,8 +33,7 @@ import sys
 
 from ..training.specs import add_flags
 from ..training import TrainSettings
-from ..training.settings import settings_from_args
-from .params import add_config_arguments
+from ..training.settings import add_model_flags, settings_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="settings file (TOML; flags override it)")
@@ -43,8 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="start a new run even if --out already holds a checkpoint")
     data = parser.add_argument_group("data")
-    model = add_config_arguments(parser)
-    model.add_argument("--dropout", type=float, help="dropout probability (default 0)")
+    model = add_model_flags(parser, "dropout")
     groups = add_flags(parser, TrainSettings, groups={"data": data, "model": model})
     groups["loop"].add_argument("--no-sample", dest="sample", action="store_false", default=True,
                                 help="do not print samples of the trained model at the end")

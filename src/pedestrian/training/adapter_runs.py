@@ -9,16 +9,10 @@ from pathlib import Path
 
 from ..checkpoint import read_state
 from ..load import HFFolder, adapter_checkpoint_dir, adapters_on_base, check_base
-from .corpus import absolute_path
-from .specs import flag as flag_name
+from .settings import absolute_path, resume_settings
 from .specs import specs
 
-__all__ = ["RESUMABLE", "is_train_run", "resumed"]
-
-
-#: what ``--resume`` takes from the command line rather than from the run's record
-RESUMABLE = frozenset({"max_steps", "eval_interval", "max_skipped_steps", "progress", "plot", "backend",
-                       "resume", "out", "recompute", "recompute_blocks"})   # (the same numbers)
+__all__ = ["is_train_run", "resumed"]
 
 
 def _same(name: str, a, b) -> bool:
@@ -35,14 +29,10 @@ def is_train_run(out: Path) -> bool:
     return (out / "latest" / "state.json").is_file()
 
 
-def _shown(value) -> str:
-    """A setting's value as a command line would give it (a list as its words)."""
-    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else repr(value)
-
-
 def resumed(settings, out: Path, given: frozenset):
-    """The settings to go on with (the run's recorded ones, with the :data:`RESUMABLE` ones of
-    ``given`` taken from ``settings``, a :class:`~pedestrian.training.finetune.FinetuneSettings`) and
+    """The settings to go on with (:func:`~pedestrian.training.settings.resume_settings`: the run's
+    recorded ones, with those of ``settings``, a :class:`~pedestrian.training.finetune.FinetuneSettings`,
+    that may change) and
     the adapter checkpoint in ``out/adapter``, loaded onto its base (the same weights: SHA-256). Raises ``ValueError`` naming what does not match or cannot be
     resumed. Returns ``(settings, checkpoint, tokenizer, base fingerprint)``."""
     if settings.overwrite:
@@ -61,19 +51,8 @@ def resumed(settings, out: Path, given: frozenset):
                          "so it cannot be resumed exactly; start again with --overwrite")
     names = specs(settings)
     saved = type(settings)(**{k: v for k, v in meta["finetune"].items() if k in names})
-    conflicts = [f"{flag_name(k)} {_shown(getattr(saved, k))} (you gave {_shown(getattr(settings, k))})"
-                 for k in sorted(given - RESUMABLE - {"hf_dir", "data"})
-                 if not _same(k, getattr(settings, k), getattr(saved, k))]
-    if absolute_path(settings.data) != absolute_path(saved.data):
-        conflicts.append(f"--data {saved.data!r} (you gave {settings.data!r})")
-    if conflicts:
-        raise ValueError(f"the run in {out} was fine-tuned with " + "; ".join(conflicts)
-                         + ". Resume with the run's own settings (leave those flags out), or start a new run "
-                         "with --out NEW_DIR")
-    for name in RESUMABLE & given:
-        setattr(saved, name, getattr(settings, name))
-    saved.hf_dir, saved.data, saved.resume = settings.hf_dir, absolute_path(settings.data), True   # (the base
-    #                                                                  may have moved: checked below)
+    saved = resume_settings(settings, saved, given, run=f"{out} was fine-tuned", same=_same)
+    saved.data = absolute_path(settings.data)                   # (recorded so; the same text: checked later)
     saved.validate()
     base, fix = HFFolder(saved.hf_dir), "pass the base they were trained on with --hf-dir"
     check_base(folder, state, base, fix)                          # (first: the wrong base is the problem)

@@ -16,12 +16,6 @@ from .settings import TrainSettings
 from .step import TrainingError
 
 # ---------------------------------------------------------------------------------------- data
-def absolute_path(path) -> str:
-    """``path`` (a corpus file or folder) as an absolute path, ``~`` expanded: what a run records,
-    so that ``--resume`` and ``eval`` from another working folder find the same text."""
-    return str(Path(path).expanduser().resolve())
-
-
 def data_fingerprint(train_tokens: np.ndarray, val_tokens: np.ndarray) -> str:
     """SHA-256 of a run's training and validation token ids: a resumed run checks its text is the
     one it was trained on (its batches are drawn from these ids)."""

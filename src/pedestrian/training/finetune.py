@@ -34,10 +34,10 @@ from pathlib import Path
 
 
 from ..model.layout import LORA_LAYER_KINDS
-from .specs import HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, NON_ZERO, OPEN_UNIT, POSITIVE, \
-    POSITIVE_INT, PROBABILITY, add_flags, at_most, check, setting, specs
+from .specs import NON_ZERO, POSITIVE_INT, PROBABILITY, add_flags, check, setting, specs, with_defaults
 from ..load import LoadedModel, adapter_base, adapter_checkpoint_dir, base_fingerprint, load_finetuned, load_model  # noqa: F401 (their home was here)
-from .settings import memory_plan
+from .settings import TAG_PER_RUN as _PER_RUN
+from .settings import RunSettings, absolute_path, memory_plan
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "DEFAULT_TARGETS"]
 
@@ -55,20 +55,21 @@ def training_window(context_length: int | None, model_context: int) -> int:
     return context_length or min(256, model_context)
 
 
-@dataclass
-class FinetuneSettings:
+@dataclass(kw_only=True)
+class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, lr=1e-3, min_lr=1e-4, warmup_steps=10,
+                                     weight_decay=0.0, beta2=0.999, seed=0, eval_interval=50, eval_batches=10)):
     """Settings of a LoRA fine-tuning run: the ``pedestrian finetune`` flags, each declared once
-    below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
+    (type, default, help, valid values; see :mod:`pedestrian.training.specs`): those a training run
+    shares in :class:`~pedestrian.training.settings.RunSettings` (with the defaults above), the
+    fine-tuning's own below.
 
     ``lora_alpha`` is the paper's scalar ``α`` (PEFT's ``lora_alpha / r``); ``lora_targets`` are
     layer kinds (``q k v attn_proj mlp_gate mlp_expand mlp_contract logits``, ``all``), their Llama
     names (``q_proj`` ... ``down_proj``, ``lm_head``) or full layer names.
-    The optimisation settings mean what they mean in :class:`pedestrian.training.TrainSettings`
-    (the same loop runs both, :mod:`pedestrian.training.loop`).
     """
 
     hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory with its tokenizer", kind=str,
-                          metavar="DIR", required=True)
+                          metavar="DIR", required=True, tags=_PER_RUN)       # (on resume: checked by its SHA-256)
     data: str = setting(help="UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer",
                         kind=str, metavar="PATH", required=True)
     lora_rank: int = setting(8, "adapter rank r", rule=POSITIVE_INT, metavar="R", group=_LORA, required=True)
@@ -82,43 +83,12 @@ class FinetuneSettings:
                                   group=_LORA)
     context_length: int | None = setting(None, "training window (default: min(256, the model's context))",
                                          kind=int, rule=POSITIVE_INT, metavar="T", group=_OPTIM)
-    batch_size: int = setting(8, "windows per micro-batch", rule=POSITIVE_INT, metavar="B", group=_OPTIM)
-    grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
-    max_steps: int = setting(200, "optimizer updates; the cosine schedule spans them", rule=POSITIVE_INT,
-                             metavar="N", group=_OPTIM)
-    lr: float = setting(1e-3, "peak learning rate", rule=POSITIVE, group=_OPTIM)
-    min_lr: float = setting(1e-4, "end of the cosine decay", rule=at_most("lr"), group=_OPTIM)
-    warmup_steps: int = setting(10, "linear warm-up updates", rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
-    weight_decay: float = setting(0.0, "decoupled weight decay of the adapters", rule=NON_NEGATIVE, group=_OPTIM)
-    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
-    beta2: float = setting(0.999, "AdamW's second-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
-    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 = off", rule=NON_NEGATIVE, metavar="NORM",
-                               group=_OPTIM)
-    max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
-                                     "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
-                                     group=_OPTIM)
-    recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
-                              "backward: less memory, about a third more arithmetic, the same numbers",
-                              group=_OPTIM)
-    recompute_blocks: int = setting(0, "recompute only the first N blocks (as Megatron-LM's --recompute-num-layers); "
-                                    "the others keep only what their backward reads; 0 = as --recompute says",
-                                    rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
-    val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
-                                  metavar="F", group=_LOOP)
-    eval_interval: int = setting(50, "steps between validations (each saves the adapters)", rule=POSITIVE_INT,
-                                 metavar="N", group=_LOOP)
-    eval_batches: int = setting(10, "fixed validation batches", rule=POSITIVE_INT, metavar="N", group=_LOOP)
-    seed: int = setting(0, "adapter initialisation and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
-    dtype: str = setting("float32", "compute dtype", choices=("float32", "float64"), group=_LOOP)
-    backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_LOOP)
-    out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP)
+    out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP, tags=_PER_RUN)
     overwrite: bool = setting(False, "replace an existing run in --out (kept until the first checkpoint)",
-                              group=_LOOP)
+                              group=_LOOP, tags=_PER_RUN)
     resume: bool = setting(False, "continue the run in --out from its adapter checkpoint (the same command "
                            "with --resume: its recorded settings, adapters, AdamW moments and batch order; "
-                           "--max-steps may be raised)", group=_LOOP)
-    progress: bool = setting(True, "no progress bar", group=_LOOP)
-    plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP)
+                           "--max-steps may be raised)", group=_LOOP, tags=_PER_RUN)
 
     #: ``pedestrian train`` flags that fine-tuning fixes (class attributes, not settings: no
     #: flag, not in :meth:`to_dict`): no ``--stop-step``, no time budget, AdamW's default epsilon
@@ -153,7 +123,7 @@ class FinetuneSettings:
     def add_flags(cls, parser) -> None:
         """``pedestrian finetune``'s flags, one per setting (:func:`pedestrian.training.specs.add_flags`),
         and ``train``'s ``--update-in-backward``, hidden, so that :meth:`from_args` refuses it in one line."""
-        add_flags(parser, cls)
+        add_flags(parser, cls, groups={_LORA: parser.add_argument_group(_LORA)})    # (LoRA's first)
         parser.add_argument("--update-in-backward", action="store_true", help=argparse.SUPPRESS)
 
     @classmethod
@@ -200,10 +170,11 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
 
     Args:
         settings: the run's settings; with ``resume``, those of ``explicit`` must match the run's
-            record but for :data:`~pedestrian.training.adapter_runs.RESUMABLE` ones (``--max-steps`` ...), which replace it.
+            record but for those that may change (:func:`~pedestrian.training.settings.resume_rules`:
+            ``--max-steps`` ...), which replace it.
         explicit: the names of the settings given (``FinetuneSettings.explicit(args)``); ``None``
             (a call from Python): every setting, so each must equal the run's record but for the
-            :data:`~pedestrian.training.adapter_runs.RESUMABLE` ones.
+            ones that may change.
 
     Returns:
         a :class:`FinetuneResult`; ``stop_reason`` ``"max_steps"``, or ``"interrupted"`` (SIGINT
@@ -223,7 +194,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     from ..interop.hf import HFFolder
     from ..interop.peft import save_peft_adapter
     from ..model.finite import finite_or_none
-    from .corpus import absolute_path, data_fingerprint, prepare_data
+    from .corpus import data_fingerprint, prepare_data
     from .distributed import launched_rank
     from .adapter_runs import is_train_run, resumed
     from .files import RunFiles

@@ -274,25 +274,16 @@ class CosineSchedule:
     So the first update already uses ``max_lr / warmup_steps`` and the last warm-up update
     ``max_lr`` itself.
 
-    Raises:
-        ValueError: ``max_lr <= 0``, ``min_lr`` outside ``[0, max_lr]``, ``warmup_steps < 0``,
-            ``max_steps < 1``.
+    The values are taken as given: a run's come from its settings, where each is declared and
+    validated once (``--lr``, ``--min-lr``, ``--warmup-steps``, ``--max-steps``:
+    :mod:`pedestrian.training.specs`); meaningful ones are ``max_lr > 0``, ``0 <= min_lr <= max_lr``,
+    ``warmup_steps >= 0``, ``max_steps >= 1``.
     """
 
     max_lr: float
     warmup_steps: int
     max_steps: int
     min_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.max_lr > 0:
-            raise ValueError(f"learning rate must be > 0, got {self.max_lr}")
-        if not 0 <= self.min_lr <= self.max_lr:
-            raise ValueError(f"min_lr must be in [0, lr={self.max_lr}], got {self.min_lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
 
     def __call__(self, it: int) -> float:
         if it < self.warmup_steps:
@@ -329,25 +320,19 @@ class AdamW:
     ``|m| <= (1 − β1) / (√(1 − β2) (1 − β1/√β2)) · √v`` (about 10.5 √v for 0.9 / 0.99), so a
     parameter moves by at most about ``10 · lr`` per update, whatever the gradient.
 
+    The hyper-parameters are taken as given (as :class:`CosineSchedule`'s): a run's are its
+    settings, declared and validated once in :mod:`pedestrian.training.specs` (``--lr``, ``--beta1``,
+    ``--beta2``, ``--eps``, ``--weight-decay``).
+
     Raises:
-        ValueError: out-of-range hyper-parameters (``lr`` not a finite number > 0, a beta
-            outside ``[0, 1)``, ``eps <= 0``, ``weight_decay`` not a finite number >= 0).
+        ValueError: ``chunk_size < 1``.
     """
 
     def __init__(self, groups, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, chunk_size: int | None = None):
         if not isinstance(groups, (list, tuple)):
             groups = param_groups(groups)
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"learning rate must be a finite number > 0, got {lr}")
         b1, b2 = (float(b) for b in betas)
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must each be in [0, 1), got {betas}")
-        if not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be a finite number > 0, got {eps} (with 0, an entry whose "
-                             "gradient is always 0 gets 0/0 = NaN)")
-        if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
         self.groups: list[ParamGroup] = list(groups)
         self.lr = float(lr)
         self.betas = (b1, b2)
@@ -409,11 +394,8 @@ class AdamW:
             FloatingPointError: the gradient norm is NaN, inf or above :attr:`max_grad_norm`
                 (clip it first, see :func:`clip_grad_norm`). Nothing was changed: parameters,
                 moments and the step count are as before.
-            ValueError: ``lr`` not a finite number >= 0.
         """
         lr = self.lr if lr is None else float(lr)
-        if not (lr >= 0 and math.isfinite(lr)):
-            raise ValueError(f"learning rate must be a finite number >= 0, got {lr}")
         if grad_norm is None:
             grad_norm = global_grad_norm([g.grads for g in self.groups])
         if not grad_norm <= self.max_grad_norm:
@@ -480,10 +462,9 @@ class AdamW:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """``{"step": int, "base.m": ndarray, "base.v": ndarray, ["lora.m", "lora.v"]}``
-        (NumPy copies) plus the hyper-parameters under ``"hyper"`` (a dict)."""
-        out: dict = {"step": self.step_count,
-                     "hyper": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                               "weight_decay": self.weight_decay}}
+        (NumPy copies). The hyper-parameters are not in it: a run records them once, in its
+        settings (an older state's ``"hyper"`` is ignored by :meth:`load_state_dict`)."""
+        out: dict = {"step": self.step_count}
         for group, m, v in zip(self.groups, self.m, self.v):
             out[f"{group.name}.m"] = np.ascontiguousarray(to_numpy(m)).copy()
             out[f"{group.name}.v"] = np.ascontiguousarray(to_numpy(v)).copy()
@@ -491,10 +472,10 @@ class AdamW:
 
     def tensors(self) -> dict:
         """Only the arrays of :meth:`state_dict` (for safetensors)."""
-        return {k: v for k, v in self.state_dict().items() if k not in ("step", "hyper")}
+        return {k: v for k, v in self.state_dict().items() if k != "step"}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``step`` and the moments (hyper-parameters are not changed).
+        """Restore ``step`` and the moments (an older state's ``"hyper"`` is ignored).
 
         Raises:
             ValueError: a missing or unexpected moment, a length that does not match the

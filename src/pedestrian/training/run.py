@@ -61,12 +61,12 @@ from .distributed import (CommunicationError, LaunchFailure, launch, launched_ra
                           reports_to_launcher)
 from ..model.finite import finite_or_none
 from ..kernels.jit import threads_used
-from .corpus import absolute_path, prepare_data
+from .corpus import prepare_data
 from .files import NoFiles, RunFiles, gradient_record
 from .job import build_trainer, failures_explained
 from .loop import Checkpoints, Trainer
 from .plugged import check_layers, layer_paths, match_recorded
-from .settings import PER_RUN_SETTINGS, RESUMABLE_SETTINGS, TrainSettings, memory_plan, per_run_flags
+from .settings import TrainSettings, absolute_path, memory_plan, per_run_flags, resume_settings
 from .step import TrainingError
 
 log = logging.getLogger("pedestrian.train")
@@ -92,35 +92,20 @@ class TrainResult:
 
 
 def _resumed(settings: TrainSettings, explicit: set[str], out: Path, group) -> tuple[TrainSettings, Checkpoint]:
-    """The checkpoint in ``out/latest`` and the settings to go on with: the checkpoint's own,
-    with the :data:`RESUMABLE_SETTINGS` given explicitly and the :data:`PER_RUN_SETTINGS` of
-    this invocation. Any other explicit setting must match the checkpoint's."""
+    """The checkpoint in ``out/latest`` and the settings to go on with
+    (:func:`~pedestrian.training.settings.resume_settings`: the checkpoint's own, with the
+    :data:`RESUMABLE_SETTINGS` given explicitly and the :data:`PER_RUN_SETTINGS` of this
+    invocation; any other explicit setting must match the checkpoint's)."""
     ckpt = load_checkpoint(out / "latest", backend=settings.backend, device=_device(settings, group))
     saved = ckpt.meta.get("settings")
     if saved is None:
         raise TrainingError(f"checkpoint {ckpt.path} was not written by `pedestrian train` "
                             "(no training settings in it); it cannot be resumed")
-    saved = TrainSettings.from_dict(saved)
-    conflicts = []
-    for name in sorted(explicit - RESUMABLE_SETTINGS):
-        keys = [f"model.{k}" for k in settings.model] if name == "model" else [name]   # "model": all given
-        for key in keys:
-            if key.startswith("model."):
-                k = key[len("model."):]
-                mine, theirs = settings.model.get(k), ckpt.config.to_dict().get(k)   # derived widths resolved
-            else:
-                k, mine, theirs = key, getattr(settings, key), getattr(saved, key)
-            if k == "data" and mine is not None and theirs is not None:   # (a run recorded before
-                theirs = absolute_path(theirs)                             # paths were absolute)
-            if mine != theirs:
-                conflicts.append(f"{k}={theirs!r} (you gave {mine!r})")
-    if conflicts:
-        raise TrainingError(f"the checkpoint in {ckpt.path} was trained with a different config: "
-                            + "; ".join(conflicts) + ". Resume without those settings, or start a new run "
-                            "with --out NEW_DIR")
-    for name in RESUMABLE_SETTINGS:
-        if name in explicit or name in PER_RUN_SETTINGS:
-            setattr(saved, name, getattr(settings, name))
+    try:
+        saved = resume_settings(settings, TrainSettings.from_dict(saved), explicit, run=f"{out} was trained",
+                                config=ckpt.config.to_dict())      # (derived widths resolved)
+    except ValueError as exc:
+        raise TrainingError(str(exc)) from None
     saved.validate()
     if ckpt.state.get("optimizer") is None:
         raise TrainingError(f"checkpoint {ckpt.path} holds no optimizer state; it cannot be resumed")

@@ -5,16 +5,19 @@ them a resumed run may change.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CONFIG_FIELDS, PRESETS, GPTConfig, with_arch
+from ..config import (ARCHS, CONFIG_CHOICES, CONFIG_FIELDS, CONFIG_HELP, CONFIG_SWITCHES, PRESETS, GPTConfig,
+                      merge_config)
 from ..text.data import BUNDLED_CORPUS
 from .distributed import DEVICES
 from .specs import (HALF_OPEN_UNIT, NON_NEGATIVE, NON_NEGATIVE_INT, OPEN_UNIT, POSITIVE, POSITIVE_INT, at_most,
-                        check, config_value, kind_of, setting, specs)
+                    add_field_flags, check, config_value, kind_of, setting, specs)
+from .specs import flag as flag_name
 from .step import TrainingError
 
 try:  # Python 3.11+
@@ -34,7 +37,8 @@ DEFAULT_MODEL: dict = dict(context_length=64, d_model=128, n_heads=4, n_blocks=4
 #: come from the command, not the checkpoint); "resumable" ones may differ from the
 #: checkpoint's when resuming (they do not change what the first N steps computed): given
 #: explicitly they win, otherwise the checkpoint's are kept.
-_PER_RUN, _RESUMABLE = {"per_run"}, {"resumable"}
+TAG_PER_RUN, TAG_RESUMABLE = {"per_run"}, {"resumable"}
+_PER_RUN, _RESUMABLE = TAG_PER_RUN, TAG_RESUMABLE
 _DATA, _MODEL, _OPTIM, _LOOP = "data", "model", "optimisation", "loop"
 
 
@@ -46,9 +50,58 @@ RETIRED_SETTINGS = {
 
 
 @dataclass
-class TrainSettings:
+class RunSettings:
+    """The settings a training run and a fine-tuning run share, declared once: the optimisation
+    (batch, steps, AdamW, the schedule, clipping, recompute) and the loop (validation, seed,
+    progress). :class:`TrainSettings` and :class:`~pedestrian.training.finetune.FinetuneSettings`
+    are made of it (the latter with its own defaults, :func:`~pedestrian.training.specs.with_defaults`);
+    the same loop runs both (:mod:`pedestrian.training.job`).
+    """
+
+    val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
+                                  metavar="F", group=_DATA)
+    dtype: str = setting("float32", "dtype of the parameters and of the arithmetic", choices=("float32", "float64"),
+                         group=_MODEL)
+    backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_MODEL, tags=_RESUMABLE)
+    batch_size: int = setting(16, "windows (each the training window + 1 tokens) per micro-batch", rule=POSITIVE_INT,
+                              metavar="B", group=_OPTIM)
+    grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
+    max_steps: int = setting(3000, "optimizer updates; the cosine schedule spans them", rule=POSITIVE_INT,
+                             metavar="N", group=_OPTIM, tags=_RESUMABLE)
+    lr: float = setting(2e-3, "peak learning rate, reached after the linear warm-up", rule=POSITIVE,
+                        group=_OPTIM)
+    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", rule=at_most("lr"),
+                            group=_OPTIM)
+    warmup_steps: int = setting(100, "linear warm-up updates", rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
+    weight_decay: float = setting(0.1, "decoupled weight decay of the trained 2-D weights (adapters included), "
+                                  "not of biases or norms", rule=NON_NEGATIVE, group=_OPTIM)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    beta2: float = setting(0.99, "AdamW's second-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
+    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 = off", rule=NON_NEGATIVE, metavar="NORM",
+                               group=_OPTIM)
+    max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
+                                     "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
+                                     group=_OPTIM, tags=_RESUMABLE)
+    recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
+                              "backward: less memory, about a third more arithmetic, the same numbers",
+                              group=_OPTIM, tags=_PER_RUN)
+    recompute_blocks: int = setting(0, "recompute only the first N blocks (as Megatron-LM's --recompute-num-layers); "
+                                    "the others keep only what their backward reads; 0 = as --recompute says",
+                                    rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM, tags=_PER_RUN)
+    seed: int = setting(1337, "seed of the initialisation (model or adapters), dropout and batch sampling",
+                        rule=NON_NEGATIVE_INT, group=_LOOP)
+    eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
+                                 tags=_RESUMABLE)
+    eval_batches: int = setting(20, "fixed validation batches", rule=POSITIVE_INT, metavar="N", group=_LOOP)
+    progress: bool = setting(True, "no progress bar", group=_LOOP, tags=_PER_RUN)
+    plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP, tags=_PER_RUN)
+
+
+@dataclass
+class TrainSettings(RunSettings):
     """Every setting of a training run: the ``pedestrian train`` flags and TOML keys, each
-    declared once below (type, default, help, valid values; see :mod:`pedestrian.training.specs`).
+    declared once (type, default, help, valid values; see :mod:`pedestrian.training.specs`): those
+    a fine-tuning run shares in :class:`RunSettings`, the others below.
 
     ``model`` holds the :class:`GPTConfig` fields except ``vocab_size`` (set from the
     tokenizer). ``nproc`` > 1 starts that many ranks on this machine through PyTorch's launcher
@@ -62,11 +115,7 @@ class TrainSettings:
     tokenizer: str = setting("char", "character-level or byte-level BPE", choices=("char", "bpe"), group=_DATA)
     bpe_vocab_size: int = setting(1024, "vocabulary of a new BPE tokenizer", rule=POSITIVE_INT, metavar="N",
                                   group=_DATA)
-    val_fraction: float = setting(0.1, "last fraction of the tokens held out for validation", rule=OPEN_UNIT,
-                                  metavar="F", group=_DATA)
     model: dict = setting(DEFAULT_MODEL, "GPTConfig fields except vocab_size", kind=dict, flag=False)
-    dtype: str = setting("float32", "parameter dtype", choices=("float32", "float64"), group=_MODEL)
-    backend: str = setting("numpy", "array library", choices=("numpy", "torch"), group=_MODEL)
     device: str = setting("cpu", "where the arrays live; cuda needs --backend torch (ranks on GPUs talk "
                           "through NCCL, on CPUs through gloo)", choices=DEVICES, group=_MODEL, tags=_PER_RUN)
     layer: list | None = setting(None, "your own layer in a slot: SLOT=FILE.py, SLOT one of norm, activation, mlp "
@@ -74,41 +123,12 @@ class TrainSettings:
                                  tags=_RESUMABLE)
     check_layers: bool = setting(True, "no gradient check of the --layer modules before the first step",
                                  group=_MODEL, tags=_PER_RUN)
-    batch_size: int = setting(16, "windows of context_length + 1 tokens per micro-batch", rule=POSITIVE_INT,
-                              metavar="B", group=_OPTIM)
-    grad_accum: int = setting(1, "micro-batches per update", rule=POSITIVE_INT, metavar="K", group=_OPTIM)
-    max_steps: int = setting(3000, "optimizer updates; the cosine schedule spans them", rule=POSITIVE_INT,
-                             metavar="N", group=_OPTIM, tags=_RESUMABLE)
-    lr: float = setting(2e-3, "peak learning rate, reached after the linear warm-up", rule=POSITIVE,
-                        group=_OPTIM)
-    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", rule=at_most("lr"),
-                            group=_OPTIM)
-    warmup_steps: int = setting(100, "linear warm-up updates", rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM)
-    weight_decay: float = setting(0.1, "decoupled weight decay of the 2-D weights, not of biases or layer norms",
-                                  rule=NON_NEGATIVE, group=_OPTIM)
-    beta1: float = setting(0.9, "AdamW's first-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
-    beta2: float = setting(0.99, "AdamW's second-moment decay", rule=HALF_OPEN_UNIT, group=_OPTIM)
     eps: float = setting(1e-8, "AdamW's epsilon, added to the root of the second moment", rule=POSITIVE,
                          group=_OPTIM)
-    grad_clip: float = setting(1.0, "global gradient-norm clip; 0 = off", rule=NON_NEGATIVE, metavar="NORM",
-                               group=_OPTIM)
-    max_skipped_steps: int = setting(5, "stop after this many steps in a row whose loss or gradient is not "
-                                     "finite (each is skipped: no update)", rule=POSITIVE_INT, metavar="K",
-                                     group=_OPTIM, tags=_RESUMABLE)
-    recompute: bool = setting(False, "keep only each block's input in the forward and recompute the rest in the "
-                              "backward: less memory, about a third more arithmetic, the same numbers",
-                              group=_OPTIM, tags=_PER_RUN)
-    recompute_blocks: int = setting(0, "recompute only the first N blocks (as Megatron-LM's --recompute-num-layers); "
-                                    "the others keep only what their backward reads; 0 = as --recompute says",
-                                    rule=NON_NEGATIVE_INT, metavar="N", group=_OPTIM, tags=_PER_RUN)
     update_in_backward: bool = setting(False, "apply AdamW to each block inside the backward, so that no "
                                        "whole-model gradient is held (less memory; needs --grad-clip 0 and "
                                        "--grad-accum 1; a non-finite gradient stops the run)", group=_OPTIM,
                                        tags=_PER_RUN)
-    seed: int = setting(1337, "model init, dropout and batch sampling seed", rule=NON_NEGATIVE_INT, group=_LOOP)
-    eval_interval: int = setting(250, "steps between validations", rule=POSITIVE_INT, metavar="N", group=_LOOP,
-                                 tags=_RESUMABLE)
-    eval_batches: int = setting(20, "fixed validation batches", rule=POSITIVE_INT, metavar="N", group=_LOOP)
     checkpoint_interval: int = setting(0, "steps between checkpoints; 0 = at every validation",
                                        rule=NON_NEGATIVE_INT, metavar="N", group=_LOOP, tags=_RESUMABLE)
     max_minutes: float | None = setting(9.0, "wall-clock budget: stop early, validate, save and plot; 0 = none",
@@ -119,8 +139,6 @@ class TrainSettings:
                                     tags=_PER_RUN)
     out: str | None = setting(None, "run folder (default runs/<corpus>_<tokenizer>)", kind=str, metavar="DIR",
                               group=_LOOP, tags=_PER_RUN)
-    progress: bool = setting(True, "no progress bar", group=_LOOP, tags=_PER_RUN)
-    plot: bool = setting(True, "no loss_curve.png or gradients.png", group=_LOOP, tags=_PER_RUN)
     nproc: int = setting(1, "processes (ranks) on this machine, each computing its share of every batch; "
                          "started through PyTorch's launcher (needs the torch extra); under torchrun "
                          "leave it out", rule=POSITIVE_INT, metavar="N", group=_LOOP, tags=_PER_RUN)
@@ -214,12 +232,96 @@ def memory_plan(settings, n_blocks: int) -> str | None:
     return "memory: " + "; ".join(said) + "; the same numbers as without" if said else None
 
 
-#: settings of one invocation: on resume they come from the command, not the checkpoint
-PER_RUN_SETTINGS = frozenset(n for n, s in specs(TrainSettings).items() if s.tags & _PER_RUN)
-#: settings that may differ from the checkpoint's when resuming (they do not change what the
-#: first N steps computed): given explicitly they win, otherwise the checkpoint's are kept.
-#: Any other explicitly given setting must match the checkpoint.
-RESUMABLE_SETTINGS = PER_RUN_SETTINGS | {n for n, s in specs(TrainSettings).items() if s.tags & _RESUMABLE}
+def resume_rules(cls) -> tuple[frozenset, frozenset]:
+    """``(per_run, may_change)`` of a settings class, from its declarations' tags: the settings of
+    one invocation (on resume they come from the command, not the record), and those a resumed run
+    may change -- the per-run ones and the "resumable" ones (they do not change what the first N
+    steps computed), which win when given explicitly."""
+    per_run = frozenset(n for n, s in specs(cls).items() if s.tags & _PER_RUN)
+    return per_run, per_run | {n for n, s in specs(cls).items() if s.tags & _RESUMABLE}
+
+
+#: settings of one invocation, and those a resumed training run may change (:func:`resume_rules`)
+PER_RUN_SETTINGS, RESUMABLE_SETTINGS = resume_rules(TrainSettings)
+
+
+def absolute_path(path) -> str:
+    """``path`` (a corpus file or folder) as an absolute path, ``~`` expanded: what a run records,
+    so that ``--resume`` and ``eval`` from another working folder find the same text."""
+    return str(Path(path).expanduser().resolve())
+
+
+def _shown(value) -> str:
+    """A setting's value as a command line would give it (a list as its words)."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else repr(value)
+
+
+def resume_settings(settings, recorded, explicit, *, run: str, config: dict | None = None, same=None):
+    """The settings a resumed run goes on with -- the one resume rule of ``train`` and ``finetune``:
+    the run's ``recorded`` settings, with this invocation's per-run settings and the may-change
+    ones it gives explicitly (:func:`resume_rules`). Every other setting in ``explicit`` must equal
+    the record: ``"model.<field>"`` (``"model"``: all of them) against ``config`` (the checkpoint's
+    model), ``data`` as an absolute path, and ``same(name, given, recorded)`` where it is given.
+
+    Args:
+        run: the run's folder and what was done, for the message (``"runs/x was fine-tuned"``).
+
+    Raises:
+        ValueError: every explicit setting that differs from the record, by its flag, and how to go on.
+    """
+    per_run, may_change = resume_rules(type(settings))
+    names = set(explicit) - may_change
+    if "model" in names:
+        names = (names - {"model"}) | {f"model.{k}" for k in settings.model}
+    conflicts = []
+    for name in sorted(names):
+        key = name.removeprefix("model.")
+        mine, theirs = ((settings.model.get(key), (config or {}).get(key)) if name != key
+                        else (getattr(settings, key), getattr(recorded, key)))
+        a, b = ((absolute_path(mine), absolute_path(theirs)) if key == "data" and None not in (mine, theirs)
+                else (mine, theirs))
+        if not (same(key, a, b) if same else a == b):
+            conflicts.append(f"{flag_name(key)} {_shown(theirs)} (you gave {_shown(mine)})")
+    if conflicts:
+        raise ValueError(f"the run in {run} with a different config: " + "; ".join(conflicts) + ". Resume with "
+                         "the run's own settings (leave those flags out), or start a new run with --out NEW_DIR")
+    return dataclasses.replace(recorded, **{n: getattr(settings, n) for n in may_change
+                                            if n in explicit or n in per_run})
+
+
+# ---------------------------------------------------------------------------------------- the model's flags
+#: GPTConfig fields with a flag in one command only (``pedestrian train``'s dropout, ``params``' q, k, v biases)
+MODEL_EXTRA_HELP = {"dropout": "dropout probability (default 0)",
+                    "qkv_bias": "q, k, v biases even with --no-bias (--no-qkv-bias: none, the others as --no-bias says)"}
+
+
+def add_model_flags(parser, *extra: str):
+    """The model flags of ``train``, ``params`` and ``explain``: ``--preset``, ``--arch`` and one
+    flag per :data:`~pedestrian.config.CONFIG_HELP` field (and the ``extra`` ones of
+    :data:`MODEL_EXTRA_HELP`), made from GPTConfig's fields. Returns their group ("model")."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config")
+    g.add_argument("--arch", choices=list(ARCHS), help="gpt2 (default) or llama (RMS norm, SwiGLU, RoPE, "
+                   "no biases, n_heads/2 key/value heads); fills the fields not given explicitly")
+    add_field_flags(g, GPTConfig, {**CONFIG_HELP, **{k: MODEL_EXTRA_HELP[k] for k in extra}},
+                    choices=CONFIG_CHOICES, aliases=CONFIG_SWITCHES)
+    return g
+
+
+def config_from_args(args, base: dict | None = None) -> GPTConfig:
+    """A :class:`GPTConfig` from ``--preset``, ``--arch`` and the field flags, over ``base``
+    (:func:`~pedestrian.config.merge_config`).
+
+    Raises:
+        ValueError: required widths missing (the message names them) or invalid values.
+    """
+    given = {f: getattr(args, f) for f in GPTConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    values, _ = merge_config(given, preset=getattr(args, "preset", None), arch=getattr(args, "arch", None), base=base)
+    missing = [f for f in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks") if f not in values]
+    if missing:
+        raise ValueError("missing model settings: " + ", ".join("--" + m.replace("_", "-") for m in missing)
+                         + " (or pass --preset)")
+    return GPTConfig(**values)
 
 
 # ---------------------------------------------------------------------------------------- a settings file
@@ -285,7 +387,7 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
         TrainingError: ``--vocab-size`` given, or an unknown preset.
         FileNotFoundError / ValueError: the config file (:func:`read_config_file`).
     """
-    given = read_config_file(args.config) if args.config else {}
+    given = read_config_file(args.config) if getattr(args, "config", None) else {}
     for name in TRAIN_KEYS + MODEL_KEYS:
         value = getattr(args, name, None)
         if value is not None:
@@ -294,26 +396,18 @@ def settings_from_args(args) -> tuple[TrainSettings, set[str]]:
         raise TrainingError("--vocab-size is set by the tokenizer; leave it out")
     preset, arch = given.pop("preset", None), given.pop("arch", None)
     model_given = {k: given.pop(k) for k in list(given) if k in MODEL_KEYS}
-    if preset is not None and preset not in PRESETS:
-        raise TrainingError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    model = dict(DEFAULT_MODEL)
-    if preset is not None:
-        model = {k: v for k, v in PRESETS[preset].items() if k != "vocab_size"}
-        model.setdefault("dropout", 0.0)
-    model.update(model_given)
     try:
-        filled = with_arch(model, arch, model_given)
+        model, model_keys = merge_config(model_given, preset=preset, arch=arch, base=DEFAULT_MODEL)
     except ValueError as exc:
         raise TrainingError(str(exc)) from None
-    arch_keys = {k for k in filled if k not in model or filled[k] != model[k]}
-    model = filled
+    model = {k: v for k, v in model.items() if k != "vocab_size"}
+    model.setdefault("dropout", 0.0)                   # (a preset's model: GPTConfig's default)
     for name, spec in specs(TrainSettings).items():     # e.g. --max-minutes 0: no limit
         if spec.none_means is not None and name in given and given[name] == spec.none_means:
             given[name] = None
     settings = TrainSettings(**given, model=model)
     # model fields count as given one by one ("model.d_model"); a preset gives all of its fields
-    model_keys = set(model_given) | arch_keys | (set(model) - {"dropout"} if preset is not None else set())
-    explicit = set(given) | {f"model.{k}" for k in model_keys}
+    explicit = set(given) | {f"model.{k}" for k in model_keys - {"vocab_size"}}
     return settings, explicit
 
 
@@ -325,14 +419,7 @@ def config_file_model(path, vocab_size: int | None = None) -> tuple[GPTConfig, T
     Raises:
         the errors of :func:`read_config_file`; FileNotFoundError: no corpus (char tokenizer).
     """
-    given = read_config_file(path)
-    settings = TrainSettings(**{k: v for k, v in given.items()
-                                if k in TrainSettings.__dataclass_fields__ and k != "model"})
-    model = dict(DEFAULT_MODEL)
-    if "preset" in given:
-        model = {k: v for k, v in PRESETS[given["preset"]].items() if k != "vocab_size"}
-    model_given = {k: v for k, v in given.items() if k in GPTConfig.__dataclass_fields__}
-    model = with_arch({**model, **model_given}, given.get("arch"), model_given)
+    settings, _ = settings_from_args(argparse.Namespace(config=path))
     if vocab_size is None and settings.tokenizer == "bpe":
         vocab_size = settings.bpe_vocab_size
     if vocab_size is None:
@@ -340,4 +427,4 @@ def config_file_model(path, vocab_size: int | None = None) -> tuple[GPTConfig, T
         from ..text.tokenizer import CharTokenizer
 
         vocab_size = CharTokenizer.from_text(load_corpus(settings.data)).vocab_size
-    return GPTConfig(vocab_size=vocab_size, **model), settings
+    return settings.model_config(vocab_size), settings

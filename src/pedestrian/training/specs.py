@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Rule", "Spec", "setting", "specs", "check", "add_flags", "config_value", "kind_of", "flag",
+__all__ = ["Rule", "Spec", "setting", "specs", "check", "add_flags", "add_field_flags", "config_value", "kind_of", "flag", "with_defaults",
            "POSITIVE_INT", "NON_NEGATIVE_INT", "POSITIVE", "NON_NEGATIVE", "OPEN_UNIT", "HALF_OPEN_UNIT",
            "NON_ZERO", "PROBABILITY", "at_most"]
 
@@ -152,6 +152,20 @@ def setting(default: Any = _MISSING, help: str = "", *, kind: type | None = None
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def with_defaults(base, **defaults):
+    """A subclass of the settings dataclass ``base`` whose settings named in ``defaults`` default to
+    these values instead: their declarations (help, kind, rule, group, tags) stay ``base``'s, and so
+    does their place among the fields (``class FinetuneSettings(with_defaults(RunSettings, lr=1e-3))``)."""
+    fields = base.__dataclass_fields__
+    namespace = {"__annotations__": {name: fields[name].type for name in defaults}}
+    for name, value in defaults.items():
+        spec = fields[name].metadata["spec"]
+        if value is not None and not _has_kind(value, spec.kind):
+            raise TypeError(f"with_defaults(): {name} = {value!r} is not {_KIND_WORDS[spec.kind]}")
+        namespace[name] = dataclasses.field(default=value, metadata=fields[name].metadata)
+    return dataclass(type(base.__name__, (base,), namespace))
+
+
 def specs(cls) -> dict[str, Spec]:
     """``{field name: Spec}`` of a settings class (or instance), in declaration order."""
     return {f.name: f.metadata["spec"] for f in dataclasses.fields(cls) if "spec" in f.metadata}
@@ -186,7 +200,8 @@ def _default_text(f: dataclasses.Field) -> str | None:
 
 
 def add_flags(parser, cls, *, groups: dict | None = None, keep_defaults: bool = False) -> dict:
-    """Add a flag for every setting of ``cls`` that has one, in groups named by ``Spec.group``.
+    """Add a flag for every setting of ``cls`` that has one, in groups named by ``Spec.group``
+    (the required ones first, the others in declaration order).
 
     Booleans become switches: ``--no-NAME`` for a setting that defaults to ``True``, ``--NAME``
     for one that defaults to ``False``. A list takes one or more values, and may be repeated
@@ -202,7 +217,7 @@ def add_flags(parser, cls, *, groups: dict | None = None, keep_defaults: bool = 
         the groups, by name.
     """
     groups = dict(groups or {})
-    for f in dataclasses.fields(cls):
+    for f in sorted(dataclasses.fields(cls), key=lambda f: not getattr(f.metadata.get("spec"), "required", False)):
         spec = f.metadata.get("spec")
         if spec is None or not spec.flag:
             continue
@@ -236,6 +251,27 @@ def add_flags(parser, cls, *, groups: dict | None = None, keep_defaults: bool = 
             kw["required"] = True
         group.add_argument(flag(f.name), **kw)
     return groups
+
+
+def add_field_flags(group, cls, helps: dict, *, choices: dict | None = None, aliases: dict | None = None) -> None:
+    """A flag for each field ``helps`` names (``{field: help}``) of the dataclass ``cls``, declared
+    elsewhere (:class:`~pedestrian.config.GPTConfig`'s): the type from the field's type hint
+    (:func:`kind_of`), ``choices`` by field; a bool is a switch -- ``--no-NAME`` for a field that
+    defaults to ``True`` (with its ``aliases``, e.g. ``--untied``), ``--NAME`` for ``False``, both
+    for ``None``. Every flag's argparse default is ``None`` (not given)."""
+    hints, choices, aliases = typing.get_type_hints(cls), choices or {}, aliases or {}
+    for name, help_text in helps.items():
+        kind, default = kind_of(hints[name]), cls.__dataclass_fields__[name].default
+        if kind is bool:
+            if default is not True:
+                group.add_argument(flag(name), dest=name, action="store_true", default=None, help=help_text)
+            if default is not False:
+                group.add_argument(flag("no_" + name), *[a for a in [aliases.get(name)] if a], dest=name,
+                                   action="store_false", default=None,
+                                   help=help_text if default else f"not {flag(name)}")
+            continue
+        group.add_argument(flag(name), dest=name, type=kind, help=help_text,
+                           **({"choices": list(choices[name])} if name in choices else {}))
 
 
 def kind_of(hint) -> type:
