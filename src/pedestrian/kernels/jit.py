@@ -26,9 +26,9 @@ them from the disk cache prints nothing. :func:`dispatchers` lists the dispatche
 
 **Threads.** Kernels may be called from several Python threads at once (numba's ``tbb`` and
 ``omp`` layers are thread-safe; where numba fell back to ``workqueue``, parallel calls take a
-lock). Between regions an idle OpenMP thread spins about half a millisecond, then sleeps
-(:data:`SPIN_ROUNDS`); where other processes hold the cores, :data:`CORES` runs a region on one
-thread when that has been faster (the same bits). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
+lock). Between regions an idle OpenMP thread spins a few milliseconds, then sleeps
+(:data:`SPIN_ROUNDS`); where other processes hold the cores, :data:`CORES` runs the regions on
+fewer threads (the same bits). **Processes.** GNU OpenMP (numba's ``omp`` layer, the usual one on Linux) cannot run in a
 child forked after it started: numba stops such a child with SIGTERM. In a child forked after
 numba's threads started on ``omp``, every kernel therefore runs its serial compilation
 (:func:`threads_used` is 1); a child started by ``spawn`` or ``forkserver`` has its own threads.
@@ -53,6 +53,7 @@ import types
 import numpy as np
 
 from . import schedule
+from .cores import Cores
 
 __all__ = ["AVAILABLE", "CORES", "FASTMATH", "kernel", "prange", "dispatchers", "num_threads", "threads_used",
            "blas_one_thread"]
@@ -373,9 +374,8 @@ class _Parallel:
     otherwise): the serial one under :data:`.schedule.SERIAL_BELOW` (and always in a child forked
     after numba's OpenMP threads started), else the parallel one, on ``threads_used()`` threads
     from :data:`.schedule.PARALLEL_MIN_ELEMENTS` and on one below (the same compiled loops
-    whatever the thread count, so the same bits). :data:`CORES` runs a region on all those
-    threads or on one, whichever has been faster for its kind: the work's partition is
-    unchanged, so the bits too.
+    whatever the thread count, so the same bits). Of those threads, as many run the region as
+    the cores give it (:data:`CORES`): the work's partition is unchanged, so the bits too.
 
     numba's threading layer: its default choice (``tbb``, then ``omp``, then ``workqueue``).
     ``workqueue`` must not be entered by two Python threads at once, so where numba fell back to
@@ -398,7 +398,7 @@ class _Parallel:
         if workqueue or threads == 1:
             _use_threads(threads)
             return (_locked(self.parallel) if workqueue else self.parallel)(*args)
-        return CORES.run(self.parallel, threads, n, args)
+        return CORES.run(self.parallel, threads, args)
 
 
 _layer: list = []
@@ -423,14 +423,12 @@ _touch = _Kernel(_touch_loop, parallel=True)
 
 
 #: GNU OpenMP's rounds of spinning before an idle thread sleeps, set for the moment numba loads
-#: OpenMP unless you set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``: 0.5 ms on an AMD EPYC (a
-#: round is a ``pause`` instruction: 10-150 cycles on x86), longer than 99 % of the gaps between
-#: two regions of a char-small step (median 23 µs, 99th percentile 415 µs), so a thread is awake
-#: for the next region of a step (2 idle cores: 30.5 ms a step, 36.3 sleeping after each region)
-#: and asleep soon after a call: a server between requests, a busy machine (docs/guide.md, "A
-#: shared machine"). GNU's own default, 300,000 rounds (7.5-8 ms here), burned the cores others
-#: needed.
-SPIN_ROUNDS = "20000"
+#: OpenMP unless you set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``: GNU's own default (libgomp
+#: manual, GOMP_SPINCOUNT), 7.5-8 ms on an AMD EPYC, so a thread is still awake for the next
+#: region of a step (char-small, 2 idle cores: 31-33 against 37-44 ms a step sleeping after each
+#: region) and asleep soon after a call (a server between requests: docs/guide.md, "A shared
+#: machine"). On a busy machine :data:`CORES` takes the threads down instead.
+SPIN_ROUNDS = "300000"
 
 
 def _start_threads() -> None:
@@ -449,64 +447,8 @@ def _start_threads() -> None:
             del os.environ["GOMP_SPINCOUNT"]
 
 
-class Cores:
-    """How many threads run a parallel region: all of ``threads_used()``, or one -- whichever
-    has been faster for that kind of region, measured.
-
-    A kind of region is a kernel and the size of its job to a power of two. For each kind the
-    wall time per element is kept for both choices (an exponential average, weight
-    :data:`ALPHA`); a region runs with the faster one, and every :data:`EXPLORE` calls of a kind
-    with the other, whose time then replaces the one kept (it may be old). The first call of a
-    kind is not timed (it may compile); the next two time both choices.
-
-    On an idle machine every region of a training step is faster on all the threads. Beside
-    other jobs a thread waits for its turn on a core and the others wait for it at the region's
-    end: a region on one thread is then faster, and runs so, until a try on all the threads is
-    faster again (docs/guide.md, "A shared machine"). Python threads of your own calling kernels
-    at once are other jobs too.
-
-    The bits do not depend on it: every kernel cuts its work by ``threads_used()`` (the row
-    bands, the partial sums of a product); this only sets how many threads run those parts
-    (``numba.set_num_threads`` on the same compiled loops).
-    """
-
-    EXPLORE = 128
-    ALPHA = 0.25
-
-    def __init__(self) -> None:
-        #: kind -> ``[seconds per element on all threads, on one thread, calls]`` (0: not yet timed)
-        self.kinds: dict = {}
-
-    def run(self, f, threads: int, n: int, args):
-        """``f(*args)``, a region of ``n`` elements, on ``threads`` threads or one (see above)."""
-        s = self.kinds.get((f, n.bit_length()))
-        if s is None:
-            s = self.kinds[(f, n.bit_length())] = [0.0, 0.0, 0]
-        s[2] += 1
-        explore = False
-        if not s[0] or not s[1]:                       # warm-up, then one call each way
-            i = 1 if s[0] and s[2] > 2 else 0
-        else:
-            i = 0 if s[0] <= s[1] else 1
-            if s[2] % self.EXPLORE == 0:
-                i, explore = 1 - i, True
-        _use_threads(threads if i == 0 else 1)
-        t0 = time.perf_counter()
-        try:
-            return f(*args)
-        finally:
-            if s[2] > 1:
-                t = (time.perf_counter() - t0) / n
-                s[i] = t if explore or not s[i] else s[i] + self.ALPHA * (t - s[i])
-
-    def share_on_all(self) -> float:
-        """The share of calls (since the process started) whose kind now prefers all the threads."""
-        calls = sum(s[2] for s in self.kinds.values())
-        return sum(s[2] for s in self.kinds.values() if s[0] and s[1] and s[0] <= s[1]) / max(calls, 1)
-
-
 #: the process's :class:`Cores` (one for every model and Python thread: the cores are shared)
-CORES = Cores()
+CORES = Cores(lambda n: _use_threads(n))
 
 
 def _locked(f):
