@@ -387,41 +387,46 @@ def test_the_threads_running_a_region_change_no_bit(monkeypatch):
 
 
 def test_the_cores_take_threads_down_and_try_them_again(monkeypatch):
-    """The rule of :class:`jit.Cores` on measured windows: a window whose CPU rate is under
-    ``SHARE`` of its threads sets the count to the cores it got; all the threads are tried again
-    after ``PROBE_S``, the wait doubling after each trial that fails (up to ``PROBE_MAX_S``); a
-    trial that gets its cores restores them. Regions that overlap another thread's are not counted."""
+    """The rule of :class:`jit.Cores` on measured windows (the calling thread's CPU time over the
+    wall time): a window whose rate is under ``SHARE`` sets the count to the cores it got
+    (``int(threads · rate)``, at least 1); all the threads are tried again after ``PROBE_S``, the
+    wait doubling after each trial that fails (up to ``PROBE_MAX_S``); a trial fails as soon as
+    two regions and ``TRIAL_FAIL_S`` are under ``SHARE``, and passes after a whole window, which
+    restores the threads. Regions that overlap another thread's are not counted."""
     from pedestrian.kernels import cores as cores_module
 
     cores = jit.Cores(lambda n: None)
     clock = [100.0]
     monkeypatch.setattr(cores_module.time, "perf_counter", lambda: clock[0])
-    window = cores.WINDOW_S
+    region = cores.WINDOW_S / cores.WINDOW_REGIONS
 
-    def window_at(k: int, rate: float) -> None:
-        for _ in range(cores.WINDOW_REGIONS):
-            cores._count(k, 2, window / cores.WINDOW_REGIONS, rate * window / cores.WINDOW_REGIONS, clock[0])
+    def regions_at(rate: float, n: int = cores.WINDOW_REGIONS) -> None:
+        for _ in range(n):
+            cores._count(2, 2, region, rate * region, clock[0])
 
     assert cores.threads(2) == 2
-    window_at(2, 1.9)                                          # the cores are there
+    regions_at(0.97)                                           # the cores are there
     assert cores.running is None and cores.threads(2) == 2
-    window_at(2, 1.0)                                          # one core's worth: down to 1
+    regions_at(0.5)                                            # one core's worth: down to 1
     assert cores.running == 1 and cores.threads(2) == 1
     clock[0] += cores.PROBE_S / 2
     assert cores.threads(2) == 1                               # not yet
     clock[0] += cores.PROBE_S
     assert cores.threads(2) == 2 and cores.trial               # a trial of both threads
-    window_at(2, 1.2)                                          # fails: wait twice as long
-    assert cores.running == 1 and not cores.trial
+    assert region >= cores.TRIAL_FAIL_S
+    regions_at(0.6, n=2)                                       # fails after two regions
+    assert cores.running == 1 and not cores.trial and cores.wait_s == 4 * cores.PROBE_S
     clock[0] += 1.5 * cores.PROBE_S
-    assert cores.threads(2) == 1
+    assert cores.threads(2) == 1                               # waits twice as long
     clock[0] += cores.PROBE_S
     assert cores.threads(2) == 2
-    window_at(2, 1.95)                                         # the machine is free again
+    regions_at(0.97, n=cores.WINDOW_REGIONS - 1)               # a trial passes only after a window
+    assert cores.running == 1 and cores.trial
+    regions_at(0.97, n=1)                                      # the machine is free again
     assert cores.running is None and cores.wait_s == cores.PROBE_S
     assert [r for _, r in cores.changes] == [1, None]
     for _ in range(10):                                        # doubling stops at PROBE_MAX_S
-        window_at(2, 0.5)
+        regions_at(0.3)
         clock[0] = cores.next_trial
         assert cores.threads(2) == 2
     assert cores.wait_s == cores.PROBE_MAX_S
