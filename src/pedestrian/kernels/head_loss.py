@@ -24,7 +24,7 @@ from .jit import blas_one_thread, kernel, prange, threads_used
 from .schedule import MIN_PART_ROWS
 from .workspace import empty_array
 
-__all__ = ["head_loss_forward", "head_loss_backward"]
+__all__ = ["head_loss_forward"]    # (the backward is the reference's: it hands over what the forward made)
 
 
 @kernel(parallel=True, size=lambda a, b, *rest: a.shape[0] * a.shape[1] * b.shape[1])   # m·k·n
@@ -103,16 +103,3 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
     loss = h.dtype.type(nll.sum() / C)
     d11 = dh.reshape(h.shape) if grad else None
     return loss, HeadLossCache(d11, dW, db, C, (*h.shape[:-1], V))
-
-
-def head_loss_backward(cache: HeadLossCache, *, dweight=None, dbias=None):
-    """``Δ11``; ``dW``, ``db`` copied into ``dweight``, ``dbias``:
-    :func:`pedestrian.layers.head_loss.head_loss_backward`'s contract."""
-    if cache.dh is None:
-        raise ValueError("the fused head's forward ran with grad=False (an evaluation): it made no gradients")
-    for given, made, name in ((dweight, cache.dweight, "dweight"), (dbias, cache.dbias, "dbias")):
-        if given is not None and made is None:
-            raise ValueError(f"{name} given, but the fused head's forward made none: pass grad_weight=True")
-        if given is not None:
-            np.copyto(given, made)
-    return cache.dh
