@@ -99,6 +99,7 @@ def printed():
 def oracle():
     """The demo's model and batch, its own backward, and the oracle's loss, gradients and Δ's."""
     model, x, y, _, _ = demo_model(None, 0, "fast")
+    model.fused_head = False                       # as the demo runs it: Δ12 kept whole (model/head.py)
     model.loss(x, y)
     grads = {k: np.array(v) for k, v in model.backward(keep_deltas=True).items()}
     deltas = {k: np.array(v) for k, v in model.deltas().items()}
