@@ -44,6 +44,7 @@ def test_gradients_and_error_signals_match_the_pytorch_reference(token_batch, on
     cfg = default_cfg(**CASES[case])
     params = random_params(cfg, seed=7)
     model = GPT(GPTConfig(**cfg), dtype="float64", kernels=kernels)
+    model.fused_head = False                       # Δ12 kept whole, to compare it (the fused head: test_s1_head_loss.py)
     assert {s.name: s.shape for s in param_specs(model.config)} == param_shapes(cfg)
     model.load_state_dict(params, strict=True)
     x, y = token_batch(cfg, 3, cfg["context_length"], n_ignored=2)
