@@ -141,12 +141,13 @@ def test_resumable_and_per_run_settings_are_the_declared_tags():
     """The sets the resume logic uses (before the declarations they were written out by hand,
     with the same members; max_skipped_steps is new and resumable; the ranks, the device and the
     exchange timeout belong to one invocation: a run may resume with others; so does recompute,
-    which gives the same numbers, with its number of blocks)."""
+    which gives the same numbers, with its number of blocks; precision is resumable: a float32 run
+    may go on in bf16 and back, its checkpoints being float32 either way)."""
     assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "nproc",
                                 "device", "dist_timeout", "check_layers", "recompute",
                                 "recompute_blocks", "update_in_backward"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
-                                                     "max_skipped_steps", "layer"}
+                                                     "max_skipped_steps", "layer", "precision"}
 
 
 FINETUNE_FLAGS = [n for n, s in specs(FinetuneSettings).items() if s.flag]
