@@ -208,3 +208,26 @@ def test_refusals_on_the_command_line(tmp_path, capsys, flags, words):
     assert rc == 2
     assert words in one_line_error(capsys)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_bf16_training_run_goes_on_in_float32(tmp_path, capsys):
+    """``pedestrian train --precision bf16`` on CPU tensors: 3 steps with a validation, a gradient
+    record and a checkpoint; then ``--resume --precision float32`` finishes the run from that
+    float32 checkpoint (the model rebuilt in the other precision)."""
+    from pedestrian.training import read_log
+
+    corpus = write_fox_corpus(tmp_path / "c.txt", 200)
+    tiny = ["--context-length", "16", "--d-model", "16", "--n-heads", "2", "--n-blocks", "2", "--batch-size", "4",
+            "--eval-interval", "3", "--eval-batches", "2", "--warmup-steps", "2", "--lr", "1e-2", "--max-minutes", "0",
+            "--no-progress", "--no-plot"]
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(out), "--max-steps", "6", "--stop-step", "3",
+                 "--backend", "torch", "--precision", "bf16", *tiny]) == 0
+    state = load_checkpoint(out / "latest")
+    assert state.step == 3 and state.meta["settings"]["precision"] == "bf16"
+    assert all(v.dtype == np.float32 for v in state.model.params.values())
+    assert main(["train", "--out", str(out), "--resume", "--precision", "float32", "--no-progress", "--no-plot"]) == 0
+    assert load_checkpoint(out / "latest").step == 6
+    losses = {r["step"]: r["loss"] for r in read_log(out / "log.jsonl") if "loss" in r}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in losses.values())
+    assert any("grad_norms" in r for r in read_log(out / "log.jsonl"))                  # (the gradient record)
