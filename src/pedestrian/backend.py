@@ -162,9 +162,13 @@ def persistent(xp):
 
 
 def to_numpy(x) -> np.ndarray:
-    """Copy / view any supported array as a NumPy array (for saving and testing)."""
+    """Copy / view any supported array as a NumPy array (for saving and testing); a bfloat16
+    tensor (NumPy has no bfloat16) comes as float32, widened exactly."""
     if is_torch_array(x):
-        return x.detach().cpu().numpy()
+        import torch
+
+        x = x.detach()
+        return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy()
     return np.asarray(x)
 
 

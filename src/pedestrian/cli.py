@@ -72,6 +72,8 @@ class _Parser(argparse.ArgumentParser):
             flag = "--" + name.replace("_", "-")
             if flag in message:
                 message += f" ({flag} was removed: {why})"
+        if "--precision" in message and any(f"'{half}'" in message for half in ("fp16", "float16", "half")):
+            message += " (float16 needs a loss scale, which pedestrian does not have: use --precision bf16)"
         self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
 
 

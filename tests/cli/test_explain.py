@@ -27,7 +27,7 @@ def test_totals_match_a_hand_count_on_a_tiny_config():
     softmax 36·5 = 180; adds 48; ReLU 96; cross-entropy 30·3 = 90 -> 1,470.
     """
     config = GPTConfig(**TINY)
-    rows = explain_rows(config, B, T)
+    rows = explain_rows(config, B, T, fused_head=False)
     tot = totals(config, rows, B, T)
     assert matmul_flops(config, B, T) == tot["matmul_step"] == 3 * 2832
     assert tot["fwd"] == 2832 + 1500
@@ -36,7 +36,7 @@ def test_totals_match_a_hand_count_on_a_tiny_config():
     # parameters: tok 20, pos 12, ln1 8, qkv 48+12, proj 16+4, ln2 8, expand 64+16, contract 64+4, ln_f 8
     assert tot["n_params"] == 284 and tot["six_n"] == 6 * 284 * 6
     # memory, float32 (a0 int64): 48; a1 … a6, a9 … a11 (nine N·d arrays) 96 each; qkv 288; P 144;
-    # a7, a8 384 each; a12 and the softmax of the loss 120 each
+    # a7, a8 384 each; a12 and the softmax of the loss 120 each (kept whole: fused_head=False)
     assert tot["memory"] == 48 + 96 * 9 + 288 + 144 + 2 * 384 + 2 * 120
     assert tot["params_memory"] == 4 * 284 * 4
     assert [r.name for r in rows] == ["a0", "a1", "a2", "qkv", "P", "a3", "a4", "a5", "a6", "a7", "a8",
@@ -161,3 +161,25 @@ def test_explain_llama_presets(capsys):
     assert "6 × 134,515,008 parameters × 512 tokens" in capsys.readouterr().out
     assert cli_main(["explain", "--preset", "char-small", "--arch", "llama"]) == 0
     assert "a7_gate" in capsys.readouterr().out
+
+
+def test_the_fused_head_keeps_no_logits_and_says_so(capsys):
+    """model.loss fuses the head with its loss: a12 and the softmax (120 B each on TINY, N·V·4)
+    are not kept; Δ11 (N·d·4 = 96) and the head's dW (d·V·4 = 80; tied: no bias) are, until the
+    backward. The FLOPs do not change. The table names what is not kept and what
+    fused_head=False keeps; --unfused-head counts that."""
+    config = GPTConfig(**TINY)
+    fused, whole = explain_rows(config, B, T), explain_rows(config, B, T, fused_head=False)
+    t_f, t_w = totals(config, fused, B, T), totals(config, whole, B, T)
+    assert t_w["memory"] - t_f["memory"] == 2 * 120 - (96 + 80)
+    assert (t_f["fwd"], t_f["bwd"]) == (t_w["fwd"], t_w["bwd"])
+    rows = {r.name: r for r in fused}
+    assert rows["a12"].memory == 0 and "not kept" in rows["a12"].forward and rows["loss"].memory == 96 + 80
+    assert cli_main(["explain", "--preset", "smollm2-135m", "--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    logits = 2048 * 49152 * 4 / 2**20                             # 384 MiB of float32 logits
+    assert f"not kept: a12 (the logits, {logits:.2f} MiB) and the loss's softmax / Δ12 ({logits:.2f} MiB)" in out
+    assert "model.fused_head = False" in out and "keeps both whole" in out
+    assert cli_main(["explain", "--preset", "smollm2-135m", "--seq-len", "2048", "--unfused-head"]) == 0
+    out_whole = capsys.readouterr().out
+    assert "not kept" not in out_whole and "kept whole (model.fused_head = False" in out_whole

@@ -141,13 +141,15 @@ def test_resumable_and_per_run_settings_are_the_declared_tags():
     """The sets the resume logic uses (before the declarations they were written out by hand,
     with the same members; max_skipped_steps is new and resumable; the ranks, the device and the
     exchange timeout belong to one invocation: a run may resume with others; so does recompute,
-    which gives the same numbers, with its number of blocks; and a run may go on with the other
-    array library, --backend, as a fine-tuning run always could)."""
+    which gives the same numbers, with its number of blocks; a run may go on with the other
+    array library, --backend, as a fine-tuning run always could; and precision is resumable: a
+    float32 run may go on in bf16 and back, its checkpoints being float32 either way)."""
     assert PER_RUN_SETTINGS == {"stop_step", "max_minutes", "progress", "plot", "out", "nproc",
                                 "device", "dist_timeout", "check_layers", "recompute",
                                 "recompute_blocks", "update_in_backward"}
     assert RESUMABLE_SETTINGS == PER_RUN_SETTINGS | {"max_steps", "eval_interval", "checkpoint_interval",
-                                                     "max_skipped_steps", "layer", "backend"}
+                                                     "max_skipped_steps", "layer", "backend",
+                                                     "precision"}
 
 
 def test_finetune_resumes_by_the_same_declared_tags():

@@ -16,6 +16,7 @@ Examples:
   pedestrian explain --preset char-small --position-encoding rope
   pedestrian explain --checkpoint runs/shakespeare_char/best
   pedestrian explain --config configs/shakespeare_char.toml
+  pedestrian explain --preset smollm2-135m --seq-len 2048 --unfused-head
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (default: context length)")
     parser.add_argument("--dtype", choices=["float32", "float64"], help="for the memory column (default float32, "
                         "or the checkpoint's)")
+    parser.add_argument("--unfused-head", action="store_true", help="count the step as model.fused_head = False "
+                        "runs it: the logits and their softmax kept whole (default: model.loss's fused head)")
 
 
 def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None, dict]:
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     B = args.batch_size if args.batch_size is not None else (run_batch or 1)
     window = training_window(finetune.get("context_length"), config.context_length) if finetune else None
     T = args.seq_len if args.seq_len is not None else (window or config.context_length)
-    print(explain_table(config, B, T, dtype, layers))
+    print(explain_table(config, B, T, dtype, layers, fused_head=not args.unfused_head))
     if finetune:
         print("\n" + lora_run_note(config, finetune["lora_rank"], finetune["lora_targets"]))
     return 0

@@ -61,7 +61,7 @@ from ..backend import namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
-from . import decode, head
+from . import decode, head, precision as mixed
 from .buffers import FlatBuffer
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .edge import NumpyCache, resolve_device, to_torch
@@ -83,7 +83,7 @@ class GPT:
             projections ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1). Also
             seeds the dropout generator. Models that differ only in ``position_encoding`` get
             the same weights (the learned table aside).
-        dtype: ``"float32"`` (default) or ``"float64"``.
+        dtype: ``"float32"`` (default) or ``"float64"``; precision: ``"float32"`` or ``"bf16"`` (:mod:`.precision`).
         backend: ``"numpy"`` (default) or ``"torch"`` (tensors used as plain arrays; on the CPU
             the fast kernels run on NumPy views of them, converted only at the model's edge,
             :mod:`pedestrian.model.edge`; elsewhere the reference).
@@ -120,11 +120,11 @@ class GPT:
 
     Raises:
         TypeError: ``config`` is not a :class:`GPTConfig`.
-        ValueError: bad dtype, backend or kernels names; a device other than the CPU for the
-            NumPy backend; bad ``layers`` (:class:`~pedestrian.model.slots.Slots`), or with the torch backend.
+        ValueError: bad dtype, backend, kernels or precision (:func:`.precision.check_precision`); a device other
+            than the CPU for the NumPy backend; bad ``layers`` (:class:`~pedestrian.model.slots.Slots`), or with torch.
     """
 
-    def __init__(self, config: GPTConfig, *, seed: int = 0, dtype: str = "float32",
+    def __init__(self, config: GPTConfig, *, seed: int = 0, dtype: str = "float32", precision: str = "float32",
                  backend: str = "numpy", kernels: str | None = None, device=None, layers: dict | None = None):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
@@ -133,9 +133,9 @@ class GPT:
         self.xp = namespace_for(backend)
         self.dtype = resolve_dtype(self.xp, dtype)
         self.dtype_name = dtype if isinstance(dtype, str) else str(dtype)
-        self.device = resolve_device(backend, device)
-        #: the kernel table (:func:`pedestrian.gpu.kernels_for`), chosen here once
-        self.kernels = kernels_for(kernels, self.device, self.dtype)
+        self.device, self.precision = resolve_device(backend, device), precision
+        #: the kernel table (:func:`pedestrian.gpu.kernels_for`; bf16: :func:`.precision.mixed_table` over it), chosen once
+        self.kernels = mixed.kernels_for(kernels_for, precision, kernels, self.device, self.dtype, backend)
         #: the chain runs on NumPy views of this model's torch-CPU tensors (the fast kernels take
         #: NumPy arrays); what enters and leaves the model is converted at its edge (model/edge.py)
         self.numpy_chain = backend == "torch" and self.kernels.name == "fast" and (

@@ -41,6 +41,8 @@ def forward(model, f, fc, targets, n_total, fuse: bool, fc_forward) -> None:
         f.a12, f.loss, f.logits_shape = None, f.head, f.head.logits_shape
         return
     f.a12 = fc_forward(fc, f.a11, f.lora)                                            # (B, T, V)
+    if getattr(K, "precision", None) == "bf16":                                     # bfloat16 product: the
+        f.a12 = f.a12.float()                                                        # loss, the caller in float32
     f.logits_shape = tuple(f.a12.shape)
     if targets is not None:
         f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)

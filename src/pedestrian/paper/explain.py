@@ -11,7 +11,11 @@ element of the reference layers (src/pedestrian/layers), each +, −, ×, ÷, ex
 cos, sin and each summed element of a reduction counted once; comparisons, gathers and copies
 count 0. One block's rows are given once (every block is the same); totals count them
 n_blocks times. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
-int64); totals add the parameters, their gradients and the two AdamW moments.
+int64); totals add the parameters, their gradients and the two AdamW moments. The step is
+``model.loss``'s, whose output head is fused with its loss (:mod:`pedestrian.model.head`): the
+logits ``a12`` and the loss's softmax / ``Δ12`` are not kept (0 bytes in their rows; the fused
+forward keeps ``Δ11`` and the head's ``dW`` instead), which a note under the table says with their
+sizes; ``fused_head=False`` (``pedestrian explain --unfused-head``) counts them kept whole.
 
 Llama-style configs (docs/EQUATIONS.md, "The same chain, Llama-style") get their own rows: RMS
 norms (``RMS1``, ``RMS2``, ``RMS_final``: weight only), the SwiGLU MLP's ``a7_gate``, ``a7_up``
@@ -72,8 +76,15 @@ class Row:
     per_block: bool = False
 
 
-def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4) -> list[Row]:
+def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4,
+                 fused_head: bool = True) -> list[Row]:
     """The table's rows for one training step of ``batch_size`` sequences of ``seq_len`` tokens.
+
+    ``fused_head``: the step is ``model.loss`` with the output head fused with its loss (the
+    default, :mod:`pedestrian.model.head`): the logits ``a12`` and ``Δ12`` are made a chunk of rows
+    at a time and not kept (their rows keep 0 bytes); the fused forward keeps ``Δ11`` and the
+    head's ``dW`` (and ``db``) for the backward. ``False``: ``model.fused_head = False`` (or
+    ``model.forward``, the demos): ``a12`` and the softmax of the loss kept whole.
 
     Raises:
         ValueError: ``batch_size < 1`` or ``seq_len`` outside ``[1, context_length]``.
@@ -173,14 +184,35 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                     N * d * itemsize))
     tied = c.tie_weights
     lb = 1 if c.logits_bias else 0
-    rows.append(Row("a12", (B, T, V), "a11 W_tokᵀ (tied)" if tied else "a11 W_logits" + (" + b" if lb else ""),
+    fused = " (fused: not kept)" if fused_head else ""
+    rows.append(Row("a12", (B, T, V), ("a11 W_tokᵀ (tied)" if tied else "a11 W_logits" + (" + b" if lb else "")) + fused,
                     "tok_emb" if tied else "logits", 2 * N * d * V + lb * N * V,
                     "Δ11 = Δ12 W; dW_tok += Δ12ᵀ a11" if tied else "Δ11 = Δ12 Wᵀ; dW = a11ᵀ Δ12",
-                    4 * N * d * V + lb * N * V, N * V * itemsize))
+                    4 * N * d * V + lb * N * V, 0 if fused_head else N * V * itemsize))
     ce = E["cross_entropy"]
+    kept = (N * d + d * V + lb * V) * itemsize if fused_head else N * V * itemsize   # Δ11, dW, db / the softmax
     rows.append(Row("loss", (), "mean −log softmax(a12)[y]", "-", N * V * ce["fwd"],
-                    "Δ12 = (softmax(a12) − ohe(y)) / N", N * V * ce["bwd"], N * V * itemsize))
+                    "Δ12 = (softmax(a12) − ohe(y)) / N" + ("; Δ11, dW made here" if fused_head else ""),
+                    N * V * ce["bwd"], kept))
     return rows
+
+
+def head_note(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4) -> str:
+    """The lines under the table on the fused head: what ``model.loss`` no longer keeps, what
+    it keeps instead, its chunk, and what ``model.fused_head = False`` (or ``keep_activations``
+    demos, ``model.forward``) would keep."""
+    from ..layers.head_loss import HEAD_CHUNK_BYTES, head_chunk_rows
+
+    c, N = config, batch_size * seq_len
+    V, d = c.vocab_size, c.d_model
+    logits = N * V * itemsize
+    rows = min(N, head_chunk_rows(V, itemsize))
+    instead = (N * d + d * V + (V if c.logits_bias else 0)) * itemsize
+    return (f"not kept: a12 (the logits, {_mib(logits)}) and the loss's softmax / Δ12 ({_mib(logits)}): model.loss "
+            f"fuses the head with its loss,\n    {rows} rows at a time (one chunk of {_mib(rows * V * itemsize)}, "
+            f"budget {HEAD_CHUNK_BYTES >> 20} MiB), and keeps Δ11 and the head's dW instead ({_mib(instead)}); "
+            f"model.fused_head = False\n    (or model.forward, the demos' keep_activations) keeps both whole: "
+            f"{_mib(2 * logits - instead)} more")
 
 
 def totals(config: GPTConfig, rows: list[Row], batch_size: int, seq_len: int, itemsize: int = 4,
@@ -227,12 +259,13 @@ def _mib(n: int) -> str:
 
 
 def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str = "float32",
-                  layers: list | None = None) -> str:
+                  layers: list | None = None, fused_head: bool = True) -> str:
     """The table ``pedestrian explain`` prints: a header with the config, one line per row of
     :func:`explain_rows` (one block's rows once), and the :func:`totals` (FLOPs beside the
     6·N·tokens rule, the memory kept, the elementwise costs). ``dtype``: ``"float32"`` or
     ``"float64"``, the memory column's. ``layers``: a checkpoint's records of plugged layers
     (``state["layers"]``: slot, path, source; their ``init`` runs to learn their shapes).
+    ``fused_head``: as :func:`explain_rows` (and a note on what is not kept, :func:`head_note`).
 
     Raises:
         ValueError: a recorded layer that no longer runs (:func:`pedestrian.model.slots.layer_from_source`).
@@ -242,7 +275,7 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
     lines = []
     say = lines.append
     slots = plugged_slots(config, layers)
-    rows = plugged_rows(explain_rows(config, B, T, itemsize), slots)
+    rows = plugged_rows(explain_rows(config, B, T, itemsize, fused_head), slots)
     tot = totals(config, rows, B, T, itemsize, slots)
     c = config
     say(f"config: {c}")
@@ -277,6 +310,10 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
         "    q kᵀ and P v and the elementwise work, and counts the embedding tables as if they were products)")
     say(f"memory kept by the forward: {_mib(tot['memory'])}; parameters, gradients and the two AdamW "
         f"moments: {_mib(tot['params_memory'])} ({tot['n_params']:,} parameters, {itemsize} bytes each)")
+    if fused_head:
+        say("  " + head_note(config, B, T, itemsize))
+    else:
+        say("  a12 and the loss's softmax are kept whole (model.fused_head = False; model.loss fuses them by default)")
     say("elementwise costs (operations per element, forward / backward): "
         + ", ".join(f"{k} {v['fwd']}/{v['bwd']}" for k, v in ELEMENTWISE.items()
                     if k != "layernorm" and k not in LLAMA_ELEMENTWISE)

@@ -269,9 +269,15 @@ def _train(settings: TrainSettings, resume: bool, explicit: set[str], overwrite:
         from ..model import GPT
 
         model = GPT(config, seed=settings.seed, dtype=settings.dtype, backend=settings.backend,
-                    device=_device(settings, group), layers=layers)
+                    device=_device(settings, group), layers=layers, precision=settings.precision)
     else:
         model = ckpt.model
+        if settings.precision != model.precision:          # (checkpoints are float32: the same weights)
+            from ..model import GPT
+
+            model = GPT(config, dtype=settings.dtype, backend=settings.backend, device=_device(settings, group),
+                        precision=settings.precision)
+            model.load_state_dict(ckpt.model.state_dict())
     if settings.check_layers:
         check_layers(model, quiet=not group.is_writer)
     trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="train", t_start=t_start,

@@ -116,6 +116,10 @@ class TrainSettings(RunSettings):
     bpe_vocab_size: int = setting(1024, "vocabulary of a new BPE tokenizer", rule=POSITIVE_INT, metavar="N",
                                   group=_DATA)
     model: dict = setting(DEFAULT_MODEL, "GPTConfig fields except vocab_size", kind=dict, flag=False)
+    precision: str = setting("float32", "float32, or bf16: bfloat16 products on float32 master weights (needs "
+                             "--backend torch; meant for --device cuda; float16 is not offered: it needs a loss scale)",
+                             choices=("float32", "bf16"), group=_MODEL,
+                             tags=_RESUMABLE)
     device: str = setting("cpu", "where the arrays live; cuda needs --backend torch (ranks on GPUs talk "
                           "through NCCL, on CPUs through gloo)", choices=DEVICES, group=_MODEL, tags=_PER_RUN)
     layer: list | None = setting(None, "your own layer in a slot: SLOT=FILE.py, SLOT one of norm, activation, mlp "
@@ -158,6 +162,9 @@ class TrainSettings(RunSettings):
             raise TrainingError("the model's vocab_size is set by the tokenizer; do not give it")
         if self.device == "cuda" and self.backend != "torch":
             raise TrainingError("--device cuda needs --backend torch (NumPy arrays live on the CPU)")
+        if self.precision == "bf16" and (self.backend != "torch" or self.dtype != "float32"):
+            raise TrainingError("--precision bf16 needs --backend torch and --dtype float32 (float32 master "
+                                "weights): NumPy has no bfloat16 products")
         needs = [fix for bad, fix in ((self.grad_clip > 0, "--grad-clip 0"), (self.grad_accum > 1, "--grad-accum 1"),
                                       (self.nproc > 1, "one process"), (self.backend != "numpy", "--backend numpy"),
                                       (bool(self.layer), "no --layer")) if bad]
