@@ -1,4 +1,5 @@
-"""The optimizer, written by hand: AdamW, its learning-rate schedule and gradient clipping.
+"""The optimizer, written by hand: AdamW and gradient clipping (its learning-rate schedule:
+:mod:`.schedule`, re-exported here).
 
 Everything works on the model's *flat* buffers (:meth:`pedestrian.model.GPT.trainable_buffers`:
 the base parameters and their gradient, and the LoRA adapters' when they exist), so one update is a handful of vectorised in-place operations instead of one loop per tensor.
@@ -41,6 +42,7 @@ from ..backend import is_torch_array, to_numpy
 from ..model.finite import non_finite_counts, non_finite_report
 from ..kernels.jit import AVAILABLE as JIT_AVAILABLE
 from ..kernels.jit import kernel, prange
+from .schedule import CosineSchedule
 
 __all__ = ["AdamW", "ParamGroup", "CosineSchedule", "param_groups", "global_grad_norm",
            "squared_sums", "clip_grad_norm", "clip_scale"]
@@ -258,41 +260,6 @@ def clip_scale(sums, max_norm: float):
 
     total = torch.stack([torch.as_tensor(s).to(torch.float64) for s in sums]).sum()     # Σ Σ g², float64
     return torch.clamp(float(max_norm) / (torch.sqrt(total) + 1e-6), max=1.0)           # 0-d, unread
-
-
-@dataclass(frozen=True)
-class CosineSchedule:
-    """Linear warm-up, then cosine decay to ``min_lr`` (GPT-2 / nanoGPT style).
-
-    For update index ``it = 0, 1, …`` (the ``it``-th call of :meth:`AdamW.step`)::
-
-        it < warmup_steps:         lr = max_lr · (it + 1) / warmup_steps    (never 0)
-        warmup_steps <= it < max:  p = (it − warmup_steps) / (max_steps − warmup_steps)
-                                   lr = min_lr + ½ (max_lr − min_lr) (1 + cos(π p))
-        it >= max_steps:           lr = min_lr
-
-    So the first update already uses ``max_lr / warmup_steps`` and the last warm-up update
-    ``max_lr`` itself.
-
-    The values are taken as given: a run's come from its settings, where each is declared and
-    validated once (``--lr``, ``--min-lr``, ``--warmup-steps``, ``--max-steps``:
-    :mod:`pedestrian.training.specs`); meaningful ones are ``max_lr > 0``, ``0 <= min_lr <= max_lr``,
-    ``warmup_steps >= 0``, ``max_steps >= 1``.
-    """
-
-    max_lr: float
-    warmup_steps: int
-    max_steps: int
-    min_lr: float = 0.0
-
-    def __call__(self, it: int) -> float:
-        if it < self.warmup_steps:
-            return self.max_lr * (it + 1) / self.warmup_steps
-        if it >= self.max_steps:
-            return self.min_lr
-        span = max(self.max_steps - self.warmup_steps, 1)
-        progress = (it - self.warmup_steps) / span
-        return self.min_lr + 0.5 * (self.max_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 class AdamW:
