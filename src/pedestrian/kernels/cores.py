@@ -27,8 +27,10 @@ class Cores:
     the count to the cores the regions got (``int(threads · rate)``, at least 1); all the threads
     are tried again after :data:`PROBE_S` seconds (doubling after each trial that fails, up to
     :data:`PROBE_MAX_S`); a trial fails as soon as two regions and :data:`TRIAL_FAIL_S` show the
-    rate under :data:`SHARE`, and passes only after a whole window. A region that another Python thread's region overlapped is not
-    counted. ``changes`` lists the last changes (time, threads; ``None``: all).
+    rate under :data:`SHARE`, and passes only after a whole window. A region that another Python
+    thread's region overlapped is not counted. ``changes`` lists the last changes (time, threads;
+    ``None``: all). The thresholds: measured on a 2-core VM (docs/guide.md, "A shared machine");
+    an idle machine's windows read 0.96-1.0, two spinning processes beside ours 0.23-0.47.
 
     The bits do not depend on it: every kernel cuts its work by ``threads_used()`` (the row
     bands, the partial sums of a product), and this only sets how many threads run those parts
