@@ -47,9 +47,11 @@ def check_ids(ids, n: int, what: str, *, ignore_index: int | None = None) -> Non
     taker = getattr(_taken_over, "check", None)
     if taker is not None and taker(ids, n, what, ignore_index):
         return                                                               # its job now
-    if numpy and 0 <= ids.min() and ids.max() < n or not numpy and 0 <= int(xp.min(ids)) and int(xp.max(ids)) < n:
+    if numpy and 0 <= ids.min() and ids.max() < n:
         return                                                               # (the one pass)
     bad = (ids < 0) | (ids >= n)
+    if not numpy and not bool(xp.any(bad)):                                  # (one host read)
+        return
     if ignore_index is not None:
         bad = bad & (ids != ignore_index)
     where = xp.nonzero(bad)

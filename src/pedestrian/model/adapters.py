@@ -15,6 +15,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from ..backend import to_numpy
 from ..config import GPTConfig
 from .buffers import FlatParams, lora_regions
 from .layout import lora_layer_values, lora_specs
@@ -101,7 +102,8 @@ class LoRA:
         # first every layer is checked (an adapter holding NaN, or α·D·U beyond the dtype), so
         # that a refusal changes nothing; then the same sums are computed again and written
         with np.errstate(over="ignore", invalid="ignore"):
-            bad = [fc for fc in self.targets if not bool(xp.all(xp.isfinite(merged(fc))))]
+            finite = [xp.all(xp.isfinite(merged(fc))) for fc in self.targets]               # 0-d each, unread
+            bad = [fc for fc, ok in zip(self.targets, to_numpy(xp.stack(finite)).tolist() if finite else []) if not ok]
         if bad:
             raise ValueError(f"merging the LoRA adapters of {bad} would make their weights non-finite "
                              f"(an adapter holds NaN or inf, or α·D·U overflows {dtype_name}); "

@@ -23,7 +23,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..layers.checks import check_ids, set_id_check
 
-__all__ = ["DeviceFlags", "deferred_checks", "deferring"]
+__all__ = ["DeviceFlags", "deferred_checks", "deferring", "read_checked"]
 
 
 class DeviceFlags:
@@ -104,3 +104,25 @@ def deferred_checks():
     caller reads ``flags.any()`` once and calls ``flags.raise_first()`` when it is set. Nested,
     the inner block gets its own flags."""
     return _deferral(DeviceFlags())
+
+
+def read_checked(run, tensors: bool) -> float:
+    """The float of ``run()`` (a 0-d loss). With ``tensors`` (torch tensors, and no deferral
+    already around this call) the id checks made inside ``run`` are deferred and their flags come
+    to the host with the loss in one transfer -- a :meth:`GPT.loss <pedestrian.model.GPT.loss>`
+    on a device waits for it once, not once per check; a set flag raises the first failing
+    check's own error (:meth:`DeviceFlags.raise_first`). Otherwise the checks run as made."""
+    if not tensors or deferring() is not None:
+        return float(run())
+    with deferred_checks() as flags:
+        loss = run()
+    flag = flags.any()
+    if flag is None:
+        return float(loss)
+    import torch
+
+    loss = torch.as_tensor(loss, dtype=torch.float64, device=flag.device)  # (a torch-CPU model's is NumPy)
+    loss, bad = torch.stack([loss, flag.double()]).tolist()                  # the one read
+    if bad:
+        flags.raise_first()
+    return loss

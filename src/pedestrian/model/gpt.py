@@ -57,12 +57,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..backend import namespace_for, resolve_dtype, to_numpy
+from ..backend import is_torch_array, namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
 from . import decode, head, precision as mixed
 from .buffers import FlatBuffer
+from .device_checks import read_checked
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
 from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
@@ -317,22 +318,20 @@ class GPT:
 
     def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
              read: bool = True) -> float:
-        """Forward with targets; returns the mean next-token cross-entropy (nats per token).
-
-        If every target is the ignore index ``-100`` the loss is ``0.0`` and the gradients
-        are zero (documented convention; no NaN). ``n_total``, ``keep_activations``: see
-        :meth:`forward` (``False``: an evaluation, holding one block's arrays at a time; no
-        backward follows). ``read=False`` returns the loss as the 0-d array it is, unread (on a
-        device, no host synchronisation; :func:`~pedestrian.training.step.train_step` reads it
-        once per step).
-        """
-        self._local.fuse = self.fused_head                 # (model/head.py: when the head is fused)
-        try:
-            self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
-        finally:
-            self._local.fuse = False
-        self._acts.logits_held = False                     # by no caller: Δ12 may take their place
-        return float(self._acts.loss_value) if read else self._acts.loss_value
+        """Forward with targets; the mean next-token cross-entropy (nats per token; ``0.0`` with zero
+        gradients when every target is the ignore index ``-100``). ``n_total``, ``keep_activations``:
+        see :meth:`forward`. ``read=False``: the loss as the 0-d array it is, unread (no host sync;
+        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags
+        come to the host in one read (:func:`~pedestrian.model.device_checks.read_checked`)."""
+        def run():
+            self._local.fuse = self.fused_head             # (model/head.py: when the head is fused)
+            try:
+                self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
+            finally:
+                self._local.fuse = False
+            self._acts.logits_held = False                 # by no caller: Δ12 may take their place
+            return self._acts.loss_value
+        return read_checked(run, is_torch_array(tokens)) if read else run()
 
     # ------------------------------------------------------------------ backward
     def backward(self, delta_logits=None, *, keep_deltas: bool = False, after_block=None) -> dict:

@@ -111,12 +111,13 @@ class KVCache:
             raise ValueError(f"first_position must be an integer >= 0, got {first_position!r}")
         self.length = 0
         self.offset = self._first = int(first_position)
-        self.key_start = self._pad = None
+        self.key_start = self._pad = self._pad_host = None
         if key_start is not None:
             start = np.asarray(key_start, dtype=np.int64)
             if start.shape != (self.batch_size,) or start.min() < 0:
                 raise ValueError(f"key_start must hold {self.batch_size} counts >= 0, got {key_start!r}")
             if start.any():
+                self._pad_host = start                     # (known here: no device read to update it)
                 self.key_start = self._pad = asarray_like(start, self.keys[0])
 
     def drop_oldest(self, n: int) -> None:
@@ -148,9 +149,9 @@ class KVCache:
                 a[:, :, :L - n, :] = xp.asarray(a[:, :, n:L, :], copy=True)   # overlapping ranges
         self.length = L - n
         self.offset += n
-        if self._pad is not None:                  # padding slots that are left, per row
-            start = xp.clip(self._pad - (self.offset - self._first), 0, None)
-            self.key_start = start if bool(xp.any(start > 0)) else None
+        if self._pad_host is not None:             # padding slots that are left, per row
+            start = np.clip(self._pad_host - (self.offset - self._first), 0, None)
+            self.key_start = asarray_like(start, self.keys[0]) if start.any() else None
 
     @property
     def nbytes(self) -> int:
