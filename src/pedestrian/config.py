@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .layers.activations import ACTIVATIONS
+#: the activations the gated MLP (``mlp="swiglu"``) may gate with: SiLU (SwiGLU, Llama) or the tanh
+#: GELU (GeGLU, Gemma: ``gelu_tanh(x W_gate) ∘ x W_up``)
+from .layers.swiglu import GATE_ACTIVATIONS
 
 #: the GPTConfig fields a user sets by name, each with its one-line help: the commands' model flags
 #: (:func:`pedestrian.training.specs.add_config_flags`; ``--no-bias`` for a field that defaults to
@@ -28,7 +31,7 @@ CONFIG_HELP = {
     "n_kv_heads": "key/value heads, dividing --n-heads (grouped-query attention)",
     "d_mlp": "MLP width, SwiGLU's too (default mlp_ratio · d_model; --arch llama: 8/3 · d_model rounded up to "
              "a multiple of 8)",
-    "activation": "the MLP's nonlinearity (default gelu_tanh; silu for swiglu)",
+    "activation": "the MLP's nonlinearity (default gelu_tanh; silu for swiglu, or gelu_tanh: GeGLU)",
     "ln_eps": "the norm's epsilon (1e-5)", "bias": "no biases (RMS norm has none either way)",
     "tie_weights": "separate logits weights (default: the token embedding's transpose)",
     "causal": "bidirectional attention (no causal mask)",
@@ -54,10 +57,15 @@ CONFIG_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "mlp": MLPS,
                   "position_encoding": POSITION_ENCODINGS}
 
 
+#: the RoPE frequency scalings implemented (Hugging Face ``rope_type``)
+ROPE_SCALINGS = ("llama3", "linear")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3's RoPE frequency scaling (Hugging Face ``rope_scaling`` / ``rope_parameters`` with
-    ``rope_type: "llama3"``; EQUATIONS.md "RoPE as Hugging Face Llama applies it").
+    ``rope_type: "llama3"``; EQUATIONS.md "RoPE as Hugging Face Llama applies it"), or the linear
+    one (``rope_type: "linear"``: every ``θ_i / factor``, Gemma 3's global layers; only ``factor``).
 
     With ``L = original_max_position_embeddings`` and the wavelength ``λ_i = 2π / θ_i`` of pair
     ``i``: ``θ_i / factor`` where ``λ_i > L / low_freq_factor``, ``θ_i`` where
@@ -68,21 +76,32 @@ class RopeScaling:
     Face dict (``{"rope_type": "llama3", "factor": 32.0, ...}``) and converts it.
 
     Raises:
-        ValueError: a type other than ``"llama3"``, a missing or unknown key, ``factor < 1``,
+        ValueError: a type other than ``"llama3"`` or ``"linear"``, a missing or unknown key, ``factor < 1``,
             ``low_freq_factor <= 0``, ``high_freq_factor <= low_freq_factor``, or
             ``original_max_position_embeddings`` not a positive integer.
     """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
     rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
+        if self.rope_type not in ROPE_SCALINGS:
             raise ValueError(f"rope_scaling rope_type={self.rope_type!r} is not implemented; pedestrian "
-                             "implements only 'llama3' (or rope_scaling=None)")
+                             f"implements {ROPE_SCALINGS} (or rope_scaling=None)")
+        if self.rope_type == "linear":
+            value = self.factor
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1.0:
+                raise ValueError(f"rope_scaling factor must be a number >= 1 (linear scaling divides every "
+                                 f"frequency by it; Gemma 3 uses 8), got {value!r}")
+            object.__setattr__(self, "factor", float(value))
+            extra = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                     if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"rope_scaling of type 'linear' takes only factor; got {extra}")
+            return
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -116,9 +135,14 @@ class RopeScaling:
         d = {k: v for k, v in value.items() if k != "rope_theta"}
         old_name = d.pop("type", None)
         kind = d.pop("rope_type", old_name or "llama3")
-        if kind != "llama3":
+        if kind not in ROPE_SCALINGS:
             raise ValueError(f"rope_scaling rope_type={kind!r} is not implemented; pedestrian implements "
-                             "only 'llama3' (or rope_scaling=None)")
+                             f"{ROPE_SCALINGS} (or rope_scaling=None)")
+        if kind == "linear":                          # (a dict of to_dict holds the llama3 keys as None)
+            d = {k: v for k, v in d.items() if v is not None}
+            if set(d) != {"factor"}:
+                raise ValueError(f"rope_scaling of type 'linear' needs exactly the key ['factor']; got {sorted(d)}")
+            return cls(factor=d["factor"], rope_type="linear")
         known = [f.name for f in dataclasses.fields(cls)][:4]
         unknown = sorted(set(d) - set(known))
         missing = [k for k in known if k not in d]
@@ -129,6 +153,8 @@ class RopeScaling:
 
     def to_hf(self) -> dict:
         """The Hugging Face dict (``rope_type`` first)."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
         return {"rope_type": self.rope_type, "factor": self.factor, "low_freq_factor": self.low_freq_factor,
                 "high_freq_factor": self.high_freq_factor,
                 "original_max_position_embeddings": self.original_max_position_embeddings}
@@ -149,7 +175,8 @@ class GPTConfig:
         d_qk: query/key width per head, the paper's ``d_ρ`` (default ``d_head``).
         mlp_ratio: ``d_mlp = mlp_ratio · d_model`` (4 in GPT-2) when ``d_mlp`` is not given.
         activation: the MLP's nonlinearity: ``"gelu_tanh"`` (GPT-2), ``"gelu"`` (exact) or
-            ``"relu"`` for the standard MLP; the SwiGLU gate's, which must be ``"silu"``.
+            ``"relu"`` for the standard MLP; the gated MLP's gate (``mlp="swiglu"``): ``"silu"``
+            (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma), :data:`GATE_ACTIVATIONS`.
             ``None`` (default): ``"gelu_tanh"`` for ``mlp="standard"``, ``"silu"`` for ``"swiglu"``.
         ln_eps: the norm's epsilon inside the square root, ``>= 0``: layer norm's (paper 0,
             GPT-2 1e-5) or RMS norm's (Hugging Face ``rms_norm_eps``: 1e-5 SmolLM2, 1e-6 Llama 3
@@ -190,8 +217,25 @@ class GPTConfig:
             ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``; 1 is multi-query.
             ``None`` (default) means ``n_heads`` (multi-head attention, GPT-2).
         rope_scaling: ``None`` (default) or Llama 3's frequency scaling, a :class:`RopeScaling`
-            (a Hugging Face ``{"rope_type": "llama3", ...}`` dict is converted); needs
-            ``position_encoding="rope"``.
+            (a Hugging Face ``{"rope_type": "llama3", ...}`` dict is converted; or the linear
+            one, ``{"rope_type": "linear", "factor": 8.0}``); needs ``position_encoding="rope"``.
+            With :attr:`rope_local_base` it applies to the global layers only (Gemma 3).
+
+    Gemma 2 and 3 (docs/EQUATIONS.md, "Gemma"), each off by default:
+
+    Attributes:
+        norm_offset: RMS norm scales by ``(norm_offset + w)`` instead of ``w``: Gemma's
+            ``x̂ ∘ (1 + w)`` is ``1.0`` (its weights are stored around 0 and initialised to
+            ``1 − norm_offset``); needs ``norm="rmsnorm"``. ``0.0`` (default): Llama's ``x̂ ∘ w``.
+        embedding_scale: the token embedding is multiplied by this number rounded to the model's
+            dtype, ``a1 = W_tok[a0] · s`` (Gemma: ``√d_model``, which bfloat16 rounds to 55.5 at
+            ``d = 3072``); the tied logits use the unscaled table. ``None`` (default): no scale.
+        logit_softcap: the logits are ``c · tanh(z / c)`` of the head's ``z`` (Gemma 2's
+            ``final_logit_softcapping``), before the loss and sampling; ``None`` (default): ``z``.
+        rope_local_base: RoPE's base on the sliding-window layers (Gemma 3's
+            ``rope_local_base_freq``; those layers take no :attr:`rope_scaling`); :attr:`rope_base`
+            stays the global layers'. ``None`` (default): every layer turns by :attr:`rope_base`.
+            Needs ``position_encoding="rope"``. :meth:`rope_of` gives a layer's base and scaling.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -221,6 +265,12 @@ class GPTConfig:
     mlp: str = "standard"
     n_kv_heads: int | None = None
     rope_scaling: RopeScaling | None = None
+    # Gemma 2 / 3 (issue 48): (1 + w) RMS norm, √d embedding scale, final-logit soft-cap,
+    # the windowed layers' RoPE base
+    norm_offset: float = 0.0
+    embedding_scale: float | None = None
+    logit_softcap: float | None = None
+    rope_local_base: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -248,9 +298,10 @@ class GPTConfig:
             raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {MLPS}")
         if self.activation is None:
             object.__setattr__(self, "activation", DEFAULT_ACTIVATION[self.mlp])
-        if self.mlp == "swiglu" and self.activation != "silu":
-            raise ValueError(f"mlp='swiglu' gates with silu, got activation={self.activation!r}; set "
-                             "activation='silu' (or leave it out), or use mlp='standard'")
+        if self.mlp == "swiglu" and self.activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"mlp='swiglu' gates with one of {GATE_ACTIVATIONS} (silu: SwiGLU, gelu_tanh: "
+                             f"Gemma's GeGLU), got activation={self.activation!r}; set one of them (or "
+                             "leave it out: silu), or use mlp='standard'")
         if self.mlp == "standard" and self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
         if self.n_kv_heads is None:
@@ -290,11 +341,41 @@ class GPTConfig:
         if self.rope_scaling is not None and self.position_encoding != "rope":
             raise ValueError(f"rope_scaling scales RoPE's frequencies but position_encoding="
                              f"{self.position_encoding!r}; set position_encoding='rope' or rope_scaling=None")
+        self._check_gemma_fields()
         if self.position_encoding == "rope" and self.rope_dims < 2:
             raise ValueError(
                 f"rope_fraction={self.rope_fraction} rotates no pair of the d_qk={self.d_qk} "
                 f"query/key dimensions (2·⌊{self.rope_fraction}·{self.d_qk}/2⌋ = 0); raise "
                 "rope_fraction or d_qk")
+
+    def _check_gemma_fields(self) -> None:
+        """The Gemma block of fields (:attr:`norm_offset` …): finite numbers, in range, consistent."""
+        for name in ("norm_offset", "embedding_scale", "logit_softcap", "rope_local_base"):
+            value = getattr(self, name)
+            if value is None and name != "norm_offset":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number{'' if name == 'norm_offset' else ' or None'}, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.norm_offset != 0.0 and self.norm != "rmsnorm":
+            raise ValueError(f"norm_offset={self.norm_offset} scales RMS norms by (offset + w) but norm="
+                             f"{self.norm!r}; set norm='rmsnorm' or norm_offset=0")
+        if self.embedding_scale is not None and not self.embedding_scale > 0:
+            raise ValueError(f"embedding_scale must be > 0 (Gemma: sqrt(d_model)) or None, got {self.embedding_scale}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0 (Gemma 2: 30) or None, got {self.logit_softcap}")
+        if self.rope_local_base is not None:
+            if self.position_encoding != "rope":
+                raise ValueError(f"rope_local_base is RoPE's base on the windowed layers but position_encoding="
+                                 f"{self.position_encoding!r}; set position_encoding='rope' or rope_local_base=None")
+            if not self.rope_local_base > 1.0:
+                raise ValueError(f"rope_local_base must be > 1 (Gemma 3: 10000), got {self.rope_local_base}")
+
+    @property
+    def embedding_options(self) -> dict:
+        """The embedding's keyword arguments: ``{"scale": embedding_scale}`` (Gemma's ``√d``), else ``{}``."""
+        return {} if self.embedding_scale is None else {"scale": self.embedding_scale}
 
     @property
     def rope_dims(self) -> int:

@@ -151,7 +151,8 @@ def test_swiglu_mlp_matches_autograd(K, d, m, B):
     assert_autograd_close(d_x, ref["x"], "Δ6")
     for k, name in zip(GRADS, ("w_gate", "w_up", "w_down")):
         assert_autograd_close(grads[k], ref[name], f"∂L/∂{name}")
-    assert cache._fields == ("a6", "a7_gate", "a7_up", "a8") and cache.a6 is x
+    assert cache._fields == ("a6", "a7_gate", "a7_up", "a8", "activation") and cache.a6 is x
+    assert cache.activation == "silu"
     assert_autograd_close(cache.a7_gate, x @ wg, "a7_gate")
     assert_autograd_close(cache.a7_up, x @ wu, "a7_up")
     assert_autograd_close(cache.a8, F.silu(torch.as_tensor(x @ wg)).numpy() * (x @ wu), "a8")

@@ -27,8 +27,10 @@ def test_defaults_are_gpt2():
 
 
 def test_swiglu_defaults_to_silu_and_refuses_other_activations():
+    """The gated MLP gates with silu (SwiGLU) or gelu_tanh (Gemma's GeGLU), nothing else."""
     assert GPTConfig(**TINY, mlp="swiglu").activation == "silu"
-    with pytest.raises(ValueError, match="mlp='swiglu' gates with silu, got activation='gelu'"):
+    assert GPTConfig(**TINY, mlp="swiglu", activation="gelu_tanh").activation == "gelu_tanh"
+    with pytest.raises(ValueError, match=r"mlp='swiglu' gates with one of \('silu', 'gelu_tanh'\).*got activation='gelu'"):
         GPTConfig(**TINY, mlp="swiglu", activation="gelu")
 
 

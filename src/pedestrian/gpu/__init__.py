@@ -56,6 +56,8 @@ GPU_KERNELS = {
     "lora_backward": "lora:lora_backward",
     "head_loss_forward": "head_loss:head_loss_forward",
     "head_loss_backward": "head_loss:head_loss_backward",
+    "softcap_forward": "softcap:softcap_forward",
+    "softcap_backward": "softcap:softcap_backward",
 }
 
 

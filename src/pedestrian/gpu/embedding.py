@@ -17,15 +17,17 @@ import triton
 import triton.language as tl
 
 from ..layers.checks import check_ids
+from ..layers.embedding import split_cache
 
 #: feature columns one program sums
 COLUMNS = 256
 
 
 @triton.jit
-def _runs_kernel(IDS, ORDER, DELTA, OUT, n, d, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def _runs_kernel(IDS, ORDER, DELTA, OUT, SCALE, n, d, ACCUMULATE: tl.constexpr, SCALED: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Program ``(i, c)``: if sorted position ``i`` starts a run of one id, ``OUT[id, c-block] (+)= Σ``
-    of the run's rows of ``DELTA``, in token order."""
+    of the run's rows of ``DELTA`` (each times ``SCALE[0]`` when ``SCALED``), in token order."""
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < d
@@ -37,7 +39,10 @@ def _runs_kernel(IDS, ORDER, DELTA, OUT, n, d, ACCUMULATE: tl.constexpr, BLOCK: 
         t = tok
         while t == tok:
             row = tl.load(ORDER + j)
-            acc += tl.load(DELTA + row * d + cols, mask=in_row, other=0.0)
+            if SCALED:
+                acc += tl.load(DELTA + row * d + cols, mask=in_row, other=0.0) * tl.load(SCALE)
+            else:
+                acc += tl.load(DELTA + row * d + cols, mask=in_row, other=0.0)
             j += 1
             t = tl.load(IDS + j, mask=j < n, other=-1)
         if ACCUMULATE:
@@ -45,8 +50,9 @@ def _runs_kernel(IDS, ORDER, DELTA, OUT, n, d, ACCUMULATE: tl.constexpr, BLOCK: 
         tl.store(OUT + tok * d + cols, acc, mask=in_row)
 
 
-def _sum_rows_by_id(ids, rows, out, accumulate: bool) -> None:
-    """``out[id] (+)= Σ rows[k]`` over the ``k`` holding ``id``, in ``k`` order, by runs of sorted ids."""
+def _sum_rows_by_id(ids, rows, out, accumulate: bool, scale=None) -> None:
+    """``out[id] (+)= Σ rows[k]`` (``Σ s · rows[k]`` with ``scale``) over the ``k`` holding ``id``, in ``k``
+    order, by runs of sorted ids."""
     n, d = rows.shape
     if not accumulate:
         out.zero_()
@@ -55,14 +61,15 @@ def _sum_rows_by_id(ids, rows, out, accumulate: bool) -> None:
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     block = min(COLUMNS, max(16, triton.next_power_of_2(d)))
     target = out if out.is_contiguous() else torch.empty_like(out).copy_(out)
-    _runs_kernel[(n, triton.cdiv(d, block))](sorted_ids, order, rows, target, n, d, ACCUMULATE=accumulate,
-                                             BLOCK=block)
+    s = rows if scale is None else torch.as_tensor(scale, dtype=rows.dtype, device=rows.device).reshape(1)
+    _runs_kernel[(n, triton.cdiv(d, block))](sorted_ids, order, rows, target, s, n, d, ACCUMULATE=accumulate,
+                                             SCALED=scale is not None, BLOCK=block)
     if target is not out:
         out.copy_(target)
 
 
 def embedding_backward(delta, cache, *, dtok=None, dpos=None, accumulate_tok: bool = False) -> None:
-    """``dW_tok = ohe(a0)ᵀ Δ1`` (repeated ids accumulate), ``dW_pos[p] = Σ Δ1`` over the tokens at
+    """``dW_tok = ohe(a0)ᵀ (s Δ1)`` (repeated ids accumulate; ``s`` the forward's scale, else 1), ``dW_pos[p] = Σ Δ1`` over the tokens at
     position ``p``; written into ``dtok``, ``dpos`` (``accumulate_tok``: added into ``dtok``).
 
     GPU :func:`pedestrian.layers.embedding.embedding_backward` (same arguments and contract; the sums
@@ -71,12 +78,12 @@ def embedding_backward(delta, cache, *, dtok=None, dpos=None, accumulate_tok: bo
     Raises:
         ValueError: a token id or position outside the gradient's rows (as the reference).
     """
-    tokens, positions = cache
+    tokens, positions, scale = split_cache(cache)
     B, T, d = delta.shape
     rows = delta.contiguous().reshape(B * T, d)
     if dtok is not None:
         check_ids(tokens, dtok.shape[0], "token id")
-        _sum_rows_by_id(tokens, rows, dtok, accumulate_tok)
+        _sum_rows_by_id(tokens, rows, dtok, accumulate_tok, scale)
     if dpos is not None:
         if positions is None:
             dpos.zero_()

@@ -23,6 +23,8 @@ from ..backend import array_namespace
 from ..layers.checks import check_float, check_ids
 from ..layers.head_loss import HeadLossCache, head_chunk_rows
 from ..layers.loss import IGNORE_INDEX, count_divisor
+from ..layers.softcap import check_softcap
+from .softcap import cap_rows
 
 #: logits one program reads at a time along a row
 BLOCK = 1024
@@ -68,10 +70,14 @@ def _softmax_loss_delta(Z, T, NLL, SCALE, V, stride, GRAD: tl.constexpr, F64: tl
 
 
 def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX, *, n_total=None,
-                      grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None):
+                      grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None,
+                      softcap: float | None = None):
     """:func:`pedestrian.layers.head_loss.head_loss_forward` (same arguments, result, errors) on
-    torch tensors of one device: products on torch, each chunk's softmax rows in Triton.
-    The count ``C`` stays on the device (no host read)."""
+    torch tensors of one device: products on torch, each chunk's softmax rows in Triton (with
+    ``softcap``, the chunk capped in place first and ``Δ12_c`` multiplied by the slope kept,
+    :func:`.softcap.cap_rows`). The count ``C`` stays on the device (no host read)."""
+    if softcap is not None:
+        check_softcap(softcap)
     d, V = weight.shape
     check_float(h, "the head's input")
     check_float(weight, "the head's weight")
@@ -100,10 +106,13 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
         if bias is not None:
             z += bias
         z = z.contiguous()
+        slope = None if softcap is None else cap_rows(z, softcap, grad)     # z_c = c tanh(z_c / c)
         _softmax_loss_delta[(hi - lo,)](z, t[lo:hi], nll[lo:hi], scale, V,
                                         z.stride(0), GRAD=grad, F64=h.dtype == torch.float64, BLOCK=min(BLOCK, triton.next_power_of_2(V)))
         if not grad:
             continue
+        if slope is not None:
+            z *= slope                                                       # Δ12_c ∘ (1 − tanh²)
         dh[lo:hi] = z @ weight.T                                             # Δ11_c = Δ12_c Wᵀ
         if dW is not None:
             dW += h_rows[lo:hi].T @ z                                        # dW += h_cᵀ Δ12_c

@@ -142,13 +142,13 @@ def layernorm_backward(delta, cache, *, dweight=None, dbias=None):
     return _backward(delta, cache, None, dweight, dbias, rms=False)
 
 
-def rmsnorm_forward(x, weight, eps: float):
-    """Per token: ``r = sqrt(mean_f(x²) + eps)``, ``x̂ = x / r``, ``y = x̂ ∘ w``.
+def rmsnorm_forward(x, weight, eps: float, *, offset: float = 0.0):
+    """Per token: ``r = sqrt(mean_f(x²) + eps)``, ``x̂ = x / r``, ``y = x̂ ∘ (offset + w)``.
 
     GPU :func:`pedestrian.layers.rmsnorm.rmsnorm_forward` (same arguments, results and cache
-    ``(x̂, 1/r, weight)``)."""
+    ``(x̂, 1/r, offset + weight)``; ``offset + w`` formed once, ``(d,)``)."""
     check_rms_eps(eps)
-    _, y, cache = _forward(x, None, weight, None, eps, rms=True)
+    _, y, cache = _forward(x, None, weight if offset == 0 else offset + weight, None, eps, rms=True)
     return y, cache
 
 
@@ -178,12 +178,12 @@ def add_layernorm_backward(delta, cache, delta_skip, *, dweight=None, dbias=None
     return _backward(delta, cache, delta_skip, dweight, dbias, rms=False)
 
 
-def add_rmsnorm_forward(x, r, weight, eps: float):
-    """``s = x + r``, ``y = RMSNorm(s)``.
+def add_rmsnorm_forward(x, r, weight, eps: float, *, offset: float = 0.0):
+    """``s = x + r``, ``y = RMSNorm(s)`` (``∘ (offset + w)``).
 
     GPU :func:`pedestrian.layers.residual.add_rmsnorm_forward`."""
     check_rms_eps(eps)
-    s, y, cache = _forward(x, r, weight, None, eps, rms=True)
+    s, y, cache = _forward(x, r, weight if offset == 0 else offset + weight, None, eps, rms=True)
     return (s, y), cache
 
 

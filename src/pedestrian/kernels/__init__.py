@@ -52,7 +52,7 @@ from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from . import activations, attention, embedding, head_loss, layernorm, linear, loss
-from . import lora, residual, rmsnorm, rope, swiglu
+from . import lora, residual, rmsnorm, rope, softcap, swiglu
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -66,7 +66,7 @@ __all__ = [
     "layernorm_backward", "layernorm_forward", "linear_activation_backward", "linear_activation_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
-    "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward", "swiglu_mlp_backward", "swiglu_mlp_forward",
+    "rmsnorm_backward", "rmsnorm_forward", "softcap_backward", "softcap_forward", "swiglu_backward", "swiglu_forward", "swiglu_mlp_backward", "swiglu_mlp_forward",
 ]
 
 
@@ -183,6 +183,8 @@ rope_forward = _seam(rope.rope_forward, layers.rope_forward)
 lora_forward = _seam(lora.lora_forward, layers.lora_forward)
 lora_backward = _seam(lora.lora_backward, layers.lora_backward)
 rope_backward = _seam(rope.rope_backward, layers.rope_backward)
+softcap_forward = _seam(softcap.softcap_forward, layers.softcap_forward)
+softcap_backward = _seam(softcap.softcap_backward, layers.softcap_backward)
 
 
 def default_kernels() -> str:

@@ -56,22 +56,33 @@ def _gelu_forward(x, y, dg):
         dg[i] = cdf + (xi * pdf if pdf != zero else zero)
 
 
-@kernel(parallel=True)
-def _gelu_tanh_forward(x, y, dg):
-    """``s = ½(1 + tanh u) = 1/(1 + e^{−2u})``, ``y = x s``, ``g'(x) = s (1 + 2(1 − s) A)``,
+@kernel
+def gelu_tanh_parts(xi, k):
+    """``(g(x), g'(x))`` of the tanh GELU for one number, ``k`` = :func:`gelu_tanh_constants` in
+    ``x``'s dtype: ``s = ½(1 + tanh u) = 1/(1 + e^{−2u})``, ``y = x s``, ``g'(x) = s (1 + 2(1 − s) A)``,
     ``A = x √(2/π)(1 + 3·0.044715 x²)`` (``1 − tanh² u = 4 s (1 − s)``). In the tails ``s`` or
     ``s (1 − s)`` rounds to 0 while ``x`` or ``A`` overflows: the product is then 0, its exact
     value's rounding (not ``0 · ∞ = NaN``), so ``g(−∞) = 0``, ``g'(−∞) = 0``, ``g'(+∞) = 1``."""
-    T = x.dtype.type
-    one, zero, c1, c0 = T(1.0), T(0.0), T(_MINUS_2K_C), T(_MINUS_2K)
-    a1, a0 = T(6.0 * _GELU_C * _SQRT_2_OVER_PI), T(2.0 * _SQRT_2_OVER_PI)
+    one, zero, c1, c0, a1, a0 = k
+    x2 = xi * xi
+    s = one / (one + exp(xi * (c1 * x2 + c0)))                      # e^{−2u} = inf -> s = 0
+    w = s * (one - s)
+    return (xi * s if s != zero else zero), s + (w * xi * (a1 * x2 + a0) if w != zero else zero)
+
+
+@kernel
+def gelu_tanh_constants(T):
+    """The constants of :func:`gelu_tanh_parts` in the dtype ``T`` (``x.dtype.type``)."""
+    return (T(1.0), T(0.0), T(_MINUS_2K_C), T(_MINUS_2K), T(6.0 * _GELU_C * _SQRT_2_OVER_PI),
+            T(2.0 * _SQRT_2_OVER_PI))
+
+
+@kernel(parallel=True)
+def _gelu_tanh_forward(x, y, dg):
+    """``y = ½x(1 + tanh u)`` and ``g'(x)`` (:func:`gelu_tanh_parts`)."""
+    k = gelu_tanh_constants(x.dtype.type)
     for i in prange(x.shape[0]):
-        xi = x[i]
-        x2 = xi * xi
-        s = one / (one + exp(xi * (c1 * x2 + c0)))                  # e^{−2u} = inf -> s = 0
-        w = s * (one - s)
-        y[i] = xi * s if s != zero else zero
-        dg[i] = s + (w * xi * (a1 * x2 + a0) if w != zero else zero)
+        y[i], dg[i] = gelu_tanh_parts(x[i], k)
 
 
 @kernel

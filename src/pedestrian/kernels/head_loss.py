@@ -18,10 +18,12 @@ import numpy as np
 from ..layers.checks import check_float, check_ids
 from ..layers.head_loss import HeadLossCache, head_chunk_rows
 from ..layers.loss import IGNORE_INDEX
+from ..layers.softcap import check_softcap
 from . import loss as _loss
 from .blas import blas_view, colsum, gemm_into_scaled, load_gemm, matmul_into
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .schedule import MIN_PART_ROWS
+from .softcap import cap_in_place, cap_rows
 from .workspace import empty_array
 
 __all__ = ["head_loss_forward"]    # (the backward is the reference's: it hands over what the forward made)
@@ -50,7 +52,8 @@ def _accumulate(out, a, b, first: bool) -> None:
 
 
 def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX, *, n_total=None,
-                      grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None):
+                      grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None,
+                      softcap: float | None = None):
     """``L = Σ_counted (logsumexp(h W + b) − (h W + b)[y]) / C``, and with ``grad``
     ``Δ11 = Δ12 Wᵀ``, ``dW = hᵀ Δ12``, ``db = Σ Δ12`` (``Δ12 = (softmax − onehot) / C``), a chunk
     of ``chunk_rows`` rows at a time: :func:`pedestrian.layers.head_loss.head_loss_forward`'s
@@ -58,7 +61,11 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
 
     NumPy arrays of float32 or float64. ``dW`` is made in ``weight``'s layout (C- or F-ordered),
     so that :func:`head_loss_backward` copies it into a view of the same layout in one pass.
+    With ``softcap`` each chunk's logits are capped in place (:func:`.softcap.cap_rows`) and
+    their slope ``1 − tanh²`` kept in a second chunk array, by which ``Δ12_c`` is multiplied.
     """
+    if softcap is not None:
+        check_softcap(softcap)
     d, V = weight.shape
     check_float(h, "the head's input")
     check_float(weight, "the head's weight")
@@ -85,16 +92,24 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
     nll = np.empty(N)                                                        # float64
     sum_e = np.empty(min(rows, N))
     z_all = empty_array((min(rows, N), V), h)                                # one chunk's logits, then its Δ12
+    slope_all = empty_array((min(rows, N), V), h) if softcap is not None and grad else None
     colsum_c = np.empty(V, h.dtype) if db is not None else None
     for lo in range(0, N, rows):
         hi = min(lo + rows, N)
         h_c, z = h_rows[lo:hi], z_all[:hi - lo]                              # (n, d), (n, V)
         matmul_into(z, h_c, weight, bias=bias)                               # z_c = h_c W + b
+        if softcap is not None:                                              # z_c = c tanh(z_c / c)
+            if grad:
+                cap_rows(z, float(softcap), slope_all[:hi - lo])             # and its slope 1 − tanh²
+            else:
+                cap_in_place(z, float(softcap))
         z_max = np.max(z, axis=-1)                                           # (n,)
         _loss.nll_rows(z, z_max, t[lo:hi], sum_e[:hi - lo], nll[lo:hi])      # Σe, −log p[target]
         if not grad:
             continue
         _loss.delta_rows(z, z_max, t[lo:hi], sum_e[:hi - lo], scale[lo:hi], z)   # Δ12_c over z_c
+        if softcap is not None:
+            np.multiply(z, slope_all[:hi - lo], out=z)                       # Δ12_c ∘ (1 − tanh²)
         matmul_into(dh[lo:hi], z, weight.T)                                  # Δ11_c = Δ12_c Wᵀ
         if dW is not None:
             _accumulate(dW, h_c.T, z, first=lo == 0)                        # dW += h_cᵀ Δ12_c

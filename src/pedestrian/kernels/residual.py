@@ -25,10 +25,10 @@ def add_layernorm_backward(delta, cache, delta_skip, *, dweight=None, dbias=None
     return add(delta_skip, layernorm_backward(delta, cache, dweight=dweight, dbias=dbias))
 
 
-def add_rmsnorm_forward(x, r, weight, eps: float):
+def add_rmsnorm_forward(x, r, weight, eps: float, *, offset: float = 0.0):
     """``s = x + r``, ``y = RMSNorm(s)``: fast :func:`pedestrian.layers.residual.add_rmsnorm_forward`."""
     s = add(x, r)
-    y, cache = rmsnorm_forward(s, weight, eps)
+    y, cache = rmsnorm_forward(s, weight, eps, offset=offset)
     return (s, y), cache
 
 

@@ -61,12 +61,15 @@ def _backward(delta, xhat, rrms, weight, out, dw_part):
                 out[r, j] = (np.float64(delta[r, j]) * weight[j] - xhat[r, j] * mean_gx) * inv
 
 
-def rmsnorm_forward(x, weight, eps: float):
-    """``y = x/r ∘ w``, ``r = √(mean_f(x²) + ε)`` over the last axis (EQUATIONS.md, "RMS normalization").
+def rmsnorm_forward(x, weight, eps: float, *, offset: float = 0.0):
+    """``y = x/r ∘ (offset + w)``, ``r = √(mean_f(x²) + ε)`` over the last axis (EQUATIONS.md, "RMS
+    normalization"; ``offset = 1``: Gemma).
 
     Fast :func:`pedestrian.layers.rmsnorm.rmsnorm_forward` (same arguments and results; the
-    cache holds ``1/r`` in float64)."""
+    cache holds ``1/r`` in float64; ``offset + w`` is formed once, ``(d,)``, in ``w``'s dtype)."""
     check_rms_eps(eps)
+    if offset != 0:
+        weight = offset + weight                                             # (d,) rounded once, as Gemma
     d = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, d)
     xhat, y = empty_array(x.shape, x), empty_array(x.shape, x)

@@ -48,6 +48,7 @@ from .residual import (
 )
 from .rope import rope_angles, rope_backward, rope_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .softcap import softcap_backward, softcap_forward
 from .swiglu import SwiGLUCache, swiglu_backward, swiglu_forward, swiglu_mlp_backward, swiglu_mlp_forward
 
 #: the functions a model calls; :mod:`pedestrian.kernels` defines each with the same signature
@@ -62,6 +63,7 @@ MODEL_FUNCTIONS = (
     "swiglu_mlp_forward", "swiglu_mlp_backward",
     "add_layernorm_forward", "add_layernorm_backward", "add_rmsnorm_forward", "add_rmsnorm_backward",
     "linear_activation_forward", "linear_activation_backward",
+    "softcap_forward", "softcap_backward",
 )
 
 __all__ = [
@@ -76,7 +78,7 @@ __all__ = [
     "multi_head_attention_backward", "multi_head_attention_forward",
     "rope_angles", "rope_backward", "rope_forward",
     "scaled_dot_product_attention_backward", "scaled_dot_product_attention_forward",
-    "softmax_backward", "softmax_forward",
+    "softcap_backward", "softcap_forward", "softmax_backward", "softmax_forward",
     "SwiGLUCache", "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward",
     "swiglu_mlp_backward", "swiglu_mlp_forward",
 ]

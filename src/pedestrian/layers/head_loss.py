@@ -11,6 +11,10 @@ forms them a chunk of rows at a time and keeps none: for the rows ``c`` of a chu
     Δ12_c = (p_c − onehot(y_c)) / C    (ignored rows: 0)
     Δ11_c = Δ12_c Wᵀ      dW += h_cᵀ Δ12_c      db += Σ_rows Δ12_c
 
+With a soft-cap ``c`` (Gemma 2's final logits, :mod:`.softcap`) the logits are
+``z_c = c · tanh((h_c W + b) / c)`` and the signal of the product's output is
+``Δ12_c ∘ (1 − (z_c / c)²)``, which ``Δ11_c``, ``dW``, ``db`` take in place of ``Δ12_c``.
+
 ``C`` is the number of counted targets (``n_total`` for one slice of a larger batch). The
 gradients are made in the forward's one pass over the chunks (a chunk's logits are gone after
 it); :func:`head_loss_backward` hands them over, writing the parameters' into the arrays it is
@@ -24,6 +28,7 @@ from typing import NamedTuple
 from ..backend import array_namespace
 from .checks import check_float, check_ids
 from .loss import IGNORE_INDEX, count_divisor
+from .softcap import check_softcap
 
 __all__ = ["HEAD_CHUNK_BYTES", "HeadLossCache", "head_chunk_rows", "head_loss_backward", "head_loss_forward"]
 
@@ -53,9 +58,11 @@ def head_chunk_rows(vocab_size: int, itemsize: int, budget: int | None = None) -
 
 
 def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX, *, n_total=None,
-                      grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None):
-    """Mean cross-entropy of the logits ``h W + b`` over the counted targets, chunk by chunk,
-    and (``grad``) its gradients, never holding more than ``chunk_rows`` rows of logits.
+                      grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None,
+                      softcap: float | None = None):
+    """Mean cross-entropy of the logits ``h W + b`` (or ``c · tanh((h W + b) / c)`` with ``softcap``)
+    over the counted targets, chunk by chunk, and (``grad``) its gradients, never holding more
+    than ``chunk_rows`` rows of logits.
 
     Args:
         h: ``(B, T, d)`` float array ``a11`` (the final norm's output).
@@ -66,16 +73,20 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
         grad: also make ``Δ11`` (and with ``grad_weight`` ``dW``, ``db``); ``False``: the loss
             only (an evaluation).
         chunk_rows: rows per chunk (default :func:`head_chunk_rows`, from :data:`HEAD_CHUNK_BYTES`).
+        softcap: ``c > 0``, the logits' soft-cap (``GPTConfig.logit_softcap``), or ``None``.
 
     Returns:
         ``(loss, cache)``: ``loss`` 0-d in ``h``'s dtype, nats per counted target (``0`` when none
         counts); ``cache`` a :class:`HeadLossCache`.
 
     Raises:
-        ValueError: a target outside ``[0, V)`` that is not ``ignore_index``; ``chunk_rows < 1``.
+        ValueError: a target outside ``[0, V)`` that is not ``ignore_index``; ``chunk_rows < 1``;
+            a ``softcap`` that is not a finite number ``> 0``.
         TypeError: ``h`` or ``weight`` not real floating point, targets not integers.
     """
     xp = array_namespace(h)
+    if softcap is not None:
+        check_softcap(softcap)
     d, V = weight.shape
     check_float(h, "the head's input")
     check_float(weight, "the head's weight")
@@ -94,6 +105,9 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
     for lo in range(0, N, rows):
         h_c, t_c, k_c = h_rows[lo:lo + rows], t[lo:lo + rows], counted[lo:lo + rows]   # (n, d), (n,), (n,)
         z = h_c @ weight if bias is None else h_c @ weight + bias            # (n, V) logits of the chunk
+        if softcap is not None:
+            tanh_c = xp.tanh(z / softcap)                                    # (n, V)
+            z = softcap * tanh_c                                             # (n, V) capped logits
         z_max = xp.max(z, axis=-1, keepdims=True)                            # (n, 1)
         e = xp.exp(z - z_max)                                                # (n, V), max entry 1
         sum_e = xp.sum(e, axis=-1, keepdims=True)                            # (n, 1)
@@ -105,6 +119,8 @@ def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX
         if not grad:
             continue
         delta = (e / sum_e * xp.astype(k_c, z.dtype)[:, None] - y_gt) / C    # (n, V) Δ12_c
+        if softcap is not None:
+            delta = delta * (1.0 - tanh_c * tanh_c)                          # (n, V) through the cap
         dh.append(delta @ xp.matrix_transpose(weight))                       # (n, d) Δ11_c = Δ12_c Wᵀ
         if grad_weight:
             dW_c = xp.matrix_transpose(h_c) @ delta                          # (d, V) h_cᵀ Δ12_c

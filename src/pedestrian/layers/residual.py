@@ -52,14 +52,15 @@ def add_layernorm_backward(delta, cache, delta_skip, *, dweight=None, dbias=None
     return add(delta_skip, layernorm_backward(delta, cache, dweight=dweight, dbias=dbias))   # (..., d)
 
 
-def add_rmsnorm_forward(x, r, weight, eps: float):
-    """``s = x + r``, ``y = RMSNorm(s)`` (:func:`add_layernorm_forward` with the RMS norm).
+def add_rmsnorm_forward(x, r, weight, eps: float, *, offset: float = 0.0):
+    """``s = x + r``, ``y = RMSNorm(s)`` (:func:`add_layernorm_forward` with the RMS norm; ``offset``
+    as :func:`~pedestrian.layers.rmsnorm.rmsnorm_forward`'s).
 
     Returns:
         ``((s, y), cache)``: both ``(..., d)``; ``cache`` the RMS norm's (of ``s``).
     """
     s = add(x, r)                                                            # (..., d) the skip
-    y, cache = rmsnorm_forward(s, weight, eps)                               # (..., d)
+    y, cache = rmsnorm_forward(s, weight, eps, offset=offset)                # (..., d)
     return (s, y), cache
 
 

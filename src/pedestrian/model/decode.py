@@ -66,7 +66,8 @@ def forward(model, tokens, kv_cache):
         raise ValueError(f"a KV-cache step of {T} tokens at length {L0} does not fit the cache's "
                          f"capacity {first.keys.shape[2]}")
     positions = kv_cache.positions(T)
-    x = np.array(model.kernels.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)[0])   # (B, T, d), own
+    x = np.array(model.kernels.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions,      # (B, T, d), own
+                                                 **c.embedding_options)[0])
     dtype = x.dtype
     if c.position_encoding == "rope":                  # the angles, once for every block
         r = c.rope_dims
@@ -85,21 +86,27 @@ def forward(model, tokens, kv_cache):
     a8 = np.empty((B, T, m), dtype)
     n_qk, scale = H + H_kv, 1.0 / math.sqrt(d_qk)
     mm = _products()
+    gate = swiglu.GATES[c.activation]                  # silu, or Gemma's gelu_tanh
 
-    fused.rmsnorm_rows(x2, W.blocks[0].ln1.weight, eps, y2, xhat, rrms)                    # a2 of block 0
+    def w_norm(norm):                                  # RMS norm's scale: w, or Gemma's 1 + w
+        return norm.weight if not c.norm_offset else c.norm_offset + norm.weight
+
+    fused.rmsnorm_rows(x2, w_norm(W.blocks[0].ln1), eps, y2, xhat, rrms)                   # a2 of block 0
     for i, w in enumerate(W.blocks):
         block = kv_cache.block(i)
         qkv = mm(y, w.qkv)                                          # (B, T, width)
         fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, block.keys, block.values, L0,
                                     key_start, True, scale, q, p, a3)                       # a3
         a4 = mm(a3, w.attn_proj)
-        fused.add_rmsnorm(x2, a4.reshape(B * T, d), w.ln2.weight, eps, y2, xhat, rrms)      # a5 in x, a6 in y
+        fused.add_rmsnorm(x2, a4.reshape(B * T, d), w_norm(w.ln2), eps, y2, xhat, rrms)     # a5 in x, a6 in y
         a7 = mm(y, w.mlp_gate_up).reshape(B * T, -1)                                   # [a7_gate | a7_up]
-        swiglu.gate_fused_into(a7, a8.reshape(B * T, m))                                  # a8
+        swiglu.gate_fused_into(a7, a8.reshape(B * T, m), gate)                            # a8
         a9 = mm(a8, w.mlp_contract)
         norm = W.blocks[i + 1].ln1 if i + 1 < len(W.blocks) else W.ln_final
-        fused.add_rmsnorm(x2, a9.reshape(B * T, d), norm.weight, eps, y2, xhat, rrms)      # a10 in x, next a2 / a11 in y
+        fused.add_rmsnorm(x2, a9.reshape(B * T, d), w_norm(norm), eps, y2, xhat, rrms)     # a10 in x, next a2 / a11 in y
     logits = mm(y, W.logits)                                     # (B, T, V)
+    if c.logit_softcap is not None:                              # Gemma 2: c tanh(z / c)
+        logits = model.kernels.softcap_forward(logits, c.logit_softcap)[0]
     return logits, SimpleNamespace(a0=tokens, a12=logits, blocks=[], lora={}, loss=None, kept=False, recomputed=0)
 
 

@@ -257,7 +257,8 @@ class GPT:
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re)
-        f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)    # (B, T, d)
+        f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions,    # (B, T, d); Gemma: · √d
+                                          **c.embedding_options)
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
             if i < n_re:                                                             # keep x and where its dropout draws start

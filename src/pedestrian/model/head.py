@@ -28,21 +28,25 @@ NOT_KEPT = ("not kept: model.loss fuses the output head with its loss (the logit
 
 
 def forward(model, f, fc, targets, n_total, fuse: bool, fc_forward) -> None:
-    """Record on ``f`` the head's output: ``f.a12`` and the cross-entropy's ``f.loss``, or when
+    """Record on ``f`` the head's output: ``f.a12`` (with ``config.logit_softcap`` ``c``, the capped
+    ``c · tanh(z / c)`` of the product ``z``, its cache ``f.softcap``) and the cross-entropy's ``f.loss``, or when
     ``fuse`` (a :meth:`GPT.loss` with :attr:`GPT.fused_head`; targets given, no adapter on the
     head) ``f.head``, the fused layer's cache (``f.a12 = None``); ``f.loss_value`` the loss and
     ``f.logits_shape`` ``(B, T, V)`` either way. ``fc_forward``: the model's FC forward."""
-    K = model.kernels
-    f.head = None
+    K, cap = model.kernels, model.config.logit_softcap
+    f.head, f.softcap = None, None
     if fuse and targets is not None and not fc.adapters:
         grad_weight = f.kept and not model.freeze_base
         f.loss_value, f.head = K.head_loss_forward(f.a11, fc.weight, fc.bias, targets, n_total=n_total,
-                                                   grad=f.kept, grad_weight=grad_weight)
+                                                   grad=f.kept, grad_weight=grad_weight,
+                                                   **({} if cap is None else {"softcap": cap}))
         f.a12, f.loss, f.logits_shape = None, f.head, f.head.logits_shape
         return
     f.a12 = fc_forward(fc, f.a11, f.lora)                                            # (B, T, V)
     if getattr(K, "precision", None) == "bf16":                                     # bfloat16 product: the
         f.a12 = f.a12.float()                                                        # loss, the caller in float32
+    if cap is not None:                                                              # Gemma 2: a12 = c tanh(z / c)
+        f.a12, f.softcap = K.softcap_forward(f.a12, cap)                             # (B, T, V)
     f.logits_shape = tuple(f.a12.shape)
     if targets is not None:
         f.loss_value, f.loss = K.cross_entropy_forward(f.a12, targets, n_total=n_total)
@@ -57,7 +61,8 @@ def backward(model, f, fc, grad, delta_logits, fc_backward):
     if f.head is not None and delta_logits is None:
         return None, model.kernels.head_loss_backward(f.head, dweight=grad.weight, dbias=grad.bias)
     d12 = loss_delta(model.kernels, f) if delta_logits is None else delta_logits
-    return d12, fc_backward(fc, grad, d12, f.a11, f.lora)
+    dz = d12 if f.softcap is None else model.kernels.softcap_backward(d12, f.softcap)  # through the cap
+    return d12, fc_backward(fc, grad, dz, f.a11, f.lora)
 
 
 def logits_shape(f) -> tuple:

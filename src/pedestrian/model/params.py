@@ -59,7 +59,7 @@ class Parameters:
             views of the (CPU torch) buffers, for a chain that runs NumPy kernels; :attr:`params`
             and :attr:`grads` stay the buffers' own arrays.
         seed: the GPT-2 initialisation (weights ``N(0, 0.02)``, the two residual projections
-            ``N(0, 0.02/√(2·n_blocks))``, biases 0, layer-norm weights 1), drawn in the order of
+            ``N(0, 0.02/√(2·n_blocks))``, biases 0, norm weights ``1 − norm_offset``), drawn in the order of
             the learned-position layout so that models differing only in ``position_encoding``
             start from the same weights.
         slots: the model's :class:`~pedestrian.model.slots.Slots`: a plugged layer's parameters
@@ -98,13 +98,14 @@ class Parameters:
         resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
         # draw in the order of the learned-position layout, the table's draws discarded when there
         # is no table: models that differ only in position_encoding start from the same weights
-        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None)
+        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None, rope_local_base=None)
+        norm_weight = 1.0 - self.config.norm_offset            # the norms start as x̂ (Gemma's 1 + w: w = 0)
         for s in param_specs(learned):
             if len(s.shape) == 2:
                 std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
                 value = rng.normal(0.0, std, size=s.shape)
             elif ".ln" in s.name or s.name.startswith("ln_final"):
-                value = np.ones(s.shape) if s.name.endswith("weight") else np.zeros(s.shape)
+                value = np.full(s.shape, norm_weight) if s.name.endswith("weight") else np.zeros(s.shape)
             else:
                 value = np.zeros(s.shape)
             if s.name in self.params:

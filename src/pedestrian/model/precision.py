@@ -68,7 +68,8 @@ KINDS = {
                      "add_layernorm_forward", "add_layernorm_backward", "add_rmsnorm_forward",
                      "add_rmsnorm_backward", "embedding_forward", "embedding_backward", "rope_forward",
                      "rope_backward", "multi_head_attention_forward", "multi_head_attention_backward",
-                     "attention_weights", "cross_entropy_forward", "cross_entropy_backward", "add"), "float32"),
+                     "attention_weights", "cross_entropy_forward", "cross_entropy_backward", "add",
+                     "softcap_forward", "softcap_backward"), "float32"),
     **dict.fromkeys(("activation_forward", "activation_backward", "swiglu_forward", "swiglu_backward"),
                     "elementwise"),
     **dict.fromkeys(("head_loss_forward", "head_loss_backward"), "head"),
@@ -177,7 +178,8 @@ def mixed_table(base) -> SimpleNamespace:
     table = {name: _wrap(KINDS[name], functions[name], name) for name in MODEL_FUNCTIONS}
 
     def head_loss_forward(h, weight, bias, targets, ignore_index: int = IGNORE_INDEX, *, n_total=None,
-                          grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None):
+                          grad: bool = True, grad_weight: bool = True, chunk_rows: int | None = None,
+                          softcap: float | None = None):
         """The fused head (:func:`pedestrian.layers.head_loss.head_loss_forward`'s contract) in
         mixed precision, a chunk of rows at a time: ``z_c = bf(h_c) bf(W) + bf(b)`` (bfloat16
         product) widened to float32, the table's float32 cross-entropy of the chunk (divided by
@@ -199,11 +201,16 @@ def mixed_table(base) -> SimpleNamespace:
         for lo in range(0, h16.shape[0], rows):
             h_c = h16[lo:lo + rows]                                          # (n, d) bfloat16
             z, _ = functions["linear_forward"](h_c, w16, b16)                # (n, V) bfloat16 product
+            if softcap is not None:                                          # capped in float32
+                z, cap = table["softcap_forward"](z, softcap)
             loss_c, ce = table["cross_entropy_forward"](z, t[lo:lo + rows], ignore_index, n_total=n_counted)
             loss = loss + loss_c                                             # 0-d float32
             if not grad:
                 continue
-            delta = _bf16(table["cross_entropy_backward"](ce))               # (n, V) Δ12_c
+            delta = table["cross_entropy_backward"](ce)                      # (n, V) Δ12_c
+            if softcap is not None:
+                delta = table["softcap_backward"](delta, cap)                # through the cap, float32
+            delta = _bf16(delta)
             dh.append(delta @ w16.T)                                         # (n, d) Δ11_c, bfloat16
             if dW is not None:
                 dW += (h_c.T @ delta).float()                                # (d, V) summed in float32

@@ -277,14 +277,17 @@ def _read_only(a):
 
 # ---------------------------------------------------------------------------------------- the built-in kinds
 class BuiltinNorm:
-    """The config's norm: layer norm (weight, bias) or RMS norm (weight only), paper section 5."""
+    """The config's norm: layer norm (weight, bias) or RMS norm (weight only; ``x̂ ∘ (1 + w)`` with
+    Gemma's ``norm_offset``), paper section 5."""
 
     def __init__(self, config: GPTConfig, kernels):
         self.K, self.rms, self.eps = kernels, config.norm == "rmsnorm", config.ln_eps
+        #: the RMS norm's keyword arguments: Gemma's offset, only where set (a table of any age takes none)
+        self.rms_options = {"offset": config.norm_offset} if config.norm_offset else {}
 
     def forward(self, x, w):
         if self.rms:
-            return self.K.rmsnorm_forward(x, w.weight, self.eps)
+            return self.K.rmsnorm_forward(x, w.weight, self.eps, **self.rms_options)
         return self.K.layernorm_forward(x, w.weight, w.bias, self.eps)
 
     def backward(self, delta, cache, g):
@@ -296,7 +299,7 @@ class BuiltinNorm:
     def add_forward(self, x, r, w):
         """``((s, y), cache)``: the skip ``s = x + r`` and the norm of it, one kernel call."""
         if self.rms:
-            return self.K.add_rmsnorm_forward(x, r, w.weight, self.eps)
+            return self.K.add_rmsnorm_forward(x, r, w.weight, self.eps, **self.rms_options)
         return self.K.add_layernorm_forward(x, r, w.weight, w.bias, self.eps)
 
     def add_backward(self, delta, cache, delta_skip, g):
@@ -321,7 +324,8 @@ class BuiltinActivation:
 
 class BuiltinMLP:
     """``a7 = FC_expand(a6)``, ``a8 = g(a7)`` (the activation slot), ``a9 = FC_contract(a8)``; or
-    SwiGLU's ``a8 = silu(FC_gate(a6)) ∘ FC_up(a6)``, ``a9 = FC_down(a8)``, the gate and up layers
+    SwiGLU's ``a8 = silu(FC_gate(a6)) ∘ FC_up(a6)`` (Gemma's GeGLU: ``gelu_tanh`` in place of
+    ``silu``, ``config.activation``), ``a9 = FC_down(a8)``, the gate and up layers
     one fused product (``mlp_gate_up``, as ``qkv``: ``a7_gate``, ``a7_up`` are the halves of its
     output, ``Δ6 = [Δ7_gate | Δ7_up] W_gate_upᵀ``). Keeps ``a7`` (or
     ``a7_gate``, ``a7_up``) and ``a8`` on the block ``b``, and ``Δ8``, ``Δ7`` on ``D``; the backward
@@ -333,13 +337,15 @@ class BuiltinMLP:
 
     def __init__(self, config: GPTConfig, kernels, activation):
         self.K, self.swiglu, self.activation = kernels, config.mlp == "swiglu", activation
+        #: the gate's activation beyond SwiGLU's silu (Gemma's GeGLU: gelu_tanh), as the kernels take it
+        self.gate = {} if config.activation == "silu" else {"activation": config.activation}
 
     def forward(self, fc, b, w, lora):
         if self.swiglu:                                                              # one product, both layers:
             a7 = fc(w.mlp_gate_up, b.a6, lora)                                       # (B, T, 2·d_mlp)
             m = a7.shape[-1] // 2
             b.a7_gate, b.a7_up = a7[..., :m], a7[..., m:]                            # (B, T, d_mlp) views
-            b.a8, b.act = self.K.swiglu_forward(b.a7_gate, b.a7_up)                  # silu(gate) ∘ up
+            b.a8, b.act = self.K.swiglu_forward(b.a7_gate, b.a7_up, **self.gate)     # g(gate) ∘ up
         elif self._fused(w.mlp_expand):                                              # a7 = a6 W + b, a8 = g(a7),
             (b.a7, b.a8), b.act = self.K.linear_activation_forward(                  # one call (B, T, d_mlp)
                 b.a6, w.mlp_expand.weight, w.mlp_expand.bias, self.activation.name)
@@ -356,7 +362,7 @@ class BuiltinMLP:
 
     def backward(self, fc, D, b, w, g, lora):
         if b.a8 is None:                                                             # let go by the forward
-            b.a8 = (self.K.swiglu_forward(b.a7_gate, b.a7_up) if self.swiglu         # (model.recompute): again
+            b.a8 = (self.K.swiglu_forward(b.a7_gate, b.a7_up, **self.gate) if self.swiglu   # (model.recompute): again
                     else self.activation.forward(b.a7, w.act))[0]
         D.d8 = fc(w.mlp_contract, g.mlp_contract, D.d9, b.a8, lora)                  # Δ8
         if not self.swiglu and self._fused(w.mlp_expand):                            # Δ7, dW, db, Δ6: one call
@@ -418,6 +424,9 @@ class Slots:
         if "activation" in layers and config.mlp == "swiglu":
             raise ValueError("the activation slot needs mlp='standard' (SwiGLU gates with silu); use "
                              "mlp='standard', or plug your layer into the mlp slot")
+        if "norm" in layers and config.norm_offset:
+            raise ValueError(f"norm_offset={config.norm_offset} belongs to the built-in RMS norm (Gemma's 1 + w); "
+                             "a plugged norm defines its own formula: set norm_offset=0 to plug one")
         if "activation" in layers and "mlp" in layers:
             raise ValueError("the mlp slot replaces the whole MLP, its activation included; plug either "
                              "activation or mlp")
