@@ -63,7 +63,8 @@ def rope_angles(positions, rotated: int, base: float, like, scaling=None):
         rotated: ``r``, an even number of rotated dimensions per head.
         base: ``θ_j = base^(−2j/r)``.
         like: an array of the model's dtype, backend and device.
-        scaling: ``None`` or Llama 3's frequency scaling (:func:`llama3_theta`).
+        scaling: ``None``, Llama 3's frequency scaling (:func:`llama3_theta`) or the linear one
+            (``rope_type="linear"``: every ``θ_j / factor``, transformers' ``_compute_linear_scaling_rope_parameters``).
 
     Returns:
         ``(cos, sin)``, each ``(T, 1, r/2)`` or ``(B, T, 1, r/2)`` in ``like``'s dtype (the ``1``
@@ -74,7 +75,9 @@ def rope_angles(positions, rotated: int, base: float, like, scaling=None):
     half = rotated // 2
     j = xp.astype(xp.arange(half, device=like.device), xp.float64)              # (r/2,)
     theta = base ** (-2.0 * j / rotated)                                        # θ_j (r/2,)
-    if scaling is not None:
+    if scaling is not None and scaling.rope_type == "linear":
+        theta = theta / scaling.factor                                          # (r/2,) Gemma 3's global layers
+    elif scaling is not None:
         theta = llama3_theta(theta, scaling)                                    # (r/2,)
     t = xp.astype(positions, xp.float64)                                        # (T,) or (B, T)
     angle = t[..., None, None] * theta                                          # (…, T, 1, r/2)
