@@ -7,9 +7,10 @@ A directory written by ``save_pretrained`` holds ``config.json``, the weights
 ``merges.txt``). Safetensors files are read with the ``safetensors`` library; a ``.bin`` file is
 a pickle that only PyTorch can read, so it needs ``torch`` installed.
 
-The family is ``config.json``'s (:func:`~.hf_llama_config.hf_family`). The config mappings are
-:mod:`.hf_config` (GPT-2) and :mod:`.hf_llama_config` (Llama, Qwen2, Mistral), the tensor names
-and layouts :mod:`.hf_tensors` and :mod:`.hf_llama_tensors`, the shared file plumbing :mod:`.files`; this module loads and saves whole directories, and its names
+The family is ``config.json``'s (:func:`~.families.hf_family`; :mod:`.families` holds one entry
+per family). The config mappings are :mod:`.hf_config` (GPT-2) and :mod:`.hf_llama_config` (the
+Llama layout: Llama, Qwen2, Mistral, ...), the tensor names and layouts :mod:`.hf_tensors` and
+:mod:`.hf_llama_tensors`, the shared file plumbing :mod:`.files`; this module loads and saves whole directories, and its names
 are the ones to import (``pedestrian.interop.hf.load_pretrained``, ``config_from_hf``, ...).
 """
 
@@ -26,10 +27,10 @@ import numpy as np
 from .files import OutputExistsError, SafetensorsFile, json_writer, listing, torch_load, write_dir_atomically
 from . import hf_llama_config
 from .hf_config import ACTIVATION_TO_HF, HF_TO_ACTIVATION, config_to_hf, export_problems, read_hf_config
-from .hf_llama_config import config_from_hf, hf_family
+from .families import FAMILIES, export_family, hf_family
+from .hf_llama_config import config_from_hf
 from .hf_llama_tensors import check_llama_shapes, convert_llama_from_hf, llama_state_to_hf
 from .hf_tensors import check_hf_shapes, convert_from_hf, hf_tensor_shapes, state_from_hf, state_to_hf
-from .peft_modules import is_gpt2
 
 __all__ = [
     "merged_for_export",
@@ -177,8 +178,9 @@ class HFFolder:
         from ..model import GPT
 
         config, weights = self.config, self.weights
-        if self.family != "gpt2":
-            check_llama_shapes(weights.shapes, config, weights.source)
+        gpt2 = FAMILIES[self.family].layout == "gpt2"
+        if not gpt2:
+            check_llama_shapes(weights.shapes, config, weights.source, self.family)
             canon = {name: name for name in weights.shapes}
         else:
             canon = check_hf_shapes(weights.shapes, config, weights.source)
@@ -186,8 +188,8 @@ class HFFolder:
         if bad:
             raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
         tensors = {full: weights[name] for name, full in canon.items()}
-        convert = convert_from_hf if self.family == "gpt2" else convert_llama_from_hf
-        state = convert(tensors, config, weights.source)
+        state = (convert_from_hf(tensors, config, weights.source) if gpt2
+                 else convert_llama_from_hf(tensors, config, weights.source, self.family))
         model = GPT(config, dtype=dtype, backend=backend)
         try:
             model.load_state_dict(state, strict=True)
@@ -299,7 +301,7 @@ def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> d
         return {"pedestrian_tokenizer.json": tokenizer.save}
     special = tokenizer.special_tokens
     eos = next((t for t in EOS_TOKENS if t in special), None)
-    if family != "gpt2":
+    if FAMILIES[family].layout != "gpt2":
         bos = next((t for t in ("<s>", "<|begin_of_text|>") if t in special), None)
         unk = "<unk>" if "<unk>" in special else None
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
@@ -328,7 +330,7 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
     """Write ``model`` (and ``tokenizer``) as a Hugging Face directory: a ``GPT2LMHeadModel``
     for a GPT-2-shaped config (layer norms, the standard MLP, learned positions), else a
     ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` with q, k, v biases only;
-    :func:`~.hf_llama_config.export_family`).
+    :func:`~.families.export_family`).
 
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits, and
     :func:`load_pretrained` gives back exactly the same parameters. Files: ``config.json``
@@ -368,8 +370,8 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                          f"is {config.vocab_size}")
     eos = _eos_id(tokenizer)
-    family = "gpt2" if is_gpt2(config) else hf_llama_config.export_family(config)
-    if family == "gpt2":
+    family = export_family(config)
+    if FAMILIES[family].layout == "gpt2":
         hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
         tensors = state_to_hf(model.state_dict(), config)
     else:
