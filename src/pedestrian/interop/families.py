@@ -23,7 +23,8 @@ from typing import Callable, Mapping
 from ..config import GPTConfig
 
 __all__ = ["Family", "FAMILIES", "hf_family", "export_family", "layout_of", "family_names",
-           "llama_export_problems", "LLAMA_NAMES", "TOP_NAMES", "REFUSED_KEYS"]
+           "llama_export_problems", "feature_problems", "register", "FEATURES", "ANY",
+           "LLAMA_NAMES", "TOP_NAMES", "REFUSED_KEYS"]
 
 #: keys of features no entry implements; set (not null, false, 0 or empty) they are refused
 REFUSED_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts",
@@ -57,6 +58,33 @@ def _want(config: GPTConfig, **allowed) -> list[str]:
     return [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in allowed.items() if getattr(config, k) != v]
 
 
+#: the :class:`GPTConfig` fields of the blocks some families have and others not, with the value
+#: that means "not this feature" (a family's :attr:`Family.features` names those it has: every
+#: other one must be at this value for it to write a config, and it reads it so)
+FEATURES = {"qk_norm": None, "norm_placement": "pre", "rope_layers": None}
+#: a :attr:`Family.features` value: any value of the field (read by the family's ``fields``)
+ANY = object()
+
+
+def _plain(field: str, value):
+    """``value`` with what means the default written as the default (every block turning by RoPE
+    is ``rope_layers=None``)."""
+    if field == "rope_layers" and value is not None and all(value):
+        return None
+    return value
+
+
+def feature_problems(family: "Family", config: GPTConfig) -> list[str]:
+    """Why ``family`` cannot write ``config``'s :data:`FEATURES` (empty: it can)."""
+    out = []
+    for name, default in FEATURES.items():
+        want = family.features.get(name, default)
+        have = _plain(name, getattr(config, name))
+        if want is not ANY and have != _plain(name, want):
+            out.append(f"{name}={getattr(config, name)!r} (it has {want!r})")
+    return out
+
+
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face model family (module docstring).
@@ -68,6 +96,9 @@ class Family:
             leaves out.
         layout: ``"llama"`` (``model.layers.{i}.<module>``, :data:`LLAMA_NAMES`) or ``"gpt2"``.
         names: pedestrian block layer -> HF module, for the layers this family has.
+        features: the values of :data:`FEATURES` fields this family has (``qk_norm="head"``;
+            :data:`ANY`: set by :attr:`fields`); read into every config of the family, and
+            needed (the others at their defaults) to write one.
         fields: ``fields(c, source)`` -> the :class:`GPTConfig` fields this family's keys set
             (``c``: ``config.json`` over :attr:`defaults`); raises ``ValueError`` (one line,
             ``source`` first, naming the field and its value) for a setting not implemented.
@@ -86,6 +117,7 @@ class Family:
     defaults: Mapping = field(default_factory=dict)
     layout: str = "llama"
     names: Mapping = field(default_factory=lambda: dict(LLAMA_NAMES))
+    features: Mapping = field(default_factory=dict)
     fields: Callable[[Mapping, str], dict] = _none
     write: Callable[[GPTConfig], dict] = _no_keys
     problems: Callable[[GPTConfig], list] = lambda config: []
@@ -179,6 +211,80 @@ register(Family(
     fields=_mistral_fields, exports=False))
 
 
+#: the q/k norms' modules (Qwen3, OLMo 2, Gemma 3)
+QK_NORM_NAMES = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+
+
+def _attention_bias_refused(c: Mapping, source: str) -> None:
+    """``attention_bias`` puts biases on q, k, v and o but not on the MLP: no pedestrian switch."""
+    if c.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias={c['attention_bias']!r} is not implemented (biases on q, k, v "
+                         "and o but not on the MLP); only false")
+
+
+def _qwen3_fields(c: Mapping, source: str) -> dict:
+    _sliding_refused(c, source)
+    _attention_bias_refused(c, source)
+    return dict(bias=False, qkv_bias=False)
+
+
+register(Family(
+    "qwen3", "Qwen3ForCausalLM",
+    dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
+         num_key_value_heads=32, head_dim=128, attention_bias=False, use_sliding_window=False,
+         sliding_window=4096, max_window_layers=28, layer_types=None),
+    names={**LLAMA_NAMES, **QK_NORM_NAMES}, features={"qk_norm": "head"},
+    fields=_qwen3_fields, problems=lambda c: _want(c, bias=False, qkv_bias=False),
+    write=lambda c: dict(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                         max_window_layers=c.n_blocks, layer_types=["full_attention"] * c.n_blocks)))
+
+
+def _olmo2_fields(c: Mapping, source: str) -> dict:
+    _attention_bias_refused(c, source)
+    return dict(bias=False, qkv_bias=False)
+
+
+register(Family(
+    "olmo2", "Olmo2ForCausalLM",
+    dict(_COMMON, vocab_size=50304, hidden_size=4096, intermediate_size=11008, max_position_embeddings=2048,
+         rms_norm_eps=1e-5, attention_bias=False),
+    names={**{k: v for k, v in LLAMA_NAMES.items() if k not in ("ln1", "ln2")}, **QK_NORM_NAMES,
+           "ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
+    features={"qk_norm": "proj", "norm_placement": "post"},
+    fields=_olmo2_fields, problems=lambda c: _want(c, bias=False, qkv_bias=False),
+    write=lambda c: dict(attention_bias=False)))
+
+
+def _smollm3_fields(c: Mapping, source: str) -> dict:
+    """SmolLM3's ``no_rope_layers`` (1: the layer *uses* RoPE; missing: every
+    ``no_rope_layer_interval``-th layer skips it) -> ``rope_layers``; Llama's biases."""
+    n = c["num_hidden_layers"]
+    if c.get("use_sliding_window") and c.get("sliding_window") is not None:
+        raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} with sliding_window="
+                         f"{c['sliding_window']!r} (a sliding-window attention on the layers without RoPE) is not "
+                         "implemented; only false")
+    layers = c.get("no_rope_layers")
+    if layers is None:
+        interval = c.get("no_rope_layer_interval", 4)
+        layers = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(layers, (list, tuple)) or len(layers) != n or any(v not in (0, 1) for v in layers):
+        raise ValueError(f"{source}: no_rope_layers={layers!r} must hold a 0 or 1 for each of the "
+                         f"num_hidden_layers={n} layers (1: the layer uses RoPE)")
+    return dict(_llama_fields(c, source), rope_layers=tuple(bool(v) for v in layers))
+
+
+register(Family(
+    "smollm3", "SmolLM3ForCausalLM",
+    dict(_COMMON, vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768, use_sliding_window=False,
+         sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4, layer_types=None,
+         attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
+    features={"rope_layers": ANY}, fields=_smollm3_fields, problems=_llama_problems,
+    write=lambda c: dict(attention_bias=c.bias, mlp_bias=c.bias, use_sliding_window=False, sliding_window=None,
+                         no_rope_layers=[int(c.uses_rope(i)) for i in range(c.n_blocks)],
+                         layer_types=["full_attention"] * c.n_blocks)))
+
+
 # ------------------------------------------------------------------------------------ lookups
 def hf_family(hf_config: Mapping, *, source: str = "config.json") -> str:
     """The family of a parsed ``config.json``: its ``model_type``, else the family an
@@ -245,7 +351,7 @@ def export_family(config: GPTConfig) -> str:
     for family in FAMILIES.values():
         if family.layout != "llama" or not family.exports:
             continue
-        problems = family.problems(config)
+        problems = family.problems(config) + feature_problems(family, config)
         if not problems:
             return family.model_type
         reasons.append(f"not {family.model_type}: {', '.join(problems)}")

@@ -124,7 +124,8 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json", family: s
         v = c[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{source}: {key}={v!r} is not a positive integer")
-    extra = entry.fields(c, source)                              # the family's own keys (and refusals)
+    extra = {k: v for k, v in entry.features.items() if v is not families.ANY}    # the family's blocks
+    extra.update(entry.fields(c, source))                        # the family's own keys (and refusals)
     other = [t for t in c.get("layer_types") or [] if t != "full_attention"]
     if other and "layer_types" not in extra:
         raise ValueError(f"{source}: layer_types contains {other[0]!r}; pedestrian implements only "
