@@ -344,9 +344,10 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
         tokenizer: optional; its end-of-text id (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`)
             becomes ``eos_token_id`` (and GPT-2's ``bos_token_id``).
         overwrite: replace the files in an existing non-empty directory.
-        token_ids: ``bos_token_id`` / ``eos_token_id`` for a Llama-family ``config.json`` (an int, a
-            list or ``None`` each, as Hugging Face writes them), in place of the tokenizer's
-            end-of-text id and no ``bos_token_id``: a merged fine-tune passes its base folder's,
+        token_ids: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a Llama-family
+            ``config.json`` (an int, a list or ``None`` each, as Hugging Face writes them), in place
+            of the tokenizer's end-of-text id and no ``bos_token_id`` / ``pad_token_id`` (written
+            ``null``: a class default such as SmolLM3's 128004 may lie outside the vocabulary): a merged fine-tune passes its base folder's,
             so the export keeps them. GPT-2 writes its end-of-text id as both, its convention.
 
     Raises:
@@ -375,9 +376,9 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
         hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
         tensors = state_to_hf(model.state_dict(), config)
     else:
-        ids = {"bos_token_id": None, "eos_token_id": eos, **(token_ids or {})}
+        ids = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, **(token_ids or {})}
         hf_config = hf_llama_config.config_to_hf(config, dtype=model.dtype_name, bos_token_id=ids["bos_token_id"],
-                                                 eos_token_id=ids["eos_token_id"])
+                                                 eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
         tensors = llama_state_to_hf(model.state_dict(), config)
     writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
@@ -386,10 +387,10 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
 
 
 def token_ids(hf_config: dict | None) -> dict | None:
-    """``bos_token_id`` / ``eos_token_id`` of a parsed ``config.json`` (those it sets; as written
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of a parsed ``config.json`` (those it sets; as written
     there: an int, a list or ``None``), or ``None`` without one: what :func:`save_pretrained`'s
     ``token_ids`` takes to keep a base model's ids in an export (:attr:`HFFolder.hf_config`)."""
-    return {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config} or None if hf_config else None
+    return {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config} or None if hf_config else None
 
 
 def merged_for_export(model):

@@ -162,7 +162,7 @@ def export_family(config: GPTConfig) -> str:
 
 
 def config_to_hf(config: GPTConfig, *, dtype: str = "float32", bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> dict:
+                 eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
     """The ``config.json`` dict of the Llama-layout model equal to ``config``, of the family
     :func:`export_family` picks (the keys every such family shares, then the family's own,
     :attr:`.families.Family.write`). RoPE is written both as transformers 5's
@@ -182,6 +182,7 @@ def config_to_hf(config: GPTConfig, *, dtype: str = "float32", bos_token_id: int
            "tie_word_embeddings": c.tie_weights, "rope_parameters": rope, "rope_theta": c.rope_base,
            "rope_scaling": None if c.rope_scaling is None else c.rope_scaling.to_hf(),
            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-           "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "dtype": dtype}
+           "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+           "dtype": dtype}
     out.update(FAMILIES[family].write(c))
     return out
