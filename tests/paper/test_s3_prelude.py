@@ -198,3 +198,35 @@ def test_rope_layers_need_rope_and_serialise():
     c = config("proj", norm_placement="post")
     assert GPTConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     assert [c.uses_rope(i) for i in range(2)] == [True, False]
+
+
+@pytest.mark.parametrize("placement, qk_norm", [("post", "proj"), ("sandwich", "head")])
+def test_recompute_gives_the_same_bits(placement, qk_norm):
+    """model.recompute (each block run again in the backward) keeps the norms' caches: the
+    losses and gradients are the bits of a plain backward."""
+    c = config(qk_norm, norm_placement=placement)
+    tokens = np.random.default_rng(2).integers(0, 13, (2, 6))
+    runs = []
+    for recompute in (False, True):
+        model = GPT(c, dtype="float64", seed=4)
+        model.recompute = recompute
+        loss = model.loss(tokens, np.roll(tokens, -1, 1))
+        runs.append((loss, {k: np.array(v) for k, v in model.backward().items()}))
+    assert runs[0][0] == runs[1][0]
+    for k, g in runs[0][1].items():
+        assert np.array_equal(g, runs[1][1][k]), k
+
+
+def test_explain_rows_of_the_prelude_and_the_norms_after():
+    """`pedestrian explain`: q/k norms as one row (N·(H + H_kv)·d_qk elements, 4 operations each
+    forward and 8 backward, per row 4), the norms after the sublayers as a4_post and a9_post, and
+    no norm at a2, a6 for "post"."""
+    from pedestrian.paper.explain import explain_rows
+
+    c = config("head", norm_placement="post")
+    rows = {r.name: r for r in explain_rows(c, 2, 3)}
+    assert rows["qk_norm"].fwd_flops == 6 * (H + H_KV) * D_QK * 4 + 6 * (H + H_KV) * 4
+    assert rows["qk_norm"].bwd_flops == 6 * (H + H_KV) * D_QK * 8
+    assert rows["a2"].fwd_flops == rows["a6"].fwd_flops == 0
+    assert rows["a4_post"].fwd_flops == rows["a9_post"].fwd_flops == 6 * 8 * 4 + 6 * 4
+    assert "blocks 1 of 2" in rows["rope"].forward

@@ -1,5 +1,7 @@
 """Read and write Hugging Face model directories -- ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-``Qwen2ForCausalLM`` and ``MistralForCausalLM`` (no sliding window) -- without ``transformers``.
+``Qwen2ForCausalLM``, ``MistralForCausalLM`` (no sliding window), ``Qwen3ForCausalLM``,
+``Olmo2ForCausalLM``, ``SmolLM3ForCausalLM``: the entries of :data:`.families.FAMILIES` --
+without ``transformers``.
 
 A directory written by ``save_pretrained`` holds ``config.json``, the weights
 (``model.safetensors``, a sharded ``model.safetensors.index.json``, or the older
@@ -262,7 +264,7 @@ def load_hf_tokenizer(hf_dir):
 
 
 def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
-    """Load a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory: ``(GPT, tokenizer)``
+    """Load a Hugging Face directory of any family of :data:`.families.FAMILIES`: ``(GPT, tokenizer)``
     (:class:`HFFolder`: the config read once; the tokenizer, cheap, before the weights).
 
     Raises:
