@@ -496,4 +496,5 @@ class GPT:
     merge_lora = Delegated()
     unmerge_lora = Delegated()
     remove_lora = Delegated()
+    without_adapters = Delegated()
     lora_state_dict = Delegated()

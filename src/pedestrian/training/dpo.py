@@ -1,0 +1,185 @@
+"""Direct preference optimisation (Rafailov et al., 2023) with its gradient derived by hand
+(docs/EQUATIONS.md, "DPO"; TRL's ``DPOTrainer`` with its default ``loss_type="sigmoid"``).
+
+For a prompt and two answers, chosen ``c`` and rejected ``r``, the sequence log-probabilities
+``ℓ(a) = Σ_{answer tokens t} log p(a_t | a_<t)`` under the policy (the model with its LoRA
+adapters) and ``ℓ_ref(a)`` under the frozen reference (the same model with its adapters off:
+:meth:`GPT.without_adapters <pedestrian.model.params.Parameters.without_adapters>`, no second copy of
+the weights) give, for each of the ``n`` pairs of a step::
+
+    m = β [(ℓ(c) − ℓ_ref(c)) − (ℓ(r) − ℓ_ref(r))]        L = (1/n) Σ_pairs −log σ(m)
+    ∂L/∂m = −σ(−m) / n        ∂L/∂ℓ(c) = −β σ(−m) / n        ∂L/∂ℓ(r) = +β σ(−m) / n
+
+and, through ``∂ℓ(a)/∂z_t = onehot(a_t) − p_t`` on each answer token's logits (prompt and padding
+tokens: 0), ``Δ12_t = ∓ β σ(−m) (onehot(a_t) − p_t) / n`` (− chosen, + rejected), which the
+fused head turns into ``Δ11`` without keeping the logits (:func:`pedestrian.model.head.sequence_logprobs`).
+
+A batch holds ``P`` pairs as ``2P`` rows, the chosen answers first, then the rejected ones in the
+same order: ``tokens`` ``(2P, T)``, ``targets`` ``(2P, T)`` with ``-100`` on the prompt and the
+padding (:func:`pedestrian.training.preference.pair_batch`). Logged per step: the loss, the
+rewards' margin ``mean(m)`` (TRL's ``rewards/margins``; the rewards are ``β (ℓ − ℓ_ref)``) and the
+accuracy ``mean(m > 0)`` (``rewards/accuracies``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..backend import array_namespace, to_numpy
+from ..model import eval_mode
+from ..model.head import sequence_logprobs, weigh_sequences
+from .distributed import RowKeyedRNG
+from .optim import AdamW, clip_grad_norm, global_grad_norm
+from .step import TrainingError, _add_into, _copy_into, empty_like, skip_reason
+
+__all__ = ["DPOLoss", "dpo_loss", "dpo_step", "estimate_dpo_loss", "reference_logprobs"]
+
+
+class DPOLoss(NamedTuple):
+    """:func:`dpo_loss`'s result (arrays of the inputs' namespace; ``P`` pairs).
+
+    Attributes:
+        loss: 0-d ``Σ_pairs −log σ(m) / n_pairs``.
+        dlogp: ``(2P,)`` ``∂L/∂ℓ`` of the policy's log-probabilities (chosen rows, then rejected).
+        margins: ``(P,)`` ``m = β[(ℓ(c) − ℓ_ref(c)) − (ℓ(r) − ℓ_ref(r))]``, the rewards' margins.
+        chosen_rewards, rejected_rewards: ``(P,)`` ``β (ℓ − ℓ_ref)`` of each answer.
+    """
+
+    loss: object
+    dlogp: object
+    margins: object
+    chosen_rewards: object
+    rejected_rewards: object
+
+
+def dpo_loss(logp, ref_logp, beta: float, n_pairs: int | None = None) -> DPOLoss:
+    """DPO's sigmoid loss of ``P`` pairs and its gradient with respect to the policy's ``ℓ``.
+
+    Args:
+        logp: ``(2P,)`` the policy's ``ℓ``: the ``P`` chosen answers, then the ``P`` rejected ones.
+        ref_logp: ``(2P,)`` the reference's ``ℓ_ref``, in the same order.
+        beta: DPO's ``β`` (> 0).
+        n_pairs: divide by this many pairs instead of ``P`` (one micro-batch of a larger step:
+            the micro-batches' losses and gradients then add up to the step's mean).
+
+    Returns:
+        a :class:`DPOLoss`. ``−log σ(m) = log(1 + e^{−m})`` and ``σ(−m) = e^{−log(1 + e^{m})}``
+        are computed with ``logaddexp`` (finite for any finite ``m``).
+
+    Raises:
+        ValueError: shapes that are not ``(2P,)`` alike, ``β <= 0``.
+    """
+    xp = array_namespace(logp)
+    if logp.ndim != 1 or logp.shape[0] % 2 or tuple(ref_logp.shape) != tuple(logp.shape):
+        raise ValueError(f"logp and ref_logp must both be (2P,) (the chosen answers, then the rejected ones), "
+                         f"got {tuple(logp.shape)} and {tuple(ref_logp.shape)}")
+    if not beta > 0:
+        raise ValueError(f"beta must be positive, got {beta}")
+    P = logp.shape[0] // 2
+    n = P if n_pairs is None else n_pairs
+    rewards = beta * (logp - xp.astype(ref_logp, logp.dtype))                  # (2P,) β (ℓ − ℓ_ref)
+    chosen, rejected = rewards[:P], rewards[P:]                               # (P,), (P,)
+    m = chosen - rejected                                                     # (P,) margins
+    zero = xp.zeros_like(m)
+    loss = xp.sum(xp.logaddexp(zero, -m)) / n                                 # −log σ(m) = softplus(−m)
+    dm = -xp.exp(-xp.logaddexp(zero, m)) / n                                  # ∂L/∂m = −σ(−m) / n
+    dlogp = xp.concat([beta * dm, -beta * dm])                                # ∂m/∂ℓ(c) = β, ∂m/∂ℓ(r) = −β
+    return DPOLoss(loss, dlogp, m, chosen, rejected)
+
+
+def reference_logprobs(model, tokens, targets, reference=None):
+    """``ℓ_ref`` ``(2P,)`` of a batch: ``reference``'s (a model, evaluated) or, by default, the
+    policy's own with its adapters off and dropout off (no backward; nothing kept).
+
+    Raises:
+        TrainingError: no ``reference`` and a model without LoRA adapters (it would be the policy itself).
+    """
+    if reference is not None:
+        with eval_mode(reference):
+            return sequence_logprobs(reference, tokens, targets, keep_activations=False)
+    if not model.lora_targets:
+        raise TrainingError("DPO's reference is the base without the LoRA adapters, and this model has none; "
+                            "add adapters (pedestrian finetune does) or give a separate reference model")
+    with model.without_adapters(), model.inference():
+        return sequence_logprobs(model, tokens, targets, keep_activations=False)
+
+
+def _pairs(x) -> int:
+    if x.shape[0] % 2:
+        raise ValueError(f"a DPO batch holds 2P rows (P chosen answers, then their P rejected ones), got {x.shape[0]}")
+    return x.shape[0] // 2
+
+
+def dpo_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0.0, accum_buffers=None,
+             group=None, dropout_key=None, *, beta: float = 0.1, reference=None):
+    """One optimizer update of DPO over ``k = len(batches)`` micro-batches of pairs, with the
+    rule of :func:`pedestrian.training.step.train_step` (accumulation: each micro-batch divides by
+    the step's pairs; clipping; a non-finite loss or gradient norm skips the update).
+
+    Args:
+        model, optimizer, lr, grad_clip, accum_buffers, dropout_key: as ``train_step``'s.
+        batches: ``[(tokens, targets), ...]``, each ``(2P_i, T_i)`` (module docstring).
+        group: one process only (``None``).
+        beta: DPO's ``β``; reference: as :func:`reference_logprobs`.
+
+    Returns:
+        ``(loss, grad_norm, metrics)``: the mean loss over the step's pairs, the gradient norm
+        before clipping, and ``{"margin": mean m, "accuracy": mean(m > 0)}`` over its pairs.
+
+    Raises:
+        ValueError: no micro-batch, an odd number of rows, several processes.
+        TrainingError: a model without adapters and no ``reference``.
+    """
+    if group is not None and getattr(group, "world_size", 1) != 1:
+        raise ValueError("DPO runs in one process")
+    groups = optimizer.groups
+    k = len(batches)
+    if k < 1:
+        raise ValueError("dpo_step needs at least one micro-batch")
+    if k > 1 and accum_buffers is None:
+        accum_buffers = [empty_like(g.grads) for g in groups]
+    n_pairs = sum(_pairs(x) for x, _ in batches)
+    loss, margins = 0.0, []
+    for i, (x, y) in enumerate(batches):
+        ref = reference_logprobs(model, x, y, reference)                        # (2P,) no backward
+        if dropout_key is not None:
+            model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=0)
+        out = dpo_loss(sequence_logprobs(model, x, y), ref, beta, n_pairs)     # policy: kept for the backward
+        weigh_sequences(model, out.dlogp)
+        model.backward()
+        loss += float(out.loss)
+        margins.append(to_numpy(out.margins).astype(np.float64))
+        if k == 1:
+            break
+        for g, acc in zip(groups, accum_buffers):
+            if i == 0:
+                _copy_into(acc, g.grads)
+            elif i < k - 1:
+                _add_into(acc, g.grads)
+            else:
+                _add_into(g.grads, acc)
+    m = np.concatenate(margins)
+    metrics = {"margin": float(m.mean()), "accuracy": float((m > 0).mean())}
+    norm = global_grad_norm([g.grads for g in groups])
+    if skip_reason(loss, norm, grad_clip, optimizer) is not None:
+        return loss, norm, metrics
+    after = norm
+    if grad_clip > 0:
+        after = norm * min(1.0, grad_clip / (norm + 1e-6))
+        clip_grad_norm(groups, grad_clip, norm=norm)
+    optimizer.step(lr, grad_norm=after)
+    return loss, norm, metrics
+
+
+def estimate_dpo_loss(model, batches, group=None, *, beta: float = 0.1, reference=None) -> float:
+    """Mean DPO loss over the pairs of fixed ``batches`` with dropout off (no update)."""
+    n_pairs = sum(_pairs(x) for x, _ in batches)
+    total = 0.0
+    with eval_mode(model):
+        for x, y in batches:
+            ref = reference_logprobs(model, x, y, reference)
+            total += float(dpo_loss(sequence_logprobs(model, x, y, keep_activations=False), ref, beta, n_pairs).loss)
+    return total
+
