@@ -23,6 +23,7 @@ accuracy ``mean(m > 0)`` (``rewards/accuracies``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -183,3 +184,99 @@ def estimate_dpo_loss(model, batches, group=None, *, beta: float = 0.1, referenc
             total += float(dpo_loss(sequence_logprobs(model, x, y, keep_activations=False), ref, beta, n_pairs).loss)
     return total
 
+
+
+# ---------------------------------------------------------------------------- pedestrian finetune --dpo
+def read_preference_data(settings, tokenizer, window: int):
+    """The :class:`~pedestrian.training.loop.Batches` of ``finetune --dpo``: the pairs of
+    ``settings.dpo`` (:func:`pedestrian.training.preference.read_pairs`), the last
+    ``val_fraction`` of them (at least one) held out for validation, ``grad_accum`` micro-batches
+    of ``batch_size`` pairs drawn at random (with the generator seeded by ``seed``) a step, and
+    up to ``eval_batches`` fixed validation batches; with the pairs' SHA-256 and a line for the log.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`~pedestrian.training.preference.read_pairs`;
+            fewer than 2 pairs (one is held out for validation).
+    """
+    from .loop import Batches
+    from .preference import pair_batch, pairs_fingerprint, read_pairs
+
+    eos_text, pad_id = folder_eos(settings.hf_dir, tokenizer)
+    read = read_pairs(settings.dpo, tokenizer, window, eos_token=eos_text,
+                      render=chat_renderer(settings.hf_dir, tokenizer))
+    pairs = read.pairs
+    if len(pairs) < 2:
+        raise ValueError(f"{settings.dpo} holds {len(pairs)} pair(s) to train on; DPO needs at least 2 (the last "
+                         f"--val-fraction {settings.val_fraction:g} of them, at least one, is held out for validation)")
+    n_val = min(len(pairs) - 1, max(1, round(len(pairs) * settings.val_fraction)))
+    train, val = pairs[:len(pairs) - n_val], pairs[len(pairs) - n_val:]
+    B, k = settings.batch_size, settings.grad_accum
+    rng = np.random.default_rng(settings.seed)
+    validation = [pair_batch(val[i:i + B], window, pad_id) for i in range(0, len(val), B)][:settings.eval_batches]
+    tokens_per_step = B * k * 2 * int(np.mean([len(p.prompt) + (len(p.chosen) + len(p.rejected)) / 2
+                                               for p in train]))
+
+    def draw():
+        return [pair_batch([train[i] for i in rng.integers(0, len(train), B)], window, pad_id) for _ in range(k)]
+
+    batches = Batches(draw, tokens_per_step=tokens_per_step, validation=validation,
+                      eval_interval=settings.eval_interval, dropout_seed=settings.seed, rng=rng)
+    dropped = f", {read.dropped} left out (their prompt fills the window)" if read.dropped else ""
+    line = (f"preference pairs: {settings.dpo} ({read.form}): {len(train):,} training / {len(val):,} validation"
+            f"{dropped}; beta {settings.dpo_beta:g}")
+    return batches, pairs_fingerprint(pairs), line
+
+
+def dpo_training(trainer, beta: float) -> None:
+    """Make ``trainer`` (built on :func:`read_preference_data`'s batches) take DPO steps and
+    validate with the DPO loss, the reference being its model without the adapters."""
+    trainer.optimization.step = lambda *args: dpo_step(*args, beta=beta)
+    trainer.data.estimate = lambda model, batches, group: estimate_dpo_loss(model, batches, group, beta=beta)
+
+
+def folder_eos(hf_dir, tokenizer) -> tuple[str | None, int]:
+    """``(text, id)`` of a Hugging Face folder's end-of-sequence token, as TRL takes it: the
+    ``eos_token`` of ``tokenizer_config.json``, else ``config.json``'s ``eos_token_id`` (the
+    first of a list), else the tokenizer's end-of-text token; ``(None, 0)`` without one (the
+    answers then get no end token; padding uses id 0, never a counted target)."""
+    import json
+    from pathlib import Path
+
+    from ..interop.hf import _eos_id
+
+    d = Path(hf_dir).expanduser()
+    vocab = tokenizer.hf.get_vocab() if hasattr(tokenizer, "hf") else {}
+    text = None
+    with contextlib.suppress(OSError, ValueError):
+        text = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("eos_token")
+    text = text.get("content") if isinstance(text, dict) else text
+    if isinstance(text, str) and text in vocab:
+        return text, vocab[text]
+    eos_id = None
+    with contextlib.suppress(OSError, ValueError):
+        eos_id = json.loads((d / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+    if not isinstance(eos_id, int):
+        eos_id = _eos_id(tokenizer)
+    if eos_id is None or not hasattr(tokenizer, "hf"):
+        return None, 0
+    return tokenizer.hf.id_to_token(eos_id), eos_id
+
+
+def chat_renderer(hf_dir, tokenizer):
+    """``render(messages, add_generation_prompt) -> ids`` with the folder's chat template
+    (:mod:`pedestrian.text.chat`), or a function that refuses with the reason (no chat
+    rendering in this build, or no template in the folder)."""
+    try:
+        from ..text import chat
+    except ImportError:
+        chat = None
+    if chat is None or not hasattr(chat, "render") or not hasattr(chat, "folder_template"):
+        def refuse(messages, add_generation_prompt):
+            raise ValueError("records of messages need the folder's chat template, and this build of pedestrian "
+                             "does not render chat templates yet; write the records as plain text (prompt, "
+                             "chosen, rejected strings)")
+        return refuse
+    template = chat.folder_template(hf_dir)
+    return lambda messages, add_generation_prompt: list(
+        chat.render(messages, tokenizer, template, add_generation_prompt=add_generation_prompt)[0])
