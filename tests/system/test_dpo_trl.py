@@ -124,3 +124,33 @@ def test_loss_and_lora_gradients_equal_trls(trl_run):
     scale = max(float(np.max(np.abs(g))) for g in trl_grads.values())
     for name, g in grads.items():
         np.testing.assert_allclose(g, trl_grads[name], rtol=0, atol=1e-9 * scale, err_msg=name)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_tokens_of_message_records_are_trls(tmp_path):
+    """TRL's conversational records (prompt, chosen, rejected as message lists) rendered with a
+    ChatML template: pedestrian's common-prefix rule, with the template rendered by
+    transformers (the ``render`` pedestrian.text.chat gives ``finetune``), makes TRL's ids."""
+    tok = tiny_tokenizer()
+    fast = transformers.GPT2TokenizerFast(tokenizer_object=tok.hf, bos_token="<|endoftext|>",
+                                          eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    records = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in RECORDS]
+    hf, _ = hf_llama(tied=True, vocab_size=tok.vocab_size, max_position_embeddings=64)
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], max_length=None, use_cpu=True)
+    trainer = trl.DPOTrainer(model=hf, args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=fast, peft_config=peft.LoraConfig(r=2, target_modules=["q_proj"]))
+
+    def render(messages, add_generation_prompt):
+        return fast.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        return_dict=True)["input_ids"]
+
+    for record, row in zip(records, trainer.train_dataset):
+        pair = encode_record(record, tok, eos_token="<|endoftext|>", render=render)
+        assert (list(pair.prompt), list(pair.chosen), list(pair.rejected)) == \
+            (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"])
