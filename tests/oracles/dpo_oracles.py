@@ -56,10 +56,11 @@ def hf_llama(tied: bool, seed: int = 0, **overrides):
     return hf, config
 
 
-def pedestrian_llama(hf, config, kernels, *, lora: bool = True, freeze_base: bool = True, seed: int = 3):
+def pedestrian_llama(hf, config, kernels, *, lora: bool = True, freeze_base: bool = True, seed: int = 3,
+                     backend: str = "numpy"):
     """pedestrian's model with transformers' weights and (``lora``) adapters on every layer kind
     but the head, ``U`` drawn non-zero (a zero ``U`` would hide a wrong ``D`` gradient)."""
-    model = GPT(config, dtype="float64", kernels=kernels)
+    model = GPT(config, dtype="float64", kernels=kernels, backend=backend)
     model.load_state_dict(llama_state_from_hf({k: v.detach().numpy() for k, v in hf.state_dict().items()}, config))
     if lora:
         model.add_lora(["q", "k", "v", "attn_proj", "mlp_gate", "mlp_expand", "mlp_contract"], 2, 0.7, seed=seed,
@@ -67,7 +68,7 @@ def pedestrian_llama(hf, config, kernels, *, lora: bool = True, freeze_base: boo
         rng = np.random.default_rng(seed)
         for name, p in model.params.items():
             if name.endswith("lora_U"):
-                p[...] = rng.normal(0.0, 0.3, p.shape)
+                p[...] = model.to_xp(rng.normal(0.0, 0.3, p.shape))
     return model
 
 

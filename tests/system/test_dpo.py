@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pedestrian.backend import to_numpy
 from pedestrian.model.head import sequence_logprobs, weigh_sequences
 from pedestrian.training.dpo import dpo_loss, dpo_step, reference_logprobs
 
@@ -181,3 +182,30 @@ def test_micro_batches_add_up_to_one_batch():
     np.testing.assert_allclose(g_two, g_one, rtol=0, atol=1e-13 * np.max(np.abs(g_one)))
     assert metrics_one == pytest.approx(metrics_two, rel=1e-12)
     assert set(metrics_one) == {"margin", "accuracy"}
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_torch_tensors_give_the_numpy_models_numbers(kernels):
+    """The torch backend (the reference layers on torch tensors: the code path of a GPU; the fast
+    kernels on NumPy views at the model's edge) gives the NumPy model's ℓ, loss and gradients,
+    tensors in and out."""
+    hf, config = hf_llama(tied=True)
+    tokens, targets = pairs_batch(config)
+    results = []
+    for backend in ("numpy", "torch"):
+        model = pedestrian_llama(hf, config, kernels, backend=backend)
+        x, y = (torch.as_tensor(a) for a in (tokens, targets)) if backend == "torch" else (tokens, targets)
+        ref = reference_logprobs(model, x, y)
+        logp = sequence_logprobs(model, x, y)
+        out = dpo_loss(logp, ref, BETA)
+        weigh_sequences(model, out.dlogp)
+        grads = model.backward()
+        assert isinstance(logp, torch.Tensor) == (backend == "torch")
+        results.append((to_numpy(ref), to_numpy(logp), float(out.loss),
+                        {k: to_numpy(v).copy() for k, v in grads.items()}))
+    (ref_a, lp_a, loss_a, g_a), (ref_b, lp_b, loss_b, g_b) = results
+    np.testing.assert_allclose(ref_b, ref_a, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lp_b, lp_a, rtol=0, atol=1e-12)
+    assert abs(loss_a - loss_b) < 1e-13
+    for k in g_a:
+        np.testing.assert_allclose(g_b[k], g_a[k], rtol=0, atol=1e-11 * np.max(np.abs(g_a[k])), err_msg=k)
