@@ -209,3 +209,26 @@ def test_torch_tensors_give_the_numpy_models_numbers(kernels):
     assert abs(loss_a - loss_b) < 1e-13
     for k in g_a:
         np.testing.assert_allclose(g_b[k], g_a[k], rtol=0, atol=1e-11 * np.max(np.abs(g_a[k])), err_msg=k)
+
+
+def test_recompute_gives_the_same_gradients_and_refuses_a_second_backward():
+    """``model.recompute`` (``--recompute``): the blocks run again in the backward, the same bits;
+    the forward's record is spent by its backward (a second one is refused)."""
+    hf, config = hf_llama(tied=False)
+    tokens, targets = pairs_batch(config)
+    grads = []
+    for recompute in (False, True):
+        model = pedestrian_llama(hf, config, "fast")
+        model.recompute = recompute
+        ref = reference_logprobs(model, tokens, targets)                     # (first: a forward replaces
+        out = dpo_loss(sequence_logprobs(model, tokens, targets), ref, BETA)  # the last one's record)
+        weigh_sequences(model, out.dlogp)
+        grads.append({k: v.copy() for k, v in model.backward().items()})
+    for k in grads[0]:
+        np.testing.assert_array_equal(grads[1][k], grads[0][k], err_msg=k)
+    with pytest.raises(ValueError, match="run model.loss"):
+        model.backward()
+    sequence_logprobs(model, tokens, targets)
+    reference_logprobs(model, tokens, targets)
+    with pytest.raises(ValueError, match="such as the reference's, replaces it"):
+        weigh_sequences(model, np.zeros(4))

@@ -129,10 +129,12 @@ def weigh_sequences(model, weights) -> None:
     f = model._acts
     if f is None or not isinstance(f.head, SimpleNamespace) or not f.kept:
         raise ValueError("weigh_sequences needs the calling thread's last forward to be "
-                         "sequence_logprobs(model, tokens, targets) with keep_activations=True")
+                         "sequence_logprobs(model, tokens, targets) with keep_activations=True (a forward "
+                         "run after it, such as the reference's, replaces it: run the reference first)")
     B = f.logits_shape[0]
-    if tuple(np_shape(weights)) != (B,):
-        raise ValueError(f"the sequence weights must have shape ({B},), one per row, got {tuple(np_shape(weights))}")
+    shape = tuple(weights.shape) if hasattr(weights, "shape") else np_shape(weights)    # (a tensor: not read)
+    if shape != (B,):
+        raise ValueError(f"the sequence weights must have shape ({B},), one per row, got {shape}")
     xp = array_namespace(f.a11)                            # (the chain's: NumPy on a torch CPU model)
     w = xp.asarray(to_numpy(weights) if xp is not model.xp or not is_torch_array(weights) else weights,
                    dtype=f.loss_value.dtype, device=f.a11.device)
