@@ -29,13 +29,15 @@ With ``fused_head = False`` or an adapter on the head: the logits are kept and
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import threading
+import weakref
 
 from numpy import shape as np_shape
 
 from ..backend import array_namespace, is_torch_array, to_numpy
+from .edge import to_torch
 
-__all__ = ["NOT_KEPT", "backward", "forward", "logits_shape", "sequence_logprobs", "weigh_sequences"]
+__all__ = ["NOT_KEPT", "Rows", "backward", "forward", "logits_shape", "sequence_logprobs", "weigh_sequences"]
 
 #: :func:`forward`'s ``fuse`` for :func:`sequence_logprobs`
 SEQUENCES = "sequences"
@@ -78,7 +80,7 @@ def backward(model, f, fc, grad, delta_logits, fc_backward):
     if getattr(f, "adapters_off", False):
         raise ValueError("the last forward ran without the LoRA adapters (model.without_adapters()), a "
                          "frozen reference: it has no backward; run the forward again with the adapters on")
-    if isinstance(f.head, SimpleNamespace) and delta_logits is None:
+    if isinstance(f.head, Rows) and delta_logits is None:
         return _sequences_backward(model, f, fc, grad, fc_backward)
     if f.head is not None and delta_logits is None:
         return None, model.kernels.head_loss_backward(f.head, dweight=grad.weight, dbias=grad.bias)
@@ -108,14 +110,8 @@ def sequence_logprobs(model, tokens, targets, *, keep_activations: bool = True):
     Raises:
         as :meth:`GPT.forward <pedestrian.model.GPT.forward>` (bad ids or shapes).
     """
-    model._local.fuse = SEQUENCES
-    try:
-        model.forward(tokens, targets, keep_activations=keep_activations)
-    finally:
-        model._local.fuse = False
-    f = model._acts
-    f.logits_held = False                                  # by no caller (as GPT.loss)
-    return model._out(f.loss_value)
+    values = model.loss(tokens, targets, keep_activations=keep_activations, read=False, per_row=True)
+    return to_torch(values) if model.numpy_chain else values
 
 
 def weigh_sequences(model, weights) -> None:
@@ -123,22 +119,35 @@ def weigh_sequences(model, weights) -> None:
     ``(B,)`` of the objective ``J`` that its ``model.backward()`` differentiates.
 
     Raises:
-        ValueError: the last forward was not a :func:`sequence_logprobs` with activations kept,
-            or ``weights`` is not ``(B,)``.
+        ValueError: the model's last forward in this thread was not a :func:`sequence_logprobs`
+            with activations kept, or ``weights`` is not ``(B,)``.
     """
-    f = model._acts
-    if f is None or not isinstance(f.head, SimpleNamespace) or not f.kept:
+    last = getattr(_LAST, "rows", {}).get(model)
+    h = None if last is None else last()
+    if h is None or not h.kept:
         raise ValueError("weigh_sequences needs the calling thread's last forward to be "
                          "sequence_logprobs(model, tokens, targets) with keep_activations=True (a forward "
                          "run after it, such as the reference's, replaces it: run the reference first)")
-    B = f.logits_shape[0]
+    B = h.targets.shape[0]
     shape = tuple(weights.shape) if hasattr(weights, "shape") else np_shape(weights)    # (a tensor: not read)
     if shape != (B,):
         raise ValueError(f"the sequence weights must have shape ({B},), one per row, got {shape}")
-    xp = array_namespace(f.a11)                            # (the chain's: NumPy on a torch CPU model)
+    xp = array_namespace(h.like)                           # (the chain's: NumPy on a torch CPU model)
     w = xp.asarray(to_numpy(weights) if xp is not model.xp or not is_torch_array(weights) else weights,
-                   dtype=f.loss_value.dtype, device=f.a11.device)
-    f.head.weights = w
+                   dtype=h.dtype, device=h.like.device)
+    h.weights = w
+
+
+class Rows:
+    """What a per-row head keeps for its backward (:func:`_sequences_forward`)."""
+
+    def __init__(self, fused, targets, kept, again, like):
+        self.fused, self.targets, self.kept, self.again, self.like = fused, targets, kept, again, like
+        self.rows, self.weights, self.dtype = [], None, None
+
+
+#: per thread: ``{model: weakref to the Rows of its last forward}`` (dead once that record is let go)
+_LAST = threading.local()
 
 
 def _sequences_forward(model, f, fc, targets, fc_forward) -> None:
@@ -147,7 +156,7 @@ def _sequences_forward(model, f, fc, targets, fc_forward) -> None:
     B = targets.shape[0]
     fused = model.fused_head and not fc.adapters
     trained = f.kept and not model.freeze_base             # the head's own gradients: made in the backward
-    f.head = SimpleNamespace(fused=fused, targets=targets, rows=[], weights=None, again=fused and trained)
+    f.head = Rows(fused, targets, f.kept, fused and trained, f.a11)
     if fused:
         for b in range(B):                                 # −ℓ_b and (frozen head) −∂ℓ_b/∂a11
             nll, cache = K.head_loss_forward(f.a11[b:b + 1], fc.weight, fc.bias, targets[b:b + 1], n_total=1,
@@ -163,6 +172,10 @@ def _sequences_forward(model, f, fc, targets, fc_forward) -> None:
     nll = [xp.asarray(loss, device=f.a11.device) for loss, _ in f.head.rows]     # 0-d each, unread
     f.loss = f.head
     f.loss_value = -xp.stack(nll)                                                   # (B,) ℓ
+    f.head.dtype = f.loss_value.dtype
+    if not hasattr(_LAST, "rows"):
+        _LAST.rows = weakref.WeakKeyDictionary()
+    _LAST.rows[model] = weakref.ref(f.head)
 
 
 def _sequences_backward(model, f, fc, grad, fc_backward):

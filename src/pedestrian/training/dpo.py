@@ -33,7 +33,7 @@ from ..model import eval_mode
 from ..model.head import sequence_logprobs, weigh_sequences
 from .distributed import RowKeyedRNG
 from .optim import AdamW, clip_grad_norm, global_grad_norm
-from .step import TrainingError, _add_into, _copy_into, empty_like, skip_reason
+from .step import TrainingError, empty_like, skip_reason
 
 __all__ = ["DPOLoss", "dpo_loss", "dpo_step", "estimate_dpo_loss", "reference_logprobs"]
 
@@ -154,13 +154,13 @@ def dpo_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0.0
         margins.append(to_numpy(out.margins).astype(np.float64))
         if k == 1:
             break
-        for g, acc in zip(groups, accum_buffers):
+        for g, acc in zip(groups, accum_buffers):        # (the backward writes the gradients: sum aside)
             if i == 0:
-                _copy_into(acc, g.grads)
+                acc[...] = g.grads
             elif i < k - 1:
-                _add_into(acc, g.grads)
+                acc += g.grads
             else:
-                _add_into(g.grads, acc)
+                g.grads[...] += acc
     m = np.concatenate(margins)
     metrics = {"margin": float(m.mean()), "accuracy": float((m > 0).mean())}
     norm = global_grad_norm([g.grads for g in groups])
@@ -242,7 +242,7 @@ def folder_eos(hf_dir, tokenizer) -> tuple[str | None, int]:
     import json
     from pathlib import Path
 
-    from ..interop.hf import _eos_id
+    from ..text.bpe_tokenizer import EOS_TOKENS
 
     d = Path(hf_dir).expanduser()
     vocab = tokenizer.hf.get_vocab() if hasattr(tokenizer, "hf") else {}
@@ -257,7 +257,8 @@ def folder_eos(hf_dir, tokenizer) -> tuple[str | None, int]:
         eos_id = json.loads((d / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
     eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
     if not isinstance(eos_id, int):
-        eos_id = _eos_id(tokenizer)
+        special = getattr(tokenizer, "special_tokens", {})
+        eos_id = next((special[t] for t in EOS_TOKENS if t in special), None)
     if eos_id is None or not hasattr(tokenizer, "hf"):
         return None, 0
     return tokenizer.hf.id_to_token(eos_id), eos_id
