@@ -128,3 +128,5 @@ def test_dpo_bad_input(setup, run, tmp_path, capsys):
     assert not (tmp_path / "x").exists()                                             # nothing written
     code, _, err = main(capsys, *argv(base, pairs), "--out", tmp / "run", "--resume", "--dpo-beta", "0.5")
     one_error_line(code, err, "--dpo-beta 0.1 (you gave 0.5)")
+    one_error_line(*main(capsys, "eval", tmp / "run")[::2], "fine-tuned on preference pairs",
+                   "pass --data PATH")
