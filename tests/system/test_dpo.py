@@ -232,3 +232,22 @@ def test_recompute_gives_the_same_gradients_and_refuses_a_second_backward():
     reference_logprobs(model, tokens, targets)
     with pytest.raises(ValueError, match="such as the reference's, replaces it"):
         weigh_sequences(model, np.zeros(4))
+
+
+def test_a_non_finite_dpo_step_is_skipped():
+    """The non-finite rule of every step: a NaN in an adapter makes the loss NaN, and the update
+    is skipped (the adapters and AdamW's step count as before)."""
+    from pedestrian.training.optim import AdamW
+
+    hf, config = hf_llama(tied=True)
+    model = pedestrian_llama(hf, config, "fast")
+    opt = AdamW(model, lr=1e-2)
+    x, y = pairs_batch(config)
+    loss, norm, _ = dpo_step(model, opt, [(x, y)], 1e-2, beta=BETA)
+    assert np.isfinite(loss) and np.isfinite(norm) and opt.step_count == 1
+    model.params["blocks.0.attn.q.lora_U"][0, 0] = np.nan
+    before = {k: v.copy() for k, v in model.params.items() if ".lora_" in k}
+    loss, norm, _ = dpo_step(model, opt, [(x, y)], 1e-2, beta=BETA)
+    assert np.isnan(loss) and opt.step_count == 1
+    for k, v in before.items():
+        np.testing.assert_array_equal(model.params[k], v, err_msg=k)

@@ -84,8 +84,9 @@ def dpo_loss(logp, ref_logp, beta: float, n_pairs: int | None = None) -> DPOLoss
     chosen, rejected = rewards[:P], rewards[P:]                               # (P,), (P,)
     m = chosen - rejected                                                     # (P,) margins
     zero = xp.zeros_like(m)
-    loss = xp.sum(xp.logaddexp(zero, -m)) / n                                 # −log σ(m) = softplus(−m)
-    dm = -xp.exp(-xp.logaddexp(zero, m)) / n                                  # ∂L/∂m = −σ(−m) / n
+    with np.errstate(invalid="ignore"):                                       # (a NaN ℓ: a NaN loss, skipped
+        loss = xp.sum(xp.logaddexp(zero, -m)) / n                             # by the step; no warning)
+        dm = -xp.exp(-xp.logaddexp(zero, m)) / n                              # ∂L/∂m = −σ(−m) / n
     dlogp = xp.concat([beta * dm, -beta * dm])                                # ∂m/∂ℓ(c) = β, ∂m/∂ℓ(r) = −β
     return DPOLoss(loss, dlogp, m, chosen, rejected)
 
