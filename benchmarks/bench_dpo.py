@@ -31,8 +31,8 @@ wall clock (``time.perf_counter``), median reported, and the process's peak resi
     python3 benchmarks/bench_dpo.py                        # the measurement (an idle machine)
     python3 benchmarks/bench_dpo.py --tiny                 # a few-second check that it runs
 
-Writes ``benchmarks/results/dpo_smollm2_135m.json`` (``dpo_tiny.json`` with ``--tiny``) and prints
-a Markdown table (time and memory of each side, pedestrian's ratio to each peer).
+Writes ``benchmarks/results/dpo_smollm2_135m.json`` and ``.md`` (``--tiny`` writes nothing) and
+prints a Markdown table (time and memory of each side, pedestrian's ratio to each peer).
 """
 
 from __future__ import annotations
@@ -221,9 +221,9 @@ def main() -> None:
             lines.append(f"| {kind.upper()} | {side} | {r['ms']:.1f} | {r['peak_mib']:.0f} | "
                          f"{mine['ms'] / r['ms']:.2f} | {mine['peak_mib'] / r['peak_mib']:.2f} |")
     print("\n".join(lines))
-    name = "dpo_tiny" if args.tiny else "dpo_smollm2_135m"
-    common.write_json(name, {"info": info, "args": vars(args), "results": results})
-    common.write_markdown(name, "\n".join(lines) + "\n")
+    if not args.tiny:                                    # (a --tiny check writes nothing)
+        common.write_json("dpo_smollm2_135m", {"info": info, "args": vars(args), "results": results})
+        common.write_markdown("dpo_smollm2_135m", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
