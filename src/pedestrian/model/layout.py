@@ -39,11 +39,18 @@ def block_fc_layers(config: GPTConfig, i: int) -> list[tuple[str, int, int]]:
     """Block ``i``'s fully connected layers in order, ``(name, f_in, f_out)``: ``attn.q``
     ``(d, n_heads·d_qk)``, ``attn.k`` ``(d, n_kv_heads·d_qk)``, ``attn.v`` ``(d, n_kv_heads·d_head)``,
     ``attn_proj`` ``(n_heads·d_head, d)``, then ``mlp_gate`` (SwiGLU only), ``mlp_expand``
-    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``."""
+    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``; in a mixture-of-experts block
+    (:meth:`GPTConfig.is_moe`) instead ``experts.{e}.mlp_gate``, ``.mlp_expand`` ``(d, d_expert)``,
+    ``.mlp_contract`` ``(d_expert, d)`` for each expert ``e``."""
     c, p = config, f"blocks.{i}"
     hv = c.n_heads * c.d_head
     out = [(f"{p}.attn.q", c.d_model, c.n_heads * c.d_qk), (f"{p}.attn.k", c.d_model, c.n_kv_heads * c.d_qk),
            (f"{p}.attn.v", c.d_model, c.n_kv_heads * c.d_head), (f"{p}.attn_proj", hv, c.d_model)]
+    if c.is_moe(i):                              # each expert's SwiGLU (the router is no FC layer here)
+        m = c.d_expert
+        return out + [(f"{p}.experts.{e}.{name}", f_in, f_out) for e in range(c.n_experts)
+                      for name, f_in, f_out in (("mlp_gate", c.d_model, m), ("mlp_expand", c.d_model, m),
+                                                ("mlp_contract", m, c.d_model))]
     if c.mlp == "swiglu":
         out.append((f"{p}.mlp_gate", c.d_model, c.d_mlp))
     return out + [(f"{p}.mlp_expand", c.d_model, c.d_mlp), (f"{p}.mlp_contract", c.d_mlp, c.d_model)]
@@ -114,7 +121,8 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     ``ln1``, ``ln2``, ``ln_final`` are of kind ``"layernorm"`` (weight, and bias when
     ``config.bias``) or ``"rmsnorm"`` (weight only); SwiGLU adds ``mlp_gate`` before
     ``mlp_expand`` (:func:`block_fc_layers`); with ``n_kv_heads < n_heads`` the k and v weights
-    have ``n_kv_heads`` heads' columns.
+    have ``n_kv_heads`` heads' columns. A mixture-of-experts block has ``router.weight``
+    ``(d, E)`` after ``ln2``, then its experts' layers.
     """
     c = config
     d = c.d_model
@@ -138,6 +146,8 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
                 specs.append(ParamSpec(f"{fc}.bias", (f_out,), kind, False))
             if fc.endswith("attn_proj"):
                 specs += ln(f"{p}.ln2")
+                if c.is_moe(i):                   # the router, W_r (d, E): HF's mlp.gate
+                    specs.append(ParamSpec(f"{p}.router.weight", (d, c.n_experts), "router", True))
     specs += ln("ln_final")
     if not c.tie_weights:
         specs.append(ParamSpec("logits.weight", (d, c.vocab_size), "logits", True))
@@ -229,3 +239,11 @@ def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = N
     if lora_rank is not None:
         return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank, lora_rank_pattern))
     return sum(s.size for s in param_specs(config))
+
+
+def count_active_params(config: GPTConfig) -> int:
+    """Parameters one token's forward uses: :func:`count_params` less, in every mixture-of-experts
+    block, the ``E − k`` experts it is not routed to (``3 · d · d_expert`` each); no allocation."""
+    moe_blocks = sum(config.is_moe(i) for i in range(config.n_blocks))
+    unused = config.n_experts - config.n_experts_per_token
+    return count_params(config) - moe_blocks * unused * 3 * config.d_model * config.d_expert
