@@ -200,8 +200,10 @@ def moe_combine_forward(outs, cache: RouteCache):
     return y, outs
 
 
-def moe_combine_backward(delta, outs, cache: RouteCache):
-    """Fast :func:`pedestrian.layers.moe.moe_combine_backward`: ``(Δ_outs, ∂L/∂g)``."""
+def moe_combine_backward(delta, combine_cache, cache: RouteCache):
+    """Fast :func:`pedestrian.layers.moe.moe_combine_backward`: ``(Δ_outs, ∂L/∂g)`` (``combine_cache``:
+    the experts' outputs, :func:`moe_combine_forward`'s cache)."""
+    outs = combine_cache
     delta = np.ascontiguousarray(delta).reshape(-1, outs.shape[1])
     d_outs, d_g = empty_array(outs.shape, outs), np.empty(cache.g.shape, outs.dtype)
     _combine_back(delta, outs, cache.g, cache.slot_rows, d_outs, d_g)

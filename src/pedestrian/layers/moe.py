@@ -111,8 +111,10 @@ def moe_combine_forward(outs, cache: RouteCache):
     return xp.sum(cache.g[:, :, None] * by_slot, axis=1), by_slot             # (N, d)
 
 
-def moe_combine_backward(delta, by_slot, cache: RouteCache):
-    """``(Δ_outs (N·k, d) grouped by expert, ∂L/∂g (N, k))`` for ``Δ`` ``(N, d)``."""
+def moe_combine_backward(delta, combine_cache, cache: RouteCache):
+    """``(Δ_outs (N·k, d) grouped by expert, ∂L/∂g (N, k))`` for ``Δ`` ``(N, d)``; ``combine_cache``:
+    :func:`moe_combine_forward`'s ``by_slot``."""
+    by_slot = combine_cache
     xp = array_namespace(delta)
     N, k = cache.top.shape
     d_g = xp.sum(delta[:, None, :] * by_slot, axis=-1)                        # (N, k) ⟨Δ, SwiGLU_e(x)⟩

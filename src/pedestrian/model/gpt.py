@@ -265,14 +265,14 @@ class GPT:
             b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i))
             x = b.a10
             if getattr(b, "route", None) is not None:                               # the router's π and choice
-                f.routes.append(b.route._replace(x=None))                            # (the aux loss's rows)
+                f.routes.append(moe.kept_route(b.route))                             # (the aux loss's rows)
             if keep and i >= n_re:                                                   # else let go now
                 f.blocks.append(keep_only_what_backward_reads(b) if n_re else b)
             del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
         head.forward(self, f, W.logits, targets, n_total, getattr(self._local, "fuse", False), self._fc_forward)  # a12, loss
         if c.n_experts:                                                              # + coef · aux (model/moe.py)
-            moe.aux_loss(self, f, targets, n_total)
+            self._local.loss_parts = moe.aux_loss(self, f, targets, n_total)
         self._acts = f
         return f.a12
 

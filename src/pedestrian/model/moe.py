@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..backend import array_namespace
 
-__all__ = ["MoEMLP", "aux_loss"]
+__all__ = ["MoEMLP", "aux_loss", "kept_route"]
 
 
 class MoEMLP:
@@ -71,16 +71,23 @@ def aux_loss(model, f, targets, n_total) -> None:
     cross-entropy) and ``f.aux_grad`` (``coef · ∂aux/∂π``, ``(E,)``, or ``None``). With targets and
     ``config.output_router_logits``, ``coef · aux`` is added to ``f.loss_value`` (a slice of a larger
     batch, ``n_total``, adds it weighted by its share of the counted targets, so that the slices'
-    losses add up to the mean of their ``aux``). ``model.loss_parts`` becomes ``{"ce", "aux"}``."""
+    losses add up to the mean of their ``aux``). Returns ``{"ce", "aux"}`` (``{}``: no routes), what
+    :attr:`GPT.loss_parts <pedestrian.model.gpt.GPT.loss_parts>` reports."""
     c = model.config
     f.aux_grad, f.ce = None, getattr(f, "loss_value", None)
     if not f.routes:
-        return
+        return {}
     f.aux, d_pi = model.kernels.moe_load_balancing_loss(f.routes, c.n_experts, c.n_experts_per_token)
-    model._local.loss_parts = {"ce": f.ce, "aux": f.aux}
     if c.output_router_logits and targets is not None:
         share = 1.0
         if n_total is not None:
             share = float(array_namespace(targets).sum(targets != -100)) / n_total
         f.loss_value = f.loss_value + c.router_aux_loss_coef * share * f.aux
         f.aux_grad = c.router_aux_loss_coef * share * d_pi
+    return {"ce": f.ce, "aux": f.aux}
+
+
+def kept_route(route):
+    """The router's cache without its input rows: what the load-balancing loss reads (``π``, the
+    choice) after the block has let its arrays go."""
+    return type(route)(None, *tuple(route)[1:])
