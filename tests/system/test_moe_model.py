@@ -164,3 +164,28 @@ def test_config_refusals(over, words):
 def test_config_serialises():
     c = GPTConfig(**BASE, moe_layers=[0, 2])
     assert GPTConfig.from_dict(c.to_dict()) == c and GPTConfig.from_dict({**c.to_dict(), "moe_layers": [0, 2]}) == c
+
+
+def test_update_in_backward():
+    """AdamW inside the backward (training/blockwise.py) on a model whose every block has experts:
+    the aux loss's signal on π was made by the forward, so each block's update is the plain step's
+    (float64, 1e-13: the same numbers in the same order, but AdamW's per-block reductions). Blocks
+    of two kinds share no one-block buffer: refused by name."""
+    from pedestrian.training.blockwise import blockwise_step, check_blockwise
+    from pedestrian.training.optim import AdamW
+    from pedestrian.training.step import TrainingError
+
+    x, y = batch()
+    plain, inside = model("fast"), model("fast")
+    opt = AdamW(plain, lr=1e-2, weight_decay=0.0)
+    plain.loss(x, y)
+    plain.backward()
+    opt.step()
+    opt2 = AdamW(inside, lr=1e-2, weight_decay=0.0)
+    check_blockwise(inside, opt2)
+    blockwise_step(inside, opt2, [(x, y)], 1e-2)
+    for k, v in plain.params.items():
+        assert np.allclose(inside.params[k], v, rtol=0, atol=1e-13), k
+    mixed = model("fast", moe_layers=[0])
+    with pytest.raises(TrainingError, match="moe_layers"):
+        check_blockwise(mixed, AdamW(mixed, lr=1e-2))
