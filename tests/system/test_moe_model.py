@@ -189,3 +189,15 @@ def test_update_in_backward():
     mixed = model("fast", moe_layers=[0])
     with pytest.raises(TrainingError, match="moe_layers"):
         check_blockwise(mixed, AdamW(mixed, lr=1e-2))
+
+
+def test_params_command_counts_active(capsys):
+    from pedestrian.cli import main
+
+    assert main(["params", "--preset", "char-small", "--arch", "llama", "--n-experts", "4", "--n-experts-per-token",
+                 "2", "--d-expert", "172"]) in (0, None)
+    out = capsys.readouterr().out
+    c = GPTConfig(**{**dict(vocab_size=65, context_length=64, d_model=128, n_heads=4, n_blocks=4), "norm": "rmsnorm",
+                     "mlp": "swiglu", "bias": False, "position_encoding": "rope", "n_kv_heads": 2, "d_mlp": 344,
+                     "n_experts": 4, "n_experts_per_token": 2, "d_expert": 172})
+    assert f"{count_active_params(c):,}" in out and f"{count_params(c):,}" in out and "blocks.3.router.weight" not in out
