@@ -55,6 +55,10 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("standard", "swiglu")
 #: the activation each MLP kind uses when ``activation`` is not given
 DEFAULT_ACTIVATION = {"standard": "gelu_tanh", "swiglu": "silu"}
+#: q/k RMS norms before RoPE: none, per head (Qwen3, Gemma 3), over the whole projection (OLMo 2)
+QK_NORMS = (None, "head", "proj")
+#: where a block's norms sit: before the sublayers (GPT-2, Llama), after them (OLMo 2), both (Gemma)
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 #: the valid values of the fields that have a list of them (a flag's choices)
 CONFIG_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "mlp": MLPS,
                   "position_encoding": POSITION_ENCODINGS}
@@ -212,6 +216,18 @@ class GPTConfig:
         moe_layers: the blocks whose MLP is a mixture of experts (ascending indices); ``None``
             (default): every block. The others keep a dense SwiGLU of width ``d_mlp`` (Qwen3-MoE's
             ``mlp_only_layers``, ``decoder_sparse_step``).
+        qk_norm: an RMS norm of the queries and keys before RoPE (whatever ``norm`` is; its
+            epsilon ``ln_eps``): ``None`` (default, none), ``"head"`` (each head's ``d_qk``
+            features, one weight ``(d_qk,)`` shared by the heads: Qwen3, Gemma 3) or ``"proj"``
+            (the whole projection: a weight ``(n_heads·d_qk,)`` for q and ``(n_kv_heads·d_qk,)``
+            for k: OLMo 2). Parameters ``blocks.{i}.attn.q_norm.weight``, ``.k_norm.weight``.
+        rope_layers: which blocks turn q and k by RoPE, one bool per block (SmolLM3's
+            ``no_rope_layers``, where 1 means the layer *uses* RoPE); ``None`` (default): every
+            block, when ``position_encoding="rope"`` (which it needs).
+        norm_placement: where a block's norms sit: ``"pre"`` (default; GPT-2, Llama:
+            ``x + f(norm(x))``, norms ``ln1``, ``ln2``), ``"post"`` (OLMo 2: ``x + norm(f(x))``,
+            norms ``ln1_post``, ``ln2_post``, none before the sublayers) or ``"sandwich"``
+            (Gemma 2/3: ``x + post_norm(f(pre_norm(x)))``, all four).
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -249,6 +265,11 @@ class GPTConfig:
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     moe_layers: tuple[int, ...] | None = None
+    # the attention's prelude and the norms' placement of other families (Qwen3, OLMo 2,
+    # SmolLM3, Gemma): q/k RMS norms, RoPE per layer, norms after the sublayers
+    qk_norm: str | None = None
+    rope_layers: tuple[bool, ...] | None = None
+    norm_placement: str = "pre"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -318,6 +339,7 @@ class GPTConfig:
         if self.rope_scaling is not None and self.position_encoding != "rope":
             raise ValueError(f"rope_scaling scales RoPE's frequencies but position_encoding="
                              f"{self.position_encoding!r}; set position_encoding='rope' or rope_scaling=None")
+        self._check_prelude()
         if self.position_encoding == "rope" and self.rope_dims < 2:
             raise ValueError(
                 f"rope_fraction={self.rope_fraction} rotates no pair of the d_qk={self.d_qk} "
@@ -361,6 +383,28 @@ class GPTConfig:
     def is_moe(self, i: int) -> bool:
         """Whether block ``i``'s MLP is a mixture of experts."""
         return self.n_experts > 0 and (self.moe_layers is None or i in self.moe_layers)
+
+    def _check_prelude(self) -> None:
+        """Validate (and normalise) ``qk_norm``, ``rope_layers``, ``norm_placement``."""
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"unknown qk_norm {self.qk_norm!r}; choose one of {QK_NORMS} (None: no q/k norm)")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"unknown norm_placement {self.norm_placement!r}; choose one of {NORM_PLACEMENTS}")
+        if self.rope_layers is not None:
+            layers = self.rope_layers
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__") or len(layers) != self.n_blocks \
+                    or any(not isinstance(v, (bool, int)) or v not in (0, 1) for v in layers):
+                raise ValueError(f"rope_layers must hold one bool per block ({self.n_blocks}: True where the "
+                                 f"block uses RoPE), got {layers!r}")
+            if self.position_encoding != "rope":
+                raise ValueError(f"rope_layers chooses the blocks RoPE turns, but position_encoding="
+                                 f"{self.position_encoding!r}; set position_encoding='rope' or rope_layers=None")
+            object.__setattr__(self, "rope_layers", tuple(bool(v) for v in layers))
+
+    def uses_rope(self, block: int) -> bool:
+        """Whether block ``block`` turns its queries and keys by RoPE (``position_encoding`` and
+        :attr:`rope_layers`)."""
+        return self.position_encoding == "rope" and (self.rope_layers is None or self.rope_layers[block])
 
     @property
     def rope_dims(self) -> int:

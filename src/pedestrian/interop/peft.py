@@ -46,7 +46,7 @@ from ..model.inputs import check_finite_state
 from ..model.layout import fc_layers
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
-from .hf_llama_config import export_family
+from .families import export_family
 from .peft_modules import fc_of_module, is_gpt2, pattern_value, peft_module, peft_scaling
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
@@ -347,7 +347,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     Raises:
         ValueError: the model has no adapters, or its base is neither a Hugging Face GPT-2
             (:func:`pedestrian.interop.hf_config.export_problems`) nor a Llama-family model
-            (:func:`pedestrian.interop.hf_llama_config.export_family`).
+            (:func:`pedestrian.interop.families.export_family`).
     """
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
@@ -358,7 +358,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
                              + "; ".join(problems))
     else:
         try:
-            export_family(model.config)
+            export_family(model.config)                    # (:mod:`.families`: the family that names the modules)
         except ValueError as exc:
             raise ValueError(f"PEFT adapters apply to a Hugging Face model: {exc}") from None
     r, alpha = int(model.lora_rank), float(model.lora_alpha)

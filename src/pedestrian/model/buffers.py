@@ -129,7 +129,7 @@ def base_regions(config: GPTConfig, specs=None, *, fuse_gate_up: bool = True) ->
 
     for name, spec in specs.items():
         parts = name.split(".")
-        if len(parts) == 5 and parts[2] == "attn":                # blocks.i.attn.{q,k,v}.{weight,bias}
+        if len(parts) == 5 and parts[2] == "attn" and parts[3] in ("q", "k", "v"):   # blocks.i.attn.{q,k,v}.*
             key = (parts[1], parts[4])
             if key in fused_done:
                 continue

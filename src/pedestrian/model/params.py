@@ -98,12 +98,12 @@ class Parameters:
         resid_std = 0.02 / math.sqrt(2 * self.config.n_blocks)
         # draw in the order of the learned-position layout, the table's draws discarded when there
         # is no table: models that differ only in position_encoding start from the same weights
-        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None)
+        learned = dataclasses.replace(self.config, position_encoding="learned", rope_scaling=None, rope_layers=None)
         for s in param_specs(learned):
             if len(s.shape) == 2:
                 std = resid_std if s.name.endswith(("attn_proj.weight", "mlp_contract.weight")) else 0.02
                 value = rng.normal(0.0, std, size=s.shape)
-            elif ".ln" in s.name or s.name.startswith("ln_final"):
+            elif ".ln" in s.name or s.name.startswith("ln_final") or s.name.endswith("_norm.weight"):
                 value = np.ones(s.shape) if s.name.endswith("weight") else np.zeros(s.shape)
             else:
                 value = np.zeros(s.shape)
@@ -215,7 +215,9 @@ class Parameters:
 
     def layer_table(self, grads: bool, shared_blocks: bool = False) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
-        ``.qkv`` / ``.attn_proj`` / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
+        ``.qkv`` / ``.q_norm`` / ``.k_norm`` (``config.qk_norm``; else ``None``) / ``.attn_proj`` /
+        ``.ln1_post`` / ``.ln2_post`` (``norm_placement`` post or sandwich; else ``None``, and
+        ``ln1``, ``ln2`` ``None`` for post) / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
         ``.mlp_gate_up`` (SwiGLU; else ``None``) / ``.mlp_contract``, ``ln_final``,
         ``logits`` -- as :class:`Norm` and :class:`FC` entries (a mixture-of-experts block: ``.router``
         and ``.experts[e].mlp_gate_up`` / ``.mlp_contract``, its dense layers ``None``; else ``.router`` ``None``) (the block's q, k, v layers are one
@@ -274,11 +276,20 @@ class Parameters:
                              for a, lo, hi in (parts or ((name, 0, None),)) if a in lora)
             return FC(P.get(f"{name}.weight"), P.get(f"{name}.bias"), adapters, own_masks)
 
-        blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1"),
+        def extra_norms(p):
+            """q/k norms (always built in) and the norms after the sublayers (``None`` when absent)."""
+            q_norm = Norm(P.get(f"{p}.attn.q_norm.weight"), None) if c.qk_norm is not None else None
+            k_norm = Norm(P.get(f"{p}.attn.k_norm.weight"), None) if c.qk_norm is not None else None
+            post = c.norm_placement != "pre"
+            return dict(q_norm=q_norm, k_norm=k_norm, ln1_post=norm(f"{p}.ln1_post") if post else None,
+                        ln2_post=norm(f"{p}.ln2_post") if post else None)
+
+        pre = c.norm_placement != "post"
+        blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1") if pre else None,
                                   qkv=fc(f"blocks.{i}.attn.qkv", tuple((f"blocks.{i}.attn.{h}", lo, hi)
                                                                        for h, (lo, hi) in qkv_columns(c))),
-                                  attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2"),
-                                  **{"router": None, **mlp(i)})
+                                  attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2") if pre else None,
+                                  **extra_norms(f"blocks.{i}"), **{"router": None, **mlp(i)})
                   for i in range(c.n_blocks)]
         table = SimpleNamespace(tok_emb=P.get("tok_emb.weight"), pos_emb=P.get("pos_emb.weight"), blocks=blocks,
                                 ln_final=norm("ln_final"), logits=fc("logits"))

@@ -13,8 +13,10 @@ GELU, …; expand-g-contract or SwiGLU) or a layer of your own, a plain NumPy mo
 
 What flows through each slot (``width`` = ``d_model`` unless said), and its parameters' names:
 
-- ``norm``: every norm -- ``a2 = LN1(x)``, ``a6 = LN2(a5)``, ``a11 = LN_final(a10)``;
-  ``blocks.{i}.ln1.<name>``, ``blocks.{i}.ln2.<name>``, ``ln_final.<name>``;
+- ``norm``: every norm -- ``a2 = LN1(x)``, ``a6 = LN2(a5)``, ``a11 = LN_final(a10)`` (and the
+  norms after the sublayers, ``config.norm_placement``); ``blocks.{i}.ln1.<name>``,
+  ``blocks.{i}.ln2.<name>`` (``ln1_post``, ``ln2_post``), ``ln_final.<name>`` -- not the q/k
+  norms of the attention's prelude, which are RMS norms of other widths;
 - ``activation``: the MLP's ``g``, ``a8 = g(a7)``, width ``d_mlp``; ``blocks.{i}.act.<name>``
   (only with ``config.mlp == "standard"``);
 - ``mlp``: the whole MLP ``a6 → a9`` (no ``a7``, ``a8`` then); ``blocks.{i}.mlp.<name>``.
@@ -484,7 +486,7 @@ def _owner(name: str) -> tuple:
     if parts[0] != "blocks":
         return None, None
     where = ".".join(parts[:3])
-    if parts[2] in ("ln1", "ln2"):
+    if parts[2] in ("ln1", "ln2", "ln1_post", "ln2_post"):
         return "norm", where
     if parts[2] in ("mlp", "mlp_gate", "mlp_expand", "mlp_contract"):
         return "mlp", f"blocks.{parts[1]}.mlp"
