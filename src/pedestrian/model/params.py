@@ -229,7 +229,8 @@ class Parameters:
         ``.ln1_post`` / ``.ln2_post`` (``norm_placement`` post or sandwich; else ``None``, and
         ``ln1``, ``ln2`` ``None`` for post) / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
         ``.mlp_gate_up`` (SwiGLU; else ``None``) / ``.mlp_contract``, ``ln_final``,
-        ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
+        ``logits`` -- as :class:`Norm` and :class:`FC` entries (a mixture-of-experts block: ``.router``
+        and ``.experts[e].mlp_gate_up`` / ``.mlp_contract``, its dense layers ``None``; else ``.router`` ``None``) (the block's q, k, v layers are one
         fused ``qkv`` layer, SwiGLU's gate and up one ``mlp_gate_up``; tied logits use ``W_tokᵀ``); a plugged layer's place holds its
         :class:`~pedestrian.model.slots.Instance` (``blocks[i].ln1``, ``.act``, ``.mlp``; ``act`` is
         ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged).
@@ -259,15 +260,25 @@ class Parameters:
             plugged = S and S.entry("norm", name, P)
             return plugged or Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
 
-        def mlp(p):
+        def mlp(i):
+            p = f"blocks.{i}"
             if S and "mlp" in S.plugged:
                 return dict(mlp=S.entry("mlp", f"{p}.mlp", P))
+            if c.is_moe(i):                                  # the router and every expert's SwiGLU
+                return dict(router=FC(P.get(f"{p}.router.weight"), None, ()), act=None,
+                            mlp_gate=None, mlp_expand=None, mlp_contract=None, mlp_gate_up=None,
+                            experts=[experts(f"{p}.experts.{e}") for e in range(c.n_experts)])
             swiglu = c.mlp == "swiglu"
             gate_up = ((f"{p}.mlp_gate", 0, c.d_mlp), (f"{p}.mlp_expand", c.d_mlp, 2 * c.d_mlp))
             return dict(mlp_gate=fc(f"{p}.mlp_gate") if swiglu else None,
                         mlp_expand=fc(f"{p}.mlp_expand"), mlp_contract=fc(f"{p}.mlp_contract"),
                         mlp_gate_up=fc(f"{p}.mlp_gate_up", gate_up, own_masks=True) if swiglu else None,
                         act=S and S.entry("activation", f"{p}.act", P))
+
+        def experts(p):
+            gate_up = ((f"{p}.mlp_gate", 0, c.d_expert), (f"{p}.mlp_expand", c.d_expert, 2 * c.d_expert))
+            return SimpleNamespace(mlp_gate_up=fc(f"{p}.mlp_gate_up", gate_up, own_masks=True),
+                                   mlp_contract=fc(f"{p}.mlp_contract"))
 
         def fc(name, parts=None, own_masks=False):
             """``parts``: the adapted layers fused in this one, ``(name, lo, hi)`` (default: itself)."""
@@ -288,7 +299,7 @@ class Parameters:
                                   qkv=fc(f"blocks.{i}.attn.qkv", tuple((f"blocks.{i}.attn.{h}", lo, hi)
                                                                        for h, (lo, hi) in qkv_columns(c))),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2") if pre else None,
-                                  **extra_norms(f"blocks.{i}"), **mlp(f"blocks.{i}"))
+                                  **extra_norms(f"blocks.{i}"), **{"router": None, **mlp(i)})
                   for i in range(c.n_blocks)]
         table = SimpleNamespace(tok_emb=P.get("tok_emb.weight"), pos_emb=P.get("pos_emb.weight"), blocks=blocks,
                                 ln_final=norm("ln_final"), logits=fc("logits"))
