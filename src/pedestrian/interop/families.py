@@ -61,7 +61,10 @@ def _want(config: GPTConfig, **allowed) -> list[str]:
 #: the :class:`GPTConfig` fields of the blocks some families have and others not, with the value
 #: that means "not this feature" (a family's :attr:`Family.features` names those it has: every
 #: other one must be at this value for it to write a config, and it reads it so)
-FEATURES = {"qk_norm": None, "norm_placement": "pre", "rope_layers": None, "n_experts": 0}
+FEATURES = {"qk_norm": None, "norm_placement": "pre", "rope_layers": None, "n_experts": 0,
+            # Gemma's pieces (interop/families_gemma.py): a family without them refuses to write them
+            "norm_offset": 0.0, "activation": "silu", "embedding_scale": None, "logit_softcap": None,
+            "rope_local_base": None}
 #: a :attr:`Family.features` value: any value of the field (read by the family's ``fields``)
 ANY = object()
 

@@ -116,9 +116,6 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json", family: s
     for key in entry.refused_keys:
         if c.get(key) not in (None, False, 0, [], {}):
             raise ValueError(f"{source}: {key}={c[key]!r} is not implemented in pedestrian's {family} model")
-    if c["hidden_act"] not in _ACTIVATIONS:
-        raise ValueError(f"{source}: hidden_act={c['hidden_act']!r} is not implemented; the SwiGLU gate "
-                         "is 'silu' only")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings"):
         v = c[key]
@@ -126,11 +123,14 @@ def config_from_hf(hf_config: Mapping, *, source: str = "config.json", family: s
             raise ValueError(f"{source}: {key}={v!r} is not a positive integer")
     extra = {k: v for k, v in entry.features.items() if v is not families.ANY}    # the family's blocks
     extra.update(entry.fields(c, source))                        # the family's own keys (and refusals)
+    if "activation" not in extra and c["hidden_act"] not in _ACTIVATIONS:                # (Gemma: its own gate)
+        raise ValueError(f"{source}: hidden_act={c['hidden_act']!r} is not implemented; the SwiGLU gate "
+                         "is 'silu' only")
     other = [t for t in c.get("layer_types") or [] if t != "full_attention"]
     if other and "layer_types" not in extra:
         raise ValueError(f"{source}: layer_types contains {other[0]!r}; pedestrian implements only "
                          "'full_attention' layers")
-    rope_base, rope_scaling = _rope(c, source)
+    rope_base, rope_scaling = (None, None) if "rope_base" in extra else _rope(c, source)   # (Gemma 3: per layer)
     d, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c["head_dim"] if c.get("head_dim") is not None else d // heads
     m = c["intermediate_size"]

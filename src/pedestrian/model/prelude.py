@@ -54,8 +54,9 @@ def forward(K, config, i: int, qkv, w, positions, *, turn: bool = True):
     cache = SimpleNamespace(norms=None, rope=None)
     if c.qk_norm is not None:
         xp, eps, norms = array_namespace(qkv), float(c.ln_eps), []
+        offset = {"offset": c.norm_offset} if c.norm_offset else {}                 # Gemma 3: (1 + w)
         for (lo, hi, shape), weight in zip(_parts(c, qkv), (w.q_norm.weight, w.k_norm.weight)):
-            y, norm_cache = K.rmsnorm_forward(xp.reshape(qkv[..., lo:hi], shape), weight, eps)   # (..., width)
+            y, norm_cache = K.rmsnorm_forward(xp.reshape(qkv[..., lo:hi], shape), weight, eps, **offset)  # (..., width)
             qkv[..., lo:hi] = xp.reshape(y, (*shape[:len(qkv.shape) - 1], hi - lo))             # q or k normed
             norms.append(norm_cache)
         cache.norms = norms
