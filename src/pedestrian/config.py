@@ -44,6 +44,10 @@ CONFIG_HELP = {
     "norm_topk_prob": "use the chosen experts' softmax probabilities as they are (default: renormalised to sum 1)",
     "router_aux_loss_coef": "weight of the load-balancing loss added to the cross-entropy (with --output-router-logits)",
     "output_router_logits": "add router_aux_loss_coef times the load-balancing loss to the training loss",
+    "norm_offset": "RMS norms scale by (offset + w): Gemma's 1 (its weights start at 1 - offset; default 0)",
+    "embedding_scale": "multiply the token embedding by this (Gemma: sqrt(d_model); the tied head stays unscaled)",
+    "logit_softcap": "cap the logits at c: c*tanh(z/c) (Gemma 2: 30; default none)",
+    "rope_local_base": "RoPE base of the sliding-window blocks (Gemma 3: 10000; default rope_base)",
 }
 CONFIG_FIELDS = tuple(CONFIG_HELP)
 #: the shorter names the switches of ``tie_weights`` and ``causal`` are known by (beside ``--no-...``)
