@@ -151,3 +151,20 @@ def test_offset_needs_rms_norm_and_local_base_needs_rope():
         GPTConfig(**{**GEMMA, "norm": "layernorm"})
     with pytest.raises(ValueError, match="rope_local_base is RoPE's base on the windowed layers"):
         GPTConfig(**{**GEMMA, "position_encoding": "none", "rope_local_base": 10_000.0})
+
+
+def test_explain_names_the_gemma_pieces_and_counts_them():
+    """``pedestrian explain``'s rows: the scaled lookup, the (1 + γ) norms, the GeGLU gate, the
+    capped logits -- each with its elementwise FLOPs beyond the plain Llama row (explain's table)."""
+    from pedestrian.paper.explain import ELEMENTWISE, explain_rows
+
+    gemma, plain = GPTConfig(**GEMMA), GPTConfig(**{**GEMMA, "norm_offset": 0.0, "embedding_scale": None,
+                                                     "logit_softcap": None, "activation": "silu"})
+    rows = {r.name: r for r in explain_rows(gemma, 2, 8)}
+    base = {r.name: r for r in explain_rows(plain, 2, 8)}
+    N, V, m = 16, GEMMA["vocab_size"], GEMMA["d_mlp"]
+    assert rows["a1"].forward.startswith("s·W_tok[a0]") and "(s Δ1)" in rows["a1"].backward
+    assert rows["a8"].forward == "gelu(a7_gate) ∘ a7_up" and "1 + γ" in rows["a11"].params
+    assert rows["a12"].forward.startswith("c·tanh(a11 W_tokᵀ/c)")
+    assert rows["a12"].fwd_flops - base["a12"].fwd_flops == N * V * ELEMENTWISE["softcap"]["fwd"]
+    assert rows["a8"].fwd_flops == N * m * ELEMENTWISE["geglu"]["fwd"]

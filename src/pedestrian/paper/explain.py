@@ -56,6 +56,10 @@ ELEMENTWISE = {
     "silu": {"fwd": 5, "bwd": 8},                 # σ pair (exp, +, ÷, ×), x σ; bwd: pair, x(1−σ), 1+, σ·, Δ·
     "swiglu": {"fwd": 6, "bwd": 15},              # silu(g) ∘ u; bwd: Δ8∘silu(g) (6), Δ8∘u∘silu'(g) (9)
     "rmsnorm": {"fwd": 4, "bwd": 8, "per_row_fwd": 4},   # x², Σ, x·(1/r), ·w; per row ÷d, +ε, √, 1/
+    # Gemma's (printed only for a config that uses them)
+    "geglu": {"fwd": 10, "bwd": 29},              # gelu_tanh(g) ∘ u; bwd: Δ8∘gelu(g) (10), Δ8∘u∘gelu'(g) (19)
+    "scale": {"fwd": 1, "bwd": 1},                # a1 = s · W_tok[a0]; s · Δ1
+    "softcap": {"fwd": 3, "bwd": 4},              # ÷c, tanh, ×c; bwd: tanh again, t², 1 −, Δ·
 }
 #: the keys above that only a Llama-style config uses
 LLAMA_ELEMENTWISE = ("silu", "swiglu", "rmsnorm")
@@ -106,7 +110,7 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
     ln_bias = 0 if rms else bias * ln["bias"]
     ln_fwd = N * d * (ln["fwd"] + ln_bias) + N * ln["per_row_fwd"]
     ln_bwd = N * d * (ln["bwd"] + ln_bias)
-    ln_params = "γ, β" if c.bias and not rms else "γ"
+    ln_params = "γ, β" if c.bias and not rms else ("γ (scale 1 + γ)" if c.norm_offset == 1.0 else "γ")
     LN = "RMS" if rms else "LN"
 
     def fc(f_in, f_out):                          # forward, backward FLOPs of y = x W + b
@@ -116,11 +120,14 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
 
     rows = [Row("a0", (B, T), "token ids", "-", 0, "-", 0, N * 8)]
     learned = c.learned_positions
-    rows.append(Row("a1", (B, T, d), "W_tok[a0] + W_pos[t]" if learned else "W_tok[a0]",
+    s = c.embedding_scale is not None                                       # Gemma: a1 = √d · W_tok[a0]
+    rows.append(Row("a1", (B, T, d), ("s·" if s else "") + ("W_tok[a0] + W_pos[t]" if learned else "W_tok[a0]"),
                     "tok_emb, pos_emb" if learned else "tok_emb",
-                    N * d * (E["embedding"]["fwd"] + learned * E["position"]["fwd"]),
-                    "dW_tok += ohe(a0)ᵀ Δ1" + ("; dW_pos += Σ_b Δ1" if learned else ""),
-                    N * d * (E["embedding"]["bwd"] + learned * E["position"]["bwd"]), N * d * itemsize))
+                    N * d * (E["embedding"]["fwd"] + learned * E["position"]["fwd"] + s * E["scale"]["fwd"]),
+                    ("dW_tok += ohe(a0)ᵀ (s Δ1)" if s else "dW_tok += ohe(a0)ᵀ Δ1")
+                    + ("; dW_pos += Σ_b Δ1" if learned else ""),
+                    N * d * (E["embedding"]["bwd"] + learned * E["position"]["bwd"] + s * E["scale"]["bwd"]),
+                    N * d * itemsize))
     dgb = "dγ" if rms else "dγ, dβ"
     pre, post = c.norm_placement != "post", c.norm_placement != "pre"    # where the block's norms sit
     if pre:
@@ -184,9 +191,10 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                         "Δ6 = Δ7_gate W_gateᵀ; dW = a6ᵀ Δ7_gate", bwd, N * dm * itemsize, True))
         rows.append(Row("a7_up", (B, T, dm), "a6 W_up" + b_, "mlp_expand", fwd,
                         "Δ6 += Δ7_up W_upᵀ; dW = a6ᵀ Δ7_up", bwd, N * dm * itemsize, True))
-        sw = E["swiglu"]
-        rows.append(Row("a8", (B, T, dm), "silu(a7_gate) ∘ a7_up", "-", N * dm * sw["fwd"],
-                        "Δ7_up = Δ8∘silu(a7_gate); Δ7_gate = Δ8∘a7_up∘silu'", N * dm * sw["bwd"],
+        gate = "gelu" if c.activation == "gelu_tanh" else "silu"            # GeGLU (Gemma) or SwiGLU
+        sw = E["geglu" if gate == "gelu" else "swiglu"]
+        rows.append(Row("a8", (B, T, dm), f"{gate}(a7_gate) ∘ a7_up", "-", N * dm * sw["fwd"],
+                        f"Δ7_up = Δ8∘{gate}(a7_gate); Δ7_gate = Δ8∘a7_up∘{gate}'", N * dm * sw["bwd"],
                         N * dm * itemsize, True))
     else:
         rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
@@ -208,10 +216,15 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
     tied = c.tie_weights
     lb = 1 if c.logits_bias else 0
     fused = " (fused: not kept)" if fused_head else ""
-    rows.append(Row("a12", (B, T, V), ("a11 W_tokᵀ (tied)" if tied else "a11 W_logits" + (" + b" if lb else "")) + fused,
-                    "tok_emb" if tied else "logits", 2 * N * d * V + lb * N * V,
-                    "Δ11 = Δ12 W; dW_tok += Δ12ᵀ a11" if tied else "Δ11 = Δ12 Wᵀ; dW = a11ᵀ Δ12",
-                    4 * N * d * V + lb * N * V, 0 if fused_head else N * V * itemsize))
+    cap = c.logit_softcap is not None                                        # Gemma 2: c tanh(z / c)
+    z = "a11 W_tokᵀ (tied)" if tied else "a11 W_logits" + (" + b" if lb else "")
+    dz = "Δz = Δ12∘(1 − tanh²); " if cap else ""
+    capped = "c·tanh(a11 W_tokᵀ/c)" if tied else "c·tanh((a11 W" + (" + b" if lb else "") + ")/c)"
+    rows.append(Row("a12", (B, T, V), (capped if cap else z) + fused,
+                    "tok_emb" if tied else "logits", 2 * N * d * V + lb * N * V + cap * N * V * E["softcap"]["fwd"],
+                    dz + ("Δ11 = Δz W; dW_tok += Δzᵀ a11" if cap else "Δ11 = Δ12 W; dW_tok += Δ12ᵀ a11") if tied
+                    else dz + ("Δ11 = Δz Wᵀ; dW = a11ᵀ Δz" if cap else "Δ11 = Δ12 Wᵀ; dW = a11ᵀ Δ12"),
+                    4 * N * d * V + lb * N * V + cap * N * V * E["softcap"]["bwd"], 0 if fused_head else N * V * itemsize))
     ce = E["cross_entropy"]
     kept = (N * d + d * V + lb * V) * itemsize if fused_head else N * V * itemsize   # Δ11, dW, db / the softmax
     rows.append(Row("loss", (), "mean −log softmax(a12)[y]", "-", N * V * ce["fwd"],
