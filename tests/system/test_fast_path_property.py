@@ -99,7 +99,7 @@ FLOAT32_SENSITIVITY_ROUNDINGS = 16
 
 def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, lora, activation,
               ln_eps, bias, seed, norm="layernorm", mlp="standard", n_kv_heads=None, qk_norm=None,
-              norm_placement="pre", rope_layers=None):
+              norm_placement="pre", rope_layers=None, gemma=False):
     """``(cfg, params, lora spec, tokens, targets)`` of one case (O(1)-scale random weights)."""
     cfg = default_cfg(vocab_size=13, context_length=T, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks,
                       d_head=d_head, d_qk=d_qk, causal=causal, position_encoding=position,
@@ -111,6 +111,9 @@ def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, 
         params = random_params(cfg, seed=seed, lora=spec)
     else:                                                                   # the Llama choices, other families'
         cfg.update(norm=norm, mlp=mlp, n_kv_heads=n_kv_heads, **other)
+        if gemma:                                                           # Gemma's pieces (issue 48)
+            cfg.update(norm_offset=1.0, embedding_scale=float(np.sqrt(d_model)), logit_softcap=2.0,
+                       activation="gelu_tanh")
         spec, params = _llama_params(cfg, seed, lora)
     tokens, targets = token_batch(cfg, B, T, seed=seed, n_ignored=min(3, B * T - 1))
     return cfg, params, spec, tokens, targets
@@ -231,8 +234,9 @@ def cases(draw) -> dict:
     n_kv = draw(st.sampled_from([None] + [k for k in range(1, n_heads) if n_heads % k == 0]))
     n_blocks = draw(st.integers(1, 2))
     layers = [None] + ([(True, False), (False, True)] if position == "rope" and n_blocks == 2 else [])
-    return dict(norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), mlp=draw(st.sampled_from(["standard", "swiglu"])),
-                n_kv_heads=n_kv, qk_norm=draw(st.sampled_from([None, "head", "proj"])),
+    norm, mlp = draw(st.sampled_from(["layernorm", "rmsnorm"])), draw(st.sampled_from(["standard", "swiglu"]))
+    gemma = draw(st.booleans()) if (norm, mlp) == ("rmsnorm", "swiglu") else False   # (1 + w), √d, GeGLU, cap
+    return dict(norm=norm, mlp=mlp, gemma=gemma, n_kv_heads=n_kv, qk_norm=draw(st.sampled_from([None, "head", "proj"])),
                 norm_placement=draw(st.sampled_from(["pre", "post", "sandwich"])),
                 rope_layers=draw(st.sampled_from(layers)), B=draw(st.integers(1, 3)),
                 T=draw(st.one_of(st.sampled_from(THRESHOLD_T), st.integers(1, 600))),
@@ -285,8 +289,9 @@ def test_regressions(case, dtype):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("other", [dict(qk_norm="head", norm_placement="sandwich", rope_layers=(True, False)),
-                                   dict(qk_norm="proj", norm_placement="post", rope_layers=(False, True))],
-                         ids=["head-sandwich", "proj-post"])
+                                   dict(qk_norm="proj", norm_placement="post", rope_layers=(False, True)),
+                                   dict(qk_norm="head", norm_placement="sandwich", gemma=True)],
+                         ids=["head-sandwich", "proj-post", "gemma"])
 def test_other_families_blocks(other, dtype):
     """Two fixed cases of the other families' blocks (issue 48), beside the search's draws."""
     check_case(_case(2, 7, 2, 4, 4, n_blocks=2, position="rope", lora=True, bias=False, norm="rmsnorm",
