@@ -168,3 +168,17 @@ def test_explain_names_the_gemma_pieces_and_counts_them():
     assert rows["a12"].forward.startswith("c·tanh(a11 W_tokᵀ/c)")
     assert rows["a12"].fwd_flops - base["a12"].fwd_flops == N * V * ELEMENTWISE["softcap"]["fwd"]
     assert rows["a8"].fwd_flops == N * m * ELEMENTWISE["geglu"]["fwd"]
+
+
+def test_bf16_rounds_the_embedding_scale_to_bfloat16():
+    """In a bf16 model the scale is bfloat16's (transformers' ``embed_scale`` buffer in the model's
+    dtype): √3072 = 55.4256 is 55.5 there; float32 models keep float32(√d)."""
+    torch = pytest.importorskip("torch")
+    c = GPTConfig(**{**GEMMA, "d_model": 3072 // 256, "embedding_scale": math.sqrt(3072)})
+    m = GPT(c, backend="torch", precision="bf16", seed=0)
+    m.fused_head = False
+    x, _ = batch()
+    m.forward(torch.as_tensor(x))
+    W = m.params["tok_emb.weight"].float()
+    np.testing.assert_array_equal(m.activations()["a1"].float().numpy(), (W[torch.as_tensor(x)] * 55.5).numpy())
+    assert float(torch.tensor(math.sqrt(3072), dtype=torch.bfloat16)) == 55.5

@@ -266,7 +266,18 @@ def mixed_table(base) -> SimpleNamespace:
         y, mask = functions["dropout_forward"](_f32(x), p, rng)
         return (y if y.dtype == x.dtype else y.to(x.dtype)), mask
 
-    table.update(lora_forward=lora_forward, lora_backward=lora_backward, dropout_forward=dropout_forward)
+    float32_embedding = table["embedding_forward"]
+
+    def embedding_forward(tokens, tok_weight, pos_weight, positions=None, *, scale=None):
+        """The embedding in float32, a ``scale`` (Gemma's ``√d``) rounded to bfloat16 first, as
+        transformers' ``embed_scale`` is in a bfloat16 model (55.4256 -> 55.5 at ``d = 3072``)."""
+        if scale is not None:
+            scale = float(_torch().tensor(scale, dtype=_torch().bfloat16))
+            return float32_embedding(tokens, tok_weight, pos_weight, positions, scale=scale)
+        return float32_embedding(tokens, tok_weight, pos_weight, positions)
+
+    table.update(lora_forward=lora_forward, lora_backward=lora_backward, dropout_forward=dropout_forward,
+                 embedding_forward=embedding_forward)
     table.update(head_loss_forward=head_loss_forward, head_loss_backward=reference_head_loss_backward,
                  linear_activation_forward=linear_activation_forward,
                  linear_activation_backward=linear_activation_backward)
