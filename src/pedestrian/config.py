@@ -260,6 +260,7 @@ class GPTConfig:
             ``x + f(norm(x))``, norms ``ln1``, ``ln2``), ``"post"`` (OLMo 2: ``x + norm(f(x))``,
             norms ``ln1_post``, ``ln2_post``, none before the sublayers) or ``"sandwich"``
             (Gemma 2/3: ``x + post_norm(f(pre_norm(x)))``, all four).
+
     Gemma 2 and 3 (docs/EQUATIONS.md, "Gemma"), each off by default:
 
     Attributes:
