@@ -275,7 +275,7 @@ class GPTConfig:
         rope_local_base: RoPE's base on the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``; those layers take no :attr:`rope_scaling`); :attr:`rope_base`
             stays the global layers'. ``None`` (default): every layer turns by :attr:`rope_base`.
-            Needs ``position_encoding="rope"``. :meth:`rope_of` gives a layer's base and scaling.
+            Needs ``position_encoding="rope"`` and sliding-window layers.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -485,6 +485,9 @@ class GPTConfig:
                                  f"{self.position_encoding!r}; set position_encoding='rope' or rope_local_base=None")
             if not self.rope_local_base > 1.0:
                 raise ValueError(f"rope_local_base must be > 1 (Gemma 3: 10000), got {self.rope_local_base}")
+            if getattr(self, "sliding_window", None) is None:           # (the attention's window field)
+                raise ValueError("rope_local_base is RoPE's base on the sliding-window layers, but this model has "
+                                 "no sliding_window (no such layer); set rope_local_base=None")
 
     @property
     def embedding_options(self) -> dict:

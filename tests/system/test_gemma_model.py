@@ -151,6 +151,8 @@ def test_offset_needs_rms_norm_and_local_base_needs_rope():
         GPTConfig(**{**GEMMA, "norm": "layernorm"})
     with pytest.raises(ValueError, match="rope_local_base is RoPE's base on the windowed layers"):
         GPTConfig(**{**GEMMA, "position_encoding": "none", "rope_local_base": 10_000.0})
+    with pytest.raises(ValueError, match="rope_local_base is RoPE's base on the sliding-window layers"):
+        GPTConfig(**{**GEMMA, "rope_local_base": 10_000.0})                     # (no window: no such layer)
 
 
 def test_explain_names_the_gemma_pieces_and_counts_them():
