@@ -1,6 +1,6 @@
 """Multi-head attention on a GPU: the section-3 head as tiled (flash) Triton kernels, forward and backward.
 
-``out = softmax(q kᵀ/√d_qk, causal mask) v`` per head, and its backward
+``out = softmax(q kᵀ · scale, causal mask) v`` per head (``scale``: ``1/√d_qk`` unless given), and its backward
 ``dv = Pᵀ Δ``, ``Δcausal = P ∘ (Δ vᵀ − D)`` with ``D = rowsum(Δ ∘ out)``, ``dq = Δcausal k/√d_qk``,
 ``dk = Δcausalᵀ q/√d_qk`` (docs/EQUATIONS.md, "One attention head" and "Tiled attention"), with
 grouped-query heads (EQUATIONS.md, "Grouped-query attention": query head ``h`` reads key/value head
@@ -36,8 +36,9 @@ The same contract as :func:`pedestrian.layers.multi_head_attention_forward` /
 Explicit fallbacks (:mod:`pedestrian.kernels.attention`'s GPU path, the reference layers and the
 tiled torch loop): a KV-cache step (``kv_cache``), data of another dtype (float16, bfloat16),
 arrays that are not torch tensors, CPU tensors unless ``TRITON_INTERPRET=1`` (Triton's interpreter,
-the tests' way), head widths above :data:`MAX_WIDTH`, no tokens, more than 65,535 (batch row, head)
-pairs (:func:`supported`); ``keep_delta_causal=True`` and
+the tests' way), a sliding window, packed segments or a score soft-cap (the tiled torch loop, which
+masks by per-row key bounds), head widths above :data:`MAX_WIDTH`, no tokens, more than 65,535
+(batch row, head) pairs (:func:`supported`); ``keep_delta_causal=True`` and
 :func:`attention_weights` (``O(T²)`` arrays for pictures) recompute from this cache with the tiled
 torch loop. The model has no dropout on attention weights, so none is needed here.
 """
@@ -255,14 +256,17 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def supported(qkv, d_qk: int, d_head: int, kv_cache=None, n_heads: int = 1) -> bool:
+def supported(qkv, d_qk: int, d_head: int, kv_cache=None, n_heads: int = 1, window=None, segments=None,
+              softcap=None) -> bool:
     """Whether these kernels run this call (else the fallback, module docstring): a torch tensor of
     float32 / float64 on a CUDA device (or any device under ``TRITON_INTERPRET=1``), no KV cache,
-    head widths up to :data:`MAX_WIDTH`, at least one token and ``B·n_heads`` within a CUDA grid's
-    second axis (65,535)."""
+    no sliding window, packed segments or soft-cap (the tiled torch loop runs those), head widths
+    up to :data:`MAX_WIDTH`, at least one token and ``B·n_heads`` within a CUDA grid's second axis
+    (65,535)."""
     import torch
 
-    return (kv_cache is None and isinstance(qkv, torch.Tensor) and qkv.dtype in (torch.float32, torch.float64)
+    return (kv_cache is None and window is None and segments is None and softcap is None
+            and isinstance(qkv, torch.Tensor) and qkv.dtype in (torch.float32, torch.float64)
             and (qkv.device.type == "cuda" or _interpreted()) and max(d_qk, d_head) <= MAX_WIDTH
             and qkv.ndim == 3 and qkv.shape[1] > 0 and 0 < qkv.shape[0] * n_heads <= 65_535)
 
@@ -275,14 +279,17 @@ def _check_blocks(block_m: int, block_n: int, on_gpu: bool) -> None:
 
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None,
+                                 window: int | None = None, segments=None, softcap: float | None = None,
+                                 scale: float | None = None):
     """``out = softmax(q kᵀ/√d_qk, causal mask) v`` per head, ``ℓ = log Σ_β exp(S_αβ)`` per query
     row (EQUATIONS.md, "One attention head", "Tiled attention", "Grouped-query attention").
 
     Args, returns and errors of :func:`pedestrian.layers.multi_head_attention_forward`:
         qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))`` torch tensor on a CUDA device
             (float32 or float64); other calls run the fallback (module docstring).
-        n_heads, d_qk, d_head, causal, kv_cache, n_kv_heads: as the reference's.
+        n_heads, d_qk, d_head, causal, kv_cache, n_kv_heads, scale: as the reference's.
+        window, segments, softcap: as the reference's, run by the fallback (:func:`supported`).
         (The tiles: :data:`TILES`.)
 
     Returns:
@@ -293,10 +300,12 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a :data:`TILES` size that is not a
             power of two; ``qkv``'s last axis not ``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` wide.
     """
-    if not supported(qkv, d_qk, d_head, kv_cache, n_heads):
+    if not supported(qkv, d_qk, d_head, kv_cache, n_heads, window, segments, softcap):
         from ..kernels.attention import on_device_forward
 
-        return on_device_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache, n_kv_heads=n_kv_heads)
+        return on_device_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache, n_kv_heads=n_kv_heads,
+                                 window=window, segments=segments, softcap=softcap, scale=scale)
+    scale = 1.0 / math.sqrt(d_qk) if scale is None else float(scale)
     n_kv = check_kv_heads(n_heads, n_kv_heads)
     B, T, width = qkv.shape
     if width != n_heads * d_qk + n_kv * (d_qk + d_head):
@@ -311,9 +320,9 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     _forward_kernel[(triton.cdiv(T, bm), B * n_heads)](
         qkv, out, lse, T, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
         H=n_heads, GROUP=n_heads // n_kv, D_QK=d_qk, D_V=d_head, P_QK=_width(d_qk), P_V=_width(d_head),
-        SCALE=1.0 / math.sqrt(d_qk), CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn)
+        SCALE=scale, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn)
     return out, dict(gpu_flash=True, qkv=qkv, out=out, lse=lse, n_heads=n_heads, n_kv_heads=n_kv, d_qk=d_qk,
-                     d_head=d_head, causal=bool(causal), blocks=(bm, bn))
+                     d_head=d_head, causal=bool(causal), blocks=(bm, bn), scale=scale)
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -348,7 +357,7 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     if delta.stride(-1) != 1 or delta.stride() != out.stride():
         delta = delta.contiguous()                                            # (the row term reads both alike)
     layout = dict(H=n_heads, GROUP=n_heads // n_kv, D_QK=d_qk, D_V=d_head, P_QK=_width(d_qk), P_V=_width(d_head),
-                  SCALE=1.0 / math.sqrt(d_qk), CAUSAL=cache["causal"], BLOCK_M=bm, BLOCK_N=bn)
+                  SCALE=cache["scale"], CAUSAL=cache["causal"], BLOCK_M=bm, BLOCK_N=bn)
     d_row = lse.new_empty((B * n_heads, T))
     _row_term_kernel[(triton.cdiv(T, bm), B * n_heads)](
         delta, out, d_row, T, out.stride(0), out.stride(1), H=n_heads, D_V=d_head, P_V=_width(d_head), BLOCK_M=bm)
@@ -369,7 +378,7 @@ def _tiled_cache(cache) -> dict:
     def split(a, heads):                                                      # (B, T, heads·w) -> (B·heads, T, w)
         return a.reshape(B, T, heads, -1).transpose(1, 2).reshape(B * heads, T, -1)
 
-    return dict(tiled=True, q=split(qkv[..., :hq], n_heads) * (1.0 / math.sqrt(d_qk)),
+    return dict(tiled=True, q=split(qkv[..., :hq], n_heads) * cache["scale"], scale=cache["scale"],
                 k=split(qkv[..., hq:hq + hk], n_kv), v=split(qkv[..., hq + hk:], n_kv), out=cache["out"],
                 lse=cache["lse"], d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv, causal=cache["causal"],
                 blocks=cache["blocks"])

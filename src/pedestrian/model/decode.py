@@ -15,7 +15,6 @@ Measured: docs/kernels.md, "One generated token at SmolLM2-135M's shape".
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +43,8 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     if tokens.ndim != 2 or tokens.shape[1] > schedule.DECODE_MAX_T or model.slots.plugged or model.lora_targets:
         return False
     if c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
+        return False
+    if any(kv_cache.block(i).window is not None for i in range(c.n_blocks)):   # a sliding-window ring: the chain
         return False
     return all(getattr(K, name) is f for name, f in _STANDS_FOR.items())
 
@@ -83,15 +84,17 @@ def forward(model, tokens, kv_cache):
     p, a3 = np.empty((B, H, T, L), dtype), np.empty((B, T, H * d_head), dtype)
     m = c.d_mlp
     a8 = np.empty((B, T, m), dtype)
-    n_qk, scale = H + H_kv, 1.0 / math.sqrt(d_qk)
+    n_qk, scale = H + H_kv, c.score_scale
+    cap = 0.0 if c.attn_softcap is None else float(c.attn_softcap)
     mm = _products()
 
     fused.rmsnorm_rows(x2, W.blocks[0].ln1.weight, eps, y2, xhat, rrms)                    # a2 of block 0
     for i, w in enumerate(W.blocks):
         block = kv_cache.block(i)
         qkv = mm(y, w.qkv)                                          # (B, T, width)
+        window = c.window(i)
         fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, block.keys, block.values, L0,
-                                    key_start, True, scale, q, p, a3)                       # a3
+                                    key_start, True, 0 if window is None else window, cap, scale, q, p, a3)  # a3
         a4 = mm(a3, w.attn_proj)
         fused.add_rmsnorm(x2, a4.reshape(B * T, d), w.ln2.weight, eps, y2, xhat, rrms)      # a5 in x, a6 in y
         a7 = mm(y, w.mlp_gate_up).reshape(B * T, -1)                                   # [a7_gate | a7_up]

@@ -33,8 +33,9 @@ class NumpyCache:
 
     def block(self, i: int) -> KVBlock:
         """``cache.block(i)`` with NumPy views of its arrays."""
-        keys, values, length, key_start = self.cache.block(i)
-        return KVBlock(to_numpy(keys), to_numpy(values), length, None if key_start is None else to_numpy(key_start))
+        block = self.cache.block(i)
+        return block._replace(keys=to_numpy(block.keys), values=to_numpy(block.values),
+                              key_start=None if block.key_start is None else to_numpy(block.key_start))
 
 
 def to_torch(values):
