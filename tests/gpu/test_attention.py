@@ -327,3 +327,26 @@ def test_bad_arguments_are_named():
         _forward(qkv, 2, 8, 8, n_kv_heads=3)
     with pytest.raises(ValueError, match="qkv has 32 columns"):
         _forward(qkv, 2, 8, 8, n_kv_heads=2)
+
+
+def test_score_scale_in_the_kernels_and_masks_in_the_fallback():
+    """``scale=`` runs in the Triton kernels (the reference with the same scale, float64, 1e-12 of
+    the largest entry: the same sums in another order); a sliding window, packed segments or a
+    soft-cap run the tiled torch loop (the module's explicit fallback), whose results are the
+    reference's and whose backward is recognised (EQUATIONS.md "Sliding window", "Packed
+    segments", "Score scale and soft-cap")."""
+    B, T, H, KV, d_qk, d_head = 2, 9, 4, 2, 8, 8
+    T, bm, bn = _sizes(T, 4, 8)
+    qkv = _qkv(B, T, H, KV, d_qk, d_head, torch.float64, seed=61)
+    delta = _delta(B, T, H, d_head, torch.float64, seed=62)
+    segments = torch.tensor([[0] * 4 + [1] * (T - 4), [3] * T], device=DEVICE)
+    for kw in (dict(scale=0.7), dict(window=3), dict(segments=segments), dict(softcap=1.5, scale=0.5)):
+        a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn, **kw)
+        assert bool(cache.get("gpu_flash")) == (set(kw) == {"scale"})
+        d_qkv, _ = gpu.multi_head_attention_backward(delta, cache)
+        ref_kw = dict(kw, segments=None if "segments" not in kw else segments.cpu())
+        want_a3, ref_cache = layers.multi_head_attention_forward(qkv.cpu(), H, d_qk, d_head, n_kv_heads=KV, **ref_kw)
+        want_d, _ = layers.multi_head_attention_backward(delta.cpu(), ref_cache)
+        for got, want, what in ((a3, want_a3, "a3"), (d_qkv, want_d, "d_qkv")):
+            err = (got.cpu() - want).abs().max().item()
+            assert err <= 1e-12 * want.abs().max().item(), f"{kw}: {what} errs by {err:.3g}"
