@@ -40,6 +40,7 @@ from ..layers.attention import check_kv_heads, check_mask_args
 from . import schedule
 from .attention_loops import exp_shifted_range, row_max_range, softcap_range
 from .jit import blas_one_thread, kernel, prange, threads_used
+from .masks import key_bounds
 from .vecmath import exp
 from .workspace import empty_array
 
@@ -301,8 +302,6 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         ValueError: a block size below 1; ``n_kv_heads`` not a divisor of ``n_heads``; bad
             ``window``, ``segments`` or ``softcap``.
     """
-    from .attention import key_bounds
-
     B, T, _ = qkv.shape
     n_kv = check_kv_heads(n_heads, n_kv_heads)
     check_mask_args(qkv, None, window, segments, softcap)
@@ -425,8 +424,6 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     Returns:
         ``(delta_qkv, delta_causal)``: ``(B, T, n_heads·(2·d_qk + d_head))`` and ``Δcausal`` or ``None``.
     """
-    from .attention import key_bounds
-
     q, k, v, lse = cache["q"], cache["k"], cache["v"], cache["lse"]
     d_qk, n_heads, causal = cache["d_qk"], cache["n_heads"], cache["causal"]
     n_kv = cache.get("n_kv_heads", n_heads)
@@ -513,8 +510,6 @@ def tiled_attention_weights(cache):
 
     ``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
     ``q``, ``k`` and the log-sum-exp ``ℓ``, ``0`` where masked (``O(T²)`` memory, on request only)."""
-    from .attention import key_bounds
-
     q, k, lse = cache["q"], cache["k"], cache["lse"]
     G, T, _ = q.shape
     group = G // k.shape[0]                                                  # query heads per key/value head

@@ -33,9 +33,9 @@ class NumpyCache:
 
     def block(self, i: int) -> KVBlock:
         """``cache.block(i)`` with NumPy views of its arrays."""
-        block = self.cache.block(i)
-        return block._replace(keys=to_numpy(block.keys), values=to_numpy(block.values),
-                              key_start=None if block.key_start is None else to_numpy(block.key_start))
+        b = self.cache.block(i)
+        return KVBlock(to_numpy(b.keys), to_numpy(b.values), b.length,
+                       None if b.key_start is None else to_numpy(b.key_start), b.window, b.first)
 
 
 def to_torch(values):
