@@ -54,14 +54,14 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     if use_tiled(T, qkv):
         return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv, window=window,
                                        segments=segments, softcap=softcap, scale=scale)
-    lo, hi, seg = key_bounds(B, T, causal, window, segments)
+    bounds = key_bounds(B, T, causal, window, segments)
     cap = 0.0 if softcap is None else float(softcap)
     blas_one_thread()                                        # heads over numba's threads
     q, k = empty_array((B, n_heads, T, d_qk), qkv), empty_array((B, n_kv, T, d_qk), qkv)
     v, p = empty_array((B, n_kv, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, n_heads * d_head), qkv)
-    attention_loops.heads_forward(qkv, lo, hi, cap, scale, q, k, v, p, out)
-    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal, bounds=(lo, hi, seg), cap=cap, scale=scale)
+    attention_loops.heads_forward(qkv, bounds, cap, scale, q, k, v, p, out)
+    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal, bounds=bounds, cap=cap, scale=scale)
 
 
 def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, n_kv, window, softcap, scale):
@@ -111,7 +111,6 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
         return tiled_attention_backward(delta, cache, keep_delta_causal=keep_delta_causal)
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
     (B, H, T, d_qk), n_kv, d_head = q.shape, k.shape[1], v.shape[3]
-    lo, hi, seg = cache["bounds"]
     delta_qkv = empty_array((B, T, H * d_qk + n_kv * (d_qk + d_head)), p)
     kept = empty_array(p.shape, p) if keep_delta_causal else None
     grouped = n_kv < H                                        # per-query-head dk, dv, then group sums
@@ -119,7 +118,7 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     dv_heads = empty_array((B, H, T, d_head), p) if grouped else p[:1, :1, :1, :1]
     blas_one_thread()                                         # heads over numba's threads
     attention_loops.heads_backward(
-        delta, q, k, v, p, lo, hi, seg, cache["cap"], cache["scale"], keep_delta_causal,
+        delta, q, k, v, p, cache["bounds"], cache["cap"], cache["scale"], keep_delta_causal,
         kept if keep_delta_causal else p[:1, :1, :1, :1], dk_heads, dv_heads, delta_qkv)
     return delta_qkv, kept
 

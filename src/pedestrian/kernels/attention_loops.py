@@ -43,28 +43,6 @@ def exp_shifted(row, n, m):
 
 
 @kernel
-def row_max_range(row, a, n, m):
-    """``max(m, row[a], …, row[n−1])``."""
-    for j in range(a, n):
-        m = max(m, row[j])
-    return m
-
-
-@kernel
-def exp_shifted_range(row, a, n, m):
-    """``row[j] = exp(row[j] − m)`` for ``a <= j < n``, 0 elsewhere (the mask as loop bounds);
-    returns their sum in the row's dtype."""
-    total = row.dtype.type(0.0)
-    row[:a] = 0.0
-    for j in range(a, n):
-        e = exp(row[j] - m)
-        row[j] = e
-        total += e
-    row[n:] = 0.0
-    return total
-
-
-@kernel
 def softcap_range(row, a, n, cap):
     """``row[j] = cap · tanh(row[j] / cap)`` for ``a <= j < n`` (the score soft-cap; ``cap = 0``: none)."""
     if cap > 0:
@@ -74,27 +52,34 @@ def softcap_range(row, a, n, cap):
 
 @kernel
 def _softmax_row(row, a, n, cap):
-    """``row[a:n] = softmax(cap(row[a:n]))`` in place, 0 elsewhere."""
-    softcap_range(row, a, n, cap)
-    inv = 1 / exp_shifted_range(row, a, n, row_max_range(row, a, n, row[a]))
-    for j in range(a, n):
+    """``row[a:n] = softmax(cap(row[a:n]))`` in place, 0 elsewhere. The keys before ``a`` are set to
+    ``−∞`` and the loops start at 0 (a loop from a variable start does not vectorise: 6x slower)."""
+    if cap > 0:
+        softcap_range(row, a, n, cap)
+    if a > 0:
+        row[:a] = -np.inf
+    inv = 1 / exp_shifted(row, n, row_max(row, n, row[a]))
+    for j in range(n):
         row[j] *= inv
 
 
 @kernel
 def _softmax_backward_row(d_row, p_row, a, n):
     """``Δcausal = P ∘ (dP − Σ dP ∘ P)`` in place of ``dP`` (the sum in float64), masked entries 0."""
+    if a > 0:
+        d_row[:a] = 0.0                              # (P is 0 there: the loops may start at 0)
     total = 0.0
-    for j in range(a, n):
+    for j in range(n):
         total += d_row[j] * p_row[j]
-    d_row[:a] = 0.0
-    for j in range(a, n):
+    for j in range(n):
         d_row[j] = p_row[j] * (d_row[j] - total)
+    if a > 0:
+        d_row[:a] = 0.0
     d_row[n:] = 0.0
 
 
-@kernel(parallel=True, size=lambda qkv, lo, hi, cap, scale, q, k, v, p, *rest: p.size)
-def heads_forward(qkv, lo, hi, cap, scale, q, k, v, p, out):
+@kernel(parallel=True, size=lambda qkv, bounds, cap, scale, q, k, v, p, *rest: p.size)
+def heads_forward(qkv, bounds, cap, scale, q, k, v, p, out):
     """``out_h = P_h v_{g(h)}``, ``P_h = softmax(mask(cap(scale · q_h k_{g(h)}ᵀ)))`` for every head,
     ``g(h) = h // (H / H_kv)`` (EQUATIONS.md, "One attention head", "Grouped-query attention").
 
@@ -104,13 +89,14 @@ def heads_forward(qkv, lo, hi, cap, scale, q, k, v, p, out):
     ``p`` ``(B, H, T, T)``, ``P v`` into its columns of ``out`` ``(B, T, H·d_head)``; heads over the
     threads, products on BLAS. Grouped (``H_kv < H``), the key/value heads are copied out first;
     else each head copies its own. The mask: query ``t`` of batch row ``b`` sees keys
-    ``lo[b', t] <= j < hi[b', t]`` (``b' = b``, or 0 when ``lo`` has one row: :func:`key_bounds`);
+    ``lo[b', t] <= j < hi[b', t]``, ``lo, hi = bounds[0], bounds[1]`` (``b' = b``, or 0 when they have
+    one row: :func:`pedestrian.kernels.masks.key_bounds`);
     ``cap > 0``: scores ``cap · tanh(s / cap)`` first."""
     if k.shape[1] < q.shape[1]:
         for u in prange(k.shape[0] * k.shape[1]):
             _copy_kv(u, qkv, q.shape[1] * q.shape[3], k, v)
     for u in prange(q.shape[0] * q.shape[1]):
-        _head_forward(u, qkv, lo, hi, cap, scale, q, k, v, p, out)
+        _head_forward(u, qkv, bounds, cap, scale, q, k, v, p, out)
 
 
 @kernel
@@ -127,7 +113,7 @@ def _copy_kv(u, qkv, hq, k, v):
 
 
 @kernel
-def _head_forward(u, qkv, lo, hi, cap, scale, q, k, v, p, out):
+def _head_forward(u, qkv, bounds, cap, scale, q, k, v, p, out):
     """:func:`heads_forward` of head ``u = b·H + h``."""
     B, H, T, d_qk = q.shape
     d_head = v.shape[3]
@@ -139,9 +125,9 @@ def _head_forward(u, qkv, lo, hi, cap, scale, q, k, v, p, out):
         for c in range(d_qk):
             qh[t, c] = qkv[b, t, h * d_qk + c] * scale
     np.dot(qh, kh.T, ph)                                         # S = q kᵀ / √d_qk
-    bb = b if lo.shape[0] > 1 else 0
+    lo, hi = bounds[0, b if bounds.shape[1] > 1 else 0], bounds[1, b if bounds.shape[1] > 1 else 0]
     for t in range(T):
-        _softmax_row(ph[t], lo[bb, t], hi[bb, t], cap)
+        _softmax_row(ph[t], lo[t], hi[t], cap)
     o = np.empty((T, d_head), dtype=out.dtype)
     np.dot(ph, vh, o)                                            # P v
     for t in range(T):
@@ -150,7 +136,7 @@ def _head_forward(u, qkv, lo, hi, cap, scale, q, k, v, p, out):
 
 
 @kernel(parallel=True, size=lambda delta, q, k, v, p, *rest: p.size)
-def heads_backward(delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk_heads, dv_heads, delta_qkv):
+def heads_backward(delta, q, k, v, p, bounds, cap, scale, keep, kept, dk_heads, dv_heads, delta_qkv):
     """``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``dq = Δraw k``,
     ``dk = Δrawᵀ q``, ``Δraw = Δcausal · scale`` (soft-capped: ``∘ (1 − tanh²(s/c))``) for every head,
     summed over each key/value head's group (EQUATIONS.md, "One attention head", "Grouped-query
@@ -160,14 +146,14 @@ def heads_backward(delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk_he
     ``keep``), ``dq``, ``dk`` (``q`` carries ``scale``), written into their column blocks of
     ``delta_qkv`` ``(B, T, H·d_qk + H_kv·(d_qk + d_head))``. Grouped (``H_kv < H``): each query
     head's ``dk``, ``dv`` go to ``dk_heads``, ``dv_heads`` ``(B, H, T, ·)``, then each key/value head
-    sums its group's, in head order (the same bits on any number of threads). The mask ``lo``,
-    ``hi`` as :func:`heads_forward`'s; ``seg`` ``(B | 1, T)`` the segment ids.
+    sums its group's, in head order (the same bits on any number of threads). The mask ``bounds``
+    as :func:`heads_forward`'s; ``bounds[2]`` the segment ids.
     Without a soft-cap, as the reference: ``dq`` from ``k − k̄`` (``k̄`` its segment's mean) and ``dk``
     less the mean of its segment's nonzero rows (the rows of ``Δcausal`` sum to 0), so the rounding
     of those sums is not scaled by a short sequence's key mean (float32), and a key no query with
     an error signal sees keeps ``dk = 0`` exactly."""
     for u in prange(q.shape[0] * q.shape[1]):
-        _head_backward(u, delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk_heads, dv_heads, delta_qkv)
+        _head_backward(u, delta, q, k, v, p, bounds, cap, scale, keep, kept, dk_heads, dv_heads, delta_qkv)
     if k.shape[1] < q.shape[1]:
         for u in prange(k.shape[0] * k.shape[1]):
             _group_sum(u, q.shape[1], dk_heads, dv_heads, delta_qkv)
@@ -176,9 +162,18 @@ def heads_backward(delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk_he
 @kernel
 def _segment_centre(a, seg, out, active_only):
     """``out`` = ``a`` less, per run of equal ``seg``, the mean of the run's rows (``active_only``:
-    the mean of its rows that are not all 0, taken from those rows only; float64 sums)."""
+    the mean of its rows that are not all 0, subtracted from those rows only -- the others are
+    left as they are; float64 sums)."""
     T, w = a.shape
-    mean = np.zeros(w)
+    use = np.ones(T, np.bool_)
+    if active_only:
+        for t in range(T):
+            use[t] = False
+            for c in range(w):
+                if a[t, c] != 0:
+                    use[t] = True
+                    break
+    mean = np.empty(w)
     s0 = 0
     while s0 < T:
         s1 = s0 + 1
@@ -187,36 +182,28 @@ def _segment_centre(a, seg, out, active_only):
         mean[:] = 0.0
         count = 0
         for t in range(s0, s1):
-            use = not active_only
-            if active_only:
-                for c in range(w):
-                    if a[t, c] != 0:
-                        use = True
-                        break
-            if use:
+            if use[t]:
                 count += 1
                 for c in range(w):
                     mean[c] += a[t, c]
+        for c in range(w):
+            mean[c] /= max(count, 1)
         for t in range(s0, s1):
-            use = not active_only
-            if active_only:
+            if use[t]:
                 for c in range(w):
-                    if a[t, c] != 0:
-                        use = True
-                        break
-            for c in range(w):
-                out[t, c] = a[t, c] - mean[c] / count if use else a[t, c]
+                    out[t, c] = a[t, c] - mean[c]
         s0 = s1
 
 
 @kernel
-def _head_backward(u, delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk_heads, dv_heads, delta_qkv):
+def _head_backward(u, delta, q, k, v, p, bounds, cap, scale, keep, kept, dk_heads, dv_heads, delta_qkv):
     """:func:`heads_backward` of head ``u = b·H + h``."""
     B, H, T, d_qk = q.shape
     d_head = v.shape[3]
     grouped = k.shape[1] < H
     b, h = u // H, u % H
-    bb = b if lo.shape[0] > 1 else 0
+    bb = b if bounds.shape[1] > 1 else 0
+    lo, hi, seg = bounds[0, bb], bounds[1, bb], bounds[2, bb]
     qh, kh, vh, ph = q[b, h], k[b, h // (H // k.shape[1])], v[b, h // (H // k.shape[1])], p[b, h]
     d = np.empty((T, d_head), dtype=delta.dtype)
     for t in range(T):
@@ -227,7 +214,7 @@ def _head_backward(u, delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk
     dp = kept[b, h] if keep else np.empty((T, T), dtype=delta.dtype)
     np.dot(d, vh.T, dp)                                          # dP = Δ vᵀ
     for t in range(T):
-        _softmax_backward_row(dp[t], ph[t], lo[bb, t], hi[bb, t])
+        _softmax_backward_row(dp[t], ph[t], lo[t], hi[t])
     dq = np.empty((T, d_qk), dtype=delta.dtype)
     dk = dk_heads[b, h] if grouped else np.empty((T, d_qk), dtype=delta.dtype)
     if cap > 0:                                                  # Δcausal ∘ (1 − tanh²(s/c)), s again
@@ -241,10 +228,10 @@ def _head_backward(u, delta, q, k, v, p, lo, hi, seg, cap, scale, keep, kept, dk
         np.dot(ds.T, qh, dk)                                     # dk = Δrawᵀ q
     else:
         kc = np.empty((T, d_qk), dtype=delta.dtype)
-        _segment_centre(kh, seg[bb], kc, False)                  # k − k̄: rows of Δcausal sum to 0
+        _segment_centre(kh, seg, kc, False)                  # k − k̄: rows of Δcausal sum to 0
         np.dot(dp, kc, dq)                                       # dq = Δcausal (k − k̄) = Δcausal k
         np.dot(dp.T, qh, dk)                                     # dk = Δcausalᵀ q
-        _segment_centre(dk, seg[bb], dk, True)                   # Σ_segment dk = 0: its rounding removed
+        _segment_centre(dk, seg, dk, True)                   # Σ_segment dk = 0: its rounding removed
     for t in range(T):
         for c in range(d_qk):
             delta_qkv[b, t, h * d_qk + c] = dq[t, c] * scale

@@ -38,7 +38,7 @@ import numpy as np
 from ..backend import is_torch_array, to_numpy
 from ..layers.attention import check_kv_heads, check_mask_args
 from . import schedule
-from .attention_loops import exp_shifted_range, row_max_range, softcap_range
+from .attention_loops import exp_shifted, row_max, softcap_range
 from .jit import blas_one_thread, kernel, prange, threads_used
 from .masks import key_bounds
 from .vecmath import exp
@@ -181,8 +181,9 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, lo, hi, cap, o, lse):
                     row[:] = 0.0
                     continue
                 softcap_range(row, a, n, cap)
-                m_new = row_max_range(row, a, n, m[i])
-                total = exp_shifted_range(row, a, n, m_new)
+                row[:a] = -np.inf                            # (loops from 0: they vectorise)
+                m_new = row_max(row, n, m[i])
+                total = exp_shifted(row, n, m_new)
                 alpha = exp(m[i] - m_new)                    # exp(m_old − m_new) <= 1
                 l[i] = l[i] * alpha + total
                 m[i] = m_new
@@ -250,13 +251,13 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, d
                         th = np.tanh(row[j] / cap)
                         frow[j] = 1 - th * th                # ∂ cap(s) / ∂s
                         row[j] = cap * th
-                for j in range(a, n):
+                row[:a] = -np.inf                            # (loops from 0: they vectorise)
+                for j in range(n):
                     row[j] = exp(row[j] - ell)
                     drow[j] = row[j] * (drow[j] + md)
-                row[:a] = 0.0
                 drow[:a] = 0.0
-                row[max(a, n):] = 0.0
-                drow[max(a, n):] = 0.0
+                row[n:] = 0.0
+                drow[n:] = 0.0
             if keep:
                 _add_into(kept[g, i0:i0 + r, j0:j0 + c], dp)          # (kept starts as zeros)
             if cap > 0:                                      # Δraw = Δcausal ∘ (1 − tanh²)
@@ -432,7 +433,8 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     d, o = _split_heads(delta, B, n_heads), _split_heads(cache["out"], B, n_heads)   # Δ, out per head, contiguous
     G, T, d_head = o.shape
     hq, hk, group = n_heads * d_qk, n_kv * d_qk, n_heads // n_kv
-    bounds = cache.get("bounds") or key_bounds(B, T, causal)
+    bounds = cache.get("bounds")
+    bounds = key_bounds(B, T, causal) if bounds is None else bounds
     cap, scale = cache.get("cap", 0.0), cache.get("scale", 1.0 / math.sqrt(d_qk))
     if is_torch_array(o):
         mask = None if cache.get("plain", True) else _torch_bounds(bounds, cap, o)
@@ -522,7 +524,8 @@ def tiled_attention_weights(cache):
     p = s.exp() if is_torch_array(s) else np.exp(s)                          # P
     B = G // cache["n_heads"]
     p = p.reshape(B, cache["n_heads"], T, T)
-    lo, hi, _ = cache.get("bounds") or key_bounds(B, T, cache["causal"])
+    bounds = cache.get("bounds")
+    lo, hi, _ = key_bounds(B, T, cache["causal"]) if bounds is None else bounds
     j = np.arange(T)
     allowed = (j >= lo[:, :, None]) & (j < hi[:, :, None])                   # (B | 1, T, T)
     if is_torch_array(p):

@@ -16,9 +16,10 @@ _BOUNDS: dict = {}
 
 
 def key_bounds(B: int, T: int, causal: bool, window: int | None = None, segments=None):
-    """``(lo, hi, seg)``: query ``t`` of batch row ``b`` sees keys ``lo[b', t] <= j < hi[b', t]``,
-    ``seg[b', t]`` its segment (``b' = b``; ``b' = 0`` when the arrays have one row, no
-    ``segments``), int64 -- the masks of :func:`pedestrian.layers.attention.attention_mask` as
+    """``bounds`` ``(3, B | 1, T)`` int64, ``lo, hi, seg = bounds``: query ``t`` of batch row ``b``
+    sees keys ``lo[b', t] <= j < hi[b', t]``, ``seg[b', t]`` its segment (``b' = b``; ``b' = 0``
+    when the arrays have one row, no ``segments``; one array: one argument of a compiled kernel to
+    unbox, not three) -- the masks of :func:`pedestrian.layers.attention.attention_mask` as
     loop bounds: causal ``j <= t``, a window ``t − w < j``, a segment ``start(t) <= j < end(t)``.
 
     Raises:
@@ -31,7 +32,7 @@ def key_bounds(B: int, T: int, causal: bool, window: int | None = None, segments
             t = np.arange(T, dtype=np.int64)
             lo = np.zeros(T, np.int64) if window is None else np.maximum(t - window + 1, 0)
             hi = t + 1 if causal else np.full(T, T, np.int64)
-            got = (lo[None], hi[None], np.zeros((1, T), np.int64))
+            got = np.stack([lo, hi, np.zeros(T, np.int64)])[:, None]         # (3, 1, T)
             if len(_BOUNDS) > 256:
                 _BOUNDS.clear()
             _BOUNDS[key] = got
@@ -53,4 +54,4 @@ def key_bounds(B: int, T: int, causal: bool, window: int | None = None, segments
     end = T - np.maximum.accumulate(np.where(last, T - 1 - t, 0)[:, ::-1], axis=1)[:, ::-1]   # one past its last
     lo = start if window is None else np.maximum(start, t - window + 1)
     hi = t + 1 if causal else end
-    return np.ascontiguousarray(lo), np.ascontiguousarray(hi), seg
+    return np.ascontiguousarray(np.stack([lo, hi, seg]))                     # (3, B, T)
