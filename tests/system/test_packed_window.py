@@ -171,3 +171,22 @@ def test_config_fields_are_checked_and_serialised():
                         (dict(attn_softcap=0.0), "attn_softcap"), (dict(attn_scale=float("nan")), "attn_scale")):
         with pytest.raises(ValueError, match=match):
             _config(**over)
+
+
+@KERNELS
+def test_padded_prompts_and_generation_past_the_context_with_a_window(kernels):
+    """Prompts of different lengths generated together (left padding in the ring's frame) give
+    each row's tokens alone; generating past ``context_length`` (``drop_oldest``: a ring does not
+    move) keeps going with the same tokens as a cache that never dropped, up to the context."""
+    model = GPT(_config(sliding_window=3, layer_types=("sliding_attention", "full_attention"), context_length=12),
+                dtype="float64", kernels=kernels, seed=6)
+    greedy = Sampling(temperature=0.0)
+    prompts = [np.array([1, 2, 3, 4, 5, 6]), np.array([7, 8])]
+    together = generate(model, prompts, 5, greedy)
+    for row, prompt in zip(together, prompts):
+        alone = np.asarray(generate(model, prompt[None], 5, greedy))[0]
+        assert np.array_equal(np.asarray(row)[-len(alone):], alone)
+    long = np.asarray(generate(model, prompts[0][None], 20, greedy))
+    assert long.shape == (1, 26)
+    short = np.asarray(generate(model, prompts[0][None], 6, greedy))
+    assert np.array_equal(long[:, :12], short)
