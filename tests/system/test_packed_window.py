@@ -190,3 +190,25 @@ def test_padded_prompts_and_generation_past_the_context_with_a_window(kernels):
     assert long.shape == (1, 26)
     short = np.asarray(generate(model, prompts[0][None], 6, greedy))
     assert np.array_equal(long[:, :12], short)
+
+
+def test_segments_with_recompute_and_on_torch_tensors():
+    """The packed window's gradients are the same bits with the blocks recomputed in the backward,
+    and the same numbers on the torch backend (its tensors, a CPU model: the fast kernels on NumPy
+    views; float64, 1e-12)."""
+    import torch
+
+    config = _config(sliding_window=4)
+    tokens, targets, segments = _packed_case(seed=3)
+    model = GPT(config, dtype="float64", seed=7)
+    loss = model.loss(tokens, targets, segments=segments)
+    grads = _grads(model)
+    model.recompute = True
+    assert model.loss(tokens, targets, segments=segments) == loss
+    for k, v in _grads(model).items():
+        assert np.array_equal(v, grads[k]), k
+    on_torch = GPT(config, dtype="float64", seed=7, backend="torch")
+    t_loss = on_torch.loss(torch.from_numpy(tokens), torch.from_numpy(targets), segments=torch.from_numpy(segments))
+    assert abs(t_loss - loss) <= 1e-12 * abs(loss)
+    for k, v in on_torch.backward().items():
+        assert np.max(np.abs(v.numpy() - grads[k])) <= 1e-12 * max(np.max(np.abs(grads[k])), 1e-300), k

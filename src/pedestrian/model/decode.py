@@ -36,7 +36,8 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     """Whether :func:`forward` computes this step: a KV-cache step of at most
     :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens, ``plain`` (it keeps no
     activations and runs no dropout), no targets, NumPy arrays of a model on the fast kernels with
-    RMS norms, a SwiGLU MLP and RoPE (or no positions), no LoRA adapters, no plugged layer."""
+    RMS norms, a SwiGLU MLP and RoPE (or no positions), no LoRA adapters, no plugged layer, no
+    sliding-window block whose cache is a ring (``sliding_window < context_length``)."""
     c, K = model.config, model.kernels
     if not plain or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
         return False
@@ -44,7 +45,7 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
         return False
     if c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
         return False
-    if any(kv_cache.block(i).window is not None for i in range(c.n_blocks)):   # a sliding-window ring: the chain
+    if c.sliding_window is not None and c.sliding_window < c.context_length:   # a sliding-window ring: the chain
         return False
     return all(getattr(K, name) is f for name, f in _STANDS_FOR.items())
 
