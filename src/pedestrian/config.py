@@ -228,6 +228,16 @@ class GPTConfig:
             ``x + f(norm(x))``, norms ``ln1``, ``ln2``), ``"post"`` (OLMo 2: ``x + norm(f(x))``,
             norms ``ln1_post``, ``ln2_post``, none before the sublayers) or ``"sandwich"``
             (Gemma 2/3: ``x + post_norm(f(pre_norm(x)))``, all four).
+        sliding_window: ``w``: a sliding-window block's query ``i`` sees only keys
+            ``i − w < j <= i`` (Mistral, Gemma 2; transformers' ``sliding_window``); ``None``
+            (default): every key. Needs ``causal``.
+        layer_types: one ``"full_attention"`` or ``"sliding_attention"`` per block (Hugging
+            Face's ``layer_types``); ``None`` (default) with ``sliding_window`` set: every block
+            slides (Mistral). :meth:`window` gives block ``i``'s.
+        attn_softcap: ``c``: every attention score ``s ↦ c·tanh(s/c)`` after the scale, before the
+            mask (Gemma 2's ``attn_logit_softcapping``); ``None`` (default): none.
+        attn_scale: the attention's score scale (``None``, default: ``1/√d_qk``; Gemma:
+            ``query_pre_attn_scalar^(−1/2)``). :attr:`score_scale` is the one in use.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -270,6 +280,12 @@ class GPTConfig:
     qk_norm: str | None = None
     rope_layers: tuple[bool, ...] | None = None
     norm_placement: str = "pre"
+    # the attention's mask and scores, per block (docs/EQUATIONS.md "Sliding window",
+    # "Score scale and soft-cap"): a sliding window on all or some blocks, Gemma 2's soft-cap and scale
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    attn_softcap: float | None = None
+    attn_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -346,6 +362,7 @@ class GPTConfig:
                 f"query/key dimensions (2·⌊{self.rope_fraction}·{self.d_qk}/2⌋ = 0); raise "
                 "rope_fraction or d_qk")
         self._check_experts()
+        self._check_attention_fields()
 
     def _check_experts(self) -> None:
         """The mixture-of-experts fields (see the class docstring)."""
@@ -406,6 +423,44 @@ class GPTConfig:
         :attr:`rope_layers`)."""
         return self.position_encoding == "rope" and (self.rope_layers is None or self.rope_layers[block])
 
+    def _check_attention_fields(self) -> None:
+        """Validate (and normalise) ``sliding_window``, ``layer_types``, ``attn_softcap``, ``attn_scale``."""
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"sliding_window must be a positive integer (keys i − w < j <= i) or None, got {w!r}")
+        if w is not None and not self.causal:
+            raise ValueError("sliding_window needs a causal model (causal=True); set sliding_window=None")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            kinds = ("full_attention", "sliding_attention")
+            if len(types) != self.n_blocks or any(t not in kinds for t in types):
+                raise ValueError(f"layer_types must hold one of {kinds} per block ({self.n_blocks}), got {types!r}")
+            if "sliding_attention" in types and w is None:
+                raise ValueError("layer_types has sliding_attention blocks but sliding_window is None; "
+                                 "set sliding_window")
+            object.__setattr__(self, "layer_types", types)
+        for name in ("attn_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not value > 0:
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    def window(self, i: int) -> int | None:
+        """Block ``i``'s sliding window ``w`` (keys ``i − w < j <= i``), or ``None`` for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def score_scale(self) -> float:
+        """The attention's score scale: ``attn_scale``, or ``1/√d_qk`` when it is ``None``."""
+        return 1.0 / math.sqrt(self.d_qk) if self.attn_scale is None else self.attn_scale
+
     @property
     def rope_dims(self) -> int:
         """``r``, how many of each head's ``d_qk`` query/key dimensions RoPE rotates: the even
@@ -420,8 +475,11 @@ class GPTConfig:
         return self.position_encoding == "learned"
 
     def to_dict(self) -> dict:
-        """Every field, JSON-ready (``rope_scaling`` as a dict or ``None``)."""
-        return dataclasses.asdict(self)
+        """Every field, JSON-ready (``rope_scaling`` as a dict or ``None``, ``layer_types`` a list)."""
+        d = dataclasses.asdict(self)
+        if d["layer_types"] is not None:
+            d["layer_types"] = list(d["layer_types"])
+        return d
 
     @classmethod
     def from_dict(cls, data: dict) -> "GPTConfig":
