@@ -260,6 +260,16 @@ class GPTConfig:
             ``x + f(norm(x))``, norms ``ln1``, ``ln2``), ``"post"`` (OLMo 2: ``x + norm(f(x))``,
             norms ``ln1_post``, ``ln2_post``, none before the sublayers) or ``"sandwich"``
             (Gemma 2/3: ``x + post_norm(f(pre_norm(x)))``, all four).
+        sliding_window: ``w``: a sliding-window block's query ``i`` sees only keys
+            ``i − w < j <= i`` (Mistral, Gemma 2; transformers' ``sliding_window``); ``None``
+            (default): every key. Needs ``causal``.
+        layer_types: one ``"full_attention"`` or ``"sliding_attention"`` per block (Hugging
+            Face's ``layer_types``); ``None`` (default) with ``sliding_window`` set: every block
+            slides (Mistral). :meth:`window` gives block ``i``'s.
+        attn_softcap: ``c``: every attention score ``s ↦ c·tanh(s/c)`` after the scale, before the
+            mask (Gemma 2's ``attn_logit_softcapping``); ``None`` (default): none.
+        attn_scale: the attention's score scale (``None``, default: ``1/√d_qk``; Gemma:
+            ``query_pre_attn_scalar^(−1/2)``). :attr:`score_scale` is the one in use.
 
     Gemma 2 and 3 (docs/EQUATIONS.md, "Gemma"), each off by default:
 
@@ -275,7 +285,8 @@ class GPTConfig:
         rope_local_base: RoPE's base on the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``; those layers take no :attr:`rope_scaling`); :attr:`rope_base`
             stays the global layers'. ``None`` (default): every layer turns by :attr:`rope_base`.
-            Needs ``position_encoding="rope"`` and sliding-window layers.
+            Needs ``position_encoding="rope"`` and sliding-window layers. :meth:`rope_of` gives a
+            block's base and scaling.
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -318,6 +329,12 @@ class GPTConfig:
     qk_norm: str | None = None
     rope_layers: tuple[bool, ...] | None = None
     norm_placement: str = "pre"
+    # the attention's mask and scores, per block (docs/EQUATIONS.md "Sliding window",
+    # "Score scale and soft-cap"): a sliding window on all or some blocks, Gemma 2's soft-cap and scale
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    attn_softcap: float | None = None
+    attn_scale: float | None = None
     # Gemma 2 / 3 (issue 48): (1 + w) RMS norm, √d embedding scale, final-logit soft-cap,
     # the windowed layers' RoPE base
     norm_offset: float = 0.0
@@ -402,6 +419,7 @@ class GPTConfig:
                 f"query/key dimensions (2·⌊{self.rope_fraction}·{self.d_qk}/2⌋ = 0); raise "
                 "rope_fraction or d_qk")
         self._check_experts()
+        self._check_attention_fields()
 
     def _check_experts(self) -> None:
         """The mixture-of-experts fields (see the class docstring)."""
@@ -485,14 +503,60 @@ class GPTConfig:
                                  f"{self.position_encoding!r}; set position_encoding='rope' or rope_local_base=None")
             if not self.rope_local_base > 1.0:
                 raise ValueError(f"rope_local_base must be > 1 (Gemma 3: 10000), got {self.rope_local_base}")
-            if getattr(self, "sliding_window", None) is None:           # (the attention's window field)
+            if self.sliding_window is None:
                 raise ValueError("rope_local_base is RoPE's base on the sliding-window layers, but this model has "
                                  "no sliding_window (no such layer); set rope_local_base=None")
+
+    def rope_of(self, block: int) -> tuple:
+        """``(base, scaling)`` of block ``block``'s RoPE: :attr:`rope_local_base` and no scaling on
+        a sliding-window block when it is set (Gemma 3's ``rope_local_base_freq``), else
+        :attr:`rope_base` and :attr:`rope_scaling`."""
+        if self.rope_local_base is not None and self.window(block) is not None:
+            return self.rope_local_base, None
+        return self.rope_base, self.rope_scaling
 
     @property
     def embedding_options(self) -> dict:
         """The embedding's keyword arguments: ``{"scale": embedding_scale}`` (Gemma's ``√d``), else ``{}``."""
         return {} if self.embedding_scale is None else {"scale": self.embedding_scale}
+
+    def _check_attention_fields(self) -> None:
+        """Validate (and normalise) ``sliding_window``, ``layer_types``, ``attn_softcap``, ``attn_scale``."""
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"sliding_window must be a positive integer (keys i − w < j <= i) or None, got {w!r}")
+        if w is not None and not self.causal:
+            raise ValueError("sliding_window needs a causal model (causal=True); set sliding_window=None")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            kinds = ("full_attention", "sliding_attention")
+            if len(types) != self.n_blocks or any(t not in kinds for t in types):
+                raise ValueError(f"layer_types must hold one of {kinds} per block ({self.n_blocks}), got {types!r}")
+            if "sliding_attention" in types and w is None:
+                raise ValueError("layer_types has sliding_attention blocks but sliding_window is None; "
+                                 "set sliding_window")
+            object.__setattr__(self, "layer_types", types)
+        for name in ("attn_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not value > 0:
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    def window(self, i: int) -> int | None:
+        """Block ``i``'s sliding window ``w`` (keys ``i − w < j <= i``), or ``None`` for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def score_scale(self) -> float:
+        """The attention's score scale: ``attn_scale``, or ``1/√d_qk`` when it is ``None``."""
+        return 1.0 / math.sqrt(self.d_qk) if self.attn_scale is None else self.attn_scale
 
     @property
     def rope_dims(self) -> int:
@@ -508,8 +572,11 @@ class GPTConfig:
         return self.position_encoding == "learned"
 
     def to_dict(self) -> dict:
-        """Every field, JSON-ready (``rope_scaling`` as a dict or ``None``)."""
-        return dataclasses.asdict(self)
+        """Every field, JSON-ready (``rope_scaling`` as a dict or ``None``, ``layer_types`` a list)."""
+        d = dataclasses.asdict(self)
+        if d["layer_types"] is not None:
+            d["layer_types"] = list(d["layer_types"])
+        return d
 
     @classmethod
     def from_dict(cls, data: dict) -> "GPTConfig":

@@ -327,3 +327,50 @@ def test_bad_arguments_are_named():
         _forward(qkv, 2, 8, 8, n_kv_heads=3)
     with pytest.raises(ValueError, match="qkv has 32 columns"):
         _forward(qkv, 2, 8, 8, n_kv_heads=2)
+
+
+def test_score_scale_window_and_segments_in_the_kernels_softcap_in_the_fallback():
+    """``scale=``, a sliding window and packed segments run in the Triton kernels (the reference
+    with the same arguments, float64, 1e-12 of the largest entry: the same sums in another order);
+    a soft-cap runs the tiled torch loop (the module's explicit fallback), whose results are the
+    reference's and whose backward is recognised (EQUATIONS.md "Sliding window", "Packed
+    segments", "Score scale and soft-cap")."""
+    B, T, H, KV, d_qk, d_head = 2, 9, 4, 2, 8, 8
+    T, bm, bn = _sizes(T, 4, 8)
+    qkv = _qkv(B, T, H, KV, d_qk, d_head, torch.float64, seed=61)
+    delta = _delta(B, T, H, d_head, torch.float64, seed=62)
+    segments = torch.tensor([[0] * 4 + [1] * (T - 4), [3] * T], device=DEVICE)
+    for kw in (dict(scale=0.7), dict(window=3), dict(segments=segments), dict(window=2, segments=segments),
+               dict(softcap=1.5, scale=0.5)):
+        a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn, **kw)
+        assert bool(cache.get("gpu_flash")) == ("softcap" not in kw)
+        d_qkv, _ = gpu.multi_head_attention_backward(delta, cache)
+        ref_kw = dict(kw, segments=None if "segments" not in kw else segments.cpu())
+        want_a3, ref_cache = layers.multi_head_attention_forward(qkv.cpu(), H, d_qk, d_head, n_kv_heads=KV, **ref_kw)
+        want_d, _ = layers.multi_head_attention_backward(delta.cpu(), ref_cache)
+        for got, want, what in ((a3, want_a3, "a3"), (d_qkv, want_d, "d_qkv")):
+            err = (got.cpu() - want).abs().max().item()
+            assert err <= 1e-12 * want.abs().max().item(), f"{kw}: {what} errs by {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_a_loss_on_one_segment_sends_exactly_zero_to_the_others(dtype):
+    """Packed segments (and a window) in the Triton kernels: a loss on segment 1 of row 0 gives
+    every other token ``q``, ``k``, ``v`` gradients of exactly 0; the weights on request equal
+    the reference's."""
+    B, T, H, KV, d_qk, d_head = 2, 11, 4, 2, 8, 8
+    T, bm, bn = _sizes(T, 4, 4)
+    seg = torch.tensor([[0] * 3 + [1] * 5 + [2] * (T - 8), [5] * T], device=DEVICE)
+    qkv = _qkv(B, T, H, KV, d_qk, d_head, dtype, seed=71, shift=3.0)
+    delta = _delta(B, T, H, d_head, dtype, seed=72)
+    delta[0, seg[0] != 1] = 0.0
+    delta[1] = 0.0
+    a3, cache = _forward(qkv, H, d_qk, d_head, n_kv_heads=KV, block_m=bm, block_n=bn, segments=seg, window=4)
+    assert cache.get("gpu_flash")
+    d_qkv, _ = gpu.multi_head_attention_backward(delta, cache)
+    assert torch.count_nonzero(d_qkv[0, seg[0] != 1]) == 0 and torch.count_nonzero(d_qkv[1]) == 0
+    assert torch.count_nonzero(d_qkv[0, seg[0] == 1]) > 0
+    _, ref_cache = layers.multi_head_attention_forward(qkv.double().cpu(), H, d_qk, d_head, n_kv_heads=KV,
+                                                       segments=seg.cpu(), window=4)
+    p = gpu.attention_weights(cache).double().cpu()
+    assert (p - layers.attention_weights(ref_cache)).abs().max().item() <= (1e-12 if dtype == torch.float64 else 1e-5)

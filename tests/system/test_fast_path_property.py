@@ -99,8 +99,10 @@ FLOAT32_SENSITIVITY_ROUNDINGS = 16
 
 def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, lora, activation,
               ln_eps, bias, seed, norm="layernorm", mlp="standard", n_kv_heads=None, qk_norm=None,
-              norm_placement="pre", rope_layers=None, gemma=False):
-    """``(cfg, params, lora spec, tokens, targets)`` of one case (O(1)-scale random weights)."""
+              norm_placement="pre", rope_layers=None, sliding_window=None, layer_types=None, attn_softcap=None,
+              attn_scale=None, gemma=False):
+    """``(cfg, params, lora spec, tokens, targets)`` of one case (O(1)-scale random weights; the
+    attention's window, soft-cap and scale change no parameter)."""
     cfg = default_cfg(vocab_size=13, context_length=T, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks,
                       d_head=d_head, d_qk=d_qk, causal=causal, position_encoding=position,
                       activation="silu" if mlp == "swiglu" else activation, ln_eps=ln_eps, bias=bias)
@@ -116,6 +118,8 @@ def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, 
                        activation="gelu_tanh")
         spec, params = _llama_params(cfg, seed, lora)
     tokens, targets = token_batch(cfg, B, T, seed=seed, n_ignored=min(3, B * T - 1))
+    cfg.update({k: v for k, v in dict(sliding_window=sliding_window, layer_types=layer_types,
+                                      attn_softcap=attn_softcap, attn_scale=attn_scale).items() if v is not None})
     return cfg, params, spec, tokens, targets
 
 
@@ -337,4 +341,18 @@ def test_property_with_threads(threads, tmp_path):
 def test_llama_choices(case, dtype):
     """The Llama choices on both sides of the tiled threshold, with and without LoRA (fixed cases;
     the property test draws them too)."""
+    check_case(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", [
+    _case(2, 300, 2, 5, 6, position="rope", norm="rmsnorm", mlp="swiglu", n_kv_heads=1, bias=False,
+          sliding_window=37, attn_softcap=3.0, attn_scale=0.4),
+    _case(3, 41, 3, 4, 3, d_model=7, n_blocks=2, sliding_window=5, layer_types=("full_attention", "sliding_attention"),
+          seed=5),
+    _case(1, 129, 2, 8, 8, d_model=48, position="none", lora=True, attn_softcap=1.0, seed=3),
+], ids=["tiled-window-cap-scale-mqa", "window-one-block", "softcap-lora"])
+def test_attention_options(case, dtype):
+    """The attention's sliding window (all blocks, one block), soft-cap and scale, on both sides of
+    the tiled threshold (fixed cases, the tolerances of the module docstring)."""
     check_case(case, dtype)

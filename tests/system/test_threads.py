@@ -281,7 +281,7 @@ def test_a_parallel_kernel_sizes_its_own_job(monkeypatch):
     for n in (schedule.SERIAL_BELOW - 1, schedule.SERIAL_BELOW, schedule.PARALLEL_MIN_ELEMENTS):
         activations._times(np.zeros(n), np.zeros(1), np.zeros(3))
     small, large = np.zeros(schedule.SERIAL_BELOW - 1), np.zeros(schedule.PARALLEL_MIN_ELEMENTS)
-    attention_loops.heads_forward(large, True, 1.0, large, large, large, small, large)   # p decides
+    attention_loops.heads_forward(large, large, 0.0, 1.0, large, large, large, small, large)   # p decides
     assert taken == ["serial", 1, "parallel", jit.threads_used(), "parallel", "serial"]
     monkeypatch.setattr(jit, "_forked_from_omp", [True])
     taken.clear()

@@ -1,6 +1,6 @@
 """Multi-head attention on a GPU: the section-3 head as tiled (flash) Triton kernels, forward and backward.
 
-``out = softmax(q kᵀ/√d_qk, causal mask) v`` per head, and its backward
+``out = softmax(q kᵀ · scale, causal mask) v`` per head (``scale``: ``1/√d_qk`` unless given), and its backward
 ``dv = Pᵀ Δ``, ``Δcausal = P ∘ (Δ vᵀ − D)`` with ``D = rowsum(Δ ∘ out)``, ``dq = Δcausal k/√d_qk``,
 ``dk = Δcausalᵀ q/√d_qk`` (docs/EQUATIONS.md, "One attention head" and "Tiled attention"), with
 grouped-query heads (EQUATIONS.md, "Grouped-query attention": query head ``h`` reads key/value head
@@ -28,6 +28,11 @@ The same contract as :func:`pedestrian.layers.multi_head_attention_forward` /
   sends exactly ``0`` to ``q``, ``k``, ``v`` after ``t``. The reference's float32 correction of
   ``dq`` (``k − k̄``, the mean over all keys) is taken here with key 0 instead, which every query
   sees; ``dk``'s mean row is not removed (that would take every position: not causal; issue 49).
+- **Window, packed segments.** With ``window`` or ``segments`` (``MASKED``) each query row ``α`` sees
+  the keys ``lo_α <= β < hi_α`` (:func:`pedestrian.kernels.masks.key_bounds`, made on the host, one
+  ``(3, B | 1, T)`` array on the device): the forward and ``dq`` visit only the key tiles between
+  the block's smallest ``lo`` and largest ``hi``, ``dk``/``dv`` mask per entry; a row with no key
+  in a tile so far keeps ``m = −∞`` and is shifted by 0 (EQUATIONS.md "Masks as key ranges").
 - **Widths.** Any ``d_qk``, ``d_head``: a tile's columns are padded to a power of two (at least
   16) and the padding masked on load (zeros) and store. ``T`` need not be a multiple of a block.
 - **Dtypes.** float32 (products in IEEE float32, no TF32, float32 sums) and float64 (float64
@@ -36,8 +41,9 @@ The same contract as :func:`pedestrian.layers.multi_head_attention_forward` /
 Explicit fallbacks (:mod:`pedestrian.kernels.attention`'s GPU path, the reference layers and the
 tiled torch loop): a KV-cache step (``kv_cache``), data of another dtype (float16, bfloat16),
 arrays that are not torch tensors, CPU tensors unless ``TRITON_INTERPRET=1`` (Triton's interpreter,
-the tests' way), head widths above :data:`MAX_WIDTH`, no tokens, more than 65,535 (batch row, head)
-pairs (:func:`supported`); ``keep_delta_causal=True`` and
+the tests' way), a sliding window, packed segments or a score soft-cap (the tiled torch loop, which
+masks by per-row key bounds), head widths above :data:`MAX_WIDTH`, no tokens, more than 65,535
+(batch row, head) pairs (:func:`supported`); ``keep_delta_causal=True`` and
 :func:`attention_weights` (``O(T²)`` arrays for pictures) recompute from this cache with the tiled
 torch loop. The model has no dropout on attention weights, so none is needed here.
 """
@@ -60,14 +66,16 @@ MAX_WIDTH = 256
 
 
 @triton.jit
-def _forward_kernel(QKV, O, LSE, T, stride_b, stride_t, o_stride_b, o_stride_t,
+def _forward_kernel(QKV, O, LSE, BOUNDS, T, stride_b, stride_t, o_stride_b, o_stride_t, bounds_b, hi_off,
                     H: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
                     P_QK: tl.constexpr, P_V: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``m⁽ʲ⁾ = max(m⁽ʲ⁻¹⁾, max_β S_αβ)``, ``l⁽ʲ⁾ = e^{m⁽ʲ⁻¹⁾−m⁽ʲ⁾} l⁽ʲ⁻¹⁾ + Σ_β e^{S_αβ−m⁽ʲ⁾}``,
     ``u⁽ʲ⁾ = e^{m⁽ʲ⁻¹⁾−m⁽ʲ⁾} u⁽ʲ⁻¹⁾ + Σ_β e^{S_αβ−m⁽ʲ⁾} v_β``; ``out = u/l``, ``ℓ = m + log l``
     (EQUATIONS.md, "Tiled attention"). One query block of one head; ``O`` ``(B, T, H·D_V)``,
-    ``LSE`` ``(B·H, T)``."""
+    ``LSE`` ``(B·H, T)``. ``MASKED``: query ``α`` sees keys ``lo_α <= β < hi_α`` (a sliding window,
+    packed segments; ``BOUNDS`` of :func:`pedestrian.kernels.masks.key_bounds`, row ``b`` at
+    ``b · bounds_b``, ``hi`` ``hi_off`` after ``lo``)."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -83,8 +91,15 @@ def _forward_kernel(QKV, O, LSE, T, stride_b, stride_t, o_stride_b, o_stride_t,
     m_i = tl.full([BLOCK_M], float("-inf"), q.dtype)
     l_i = tl.zeros([BLOCK_M], q.dtype)
     acc = tl.zeros([BLOCK_M, P_V], q.dtype)
-    hi = tl.minimum(start_m + BLOCK_M, T) if CAUSAL else T                            # no tile above the diagonal
-    for start_n in range(0, hi, BLOCK_N):
+    if MASKED:                                                                        # the keys the rows see
+        row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
+        row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+        lo = (tl.min(row_lo, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.max(row_hi, 0)
+    else:
+        lo = 0
+        hi = tl.minimum(start_m + BLOCK_M, T) if CAUSAL else T                        # no tile above the diagonal
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         col_ok = offs_n < T
         kt = tl.load(base + offs_n[None, :] * stride_t + k_col + cq[:, None],
@@ -92,16 +107,23 @@ def _forward_kernel(QKV, O, LSE, T, stride_b, stride_t, o_stride_b, o_stride_t,
         v = tl.load(base + offs_n[:, None] * stride_t + v_col + cv[None, :],
                     mask=col_ok[:, None] & (cv[None, :] < D_V), other=0.0)            # v_J (BLOCK_N, P_V)
         allowed = col_ok[None, :]
-        if CAUSAL:
+        if MASKED:
+            allowed = allowed & (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+        elif CAUSAL:
             allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
         s = tl.dot(q, kt, input_precision="ieee", out_dtype=q.dtype) * SCALE          # S_IJ
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))                                         # finite: key 0 is in tile 0
-        alpha = tl.exp(m_i - m_new)                                                   # e^{m_old − m_new} <= 1
-        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)                        # e^{S − m_new}
+        m_use = m_new
+        if MASKED:                                                                    # a row with no key yet: 0,
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                      # not e^{−∞ + ∞}
+        alpha = tl.exp(m_i - m_use)                                                   # e^{m_old − m_new} <= 1
+        p = tl.where(allowed, tl.exp(s - m_use[:, None]), 0.0)                        # e^{S − m_new}
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee", out_dtype=q.dtype)
         m_i = m_new
+    if MASKED:                                                                        # rows past T see no key:
+        l_i = tl.where(row_ok, l_i, 1.0)                                              # 1, not 0/0 (not stored)
     out = acc / l_i[:, None]
     tl.store(O + b.to(tl.int64) * o_stride_b + offs_m[:, None] * o_stride_t + h * D_V + cv[None, :], out,
              mask=row_ok[:, None] & (cv[None, :] < D_V))
@@ -126,10 +148,10 @@ def _row_term_kernel(DO, O, DR, T, stride_b, stride_t, H: tl.constexpr, D_V: tl.
 
 
 @triton.jit
-def _dkdv_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_stride_t,
+def _dkdv_kernel(QKV, DO, LSE, DR, DQKV, BOUNDS, T, stride_b, stride_t, do_stride_b, do_stride_t, bounds_b, hi_off,
                  H: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
                  P_QK: tl.constexpr, P_V: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``dv_J = Σ_h Σ_I P_IJᵀ Δ_I``, ``dk_J = Σ_h Σ_I Δcausal_IJᵀ q_I /√d_qk`` with
     ``P_IJ = exp(S_IJ − ℓ_I)``, ``Δcausal_IJ = P_IJ ∘ (Δ_I v_Jᵀ − D_I)`` (EQUATIONS.md, "Tiled
     attention", "Grouped-query attention"): one key block of one key/value head, summed over its
@@ -165,7 +187,11 @@ def _dkdv_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_
             ell = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
             d_row = tl.load(DR + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
             allowed = col_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
+            if MASKED:
+                row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
+                row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+                allowed = allowed & (offs_n[:, None] >= row_lo[None, :]) & (offs_n[:, None] < row_hi[None, :])
+            elif CAUSAL:
                 allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
             st = tl.dot(k, qt, input_precision="ieee", out_dtype=k.dtype) * SCALE      # S_IJᵀ
             pt = tl.where(allowed, tl.exp(st - ell[None, :]), 0.0)                    # P_IJᵀ, 0 where masked
@@ -180,10 +206,10 @@ def _dkdv_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_
 
 
 @triton.jit
-def _dq_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_stride_t,
+def _dq_kernel(QKV, DO, LSE, DR, DQKV, BOUNDS, T, stride_b, stride_t, do_stride_b, do_stride_t, bounds_b, hi_off,
                H: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
                P_QK: tl.constexpr, P_V: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``dq_I = Σ_J Δcausal_IJ k_J /√d_qk`` with ``P_IJ = exp(S_IJ − ℓ_I)``,
     ``Δcausal_IJ = P_IJ ∘ (Δ_I v_Jᵀ − D_I)`` (EQUATIONS.md, "Tiled attention"): one query block
     of one query head, over the key blocks it sees.
@@ -210,8 +236,15 @@ def _dq_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_st
     d_row = tl.load(DR + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
     k0 = tl.load(base + k_col + cq, mask=cq < D_QK, other=0.0)                       # key 0: every query sees it
     dq = tl.zeros([BLOCK_M, P_QK], q.dtype)
-    hi = tl.minimum(start_m + BLOCK_M, T) if CAUSAL else T                            # no tile above the diagonal
-    for start_n in range(0, hi, BLOCK_N):
+    if MASKED:                                                                        # the keys the rows see
+        row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
+        row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+        lo = (tl.min(row_lo, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.max(row_hi, 0)
+    else:
+        lo = 0
+        hi = tl.minimum(start_m + BLOCK_M, T) if CAUSAL else T                        # no tile above the diagonal
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         col_ok = offs_n < T
         k = tl.load(base + offs_n[:, None] * stride_t + k_col + cq[None, :],
@@ -219,7 +252,9 @@ def _dq_kernel(QKV, DO, LSE, DR, DQKV, T, stride_b, stride_t, do_stride_b, do_st
         vt = tl.load(base + offs_n[None, :] * stride_t + v_col + cv[:, None],
                      mask=col_ok[None, :] & (cv[:, None] < D_V), other=0.0)           # v_Jᵀ (P_V, BLOCK_N)
         allowed = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
+        if MASKED:
+            allowed = allowed & (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+        elif CAUSAL:
             allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
         s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=q.dtype) * SCALE     # S_IJ
         p = tl.where(allowed, tl.exp(s - ell[:, None]), 0.0)                          # P_IJ, 0 where masked
@@ -255,14 +290,18 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def supported(qkv, d_qk: int, d_head: int, kv_cache=None, n_heads: int = 1) -> bool:
+def supported(qkv, d_qk: int, d_head: int, kv_cache=None, n_heads: int = 1, window=None, segments=None,
+              softcap=None) -> bool:
     """Whether these kernels run this call (else the fallback, module docstring): a torch tensor of
     float32 / float64 on a CUDA device (or any device under ``TRITON_INTERPRET=1``), no KV cache,
-    head widths up to :data:`MAX_WIDTH`, at least one token and ``B·n_heads`` within a CUDA grid's
-    second axis (65,535)."""
+    no score soft-cap (the tiled torch loop runs it; a sliding window and packed segments run
+    here), head widths
+    up to :data:`MAX_WIDTH`, at least one token and ``B·n_heads`` within a CUDA grid's second axis
+    (65,535)."""
     import torch
 
-    return (kv_cache is None and isinstance(qkv, torch.Tensor) and qkv.dtype in (torch.float32, torch.float64)
+    return (kv_cache is None and softcap is None
+            and isinstance(qkv, torch.Tensor) and qkv.dtype in (torch.float32, torch.float64)
             and (qkv.device.type == "cuda" or _interpreted()) and max(d_qk, d_head) <= MAX_WIDTH
             and qkv.ndim == 3 and qkv.shape[1] > 0 and 0 < qkv.shape[0] * n_heads <= 65_535)
 
@@ -275,14 +314,18 @@ def _check_blocks(block_m: int, block_n: int, on_gpu: bool) -> None:
 
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None,
+                                 window: int | None = None, segments=None, softcap: float | None = None,
+                                 scale: float | None = None):
     """``out = softmax(q kᵀ/√d_qk, causal mask) v`` per head, ``ℓ = log Σ_β exp(S_αβ)`` per query
     row (EQUATIONS.md, "One attention head", "Tiled attention", "Grouped-query attention").
 
     Args, returns and errors of :func:`pedestrian.layers.multi_head_attention_forward`:
         qkv: ``(B, T, n_heads·d_qk + n_kv_heads·(d_qk + d_head))`` torch tensor on a CUDA device
             (float32 or float64); other calls run the fallback (module docstring).
-        n_heads, d_qk, d_head, causal, kv_cache, n_kv_heads: as the reference's.
+        n_heads, d_qk, d_head, causal, kv_cache, n_kv_heads, scale: as the reference's.
+        window, segments: as the reference's (the rows' key bounds, host-made: ``segments`` are
+            read to the host once); softcap: as the reference's, run by the fallback (:func:`supported`).
         (The tiles: :data:`TILES`.)
 
     Returns:
@@ -293,10 +336,12 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a :data:`TILES` size that is not a
             power of two; ``qkv``'s last axis not ``n_heads·d_qk + n_kv_heads·(d_qk + d_head)`` wide.
     """
-    if not supported(qkv, d_qk, d_head, kv_cache, n_heads):
+    if not supported(qkv, d_qk, d_head, kv_cache, n_heads, window, segments, softcap):
         from ..kernels.attention import on_device_forward
 
-        return on_device_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache, n_kv_heads=n_kv_heads)
+        return on_device_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache, n_kv_heads=n_kv_heads,
+                                 window=window, segments=segments, softcap=softcap, scale=scale)
+    scale = 1.0 / math.sqrt(d_qk) if scale is None else float(scale)
     n_kv = check_kv_heads(n_heads, n_kv_heads)
     B, T, width = qkv.shape
     if width != n_heads * d_qk + n_kv * (d_qk + d_head):
@@ -308,12 +353,28 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         qkv = qkv.contiguous()
     out = qkv.new_empty((B, T, n_heads * d_head))
     lse = qkv.new_empty((B * n_heads, T))
+    masked = window is not None or segments is not None
+    host, bounds = _bounds(B, T, causal, window, segments, qkv) if masked else (None, lse)   # (lse: unread)
+    b_stride, hi_off = (T if bounds.shape[1] > 1 else 0, bounds.shape[1] * T) if masked else (0, 0)
     _forward_kernel[(triton.cdiv(T, bm), B * n_heads)](
-        qkv, out, lse, T, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
+        qkv, out, lse, bounds, T, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), b_stride, hi_off,
         H=n_heads, GROUP=n_heads // n_kv, D_QK=d_qk, D_V=d_head, P_QK=_width(d_qk), P_V=_width(d_head),
-        SCALE=1.0 / math.sqrt(d_qk), CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn)
+        SCALE=scale, CAUSAL=bool(causal), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn)
     return out, dict(gpu_flash=True, qkv=qkv, out=out, lse=lse, n_heads=n_heads, n_kv_heads=n_kv, d_qk=d_qk,
-                     d_head=d_head, causal=bool(causal), blocks=(bm, bn))
+                     d_head=d_head, causal=bool(causal), blocks=(bm, bn), scale=scale,
+                     mask=(masked, bounds, b_stride, hi_off), host_bounds=host)
+
+
+def _bounds(B: int, T: int, causal: bool, window, segments, like):
+    """:func:`pedestrian.kernels.masks.key_bounds` ``(3, B | 1, T)``: ``(on the host, on like's device)``."""
+    import torch
+
+    from ..kernels.masks import key_bounds
+
+    host = None if segments is None else (segments.cpu().numpy() if isinstance(segments, torch.Tensor)
+                                          else segments)
+    bounds = key_bounds(B, T, causal, window, host)
+    return bounds, torch.from_numpy(bounds).to(like.device)
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
@@ -347,13 +408,14 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
                          "pass Δ3 of this attention's output")
     if delta.stride(-1) != 1 or delta.stride() != out.stride():
         delta = delta.contiguous()                                            # (the row term reads both alike)
+    masked, bounds, b_stride, hi_off = cache["mask"]
     layout = dict(H=n_heads, GROUP=n_heads // n_kv, D_QK=d_qk, D_V=d_head, P_QK=_width(d_qk), P_V=_width(d_head),
-                  SCALE=1.0 / math.sqrt(d_qk), CAUSAL=cache["causal"], BLOCK_M=bm, BLOCK_N=bn)
+                  SCALE=cache["scale"], CAUSAL=cache["causal"], MASKED=masked, BLOCK_M=bm, BLOCK_N=bn)
     d_row = lse.new_empty((B * n_heads, T))
     _row_term_kernel[(triton.cdiv(T, bm), B * n_heads)](
         delta, out, d_row, T, out.stride(0), out.stride(1), H=n_heads, D_V=d_head, P_V=_width(d_head), BLOCK_M=bm)
     delta_qkv = qkv.new_empty(qkv.shape)
-    strides = (T, qkv.stride(0), qkv.stride(1), delta.stride(0), delta.stride(1))
+    strides = (bounds, T, qkv.stride(0), qkv.stride(1), delta.stride(0), delta.stride(1), b_stride, hi_off)
     _dkdv_kernel[(triton.cdiv(T, bn), B * n_kv)](qkv, delta, lse, d_row, delta_qkv, *strides, **layout)
     _dq_kernel[(triton.cdiv(T, bm), B * n_heads)](qkv, delta, lse, d_row, delta_qkv, *strides, **layout)
     return delta_qkv, None
@@ -369,7 +431,8 @@ def _tiled_cache(cache) -> dict:
     def split(a, heads):                                                      # (B, T, heads·w) -> (B·heads, T, w)
         return a.reshape(B, T, heads, -1).transpose(1, 2).reshape(B * heads, T, -1)
 
-    return dict(tiled=True, q=split(qkv[..., :hq], n_heads) * (1.0 / math.sqrt(d_qk)),
+    return dict(tiled=True, q=split(qkv[..., :hq], n_heads) * cache["scale"], scale=cache["scale"],
+                bounds=cache.get("host_bounds"), plain=cache.get("host_bounds") is None,
                 k=split(qkv[..., hq:hq + hk], n_kv), v=split(qkv[..., hq + hk:], n_kv), out=cache["out"],
                 lse=cache["lse"], d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv, causal=cache["causal"],
                 blocks=cache["blocks"])

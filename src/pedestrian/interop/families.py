@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..config import GPTConfig
+from . import families_gemma
 
 __all__ = ["Family", "FAMILIES", "hf_family", "export_family", "layout_of", "family_names",
            "llama_export_problems", "feature_problems", "register", "FEATURES", "ANY",
@@ -64,7 +65,9 @@ def want_key(config: GPTConfig, **allowed) -> list[str]:
 FEATURES = {"qk_norm": None, "norm_placement": "pre", "rope_layers": None, "n_experts": 0,
             # Gemma's pieces (interop/families_gemma.py): a family without them refuses to write them
             "norm_offset": 0.0, "activation": "silu", "embedding_scale": None, "logit_softcap": None,
-            "rope_local_base": None}
+            "rope_local_base": None,
+            # the attention's window, score cap and scale (a family without them refuses to write them)
+            "attn_softcap": None, "attn_scale": None, "sliding_window": None, "layer_types": None}
 #: a :attr:`Family.features` value: any value of the field (read by the family's ``fields``)
 ANY = object()
 
@@ -73,6 +76,8 @@ def _plain(field: str, value):
     """``value`` with what means the default written as the default (every block turning by RoPE
     is ``rope_layers=None``)."""
     if field == "rope_layers" and value is not None and all(value):
+        return None
+    if field == "layer_types" and value is not None and all(t == "full_attention" for t in value):
         return None
     return value
 
@@ -288,6 +293,10 @@ register(Family(
                          layer_types=["full_attention"] * c.n_blocks)))
 
 
+
+
+for _entry in families_gemma.entries(Family, ANY):               # Gemma 2, Gemma 3 text (interop/families_gemma.py)
+    register(_entry)
 
 
 # ------------------------------------------------------------------------------------ lookups

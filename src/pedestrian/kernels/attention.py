@@ -23,51 +23,61 @@ import math
 import numpy as np
 
 from .. import layers
-from ..layers.attention import KVBlock, check_cache_heads, check_kv_heads
+from ..layers.attention import KVBlock, check_cache_heads, check_kv_heads, check_mask_args
 from ..layers.checks import check_float
 from . import attention_loops, schedule
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
 from .jit import blas_one_thread
+from .masks import key_bounds
 from .workspace import empty_array
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
-    """``out_h = softmax(q_h k_{g(h)}ᵀ/√d_qk, causal mask) v_{g(h)}`` per head, the heads side by
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None,
+                                 window: int | None = None, segments=None, softcap: float | None = None,
+                                 scale: float | None = None):
+    """``out_h = softmax(mask(cap(q_h k_{g(h)}ᵀ · scale))) v_{g(h)}`` per head, the heads side by
     side, ``g(h) = h // (n_heads / n_kv_heads)``; ``q, k, v`` the columns of ``qkv`` (EQUATIONS.md,
-    "One attention head", "Multi-head attention", "Grouped-query attention").
+    "One attention head", "Multi-head attention", "Grouped-query attention", "Sliding window",
+    "Packed segments", "Score scale and soft-cap").
 
     Fast :func:`pedestrian.layers.attention.multi_head_attention_forward` (same arguments and
-    results; the cache's ``q`` carries the ``1/√d_qk`` scale). Long sequences
+    results; the cache's ``q`` carries the scale). Long sequences
     (:func:`pedestrian.kernels.attention_tiled.use_tiled`) run the tiled kernel, whose cache holds
     no ``P``."""
     check_float(qkv, "qkv")
     n_kv = check_kv_heads(n_heads, n_kv_heads)
+    check_mask_args(qkv, kv_cache, window, segments, softcap)
+    scale = 1.0 / math.sqrt(d_qk) if scale is None else float(scale)
     if kv_cache is not None:
-        return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache, n_kv)
+        return _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache, n_kv, window, softcap, scale)
     B, T, _ = qkv.shape
     if use_tiled(T, qkv):
-        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv)
+        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv, window=window,
+                                       segments=segments, softcap=softcap, scale=scale)
+    bounds = key_bounds(B, T, causal, window, segments)
+    cap = 0.0 if softcap is None else float(softcap)
     blas_one_thread()                                        # heads over numba's threads
     q, k = empty_array((B, n_heads, T, d_qk), qkv), empty_array((B, n_kv, T, d_qk), qkv)
     v, p = empty_array((B, n_kv, T, d_head), qkv), empty_array((B, n_heads, T, T), qkv)
     out = empty_array((B, T, n_heads * d_head), qkv)
-    attention_loops.heads_forward(qkv, causal, 1.0 / math.sqrt(d_qk), q, k, v, p, out)
-    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal)
+    attention_loops.heads_forward(qkv, bounds, cap, scale, q, k, v, p, out)
+    return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, causal=causal, bounds=bounds, cap=cap, scale=scale)
 
 
-def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, n_kv):
+def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, n_kv, window, softcap, scale):
     """Attention of ``T`` new tokens against every cached one; writes their keys and values. A
-    few tokens: one numba loop nest; more (a prompt): the reference (batched products)."""
+    few tokens: one numba loop nest; more (a prompt) or a sliding-window ring: the reference."""
     keys, values = kv_cache.keys, kv_cache.values
     check_cache_heads(kv_cache, n_kv)
-    if qkv.shape[1] <= schedule.DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
-        return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache)
+    if (qkv.shape[1] <= schedule.DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous
+            and kv_cache.window is None):
+        return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache, window, softcap, scale)
     out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache,
-                                                     n_kv_heads=n_kv)
+                                                     n_kv_heads=n_kv, window=window, softcap=softcap, scale=scale)
     return out, dict(cache, kv_cache=True)
 
 
-def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
+def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, window=None, softcap=None, scale=None):
     """:func:`_cached_attention` as one numba call (:func:`pedestrian.kernels.attention_loops.decode_attention`)."""
     B, T, _ = qkv.shape
     L0, L = kv_cache.length, kv_cache.length + T
@@ -80,15 +90,18 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock):
     p = np.empty((B, n_heads, T, L), dtype=qkv.dtype)
     out = np.empty((B, T, n_heads * d_head), dtype=qkv.dtype)
     attention_loops.decode_attention(np.ascontiguousarray(qkv), kv_cache.keys, kv_cache.values, L0, key_start,
-                                     causal, 1.0 / math.sqrt(d_qk), q, p, out)
+                                     causal, 0 if window is None else int(window),
+                                     0.0 if softcap is None else float(softcap),
+                                     1.0 / math.sqrt(d_qk) if scale is None else scale, q, p, out)
     k, v = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :]
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, kv_cache=True)
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     """Per head ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``,
-    ``dq = Δcausal k/√d_qk``, ``dk = Δcausalᵀ q/√d_qk``, into the columns of ``Δqkv`` (EQUATIONS.md,
-    "One attention head").
+    ``dq = Δraw k``, ``dk = Δrawᵀ q`` with ``Δraw = Δcausal · scale`` (soft-capped:
+    ``∘ (1 − tanh²(s/c))``), into the columns of ``Δqkv`` (EQUATIONS.md, "One attention head",
+    "Score scale and soft-cap").
 
     Fast :func:`pedestrian.layers.attention.multi_head_attention_backward` (``Δcausal``, when
     kept, is computed block by block for a tiled cache)."""
@@ -105,7 +118,7 @@ def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = Fal
     dv_heads = empty_array((B, H, T, d_head), p) if grouped else p[:1, :1, :1, :1]
     blas_one_thread()                                         # heads over numba's threads
     attention_loops.heads_backward(
-        delta, q, k, v, p, cache["causal"], 1.0 / math.sqrt(cache["d_qk"]), keep_delta_causal,
+        delta, q, k, v, p, cache["bounds"], cache["cap"], cache["scale"], keep_delta_causal,
         kept if keep_delta_causal else p[:1, :1, :1, :1], dk_heads, dv_heads, delta_qkv)
     return delta_qkv, kept
 
@@ -121,17 +134,19 @@ def attention_weights(cache):
 
 
 def on_device_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                      kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
-    """``out_h = softmax(q_h k_{g(h)}ᵀ/√d_qk, causal mask) v_{g(h)}`` per head (EQUATIONS.md,
+                      kv_cache: KVBlock | None = None, n_kv_heads: int | None = None, window: int | None = None,
+                      segments=None, softcap: float | None = None, scale: float | None = None):
+    """``out_h = softmax(mask(cap(q_h k_{g(h)}ᵀ · scale))) v_{g(h)}`` per head (EQUATIONS.md,
     "Multi-head attention", "Grouped-query attention"; by tiles: "Tiled attention").
 
     The forward for torch tensors on a GPU: the tiled kernel's torch loop from
     :data:`pedestrian.kernels.attention_tiled.TILED_MIN_T` tokens on (``O(T)`` memory), else the
     reference (same arguments and results as :func:`multi_head_attention_forward`)."""
+    mask = dict(window=window, segments=segments, softcap=softcap, scale=scale)
     if kv_cache is None and use_tiled(qkv.shape[1], qkv):
-        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv_heads)
+        return tiled_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, n_kv_heads=n_kv_heads, **mask)
     return layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache,
-                                               n_kv_heads=n_kv_heads)
+                                               n_kv_heads=n_kv_heads, **mask)
 
 
 def on_device_backward(delta, cache, *, keep_delta_causal: bool = False):

@@ -35,11 +35,12 @@ import math
 
 import numpy as np
 
-from ..backend import is_torch_array
-from ..layers.attention import check_kv_heads
+from ..backend import is_torch_array, to_numpy
+from ..layers.attention import check_kv_heads, check_mask_args
 from . import schedule
-from .attention_loops import exp_shifted, row_max
+from .attention_loops import exp_shifted, row_max, softcap_range
 from .jit import blas_one_thread, kernel, prange, threads_used
+from .masks import key_bounds
 from .vecmath import exp
 from .workspace import empty_array
 
@@ -118,25 +119,38 @@ def _add_into(a, b):
 
 
 @kernel
-def _allowed(i, i0, j0, c, causal):
-    """Keys of a tile (first key ``j0``, ``c`` of them) that query ``i0 + i`` may see."""
-    return min(c, max(0, i0 + i - j0 + 1)) if causal else c
-
-
-@kernel(parallel=True, size=lambda q, k, v, units, lanes, bq, bk, causal, *rest:
-        q.shape[0] * q.shape[1] * (q.shape[1] if causal else 2 * q.shape[1]) // 2)   # scores made
-def _forward_units(q, k, v, units, lanes, bq, bk, causal, o, lse):
-    """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
-    ``o = softmax(q kᵀ) v``, ``lse = m + log Σ exp(q kᵀ − m)``. ``q`` ``(G, T, d_qk)`` already
-    ``÷ √d_qk``, ``k`` ``(G_kv, T, d_qk)``, ``v`` ``(G_kv, T, d_head)`` (query head ``g`` reads
-    key/value head ``g // (G / G_kv)``), ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``.
-    (Each lane's work is :func:`_forward_lane`.)"""
-    for lane in prange(lanes):                       # units lane, lane + lanes, … (largest first)
-        _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse)
+def _row_range(i, i0, j0, c, lo, hi):
+    """``(a, n)``: the keys ``j0 + a … j0 + n − 1`` of a tile (first key ``j0``, ``c`` of them) that
+    query ``i0 + i`` may see (``lo``, ``hi``: its batch row's bounds); ``a >= n``: none."""
+    return min(c, max(0, lo[i0 + i] - j0)), min(c, max(0, hi[i0 + i] - j0))
 
 
 @kernel
-def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
+def _block_bounds(lo, hi, bq, b_lo, b_hi):
+    """Per query block of ``bq`` rows: the smallest ``lo`` and largest ``hi`` of its rows."""
+    T = lo.shape[0]
+    for n in range(b_lo.shape[0]):
+        i0 = n * bq
+        b_lo[n], b_hi[n] = lo[i0], hi[i0]
+        for i in range(i0, min(i0 + bq, T)):
+            b_lo[n] = min(b_lo[n], lo[i])
+            b_hi[n] = max(b_hi[n], hi[i])
+
+
+@kernel(parallel=True, size=lambda q, *rest: q.shape[0] * q.shape[1] * q.shape[1] // 2)   # scores made
+def _forward_units(q, k, v, units, lanes, bq, bk, lo, hi, cap, o, lse):
+    """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
+    ``o = softmax(cap(q kᵀ)) v``, ``lse = m + log Σ exp(cap(q kᵀ) − m)`` over the keys
+    ``lo <= j < hi`` of each row. ``q`` ``(G, T, d_qk)`` already ``· scale``, ``k`` ``(G_kv, T, d_qk)``,
+    ``v`` ``(G_kv, T, d_head)`` (query head ``g`` reads key/value head ``g // (G / G_kv)``), ``lo``,
+    ``hi`` ``(B | 1, T)``, ``o`` ``(G, T, d_head)``, ``lse`` ``(G, T)``.
+    (Each lane's work is :func:`_forward_lane`.)"""
+    for lane in prange(lanes):                       # units lane, lane + lanes, … (largest first)
+        _forward_lane(q, k, v, units, lane, lanes, bq, bk, lo, hi, cap, o, lse)
+
+
+@kernel
+def _forward_lane(q, k, v, units, lane, lanes, bq, bk, lo, hi, cap, o, lse):
     G, T, d_head = o.shape
     group = G // k.shape[0]                                  # query heads per key/value head
     n_blocks = -(-T // bq)
@@ -146,17 +160,28 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
     for u in range(lane, len(units), lanes):
         g, i0 = units[u] // n_blocks, units[u] % n_blocks * bq
         gk = g // group
+        bb = g // (G // lo.shape[0]) if lo.shape[0] > 1 else 0
+        lo_b, hi_b = lo[bb], hi[bb]
         i1 = min(i0 + bq, T)
-        r, end = i1 - i0, i1 if causal else T                # keys seen: 0 … end-1
+        r = i1 - i0
+        start, end = lo_b[i0], hi_b[i0]                      # keys seen by the block: start … end-1
+        for i in range(i0, i1):
+            start, end = min(start, lo_b[i]), max(end, hi_b[i])
         m[:] = -np.inf
         l[:] = 0.0
         acc[:] = 0.0
-        for j0 in range(0, end, bk):
+        for j0 in range(start // bk * bk, end, bk):
             c = min(bk, end - j0)
             s = s_flat[:r * c].reshape((r, c))
             np.dot(q[g, i0:i1], k[gk, j0:j0 + c].T, s)       # S (r, c)
             for i in range(r):                               # e = exp(S − m_new), sums rescaled
-                n, row = _allowed(i, i0, j0, c, causal), s[i]
+                a, n = _row_range(i, i0, j0, c, lo_b, hi_b)
+                row = s[i]
+                if a >= n:                                   # no key of this tile: nothing changes
+                    row[:] = 0.0
+                    continue
+                softcap_range(row, a, n, cap)
+                row[:a] = -np.inf                            # (loops from 0: they vectorise)
                 m_new = row_max(row, n, m[i])
                 total = exp_shifted(row, n, m_new)
                 alpha = exp(m[i] - m_new)                    # exp(m_old − m_new) <= 1
@@ -173,21 +198,26 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, causal, o, lse):
 
 
 @kernel(parallel=True, size=lambda q, *rest: q.shape[0] * q.shape[1] * q.shape[1])
-def _backward_heads(q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
-    """Per head ``g`` (``prange``): ``P = exp(q kᵀ − lse)``, ``dv = Pᵀ Δ``,
-    ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``dq = Δcausal k``, ``dk = Δcausalᵀ q`` (shapes of
-    :func:`_forward_units`; ``d`` = Δ ``(G, T, d_head)``; ``kept`` ``(G, T, T)`` when ``keep``;
-    outputs ``dq``, ``dk`` ``(G, T, d_qk)``, ``dv``, per query head (grouped: the caller sums each
-    group's ``dk``, ``dv``); ``dq`` still to be ``÷ √d_qk``)."""
+def _backward_heads(q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, dk, dv):
+    """Per head ``g`` (``prange``): ``P = exp(cap(q kᵀ) − lse)``, ``dv = Pᵀ Δ``,
+    ``Δcausal = P ∘ (Δ vᵀ − rowsum(Δ ∘ o))``, ``Δraw = Δcausal`` (soft-capped: ``∘ (1 − tanh²)``),
+    ``dq = Δraw k``, ``dk = Δrawᵀ q`` (shapes of :func:`_forward_units`; ``d`` = Δ ``(G, T, d_head)``;
+    ``kept`` ``(G, T, T)`` when ``keep``; outputs ``dq``, ``dk`` ``(G, T, d_qk)``, ``dv``, per query
+    head (grouped: the caller sums each group's ``dk``, ``dv``); ``dq`` still to be ``· scale``)."""
     for g in prange(q.shape[0]):
-        _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv)
+        _backward_head(g, q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, dk, dv)
 
 
 @kernel
-def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv):
+def _backward_head(g, q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, dk, dv):
     G, T, d_qk = q.shape
     d_head = v.shape[2]
     gk = g // (G // k.shape[0])                              # its key/value head
+    bb = g // (G // lo.shape[0]) if lo.shape[0] > 1 else 0
+    lo_b, hi_b = lo[bb], hi[bb]
+    n_blocks = -(-T // bq)
+    b_lo, b_hi = np.empty(n_blocks, np.int64), np.empty(n_blocks, np.int64)
+    _block_bounds(lo_b, hi_b, bq, b_lo, b_hi)
     minus_d = np.empty(T, dtype=q.dtype)                     # −D = −rowsum(Δ ∘ o), in float64
     for i in range(T):
         total = 0.0
@@ -196,41 +226,60 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, causal, keep, kept, dq, dk, dv
         minus_d[i] = -total
     dq[g] = 0.0
     p_flat, dp_flat = np.empty(bq * bk, dtype=q.dtype), np.empty(bq * bk, dtype=q.dtype)
+    f_flat = np.empty(bq * bk if cap > 0 else 1, dtype=q.dtype)
     t_q, t_k = np.empty((bq, d_qk), dtype=q.dtype), np.empty((bk, d_qk), dtype=q.dtype)
     t_v = np.empty((bk, d_head), dtype=q.dtype)
     for j0 in range(0, T, bk):                               # one key block: its dk, dv
         c = min(bk, T - j0)
         dk[g, j0:j0 + c] = 0.0
         dv[g, j0:j0 + c] = 0.0
-        for i0 in range(j0 // bq * bq if causal else 0, T, bq):   # the query blocks that see it
+        for nb in range(n_blocks):                           # the query blocks that see it
+            if b_hi[nb] <= j0 or b_lo[nb] >= j0 + c:
+                continue
+            i0 = nb * bq
             r = min(bq, T - i0)
             p, dp = p_flat[:r * c].reshape((r, c)), dp_flat[:r * c].reshape((r, c))
             np.dot(q[g, i0:i0 + r], k[gk, j0:j0 + c].T, p)  # S
             np.dot(d[g, i0:i0 + r], v[gk, j0:j0 + c].T, dp)  # dP
             for i in range(r):                               # P, then Δcausal into dp
-                n, row, drow = _allowed(i, i0, j0, c, causal), p[i], dp[i]
+                a, n = _row_range(i, i0, j0, c, lo_b, hi_b)
+                row, drow = p[i], dp[i]
                 ell, md = lse[g, i0 + i], minus_d[i0 + i]
+                if cap > 0:
+                    frow = f_flat[i * c:(i + 1) * c]
+                    for j in range(a, n):
+                        th = np.tanh(row[j] / cap)
+                        frow[j] = 1 - th * th                # ∂ cap(s) / ∂s
+                        row[j] = cap * th
+                row[:a] = -np.inf                            # (loops from 0: they vectorise)
                 for j in range(n):
                     row[j] = exp(row[j] - ell)
                     drow[j] = row[j] * (drow[j] + md)
+                drow[:a] = 0.0
                 row[n:] = 0.0
                 drow[n:] = 0.0
             if keep:
                 _add_into(kept[g, i0:i0 + r, j0:j0 + c], dp)          # (kept starts as zeros)
+            if cap > 0:                                      # Δraw = Δcausal ∘ (1 − tanh²)
+                for i in range(r):
+                    a, n = _row_range(i, i0, j0, c, lo_b, hi_b)
+                    for j in range(a, n):
+                        dp[i, j] *= f_flat[i * c + j]
             np.dot(p.T, d[g, i0:i0 + r], t_v[:c])            # dv += Pᵀ Δ
             _add_into(dv[g, j0:j0 + c], t_v[:c])
-            np.dot(dp.T, q[g, i0:i0 + r], t_k[:c])           # dk += Δcausalᵀ q
+            np.dot(dp.T, q[g, i0:i0 + r], t_k[:c])           # dk += Δrawᵀ q
             _add_into(dk[g, j0:j0 + c], t_k[:c])
-            np.dot(dp, k[gk, j0:j0 + c], t_q[:r])            # dq += Δcausal k
+            np.dot(dp, k[gk, j0:j0 + c], t_q[:r])            # dq += Δraw k
             _add_into(dq[g, i0:i0 + r], t_q[:r])
 
 
 def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
                             block_q: int | None = None, block_k: int | None = None,
-                            n_kv_heads: int | None = None):
-    """``o = softmax(q kᵀ/√d_qk) v`` and ``ℓ = m + log Σ_β exp(S_β − m)`` per query row, block by
-    block of keys with the running maximum ``m`` (EQUATIONS.md, "Tiled attention"); query head
-    ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``.
+                            n_kv_heads: int | None = None, window: int | None = None, segments=None,
+                            softcap: float | None = None, scale: float | None = None):
+    """``o = softmax(cap(q kᵀ · scale)) v`` and ``ℓ = m + log Σ_β exp(S_β − m)`` per query row over
+    its visible keys, block by block of keys with the running maximum ``m`` (EQUATIONS.md, "Tiled
+    attention"); query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``.
 
     Multi-head attention of the fused ``qkv`` by tiles (module docstring; EQUATIONS.md).
 
@@ -241,60 +290,110 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
         causal: mask future keys (their blocks are skipped).
         block_q, block_k: tile size (default :data:`BLOCKS` of the backend).
         n_kv_heads: key/value heads, dividing ``n_heads`` (``None``: ``n_heads``).
+        window, segments, softcap, scale: as the reference's (key blocks no query of a block
+            sees are skipped).
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` side by side. The
-        cache holds ``q/√d_qk`` ``(B·n_heads, T, d_qk)``, ``k`` ``(B·n_kv_heads, T, d_qk)``,
+        cache holds ``q · scale`` ``(B·n_heads, T, d_qk)``, ``k`` ``(B·n_kv_heads, T, d_qk)``,
         ``v`` ``(B·n_kv_heads, T, d_head)``, ``ℓ`` ``(B·n_heads, T)`` and ``a3`` itself (the
         backward's ``rowsum(Δ ∘ out)``): ``O(T)``.
 
     Raises:
-        ValueError: a block size below 1; ``n_kv_heads`` not a divisor of ``n_heads``.
+        ValueError: a block size below 1; ``n_kv_heads`` not a divisor of ``n_heads``; bad
+            ``window``, ``segments`` or ``softcap``.
     """
     B, T, _ = qkv.shape
     n_kv = check_kv_heads(n_heads, n_kv_heads)
+    check_mask_args(qkv, None, window, segments, softcap)
     G, hq, hk = B * n_heads, n_heads * d_qk, n_kv * d_qk
     bq, bk = BLOCKS[_backend(qkv)]
     bq, bk = bq if block_q is None else block_q, bk if block_k is None else block_k
     if bq < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got block_q={bq}, block_k={bk}")
+    seg_host = None if segments is None else (to_numpy(segments) if is_torch_array(segments) else segments)
+    bounds = key_bounds(B, T, causal, window, seg_host)                      # (lo, hi, seg) on the host
+    cap = 0.0 if softcap is None else float(softcap)
+    scale = 1.0 / math.sqrt(d_qk) if scale is None else float(scale)
+    plain = window is None and segments is None and cap == 0.0               # the causal mask as a loop bound
     q = _split_heads(qkv[..., :hq], B, n_heads)                              # (B·H, T, d_qk)
     k, v = _split_heads(qkv[..., hq:hq + hk], B, n_kv), _split_heads(qkv[..., hq + hk:], B, n_kv)  # (B·H_kv, T, ·)
-    q *= 1.0 / math.sqrt(d_qk)
-    if is_torch_array(qkv) and n_kv < n_heads:                               # (G_kv, g, T, ·), k, v broadcast
-        o, lse = _torch_forward(q.reshape(B * n_kv, -1, T, d_qk), k[:, None], v[:, None], bq, bk, causal)
-        o, lse = o.reshape(G, T, d_head), lse.reshape(G, T)
-    elif is_torch_array(qkv):
-        o, lse = _torch_forward(q, k, v, bq, bk, causal)
+    q *= scale
+    if is_torch_array(qkv):
+        mask = None if plain else _torch_bounds(bounds, cap, qkv)
+        if n_kv < n_heads:                                                   # (G_kv, g, T, ·), k, v broadcast
+            o, lse = _torch_forward(q.reshape(B * n_kv, -1, T, d_qk), k[:, None], v[:, None], bq, bk, causal, mask)
+            o, lse = o.reshape(G, T, d_head), lse.reshape(G, T)
+        else:
+            o, lse = _torch_forward(q, k, v, bq, bk, causal, mask)
     else:
         blas_one_thread()
         o, lse = empty_array((G, T, d_head), qkv), empty_array((G, T), qkv)
         n_blocks = -(-T // bq)
         work = np.arange(G * n_blocks)                                       # unit g·n_blocks + block
         units = work[np.argsort(-(work % n_blocks), kind="stable")] if causal else work
-        _forward_units(q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, causal, o, lse)
+        _forward_units(q, k, v, units, max(1, min(threads_used(), len(units))), bq, bk, bounds[0], bounds[1], cap,
+                       o, lse)
     out = _empty((B, T, n_heads * d_head), qkv)
     _merge_heads_into(out, o, B, n_heads)
     return out, dict(tiled=True, q=q, k=k, v=v, out=out, lse=lse, d_qk=d_qk, n_heads=n_heads, n_kv_heads=n_kv,
-                     causal=causal, blocks=(bq, bk))   # (the heads' outputs as a3 holds them, not a second copy)
+                     causal=causal, blocks=(bq, bk), bounds=bounds, cap=cap, scale=scale,
+                     plain=plain)   # (the heads' outputs as a3 holds them, not a second copy)
 
 
-def _torch_forward(q, k, v, bq, bk, causal):
+def _torch_bounds(bounds, cap: float, like) -> dict:
+    """The mask of a tile loop on torch tensors: ``lo``, ``hi`` ``(B | 1, T)`` on ``like``'s device, the
+    bounds on the host (to skip tiles) and the soft-cap."""
+    import torch
+
+    lo, hi, _ = bounds
+    return dict(lo=torch.from_numpy(lo).to(like.device), hi=torch.from_numpy(hi).to(like.device),
+                lo_host=lo, hi_host=hi, cap=cap)
+
+
+def _tile_allowed(mask, i0: int, i1: int, j0: int, j1: int, s):
+    """Boolean ``(B | 1, 1, …, r, c)`` of the tile's visible scores, shaped to broadcast over ``s``
+    ``(G, r, c)`` or ``(G_kv, g, r, c)`` viewed as ``(B, heads…, r, c)``."""
+    import torch
+
+    j = torch.arange(j0, j1, device=s.device)
+    ok = (j >= mask["lo"][:, i0:i1, None]) & (j < mask["hi"][:, i0:i1, None])   # (B | 1, r, c)
+    return ok.reshape(ok.shape[0], *(1,) * (s.dim() - 3), *ok.shape[1:])
+
+
+def _key_range(mask, causal: bool, i0: int, i1: int, T: int) -> tuple:
+    """The keys a query block ``i0 … i1 − 1`` may see: ``(start, end)``."""
+    if mask is None:
+        return 0, i1 if causal else T
+    return int(mask["lo_host"][:, i0:i1].min()), int(mask["hi_host"][:, i0:i1].max())
+
+
+def _torch_forward(q, k, v, bq, bk, causal, mask=None):
     """The online softmax of :func:`_forward_lane` on torch tensors, all heads of a tile at once.
-    Grouped, ``q`` is ``(G_kv, g, T, d_qk)`` and ``k``, ``v`` ``(G_kv, 1, T, ·)`` (broadcast over the group)."""
+    Grouped, ``q`` is ``(G_kv, g, T, d_qk)`` and ``k``, ``v`` ``(G_kv, 1, T, ·)`` (broadcast over the group).
+    ``mask``: :func:`_torch_bounds` (``None``: the causal mask or none)."""
     import torch
 
     T, d_head = v.shape[-2:]
     o, lse = q.new_empty((*q.shape[:-1], d_head)), q.new_empty(q.shape[:-1])
+    B = 1 if mask is None else mask["lo"].shape[0]
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
         m = l = acc = None
-        for j0 in range(0, i1 if causal else T, bk):
-            j1 = min(j0 + bk, i1 if causal else T)
+        start, end = _key_range(mask, causal, i0, i1, T)
+        for j0 in range(start // bk * bk, end, bk):
+            j1 = min(j0 + bk, end)
             s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                       # S (G, r, c)
-            if causal and j1 - 1 > i0:                                       # the tile crosses the diagonal
+            if mask is not None:                                             # cap, then the mask
+                if mask["cap"] > 0:
+                    s = mask["cap"] * torch.tanh(s / mask["cap"])
+                ok = _tile_allowed(mask, i0, i1, j0, j1, s.reshape(B, -1, *s.shape[-2:]))
+                s = torch.where(ok, s.reshape(B, -1, *s.shape[-2:]), -math.inf).reshape(s.shape)
+            elif causal and j1 - 1 > i0:                                     # the tile crosses the diagonal
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
             m_new = s.amax(-1, keepdim=True) if m is None else torch.maximum(m, s.amax(-1, keepdim=True))
+            if mask is not None:                                             # a row with no key yet: 0, not NaN
+                m_new = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             e = torch.exp(s - m_new)                                         # exp(S − m_new)
             if m is None:
                 l, acc = e.sum(-1, keepdim=True), e @ v[..., j0:j1, :]
@@ -334,24 +433,28 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     d, o = _split_heads(delta, B, n_heads), _split_heads(cache["out"], B, n_heads)   # Δ, out per head, contiguous
     G, T, d_head = o.shape
     hq, hk, group = n_heads * d_qk, n_kv * d_qk, n_heads // n_kv
+    bounds = cache.get("bounds")
+    bounds = key_bounds(B, T, causal) if bounds is None else bounds
+    cap, scale = cache.get("cap", 0.0), cache.get("scale", 1.0 / math.sqrt(d_qk))
     if is_torch_array(o):
+        mask = None if cache.get("plain", True) else _torch_bounds(bounds, cap, o)
         kept = o.new_zeros((G, T, T)) if keep_delta_causal else None
         if group == 1:
-            dq, dk, dv = _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept)
+            dq, dk, dv = _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept, mask)
         else:                                                                # (G_kv, g, ·, ·), k, v broadcast
             grouped = lambda a: a.reshape(G // group, group, *a.shape[1:])  # noqa: E731
             dq, dk, dv = _torch_backward(grouped(q), k[:, None], v[:, None], grouped(d), grouped(o), grouped(lse),
-                                         bq, bk, causal, None if kept is None else grouped(kept))
+                                         bq, bk, causal, None if kept is None else grouped(kept), mask)
             dq, dk, dv = dq.reshape(q.shape), dk[:, 0], dv[:, 0]
     else:
         blas_one_thread()
         kept = np.zeros((G, T, T), o.dtype) if keep_delta_causal else None
         dq, dk, dv = empty_array(q.shape, o), empty_array(q.shape, o), empty_array(o.shape, o)   # per query head
-        _backward_heads(q, k, v, d, o, lse, bq, bk, causal, kept is not None,
+        _backward_heads(q, k, v, d, o, lse, bq, bk, bounds[0], bounds[1], cap, kept is not None,
                         np.zeros((1, 1, 1), o.dtype) if kept is None else kept, dq, dk, dv)
         if group > 1:                                                        # Σ over each group's heads
             dk, dv = _group_sum(dk, group), _group_sum(dv, group)
-    dq *= 1.0 / math.sqrt(d_qk)
+    dq *= scale
     delta_qkv = _empty((B, T, hq + hk + n_kv * d_head), o)
     for part, lo, heads in ((dq, 0, n_heads), (dk, hq, n_kv), (dv, hq + hk, n_kv)):
         _merge_heads_into(delta_qkv[..., lo:lo + heads * part.shape[2]], part, B, heads)
@@ -368,43 +471,66 @@ def _group_sum(a, group: int):
     return out
 
 
-def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept):
-    """:func:`_backward_head` on torch tensors, all heads of a tile at once."""
+def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept, mask=None):
+    """:func:`_backward_head` on torch tensors, all heads of a tile at once (``mask``: :func:`_torch_bounds`)."""
     import torch
 
     T = o.shape[-2]
     minus_d = -(d * o).sum(-1, keepdim=True)                                 # −D = −rowsum(Δ ∘ out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     total = (lambda a: a.sum(1, keepdim=True)) if q.dim() == 4 else (lambda a: a)  # Σ over a group
+    B = 1 if mask is None else mask["lo"].shape[0]
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
-        for j0 in range(0, i1 if causal else T, bk):
-            j1 = min(j0 + bk, i1 if causal else T)
-            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT - lse[..., i0:i1, None]  # S − ℓ
-            if causal and j1 - 1 > i0:
+        start, end = _key_range(mask, causal, i0, i1, T)
+        for j0 in range(start // bk * bk, end, bk):
+            j1 = min(j0 + bk, end)
+            s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                       # S
+            factor = None
+            if mask is not None:
+                if mask["cap"] > 0:                                          # cap(S), ∂cap/∂S = 1 − tanh²
+                    th = torch.tanh(s / mask["cap"])
+                    s, factor = mask["cap"] * th, 1 - th * th
+                ok = _tile_allowed(mask, i0, i1, j0, j1, s.reshape(B, -1, *s.shape[-2:]))
+                s = torch.where(ok, s.reshape(B, -1, *s.shape[-2:]), -math.inf).reshape(s.shape)
+            elif causal and j1 - 1 > i0:
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
-            p = torch.exp(s)
+            p = torch.exp(s - lse[..., i0:i1, None])                         # P = exp(S − ℓ)
             dv[..., j0:j1, :] += total(p.mT @ d[..., i0:i1, :])              # dv += Pᵀ Δ
             ds = p * (d[..., i0:i1, :] @ v[..., j0:j1, :].mT + minus_d[..., i0:i1, :])  # Δcausal = P ∘ (dP − D)
             if kept is not None:
                 kept[..., i0:i1, j0:j1] = ds
-            dq[..., i0:i1, :] += ds @ k[..., j0:j1, :]                       # dq += Δcausal k
-            dk[..., j0:j1, :] += total(ds.mT @ q[..., i0:i1, :])             # dk += Δcausalᵀ q
+            if factor is not None:
+                ds = ds * factor                                             # Δraw (before the scale)
+            dq[..., i0:i1, :] += ds @ k[..., j0:j1, :]                       # dq += Δraw k
+            dk[..., j0:j1, :] += total(ds.mT @ q[..., i0:i1, :])             # dk += Δrawᵀ q
     return dq, dk, dv
 
 
 def tiled_attention_weights(cache):
-    """``P = exp(q kᵀ/√d_qk − ℓ)`` (EQUATIONS.md, "Tiled attention").
+    """``P = exp(cap(q kᵀ · scale) − ℓ)`` (EQUATIONS.md, "Tiled attention").
 
     ``P`` ``(B, n_heads, T, T)`` of a :func:`tiled_attention_forward` cache, recomputed from
-    ``q``, ``k`` and the log-sum-exp ``ℓ``: ``P = exp(q kᵀ/√d_qk − ℓ)``, ``0`` above the diagonal
-    when causal (``O(T²)`` memory, on request only)."""
+    ``q``, ``k`` and the log-sum-exp ``ℓ``, ``0`` where masked (``O(T²)`` memory, on request only)."""
     q, k, lse = cache["q"], cache["k"], cache["lse"]
     G, T, _ = q.shape
     group = G // k.shape[0]                                                  # query heads per key/value head
     q, k, lse = q.reshape(G // group, group, T, -1), k[:, None], lse.reshape(G // group, group, T)
-    s = q @ k.swapaxes(-1, -2) - lse[..., None]                              # S − ℓ (G_kv, g, T, T)
+    s = q @ k.swapaxes(-1, -2)                                               # S (G_kv, g, T, T)
+    cap = cache.get("cap", 0.0)
+    if cap > 0:
+        s = cap * (s / cap).tanh() if is_torch_array(s) else cap * np.tanh(s / cap)
+    s = s - lse[..., None]                                                   # S − ℓ
     p = s.exp() if is_torch_array(s) else np.exp(s)                          # P
-    if cache["causal"]:                                                      # 0 above the diagonal
-        p[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = 0.0     # (also where ℓ is NaN)
-    return p.reshape(G // cache["n_heads"], cache["n_heads"], T, T)
+    B = G // cache["n_heads"]
+    p = p.reshape(B, cache["n_heads"], T, T)
+    bounds = cache.get("bounds")
+    lo, hi, _ = key_bounds(B, T, cache["causal"]) if bounds is None else bounds
+    j = np.arange(T)
+    allowed = (j >= lo[:, :, None]) & (j < hi[:, :, None])                   # (B | 1, T, T)
+    if is_torch_array(p):
+        import torch
+
+        allowed = torch.from_numpy(allowed).to(p.device)
+        return torch.where(allowed[:, None], p, torch.zeros_like(p))         # 0 where masked (also a NaN ℓ)
+    return np.where(allowed[:, None], p, 0.0).astype(p.dtype, copy=False)

@@ -39,30 +39,65 @@ class KVBlock(NamedTuple):
         length: tokens cached before this call; the new ones are written at ``length …``.
         key_start: ``(B,)`` integer array, the first real key of each row (left padding before
             it is never attended to), or ``None`` when no row is padded.
+        window: ``None``, or a sliding window ``w`` whose arrays are a ring of ``capacity = w``
+            slots: the token of cache index ``p`` lives in slot ``(first + p) mod w`` and only the
+            last ``w`` are held (a sliding-window block's cache, :mod:`pedestrian.model.kv_cache`).
+        first: the ring's count of tokens dropped before cache index 0 (``drop_oldest``).
     """
 
     keys: object
     values: object
     length: int
     key_start: object = None
+    window: int | None = None
+    first: int = 0
 
 
-def attention_mask(T: int, L: int, *, causal: bool, key_start=None, like=None):
-    """Boolean ``(T, L)`` (or ``(B, 1, T, L)`` with ``key_start``) of the scores a query may use.
+def attention_mask(T: int, L: int, *, causal: bool, key_start=None, like=None, window: int | None = None,
+                   segments=None):
+    """Boolean ``(T, L)`` (or ``(B, 1, T, L)`` with ``key_start`` or ``segments``) of the scores a query may use.
 
-    Query ``α`` sits at position ``L − T + α`` (the last ``T`` of ``L`` tokens, so a KV-cache step
-    continues the cached ones); with ``causal`` it may use keys ``β <= L − T + α``. Keys before
-    ``key_start[b]`` are row ``b``'s left padding: no query uses them, except a padding query
-    its own key (so every row of scores keeps one finite entry).
+    Query ``α`` sits at position ``i = L − T + α`` (the last ``T`` of ``L`` tokens, so a KV-cache step
+    continues the cached ones); with ``causal`` it may use keys ``j <= i``; with a sliding
+    ``window`` ``w`` only ``i − w < j`` of them (Mistral, Gemma 2; transformers'
+    ``sliding_window_causal_mask_function``); with ``segments`` ``(B, L)`` (ids of packed
+    conversations, ``L == T``) only keys of its own segment, ``segments[b, j] == segments[b, i]``.
+    Keys before ``key_start[b]`` are row ``b``'s left padding: no query uses them, except a padding
+    query its own key (so every row of scores keeps one finite entry).
     """
     xp = array_namespace(like)
     query_pos = xp.arange(L - T, L, device=like.device)[:, None]             # (T, 1)
     key_pos = xp.arange(L, device=like.device)[None, :]                      # (1, L)
     allowed = key_pos <= query_pos if causal else xp.ones((T, L), dtype=xp.bool, device=like.device)
+    if window is not None:
+        allowed = allowed & (key_pos > query_pos - window)                   # i − w < j
+    if segments is not None:
+        same = segments[:, -T:, None] == segments[:, None, :]                # (B, T, L)
+        allowed = allowed & same[:, None]                                    # (B, 1, T, L)
     if key_start is None:
-        return allowed                                                       # (T, L)
+        return allowed                                                       # (T, L) or (B, 1, T, L)
     start = xp.reshape(key_start, (-1, 1, 1, 1))                             # (B, 1, 1, 1)
     return allowed & ((key_pos >= start) | (key_pos == query_pos))           # (B, 1, T, L)
+
+
+def segment_mean(a, segments=None, active=None):
+    """Per key row ``j`` of ``a`` ``(B, heads…, L, w)``: the mean of the rows of ``j``'s segment
+    (``segments`` ``(B, L)``; ``None``: one segment) that are ``active`` (``(B, heads…, L, 1)``
+    booleans; ``None``: all), and 0 on the rows that are not active.
+
+    The float32 correction of the attention backward (:func:`scaled_dot_product_attention_backward`)
+    takes its means with it: over a segment's keys only, and over the keys that get a gradient,
+    so that a key no query with an error signal sees keeps a gradient of exactly 0.
+    """
+    xp = array_namespace(a)
+    w = xp.ones_like(a[..., :1]) if active is None else xp.astype(active, a.dtype)   # (…, L, 1)
+    if segments is None:
+        count = xp.sum(w, axis=-2, keepdims=True)                           # (…, 1, 1)
+        return xp.sum(a * w, axis=-2, keepdims=True) / xp.maximum(count, xp.ones_like(count)) * w
+    same = xp.astype(segments[:, :, None] == segments[:, None, :], a.dtype)   # (B, L, L)
+    same = xp.reshape(same, (same.shape[0],) + (1,) * (a.ndim - 3) + same.shape[1:])
+    count = same @ w                                                         # (…, L, 1)
+    return (same @ (a * w)) / xp.maximum(count, xp.ones_like(count)) * w     # (…, L, w)
 
 
 def softmax_forward(scores):
@@ -86,37 +121,51 @@ def softmax_backward(delta_p, p):
     return p * (delta_p - xp.sum(delta_p * p, axis=-1, keepdims=True))
 
 
-def scaled_dot_product_attention_forward(q, k, v, allowed=None):
-    """``out = softmax(q kᵀ / √d_qk, masked) v`` over any leading axes (section 3).
+def scaled_dot_product_attention_forward(q, k, v, allowed=None, *, scale: float | None = None,
+                                          softcap: float | None = None, segments=None):
+    """``out = softmax(mask(cap(q kᵀ · scale))) v`` over any leading axes (section 3; EQUATIONS.md
+    "Score scale and soft-cap").
 
     Args:
         q: ``(..., T, d_qk)``; k: ``(..., L, d_qk)``; v: ``(..., L, d_head)``.
         allowed: boolean mask broadcastable to ``(..., T, L)`` (``False`` -> score ``−∞``), or ``None``.
+        scale: the score scale (``None``: ``1/√d_qk``).
+        softcap: ``c`` of the soft-cap ``s ↦ c·tanh(s/c)`` after the scale, before the mask (Gemma 2),
+            or ``None``.
+        segments: ``(B, L)`` segment ids the mask was made with (kept for the backward's means).
 
     Returns:
-        ``(out, cache)``: ``out`` ``(..., T, d_head)``; ``cache`` holds ``q, k, v`` and ``p`` (= ``P``).
+        ``(out, cache)``: ``out`` ``(..., T, d_head)``; ``cache`` holds ``q, k, v``, ``p`` (= ``P``) and,
+        soft-capped, ``tanh(s/c)``.
     """
     xp = array_namespace(q)
-    scores = q @ xp.matrix_transpose(k) / math.sqrt(q.shape[-1])            # S (..., T, L)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ xp.matrix_transpose(k) * scale                              # S (..., T, L)
+    tanh = None
+    if softcap is not None:                                                  # S ↦ c·tanh(S/c)
+        tanh = xp.tanh(scores / softcap)
+        scores = softcap * tanh
     if allowed is not None:
         scores = xp.where(allowed, scores, xp.full_like(scores, -math.inf))
     p = softmax_forward(scores)                                              # P (..., T, L)
     if allowed is not None:                                                  # exactly 0 even when a
         p = xp.where(allowed, p, xp.zeros_like(p))                           # NaN row max made e NaN
-    return p @ v, dict(q=q, k=k, v=v, p=p, allowed=allowed)                  # (..., T, d_head)
+    return p @ v, dict(q=q, k=k, v=v, p=p, allowed=allowed, scale=scale, tanh=tanh,  # (..., T, d_head)
+                       segments=segments)
 
 
 def scaled_dot_product_attention_backward(delta, cache):
     """Section 3's backward of :func:`scaled_dot_product_attention_forward` (EQUATIONS.md).
 
-    ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``Δraw = Δcausal/√d_qk``,
-    ``dq = Δraw k``, ``dk = Δrawᵀ q``.
+    ``dv = Pᵀ Δ``, ``dP = Δ vᵀ``, ``Δcausal = P ∘ (dP − rowsum(dP ∘ P))``, ``Δraw = Δcausal · scale``
+    (soft-capped: ``Δraw = Δcausal ∘ (1 − tanh²(s/c)) · scale``), ``dq = Δraw k``, ``dk = Δrawᵀ q``.
 
     Returns:
         ``(dq, dk, dv, delta_causal)``, shaped like ``q, k, v`` and ``P``.
     """
     xp = array_namespace(delta)
     q, k, v, p = cache["q"], cache["k"], cache["v"], cache["p"]
+    scale, tanh, segments = cache.get("scale", 1 / math.sqrt(q.shape[-1])), cache.get("tanh"), cache.get("segments")
     dv = xp.matrix_transpose(p) @ delta                                      # (..., L, d_head)
     dp = delta @ xp.matrix_transpose(v)                                      # (..., T, L)
     allowed = cache.get("allowed")
@@ -125,12 +174,17 @@ def scaled_dot_product_attention_backward(delta, cache):
     delta_causal = softmax_backward(dp, p)                                   # (..., T, L)
     if allowed is not None:                                                  # masked: exactly 0, also
         delta_causal = xp.where(allowed, delta_causal, xp.zeros_like(p))     # in a NaN row
-    delta_raw = delta_causal / math.sqrt(q.shape[-1])
-    # rows of Δraw sum to 0, so dq = Δraw (k − k̄) and Σ_keys dk = 0: the key mean k̄ and the
-    # rounding left in Σ dk, removed, would otherwise reach dq, dWk scaled by |k̄|, |x̄| (float32)
-    dq = delta_raw @ (k - xp.mean(k, axis=-2, keepdims=True))                # (..., T, d_qk)
+    if tanh is not None:                                                     # through c·tanh(s/c)
+        delta_raw = delta_causal * (1 - tanh * tanh) * scale
+        return delta_raw @ k, xp.matrix_transpose(delta_raw) @ q, dv, delta_causal
+    delta_raw = delta_causal * scale
+    # rows of Δraw sum to 0 over their segment's keys, so dq = Δraw (k − k̄) and Σ_segment dk = 0:
+    # the key mean k̄ and the rounding left in Σ dk, removed, would otherwise reach dq, dWk scaled
+    # by |k̄|, |x̄| (float32). Means per segment, dk's over the keys with a gradient only: a key no
+    # query with an error signal sees keeps dk = 0 exactly (EQUATIONS.md, "Exact zeros").
+    dq = delta_raw @ (k - segment_mean(k, segments))                         # (..., T, d_qk)
     dk = xp.matrix_transpose(delta_raw) @ q                                  # (..., L, d_qk)
-    dk = dk - xp.mean(dk, axis=-2, keepdims=True)                            # (..., L, d_qk)
+    dk = dk - segment_mean(dk, segments, xp.any(dk != 0, axis=-1, keepdims=True))   # (..., L, d_qk)
     return dq, dk, dv, delta_causal
 
 
@@ -230,7 +284,9 @@ def check_cache_heads(kv_cache: KVBlock, n_kv_heads: int) -> None:
 
 
 def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal: bool = True,
-                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None):
+                                 kv_cache: KVBlock | None = None, n_kv_heads: int | None = None,
+                                 window: int | None = None, segments=None, softcap: float | None = None,
+                                 scale: float | None = None):
     """All heads at once: the section-3 head batched over ``(B, n_heads)`` (section 4), with
     grouped-query attention (EQUATIONS.md "Grouped-query attention") when ``n_kv_heads < n_heads``.
 
@@ -247,6 +303,11 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         n_kv_heads: key/value heads, dividing ``n_heads`` (``None``: ``n_heads``, multi-head;
             1: multi-query). Query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``
             (Hugging Face's ``repeat_kv``).
+        window: sliding window ``w``: query ``i`` sees keys ``i − w < j <= i`` (``None``: all).
+        segments: ``(B, T)`` integer segment ids, nondecreasing along ``T`` (packed sequences):
+            query ``i`` sees key ``j`` only if ``segments[b, j] == segments[b, i]``; not with a cache.
+        softcap: ``c``: scores ``s ↦ c·tanh(s/c)`` after the scale, before the mask (``None``: none).
+        scale: the score scale (``None``: ``1/√d_qk``).
 
     Returns:
         ``(a3, cache)``: ``a3`` ``(B, T, n_heads·d_head)``, the heads' ``P v`` concatenated; the
@@ -256,18 +317,22 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
     Raises:
         TypeError: ``qkv`` not real floating point.
         ValueError: ``n_kv_heads`` not a divisor of ``n_heads``; a KV-cache step that does not fit
-            the cache's capacity.
+            the cache's capacity; ``segments`` with a cache or of the wrong shape.
     """
     check_float(qkv, "qkv")
     xp = array_namespace(qkv)
     n_kv = check_kv_heads(n_heads, n_kv_heads)
+    check_mask_args(qkv, kv_cache, window, segments, softcap)
     hq, hk = n_heads * d_qk, n_kv * d_qk
     q = _split_heads(qkv[..., :hq], n_heads)                                 # (B, H, T, d_qk)
     k = _split_heads(qkv[..., hq:hq + hk], n_kv)                             # (B, H_kv, T, d_qk)
     v = _split_heads(qkv[..., hq + hk:], n_kv)                               # (B, H_kv, T, d_head)
     T = qkv.shape[1]
     key_start = None
-    if kv_cache is not None:                                                 # append, attend to all
+    if kv_cache is not None and kv_cache.window is not None:                 # a ring of the last w
+        k, v, key_start = _ring_step(kv_cache, k, v)
+        window = kv_cache.window
+    elif kv_cache is not None:                                               # append, attend to all
         check_cache_heads(kv_cache, n_kv)
         L0, L = kv_cache.length, kv_cache.length + T
         if L0 < 0 or L > kv_cache.keys.shape[2]:
@@ -277,14 +342,56 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
         kv_cache.values[:, :, L0:L, :] = v
         k, v, key_start = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :], kv_cache.key_start
     L = k.shape[2]
-    allowed = attention_mask(T, L, causal=causal, key_start=key_start, like=qkv) \
-        if causal or key_start is not None else None
+    masked = causal or key_start is not None or window is not None or segments is not None
+    allowed = attention_mask(T, L, causal=causal, key_start=key_start, like=qkv, window=window,
+                             segments=segments) if masked else None
     if n_kv < n_heads:                                                       # a group's heads share k, v
         q, k, v = _group(q, n_kv), xp.expand_dims(k, axis=2), xp.expand_dims(v, axis=2)  # (B, H_kv, g|1, ·, ·)
         allowed = None if allowed is None else (allowed if allowed.ndim == 2 else allowed[:, None])
-    out, cache = scaled_dot_product_attention_forward(q, k, v, allowed)     # (B, H, T, d_head) or grouped
+    out, cache = scaled_dot_product_attention_forward(q, k, v, allowed, scale=scale, softcap=softcap,
+                                                      segments=segments)    # (B, H, T, d_head) or grouped
     out = xp.reshape(out, (out.shape[0], n_heads, T, d_head))                # (B, H, T, d_head)
     return _merge_heads(out), dict(cache, n_kv_heads=n_kv)                   # (B, T, H·d_head)
+
+
+def check_mask_args(qkv, kv_cache, window, segments, softcap) -> None:
+    """Raises ValueError for a ``window`` below 1, a ``softcap`` not > 0, ``segments`` with a KV
+    cache or not ``(B, T)`` (the shared checks of every attention kernel)."""
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"window must be a positive integer (keys i − w < j <= i), got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (scores become c·tanh(s/c)), got {softcap!r}")
+    if segments is None:
+        return
+    if kv_cache is not None:
+        raise ValueError("segments (packed sequences) cannot be used with a KV cache; generate one "
+                         "sequence per row instead")
+    if tuple(segments.shape) != tuple(qkv.shape[:2]):
+        raise ValueError(f"segments has shape {tuple(segments.shape)} but the tokens are "
+                         f"{tuple(qkv.shape[:2])}; pass one segment id per token")
+
+
+def _ring_step(kv_cache: KVBlock, k, v):
+    """A KV-cache step of a sliding-window block whose arrays are a ring of ``w`` slots: the keys
+    and values the new queries may see -- the last ``min(length, w − 1)`` cached ones (gathered in
+    order) and the ``T`` new ones -- and the left padding in that frame; the new tokens' keys and
+    values (the last ``w`` of them) are written into their slots ``(first + p) mod w``."""
+    xp = array_namespace(k)
+    w, L0, T = kv_cache.keys.shape[2], kv_cache.length, k.shape[2]
+    if kv_cache.window != w:
+        raise ValueError(f"a sliding-window cache block holds {w} slots but its window is {kv_cache.window}")
+    if kv_cache.keys.shape[1] != k.shape[1]:
+        check_cache_heads(kv_cache, k.shape[1])
+    held = min(L0, w - 1)                                                    # keys a new query can still see
+    old = [(kv_cache.first + p) % w for p in range(L0 - held, L0)]
+    keys = xp.concat([kv_cache.keys[:, :, old, :], k], axis=2)              # (B, H_kv, held + T, d_qk)
+    values = xp.concat([kv_cache.values[:, :, old, :], v], axis=2)          # (B, H_kv, held + T, d_head)
+    n = min(T, w)                                                            # the new ones the ring keeps
+    new = [(kv_cache.first + p) % w for p in range(L0 + T - n, L0 + T)]
+    kv_cache.keys[:, :, new, :] = k[:, :, T - n:, :]
+    kv_cache.values[:, :, new, :] = v[:, :, T - n:, :]
+    key_start = None if kv_cache.key_start is None else kv_cache.key_start - (L0 - held)
+    return keys, values, key_start
 
 
 def multi_head_attention_backward(delta, cache, *, keep_delta_causal: bool = False):

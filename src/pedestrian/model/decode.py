@@ -17,7 +17,6 @@ Measured: docs/kernels.md, "One generated token at SmolLM2-135M's shape".
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -41,7 +40,8 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens, ``plain`` (it keeps no
     activations and runs no dropout), no targets, NumPy arrays of a model on the fast kernels with
     RMS norms, a SwiGLU MLP (no experts: a mixture of experts runs the chain) and RoPE (or no
-    positions), no LoRA adapters, no plugged layer."""
+    positions), no LoRA adapters, no plugged layer, no sliding-window block whose cache is a ring
+    (``sliding_window < context_length``)."""
     c, K = model.config, model.kernels
     if not plain or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
         return False
@@ -50,6 +50,8 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     if c.n_experts or c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
         return False
     if c.norm_placement != "pre":                      # its skips and norms are fused as pre-norms
+        return False
+    if c.sliding_window is not None and c.sliding_window < c.context_length:   # a sliding-window ring: the chain
         return False
     return all(getattr(K, name) is f for name, f in _STANDS_FOR.items())
 
@@ -75,12 +77,16 @@ def forward(model, tokens, kv_cache):
     x = np.array(model.kernels.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions,      # (B, T, d), own
                                                  **c.embedding_options)[0])
     dtype = x.dtype
-    if c.position_encoding == "rope":                  # the angles, once for every block
+    angles = {}                                        # the angles, once per RoPE base (Gemma 3: two)
+    if c.position_encoding == "rope":
         r = c.rope_dims
-        cos, sin = rope.angle_rows(positions, r, c.rope_base, c.rope_scaling, dtype)
+        for i in range(c.n_blocks):
+            base, scaling = c.rope_of(i)
+            if (base, scaling) not in angles:
+                angles[base, scaling] = rope.angle_rows(positions, r, base, scaling, dtype)
     else:
-        r, cos = 0, np.zeros((1, 1), dtype)
-        sin = cos
+        r = 0
+    none = (np.zeros((1, 1), dtype),) * 2
     key_start = (np.zeros(B, np.int64) if first.key_start is None
                  else np.asarray(first.key_start, dtype=np.int64).reshape(B))
     x2 = x.reshape(B * T, d)
@@ -90,7 +96,8 @@ def forward(model, tokens, kv_cache):
     p, a3 = np.empty((B, H, T, L), dtype), np.empty((B, T, H * d_head), dtype)
     m = c.d_mlp
     a8 = np.empty((B, T, m), dtype)
-    n_qk, scale = H + H_kv, 1.0 / math.sqrt(d_qk)
+    n_qk, scale = H + H_kv, c.score_scale
+    cap = 0.0 if c.attn_softcap is None else float(c.attn_softcap)
     mm = _products()
     gate = swiglu.GATES[c.activation]                  # silu, or Gemma's gelu_tanh
 
@@ -102,8 +109,11 @@ def forward(model, tokens, kv_cache):
         block = kv_cache.block(i)
         qkv = mm(y, w.qkv)                                          # (B, T, width)
         qkv, _ = prelude.forward(model.kernels, c, i, qkv, w, None, turn=False)          # q/k norms (the chain's)
+        window = c.window(i)
+        cos, sin = angles.get(c.rope_of(i), none) if r else none
         fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r if c.uses_rope(i) else 0, turned, block.keys,
-                                    block.values, L0, key_start, True, scale, q, p, a3)     # RoPE, a3
+                                    block.values, L0, key_start, True, 0 if window is None else window, cap, scale,
+                                    q, p, a3)                                               # RoPE, a3
         a4 = mm(a3, w.attn_proj)
         fused.add_rmsnorm(x2, a4.reshape(B * T, d), w_norm(w.ln2), eps, y2, xhat, rrms)     # a5 in x, a6 in y
         a7 = mm(y, w.mlp_gate_up).reshape(B * T, -1)                                   # [a7_gate | a7_up]

@@ -33,8 +33,9 @@ class NumpyCache:
 
     def block(self, i: int) -> KVBlock:
         """``cache.block(i)`` with NumPy views of its arrays."""
-        keys, values, length, key_start = self.cache.block(i)
-        return KVBlock(to_numpy(keys), to_numpy(values), length, None if key_start is None else to_numpy(key_start))
+        b = self.cache.block(i)
+        return KVBlock(to_numpy(b.keys), to_numpy(b.values), b.length,
+                       None if b.key_start is None else to_numpy(b.key_start), b.window, b.first)
 
 
 def to_torch(values):

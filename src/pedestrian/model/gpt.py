@@ -68,7 +68,7 @@ from ..kernels.workspace import Workspace
 from . import decode, head, moe, placement, prelude, precision as mixed
 from .buffers import FlatBuffer
 from .device_checks import read_checked
-from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
+from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens, segment_positions
 from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
 from .params import FC, Delegated, Parameters
@@ -205,7 +205,7 @@ class GPT:
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens, targets=None, *, kv_cache: KVCache | None = None, n_total: int | None = None,
-                keep_activations: bool = True):
+                keep_activations: bool = True, segments=None):
         """Run ``a0 → a12`` and keep what the backward needs.
 
         Args:
@@ -222,6 +222,11 @@ class GPT:
             keep_activations: ``False`` keeps only the logits (no :meth:`activations`,
                 :meth:`attention_weights` or backward for this step): each block's arrays are
                 let go when the block ends (:func:`pedestrian.generation.generate.generate` passes it).
+            segments: ``(B, T)`` integer ids of packed sequences, nondecreasing along each row
+                (several short conversations in one window): a query sees only the keys of its own
+                segment, and positions (RoPE, learned table) restart at 0 at each segment's start, so
+                each segment computes what it would alone. ``None``: one sequence per row. Not with
+                a ``kv_cache`` (:func:`pedestrian.model.inputs.segment_positions`).
 
         Returns:
             logits ``(B, T, vocab_size)`` in the model's dtype and backend. Arrays of an earlier
@@ -231,7 +236,8 @@ class GPT:
         Raises:
             TypeError: non-integer tokens or targets.
             ValueError: ids out of range, ``T > context_length`` (or more than the cache has
-                room for), shape mismatch, a cache made for another model or batch size.
+                room for), shape mismatch, a cache made for another model or batch size; bad
+                ``segments``, or ``segments`` with a ``kv_cache``.
         """
         c = self.config
         tokens = as_tokens(self, tokens, "token ids")
@@ -241,33 +247,39 @@ class GPT:
         if targets is not None:                                             # made safe, model/inputs.py)
             targets = as_tokens(self, targets, "targets")
             targets = check_targets(self.xp, targets, tokens, c.vocab_size)
+        packed = None if segments is None else segment_positions(self, segments, tokens, kv_cache)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
         if self.numpy_chain:                               # the edge: NumPy views in
             tokens, targets = to_numpy(tokens), None if targets is None else to_numpy(targets)
+            packed = None if packed is None else tuple(to_numpy(a) for a in packed)
         chain_cache = NumpyCache(kv_cache) if self.numpy_chain and kv_cache is not None else kv_cache
         with self._workspace:
-            logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations)
+            logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations, packed)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
         return self._out(logits)
 
-    def _forward(self, tokens, targets, kv_cache, n_total, keep=True):
+    def _forward(self, tokens, targets, kv_cache, n_total, keep=True, packed=None):
         plain = not keep and not (self.config.dropout and self._dropping_out())   # nothing kept, no dropout
         if decode.fits(self, tokens, targets, kv_cache, plain):                     # a generated token: fewer
             logits, self._acts = decode.forward(self, tokens, kv_cache)             # calls, the same numbers
             return logits
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
+        segments = None
+        if packed is not None:                                                      # packed: per segment
+            segments, positions = packed
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
-        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re, routes=[])
+        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re, routes=[],
+                            positions=positions, segments=segments)
         f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions,    # (B, T, d); Gemma: · √d
                                           **c.embedding_options)
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
             if i < n_re:                                                             # keep x and where its dropout draws start
                 f.blocks.append(SimpleNamespace(x=x, rng=copy.deepcopy(self.dropout_rng) if self._dropping_out() else None))
-            b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i), i)
+            b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i), i, segments)
             x = b.a10
             if getattr(b, "route", None) is not None:                               # the router's π and choice
                 f.routes.append(moe.kept_route(b.route))                             # (the aux loss's rows)
@@ -281,7 +293,7 @@ class GPT:
         self._acts = f
         return f.a12
 
-    def _block(self, x, w, positions, kv_block, i: int):
+    def _block(self, x, w, positions, kv_block, i: int = 0, segments=None):
         """Block ``i``'s ``a2 … a10`` from its input ``x`` (the dropped-out ``a1``, or the previous
         ``a10``); returns the block's activations (and its adapters' caches, ``b.lora``). Norms
         after the sublayers (``config.norm_placement``): ``a4_post``, ``a9_post``."""
@@ -291,7 +303,8 @@ class GPT:
         qkv = self._fc_forward(w.qkv, b.a2, b.lora)                                  # (B, T, H·d_qk+H_kv·(d_qk+d_head))
         qkv, b.prelude = prelude.forward(K, c, i, qkv, w, positions)                 # q/k norms, RoPE (model/prelude.py)
         b.a3, b.attn = K.multi_head_attention_forward(                               # (B, T, H·d_head)
-            qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal, kv_cache=kv_block, n_kv_heads=c.n_kv_heads)
+            qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal, kv_cache=kv_block, n_kv_heads=c.n_kv_heads,
+            window=c.window(i), segments=segments, softcap=c.attn_softcap, scale=c.attn_scale)
         b.a4 = self._fc_forward(w.attn_proj, b.a3, b.lora)                           # (B, T, d)
         branch, b.drop4 = self._dropout(placement.post_norm(S.norm, b, "a4", w.ln1_post))   # (or a4_post)
         if w.ln2 is not None:
@@ -329,16 +342,22 @@ class GPT:
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
     def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
-             read: bool = True, per_row: bool = False) -> float:
+             read: bool = True, per_row: bool = False, segments=None) -> float:
         """Forward with targets; the mean next-token cross-entropy (nats per token; ``0.0`` with zero
         gradients when every target is the ignore index ``-100``). ``n_total``, ``keep_activations``:
-        see :meth:`forward`. ``read=False``: the loss as the 0-d array it is, unread (no host sync;
-        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags come to the host in one
-        read (:func:`~pedestrian.model.device_checks.read_checked`). ``per_row``: :func:`.head.sequence_logprobs`'."""
+        see :meth:`forward`. ``segments`` ``(B, T)`` ints, nondecreasing along each row: packed
+        sequences (short conversations in one window), each attending only to itself with its
+        positions restarting at 0 (:meth:`forward`); the loss is still the mean over every counted
+        target of the window, so it and its gradients are the sums of the segments' run alone
+        divided by that count (a target that crosses into the next segment is the caller's to
+        ignore, ``-100``). ``read=False``: the loss as the 0-d array it is, unread (no host sync;
+        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags
+        come to the host in one read (:func:`~pedestrian.model.device_checks.read_checked`).
+        ``per_row``: :func:`.head.sequence_logprobs`'."""
         def run():
             self._local.fuse = head.SEQUENCES if per_row else self.fused_head     # (model/head.py)
             try:
-                self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
+                self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations, segments=segments)
             finally:
                 self._local.fuse = False
             self._acts.logits_held = False                 # by no caller: Δ12 may take their place
@@ -406,7 +425,7 @@ class GPT:
             b, w, g = take_block(f, i), W.blocks[i], G.blocks[i]                              # (loss(): let go after)
             if i < f.recomputed:                                                               # a2 … a10 again, same draws
                 self.dropout_rng = rng_after if b.rng is None else copy.deepcopy(b.rng)
-                b = self._block(b.x, w, None, None, i)
+                b = self._block(b.x, w, f.positions, None, i, f.segments)
             D = SimpleNamespace(d10=d10, aux=None if delta_logits is not None else getattr(f, "aux_grad", None))  # Δ10
             D.d9 = placement.post_norm_backward(S.norm, D, K.dropout_backward(D.d10, b.drop9), b, 9, g.ln2_post)  # Δ9
             D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)

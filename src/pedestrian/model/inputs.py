@@ -181,3 +181,36 @@ def as_signal(model, delta, shape):
         raise ValueError(f"delta_logits must have the logits' shape {tuple(shape)}, got "
                          f"{tuple(np.shape(delta))}")
     return model.to_xp(to_numpy(delta))
+
+
+def segment_positions(model, segments, tokens, kv_cache):
+    """``(segments, positions)`` of a packed window, as arrays of the model's backend and device:
+    ``segments`` ``(B, T)`` the ids as given (int64), ``positions`` ``(B, T)`` each token's index
+    less the index where its segment starts (RoPE and a learned table count from 0 in every
+    segment). Read on the host (one transfer of ``(B, T)`` ids for a tensor on a device).
+
+    Raises:
+        ValueError: ``segments`` with a ``kv_cache``, not ``(B, T)`` integers like ``tokens``, or
+            decreasing along a row.
+    """
+    if kv_cache is not None:
+        raise ValueError("segments (packed sequences) cannot be used with a KV cache: generate one "
+                         "sequence per row (segments=None)")
+    seg = to_numpy(segments) if is_torch_array(segments) else np.asarray(segments)
+    if seg.dtype.kind not in "iu" or tuple(seg.shape) != tuple(tokens.shape):
+        raise ValueError(f"segments must be integers shaped like the tokens {tuple(tokens.shape)} (one "
+                         f"segment id per token), got {seg.dtype} {tuple(seg.shape)}")
+    seg = seg.astype(np.int64)
+    if seg.shape[1] > 1 and np.any(seg[:, 1:] < seg[:, :-1]):
+        raise ValueError("segments must be nondecreasing along each row (one id per packed sequence, "
+                         "in order); renumber them")
+    B, T = seg.shape
+    t = np.broadcast_to(np.arange(T, dtype=np.int64), (B, T))
+    change = np.ones((B, T), bool)
+    change[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    positions = t - np.maximum.accumulate(np.where(change, t, 0), axis=1)      # index − its segment's start
+    if model.backend != "torch":
+        return seg, positions
+    import torch
+
+    return torch.as_tensor(seg, device=model.device), torch.as_tensor(positions, device=model.device)

@@ -31,6 +31,13 @@ kept keys stay valid because RoPE scores depend only on the offset between query
 (``offset``). A ``"learned"`` model cannot: its positions are absolute indices into a table of
 ``context_length`` rows, so past the context the cache is rebuilt from scratch
 (:mod:`pedestrian.generation.generate`).
+
+Sliding-window blocks (``config.window(i) = w < context_length``; Mistral, Gemma 2's local
+layers) keep only what their queries can still see: a ring of ``w`` slots, the token of cache
+index ``p`` in slot ``(dropped + p) mod w``, overwritten as new tokens come (each step gathers the
+last ``w − 1`` cached keys in order beside the new ones, :func:`pedestrian.layers.attention`'s
+``_ring_step``). Such a block holds ``w / context_length`` of a full block's memory, whatever the
+length generated (:attr:`KVCache.nbytes`; docs/guide.md, "Sliding window").
 """
 
 from __future__ import annotations
@@ -55,8 +62,11 @@ class KVCache:
             first real token); ``None`` when no row is padded.
 
     Attributes:
-        keys: list over blocks of ``(B, n_kv_heads, context_length, d_qk)`` arrays.
-        values: list over blocks of ``(B, n_kv_heads, context_length, d_head)`` arrays.
+        keys: list over blocks of ``(B, n_kv_heads, context_length, d_qk)`` arrays (a
+            sliding-window block: ``(B, n_kv_heads, w, d_qk)``, a ring, module docstring).
+        values: list over blocks of ``(B, n_kv_heads, context_length, d_head)`` arrays (ring: ``w``).
+        windows: per block, ``w`` when its arrays are a ring of ``w`` slots, else ``None``.
+        dropped: tokens forgotten by :meth:`drop_oldest` since the last :meth:`reset`.
         n_kv_heads: the config's ``n_kv_heads`` (``n_heads`` when it has none or ``None``).
         length: number of tokens (padding included) cached so far.
         context_length: capacity (the model's ``context_length``).
@@ -88,10 +98,13 @@ class KVCache:
         self.context_length = c.context_length
         dev = model.device                                 # None: the backend's default (the CPU)
         self.n_kv_heads = n_kv = getattr(c, "n_kv_heads", None) or c.n_heads
-        self.keys = [xp.zeros((batch_size, n_kv, c.context_length, c.d_qk), dtype=model.dtype, device=dev)
-                     for _ in range(c.n_blocks)]
-        self.values = [xp.zeros((batch_size, n_kv, c.context_length, c.d_head), dtype=model.dtype, device=dev)
-                       for _ in range(c.n_blocks)]
+        #: per block: its sliding window when its arrays are a ring of that many slots, else ``None``
+        window = getattr(c, "window", lambda i: None)      # (a config without the field: no window)
+        self.windows = [w if w is not None and w < c.context_length else None
+                        for w in (window(i) for i in range(c.n_blocks))]
+        slots = [c.context_length if w is None else w for w in self.windows]
+        self.keys = [xp.zeros((batch_size, n_kv, n, c.d_qk), dtype=model.dtype, device=dev) for n in slots]
+        self.values = [xp.zeros((batch_size, n_kv, n, c.d_head), dtype=model.dtype, device=dev) for n in slots]
         self.reset(key_start)
 
     def reset(self, key_start=None, *, first_position: int = 0) -> None:
@@ -109,7 +122,7 @@ class KVCache:
         """
         if not isinstance(first_position, numbers.Integral) or first_position < 0:
             raise ValueError(f"first_position must be an integer >= 0, got {first_position!r}")
-        self.length = 0
+        self.length = self.dropped = 0
         self.offset = self._first = int(first_position)
         self.key_start = self._pad = self._pad_host = None
         if key_start is not None:
@@ -145,22 +158,25 @@ class KVCache:
             return
         xp = self.model.xp
         for arrays in (self.keys, self.values):
-            for a in arrays:
-                a[:, :, :L - n, :] = xp.asarray(a[:, :, n:L, :], copy=True)   # overlapping ranges
+            for a, window in zip(arrays, self.windows):
+                if window is None:                 # (a ring stays: its slots count from `dropped`)
+                    a[:, :, :L - n, :] = xp.asarray(a[:, :, n:L, :], copy=True)   # overlapping ranges
         self.length = L - n
         self.offset += n
+        self.dropped += n
         if self._pad_host is not None:             # padding slots that are left, per row
             start = np.clip(self._pad_host - (self.offset - self._first), 0, None)
             self.key_start = asarray_like(start, self.keys[0]) if start.any() else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the keys and values of every block (the whole capacity, used or not)."""
+        """Bytes held by the keys and values of every block (the whole capacity, used or not; a
+        sliding-window block's ring of ``w`` slots)."""
         return sum(int(a.nbytes) for a in (*self.keys, *self.values))      # (NumPy arrays and torch tensors)
 
     def block(self, i: int) -> KVBlock:
         """Block ``i``'s arrays and the current length, as the attention layers take them."""
-        return KVBlock(self.keys[i], self.values[i], self.length, self.key_start)
+        return KVBlock(self.keys[i], self.values[i], self.length, self.key_start, self.windows[i], self.dropped)
 
     def positions(self, T: int):
         """Position index of ``T`` new tokens: ``offset + length + t``, counted from each row's

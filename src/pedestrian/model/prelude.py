@@ -61,8 +61,9 @@ def forward(K, config, i: int, qkv, w, positions, *, turn: bool = True):
             norms.append(norm_cache)
         cache.norms = norms
     if turn and c.uses_rope(i):                                                  # q, k turned by position
-        qkv, cache.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims,
-                                         n_kv_heads=c.n_kv_heads, scaling=c.rope_scaling)
+        base, scaling = c.rope_of(i)                                             # (Gemma 3: local / global)
+        qkv, cache.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=base, rotated=c.rope_dims,
+                                         n_kv_heads=c.n_kv_heads, scaling=scaling)
     return qkv, cache
 
 
