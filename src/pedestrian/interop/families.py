@@ -285,9 +285,6 @@ register(Family(
                          layer_types=["full_attention"] * c.n_blocks)))
 
 
-from . import families_moe  # noqa: E402,F401  (Mixtral, Qwen3-MoE, OLMoE: interop/families_moe.py)
-
-
 # ------------------------------------------------------------------------------------ lookups
 def hf_family(hf_config: Mapping, *, source: str = "config.json") -> str:
     """The family of a parsed ``config.json``: its ``model_type``, else the family an

@@ -1,5 +1,5 @@
 """The mixture-of-experts families: Mixtral, Qwen3-MoE and OLMoE entries of :data:`.families.FAMILIES`
-(EQUATIONS.md, "Mixture of experts").
+(EQUATIONS.md, "Mixture of experts"), registered when :mod:`pedestrian.interop` is imported.
 
 transformers 5.25 keeps a block's experts as 3-D parameters in memory (``mlp.experts.gate_up_proj``
 ``(E, 2m, d)``, ``down_proj`` ``(E, d, m)``) but ``save_pretrained`` writes one tensor per expert and
@@ -26,8 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from .families import (ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, _attention_bias_refused, _want,
-                       register)
+from .families import ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, register
 
 __all__ = ["ExpertNames", "MAX_EXPERTS"]
 
@@ -68,6 +67,17 @@ class ExpertNames(Mapping):
 
     def __len__(self) -> int:
         return len(self.base) + 1 + MAX_EXPERTS * len(self.template)
+
+
+def _want(config, **allowed) -> list[str]:
+    """A problem for each field of ``config`` whose value is not the one allowed."""
+    return [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in allowed.items() if getattr(config, k) != v]
+
+
+def _attention_bias_refused(c: Mapping, source: str) -> None:
+    if c.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias={c['attention_bias']!r} is not implemented (biases on q, k, v "
+                         "and o but not on the MLP); only false")
 
 
 def _int(c: Mapping, key: str, source: str) -> int:
