@@ -328,14 +328,14 @@ class GPT:
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
     def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
-             read: bool = True) -> float:
+             read: bool = True, per_row: bool = False) -> float:
         """Forward with targets; the mean next-token cross-entropy (nats per token; ``0.0`` with zero
         gradients when every target is the ignore index ``-100``). ``n_total``, ``keep_activations``:
         see :meth:`forward`. ``read=False``: the loss as the 0-d array it is, unread (no host sync;
-        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags
-        come to the host in one read (:func:`~pedestrian.model.device_checks.read_checked`)."""
+        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags come to the host in one
+        read (:func:`~pedestrian.model.device_checks.read_checked`). ``per_row``: :func:`.head.sequence_logprobs`'."""
         def run():
-            self._local.fuse = self.fused_head             # (model/head.py: when the head is fused)
+            self._local.fuse = head.SEQUENCES if per_row else self.fused_head     # (model/head.py)
             try:
                 self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
             finally:
@@ -514,4 +514,5 @@ class GPT:
     merge_lora = Delegated()
     unmerge_lora = Delegated()
     remove_lora = Delegated()
+    without_adapters = Delegated()
     lora_state_dict = Delegated()
