@@ -1,5 +1,5 @@
 """The mixture-of-experts families: Mixtral, Qwen3-MoE and OLMoE entries of :data:`.families.FAMILIES`
-(EQUATIONS.md, "Mixture of experts"), registered when :mod:`pedestrian.interop` is imported.
+(EQUATIONS.md, "Mixture of experts").
 
 transformers 5.25 keeps a block's experts as 3-D parameters in memory (``mlp.experts.gate_up_proj``
 ``(E, 2m, d)``, ``down_proj`` ``(E, d, m)``) but ``save_pretrained`` writes one tensor per expert and
@@ -26,7 +26,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from .families import ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, register
+from .families import (ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, attention_bias_refused, want_key,
+                       register)
 
 __all__ = ["ExpertNames", "MAX_EXPERTS"]
 
@@ -69,17 +70,6 @@ class ExpertNames(Mapping):
         return len(self.base) + 1 + MAX_EXPERTS * len(self.template)
 
 
-def _want(config, **allowed) -> list[str]:
-    """A problem for each field of ``config`` whose value is not the one allowed."""
-    return [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in allowed.items() if getattr(config, k) != v]
-
-
-def _attention_bias_refused(c: Mapping, source: str) -> None:
-    if c.get("attention_bias"):
-        raise ValueError(f"{source}: attention_bias={c['attention_bias']!r} is not implemented (biases on q, k, v "
-                         "and o but not on the MLP); only false")
-
-
 def _int(c: Mapping, key: str, source: str) -> int:
     v = c.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -116,7 +106,7 @@ def _moe_write(config, experts_key: str, width_key: str) -> dict:
 def _moe_problems(config, **allowed) -> list[str]:
     c = config
     out = [] if c.n_experts else ["n_experts=0 (a mixture of experts has experts)"]
-    return out + _want(c, bias=False, qkv_bias=False, **allowed)
+    return out + want_key(c, bias=False, qkv_bias=False, **allowed)
 
 
 # ------------------------------------------------------------------------------------------ Mixtral
@@ -151,7 +141,7 @@ _EXPERT_NAMES = {"mlp_gate": "mlp.experts.{e}.gate_proj", "mlp_expand": "mlp.exp
 
 # ------------------------------------------------------------------------------------------ Qwen3-MoE
 def _qwen3_moe_fields(c: Mapping, source: str) -> dict:
-    _attention_bias_refused(c, source)
+    attention_bias_refused(c, source)
     if c.get("use_sliding_window") and c.get("sliding_window") is not None:
         raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} (a sliding-window attention) "
                          "is not implemented for Qwen3-MoE; only false")
@@ -190,7 +180,7 @@ register(Family(
 
 # ------------------------------------------------------------------------------------------ OLMoE
 def _olmoe_fields(c: Mapping, source: str) -> dict:
-    _attention_bias_refused(c, source)
+    attention_bias_refused(c, source)
     if c.get("clip_qkv") is not None:
         raise ValueError(f"{source}: clip_qkv={c['clip_qkv']!r} (q, k, v clamped to ±clip_qkv) is not implemented; "
                          "only null")
