@@ -23,7 +23,8 @@ Behaviour (more in docs/guide.md, Sampling):
   - An empty prompt starts from <|endoftext|> (error without it); a prompt longer than the
     context keeps its last context_length tokens (one warning line on stderr).
   - Every setting is checked before anything is printed.
-  - A sample ends at <|endoftext|> (--ignore-eot: go on), a --stop-id token, or right before a
+  - A sample ends at the folder's eos_token_id (generation_config.json, else config.json; int or
+    list, as transformers' generate; a checkpoint: <|endoftext|>) (--ignore-eot: go on), a --stop-id token, or right before a
     --stop TEXT in the generated text, however it is tokenized: neither the stop token nor the
     stop text is printed. Past the context the window slides (pedestrian.generation.generate).
 """
@@ -71,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "not printed); repeatable, the first one found ends the sample")
     parser.add_argument("--stop-id", action="append", type=int, default=[], metavar="ID",
                         help="stop at this token id; repeatable")
-    parser.add_argument("--ignore-eot", action="store_true", help="do not stop at <|endoftext|>")
+    parser.add_argument("--ignore-eot", action="store_true", help="do not stop at the end-of-sequence ids (the "
+                        "folder's eos_token_id, else <|endoftext|>)")
     parser.add_argument("--window-shift", type=int, default=1,
                         help="past the context, drop this many oldest tokens per slide (default 1)")
     parser.add_argument("--no-cache", action="store_true",
@@ -83,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace):
-    """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir``
-    (:func:`pedestrian.load.load_model`)."""
+    """``(model, tokenizer, folder)`` from ``--checkpoint`` and/or ``--hf-dir``
+    (:func:`pedestrian.load.load_model`); ``folder``: the Hugging Face directory (the model's, or
+    a fine-tune's base), else ``None``."""
     from ..cli import UserError
     from ..load import adapter_checkpoint_dir, load_model
 
@@ -95,7 +98,7 @@ def _load_model(args: argparse.Namespace):
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint {args.checkpoint} has no tokenizer saved beside it, so its "
                         "token ids cannot be turned into text")
-    return loaded.model, loaded.tokenizer
+    return loaded.model, loaded.tokenizer, loaded.base
 
 
 def sampling_from_args(args: argparse.Namespace) -> Sampling:
@@ -110,10 +113,12 @@ def named(name: str) -> str:
 
 
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
-               err: TextIO | None = None) -> int:
+               err: TextIO | None = None, *, eos_ids=None) -> int:
     """The body of ``pedestrian sample`` once the model and tokenizer are loaded: the prompts,
     :func:`pedestrian.generation.prompts.write_completions` (to ``out``, default ``sys.stdout``),
-    the warnings and ``--stats`` (to ``err``, default ``sys.stderr``).
+    the warnings and ``--stats`` (to ``err``, default ``sys.stderr``). ``eos_ids``: the ids a
+    sample ends at (a Hugging Face folder's ``eos_token_id``; ``None``: the tokenizer's
+    ``<|endoftext|>``), see :func:`pedestrian.generation.prompts.complete`.
 
     Raises:
         ValueError: a bad setting (named by its flag) or prompt (see
@@ -131,7 +136,8 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
                   for i, text in enumerate(prompts)]
     done = write_completions(model, tokenizer, prompts, prompt_ids, args.max_new_tokens, sampling, out, err,
-                             num_samples=args.num_samples, window_shift=args.window_shift, use_cache=not args.no_cache)
+                             num_samples=args.num_samples, window_shift=args.window_shift, use_cache=not args.no_cache,
+                             eos_ids=eos_ids)
     if args.stats:
         B = len(done.rows)
         err.write(f"[{done.new_tokens} new tokens x {B} in {done.seconds:.3f} s: "
@@ -141,5 +147,9 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = _load_model(args)
-    return run_sample(model, tokenizer, args)
+    from ..interop.hf_chat import eos_token_ids
+
+    model, tokenizer, *folder = _load_model(args)
+    folder = folder[0] if folder else None
+    eos_ids = eos_token_ids(folder) if folder else None                 # the folder's, as generate()
+    return run_sample(model, tokenizer, args, eos_ids=eos_ids)
