@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from chat_fixtures import TEMPLATES, chat_tokenizer, fast_tokenizer, hf_instruct_model, write_folder
 
+from pedestrian.interop.hf_chat import folder_chat_template
+from pedestrian.layers.loss import IGNORE_INDEX
+from pedestrian.text import chat
 from pedestrian.text.bpe_tokenizer import BPETokenizer
 from pedestrian.text.chat import ChatTemplate, ChatTemplateError, chat_rows, read_conversations, render
 
@@ -75,6 +78,10 @@ def test_generation_masks_equal_return_assistant_tokens_mask(kind, chat):
     assert 0 < sum(got_mask) < len(got_mask)
 
 
+def test_the_ignore_index_is_the_losses():
+    assert chat.IGNORE_INDEX == IGNORE_INDEX
+
+
 def test_the_template_writes_bos_once():
     """Llama 3's tokenizer.json puts <|begin_of_text|> first and its template writes bos_token:
     the rendered ids hold it once, as transformers' (add_special_tokens=False)."""
@@ -110,12 +117,12 @@ def test_folder_template_and_special_tokens(tmp_path):
     hf = hf_instruct_model("llama3")
     for in_config in (False, True):
         d = write_folder(tmp_path / str(in_config), "llama3", hf, template_in_config=in_config)
-        t = ChatTemplate.from_folder(d)
+        t = folder_chat_template(d)
         assert t.source == TEMPLATES["llama3"] and dict(t.special_tokens)["bos_token"] == "<|begin_of_text|>"
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ValueError, match="has no chat template"):
-        ChatTemplate.from_folder(tmp_path / "base")
+        folder_chat_template(tmp_path / "base")
 
 
 # ------------------------------------------------------------------------------------ the data file

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .files import read_json_object
 
-__all__ = ["eos_token_ids", "chat_template", "special_tokens_map", "SPECIAL_TOKEN_KEYS"]
+__all__ = ["eos_token_ids", "chat_template", "special_tokens_map", "folder_chat_template", "SPECIAL_TOKEN_KEYS"]
 
 #: the keys of transformers' ``special_tokens_map`` (``SpecialTokensMixin.SPECIAL_TOKENS_ATTRIBUTES``)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -91,3 +91,20 @@ def special_tokens_map(hf_dir) -> dict[str, str]:
         if isinstance(value, str):
             found[key] = value
     return found
+
+
+def folder_chat_template(hf_dir):
+    """The folder's chat template with its special tokens, a
+    :class:`~pedestrian.text.chat.ChatTemplate` (what :func:`pedestrian.text.chat.render` takes).
+
+    Raises:
+        ValueError: the folder has none (the message says where one goes); as :func:`chat_template`.
+    """
+    from ..text.chat import ChatTemplate
+
+    source = chat_template(hf_dir)
+    if source is None:
+        raise ValueError(f"{hf_dir} has no chat template (chat_template.jinja, or chat_template in "
+                         "tokenizer_config.json): a base model is not an instruct model; copy the template "
+                         "of the instruct model you follow into its tokenizer_config.json")
+    return ChatTemplate(source, tuple(sorted(special_tokens_map(hf_dir).items())))

@@ -44,7 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..layers.loss import IGNORE_INDEX
+#: the targets the loss does not count (:data:`pedestrian.layers.loss.IGNORE_INDEX`; text/ imports no layers)
+IGNORE_INDEX = -100
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "render", "read_conversations", "Conversation",
            "ChatRows", "chat_rows", "IGNORE_INDEX"]
@@ -108,22 +109,6 @@ class ChatTemplate:
 
     source: str
     special_tokens: tuple = ()          # ((name, text), ...): hashable, so the template is
-
-    @classmethod
-    def from_folder(cls, hf_dir) -> "ChatTemplate":
-        """The chat template of a Hugging Face folder (:func:`pedestrian.interop.hf_chat.chat_template`).
-
-        Raises:
-            ValueError: the folder has none (the message says where one goes).
-        """
-        from ..interop.hf_chat import chat_template, special_tokens_map
-
-        source = chat_template(hf_dir)
-        if source is None:
-            raise ValueError(f"{hf_dir} has no chat template (chat_template.jinja, or chat_template in "
-                             "tokenizer_config.json): a base model is not an instruct model; copy the template "
-                             "of the instruct model you follow into its tokenizer_config.json")
-        return cls(source, tuple(sorted(special_tokens_map(hf_dir).items())))
 
     @property
     def marks_generation(self) -> bool:
@@ -191,7 +176,7 @@ def render(messages: Sequence[dict], tokenizer, template: ChatTemplate | str, *,
     Args:
         messages: ``[{"role": ..., "content": ...}, ...]``.
         tokenizer: a :class:`~pedestrian.text.bpe_tokenizer.BPETokenizer` (a folder's ``tokenizer.json``).
-        template: a :class:`ChatTemplate` (``ChatTemplate.from_folder(dir)``), or a template string
+        template: a :class:`ChatTemplate` (a folder's: :func:`pedestrian.interop.hf_chat.folder_chat_template`), or a template string
             (then no special tokens are defined for it).
         add_generation_prompt: end with the header of an assistant turn (for sampling).
 

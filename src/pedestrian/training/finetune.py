@@ -70,7 +70,9 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
 
     hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory with its tokenizer", kind=str,
                           metavar="DIR", required=True, tags=_PER_RUN)       # (on resume: checked by its SHA-256)
-    data: str = setting(help="UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer",
+    data: str = setting(help="UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer; or a "
+                        "conversations file, *.jsonl (one {\"messages\": [...]} or {\"prompt\", \"completion\"} a "
+                        "line), rendered with the base's chat template, the loss on the assistant's tokens",
                         kind=str, metavar="PATH", required=True)
     lora_rank: int = setting(8, "adapter rank r", rule=POSITIVE_INT, metavar="R", group=_LORA, required=True)
     lora_alpha: float = setting(1.0, "the paper's scalar alpha: the adapter adds alpha * x D U (PEFT's "
@@ -81,6 +83,8 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
     lora_dropout: float = setting(0.0, "dropout on the adapters' input while training (PEFT's "
                                   "lora_dropout)", rule=PROBABILITY, metavar="P",
                                   group=_LORA)
+    train_on_all_tokens: bool = setting(False, "with a conversations file: count every token in the loss, not "
+                                        "only the assistant's", group=_OPTIM)
     context_length: int | None = setting(None, "training window (default: min(256, the model's context))",
                                          kind=int, rule=POSITIVE_INT, metavar="T", group=_OPTIM)
     out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP, tags=_PER_RUN)
@@ -194,6 +198,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     from ..interop.hf import HFFolder
     from ..interop.peft import save_peft_adapter
     from ..model.finite import finite_or_none
+    from .conversations import conversation_rows, is_conversations
     from .corpus import data_fingerprint, prepare_data
     from .distributed import launched_rank
     from .adapter_runs import is_train_run, resumed
@@ -225,8 +230,13 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
         tokenizer = folder.tokenizer()                 # cheap: fail before reading the weights
         model = folder.model(dtype=settings.dtype, backend=settings.backend)
     T = settings.window(model)
-    _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
-    data_sha = data_fingerprint(train_tokens, val_tokens)
+    if is_conversations(settings.data):         # one conversation a row, the assistant's tokens counted
+        train_tokens, val_tokens, data_sha = conversation_rows(settings, tokenizer, T)
+        sizes = f"{len(train_tokens):,} training / {len(val_tokens):,} validation conversations"
+    else:
+        _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
+        data_sha = data_fingerprint(train_tokens, val_tokens)
+        sizes = f"{train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation tokens"
     if ckpt is not None and ckpt.meta.get("data_sha256") not in (None, data_sha):
         raise ValueError(f"the text in {settings.data} is not the one the run in {out} was fine-tuned on (it "
                          "changed since); resuming needs the same text: restore it, or start again with --overwrite")
@@ -240,8 +250,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
              f"({100 * n_train / n_total:.2f}%); base frozen")
-    log.info(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
-             f"tokens; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; out: {out}")
+    log.info(f"data: {settings.data}: {sizes}; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; out: {out}")
     if memory_plan(settings, model.config.n_blocks):
         log.info(memory_plan(settings, model.config.n_blocks))
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=had_run and ckpt is None,

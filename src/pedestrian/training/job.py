@@ -44,7 +44,9 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
     since ``t_start`` on rank 0 (whose clock decides for every rank).
 
     Args:
-        tokens: ``(train, validation)`` token arrays.
+        tokens: ``(train, validation)`` token arrays, or datasets with ``get_batch`` and
+            ``fixed_batches`` as :class:`~pedestrian.text.tokens.TokenDataset`'s (conversations:
+            :class:`~pedestrian.text.chat.ChatRows`).
         label: the progress bar's label (shown when ``settings.progress``, on rank 0).
         t_start: when the run started (a ``time.perf_counter()``): the origin of ``max_minutes``.
         resume: the :class:`~pedestrian.checkpoint.Checkpoint` a resumed run continues (its model
@@ -78,7 +80,7 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
             raise TrainingError(f"checkpoint {resume.path} is inconsistent: optimizer step {optimizer.step_count} "
                                 f"!= step {step} - {skipped} skipped")
     B, T, k = settings.batch_size, settings.window(model), settings.grad_accum
-    train_ds, val_ds = TokenDataset(tokens[0]), TokenDataset(tokens[1])
+    train_ds, val_ds = (t if hasattr(t, "get_batch") else TokenDataset(t) for t in tokens)   # (or rows: chat)
     end, end_reason = settings.max_steps, "max_steps"
     if settings.stop_step is not None and settings.stop_step < settings.max_steps:
         end, end_reason = settings.stop_step, "stop_step"

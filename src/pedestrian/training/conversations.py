@@ -1,0 +1,73 @@
+"""``pedestrian finetune --data chat.jsonl``: a conversations file as the run's training and
+validation rows (:mod:`pedestrian.text.chat`: the base folder's chat template, the loss on the
+assistant's tokens, the truncation rule, what is left out and why).
+
+The last ``round(n · val_fraction)`` conversations (at least one) are the validation rows, the
+others the training rows; a conversation left out (the template refuses it, or no assistant
+token is within the window) is said on the ``pedestrian.finetune`` logger, one line each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["is_conversations", "conversation_rows"]
+
+log = logging.getLogger("pedestrian.finetune")
+
+
+def is_conversations(data) -> bool:
+    """Whether ``--data`` names a conversations file (a ``.jsonl`` file) rather than text."""
+    return data is not None and Path(data).suffix.lower() == ".jsonl"
+
+
+def pad_id(tokenizer, hf_dir) -> int:
+    """The id padded rows hold as input (never a target): the folder's ``pad_token``, else its
+    ``eos_token``, else 0 -- any id would do, causal attention never lets it reach a counted position."""
+    from ..interop.hf_chat import special_tokens_map
+
+    special = special_tokens_map(hf_dir)
+    ids = getattr(tokenizer, "special_tokens", {})
+    return next((ids[special[k]] for k in ("pad_token", "eos_token") if special.get(k) in ids), 0)
+
+
+def conversation_rows(settings, tokenizer, window: int):
+    """``(train, validation, sha256)``: the :class:`~pedestrian.text.chat.ChatRows` of the
+    conversations in ``settings.data`` rendered with ``settings.hf_dir``'s template, windows of
+    ``window`` tokens, ``settings.train_on_all_tokens``; the SHA-256 of every row's ids and targets
+    (a resume checks the data is the same).
+
+    Raises:
+        ValueError / FileNotFoundError: no template in the folder; a malformed record (named by its
+            line); fewer than 2 conversations; nothing left in a split.
+    """
+    from ..interop.hf_chat import folder_chat_template
+    from ..text.chat import chat_rows, read_conversations
+
+    template = folder_chat_template(settings.hf_dir)
+    conversations = read_conversations(settings.data)
+    n = len(conversations)
+    if n < 2:
+        raise ValueError(f"{settings.data} holds {n} conversation; fine-tuning needs at least 2 (the last "
+                         f"round(n x --val-fraction), at least one, are held out for validation)")
+    n_val = min(n - 1, max(1, round(n * settings.val_fraction)))
+    pad = pad_id(tokenizer, settings.hf_dir)
+    parts = []
+    for name, part in (("training", conversations[:n - n_val]), ("validation", conversations[n - n_val:])):
+        try:
+            rows, left_out = chat_rows(part, tokenizer, template, window,
+                                       train_on_all_tokens=settings.train_on_all_tokens, pad_id=pad)
+        except ValueError as exc:
+            raise ValueError(f"{settings.data}: {name} split: {exc}") from None
+        for line in left_out:
+            log.warning(f"left out: {Path(settings.data).name} {line}")
+        parts.append(rows)
+    h = hashlib.sha256()
+    for rows in parts:
+        for a in (rows.x, rows.y):
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return parts[0], parts[1], h.hexdigest()
