@@ -35,6 +35,12 @@ CONFIG_HELP = {
     "position_encoding": "learned table (GPT-2, default), rotary q/k (rope), or none",
     "rope_base": "RoPE base b: pair j turns by b^(-2j/r) per position (10000)",
     "rope_fraction": "fraction of each head's d_qk RoPE rotates (1.0)",
+    "n_experts": "mixture of experts: E SwiGLU experts per block in place of the MLP (0: a dense MLP)",
+    "n_experts_per_token": "experts a token is routed to, k (2)",
+    "d_expert": "width of one expert's SwiGLU (default d_mlp)",
+    "norm_topk_prob": "use the chosen experts' softmax probabilities as they are (default: renormalised to sum 1)",
+    "router_aux_loss_coef": "weight of the load-balancing loss added to the cross-entropy (with --output-router-logits)",
+    "output_router_logits": "add router_aux_loss_coef times the load-balancing loss to the training loss",
 }
 CONFIG_FIELDS = tuple(CONFIG_HELP)
 #: the shorter names the switches of ``tie_weights`` and ``causal`` are known by (beside ``--no-...``)
@@ -49,6 +55,10 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("standard", "swiglu")
 #: the activation each MLP kind uses when ``activation`` is not given
 DEFAULT_ACTIVATION = {"standard": "gelu_tanh", "swiglu": "silu"}
+#: q/k RMS norms before RoPE: none, per head (Qwen3, Gemma 3), over the whole projection (OLMo 2)
+QK_NORMS = (None, "head", "proj")
+#: where a block's norms sit: before the sublayers (GPT-2, Llama), after them (OLMo 2), both (Gemma)
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 #: the valid values of the fields that have a list of them (a flag's choices)
 CONFIG_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "mlp": MLPS,
                   "position_encoding": POSITION_ENCODINGS}
@@ -192,6 +202,32 @@ class GPTConfig:
         rope_scaling: ``None`` (default) or Llama 3's frequency scaling, a :class:`RopeScaling`
             (a Hugging Face ``{"rope_type": "llama3", ...}`` dict is converted); needs
             ``position_encoding="rope"``.
+        n_experts: ``E``: a mixture of ``E`` SwiGLU experts in place of the MLP of the blocks
+            :attr:`moe_layers` names (EQUATIONS.md, "Mixture of experts"); ``0`` (default):
+            dense MLPs. Needs ``mlp="swiglu"``, no biases.
+        n_experts_per_token: ``k``, the experts each token is routed to (``1 … E``; default 2).
+        d_expert: one expert's SwiGLU width ``m`` (HF ``moe_intermediate_size``, Mixtral's
+            ``intermediate_size``); ``None`` (default): ``d_mlp``.
+        norm_topk_prob: the chosen experts' weights are their probabilities renormalised to sum
+            to 1 (Mixtral, Qwen3-MoE folders); ``False``: the softmax probabilities as they are (OLMoE).
+        router_aux_loss_coef: weight of transformers' load-balancing loss in the training loss.
+        output_router_logits: the loss is ``CE + router_aux_loss_coef · aux`` (as transformers' when
+            the folder says so); ``False``: the cross-entropy alone (aux is still reported).
+        moe_layers: the blocks whose MLP is a mixture of experts (ascending indices); ``None``
+            (default): every block. The others keep a dense SwiGLU of width ``d_mlp`` (Qwen3-MoE's
+            ``mlp_only_layers``, ``decoder_sparse_step``).
+        qk_norm: an RMS norm of the queries and keys before RoPE (whatever ``norm`` is; its
+            epsilon ``ln_eps``): ``None`` (default, none), ``"head"`` (each head's ``d_qk``
+            features, one weight ``(d_qk,)`` shared by the heads: Qwen3, Gemma 3) or ``"proj"``
+            (the whole projection: a weight ``(n_heads·d_qk,)`` for q and ``(n_kv_heads·d_qk,)``
+            for k: OLMo 2). Parameters ``blocks.{i}.attn.q_norm.weight``, ``.k_norm.weight``.
+        rope_layers: which blocks turn q and k by RoPE, one bool per block (SmolLM3's
+            ``no_rope_layers``, where 1 means the layer *uses* RoPE); ``None`` (default): every
+            block, when ``position_encoding="rope"`` (which it needs).
+        norm_placement: where a block's norms sit: ``"pre"`` (default; GPT-2, Llama:
+            ``x + f(norm(x))``, norms ``ln1``, ``ln2``), ``"post"`` (OLMo 2: ``x + norm(f(x))``,
+            norms ``ln1_post``, ``ln2_post``, none before the sublayers) or ``"sandwich"``
+            (Gemma 2/3: ``x + post_norm(f(pre_norm(x)))``, all four).
 
     Raises:
         ValueError: on any inconsistent or out-of-range value, naming it.
@@ -221,6 +257,19 @@ class GPTConfig:
     mlp: str = "standard"
     n_kv_heads: int | None = None
     rope_scaling: RopeScaling | None = None
+    # mixture of experts (Mixtral, Qwen3-MoE, OLMoE): E = n_experts SwiGLU experts, k per token
+    n_experts: int = 0
+    n_experts_per_token: int = 2
+    d_expert: int | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    moe_layers: tuple[int, ...] | None = None
+    # the attention's prelude and the norms' placement of other families (Qwen3, OLMo 2,
+    # SmolLM3, Gemma): q/k RMS norms, RoPE per layer, norms after the sublayers
+    qk_norm: str | None = None
+    rope_layers: tuple[bool, ...] | None = None
+    norm_placement: str = "pre"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_blocks", "mlp_ratio"):
@@ -290,11 +339,72 @@ class GPTConfig:
         if self.rope_scaling is not None and self.position_encoding != "rope":
             raise ValueError(f"rope_scaling scales RoPE's frequencies but position_encoding="
                              f"{self.position_encoding!r}; set position_encoding='rope' or rope_scaling=None")
+        self._check_prelude()
         if self.position_encoding == "rope" and self.rope_dims < 2:
             raise ValueError(
                 f"rope_fraction={self.rope_fraction} rotates no pair of the d_qk={self.d_qk} "
                 f"query/key dimensions (2·⌊{self.rope_fraction}·{self.d_qk}/2⌋ = 0); raise "
                 "rope_fraction or d_qk")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields (see the class docstring)."""
+        E = self.n_experts
+        if not isinstance(E, int) or isinstance(E, bool) or E < 0:
+            raise ValueError(f"n_experts must be 0 (a dense MLP) or a positive integer, got {E!r}")
+        k = self.n_experts_per_token
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or (E and k > E):
+            raise ValueError(f"n_experts_per_token must be an integer from 1 to n_experts={E}, got {k!r}")
+        if self.d_expert is None:
+            object.__setattr__(self, "d_expert", self.d_mlp)
+        if not isinstance(self.d_expert, int) or isinstance(self.d_expert, bool) or self.d_expert < 1:
+            raise ValueError(f"d_expert must be a positive integer, got {self.d_expert!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
+        object.__setattr__(self, "router_aux_loss_coef", float(coef))
+        for name in ("norm_topk_prob", "output_router_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        layers = self.moe_layers
+        if layers is not None:
+            if isinstance(layers, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                           for i in layers):
+                raise ValueError(f"moe_layers must be block indices (a list of integers) or None, got {layers!r}")
+            layers = tuple(layers)
+            if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.n_blocks for i in layers):
+                raise ValueError(f"moe_layers must be ascending distinct block indices in 0 … {self.n_blocks - 1}, "
+                                 f"got {list(layers)}")
+            object.__setattr__(self, "moe_layers", layers)
+        if E and (self.mlp != "swiglu" or self.bias):
+            raise ValueError(f"n_experts={E}: the experts are SwiGLU MLPs without biases; set mlp='swiglu' and "
+                             f"bias=False (--arch llama), got mlp={self.mlp!r}, bias={self.bias}")
+
+    def is_moe(self, i: int) -> bool:
+        """Whether block ``i``'s MLP is a mixture of experts."""
+        return self.n_experts > 0 and (self.moe_layers is None or i in self.moe_layers)
+
+    def _check_prelude(self) -> None:
+        """Validate (and normalise) ``qk_norm``, ``rope_layers``, ``norm_placement``."""
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"unknown qk_norm {self.qk_norm!r}; choose one of {QK_NORMS} (None: no q/k norm)")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"unknown norm_placement {self.norm_placement!r}; choose one of {NORM_PLACEMENTS}")
+        if self.rope_layers is not None:
+            layers = self.rope_layers
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__") or len(layers) != self.n_blocks \
+                    or any(not isinstance(v, (bool, int)) or v not in (0, 1) for v in layers):
+                raise ValueError(f"rope_layers must hold one bool per block ({self.n_blocks}: True where the "
+                                 f"block uses RoPE), got {layers!r}")
+            if self.position_encoding != "rope":
+                raise ValueError(f"rope_layers chooses the blocks RoPE turns, but position_encoding="
+                                 f"{self.position_encoding!r}; set position_encoding='rope' or rope_layers=None")
+            object.__setattr__(self, "rope_layers", tuple(bool(v) for v in layers))
+
+    def uses_rope(self, block: int) -> bool:
+        """Whether block ``block`` turns its queries and keys by RoPE (``position_encoding`` and
+        :attr:`rope_layers`)."""
+        return self.position_encoding == "rope" and (self.rope_layers is None or self.rope_layers[block])
 
     @property
     def rope_dims(self) -> int:

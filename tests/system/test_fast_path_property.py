@@ -16,7 +16,9 @@ draws every other axis the issue names (issue 22):
   LoRA on every layer or none; GELU, GELU-tanh or ReLU; layer-norm ``eps`` 0 (the paper's) or
   1e-5; biases on or off; float64 and float32; the Llama choices (issue 33): layer norm or RMS
   norm, the standard MLP or SwiGLU (its gate LoRA-adapted too), multi-head or grouped-query
-  attention (``n_kv_heads`` a proper divisor of ``n_heads``);
+  attention (``n_kv_heads`` a proper divisor of ``n_heads``); the other families' choices (issue
+  48): q/k norms per head or over the projection, norms before, after or around the sublayers,
+  RoPE on some blocks only;
 - each case as the training loop runs it (``model.loss``, ``model.backward(keep_deltas=True)``,
   with ``Δ1``);
 - with ``PEDESTRIAN_NUM_THREADS`` = 1 and = 2, each in a subprocess of its own
@@ -96,16 +98,19 @@ FLOAT32_SENSITIVITY_ROUNDINGS = 16
 
 
 def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, lora, activation,
-              ln_eps, bias, seed, norm="layernorm", mlp="standard", n_kv_heads=None):
+              ln_eps, bias, seed, norm="layernorm", mlp="standard", n_kv_heads=None, qk_norm=None,
+              norm_placement="pre", rope_layers=None):
     """``(cfg, params, lora spec, tokens, targets)`` of one case (O(1)-scale random weights)."""
     cfg = default_cfg(vocab_size=13, context_length=T, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks,
                       d_head=d_head, d_qk=d_qk, causal=causal, position_encoding=position,
                       activation="silu" if mlp == "swiglu" else activation, ln_eps=ln_eps, bias=bias)
-    if (norm, mlp, n_kv_heads) == ("layernorm", "standard", None):           # GPT-2: the oracle's own table
+    other = dict(qk_norm=qk_norm, norm_placement=norm_placement, rope_layers=rope_layers)  # (issue 48)
+    if (norm, mlp, n_kv_heads) == ("layernorm", "standard", None) and other == dict(
+            qk_norm=None, norm_placement="pre", rope_layers=None):             # GPT-2: the oracle's own table
         spec = {"targets": fc_layer_names(cfg), "rank": 2} if lora else None
         params = random_params(cfg, seed=seed, lora=spec)
-    else:                                                                   # the Llama choices
-        cfg.update(norm=norm, mlp=mlp, n_kv_heads=n_kv_heads)
+    else:                                                                   # the Llama choices, other families'
+        cfg.update(norm=norm, mlp=mlp, n_kv_heads=n_kv_heads, **other)
         spec, params = _llama_params(cfg, seed, lora)
     tokens, targets = token_batch(cfg, B, T, seed=seed, n_ignored=min(3, B * T - 1))
     return cfg, params, spec, tokens, targets
@@ -224,12 +229,16 @@ def cases(draw) -> dict:
     low_qk = 2 if position == "rope" else 1                      # RoPE rotates pairs of dimensions
     n_heads = draw(st.integers(1, 3))
     n_kv = draw(st.sampled_from([None] + [k for k in range(1, n_heads) if n_heads % k == 0]))
+    n_blocks = draw(st.integers(1, 2))
+    layers = [None] + ([(True, False), (False, True)] if position == "rope" and n_blocks == 2 else [])
     return dict(norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), mlp=draw(st.sampled_from(["standard", "swiglu"])),
-                n_kv_heads=n_kv, B=draw(st.integers(1, 3)),
+                n_kv_heads=n_kv, qk_norm=draw(st.sampled_from([None, "head", "proj"])),
+                norm_placement=draw(st.sampled_from(["pre", "post", "sandwich"])),
+                rope_layers=draw(st.sampled_from(layers)), B=draw(st.integers(1, 3)),
                 T=draw(st.one_of(st.sampled_from(THRESHOLD_T), st.integers(1, 600))),
                 n_heads=n_heads, d_head=draw(st.integers(1, 16)),
                 d_qk=draw(st.integers(low_qk, 16)), d_model=draw(st.sampled_from([4, 7, 16, 48])),
-                n_blocks=draw(st.integers(1, 2)), causal=draw(st.booleans()), position=position,
+                n_blocks=n_blocks, causal=draw(st.booleans()), position=position,
                 lora=draw(st.booleans()), activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu"])),
                 ln_eps=draw(st.sampled_from([0.0, 1e-5])), bias=draw(st.booleans()),
                 seed=draw(st.integers(0, 2**16)))
@@ -272,6 +281,16 @@ REGRESSIONS = [
 @pytest.mark.parametrize("case,dtype", [pytest.param(c, d, id=i) for i, c, d, _ in REGRESSIONS])
 def test_regressions(case, dtype):
     check_case(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("other", [dict(qk_norm="head", norm_placement="sandwich", rope_layers=(True, False)),
+                                   dict(qk_norm="proj", norm_placement="post", rope_layers=(False, True))],
+                         ids=["head-sandwich", "proj-post"])
+def test_other_families_blocks(other, dtype):
+    """Two fixed cases of the other families' blocks (issue 48), beside the search's draws."""
+    check_case(_case(2, 7, 2, 4, 4, n_blocks=2, position="rope", lora=True, bias=False, norm="rmsnorm",
+                     mlp="swiglu", n_kv_heads=1, **other), dtype)
 
 
 @pytest.mark.skipif(os.environ.get("PEDESTRIAN_PROPERTY") != "1",

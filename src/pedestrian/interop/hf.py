@@ -1,5 +1,7 @@
 """Read and write Hugging Face model directories -- ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-``Qwen2ForCausalLM`` and ``MistralForCausalLM`` (no sliding window) -- without ``transformers``.
+``Qwen2ForCausalLM``, ``MistralForCausalLM`` (no sliding window), ``Qwen3ForCausalLM``,
+``Olmo2ForCausalLM``, ``SmolLM3ForCausalLM``: the entries of :data:`.families.FAMILIES` --
+without ``transformers``.
 
 A directory written by ``save_pretrained`` holds ``config.json``, the weights
 (``model.safetensors``, a sharded ``model.safetensors.index.json``, or the older
@@ -7,9 +9,10 @@ A directory written by ``save_pretrained`` holds ``config.json``, the weights
 ``merges.txt``). Safetensors files are read with the ``safetensors`` library; a ``.bin`` file is
 a pickle that only PyTorch can read, so it needs ``torch`` installed.
 
-The family is ``config.json``'s (:func:`~.hf_llama_config.hf_family`). The config mappings are
-:mod:`.hf_config` (GPT-2) and :mod:`.hf_llama_config` (Llama, Qwen2, Mistral), the tensor names
-and layouts :mod:`.hf_tensors` and :mod:`.hf_llama_tensors`, the shared file plumbing :mod:`.files`; this module loads and saves whole directories, and its names
+The family is ``config.json``'s (:func:`~.families.hf_family`; :mod:`.families` holds one entry
+per family). The config mappings are :mod:`.hf_config` (GPT-2) and :mod:`.hf_llama_config` (the
+Llama layout: Llama, Qwen2, Mistral, ...), the tensor names and layouts :mod:`.hf_tensors` and
+:mod:`.hf_llama_tensors`, the shared file plumbing :mod:`.files`; this module loads and saves whole directories, and its names
 are the ones to import (``pedestrian.interop.hf.load_pretrained``, ``config_from_hf``, ...).
 """
 
@@ -26,10 +29,10 @@ import numpy as np
 from .files import OutputExistsError, SafetensorsFile, json_writer, listing, torch_load, write_dir_atomically
 from . import hf_llama_config
 from .hf_config import ACTIVATION_TO_HF, HF_TO_ACTIVATION, config_to_hf, export_problems, read_hf_config
-from .hf_llama_config import config_from_hf, hf_family
+from .families import FAMILIES, export_family, hf_family
+from .hf_llama_config import config_from_hf
 from .hf_llama_tensors import check_llama_shapes, convert_llama_from_hf, llama_state_to_hf
 from .hf_tensors import check_hf_shapes, convert_from_hf, hf_tensor_shapes, state_from_hf, state_to_hf
-from .peft_modules import is_gpt2
 
 __all__ = [
     "merged_for_export",
@@ -177,8 +180,9 @@ class HFFolder:
         from ..model import GPT
 
         config, weights = self.config, self.weights
-        if self.family != "gpt2":
-            check_llama_shapes(weights.shapes, config, weights.source)
+        gpt2 = FAMILIES[self.family].layout == "gpt2"
+        if not gpt2:
+            check_llama_shapes(weights.shapes, config, weights.source, self.family)
             canon = {name: name for name in weights.shapes}
         else:
             canon = check_hf_shapes(weights.shapes, config, weights.source)
@@ -186,8 +190,8 @@ class HFFolder:
         if bad:
             raise ValueError(f"{weights.source}: tensors that are not floating point: {listing(bad)}")
         tensors = {full: weights[name] for name, full in canon.items()}
-        convert = convert_from_hf if self.family == "gpt2" else convert_llama_from_hf
-        state = convert(tensors, config, weights.source)
+        state = (convert_from_hf(tensors, config, weights.source) if gpt2
+                 else convert_llama_from_hf(tensors, config, weights.source, self.family))
         model = GPT(config, dtype=dtype, backend=backend)
         try:
             model.load_state_dict(state, strict=True)
@@ -260,7 +264,7 @@ def load_hf_tokenizer(hf_dir):
 
 
 def load_pretrained(hf_dir, *, dtype: str = "float32", backend: str = "numpy"):
-    """Load a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory: ``(GPT, tokenizer)``
+    """Load a Hugging Face directory of any family of :data:`.families.FAMILIES`: ``(GPT, tokenizer)``
     (:class:`HFFolder`: the config read once; the tokenizer, cheap, before the weights).
 
     Raises:
@@ -299,7 +303,7 @@ def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> d
         return {"pedestrian_tokenizer.json": tokenizer.save}
     special = tokenizer.special_tokens
     eos = next((t for t in EOS_TOKENS if t in special), None)
-    if family != "gpt2":
+    if FAMILIES[family].layout != "gpt2":
         bos = next((t for t in ("<s>", "<|begin_of_text|>") if t in special), None)
         unk = "<unk>" if "<unk>" in special else None
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
@@ -328,7 +332,7 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
     """Write ``model`` (and ``tokenizer``) as a Hugging Face directory: a ``GPT2LMHeadModel``
     for a GPT-2-shaped config (layer norms, the standard MLP, learned positions), else a
     ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` with q, k, v biases only;
-    :func:`~.hf_llama_config.export_family`).
+    :func:`~.families.export_family`).
 
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits, and
     :func:`load_pretrained` gives back exactly the same parameters. Files: ``config.json``
@@ -342,9 +346,10 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
         tokenizer: optional; its end-of-text id (:data:`~pedestrian.text.bpe_tokenizer.EOS_TOKENS`)
             becomes ``eos_token_id`` (and GPT-2's ``bos_token_id``).
         overwrite: replace the files in an existing non-empty directory.
-        token_ids: ``bos_token_id`` / ``eos_token_id`` for a Llama-family ``config.json`` (an int, a
-            list or ``None`` each, as Hugging Face writes them), in place of the tokenizer's
-            end-of-text id and no ``bos_token_id``: a merged fine-tune passes its base folder's,
+        token_ids: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a Llama-family
+            ``config.json`` (an int, a list or ``None`` each, as Hugging Face writes them), in place
+            of the tokenizer's end-of-text id and no ``bos_token_id`` / ``pad_token_id`` (written
+            ``null``: a class default such as SmolLM3's 128004 may lie outside the vocabulary): a merged fine-tune passes its base folder's,
             so the export keeps them. GPT-2 writes its end-of-text id as both, its convention.
 
     Raises:
@@ -368,14 +373,14 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                          f"is {config.vocab_size}")
     eos = _eos_id(tokenizer)
-    family = "gpt2" if is_gpt2(config) else hf_llama_config.export_family(config)
-    if family == "gpt2":
+    family = export_family(config)
+    if FAMILIES[family].layout == "gpt2":
         hf_config = config_to_hf(config, dtype=model.dtype_name, eos_token_id=eos)
         tensors = state_to_hf(model.state_dict(), config)
     else:
-        ids = {"bos_token_id": None, "eos_token_id": eos, **(token_ids or {})}
+        ids = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None, **(token_ids or {})}
         hf_config = hf_llama_config.config_to_hf(config, dtype=model.dtype_name, bos_token_id=ids["bos_token_id"],
-                                                 eos_token_id=ids["eos_token_id"])
+                                                 eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
         tensors = llama_state_to_hf(model.state_dict(), config)
     writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
@@ -384,10 +389,10 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
 
 
 def token_ids(hf_config: dict | None) -> dict | None:
-    """``bos_token_id`` / ``eos_token_id`` of a parsed ``config.json`` (those it sets; as written
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of a parsed ``config.json`` (those it sets; as written
     there: an int, a list or ``None``), or ``None`` without one: what :func:`save_pretrained`'s
     ``token_ids`` takes to keep a base model's ids in an export (:attr:`HFFolder.hf_config`)."""
-    return {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config} or None if hf_config else None
+    return {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config} or None if hf_config else None
 
 
 def merged_for_export(model):

@@ -45,7 +45,7 @@ def read_hf_config(hf_dir) -> dict:
     d = Path(hf_dir).expanduser()
     if not d.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory not found: {d} is not a directory; pass the folder of "
-                                "a GPT-2, Llama, Qwen2 or Mistral model (config.json + weights), e.g. one "
+                                "a GPT-2, Llama, Qwen2, Mistral, Qwen3, OLMo 2 or SmolLM3 model (config.json + weights), e.g. one "
                                 "downloaded with `hf download gpt2 --local-dir gpt2`, saved with transformers' "
                                 "save_pretrained, or written by `pedestrian export-hf`")
     path = d / "config.json"

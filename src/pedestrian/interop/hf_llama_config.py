@@ -1,8 +1,10 @@
-"""Hugging Face ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` <-> :class:`~pedestrian.config.GPTConfig`.
+"""Hugging Face Llama-layout configs (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``, ...)
+<-> :class:`~pedestrian.config.GPTConfig`: the keys every such family shares.
 
-:func:`hf_family` tells the four families apart (``model_type``, else ``architectures``);
-:func:`config_from_hf` maps any of them (GPT-2 through :mod:`.hf_config`). Field by field
-(transformers 5.25 names; older ``config.json`` files are read too)::
+:func:`hf_family` tells the families apart (``model_type``, else ``architectures``;
+:mod:`.families` holds one entry per family: its defaults, its own keys and refusals, its
+names); :func:`config_from_hf` maps any of them (GPT-2 through :mod:`.hf_config`). Field by
+field (transformers 5.25 names; older ``config.json`` files are read too)::
 
     vocab_size -> vocab_size        hidden_size -> d_model            num_hidden_layers -> n_blocks
     num_attention_heads -> n_heads  num_key_value_heads (null: n_heads) -> n_kv_heads
@@ -12,8 +14,8 @@
     rope_parameters {rope_theta, rope_type, ...}, or the older rope_theta + rope_scaling
         -> rope_base, rope_scaling (rope_type "default" or "llama3"; position_encoding="rope")
     hidden_act "silu" (or "swish", the same nn.SiLU) -> mlp="swiglu", activation="silu"
-    Qwen2: q, k, v biases -> qkv_bias=True (bias=False)
-    Llama attention_bias and mlp_bias both true -> bias=True (every linear layer has a bias)
+    the family's own keys (:attr:`.families.Family.fields`), e.g. Qwen2's q, k, v biases ->
+        qkv_bias=True (bias=False), Llama attention_bias and mlp_bias both true -> bias=True
 
 Refused, each with one line naming the field and its value: another ``hidden_act``, another
 ``rope_type`` (linear, dynamic, yarn, longrope, ...), ``partial_rotary_factor`` other than 1
@@ -46,55 +48,19 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..config import GPTConfig, RopeScaling
+from . import families
+from .families import FAMILIES, REFUSED_KEYS, hf_family
+from .families import llama_export_problems as export_problems
 from .hf_config import config_from_hf as gpt2_config_from_hf
 
-#: ``model_type`` -> the ``architectures`` entry ``save_pretrained`` writes
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
-_ARCH_PREFIX = {"GPT2": "gpt2", "Llama": "llama", "Qwen2": "qwen2", "Mistral": "mistral"}
+__all__ = ["ARCHITECTURES", "HF_DEFAULTS", "REFUSED_KEYS", "hf_family", "config_from_hf", "config_to_hf",
+           "export_family", "export_problems"]
 
-#: each class's defaults (transformers 5.25), for keys a ``config.json`` leaves out
-_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, num_key_value_heads=None,
-               head_dim=None, rope_theta=10_000.0, hidden_size=4096, num_hidden_layers=32,
-               num_attention_heads=32)
-HF_DEFAULTS = {
-    "llama": dict(_COMMON, vocab_size=32000, intermediate_size=11008, max_position_embeddings=2048,
-                  attention_bias=False, mlp_bias=False),
-    "qwen2": dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
-                  num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
-                  layer_types=None),
-    "mistral": dict(_COMMON, vocab_size=32000, intermediate_size=14336, max_position_embeddings=131072,
-                    num_key_value_heads=8, sliding_window=4096),
-}
-#: keys of features these models do not have; set (not null, false, 0 or empty) they are refused
-REFUSED_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "use_qk_norm", "qk_layernorm",
-                "attention_sink", "use_sink", "sinks", "add_cross_attention", "is_encoder_decoder")
+#: ``model_type`` -> the ``architectures`` entry ``save_pretrained`` writes (from :data:`.families.FAMILIES`)
+ARCHITECTURES = {name: f.architecture for name, f in FAMILIES.items()}
+#: each Llama-layout class's defaults (transformers 5.25), for keys a ``config.json`` leaves out
+HF_DEFAULTS = {name: f.defaults for name, f in FAMILIES.items() if f.layout == "llama"}
 _ACTIVATIONS = ("silu", "swish")
-
-
-def hf_family(hf_config: Mapping, *, source: str = "config.json") -> str:
-    """``"gpt2"``, ``"llama"``, ``"qwen2"`` or ``"mistral"``: ``model_type``, else the prefix of
-    an ``architectures`` entry (``LlamaForCausalLM`` -> ``"llama"``).
-
-    Raises:
-        ValueError: any other model (the message names its ``model_type`` or architectures).
-    """
-    model_type = hf_config.get("model_type")
-    if model_type is not None:
-        if model_type in ARCHITECTURES:
-            return model_type
-        raise ValueError(f"{source}: model_type={model_type!r} is not implemented; pedestrian reads "
-                         f"{sorted(ARCHITECTURES)}")
-    archs = [str(a) for a in hf_config.get("architectures") or []]
-    for a in archs:
-        if a.startswith("GPT2"):
-            return "gpt2"
-        for prefix, family in _ARCH_PREFIX.items():
-            if a in (prefix + "ForCausalLM", prefix + "Model"):
-                return family
-    raise ValueError(f"{source}: no model_type and architectures={archs}; pedestrian reads "
-                     f"{sorted(ARCHITECTURES.values())}")
 
 
 def _rope(c: Mapping, source: str) -> tuple[float, RopeScaling | None]:
@@ -133,91 +99,73 @@ def _rope(c: Mapping, source: str) -> tuple[float, RopeScaling | None]:
 
 
 def config_from_hf(hf_config: Mapping, *, source: str = "config.json", family: str | None = None) -> GPTConfig:
-    """The :class:`GPTConfig` of a Hugging Face GPT-2, Llama, Qwen2 or Mistral ``config.json``
-    (the module table; missing keys take the class's defaults, :data:`HF_DEFAULTS`).
+    """The :class:`GPTConfig` of a Hugging Face ``config.json`` of any family of
+    :data:`.families.FAMILIES` (GPT-2 through :mod:`.hf_config`): the keys every Llama-layout
+    family shares (the module table; missing keys take the class's defaults), then the
+    family's own (:attr:`.families.Family.fields`).
 
     Raises:
         ValueError: another model, or a setting pedestrian does not implement -- one line naming
             the field and its value (the first one found).
     """
     family = family or hf_family(hf_config, source=source)       # (given: decided by the caller already)
-    if family == "gpt2":
+    entry = FAMILIES[family]
+    if entry.layout == "gpt2":
         return gpt2_config_from_hf(hf_config, source=source)
-    c = {**HF_DEFAULTS[family], **hf_config}
-    for key in REFUSED_KEYS:
+    c = {**entry.defaults, **hf_config}
+    for key in entry.refused_keys:
         if c.get(key) not in (None, False, 0, [], {}):
             raise ValueError(f"{source}: {key}={c[key]!r} is not implemented in pedestrian's {family} model")
     if c["hidden_act"] not in _ACTIVATIONS:
         raise ValueError(f"{source}: hidden_act={c['hidden_act']!r} is not implemented; the SwiGLU gate "
                          "is 'silu' only")
-    if family == "mistral" and c["sliding_window"] is not None:
-        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} (a sliding-window attention) is "
-                         "not implemented; only null (full causal attention)")
-    if family == "qwen2" and c["use_sliding_window"] and c["sliding_window"] is not None and \
-            c.get("layer_types") is None and c["max_window_layers"] < c["num_hidden_layers"]:
-        raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} with max_window_layers="
-                         f"{c['max_window_layers']!r} of {c['num_hidden_layers']!r} layers (a sliding-window "
-                         "attention from that layer on) is not implemented; pedestrian loads only models whose "
-                         "every layer attends to the whole causal context")
-    other = [t for t in c.get("layer_types") or [] if t != "full_attention"]
-    if other:
-        raise ValueError(f"{source}: layer_types contains {other[0]!r}; pedestrian implements only "
-                         "'full_attention' layers")
-    bias = False
-    if family == "llama":
-        ab, mb = bool(c["attention_bias"]), bool(c["mlp_bias"])
-        if ab != mb:
-            key = "attention_bias" if ab else "mlp_bias"
-            raise ValueError(f"{source}: {key}=true without {'mlp_bias' if ab else 'attention_bias'}=true is "
-                             "not implemented (pedestrian's bias switch covers every linear layer)")
-        bias = ab
-    rope_base, rope_scaling = _rope(c, source)
-    d, heads = c["hidden_size"], c["num_attention_heads"]
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings"):
         v = c[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{source}: {key}={v!r} is not a positive integer")
-    head_dim = c["head_dim"] if c["head_dim"] is not None else d // heads
+    extra = {k: v for k, v in entry.features.items() if v is not families.ANY}    # the family's blocks
+    extra.update(entry.fields(c, source))                        # the family's own keys (and refusals)
+    other = [t for t in c.get("layer_types") or [] if t != "full_attention"]
+    if other and "layer_types" not in extra:
+        raise ValueError(f"{source}: layer_types contains {other[0]!r}; pedestrian implements only "
+                         "'full_attention' layers")
+    rope_base, rope_scaling = _rope(c, source)
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c["head_dim"] if c.get("head_dim") is not None else d // heads
     m = c["intermediate_size"]
+    fields = dict(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], d_model=d,
+                  n_heads=heads, n_blocks=c["num_hidden_layers"], d_head=head_dim, d_qk=head_dim,
+                  n_kv_heads=c["num_key_value_heads"], mlp_ratio=m // d if m % d == 0 else 4, d_mlp=m,
+                  norm="rmsnorm", mlp="swiglu", activation="silu", ln_eps=float(c["rms_norm_eps"]),
+                  bias=False, qkv_bias=False, logits_bias=False, tie_weights=bool(c["tie_word_embeddings"]),
+                  position_encoding="rope", rope_base=rope_base, rope_scaling=rope_scaling, dropout=0.0)
     try:
-        return GPTConfig(vocab_size=c["vocab_size"], context_length=c["max_position_embeddings"], d_model=d,
-                         n_heads=heads, n_blocks=c["num_hidden_layers"], d_head=head_dim, d_qk=head_dim,
-                         n_kv_heads=c["num_key_value_heads"], mlp_ratio=m // d if m % d == 0 else 4, d_mlp=m,
-                         norm="rmsnorm", mlp="swiglu", activation="silu", ln_eps=float(c["rms_norm_eps"]),
-                         bias=bias, qkv_bias=bias or family == "qwen2", logits_bias=False,
-                         tie_weights=bool(c["tie_word_embeddings"]), position_encoding="rope",
-                         rope_base=rope_base, rope_scaling=rope_scaling, dropout=0.0)
+        return GPTConfig(**{**fields, **extra})
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
 
 
 def export_family(config: GPTConfig) -> str:
-    """The Hugging Face family that writes ``config``: ``"qwen2"`` with q, k, v biases only,
-    ``"llama"`` otherwise (its ``attention_bias`` and ``mlp_bias`` when every layer has one).
+    """The Llama-layout family that writes ``config`` (:func:`.families.export_family`):
+    ``"qwen2"`` with q, k, v biases only, ``"llama"`` for the plain one, ...
 
     Raises:
-        ValueError: one line for each setting no Llama-family model expresses (a layer norm,
-            the standard MLP, learned positions, partial RoPE, d_qk ≠ d_head, a logits bias, ...).
+        ValueError: one line naming each setting no Llama-layout family expresses
+            (:func:`export_problems`: a layer norm, the standard MLP, learned positions, ...),
+            or why each family cannot write it.
     """
-    c, problems = config, []
-    for field, want in (("norm", "rmsnorm"), ("mlp", "swiglu"), ("position_encoding", "rope"),
-                        ("causal", True), ("rope_fraction", 1.0), ("logits_bias", False)):
-        if getattr(c, field) != want:
-            problems.append(f"{field}={getattr(c, field)!r} (Llama-family models need {want!r})")
-    if c.d_qk != c.d_head:
-        problems.append(f"d_qk={c.d_qk} differs from d_head={c.d_head} (Llama has one head_dim)")
-    if c.bias and not c.qkv_bias:
-        problems.append("bias=True with qkv_bias=False (Llama's attention_bias covers q, k, v and o)")
+    problems = export_problems(config)
     if problems:
         raise ValueError("this model cannot be written as a Hugging Face Llama/Qwen2: " + "; ".join(problems))
-    return "qwen2" if c.qkv_bias and not c.bias else "llama"
+    return families.export_family(config)
 
 
 def config_to_hf(config: GPTConfig, *, dtype: str = "float32", bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> dict:
-    """The ``config.json`` dict of the ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` equal to
-    ``config`` (:func:`export_family`). RoPE is written both as transformers 5's
+                 eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
+    """The ``config.json`` dict of the Llama-layout model equal to ``config``, of the family
+    :func:`export_family` picks (the keys every such family shares, then the family's own,
+    :attr:`.families.Family.write`). RoPE is written both as transformers 5's
     ``rope_parameters`` and as the older ``rope_theta`` + ``rope_scaling`` other readers use.
 
     Raises:
@@ -234,10 +182,7 @@ def config_to_hf(config: GPTConfig, *, dtype: str = "float32", bos_token_id: int
            "tie_word_embeddings": c.tie_weights, "rope_parameters": rope, "rope_theta": c.rope_base,
            "rope_scaling": None if c.rope_scaling is None else c.rope_scaling.to_hf(),
            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-           "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "dtype": dtype}
-    if family == "llama":
-        out.update(attention_bias=c.bias, mlp_bias=c.bias, pretraining_tp=1)
-    else:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_blocks,
-                   layer_types=["full_attention"] * c.n_blocks)
+           "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+           "dtype": dtype}
+    out.update(FAMILIES[family].write(c))
     return out

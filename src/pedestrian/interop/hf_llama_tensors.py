@@ -1,6 +1,7 @@
-"""Hugging Face Llama / Qwen2 / Mistral tensors <-> pedestrian parameters: names, shapes, layouts.
+"""Hugging Face Llama-layout tensors (Llama, Qwen2, Mistral, ...) <-> pedestrian parameters:
+names, shapes, layouts. A block's module names are its family's (:attr:`.families.Family.names`);
 
-Tensors (HF name -> pedestrian name; ``nn.Linear`` stores ``(f_out, f_in)``, pedestrian
+Tensors (Llama's HF name -> pedestrian name; ``nn.Linear`` stores ``(f_out, f_in)``, pedestrian
 ``(f_in, f_out)``: every linear weight is transposed, embeddings and norms are copied)::
 
     model.embed_tokens.weight (V, d)                          tok_emb.weight (V, d)
@@ -36,22 +37,21 @@ import numpy as np
 from ..config import GPTConfig
 from ..model.layout import param_specs
 from .files import listing
+from .families import FAMILIES, TOP_NAMES
 from .hf_llama_config import export_family
 
 _P = "model.layers"
 
 
-def _names(config: GPTConfig) -> list[tuple[str, str, bool]]:
-    """``(hf name, pedestrian name, transposed)`` for every pedestrian parameter, in order."""
-    rename = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
-              "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn_proj": "self_attn.o_proj",
-              "mlp_gate": "mlp.gate_proj", "mlp_expand": "mlp.up_proj", "mlp_contract": "mlp.down_proj"}
-    top = {"tok_emb.weight": "model.embed_tokens.weight", "ln_final.weight": "model.norm.weight",
-           "logits.weight": "lm_head.weight"}
+def _names(config: GPTConfig, family: str | None = None) -> list[tuple[str, str, bool]]:
+    """``(hf name, pedestrian name, transposed)`` for every pedestrian parameter, in order: the
+    block layers named by ``family`` (a folder's), else by the family that writes ``config``
+    (:attr:`.families.Family.names`)."""
+    rename = FAMILIES[family or export_family(config)].names
     out = []
     for s in param_specs(config):
-        if s.name in top:
-            out.append((top[s.name], s.name, s.name == "logits.weight"))
+        if s.name in TOP_NAMES:
+            out.append((TOP_NAMES[s.name], s.name, s.name == "logits.weight"))
             continue
         _, i, rest = s.name.split(".", 2)
         layer, kind = rest.rsplit(".", 1)
@@ -59,7 +59,7 @@ def _names(config: GPTConfig) -> list[tuple[str, str, bool]]:
     return out
 
 
-def hf_llama_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+def hf_llama_shapes(config: GPTConfig, family: str | None = None) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, for a Llama-family ``config`` (``lm_head.weight`` when untied).
 
     Raises:
@@ -68,13 +68,13 @@ def hf_llama_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """
     export_family(config)
     shapes = {s.name: s.shape for s in param_specs(config)}
-    return {hf: shapes[ped][::-1] if t else shapes[ped] for hf, ped, t in _names(config)}
+    return {hf: shapes[ped][::-1] if t else shapes[ped] for hf, ped, t in _names(config, family)}
 
 
-def check_llama_shapes(shapes: Mapping[str, tuple], config: GPTConfig, source: str) -> None:
+def check_llama_shapes(shapes: Mapping[str, tuple], config: GPTConfig, source: str, family: str | None = None) -> None:
     """Every missing, unexpected or wrong-shaped tensor of ``shapes`` (file name -> shape), in
     one ``ValueError``; a tied ``lm_head.weight`` may be present."""
-    expected = hf_llama_shapes(config)
+    expected = hf_llama_shapes(config, family)
     if config.tie_weights:
         expected_opt = {"lm_head.weight": (config.vocab_size, config.d_model)}
     else:
@@ -94,7 +94,7 @@ def check_llama_shapes(shapes: Mapping[str, tuple], config: GPTConfig, source: s
 
 
 def llama_state_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, *,
-                        source: str = "the weights") -> dict[str, np.ndarray]:
+                        source: str = "the weights", family: str | None = None) -> dict[str, np.ndarray]:
     """HF Llama / Qwen2 / Mistral tensors -> pedestrian parameters (the module table).
 
     Args:
@@ -102,6 +102,7 @@ def llama_state_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, *,
             :class:`~pedestrian.interop.files.SafetensorsFile`).
         config: the pedestrian config (:func:`~pedestrian.interop.hf_llama_config.config_from_hf`).
         source: how to name the tensors in error messages.
+        family: the folder's family (its names); ``None``: the one that writes ``config``.
 
     Returns:
         pedestrian name -> array (transposed views or the arrays themselves; dtypes unchanged).
@@ -110,11 +111,12 @@ def llama_state_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, *,
         ValueError: missing, unexpected or wrong-shaped tensors (all listed), or a tied
             ``lm_head.weight`` that differs from ``model.embed_tokens.weight``.
     """
-    check_llama_shapes({k: np.shape(v) for k, v in tensors.items()}, config, source)
-    return convert_llama_from_hf(tensors, config, source)
+    check_llama_shapes({k: np.shape(v) for k, v in tensors.items()}, config, source, family)
+    return convert_llama_from_hf(tensors, config, source, family)
 
 
-def convert_llama_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, source: str) -> dict:
+def convert_llama_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, source: str,
+                          family: str | None = None) -> dict:
     """:func:`llama_state_from_hf` after :func:`check_llama_shapes`: the tied ``lm_head.weight``
     checked, the tensors renamed (and transposed where the module table says)."""
     if (config.tie_weights and "lm_head.weight" in tensors
@@ -122,7 +124,7 @@ def convert_llama_from_hf(tensors: Mapping[str, np.ndarray], config: GPTConfig, 
         raise ValueError(f"{source}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
                          "model.embed_tokens.weight. Nothing was loaded. Set tie_word_embeddings to false if "
                          "the model really has a separate lm_head.")
-    return {ped: np.asarray(tensors[hf]).T if t else tensors[hf] for hf, ped, t in _names(config)}
+    return {ped: np.asarray(tensors[hf]).T if t else tensors[hf] for hf, ped, t in _names(config, family)}
 
 
 def llama_state_to_hf(state: Mapping[str, object], config: GPTConfig) -> dict[str, np.ndarray]:

@@ -47,7 +47,7 @@ from ..model.inputs import check_finite_state
 from ..model.layout import fc_layers
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
-from .hf_llama_config import export_family
+from .families import export_family
 from .peft_modules import fc_of_module, is_gpt2, pattern_value, peft_module, peft_scaling
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
@@ -348,10 +348,16 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     Raises:
         ValueError: the model has no adapters, or its base is neither a Hugging Face GPT-2
             (:func:`pedestrian.interop.hf_config.export_problems`) nor a Llama-family model
-            (:func:`pedestrian.interop.hf_llama_config.export_family`).
+            (:func:`pedestrian.interop.families.export_family`).
     """
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
+    experts = [t for t in model.lora_targets if ".experts." in t]
+    if experts:                                 # transformers 5 fuses a block's experts into 3-D parameters
+        raise ValueError(f"PEFT files cannot hold adapters on experts ({experts[0]}, ... {len(experts)} layers): "
+                         "transformers keeps a block's experts as one 3-D parameter, not the modules PEFT's "
+                         "target_modules adapts; save them with pedestrian's checkpoint (finetune --out), or "
+                         "adapt the attention only (--lora-targets q k v o) for PEFT files")
     if is_gpt2(model.config):
         problems = export_problems(model.config)
         if problems:
@@ -359,7 +365,7 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
                              + "; ".join(problems))
     else:
         try:
-            export_family(model.config)
+            export_family(model.config)                    # (:mod:`.families`: the family that names the modules)
         except ValueError as exc:
             raise ValueError(f"PEFT adapters apply to a Hugging Face model: {exc}") from None
     r, alpha = int(model.lora_rank), float(model.lora_alpha)

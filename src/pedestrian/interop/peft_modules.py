@@ -18,7 +18,7 @@ Modules (HF Llama / Qwen2 / Mistral -> pedestrian FC layer; one module per layer
 
 (with grouped-query attention the k and v adapters have ``n_kv_heads · head_dim`` output
 columns, as the modules). The family is the base config's (:func:`is_gpt2`): GPT-2 when it is
-expressible as one (:func:`~.hf_config.export_problems`), else the Llama family.
+GPT-2-shaped, else the Llama-layout family that writes it (:func:`~.families.family_names`).
 """
 
 from __future__ import annotations
@@ -28,23 +28,23 @@ import re
 from typing import Mapping
 
 from ..config import GPTConfig
+from .families import family_names, layout_of
 
 __all__ = ["is_gpt2", "peft_module", "fc_of_module", "pattern_value", "peft_scaling"]
 
 
 _MODULE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$")
+#: the block layers a LoRA adapter can sit on (their names in :attr:`~.families.Family.names`)
+_FC_KINDS = ("attn.q", "attn.k", "attn.v", "attn_proj", "mlp_gate", "mlp_expand", "mlp_contract")
 _HF_TO_FC = {"attn.c_proj": "attn_proj", "mlp.c_fc": "mlp_expand", "mlp.c_proj": "mlp_contract"}
 _FC_TO_HF = {v: k for k, v in _HF_TO_FC.items()}
-_LLAMA_MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$")
-_LLAMA_TO_FC = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
-                "self_attn.o_proj": "attn_proj", "mlp.gate_proj": "mlp_gate", "mlp.up_proj": "mlp_expand",
-                "mlp.down_proj": "mlp_contract"}
-_FC_TO_LLAMA = {v: k for k, v in _LLAMA_TO_FC.items()}
+_LLAMA_MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def is_gpt2(config: GPTConfig) -> bool:
-    """Whether PEFT names ``config``'s modules as GPT-2's (else as Llama's)."""
-    return config.norm == "layernorm" and config.mlp == "standard"
+    """Whether PEFT names ``config``'s modules as GPT-2's (else by its Llama-layout family's
+    :attr:`~.families.Family.names`)."""
+    return layout_of(config) == "gpt2"
 
 
 def peft_module(fc: str, config: GPTConfig | None = None) -> tuple[str, str | None]:
@@ -58,7 +58,7 @@ def peft_module(fc: str, config: GPTConfig | None = None) -> tuple[str, str | No
         return "lm_head", None
     _, i, rest = fc.split(".", 2)
     if config is not None and not is_gpt2(config):
-        return f"model.layers.{i}.{_FC_TO_LLAMA[rest]}", None
+        return f"model.layers.{i}.{family_names(config)[rest]}", None
     if rest.startswith("attn."):
         return f"transformer.h.{i}.attn.c_attn", rest[len("attn."):]
     return f"transformer.h.{i}.{_FC_TO_HF[rest]}", None
@@ -88,9 +88,10 @@ def fc_of_module(module: str, config: GPTConfig) -> list[str] | None:
         return ["logits"]
     if not is_gpt2(config):
         m = _LLAMA_MODULE.match(module)
-        if m is None or int(m.group(1)) >= config.n_blocks:
+        fc = {hf: ped for ped, hf in family_names(config).items()}.get(m.group(2)) if m else None
+        if fc is None or int(m.group(1)) >= config.n_blocks or fc not in _FC_KINDS:
             return None
-        return [f"blocks.{m.group(1)}.{_LLAMA_TO_FC[m.group(2)]}"]
+        return [f"blocks.{m.group(1)}.{fc}"]
     m = _MODULE.match(module)
     if m is None or int(m.group(1)) >= config.n_blocks:
         return None

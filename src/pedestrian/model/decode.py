@@ -9,7 +9,9 @@ and pooled arrays: the skip and the next norm are one call (``add_rmsnorm``, ``a
 with ``a6 = LN2(a5)``, ``a10 = a5 + a9`` with the next block's ``a2``), RoPE, the cache append
 and the attention one more; the RoPE angles are looked up once for all blocks and the scratch
 arrays made once per step. What it covers is :func:`fits` (Llama-style blocks: RMS norm, SwiGLU,
-RoPE or no positions; no adapters, no plugged layers, no dropout); anything else runs the chain.
+RoPE or no positions, per block, and the q/k norms of the attention's prelude -- the chain's own
+:func:`pedestrian.model.prelude.forward`; norms before the sublayers; no adapters, no plugged
+layers, no dropout); anything else runs the chain.
 Measured: docs/kernels.md, "One generated token at SmolLM2-135M's shape".
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 from ..kernels import attention, linear, rmsnorm, rope, schedule, swiglu
 from ..kernels import decode as fused
 from ..kernels.jit import threads_used
+from . import prelude
 
 __all__ = ["fits", "forward"]
 
@@ -37,13 +40,16 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     """Whether :func:`forward` computes this step: a KV-cache step of at most
     :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens, ``plain`` (it keeps no
     activations and runs no dropout), no targets, NumPy arrays of a model on the fast kernels with
-    RMS norms, a SwiGLU MLP and RoPE (or no positions), no LoRA adapters, no plugged layer."""
+    RMS norms, a SwiGLU MLP (no experts: a mixture of experts runs the chain) and RoPE (or no
+    positions), no LoRA adapters, no plugged layer."""
     c, K = model.config, model.kernels
     if not plain or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
         return False
     if tokens.ndim != 2 or tokens.shape[1] > schedule.DECODE_MAX_T or model.slots.plugged or model.lora_targets:
         return False
-    if c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
+    if c.n_experts or c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
+        return False
+    if c.norm_placement != "pre":                      # its skips and norms are fused as pre-norms
         return False
     return all(getattr(K, name) is f for name, f in _STANDS_FOR.items())
 
@@ -90,8 +96,9 @@ def forward(model, tokens, kv_cache):
     for i, w in enumerate(W.blocks):
         block = kv_cache.block(i)
         qkv = mm(y, w.qkv)                                          # (B, T, width)
-        fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, block.keys, block.values, L0,
-                                    key_start, True, scale, q, p, a3)                       # a3
+        qkv, _ = prelude.forward(model.kernels, c, i, qkv, w, None, turn=False)          # q/k norms (the chain's)
+        fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r if c.uses_rope(i) else 0, turned, block.keys,
+                                    block.values, L0, key_start, True, scale, q, p, a3)     # RoPE, a3
         a4 = mm(a3, w.attn_proj)
         fused.add_rmsnorm(x2, a4.reshape(B * T, d), w.ln2.weight, eps, y2, xhat, rrms)      # a5 in x, a6 in y
         a7 = mm(y, w.mlp_gate_up).reshape(B * T, -1)                                   # [a7_gate | a7_up]

@@ -14,8 +14,10 @@ are layer norms or RMS norms (``config.norm``), the MLP is expand-g-contract or 
 (``config.mlp``: ``a7_gate = FC_gate(a6)``, ``a7_up = FC_up(a6)``, ``a8 = silu(a7_gate) ∘ a7_up``,
 ``a9 = FC_down(a8)``), the attention has ``config.n_kv_heads`` key/value heads (grouped-query), RoPE
 takes ``rope_base`` and Llama 3's ``rope_scaling``, biases are everywhere, nowhere or on q, k, v
-only (Qwen2), and the logits are tied or not. The norm, the activation ``g`` and the whole MLP are
-slots (:mod:`pedestrian.model.slots`): the chain calls them alike, built in or a layer of your own.
+only (Qwen2), and the logits are tied or not; the q/k norms and RoPE per block are the attention's
+prelude (:mod:`.prelude`), the norms may sit after the sublayers (:mod:`.placement`). The norm, the
+activation ``g`` and the whole MLP are slots (:mod:`pedestrian.model.slots`): the chain calls them
+alike, built in or a layer of your own.
 
 Each step is one call of a layer function: the paper's reference layers (:mod:`pedestrian.layers`)
 or the fast kernels (:mod:`pedestrian.kernels`), same names and signatures, chosen once by
@@ -33,8 +35,10 @@ Parameter names (stable; ``W`` is ``(f_in, f_out)``, ``y = x W + b``)::
     blocks.{i}.attn.q.weight (d, n_heads·d_qk)    .bias     (head h: columns h·d_qk …)
     blocks.{i}.attn.k.weight (d, n_kv_heads·d_qk) .bias     (key/value head j: columns j·d_qk …)
     blocks.{i}.attn.v.weight (d, n_kv_heads·d_head) .bias
+    blocks.{i}.attn.q_norm.weight, .k_norm.weight   -- qk_norm only: (d_qk,) "head"; (H·d_qk,), (H_kv·d_qk,) "proj"
     blocks.{i}.attn_proj.weight (n_heads·d_head, d) .bias
     blocks.{i}.ln2.weight / .bias                 (RMS norm: .weight only)
+    blocks.{i}.ln1_post, blocks.{i}.ln2_post      -- norm_placement "post" (no ln1, ln2) or "sandwich"
     blocks.{i}.mlp_gate.weight (d, d_mlp)            -- SwiGLU only (Hugging Face gate_proj)
     blocks.{i}.mlp_expand.weight (d, d_mlp)  .bias     blocks.{i}.mlp_contract.weight (d_mlp, d) .bias
     ln_final.weight / .bias
@@ -61,7 +65,7 @@ from ..backend import is_torch_array, namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
-from . import decode, head, precision as mixed
+from . import decode, head, moe, placement, prelude, precision as mixed
 from .buffers import FlatBuffer
 from .device_checks import read_checked
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
@@ -256,39 +260,46 @@ class GPT:
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
-        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re)
+        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re, routes=[])
         f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)    # (B, T, d)
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
             if i < n_re:                                                             # keep x and where its dropout draws start
                 f.blocks.append(SimpleNamespace(x=x, rng=copy.deepcopy(self.dropout_rng) if self._dropping_out() else None))
-            b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i))
+            b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i), i)
             x = b.a10
+            if getattr(b, "route", None) is not None:                               # the router's π and choice
+                f.routes.append(moe.kept_route(b.route))                             # (the aux loss's rows)
             if keep and i >= n_re:                                                   # else let go now
                 f.blocks.append(keep_only_what_backward_reads(b) if n_re else b)
             del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
         head.forward(self, f, W.logits, targets, n_total, getattr(self._local, "fuse", False), self._fc_forward)  # a12, loss
+        if c.n_experts:                                                              # + coef · aux (model/moe.py)
+            self._local.loss_parts = moe.aux_loss(self, f, targets, n_total)
         self._acts = f
         return f.a12
 
-    def _block(self, x, w, positions, kv_block):
-        """Block ``a2 … a10`` from its input ``x`` (the dropped-out ``a1``, or the previous
-        ``a10``); returns the block's activations (and its adapters' caches, ``b.lora``)."""
+    def _block(self, x, w, positions, kv_block, i: int):
+        """Block ``i``'s ``a2 … a10`` from its input ``x`` (the dropped-out ``a1``, or the previous
+        ``a10``); returns the block's activations (and its adapters' caches, ``b.lora``). Norms
+        after the sublayers (``config.norm_placement``): ``a4_post``, ``a9_post``."""
         c, K, S = self.config, self.kernels, self.slots
         b = SimpleNamespace(lora={})
-        b.a2, b.ln1 = S.norm.forward(x, w.ln1)                                       # (B, T, d)
+        b.a2, b.ln1 = S.norm.forward(x, w.ln1) if w.ln1 is not None else (x, None)    # (B, T, d); post: x
         qkv = self._fc_forward(w.qkv, b.a2, b.lora)                                  # (B, T, H·d_qk+H_kv·(d_qk+d_head))
-        if c.position_encoding == "rope":                                            # q, k turned by position
-            qkv, b.rope = K.rope_forward(qkv, c.n_heads, c.d_qk, positions, base=c.rope_base, rotated=c.rope_dims,
-                                         n_kv_heads=c.n_kv_heads, scaling=c.rope_scaling)
+        qkv, b.prelude = prelude.forward(K, c, i, qkv, w, positions)                 # q/k norms, RoPE (model/prelude.py)
         b.a3, b.attn = K.multi_head_attention_forward(                               # (B, T, H·d_head)
             qkv, c.n_heads, c.d_qk, c.d_head, causal=c.causal, kv_cache=kv_block, n_kv_heads=c.n_kv_heads)
         b.a4 = self._fc_forward(w.attn_proj, b.a3, b.lora)                           # (B, T, d)
-        branch, b.drop4 = self._dropout(b.a4)
-        (b.a5, b.a6), b.ln2 = S.norm.add_forward(x, branch, w.ln2)                  # skip, then LN2 (B, T, d)
+        branch, b.drop4 = self._dropout(placement.post_norm(S.norm, b, "a4", w.ln1_post))   # (or a4_post)
+        if w.ln2 is not None:
+            (b.a5, b.a6), b.ln2 = S.norm.add_forward(x, branch, w.ln2)              # skip, then LN2 (B, T, d)
+        else:                                                                        # post: no norm before the MLP
+            b.a5 = b.a6 = K.add(x, branch)
+            b.ln2 = None
         b.a9 = S.mlp.forward(self._fc_forward, b, w, b.lora)                         # (B, T, d); a7, a8 on b
-        branch, b.drop9 = self._dropout(b.a9)
+        branch, b.drop9 = self._dropout(placement.post_norm(S.norm, b, "a9", w.ln2_post))   # (or a9_post)
         b.a10 = K.add(b.a5, branch)                                                  # skip
         return b
 
@@ -317,14 +328,14 @@ class GPT:
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
     def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
-             read: bool = True) -> float:
+             read: bool = True, per_row: bool = False) -> float:
         """Forward with targets; the mean next-token cross-entropy (nats per token; ``0.0`` with zero
         gradients when every target is the ignore index ``-100``). ``n_total``, ``keep_activations``:
         see :meth:`forward`. ``read=False``: the loss as the 0-d array it is, unread (no host sync;
-        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags
-        come to the host in one read (:func:`~pedestrian.model.device_checks.read_checked`)."""
+        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags come to the host in one
+        read (:func:`~pedestrian.model.device_checks.read_checked`). ``per_row``: :func:`.head.sequence_logprobs`'."""
         def run():
-            self._local.fuse = self.fused_head             # (model/head.py: when the head is fused)
+            self._local.fuse = head.SEQUENCES if per_row else self.fused_head     # (model/head.py)
             try:
                 self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
             finally:
@@ -332,6 +343,13 @@ class GPT:
             self._acts.logits_held = False                 # by no caller: Δ12 may take their place
             return self._acts.loss_value
         return read_checked(run, is_torch_array(tokens)) if read else run()
+
+    @property
+    def loss_parts(self) -> dict:
+        """``{"ce": cross-entropy, "aux": load-balancing loss}`` of the calling thread's last forward of a
+        mixture-of-experts model (:meth:`loss` returns ``ce + router_aux_loss_coef · aux`` when
+        ``config.output_router_logits``, else ``ce``; :mod:`pedestrian.model.moe`); ``{}`` for a dense model."""
+        return dict(getattr(self._local, "loss_parts", {}))
 
     # ------------------------------------------------------------------ backward
     def backward(self, delta_logits=None, *, keep_deltas: bool = False, after_block=None) -> dict:
@@ -379,7 +397,6 @@ class GPT:
         """The Δ chain; returns the signals ``Δ12, Δ11, Δ1`` and, with ``keep_deltas``, each
         block's ``Δ10 … Δ2, Δcausal`` (first block first)."""
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
-        rope = c.position_encoding == "rope"
         G = self.parameters.grad_table(after_block is not None)                              # None = frozen: no gradient
         top, kept, rng_after = SimpleNamespace(), [], self.dropout_rng
         top.d12, top.d11 = head.backward(self, f, W.logits, G.logits, delta_logits, self._fc_backward)  # Δ12 (or None), Δ11
@@ -388,18 +405,19 @@ class GPT:
             b, w, g = take_block(f, i), W.blocks[i], G.blocks[i]                              # (loss(): let go after)
             if i < f.recomputed:                                                               # a2 … a10 again, same draws
                 self.dropout_rng = rng_after if b.rng is None else copy.deepcopy(b.rng)
-                b = self._block(b.x, w, None, None)
-            D = SimpleNamespace(d10=d10)                                                       # Δ10
-            D.d9 = K.dropout_backward(D.d10, b.drop9)                                          # Δ9
+                b = self._block(b.x, w, None, None, i)
+            D = SimpleNamespace(d10=d10, aux=None if delta_logits is not None else getattr(f, "aux_grad", None))  # Δ10
+            D.d9 = placement.post_norm_backward(S.norm, D, K.dropout_backward(D.d10, b.drop9), b, 9, g.ln2_post)  # Δ9
             D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)
-            D.d5 = S.norm.add_backward(D.d6, b.ln2, D.d10, g.ln2)                             # skip + LN2
-            D.d4 = K.dropout_backward(D.d5, b.drop4)                                           # Δ4
+            D.d5 = (S.norm.add_backward(D.d6, b.ln2, D.d10, g.ln2) if b.ln2 is not None       # skip + LN2
+                    else K.add(D.d6, D.d10))                                                   # (post: a6 = a5)
+            D.d4 = placement.post_norm_backward(S.norm, D, K.dropout_backward(D.d5, b.drop4), b, 4, g.ln1_post)  # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, b.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
-            if rope:                                                                           # turned back: R(−tθ)
-                d_qkv = K.rope_backward(d_qkv, b.rope)
+            d_qkv = prelude.backward(K, c, d_qkv, b.prelude, g)                               # RoPE, q/k norms back
             D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, b.lora)                        # Δ2 = Σ_h (...)
-            d10 = S.norm.add_backward(D.d2, b.ln1, D.d5, g.ln1)                               # skip + LN1
+            d10 = (S.norm.add_backward(D.d2, b.ln1, D.d5, g.ln1) if b.ln1 is not None         # skip + LN1
+                   else K.add(D.d2, D.d5))                                                     # (post: a2 = x)
             if keep_deltas:
                 kept.insert(0, D)
             if after_block is not None:
@@ -496,4 +514,5 @@ class GPT:
     merge_lora = Delegated()
     unmerge_lora = Delegated()
     remove_lora = Delegated()
+    without_adapters = Delegated()
     lora_state_dict = Delegated()

@@ -59,9 +59,11 @@ def named_deltas(top, blocks) -> dict:
 
 def _numbers(block, first: int, stop: int) -> list:
     """The activation (or signal) numbers ``first … stop − 1`` a block kept: SwiGLU's ``7_gate``,
-    ``7_up`` in place of ``7``; a plugged MLP's block has no ``7``, ``8``."""
+    ``7_up`` in place of ``7``; a plugged MLP's block has no ``7``, ``8``; the norms after the
+    sublayers add ``4_post``, ``9_post`` (:mod:`pedestrian.model.placement`)."""
     prefix = "a" if hasattr(block, "a2") else "d"
-    numbers = [m for n in range(first, stop) for m in ([str(n)] if n != 7 else ["7", "7_gate", "7_up"])]
+    extra = {7: ["7_gate", "7_up"], 4: ["4_post"], 9: ["9_post"]}
+    numbers = [m for n in range(first, stop) for m in [str(n), *extra.get(n, [])]]
     return [m for m in numbers if hasattr(block, prefix + m)]
 
 

@@ -39,11 +39,18 @@ def block_fc_layers(config: GPTConfig, i: int) -> list[tuple[str, int, int]]:
     """Block ``i``'s fully connected layers in order, ``(name, f_in, f_out)``: ``attn.q``
     ``(d, n_heads·d_qk)``, ``attn.k`` ``(d, n_kv_heads·d_qk)``, ``attn.v`` ``(d, n_kv_heads·d_head)``,
     ``attn_proj`` ``(n_heads·d_head, d)``, then ``mlp_gate`` (SwiGLU only), ``mlp_expand``
-    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``."""
+    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``; in a mixture-of-experts block
+    (:meth:`GPTConfig.is_moe`) instead ``experts.{e}.mlp_gate``, ``.mlp_expand`` ``(d, d_expert)``,
+    ``.mlp_contract`` ``(d_expert, d)`` for each expert ``e``."""
     c, p = config, f"blocks.{i}"
     hv = c.n_heads * c.d_head
     out = [(f"{p}.attn.q", c.d_model, c.n_heads * c.d_qk), (f"{p}.attn.k", c.d_model, c.n_kv_heads * c.d_qk),
            (f"{p}.attn.v", c.d_model, c.n_kv_heads * c.d_head), (f"{p}.attn_proj", hv, c.d_model)]
+    if c.is_moe(i):                              # each expert's SwiGLU (the router is no FC layer here)
+        m = c.d_expert
+        return out + [(f"{p}.experts.{e}.{name}", f_in, f_out) for e in range(c.n_experts)
+                      for name, f_in, f_out in (("mlp_gate", c.d_model, m), ("mlp_expand", c.d_model, m),
+                                                ("mlp_contract", m, c.d_model))]
     if c.mlp == "swiglu":
         out.append((f"{p}.mlp_gate", c.d_model, c.d_mlp))
     return out + [(f"{p}.mlp_expand", c.d_model, c.d_mlp), (f"{p}.mlp_contract", c.d_mlp, c.d_model)]
@@ -103,6 +110,15 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
     return [name for name in layers if name in set(chosen)]
 
 
+def qk_norm_widths(config: GPTConfig) -> tuple[int, int]:
+    """The widths of the q and k norm weights: ``(d_qk, d_qk)`` per head (``qk_norm="head"``),
+    ``(n_heads·d_qk, n_kv_heads·d_qk)`` over the projection (``"proj"``)."""
+    c = config
+    if c.qk_norm == "head":
+        return c.d_qk, c.d_qk
+    return c.n_heads * c.d_qk, c.n_kv_heads * c.d_qk
+
+
 def param_specs(config: GPTConfig) -> list[ParamSpec]:
     """Every base parameter in its documented, stable order.
 
@@ -114,7 +130,11 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     ``ln1``, ``ln2``, ``ln_final`` are of kind ``"layernorm"`` (weight, and bias when
     ``config.bias``) or ``"rmsnorm"`` (weight only); SwiGLU adds ``mlp_gate`` before
     ``mlp_expand`` (:func:`block_fc_layers`); with ``n_kv_heads < n_heads`` the k and v weights
-    have ``n_kv_heads`` heads' columns.
+    have ``n_kv_heads`` heads' columns. ``config.qk_norm`` adds ``attn.q_norm.weight`` and
+    ``attn.k_norm.weight`` after ``attn.v`` (:func:`qk_norm_widths`); ``norm_placement="post"``
+    has ``ln1_post`` after ``attn_proj`` and ``ln2_post`` after ``mlp_contract`` in place of
+    ``ln1`` and ``ln2``, ``"sandwich"`` all four.
+    A mixture-of-experts block has ``router.weight`` ``(d, E)`` after ``ln2``, then its experts' layers.
     """
     c = config
     d = c.d_model
@@ -128,16 +148,27 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
             out.append(ParamSpec(f"{name}.bias", (d,), c.norm, False))
         return out
 
+    pre, post = c.norm_placement != "post", c.norm_placement != "pre"
     for i in range(c.n_blocks):
         p = f"blocks.{i}"
-        specs += ln(f"{p}.ln1")
+        if pre:
+            specs += ln(f"{p}.ln1")
         for fc, f_in, f_out in block_fc_layers(c, i):
             kind = "attention" if ".attn" in fc else "mlp"
             specs.append(ParamSpec(f"{fc}.weight", (f_in, f_out), kind, True))
             if (c.qkv_bias if ".attn." in fc else c.bias):
                 specs.append(ParamSpec(f"{fc}.bias", (f_out,), kind, False))
+            if fc.endswith("attn.v") and c.qk_norm is not None:               # the prelude's q/k norms
+                q_width, k_width = qk_norm_widths(c)
+                specs += [ParamSpec(f"{p}.attn.q_norm.weight", (q_width,), "rmsnorm", False),
+                          ParamSpec(f"{p}.attn.k_norm.weight", (k_width,), "rmsnorm", False)]
             if fc.endswith("attn_proj"):
-                specs += ln(f"{p}.ln2")
+                specs += ln(f"{p}.ln1_post") if post else []
+                specs += ln(f"{p}.ln2") if pre else []
+                if c.is_moe(i):                   # the router, W_r (d, E): HF's mlp.gate
+                    specs.append(ParamSpec(f"{p}.router.weight", (d, c.n_experts), "router", True))
+        if post:
+            specs += ln(f"{p}.ln2_post")
     specs += ln("ln_final")
     if not c.tie_weights:
         specs.append(ParamSpec("logits.weight", (d, c.vocab_size), "logits", True))
@@ -229,3 +260,11 @@ def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = N
     if lora_rank is not None:
         return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank, lora_rank_pattern))
     return sum(s.size for s in param_specs(config))
+
+
+def count_active_params(config: GPTConfig) -> int:
+    """Parameters one token's forward uses: :func:`count_params` less, in every mixture-of-experts
+    block, the ``E − k`` experts it is not routed to (``3 · d · d_expert`` each); no allocation."""
+    moe_blocks = sum(config.is_moe(i) for i in range(config.n_blocks))
+    unused = config.n_experts - config.n_experts_per_token
+    return count_params(config) - moe_blocks * unused * 3 * config.d_model * config.d_expert

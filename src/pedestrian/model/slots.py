@@ -13,8 +13,10 @@ GELU, …; expand-g-contract or SwiGLU) or a layer of your own, a plain NumPy mo
 
 What flows through each slot (``width`` = ``d_model`` unless said), and its parameters' names:
 
-- ``norm``: every norm -- ``a2 = LN1(x)``, ``a6 = LN2(a5)``, ``a11 = LN_final(a10)``;
-  ``blocks.{i}.ln1.<name>``, ``blocks.{i}.ln2.<name>``, ``ln_final.<name>``;
+- ``norm``: every norm -- ``a2 = LN1(x)``, ``a6 = LN2(a5)``, ``a11 = LN_final(a10)`` (and the
+  norms after the sublayers, ``config.norm_placement``); ``blocks.{i}.ln1.<name>``,
+  ``blocks.{i}.ln2.<name>`` (``ln1_post``, ``ln2_post``), ``ln_final.<name>`` -- not the q/k
+  norms of the attention's prelude, which are RMS norms of other widths;
 - ``activation``: the MLP's ``g``, ``a8 = g(a7)``, width ``d_mlp``; ``blocks.{i}.act.<name>``
   (only with ``config.mlp == "standard"``);
 - ``mlp``: the whole MLP ``a6 → a9`` (no ``a7``, ``a8`` then); ``blocks.{i}.mlp.<name>``.
@@ -418,6 +420,9 @@ class Slots:
         if "activation" in layers and config.mlp == "swiglu":
             raise ValueError("the activation slot needs mlp='standard' (SwiGLU gates with silu); use "
                              "mlp='standard', or plug your layer into the mlp slot")
+        if "mlp" in layers and config.n_experts:
+            raise ValueError(f"the mlp slot replaces the whole MLP, and this config has n_experts="
+                             f"{config.n_experts} (a mixture of experts); plug norm only, or set n_experts=0")
         if "activation" in layers and "mlp" in layers:
             raise ValueError("the mlp slot replaces the whole MLP, its activation included; plug either "
                              "activation or mlp")
@@ -427,6 +432,10 @@ class Slots:
         self.activation = self.plugged.get("activation") or BuiltinActivation(config, kernels)
         self.mlp = PluggedMLP(self.plugged["mlp"]) if "mlp" in self.plugged else (
             BuiltinMLP(config, kernels, self.activation))
+        if config.n_experts:                               # the dense MLP only in the blocks without experts
+            from .moe import MoEMLP
+
+            self.mlp = MoEMLP(config, kernels, self.mlp)
 
     def specs(self) -> list[ParamSpec]:
         """Every parameter in order: :func:`pedestrian.model.layout.param_specs`, each plugged slot's
@@ -477,7 +486,7 @@ def _owner(name: str) -> tuple:
     if parts[0] != "blocks":
         return None, None
     where = ".".join(parts[:3])
-    if parts[2] in ("ln1", "ln2"):
+    if parts[2] in ("ln1", "ln2", "ln1_post", "ln2_post"):
         return "norm", where
     if parts[2] in ("mlp", "mlp_gate", "mlp_expand", "mlp_contract"):
         return "mlp", f"blocks.{parts[1]}.mlp"

@@ -122,8 +122,12 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                     "dW_tok += ohe(a0)ᵀ Δ1" + ("; dW_pos += Σ_b Δ1" if learned else ""),
                     N * d * (E["embedding"]["bwd"] + learned * E["position"]["bwd"]), N * d * itemsize))
     dgb = "dγ" if rms else "dγ, dβ"
-    rows.append(Row("a2", (B, T, d), f"{LN}1(x)", ln_params, ln_fwd, f"Δx += {LN}1ᵀ(Δ2); {dgb}",
-                    ln_bwd, N * d * itemsize, True))
+    pre, post = c.norm_placement != "post", c.norm_placement != "pre"    # where the block's norms sit
+    if pre:
+        rows.append(Row("a2", (B, T, d), f"{LN}1(x)", ln_params, ln_fwd, f"Δx += {LN}1ᵀ(Δ2); {dgb}",
+                        ln_bwd, N * d * itemsize, True))
+    else:
+        rows.append(Row("a2", (B, T, d), "x (norm_placement='post': no norm here)", "-", 0, "Δx += Δ2", 0, 0, True))
     qkv_bias = 1 if c.qkv_bias else 0
     fwd = 2 * N * d * w_qkv + qkv_bias * N * w_qkv
     bwd = 4 * N * d * w_qkv + qkv_bias * N * w_qkv
@@ -133,10 +137,18 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
         qkv_formula += f" (k, v: {Hkv} heads)"
     rows.append(Row("qkv", (B, T, w_qkv), qkv_formula, "attn.q, attn.k, attn.v",
                     fwd, "Δ2 = Δqkv Wᵀ; dW = a2ᵀ Δqkv", bwd, 0 if rope else N * w_qkv * itemsize, True))
+    if c.qk_norm is not None:                     # the prelude's q/k RMS norms (model/prelude.py)
+        n_qk = N * (H + Hkv) * dqk
+        per_row = N * (H + Hkv) if c.qk_norm == "head" else 2 * N
+        rn = E["rmsnorm"]
+        rows.append(Row("qk_norm", (B, T, w_qkv), "q, k ← RMS(q; w_q), RMS(k; w_k)" + (" per head" if c.qk_norm == "head"
+                        else " over the projection"), "attn.q_norm, attn.k_norm", n_qk * rn["fwd"] + per_row * rn["per_row_fwd"],
+                        "Δq, Δk ← RMSᵀ(Δ); dw_q, dw_k", n_qk * rn["bwd"], 0 if rope else N * w_qkv * itemsize, True))
     if rope:
         r = c.rope_dims
         per = N * (H + Hkv) * r                   # rotated q and k elements
-        rows.append(Row("rope", (B, T, w_qkv), f"q, k ← R(tθ) (first {r} of {dqk} per head)", "-",
+        some = "" if c.rope_layers is None else f"; blocks {sum(c.rope_layers)} of {c.n_blocks} (rope_layers)"
+        rows.append(Row("rope", (B, T, w_qkv), f"q, k ← R(tθ) (first {r} of {dqk} per head{some})", "-",
                         per * E["rope"]["fwd"], "Δq, Δk ← R(−tθ) Δ", per * E["rope"]["bwd"],
                         N * w_qkv * itemsize, True))
     scores = B * H * T * T
@@ -155,10 +167,17 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
     b_ = " + b" if bias or not rms else ""        # GPT-2's rows name b whatever the config
     rows.append(Row("a4", (B, T, d), "a3 W_proj" + b_, "attn_proj", fwd, "Δ3 = Δ4 Wᵀ; dW = a3ᵀ Δ4", bwd,
                     N * d * itemsize, True))
-    rows.append(Row("a5", (B, T, d), "x + a4", "-", N * d * E["add"]["fwd"], "Δx += Δ5; Δ4 = Δ5",
+    if post:                                      # the norm after the attention (model/placement.py)
+        rows.append(Row("a4_post", (B, T, d), f"{LN}1post(a4)", ln_params, ln_fwd, f"Δ4 = {LN}1postᵀ(Δ4_post); {dgb}",
+                        ln_bwd, N * d * itemsize, True))
+    rows.append(Row("a5", (B, T, d), "x + a4_post" if post else "x + a4", "-", N * d * E["add"]["fwd"],
+                    "Δx += Δ5; Δ4_post = Δ5" if post else "Δx += Δ5; Δ4 = Δ5",
                     N * d * E["add"]["bwd"], N * d * itemsize, True))
-    rows.append(Row("a6", (B, T, d), f"{LN}2(a5)", ln_params, ln_fwd, f"Δ5 += {LN}2ᵀ(Δ6); {dgb}", ln_bwd,
-                    N * d * itemsize, True))
+    if pre:
+        rows.append(Row("a6", (B, T, d), f"{LN}2(a5)", ln_params, ln_fwd, f"Δ5 += {LN}2ᵀ(Δ6); {dgb}", ln_bwd,
+                        N * d * itemsize, True))
+    else:
+        rows.append(Row("a6", (B, T, d), "a5 (norm_placement='post': no norm here)", "-", 0, "Δ5 += Δ6", 0, 0, True))
     fwd, bwd = fc(d, dm)
     if c.mlp == "swiglu":                         # two FC layers of a6, then the gated product
         rows.append(Row("a7_gate", (B, T, dm), "a6 W_gate" + b_, "mlp_gate", fwd,
@@ -178,7 +197,11 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
     fwd, bwd = fc(dm, d)
     rows.append(Row("a9", (B, T, d), "a8 W_contract" + b_,
                     "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd, N * d * itemsize, True))
-    rows.append(Row("a10", (B, T, d), "a5 + a9", "-", N * d * E["add"]["fwd"], "Δ5 += Δ10; Δ9 = Δ10",
+    if post:                                      # the norm after the MLP
+        rows.append(Row("a9_post", (B, T, d), f"{LN}2post(a9)", ln_params, ln_fwd, f"Δ9 = {LN}2postᵀ(Δ9_post); {dgb}",
+                        ln_bwd, N * d * itemsize, True))
+    rows.append(Row("a10", (B, T, d), "a5 + a9_post" if post else "a5 + a9", "-", N * d * E["add"]["fwd"],
+                    "Δ5 += Δ10; Δ9_post = Δ10" if post else "Δ5 += Δ10; Δ9 = Δ10",
                     N * d * E["add"]["bwd"], N * d * itemsize, True))
     rows.append(Row("a11", (B, T, d), f"{LN}_final(a10)", ln_params, ln_fwd, f"Δ10 = {LN}ᵀ(Δ11); {dgb}", ln_bwd,
                     N * d * itemsize))
@@ -393,6 +416,11 @@ def params_table(config: GPTConfig, per_block: bool = False, lora: tuple | None 
     lines += [f"{'kind: ' + kind:<32}{n:>16,}" for kind, n in by_kind.items()]
     total = sum(s.size for s in specs)
     lines.append(f"{'total':<32}{total:>16,}")
+    if config.n_experts:                                # what one token's forward uses
+        from ..model.layout import count_active_params
+
+        lines.append(f"{'active per token':<32}{count_active_params(config):>16,}"
+                     f"   ({config.n_experts_per_token} of {config.n_experts} experts)")
     if adapters is not None:
         n = sum(s.size for s in adapters)
         lines.append(f"{'LoRA r=' + str(lora[0]) + ' on ' + ','.join(lora[1]):<32}{n:>16,}"

@@ -54,9 +54,12 @@ SYMBOLS = {
     "ln_final.weight": "w_LNfinal", "ln_final.bias": "b_LNfinal",
     "logits.weight": "W_logits", "logits.bias": "b_logits",
     "tok_emb.weight": "W_tok", "pos_emb.weight": "W_pos",
+    "ln1_post.weight": "w_LN1post", "ln1_post.bias": "b_LN1post", "ln2_post.weight": "w_LN2post",
+    "ln2_post.bias": "b_LN2post", "attn.q_norm.weight": "w_qnorm", "attn.k_norm.weight": "w_knorm",
 }
 #: RMS norm's names (weight only: no mean, no bias), in place of :data:`SYMBOLS`' layer-norm ones
-RMS_SYMBOLS = {"ln1.weight": "w_RMS1", "ln2.weight": "w_RMS2", "ln_final.weight": "w_RMSfinal"}
+RMS_SYMBOLS = {"ln1.weight": "w_RMS1", "ln2.weight": "w_RMS2", "ln_final.weight": "w_RMSfinal",
+               "ln1_post.weight": "w_RMS1post", "ln2_post.weight": "w_RMS2post"}
 #: printed under the table when a key bias is checked under RoPE (:func:`key_bias_vanishes` false)
 KEY_BIAS_ROPE_NOTE = ("∂L/∂b_k is not ≡ 0 here: paper section 3's rule needs the same b_k on every key, and RoPE\n"
                       "turns key β's bias by its position, R(t_β θ) b_k, so q_α · R(t_β θ) b_k varies along a row\n"
@@ -113,6 +116,9 @@ def gradient_lines(model) -> list:
     for i in reversed(range(c.n_blocks)):
         p, where = f"blocks.{i}.", f"block {i}"
         delta(10, p + "Δ10", where)
+        if c.norm_placement != "pre":                      # the norm after the MLP (model/placement.py)
+            delta("9_post", p + "Δ9_post", where)
+            params(p, "ln2_post.weight", "ln2_post.bias", where=where)
         delta(9, p + "Δ9", where)
         params(p, "mlp_contract.weight", "mlp_contract.bias", where=where)
         if plugged_mlp:                                    # a6 -> a9 in one plugged layer
@@ -131,10 +137,14 @@ def gradient_lines(model) -> list:
         delta(6, p + "Δ6", where)
         params(p, "ln2.weight", "ln2.bias", where=where)
         delta(5, p + "Δ5", where)
+        if c.norm_placement != "pre":                      # the norm after the attention
+            delta("4_post", p + "Δ4_post", where)
+            params(p, "ln1_post.weight", "ln1_post.bias", where=where)
         delta(4, p + "Δ4", where)
         params(p, "attn_proj.weight", "attn_proj.bias", where=where)
         delta(3, p + "Δ3", where)
         out.append((f"{'Δcausal = ∂L/∂S':<24}{where}", "delta", p + "Δcausal"))
+        params(p, "attn.q_norm.weight", "attn.k_norm.weight", where=where)   # the prelude's q/k norms
         params(p, "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.v.weight",
                "attn.v.bias", where=where)
         delta(2, p + "Δ2", where)
