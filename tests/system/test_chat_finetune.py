@@ -107,3 +107,25 @@ def test_a_folder_without_a_template_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0 and "has no chat template" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_dpo_on_message_records_renders_them_with_the_template(folder, tmp_path, capsys):
+    """`finetune --dpo` with TRL's conversational records: the prompt and the answers rendered by
+    text/chat.render with the folder's template (the ids of apply_chat_template), and it trains."""
+    from pedestrian.interop.hf import load_hf_tokenizer
+    from pedestrian.training.dpo import chat_renderer
+
+    d, _ = folder
+    prompt = [{"role": "user", "content": "Hello! How are you?"}]
+    chosen, rejected = [{"role": "assistant", "content": "Fine."}], [{"role": "assistant", "content": "the dog"}]
+    render = chat_renderer(d, load_hf_tokenizer(d))
+    fast = fast_tokenizer("llama3")
+    assert render(prompt + chosen, False) == list(fast.apply_chat_template(prompt + chosen, tokenize=True,
+                                                                          return_dict=True)["input_ids"])
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n"
+                             for _ in range(4)), encoding="utf-8")
+    capsys.readouterr()
+    assert cli.main(["finetune", "--hf-dir", str(d), "--dpo", str(pairs), "--lora-rank", "2", "--max-steps", "2",
+                     "--batch-size", "2", "--context-length", "64", "--eval-interval", "2", "--eval-batches", "1",
+                     "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"]) == 0
