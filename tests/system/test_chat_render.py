@@ -185,7 +185,7 @@ def test_a_conversation_the_template_refuses_is_left_out_and_said(tmp_path):
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
     convs = read_conversations(write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}, {"messages": bad}]))
     rows, left_out = chat_rows(convs, tok, template, 160)
-    assert rows.lines == [1]
+    assert rows.lines == [[1]]
     assert left_out == ["line 2: the chat template cannot render this conversation: Conversation roles must "
                         "alternate user/assistant/user/assistant/..."]
     with pytest.raises(ValueError, match="no conversation is left to train on"):

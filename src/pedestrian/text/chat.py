@@ -48,7 +48,7 @@ import numpy as np
 IGNORE_INDEX = -100
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "render", "read_conversations", "Conversation",
-           "ChatRows", "chat_rows", "IGNORE_INDEX"]
+           "ChatRows", "chat_rows", "pack_windows", "IGNORE_INDEX"]
 
 
 class ChatTemplateError(ValueError):
@@ -272,21 +272,26 @@ def read_conversations(path) -> list[Conversation]:
 # ------------------------------------------------------------------------------------ training rows
 class ChatRows:
     """Training rows of conversations: ``x``, ``y`` int64 ``(N, T)`` (module docstring), drawn as
-    :class:`~pedestrian.text.tokens.TokenDataset`'s windows are (same interface)."""
+    :class:`~pedestrian.text.tokens.TokenDataset`'s windows are (same interface); packed rows also
+    hold ``segments`` int64 ``(N, T)`` (:func:`pack_windows`), and their batches are ``(x, y,
+    segments)``. ``lines[r]``: the file lines of row ``r``'s conversations."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, lines: list[int]):
-        self.x, self.y, self.lines = x, y, lines
+    def __init__(self, x: np.ndarray, y: np.ndarray, lines: list, segments: np.ndarray | None = None):
+        self.x, self.y, self.lines, self.segments = x, y, lines, segments
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
+
+    def _rows(self, i) -> tuple:
+        parts = (self.x, self.y) if self.segments is None else (self.x, self.y, self.segments)
+        return tuple(np.ascontiguousarray(a[i]) for a in parts)
 
     def get_batch(self, rng: np.random.Generator, batch_size: int, context_length: int):
         """``batch_size`` rows drawn uniformly with replacement (``rng.integers``); ``context_length``
         must be the rows' width."""
         if context_length != self.x.shape[1]:
             raise ValueError(f"these rows are {self.x.shape[1]} tokens wide, not {context_length}")
-        i = rng.integers(0, len(self), size=batch_size)
-        return np.ascontiguousarray(self.x[i]), np.ascontiguousarray(self.y[i])
+        return self._rows(rng.integers(0, len(self), size=batch_size))
 
     def fixed_batches(self, seed: int, n_batches: int, batch_size: int, context_length: int):
         """Every row once, in order, ``batch_size`` at a time, at most ``n_batches`` batches (the
@@ -294,19 +299,20 @@ class ChatRows:
         if context_length != self.x.shape[1]:
             raise ValueError(f"these rows are {self.x.shape[1]} tokens wide, not {context_length}")
         starts = range(0, len(self), batch_size)
-        return [(self.x[s:s + batch_size].copy(), self.y[s:s + batch_size].copy()) for s in starts][:n_batches]
+        return [self._rows(slice(s, s + batch_size)) for s in starts][:n_batches]
 
 
 def chat_rows(conversations: Sequence[Conversation], tokenizer, template: ChatTemplate, window: int, *,
-              train_on_all_tokens: bool = False, pad_id: int = 0) -> tuple[ChatRows, list[str]]:
+              train_on_all_tokens: bool = False, pad_id: int = 0, pack: bool = False) -> tuple[ChatRows, list[str]]:
     """The rows of ``conversations`` (module docstring) and what was left out, one line each
-    (``"line 4: the chat template cannot render this conversation: ..."``).
+    (``"line 4: the chat template cannot render this conversation: ..."``). ``pack``: several
+    conversations a row (:func:`pack_windows`), else one.
 
     Raises:
         ValueError: nothing is left to train on.
     """
     T = window
-    xs, ys, lines, left_out = [], [], [], []
+    pieces, left_out = [], []
     for c in conversations:
         try:
             ids, mask = render(c.messages, tokenizer, template)
@@ -325,15 +331,43 @@ def chat_rows(conversations: Sequence[Conversation], tokenizer, template: ChatTe
             left_out.append(f"line {c.line}: no assistant token within the first {T + 1} tokens (the window "
                             f"--context-length {T} + 1): raise --context-length or shorten the conversation")
             continue
-        x = np.full(T, pad_id, dtype=np.int64)
-        y = np.full(T, IGNORE_INDEX, dtype=np.int64)
-        n = len(ids) - 1
-        x[:n] = ids[:-1]
-        y[:n] = np.where(np.asarray(counted[1:], dtype=bool), ids[1:], IGNORE_INDEX)
-        xs.append(x), ys.append(y), lines.append(c.line)
-    if not xs:
+        y = np.where(np.asarray(counted[1:], dtype=bool), ids[1:], IGNORE_INDEX).astype(np.int64)
+        pieces.append((np.asarray(ids[:-1], dtype=np.int64), y, c.line))
+    if not pieces:
         raise ValueError(f"no conversation is left to train on ({len(left_out)} left out; the first: {left_out[0]})")
-    return ChatRows(np.stack(xs), np.stack(ys), lines), left_out
+    if pack:
+        return pack_windows(pieces, T, pad_id), left_out
+    x = np.full((len(pieces), T), pad_id, dtype=np.int64)
+    y = np.full((len(pieces), T), IGNORE_INDEX, dtype=np.int64)
+    for r, (xc, yc, _) in enumerate(pieces):
+        x[r, :len(xc)], y[r, :len(yc)] = xc, yc
+    return ChatRows(x, y, [[line] for _, _, line in pieces]), left_out
+
+
+def pack_windows(pieces: Sequence[tuple], window: int, pad_id: int = 0) -> ChatRows:
+    """Conversations packed into rows of ``window`` positions: each ``(x_c, y_c, line)`` (its inputs
+    and targets, at most ``window`` long) goes, in file order, into the first row with room for it
+    (first fit), else a new row. ``segments`` numbers a row's conversations 0, 1, ... in order and
+    its padding (inputs ``pad_id``, targets ignored) one more, so they are nondecreasing: with
+    ``GPT.loss(x, y, segments=...)`` a conversation attends only to itself, its positions from 0,
+    and no target crosses a boundary (each conversation's targets are its own next tokens)."""
+    T = window
+    rows: list[list] = []
+    for piece in pieces:
+        room = next((r for r in rows if T - sum(len(p[0]) for p in r) >= len(piece[0])), None)
+        if room is None:
+            rows.append(room := [])
+        room.append(piece)
+    x = np.full((len(rows), T), pad_id, dtype=np.int64)
+    y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
+    segments = np.empty((len(rows), T), dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for k, (xc, yc, _) in enumerate(row):
+            x[r, at:at + len(xc)], y[r, at:at + len(yc)], segments[r, at:at + len(xc)] = xc, yc, k
+            at += len(xc)
+        segments[r, at:] = len(row)
+    return ChatRows(x, y, [[line for _, _, line in row] for row in rows], segments)
 
 
 def render_all(messages, tokenizer, template: ChatTemplate) -> tuple[list[int], list[int]]:
