@@ -2,7 +2,9 @@
 validation rows (:mod:`pedestrian.text.chat`: the base folder's chat template, the loss on the
 assistant's tokens, the truncation rule, what is left out and why).
 
-The last ``round(n · val_fraction)`` conversations (at least one) are the validation rows, the
+One conversation a row, or several packed in a row (``--pack``: first fit in file order, each
+attending only to itself with its positions from 0, ``GPT.loss(..., segments=)``). The last
+``round(n · val_fraction)`` conversations (at least one) are the validation rows, the
 others the training rows; a conversation left out (the template refuses it, or no assistant
 token is within the window) is said on the ``pedestrian.finetune`` logger, one line each.
 """
@@ -10,6 +12,7 @@ token is within the window) is said on the ``pedestrian.finetune`` logger, one l
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 from pathlib import Path
 
@@ -35,11 +38,13 @@ def pad_id(tokenizer, hf_dir) -> int:
     return next((ids[special[k]] for k in ("pad_token", "eos_token") if special.get(k) in ids), 0)
 
 
-def conversation_rows(settings, tokenizer, window: int):
+def conversation_rows(settings, tokenizer, window: int, model=None):
     """``(train, validation, sha256)``: the :class:`~pedestrian.text.chat.ChatRows` of the
     conversations in ``settings.data`` rendered with ``settings.hf_dir``'s template, windows of
-    ``window`` tokens, ``settings.train_on_all_tokens``; the SHA-256 of every row's ids and targets
-    (a resume checks the data is the same).
+    ``window`` tokens, ``settings.train_on_all_tokens``, packed with ``settings.pack`` (several
+    conversations a row, :func:`pedestrian.text.chat.pack_windows`; ``model``'s ``loss`` must take
+    ``segments``); the SHA-256 of every row's ids, targets (and segments) (a resume checks the
+    data is the same).
 
     Raises:
         ValueError / FileNotFoundError: no template in the folder; a malformed record (named by its
@@ -48,6 +53,10 @@ def conversation_rows(settings, tokenizer, window: int):
     from ..interop.hf_chat import folder_chat_template
     from ..text.chat import chat_rows, read_conversations
 
+    pack = bool(getattr(settings, "pack", False))
+    if pack and model is not None and "segments" not in inspect.signature(model.loss).parameters:
+        raise ValueError("--pack needs the packed-segment attention mask (GPT.loss(..., segments=)), which this "
+                         "build of pedestrian lacks; leave --pack out (one conversation a row)")
     template = folder_chat_template(settings.hf_dir)
     conversations = read_conversations(settings.data)
     n = len(conversations)
@@ -60,7 +69,7 @@ def conversation_rows(settings, tokenizer, window: int):
     for name, part in (("training", conversations[:n - n_val]), ("validation", conversations[n - n_val:])):
         try:
             rows, left_out = chat_rows(part, tokenizer, template, window,
-                                       train_on_all_tokens=settings.train_on_all_tokens, pad_id=pad)
+                                       train_on_all_tokens=settings.train_on_all_tokens, pad_id=pad, pack=pack)
         except ValueError as exc:
             raise ValueError(f"{settings.data}: {name} split: {exc}") from None
         for line in left_out:
@@ -68,6 +77,6 @@ def conversation_rows(settings, tokenizer, window: int):
         parts.append(rows)
     h = hashlib.sha256()
     for rows in parts:
-        for a in (rows.x, rows.y):
+        for a in (rows.x, rows.y) if rows.segments is None else (rows.x, rows.y, rows.segments):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     return parts[0], parts[1], h.hexdigest()

@@ -90,6 +90,9 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
                                   group=_LORA)
     train_on_all_tokens: bool = setting(False, "with a conversations file: count every token in the loss, not "
                                         "only the assistant's", group=_OPTIM)
+    pack: bool = setting(False, "with a conversations file: pack short conversations into each window, first fit "
+                         "(each attends only to itself, its positions from 0; TRL's packing), not one a row",
+                         group=_OPTIM)
     context_length: int | None = setting(None, "training window (default: min(256, the model's context))",
                                          kind=int, rule=POSITIVE_INT, metavar="T", group=_OPTIM)
     out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP, tags=_PER_RUN)
@@ -244,10 +247,11 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
 
         batches, data_sha, data_line = read_preference_data(settings, tokenizer, T)
     elif is_conversations(settings.data):       # one conversation a row, the assistant's tokens counted
-        train_tokens, val_tokens, data_sha = conversation_rows(settings, tokenizer, T)
+        train_tokens, val_tokens, data_sha = conversation_rows(settings, tokenizer, T, model)
         batches = None
-        data_line = (f"data: {settings.data}: {len(train_tokens):,} training / {len(val_tokens):,} validation "
-                     "conversations")
+        data_line = (f"data: {settings.data}: {sum(map(len, train_tokens.lines)):,} training / "
+                     f"{sum(map(len, val_tokens.lines)):,} validation conversations"
+                     + (f" packed in {len(train_tokens):,} / {len(val_tokens):,} windows" if settings.pack else ""))
     else:
         _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
         data_sha, batches = data_fingerprint(train_tokens, val_tokens), None
