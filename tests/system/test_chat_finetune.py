@@ -159,3 +159,14 @@ def test_pack_is_refused_in_one_line_without_the_segment_mask(folder, tmp_path, 
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error: --pack needs the packed-segment attention mask")
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_conversation_flags_on_plain_text_are_refused(folder, tmp_path, capsys):
+    d, _ = folder
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox. " * 50, encoding="utf-8")
+    capsys.readouterr()
+    code = cli.main(["finetune", "--hf-dir", str(d), "--data", str(text), "--train-on-all-tokens", "--lora-rank", "2",
+                     "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("error: --train-on-all-tokens applies to a conversations file")

@@ -127,6 +127,13 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
         if (self.data is None) == (self.dpo is None):
             raise ValueError("give the text to fine-tune on with --data PATH, or preference pairs with --dpo "
                              "PAIRS.jsonl (one of them)")
+        from .conversations import is_conversations
+
+        used = [flag for flag, on in (("--pack", self.pack), ("--train-on-all-tokens", self.train_on_all_tokens)) if on]
+        if used and not is_conversations(self.data):
+            raise ValueError(f"{' and '.join(used)} {'apply' if len(used) > 1 else 'applies'} to a conversations file "
+                             "(--data FILE.jsonl); "
+                             f"{self.data or self.dpo} is not one (plain text counts every token already)")
         from ..kernels.jit import num_threads
 
         num_threads()
