@@ -69,7 +69,19 @@ def test_finetune_on_conversations_then_sample_the_run_as_a_chat(tmp_path, capsy
                      "--batch-size", "2", "--context-length", "48", "--eval-interval", "2", "--eval-batches", "1",
                      "--out", str(run), "--no-progress", "--no-plot"]) == 0
     capsys.readouterr()
-    assert cli.main(["sample", "--checkpoint", str(run), "--chat", "--prompt", "Hello!", "--max-new-tokens", "8",
-                     "--temperature", "0"]) == 0
+    chat = ["--chat", "--prompt", "Hello!", "--max-new-tokens", "8", "--temperature", "0", "--dtype", "float64"]
+    assert cli.main(["sample", "--checkpoint", str(run), *chat]) == 0
     out = capsys.readouterr().out
     assert "Hello!" not in out and len(out.splitlines()) == 1               # the answer alone
+    # merged into a folder of its own, it keeps the base's chat template and stop ids
+    assert cli.main(["export-hf", "--adapter", str(run), "--out", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    for name in ("chat_template.jinja", "generation_config.json", "tokenizer_config.json"):
+        assert (tmp_path / "merged" / name).read_bytes() == (d / name).read_bytes(), name
+    assert cli.main(["sample", "--hf-dir", str(tmp_path / "merged"), *chat]) == 0
+    assert capsys.readouterr().out == out
+    import transformers
+
+    messages = [{"role": "user", "content": "Hello!"}]
+    assert (transformers.AutoTokenizer.from_pretrained(str(tmp_path / "merged")).apply_chat_template(messages)
+            == transformers.AutoTokenizer.from_pretrained(str(d)).apply_chat_template(messages))
