@@ -52,7 +52,7 @@ def transformers_loss(hf, conversations) -> float:
     return total / count
 
 
-def test_finetune_on_conversations_measures_transformers_loss_and_trains(folder, tmp_path):
+def test_finetune_on_conversations_measures_transformers_loss_and_trains(folder, tmp_path, capsys):
     d, hf = folder
     data = write_chat(tmp_path / "chat.jsonl")
     settings = FinetuneSettings(hf_dir=str(d), data=str(data), lora_rank=2, max_steps=4, batch_size=2,
@@ -67,6 +67,10 @@ def test_finetune_on_conversations_measures_transformers_loss_and_trains(folder,
     assert sum("loss" in r for r in records) == 4
     assert result.val_loss < result.initial_val_loss
     assert (tmp_path / "run" / "peft" / "adapter_config.json").is_file()
+    # `pedestrian eval RUN`: the same validation loss, over the assistant's tokens
+    assert cli.main(["eval", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"val loss {result.val_loss:.4f} nats per assistant token" in out, out
 
 
 def test_train_on_all_tokens_counts_more(folder, tmp_path):

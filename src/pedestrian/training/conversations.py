@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["is_conversations", "conversation_rows"]
+__all__ = ["is_conversations", "conversation_rows", "split_conversations", "evaluate_conversations"]
 
 log = logging.getLogger("pedestrian.finetune")
 
@@ -36,6 +36,47 @@ def pad_id(tokenizer, hf_dir) -> int:
     special = special_tokens_map(hf_dir)
     ids = getattr(tokenizer, "special_tokens", {})
     return next((ids[special[k]] for k in ("pad_token", "eos_token") if special.get(k) in ids), 0)
+
+
+def split_conversations(conversations: list, val_fraction: float) -> tuple[list, list]:
+    """``(train, validation)``: the last ``round(n · val_fraction)`` conversations (at least one,
+    at most ``n - 1``) are the validation part.
+
+    Raises:
+        ValueError: fewer than 2 conversations.
+    """
+    n = len(conversations)
+    if n < 2:
+        raise ValueError(f"the file holds {n} conversation; fine-tuning needs at least 2 (the last "
+                         f"round(n x --val-fraction), at least one, are held out for validation)")
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    return conversations[:n - n_val], conversations[n - n_val:]
+
+
+def evaluate_conversations(model, tokenizer, hf_dir, data, *, window: int, val_fraction: float, split: str,
+                           train_on_all_tokens: bool = False, batch_size: int = 32,
+                           max_batches: int | None = None) -> tuple[float, int]:
+    """``(loss, n_targets)``: the mean loss over the assistant's tokens (every token with
+    ``train_on_all_tokens``) of one split of a conversations file (``"train"``, ``"val"`` as
+    fine-tuning cuts it with ``val_fraction``, or ``"all"``), one conversation a row of ``window``
+    tokens, rendered with ``hf_dir``'s chat template; conversations left out are said on the logger.
+
+    Raises:
+        ValueError: as :func:`conversation_rows`.
+    """
+    from ..interop.hf_chat import folder_chat_template
+    from ..text.chat import IGNORE_INDEX, chat_rows, read_conversations
+    from .step import estimate_loss
+
+    conversations = read_conversations(data)
+    if split != "all":
+        conversations = dict(zip(("train", "val"), split_conversations(conversations, val_fraction)))[split]
+    rows, left_out = chat_rows(conversations, tokenizer, folder_chat_template(hf_dir), window,
+                               train_on_all_tokens=train_on_all_tokens, pad_id=pad_id(tokenizer, hf_dir))
+    for line in left_out:
+        log.warning(f"left out: {Path(data).name} {line}")
+    batches = rows.fixed_batches(0, max_batches or len(rows), batch_size, window)
+    return estimate_loss(model, batches), sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
 
 
 def conversation_rows(settings, tokenizer, window: int, model=None):
@@ -58,15 +99,13 @@ def conversation_rows(settings, tokenizer, window: int, model=None):
         raise ValueError("--pack needs the packed-segment attention mask (GPT.loss(..., segments=)), which this "
                          "build of pedestrian lacks; leave --pack out (one conversation a row)")
     template = folder_chat_template(settings.hf_dir)
-    conversations = read_conversations(settings.data)
-    n = len(conversations)
-    if n < 2:
-        raise ValueError(f"{settings.data} holds {n} conversation; fine-tuning needs at least 2 (the last "
-                         f"round(n x --val-fraction), at least one, are held out for validation)")
-    n_val = min(n - 1, max(1, round(n * settings.val_fraction)))
+    try:
+        halves = split_conversations(read_conversations(settings.data), settings.val_fraction)
+    except ValueError as exc:
+        raise ValueError(f"{settings.data}: {exc}") if str(exc).startswith("the file holds") else exc from None
     pad = pad_id(tokenizer, settings.hf_dir)
     parts = []
-    for name, part in (("training", conversations[:n - n_val]), ("validation", conversations[n - n_val:])):
+    for name, part in zip(("training", "validation"), halves):
         try:
             rows, left_out = chat_rows(part, tokenizer, template, window,
                                        train_on_all_tokens=settings.train_on_all_tokens, pad_id=pad, pack=pack)
