@@ -318,8 +318,8 @@ class GPT:
 
     def _fc_forward(self, fc: FC, x, lora_caches: dict):
         """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
-        layer (one dropout mask for the layer's input, shared by its adapters; one each with
-        ``fc.own_masks``)."""
+        layer (one dropout mask for the layer's input, shared by its adapters -- GPT-2's q, k, v;
+        one each with ``fc.own_masks`` -- the Llama family's q, k, v and gate, up: PEFT's draws)."""
         y, _ = self.kernels.linear_forward(x, fc.weight, fc.bias)
         if not fc.adapters:
             return y
