@@ -35,6 +35,9 @@ CONFIG_HELP = {
     "position_encoding": "learned table (GPT-2, default), rotary q/k (rope), or none",
     "rope_base": "RoPE base b: pair j turns by b^(-2j/r) per position (10000)",
     "rope_fraction": "fraction of each head's d_qk RoPE rotates (1.0)",
+    "qk_norm": "RMS-norm q and k before RoPE: per head (Qwen3) or over the projection (OLMo 2)",
+    "norm_placement": "the blocks' norms: before the sublayers (pre, default), after (post: OLMo 2) or both "
+                      "(sandwich: Gemma)",
 }
 CONFIG_FIELDS = tuple(CONFIG_HELP)
 #: the shorter names the switches of ``tie_weights`` and ``causal`` are known by (beside ``--no-...``)
@@ -55,7 +58,8 @@ QK_NORMS = (None, "head", "proj")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 #: the valid values of the fields that have a list of them (a flag's choices)
 CONFIG_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "mlp": MLPS,
-                  "position_encoding": POSITION_ENCODINGS}
+                  "position_encoding": POSITION_ENCODINGS, "qk_norm": ("head", "proj"),
+                  "norm_placement": NORM_PLACEMENTS}
 
 
 @dataclass(frozen=True)
