@@ -38,6 +38,12 @@ CONFIG_HELP = {
     "qk_norm": "RMS-norm q and k before RoPE: per head (Qwen3) or over the projection (OLMo 2)",
     "norm_placement": "the blocks' norms: before the sublayers (pre, default), after (post: OLMo 2) or both "
                       "(sandwich: Gemma)",
+    "n_experts": "mixture of experts: E SwiGLU experts per block in place of the MLP (0: a dense MLP)",
+    "n_experts_per_token": "experts a token is routed to, k (2)",
+    "d_expert": "width of one expert's SwiGLU (default d_mlp)",
+    "norm_topk_prob": "use the chosen experts' softmax probabilities as they are (default: renormalised to sum 1)",
+    "router_aux_loss_coef": "weight of the load-balancing loss added to the cross-entropy (with --output-router-logits)",
+    "output_router_logits": "add router_aux_loss_coef times the load-balancing loss to the training loss",
 }
 CONFIG_FIELDS = tuple(CONFIG_HELP)
 #: the shorter names the switches of ``tie_weights`` and ``causal`` are known by (beside ``--no-...``)
@@ -200,6 +206,20 @@ class GPTConfig:
         rope_scaling: ``None`` (default) or Llama 3's frequency scaling, a :class:`RopeScaling`
             (a Hugging Face ``{"rope_type": "llama3", ...}`` dict is converted); needs
             ``position_encoding="rope"``.
+        n_experts: ``E``: a mixture of ``E`` SwiGLU experts in place of the MLP of the blocks
+            :attr:`moe_layers` names (EQUATIONS.md, "Mixture of experts"); ``0`` (default):
+            dense MLPs. Needs ``mlp="swiglu"``, no biases.
+        n_experts_per_token: ``k``, the experts each token is routed to (``1 … E``; default 2).
+        d_expert: one expert's SwiGLU width ``m`` (HF ``moe_intermediate_size``, Mixtral's
+            ``intermediate_size``); ``None`` (default): ``d_mlp``.
+        norm_topk_prob: the chosen experts' weights are their probabilities renormalised to sum
+            to 1 (Mixtral, Qwen3-MoE folders); ``False``: the softmax probabilities as they are (OLMoE).
+        router_aux_loss_coef: weight of transformers' load-balancing loss in the training loss.
+        output_router_logits: the loss is ``CE + router_aux_loss_coef · aux`` (as transformers' when
+            the folder says so); ``False``: the cross-entropy alone (aux is still reported).
+        moe_layers: the blocks whose MLP is a mixture of experts (ascending indices); ``None``
+            (default): every block. The others keep a dense SwiGLU of width ``d_mlp`` (Qwen3-MoE's
+            ``mlp_only_layers``, ``decoder_sparse_step``).
         qk_norm: an RMS norm of the queries and keys before RoPE (whatever ``norm`` is; its
             epsilon ``ln_eps``): ``None`` (default, none), ``"head"`` (each head's ``d_qk``
             features, one weight ``(d_qk,)`` shared by the heads: Qwen3, Gemma 3) or ``"proj"``
@@ -241,6 +261,14 @@ class GPTConfig:
     mlp: str = "standard"
     n_kv_heads: int | None = None
     rope_scaling: RopeScaling | None = None
+    # mixture of experts (Mixtral, Qwen3-MoE, OLMoE): E = n_experts SwiGLU experts, k per token
+    n_experts: int = 0
+    n_experts_per_token: int = 2
+    d_expert: int | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    moe_layers: tuple[int, ...] | None = None
     # the attention's prelude and the norms' placement of other families (Qwen3, OLMo 2,
     # SmolLM3, Gemma): q/k RMS norms, RoPE per layer, norms after the sublayers
     qk_norm: str | None = None
@@ -321,6 +349,44 @@ class GPTConfig:
                 f"rope_fraction={self.rope_fraction} rotates no pair of the d_qk={self.d_qk} "
                 f"query/key dimensions (2·⌊{self.rope_fraction}·{self.d_qk}/2⌋ = 0); raise "
                 "rope_fraction or d_qk")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields (see the class docstring)."""
+        E = self.n_experts
+        if not isinstance(E, int) or isinstance(E, bool) or E < 0:
+            raise ValueError(f"n_experts must be 0 (a dense MLP) or a positive integer, got {E!r}")
+        k = self.n_experts_per_token
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or (E and k > E):
+            raise ValueError(f"n_experts_per_token must be an integer from 1 to n_experts={E}, got {k!r}")
+        if self.d_expert is None:
+            object.__setattr__(self, "d_expert", self.d_mlp)
+        if not isinstance(self.d_expert, int) or isinstance(self.d_expert, bool) or self.d_expert < 1:
+            raise ValueError(f"d_expert must be a positive integer, got {self.d_expert!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
+        object.__setattr__(self, "router_aux_loss_coef", float(coef))
+        for name in ("norm_topk_prob", "output_router_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        layers = self.moe_layers
+        if layers is not None:
+            if isinstance(layers, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                           for i in layers):
+                raise ValueError(f"moe_layers must be block indices (a list of integers) or None, got {layers!r}")
+            layers = tuple(layers)
+            if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.n_blocks for i in layers):
+                raise ValueError(f"moe_layers must be ascending distinct block indices in 0 … {self.n_blocks - 1}, "
+                                 f"got {list(layers)}")
+            object.__setattr__(self, "moe_layers", layers)
+        if E and (self.mlp != "swiglu" or self.bias):
+            raise ValueError(f"n_experts={E}: the experts are SwiGLU MLPs without biases; set mlp='swiglu' and "
+                             f"bias=False (--arch llama), got mlp={self.mlp!r}, bias={self.bias}")
+
+    def is_moe(self, i: int) -> bool:
+        """Whether block ``i``'s MLP is a mixture of experts."""
+        return self.n_experts > 0 and (self.moe_layers is None or i in self.moe_layers)
 
     def _check_prelude(self) -> None:
         """Validate (and normalise) ``qk_norm``, ``rope_layers``, ``norm_placement``."""

@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     data = args.data if args.data is not None else saved.get("data")
     if data is None and not saved:
         raise TrainingError(f"{what} does not record a training corpus; pass --data PATH")
+    if data is None and saved.get("dpo"):
+        raise TrainingError(f"{what} was fine-tuned on preference pairs (--dpo {saved['dpo']}), not on a text; "
+                            "pass --data PATH to evaluate it on one")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
     tokens = corpus_split(data, tokenizer, val_fraction, args.split)
     with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported below, in one line

@@ -1,5 +1,6 @@
-"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory on a text file: the
-base weights stay frozen (their gradients are never computed) and only small adapters are trained.
+"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory on a text file, or on
+preference pairs with DPO (--dpo): the base weights stay frozen (their gradients are never computed)
+and only small adapters are trained.
 
 Writes, under --out: adapter/ (an adapter-only checkpoint, a small file), peft/ (the same
 adapters as a PEFT directory for transformers + peft), log.jsonl and loss_curve.png.
@@ -13,6 +14,8 @@ Examples:
   pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
       --lora-targets q_proj k_proj v_proj o_proj gate_proj up_proj down_proj --out runs/smol-ft
   pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 --out runs/smol-ft --resume
+  pedestrian finetune --hf-dir SmolLM2-135M-Instruct --dpo pairs.jsonl --dpo-beta 0.1 --lora-rank 8 \\
+      --lora-targets q_proj v_proj --out runs/smol-dpo     # preference pairs: DPO
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..training.finetune import finetune
 
-    result = finetune(FinetuneSettings.from_args(args), explicit=FinetuneSettings.explicit(args))
+    settings = FinetuneSettings.from_args(args)
+    result = finetune(settings, explicit=FinetuneSettings.explicit(args))
     if result.stop_reason == "interrupted":
         print(f"interrupted: the adapters of step {result.step} are saved in {result.out / 'adapter'} and "
               f"{result.out / 'peft'}; continue with: {result.resume_command}", file=sys.stderr)
         return 130
-    print(f"validation loss {result.initial_val_loss:.4f} -> {result.val_loss:.4f} nats/token after "
+    what = "DPO loss" if settings.dpo else "loss"
+    unit = "" if settings.dpo else " nats/token"
+    print(f"validation {what} {result.initial_val_loss:.4f} -> {result.val_loss:.4f}{unit} after "
           f"{result.step} steps ({result.trainable_params:,} trainable parameters); "
-          f"adapters in {result.out / 'adapter'} and {result.out / 'peft'}")
+          f"adapters in {result.out / 'adapter'}"
+          + (f" and {result.out / 'peft'}" if (result.out / "peft").is_dir() else ""))   # (none for experts)
     return 0

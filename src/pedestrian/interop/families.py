@@ -62,7 +62,7 @@ def _want(config: GPTConfig, **allowed) -> list[str]:
 #: the :class:`GPTConfig` fields of the blocks some families have and others not, with the value
 #: that means "not this feature" (a family's :attr:`Family.features` names those it has: every
 #: other one must be at this value for it to write a config, and it reads it so)
-FEATURES = {"qk_norm": None, "norm_placement": "pre", "rope_layers": None}
+FEATURES = {"qk_norm": None, "norm_placement": "pre", "rope_layers": None, "n_experts": 0}
 #: a :attr:`Family.features` value: any value of the field (read by the family's ``fields``)
 ANY = object()
 
@@ -285,6 +285,9 @@ register(Family(
     write=lambda c: dict(attention_bias=c.bias, mlp_bias=c.bias, use_sliding_window=False, sliding_window=None,
                          no_rope_layers=[int(c.uses_rope(i)) for i in range(c.n_blocks)],
                          layer_types=["full_attention"] * c.n_blocks)))
+
+
+from . import families_moe  # noqa: E402,F401  (Mixtral, Qwen3-MoE, OLMoE: interop/families_moe.py)
 
 
 # ------------------------------------------------------------------------------------ lookups

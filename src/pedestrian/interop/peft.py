@@ -351,6 +351,12 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     """
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
+    experts = [t for t in model.lora_targets if ".experts." in t]
+    if experts:                                 # transformers 5 fuses a block's experts into 3-D parameters
+        raise ValueError(f"PEFT files cannot hold adapters on experts ({experts[0]}, ... {len(experts)} layers): "
+                         "transformers keeps a block's experts as one 3-D parameter, not the modules PEFT's "
+                         "target_modules adapts; save them with pedestrian's checkpoint (finetune --out), or "
+                         "adapt the attention only (--lora-targets q k v o) for PEFT files")
     if is_gpt2(model.config):
         problems = export_problems(model.config)
         if problems:

@@ -52,7 +52,7 @@ from ..backend import is_torch_array, to_numpy
 from ..layers import IGNORE_INDEX, KVBlock
 from ..layers.dropout import dropout_backward, dropout_forward
 from . import activations, attention, embedding, head_loss, layernorm, linear, loss
-from . import lora, residual, rmsnorm, rope, swiglu
+from . import lora, moe, residual, rmsnorm, rope, swiglu
 
 #: the two implementations a model can run
 KERNELS = ("fast", "reference")
@@ -67,6 +67,8 @@ __all__ = [
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward", "rope_backward", "rope_forward",
     "rmsnorm_backward", "rmsnorm_forward", "swiglu_backward", "swiglu_forward", "swiglu_mlp_backward", "swiglu_mlp_forward",
+    "moe_backward", "moe_combine_backward", "moe_combine_forward", "moe_forward", "moe_gather",
+    "moe_load_balancing_loss", "moe_router_backward", "moe_router_forward", "moe_scatter",
 ]
 
 
@@ -183,6 +185,15 @@ rope_forward = _seam(rope.rope_forward, layers.rope_forward)
 lora_forward = _seam(lora.lora_forward, layers.lora_forward)
 lora_backward = _seam(lora.lora_backward, layers.lora_backward)
 rope_backward = _seam(rope.rope_backward, layers.rope_backward)
+moe_router_forward = _seam(moe.moe_router_forward, layers.moe_router_forward)
+moe_router_backward = _seam(moe.moe_router_backward, layers.moe_router_backward)
+moe_gather = _seam(moe.moe_gather, layers.moe_gather)
+moe_scatter = _seam(moe.moe_scatter, layers.moe_scatter)
+moe_combine_forward = _seam(moe.moe_combine_forward, layers.moe_combine_forward)
+moe_combine_backward = _seam(moe.moe_combine_backward, layers.moe_combine_backward)
+moe_load_balancing_loss = layers.moe_load_balancing_loss   # (E-sized sums over the routes: one version)
+moe_forward = _seam(moe.moe_forward, layers.moe_forward)
+moe_backward = _seam(moe.moe_backward, layers.moe_backward)
 
 
 def default_kernels() -> str:

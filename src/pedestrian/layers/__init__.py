@@ -46,6 +46,18 @@ from .residual import (
     add_rmsnorm_backward,
     add_rmsnorm_forward,
 )
+from .moe import (
+    RouteCache,
+    moe_backward,
+    moe_combine_backward,
+    moe_combine_forward,
+    moe_forward,
+    moe_gather,
+    moe_load_balancing_loss,
+    moe_router_backward,
+    moe_router_forward,
+    moe_scatter,
+)
 from .rope import rope_angles, rope_backward, rope_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .swiglu import SwiGLUCache, swiglu_backward, swiglu_forward, swiglu_mlp_backward, swiglu_mlp_forward
@@ -62,6 +74,8 @@ MODEL_FUNCTIONS = (
     "swiglu_mlp_forward", "swiglu_mlp_backward",
     "add_layernorm_forward", "add_layernorm_backward", "add_rmsnorm_forward", "add_rmsnorm_backward",
     "linear_activation_forward", "linear_activation_backward",
+    "moe_router_forward", "moe_router_backward", "moe_gather", "moe_scatter", "moe_combine_forward",
+    "moe_combine_backward", "moe_load_balancing_loss",
 )
 
 __all__ = [
@@ -74,6 +88,8 @@ __all__ = [
     "layernorm_backward", "layernorm_forward", "linear_activation_backward", "linear_activation_forward",
     "linear_backward", "linear_forward", "lora_backward", "lora_forward",
     "multi_head_attention_backward", "multi_head_attention_forward",
+    "RouteCache", "moe_backward", "moe_combine_backward", "moe_combine_forward", "moe_forward", "moe_gather",
+    "moe_load_balancing_loss", "moe_router_backward", "moe_router_forward", "moe_scatter",
     "rope_angles", "rope_backward", "rope_forward",
     "scaled_dot_product_attention_backward", "scaled_dot_product_attention_forward",
     "softmax_backward", "softmax_forward",

@@ -119,12 +119,13 @@ def base_regions(config: GPTConfig, specs=None, *, fuse_gate_up: bool = True) ->
     ``fuse_gate_up=False``: gate and up apart (the layout of checkpoints written before 2026-12-04)."""
     specs = {s.name: s for s in (param_specs(config) if specs is None else specs)}
     cols = dict(qkv_columns(config))
-    width, m = cols["v"][1], config.d_mlp
+    width = cols["v"][1]
     regions, fused_done = [], set()
 
-    def gate_up_pair(parts) -> bool:            # blocks.i.mlp_{gate,expand}.{weight,bias}, both there
-        return (fuse_gate_up and len(parts) == 4 and parts[2] in ("mlp_gate", "mlp_expand")
-                and all(f"blocks.{parts[1]}.{k}.{parts[3]}" in specs for k in ("mlp_gate", "mlp_expand")))
+    def gate_up_pair(parts) -> bool:            # blocks.i[.experts.e].mlp_{gate,expand}.{weight,bias}, both there
+        stem = ".".join(parts[:-2])
+        return (fuse_gate_up and len(parts) in (4, 6) and parts[-2] in ("mlp_gate", "mlp_expand")
+                and all(f"{stem}.{k}.{parts[-1]}" in specs for k in ("mlp_gate", "mlp_expand")))
 
     for name, spec in specs.items():
         parts = name.split(".")
@@ -138,8 +139,8 @@ def base_regions(config: GPTConfig, specs=None, *, fuse_gate_up: bool = True) ->
             members = [(f"{stem}.{h}.{parts[4]}", cols[h]) for h in "qkv"]
             regions.append((shape, spec.decay, members))
         elif gate_up_pair(parts):
-            if parts[2] == "mlp_gate":                           # (the up half is placed with it)
-                up = f"blocks.{parts[1]}.mlp_expand.{parts[3]}"
+            if parts[-2] == "mlp_gate":                          # (the up half is placed with it)
+                up, m = f"{'.'.join(parts[:-2])}.mlp_expand.{parts[-1]}", spec.shape[-1]
                 regions.append(((*spec.shape[:-1], 2 * m), spec.decay, [(name, (0, m)), (up, (m, 2 * m))]))
         else:
             regions.append((spec.shape, spec.decay, [(name, None)]))

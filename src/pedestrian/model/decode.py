@@ -40,13 +40,14 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     """Whether :func:`forward` computes this step: a KV-cache step of at most
     :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens, ``plain`` (it keeps no
     activations and runs no dropout), no targets, NumPy arrays of a model on the fast kernels with
-    RMS norms, a SwiGLU MLP and RoPE (or no positions), no LoRA adapters, no plugged layer."""
+    RMS norms, a SwiGLU MLP (no experts: a mixture of experts runs the chain) and RoPE (or no
+    positions), no LoRA adapters, no plugged layer."""
     c, K = model.config, model.kernels
     if not plain or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
         return False
     if tokens.ndim != 2 or tokens.shape[1] > schedule.DECODE_MAX_T or model.slots.plugged or model.lora_targets:
         return False
-    if c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
+    if c.n_experts or c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
         return False
     if c.norm_placement != "pre":                      # its skips and norms are fused as pre-norms
         return False

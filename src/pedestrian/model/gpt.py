@@ -65,7 +65,7 @@ from ..backend import is_torch_array, namespace_for, resolve_dtype, to_numpy
 from ..config import GPTConfig
 from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
-from . import decode, head, placement, prelude, precision as mixed
+from . import decode, head, moe, placement, prelude, precision as mixed
 from .buffers import FlatBuffer
 from .device_checks import read_checked
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens
@@ -260,7 +260,7 @@ class GPT:
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
-        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re)
+        f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re, routes=[])
         f.a1, f.emb = K.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions)    # (B, T, d)
         x, f.drop1 = self._dropout(f.a1)                                            # into block 0
         for i, w in enumerate(W.blocks):
@@ -268,11 +268,15 @@ class GPT:
                 f.blocks.append(SimpleNamespace(x=x, rng=copy.deepcopy(self.dropout_rng) if self._dropping_out() else None))
             b = self._block(x, w, positions, None if kv_cache is None else kv_cache.block(i), i)
             x = b.a10
+            if getattr(b, "route", None) is not None:                               # the router's π and choice
+                f.routes.append(moe.kept_route(b.route))                             # (the aux loss's rows)
             if keep and i >= n_re:                                                   # else let go now
                 f.blocks.append(keep_only_what_backward_reads(b) if n_re else b)
             del b                                                                    # (before the next block's arrays)
         f.a11, f.ln_final = S.norm.forward(x, W.ln_final)
         head.forward(self, f, W.logits, targets, n_total, getattr(self._local, "fuse", False), self._fc_forward)  # a12, loss
+        if c.n_experts:                                                              # + coef · aux (model/moe.py)
+            self._local.loss_parts = moe.aux_loss(self, f, targets, n_total)
         self._acts = f
         return f.a12
 
@@ -322,14 +326,14 @@ class GPT:
         return (x, None) if p == 0.0 else self.kernels.dropout_forward(x, p, self.dropout_rng)
 
     def loss(self, tokens, targets, *, n_total: int | None = None, keep_activations: bool = True,
-             read: bool = True) -> float:
+             read: bool = True, per_row: bool = False) -> float:
         """Forward with targets; the mean next-token cross-entropy (nats per token; ``0.0`` with zero
         gradients when every target is the ignore index ``-100``). ``n_total``, ``keep_activations``:
         see :meth:`forward`. ``read=False``: the loss as the 0-d array it is, unread (no host sync;
-        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags
-        come to the host in one read (:func:`~pedestrian.model.device_checks.read_checked`)."""
+        ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags come to the host in one
+        read (:func:`~pedestrian.model.device_checks.read_checked`). ``per_row``: :func:`.head.sequence_logprobs`'."""
         def run():
-            self._local.fuse = self.fused_head             # (model/head.py: when the head is fused)
+            self._local.fuse = head.SEQUENCES if per_row else self.fused_head     # (model/head.py)
             try:
                 self.forward(tokens, targets, n_total=n_total, keep_activations=keep_activations)
             finally:
@@ -337,6 +341,13 @@ class GPT:
             self._acts.logits_held = False                 # by no caller: Δ12 may take their place
             return self._acts.loss_value
         return read_checked(run, is_torch_array(tokens)) if read else run()
+
+    @property
+    def loss_parts(self) -> dict:
+        """``{"ce": cross-entropy, "aux": load-balancing loss}`` of the calling thread's last forward of a
+        mixture-of-experts model (:meth:`loss` returns ``ce + router_aux_loss_coef · aux`` when
+        ``config.output_router_logits``, else ``ce``; :mod:`pedestrian.model.moe`); ``{}`` for a dense model."""
+        return dict(getattr(self._local, "loss_parts", {}))
 
     # ------------------------------------------------------------------ backward
     def backward(self, delta_logits=None, *, keep_deltas: bool = False, after_block=None) -> dict:
@@ -393,7 +404,7 @@ class GPT:
             if i < f.recomputed:                                                               # a2 … a10 again, same draws
                 self.dropout_rng = rng_after if b.rng is None else copy.deepcopy(b.rng)
                 b = self._block(b.x, w, None, None, i)
-            D = SimpleNamespace(d10=d10)                                                       # Δ10
+            D = SimpleNamespace(d10=d10, aux=None if delta_logits is not None else getattr(f, "aux_grad", None))  # Δ10
             D.d9 = placement.post_norm_backward(S.norm, D, K.dropout_backward(D.d10, b.drop9), b, 9, g.ln2_post)  # Δ9
             D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)
             D.d5 = placement.skip_backward(S.norm, K, D.d6, b.ln2, D.d10, g.ln2)             # skip + LN2 (or none)
@@ -499,4 +510,5 @@ class GPT:
     merge_lora = Delegated()
     unmerge_lora = Delegated()
     remove_lora = Delegated()
+    without_adapters = Delegated()
     lora_state_dict = Delegated()

@@ -39,11 +39,18 @@ def block_fc_layers(config: GPTConfig, i: int) -> list[tuple[str, int, int]]:
     """Block ``i``'s fully connected layers in order, ``(name, f_in, f_out)``: ``attn.q``
     ``(d, n_heads·d_qk)``, ``attn.k`` ``(d, n_kv_heads·d_qk)``, ``attn.v`` ``(d, n_kv_heads·d_head)``,
     ``attn_proj`` ``(n_heads·d_head, d)``, then ``mlp_gate`` (SwiGLU only), ``mlp_expand``
-    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``."""
+    ``(d, d_mlp)``, ``mlp_contract`` ``(d_mlp, d)``; in a mixture-of-experts block
+    (:meth:`GPTConfig.is_moe`) instead ``experts.{e}.mlp_gate``, ``.mlp_expand`` ``(d, d_expert)``,
+    ``.mlp_contract`` ``(d_expert, d)`` for each expert ``e``."""
     c, p = config, f"blocks.{i}"
     hv = c.n_heads * c.d_head
     out = [(f"{p}.attn.q", c.d_model, c.n_heads * c.d_qk), (f"{p}.attn.k", c.d_model, c.n_kv_heads * c.d_qk),
            (f"{p}.attn.v", c.d_model, c.n_kv_heads * c.d_head), (f"{p}.attn_proj", hv, c.d_model)]
+    if c.is_moe(i):                              # each expert's SwiGLU (the router is no FC layer here)
+        m = c.d_expert
+        return out + [(f"{p}.experts.{e}.{name}", f_in, f_out) for e in range(c.n_experts)
+                      for name, f_in, f_out in (("mlp_gate", c.d_model, m), ("mlp_expand", c.d_model, m),
+                                                ("mlp_contract", m, c.d_model))]
     if c.mlp == "swiglu":
         out.append((f"{p}.mlp_gate", c.d_model, c.d_mlp))
     return out + [(f"{p}.mlp_expand", c.d_model, c.d_mlp), (f"{p}.mlp_contract", c.d_mlp, c.d_model)]
@@ -127,6 +134,7 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
     ``attn.k_norm.weight`` after ``attn.v`` (:func:`qk_norm_widths`); ``norm_placement="post"``
     has ``ln1_post`` after ``attn_proj`` and ``ln2_post`` after ``mlp_contract`` in place of
     ``ln1`` and ``ln2``, ``"sandwich"`` all four.
+    A mixture-of-experts block has ``router.weight`` ``(d, E)`` after ``ln2``, then its experts' layers.
     """
     c = config
     d = c.d_model
@@ -157,6 +165,8 @@ def param_specs(config: GPTConfig) -> list[ParamSpec]:
             if fc.endswith("attn_proj"):
                 specs += ln(f"{p}.ln1_post") if post else []
                 specs += ln(f"{p}.ln2") if pre else []
+                if c.is_moe(i):                   # the router, W_r (d, E): HF's mlp.gate
+                    specs.append(ParamSpec(f"{p}.router.weight", (d, c.n_experts), "router", True))
         if post:
             specs += ln(f"{p}.ln2_post")
     specs += ln("ln_final")
@@ -250,3 +260,11 @@ def count_params(config: GPTConfig, lora_targets=None, lora_rank: int | None = N
     if lora_rank is not None:
         return sum(s.size for s in lora_specs(config, lora_targets or "all", lora_rank, lora_rank_pattern))
     return sum(s.size for s in param_specs(config))
+
+
+def count_active_params(config: GPTConfig) -> int:
+    """Parameters one token's forward uses: :func:`count_params` less, in every mixture-of-experts
+    block, the ``E − k`` experts it is not routed to (``3 · d · d_expert`` each); no allocation."""
+    moe_blocks = sum(config.is_moe(i) for i in range(config.n_blocks))
+    unused = config.n_experts - config.n_experts_per_token
+    return count_params(config) - moe_blocks * unused * 3 * config.d_model * config.d_expert

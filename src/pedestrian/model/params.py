@@ -12,6 +12,8 @@ gradient twin, and, after :meth:`Parameters.add_lora`, a :class:`~pedestrian.mod
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -91,6 +93,9 @@ class Parameters:
         self.freeze_base = False
         self._block_grads: FlatParams | None = None        # grad_table(shared_blocks=True)'s
         self._weight_table: SimpleNamespace | None = None
+        self._base_table: SimpleNamespace | None = None    # weight_table() without the adapters
+        #: forwards run the base alone, as if there were no adapters (:meth:`without_adapters`)
+        self.adapters_off = False
         self._init_weights(seed)
 
     def _init_weights(self, seed: int) -> None:
@@ -195,7 +200,12 @@ class Parameters:
     # ------------------------------------------------------------------ the layer table
     def weight_table(self) -> SimpleNamespace:
         """:meth:`layer_table` of the parameters, built once per set of adapters (the views never
-        change: loading and optimizer steps write into them)."""
+        change: loading and optimizer steps write into them); inside :meth:`without_adapters`
+        the table of the base alone."""
+        if self.adapters_off:
+            if self._base_table is None:
+                self._base_table = self.layer_table(grads=False, adapters=False)
+            return self._base_table
         if self._weight_table is None:
             self._weight_table = self.layer_table(grads=False)
         return self._weight_table
@@ -213,18 +223,19 @@ class Parameters:
                                                 if r[2][0][0].startswith("blocks.0.")])
         return self._block_grads
 
-    def layer_table(self, grads: bool, shared_blocks: bool = False) -> SimpleNamespace:
+    def layer_table(self, grads: bool, shared_blocks: bool = False, adapters: bool = True) -> SimpleNamespace:
         """Every layer's parameters by role -- ``tok_emb``, ``pos_emb``, ``blocks[i].ln1`` /
         ``.qkv`` / ``.q_norm`` / ``.k_norm`` (``config.qk_norm``; else ``None``) / ``.attn_proj`` /
         ``.ln1_post`` / ``.ln2_post`` (``norm_placement`` post or sandwich; else ``None``, and
         ``ln1``, ``ln2`` ``None`` for post) / ``.ln2`` / ``.mlp_gate`` (SwiGLU; else ``None``) / ``.mlp_expand`` /
         ``.mlp_gate_up`` (SwiGLU; else ``None``) / ``.mlp_contract``, ``ln_final``,
-        ``logits`` -- as :class:`Norm` and :class:`FC` entries (the block's q, k, v layers are one
+        ``logits`` -- as :class:`Norm` and :class:`FC` entries (a mixture-of-experts block: ``.router``
+        and ``.experts[e].mlp_gate_up`` / ``.mlp_contract``, its dense layers ``None``; else ``.router`` ``None``) (the block's q, k, v layers are one
         fused ``qkv`` layer, SwiGLU's gate and up one ``mlp_gate_up``; tied logits use ``W_tokᵀ``); a plugged layer's place holds its
         :class:`~pedestrian.model.slots.Instance` (``blocks[i].ln1``, ``.act``, ``.mlp``; ``act`` is
         ``None`` and ``mlp`` absent when built in, the built-in MLP's layers absent when plugged).
         With ``grads``, the gradient arrays instead, ``None`` where a parameter gets none (frozen
-        or absent)."""
+        or absent); ``adapters=False``: no layer carries its adapter."""
         c = self.config
         if grads:
             self._grad_buffers()
@@ -241,7 +252,7 @@ class Parameters:
             P["logits.weight"] = self.base.xp.matrix_transpose(P["tok_emb.weight"])
         if self.numpy_views:                               # (CPU tensors: views, no copies)
             P = {name: to_numpy(a) for name, a in P.items()}
-        lora = set(self.lora_targets)
+        lora = set(self.lora_targets) if adapters else set()
 
         S = self.slots
 
@@ -249,15 +260,25 @@ class Parameters:
             plugged = S and S.entry("norm", name, P)
             return plugged or Norm(P.get(f"{name}.weight"), P.get(f"{name}.bias"))
 
-        def mlp(p):
+        def mlp(i):
+            p = f"blocks.{i}"
             if S and "mlp" in S.plugged:
                 return dict(mlp=S.entry("mlp", f"{p}.mlp", P))
+            if c.is_moe(i):                                  # the router and every expert's SwiGLU
+                return dict(router=FC(P.get(f"{p}.router.weight"), None, ()), act=None,
+                            mlp_gate=None, mlp_expand=None, mlp_contract=None, mlp_gate_up=None,
+                            experts=[experts(f"{p}.experts.{e}") for e in range(c.n_experts)])
             swiglu = c.mlp == "swiglu"
             gate_up = ((f"{p}.mlp_gate", 0, c.d_mlp), (f"{p}.mlp_expand", c.d_mlp, 2 * c.d_mlp))
             return dict(mlp_gate=fc(f"{p}.mlp_gate") if swiglu else None,
                         mlp_expand=fc(f"{p}.mlp_expand"), mlp_contract=fc(f"{p}.mlp_contract"),
                         mlp_gate_up=fc(f"{p}.mlp_gate_up", gate_up, own_masks=True) if swiglu else None,
                         act=S and S.entry("activation", f"{p}.act", P))
+
+        def experts(p):
+            gate_up = ((f"{p}.mlp_gate", 0, c.d_expert), (f"{p}.mlp_expand", c.d_expert, 2 * c.d_expert))
+            return SimpleNamespace(mlp_gate_up=fc(f"{p}.mlp_gate_up", gate_up, own_masks=True),
+                                   mlp_contract=fc(f"{p}.mlp_contract"))
 
         def fc(name, parts=None, own_masks=False):
             """``parts``: the adapted layers fused in this one, ``(name, lo, hi)`` (default: itself)."""
@@ -278,7 +299,7 @@ class Parameters:
                                   qkv=fc(f"blocks.{i}.attn.qkv", tuple((f"blocks.{i}.attn.{h}", lo, hi)
                                                                        for h, (lo, hi) in qkv_columns(c))),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2") if pre else None,
-                                  **extra_norms(f"blocks.{i}"), **mlp(f"blocks.{i}"))
+                                  **extra_norms(f"blocks.{i}"), **{"router": None, **mlp(i)})
                   for i in range(c.n_blocks)]
         table = SimpleNamespace(tok_emb=P.get("tok_emb.weight"), pos_emb=P.get("pos_emb.weight"), blocks=blocks,
                                 ln_final=norm("ln_final"), logits=fc("logits"))
@@ -358,7 +379,19 @@ class Parameters:
                          alpha_pattern=alpha_pattern, dropout=dropout, seed=seed)
         self.params.update(self.lora.weights.views)
         self.freeze_base = freeze_base
-        self._weight_table = None
+        self._weight_table = self._base_table = None
+
+    @contextlib.contextmanager
+    def without_adapters(self):
+        """``with model.without_adapters():`` forwards run the base alone, as if the LoRA adapters
+        were not there (PEFT's ``disable_adapter()``): DPO's frozen reference, with no second copy
+        of the weights. Such a forward has no backward (it raises). For the whole model: other
+        threads' forwards meanwhile run without the adapters too. Without adapters: no change."""
+        before, self.adapters_off = self.adapters_off, True
+        try:
+            yield
+        finally:
+            self.adapters_off = before
 
     def merge_lora(self) -> None:
         """``W ← W + α D U`` for every adapter, then drop the adapters (outputs unchanged).
@@ -412,7 +445,7 @@ class Parameters:
                 del self.params[name]
         self.lora = None
         self.freeze_base = False
-        self._weight_table = None
+        self._weight_table = self._base_table = None
 
     def lora_state_dict(self) -> dict[str, np.ndarray]:
         """NumPy copies of the adapter parameters only (``X.lora_D``, ``X.lora_U``)."""

@@ -420,6 +420,9 @@ class Slots:
         if "activation" in layers and config.mlp == "swiglu":
             raise ValueError("the activation slot needs mlp='standard' (SwiGLU gates with silu); use "
                              "mlp='standard', or plug your layer into the mlp slot")
+        if "mlp" in layers and config.n_experts:
+            raise ValueError(f"the mlp slot replaces the whole MLP, and this config has n_experts="
+                             f"{config.n_experts} (a mixture of experts); plug norm only, or set n_experts=0")
         if "activation" in layers and "mlp" in layers:
             raise ValueError("the mlp slot replaces the whole MLP, its activation included; plug either "
                              "activation or mlp")
@@ -429,6 +432,10 @@ class Slots:
         self.activation = self.plugged.get("activation") or BuiltinActivation(config, kernels)
         self.mlp = PluggedMLP(self.plugged["mlp"]) if "mlp" in self.plugged else (
             BuiltinMLP(config, kernels, self.activation))
+        if config.n_experts:                               # the dense MLP only in the blocks without experts
+            from .moe import MoEMLP
+
+            self.mlp = MoEMLP(config, kernels, self.mlp)
 
     def specs(self) -> list[ParamSpec]:
         """Every parameter in order: :func:`pedestrian.model.layout.param_specs`, each plugged slot's

@@ -416,6 +416,11 @@ def params_table(config: GPTConfig, per_block: bool = False, lora: tuple | None 
     lines += [f"{'kind: ' + kind:<32}{n:>16,}" for kind, n in by_kind.items()]
     total = sum(s.size for s in specs)
     lines.append(f"{'total':<32}{total:>16,}")
+    if config.n_experts:                                # what one token's forward uses
+        from ..model.layout import count_active_params
+
+        lines.append(f"{'active per token':<32}{count_active_params(config):>16,}"
+                     f"   ({config.n_experts_per_token} of {config.n_experts} experts)")
     if adapters is not None:
         n = sum(s.size for s in adapters)
         lines.append(f"{'LoRA r=' + str(lora[0]) + ' on ' + ','.join(lora[1]):<32}{n:>16,}"

@@ -21,6 +21,8 @@ def _same(name: str, a, b) -> bool:
         from ..model.layout import HF_LORA_KINDS
 
         return sorted(HF_LORA_KINDS.get(t, t) for t in a) == sorted(HF_LORA_KINDS.get(t, t) for t in b)
+    if name == "dpo" and None not in (a, b):                     # (recorded as an absolute path)
+        return absolute_path(a) == absolute_path(b)
     return a == b
 
 
@@ -52,7 +54,8 @@ def resumed(settings, out: Path, given: frozenset):
     names = specs(settings)
     saved = type(settings)(**{k: v for k, v in meta["finetune"].items() if k in names})
     saved = resume_settings(settings, saved, given, run=f"{out} was fine-tuned", same=_same)
-    saved.data = absolute_path(settings.data)                   # (recorded so; the same text: checked later)
+    saved.data = settings.data and absolute_path(settings.data)  # (recorded so; the same text: checked later)
+    saved.dpo = settings.dpo and absolute_path(settings.dpo)
     saved.validate()
     base, fix = HFFolder(saved.hf_dir), "pass the base they were trained on with --hf-dir"
     check_base(folder, state, base, fix)                          # (first: the wrong base is the problem)

@@ -54,6 +54,8 @@ def check_blockwise(model, optimizer: AdamW, k: int = 1, world_size: int = 1, gr
         (world_size > 1, "several processes"),
         (model.freeze_base or model.lora_targets, "LoRA adapters"),
         (bool(model.slots.plugged), "plugged layers"),
+        (model.config.n_experts and model.config.moe_layers is not None,
+         "blocks of two kinds (moe_layers: experts in some blocks, a dense MLP in others)"),
         (model.backend != "numpy", "the torch backend (use --backend numpy)"),
         (len(optimizer.groups) != 1, "more than one parameter buffer")) if bad]
     if problems:

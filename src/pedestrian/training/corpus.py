@@ -171,11 +171,13 @@ def evaluate_tokens(model, tokens: np.ndarray, batch_size: int = 32, max_batches
             for i in range(0, len(chunk), per_forward):
                 idx = np.asarray(chunk[i:i + per_forward])[:, None] + np.arange(T + 1)
                 w = np.asarray(tokens[idx], dtype=np.int64)
-                total += model.loss(w[:, :-1], w[:, 1:], keep_activations=False) * w[:, 1:].size
+                loss = model.loss(w[:, :-1], w[:, 1:], keep_activations=False)
+                total += getattr(model, "loss_parts", {}).get("ce", loss) * w[:, 1:].size          # (experts: no aux loss)
                 count += w[:, 1:].size
         rest = n - 1 - n_windows * T
         if rest > 0 and (max_batches is None or len(chunks) * batch_size >= n_windows):
             w = np.asarray(tokens[n_windows * T:], dtype=np.int64)[None, :]
-            total += model.loss(w[:, :-1], w[:, 1:], keep_activations=False) * rest
+            loss = model.loss(w[:, :-1], w[:, 1:], keep_activations=False)
+            total += getattr(model, "loss_parts", {}).get("ce", loss) * rest
             count += rest
     return total / count, count

@@ -34,7 +34,7 @@ from pathlib import Path
 
 
 from ..model.layout import LORA_LAYER_KINDS
-from .specs import NON_ZERO, POSITIVE_INT, PROBABILITY, add_flags, check, setting, specs, with_defaults
+from .specs import NON_ZERO, POSITIVE, POSITIVE_INT, PROBABILITY, add_flags, check, setting, specs, with_defaults
 from ..load import LoadedModel, adapter_base, adapter_checkpoint_dir, base_fingerprint, load_finetuned, load_model  # noqa: F401 (their home was here)
 from .settings import TAG_PER_RUN as _PER_RUN
 from .settings import RunSettings, absolute_path, memory_plan
@@ -46,7 +46,7 @@ log = logging.getLogger("pedestrian.finetune")
 #: Hu et al. (2021), LoRA, section 7.1: adapting W_q and W_v is the usual cheap choice.
 DEFAULT_TARGETS = ("q", "v")
 
-_LORA, _OPTIM, _LOOP = "LoRA", "optimisation", "loop"
+_LORA, _DPO, _OPTIM, _LOOP = "LoRA", "DPO", "optimisation", "loop"
 
 
 def training_window(context_length: int | None, model_context: int) -> int:
@@ -70,8 +70,13 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
 
     hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory with its tokenizer", kind=str,
                           metavar="DIR", required=True, tags=_PER_RUN)       # (on resume: checked by its SHA-256)
-    data: str = setting(help="UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer",
-                        kind=str, metavar="PATH", required=True)
+    data: str | None = setting(None, "UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer "
+                               "(or --dpo)", kind=str, metavar="PATH")
+    dpo: str | None = setting(None, "preference pairs (JSONL of prompt / chosen / rejected: strings, or TRL's "
+                              "message lists) to train on with DPO instead of --data", kind=str, metavar="PAIRS",
+                              group=_DPO)
+    dpo_beta: float = setting(0.1, "DPO's beta: how far the policy may move from the reference (the base "
+                              "without the adapters)", rule=POSITIVE, metavar="BETA", group=_DPO)
     lora_rank: int = setting(8, "adapter rank r", rule=POSITIVE_INT, metavar="R", group=_LORA, required=True)
     lora_alpha: float = setting(1.0, "the paper's scalar alpha: the adapter adds alpha * x D U (PEFT's "
                                 "lora_alpha / r)", rule=NON_ZERO, metavar="ALPHA", group=_LORA)
@@ -112,6 +117,9 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
         """Raise ``ValueError`` naming the first bad setting (by its flag) and its valid values
         (or a bad ``PEDESTRIAN_NUM_THREADS``), before any file is written."""
         check(self)
+        if (self.data is None) == (self.dpo is None):
+            raise ValueError("give the text to fine-tune on with --data PATH, or preference pairs with --dpo "
+                             "PAIRS.jsonl (one of them)")
         from ..kernels.jit import num_threads
 
         num_threads()
@@ -220,16 +228,26 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it, choose another --out, or "
                          "pass --overwrite")
     else:
-        settings = dataclasses.replace(settings, data=absolute_path(settings.data))   # (recorded so)
+        settings = dataclasses.replace(settings, data=settings.data and absolute_path(settings.data),   # (recorded
+                                       dpo=settings.dpo and absolute_path(settings.dpo))               # so)
         folder = HFFolder(settings.hf_dir)
         tokenizer = folder.tokenizer()                 # cheap: fail before reading the weights
         model = folder.model(dtype=settings.dtype, backend=settings.backend)
     T = settings.window(model)
-    _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
-    data_sha = data_fingerprint(train_tokens, val_tokens)
+    if settings.dpo:
+        from .dpo import read_preference_data
+
+        batches, data_sha, data_line = read_preference_data(settings, tokenizer, T)
+    else:
+        _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
+        data_sha, batches = data_fingerprint(train_tokens, val_tokens), None
+        data_line = (f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} "
+                     "validation tokens")
+    what = "preference pairs" if settings.dpo else "text"
     if ckpt is not None and ckpt.meta.get("data_sha256") not in (None, data_sha):
-        raise ValueError(f"the text in {settings.data} is not the one the run in {out} was fine-tuned on (it "
-                         "changed since); resuming needs the same text: restore it, or start again with --overwrite")
+        raise ValueError(f"the {what} in {settings.dpo or settings.data} is not the one the run in {out} was fine-tuned "
+                         f"on (it changed since); resuming needs the same {what}: restore it, or start again with "
+                         "--overwrite")
     if ckpt is not None:
         log.info(f"resumed from {ckpt.path} at step {ckpt.step}")
     else:
@@ -240,8 +258,8 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
              f"({100 * n_train / n_total:.2f}%); base frozen")
-    log.info(f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} validation "
-             f"tokens; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; out: {out}")
+    log.info(f"{data_line}; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; "
+             f"out: {out}")
     if memory_plan(settings, model.config.n_blocks):
         log.info(memory_plan(settings, model.config.n_blocks))
     files = RunFiles(out, keep_records_to=ckpt.step if ckpt else None, replacing=had_run and ckpt is None,
@@ -255,31 +273,43 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
                 "data_sha256": data_sha}
         files.save_checkpoint("adapter", model, t.optimizer, tokenizer, t.step, meta, params="lora", base=base)
 
-    trainer = build_trainer(settings, model, (train_tokens, val_tokens), label="finetune", t_start=t_start,
-                            resume=ckpt)
+    trainer = build_trainer(settings, model, None if batches else (train_tokens, val_tokens),
+                            label="finetune --dpo" if settings.dpo else "finetune", t_start=t_start, resume=ckpt,
+                            batches=batches)
+    if settings.dpo:
+        from .dpo import dpo_training
+
+        dpo_training(trainer, settings.dpo_beta)
     previous = (f"the adapter checkpoint of step {ckpt.step} in {out / 'adapter'} is kept" if ckpt else
                 f"the previous run in {out} is left as it was" if had_run else None)
     trainer.checkpoints = Checkpoints(files, save, out / "adapter", name="adapter checkpoint", previous=previous,
                                       go_on="run the fine-tuning again with a lower --lr and --overwrite",
                                       start_again="run the fine-tuning again with --overwrite")
-    title = f"LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, {settings.data}"
+    title = (f"{'DPO, ' if settings.dpo else ''}LoRA r={settings.lora_rank} on {Path(settings.hf_dir).name}, "
+             f"{settings.dpo or settings.data}")
     with failures_explained(trainer, plot=title if settings.plot else None):
         recorded = ckpt.meta.get("initial_val_loss") if ckpt else None
         initial_val = trainer.evaluate() if recorded is None else float(recorded)
         if math.isfinite(initial_val) and ckpt is None:
             log.info(f"step 0: val loss {initial_val:.4f}")
-        if trainer.run() != "non_finite":
+        experts = any(".experts." in t for t in model.lora_targets)      # (PEFT cannot hold those: interop/peft.py)
+        if trainer.run() != "non_finite" and not experts:
             save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
+        elif experts:
+            log.info("no PEFT files: transformers keeps a block's experts as one 3-D parameter, which PEFT's "
+                     f"target_modules cannot adapt; the adapters are in {out / 'adapter'} (pedestrian export-hf "
+                     "--adapter DIR writes the merged model)")
     reason = trainer.stop_reason
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
     at = "" if trainer.last_eval == trainer.step else f" (at step {trainer.last_eval}, the last evaluation)"
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "
              f"{loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}{at}, {seconds / 60:.1f} min; adapters "
-             f"in {out / 'adapter'} and {out / 'peft'}")
+             f"in {out / 'adapter'}" + ("" if experts else f" and {out / 'peft'}"))
     return FinetuneResult(step=trainer.step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
                           trainable_params=n_train, total_params=n_total, seconds=seconds, out=out,
                           model=model, tokenizer=tokenizer, stop_reason=reason,
                           resume_command="pedestrian finetune " + " ".join(shlex.quote(str(a)) for a in (
-                              "--hf-dir", settings.hf_dir, "--data", settings.data, "--lora-rank",
+                              "--hf-dir", settings.hf_dir, *(("--dpo", settings.dpo) if settings.dpo else
+                                                             ("--data", settings.data)), "--lora-rank",
                               settings.lora_rank, "--out", out, "--resume")))

@@ -26,8 +26,8 @@ from .optim import AdamW, CosineSchedule
 from .step import TrainingError
 
 
-def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, label: str, t_start: float,
-                  resume=None, group=None) -> Trainer:
+def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray] | None, *, label: str, t_start: float,
+                  resume=None, group=None, batches: Batches | None = None) -> Trainer:
     """The :class:`Trainer` of a run, every part made from ``settings`` (and ``resume``).
 
     The model: put in training mode (``recompute`` as the settings say), its trainable parameters
@@ -52,6 +52,9 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
             the step and the skipped steps (``meta["skipped_steps"]``) are taken from it;
             ``None``: a new run at step 0.
         group: the process group (:mod:`pedestrian.training.distributed`); ``None``: one process.
+        batches: what the steps read, made by the caller (DPO's pairs,
+            :func:`pedestrian.training.dpo.read_preference_data`; ``tokens`` is then ``None``),
+            its ``rng`` the generator a checkpoint keeps.
 
     Returns:
         the trainer, at ``resume``'s step, without checkpoints: the caller sets
@@ -69,7 +72,7 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
     group.broadcast_buffers([b.params for b in model.trainable_buffers()], "the initial parameters")
     optimizer = AdamW(model, lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                       weight_decay=settings.weight_decay)
-    rng, step, skipped = np.random.default_rng(settings.seed), 0, 0
+    rng, step, skipped = np.random.default_rng(settings.seed) if batches is None else batches.rng, 0, 0
     if resume is not None:
         optimizer.load_state_dict(resume.optimizer_state())
         rng.bit_generator.state = resume.meta["data_rng"]
@@ -78,16 +81,17 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray], *, lab
             raise TrainingError(f"checkpoint {resume.path} is inconsistent: optimizer step {optimizer.step_count} "
                                 f"!= step {step} - {skipped} skipped")
     B, T, k = settings.batch_size, settings.window(model), settings.grad_accum
-    train_ds, val_ds = TokenDataset(tokens[0]), TokenDataset(tokens[1])
     end, end_reason = settings.max_steps, "max_steps"
     if settings.stop_step is not None and settings.stop_step < settings.max_steps:
         end, end_reason = settings.stop_step, "stop_step"
     optimization = Optimization(optimizer, CosineSchedule(settings.lr, settings.warmup_steps, settings.max_steps,
                                                           settings.min_lr), settings.grad_clip,
                                 getattr(settings, "update_in_backward", False))      # (train only)
-    batches = Batches(lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
-                      validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
-                      eval_interval=settings.eval_interval, dropout_seed=settings.seed, rng=rng)
+    if batches is None:
+        train_ds, val_ds = TokenDataset(tokens[0]), TokenDataset(tokens[1])
+        batches = Batches(lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
+                          validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
+                          eval_interval=settings.eval_interval, dropout_seed=settings.seed, rng=rng)
     stop = StopRules(end, end_reason, settings.max_skipped_steps,
                      settings.max_minutes if group.is_writer else None, t_start)    # rank 0's clock decides
     trainer = Trainer(model, optimization, batches, stop, group=group,

@@ -78,12 +78,16 @@ class Optimization:
         grad_clip: global gradient-norm threshold (0 = off).
         in_backward: apply AdamW block by block inside the backward
             (:func:`~pedestrian.training.blockwise.blockwise_step`; ``grad_clip`` 0).
+        step: another step function (DPO's, :func:`pedestrian.training.dpo.dpo_step`).
     """
 
     optimizer: AdamW
     schedule: Callable[[int], float]
     grad_clip: float = 0.0
     in_backward: bool = False
+    #: the step function (``train_step``'s arguments; returns ``(loss, grad_norm)`` or ``(loss,
+    #: grad_norm, metrics)``, the metrics logged with the step); ``None``: ``train_step``
+    step: Callable | None = None
 
 
 @dataclass
@@ -107,6 +111,9 @@ class Batches:
     eval_interval: int = 0
     dropout_seed: int | None = None
     rng: Any = None
+    #: ``(model, validation, group) -> loss`` of the validation batches; ``None``: the mean
+    #: cross-entropy (:func:`~pedestrian.training.step.estimate_loss`)
+    estimate: Callable | None = None
 
 
 @dataclass
@@ -171,6 +178,7 @@ class Trainer:
         self.stop_reason: str | None = None
         self.interrupted_by = ""                    # the first stop request ("SIGINT", "stdout closed")
         self.batches: list = []                     # the last step's micro-batches
+        self.metrics: dict = {}                     # the last step's own numbers (DPO's margin, accuracy)
         self.after_step: list[Callable[[Trainer], Any]] = []
         self.bar = None                             # the progress bar while run() runs
         _stop_requests.clear()                      # a new run starts without requests
@@ -216,10 +224,11 @@ class Trainer:
                 self.lr = self.optimization.schedule(self.step)
                 self.batches = self.data.next()
                 t0 = time.perf_counter()
-                step = blockwise_step if self.optimization.in_backward else train_step
-                self.loss, self.grad_norm = step(self.model, self.optimizer, self.batches, self.lr,
-                                                 self.optimization.grad_clip, self._accumulator(),
-                                                 self.group, self._dropout_key())
+                step = self.optimization.step or (blockwise_step if self.optimization.in_backward else train_step)
+                self.loss, self.grad_norm, *metrics = step(self.model, self.optimizer, self.batches, self.lr,
+                                                           self.optimization.grad_clip, self._accumulator(),
+                                                           self.group, self._dropout_key())
+                self.metrics = metrics[0] if metrics else {}
                 self.step_seconds = time.perf_counter() - t0
                 self.step, self.steps_this_run = self.step + 1, self.steps_this_run + 1
                 if self.steps_this_run == 1:
@@ -292,7 +301,7 @@ class Trainer:
         rank its rows of each batch). Writes ``{"step", "val_loss"}`` to the log (``say``: and
         to the logger); a non-finite result is warned about and recorded as ``null`` (it never
         becomes the best)."""
-        loss = estimate_loss(self.model, self.data.validation, self.group)
+        loss = (self.data.estimate or estimate_loss)(self.model, self.data.validation, self.group)
         self.val_loss, self.last_eval = loss, self.step
         self.files.log({"step": self.step, "val_loss": finite_or_none(loss)})
         self._postfix(refresh=not say)
@@ -353,6 +362,7 @@ class Trainer:
                   "grad_norm": finite_or_none(self.grad_norm),
                   "time_s": round(time.perf_counter() - self.stop.t_start, 4),
                   "tokens_per_s": round(self.data.tokens_per_step / max(self.step_seconds, 1e-9), 1)}
+        record.update({k: finite_or_none(v) for k, v in self.metrics.items()})
         if self.skipped:
             record["skipped"] = True
         return record

@@ -302,7 +302,8 @@ def estimate_loss(model, batches, group=None) -> float:
         parts = []
         for x, y in batches:
             rows = group.rows(x.shape[0])
-            parts.append(model.loss(x[rows], y[rows], n_total=n_total, keep_activations=False))  # its share
+            loss = model.loss(x[rows], y[rows], n_total=n_total, keep_activations=False)    # its share
+            parts.append(getattr(model, "loss_parts", {}).get("ce", loss))          # (a mixture of experts: without the aux loss)
     return float(sum(group.sum(parts, "the validation loss")))
 
 
