@@ -256,7 +256,7 @@ REFUSED = [
     ("mistral", dict(), "sliding_window=4096"),                       # the class default when the key is absent
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "use_sliding_window=True with max_window_layers=1"),
     ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types contains 'sliding_attention'"),
-    ("mixtral", dict(), "model_type='mixtral' is not implemented"),
+    ("deepseek_v3", dict(), "model_type='deepseek_v3' is not implemented"),
     ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "rope_theta": 1e4}), "factor must be >= 1"),
 ]

@@ -54,7 +54,7 @@ def _no_keys(config: GPTConfig) -> dict:
     return {}
 
 
-def _want(config: GPTConfig, **allowed) -> list[str]:
+def want_key(config: GPTConfig, **allowed) -> list[str]:
     """A problem for each field of ``config`` whose value is not the one allowed."""
     return [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in allowed.items() if getattr(config, k) != v]
 
@@ -203,7 +203,7 @@ register(Family(
     dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
          num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
          layer_types=None),
-    fields=_qwen2_fields, problems=lambda c: _want(c, bias=False, qkv_bias=True),
+    fields=_qwen2_fields, problems=lambda c: want_key(c, bias=False, qkv_bias=True),
     write=lambda c: dict(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_blocks,
                          layer_types=["full_attention"] * c.n_blocks)))
 register(Family(
@@ -217,7 +217,7 @@ register(Family(
 QK_NORM_NAMES = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 
 
-def _attention_bias_refused(c: Mapping, source: str) -> None:
+def attention_bias_refused(c: Mapping, source: str) -> None:
     """``attention_bias`` puts biases on q, k, v and o but not on the MLP: no pedestrian switch."""
     if c.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias={c['attention_bias']!r} is not implemented (biases on q, k, v "
@@ -226,7 +226,7 @@ def _attention_bias_refused(c: Mapping, source: str) -> None:
 
 def _qwen3_fields(c: Mapping, source: str) -> dict:
     _sliding_refused(c, source)
-    _attention_bias_refused(c, source)
+    attention_bias_refused(c, source)
     return dict(bias=False, qkv_bias=False)
 
 
@@ -236,13 +236,13 @@ register(Family(
          num_key_value_heads=32, head_dim=128, attention_bias=False, use_sliding_window=False,
          sliding_window=4096, max_window_layers=28, layer_types=None),
     names={**LLAMA_NAMES, **QK_NORM_NAMES}, features={"qk_norm": "head"},
-    fields=_qwen3_fields, problems=lambda c: _want(c, bias=False, qkv_bias=False),
+    fields=_qwen3_fields, problems=lambda c: want_key(c, bias=False, qkv_bias=False),
     write=lambda c: dict(attention_bias=False, use_sliding_window=False, sliding_window=None,
                          max_window_layers=c.n_blocks, layer_types=["full_attention"] * c.n_blocks)))
 
 
 def _olmo2_fields(c: Mapping, source: str) -> dict:
-    _attention_bias_refused(c, source)
+    attention_bias_refused(c, source)
     return dict(bias=False, qkv_bias=False)
 
 
@@ -253,7 +253,7 @@ register(Family(
     names={**{k: v for k, v in LLAMA_NAMES.items() if k not in ("ln1", "ln2")}, **QK_NORM_NAMES,
            "ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
     features={"qk_norm": "proj", "norm_placement": "post"},
-    fields=_olmo2_fields, problems=lambda c: _want(c, bias=False, qkv_bias=False),
+    fields=_olmo2_fields, problems=lambda c: want_key(c, bias=False, qkv_bias=False),
     write=lambda c: dict(attention_bias=False)))
 
 
@@ -287,7 +287,6 @@ register(Family(
                          layer_types=["full_attention"] * c.n_blocks)))
 
 
-from . import families_moe  # noqa: E402,F401  (Mixtral, Qwen3-MoE, OLMoE: interop/families_moe.py)
 
 
 # ------------------------------------------------------------------------------------ lookups

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from .families import (ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, _attention_bias_refused, _want,
+from .families import (ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, attention_bias_refused, want_key,
                        register)
 
 __all__ = ["ExpertNames", "MAX_EXPERTS"]
@@ -106,7 +106,7 @@ def _moe_write(config, experts_key: str, width_key: str) -> dict:
 def _moe_problems(config, **allowed) -> list[str]:
     c = config
     out = [] if c.n_experts else ["n_experts=0 (a mixture of experts has experts)"]
-    return out + _want(c, bias=False, qkv_bias=False, **allowed)
+    return out + want_key(c, bias=False, qkv_bias=False, **allowed)
 
 
 # ------------------------------------------------------------------------------------------ Mixtral
@@ -141,7 +141,7 @@ _EXPERT_NAMES = {"mlp_gate": "mlp.experts.{e}.gate_proj", "mlp_expand": "mlp.exp
 
 # ------------------------------------------------------------------------------------------ Qwen3-MoE
 def _qwen3_moe_fields(c: Mapping, source: str) -> dict:
-    _attention_bias_refused(c, source)
+    attention_bias_refused(c, source)
     if c.get("use_sliding_window") and c.get("sliding_window") is not None:
         raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} (a sliding-window attention) "
                          "is not implemented for Qwen3-MoE; only false")
@@ -180,7 +180,7 @@ register(Family(
 
 # ------------------------------------------------------------------------------------------ OLMoE
 def _olmoe_fields(c: Mapping, source: str) -> dict:
-    _attention_bias_refused(c, source)
+    attention_bias_refused(c, source)
     if c.get("clip_qkv") is not None:
         raise ValueError(f"{source}: clip_qkv={c['clip_qkv']!r} (q, k, v clamped to ±clip_qkv) is not implemented; "
                          "only null")
