@@ -38,6 +38,9 @@ CONFIG_HELP = {
     "position_encoding": "learned table (GPT-2, default), rotary q/k (rope), or none",
     "rope_base": "RoPE base b: pair j turns by b^(-2j/r) per position (10000)",
     "rope_fraction": "fraction of each head's d_qk RoPE rotates (1.0)",
+    "qk_norm": "RMS-norm q and k before RoPE: per head (Qwen3) or over the projection (OLMo 2)",
+    "norm_placement": "the blocks' norms: before the sublayers (pre, default), after (post: OLMo 2) or both "
+                      "(sandwich: Gemma)",
     "n_experts": "mixture of experts: E SwiGLU experts per block in place of the MLP (0: a dense MLP)",
     "n_experts_per_token": "experts a token is routed to, k (2)",
     "d_expert": "width of one expert's SwiGLU (default d_mlp)",
@@ -68,7 +71,8 @@ QK_NORMS = (None, "head", "proj")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 #: the valid values of the fields that have a list of them (a flag's choices)
 CONFIG_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "mlp": MLPS,
-                  "position_encoding": POSITION_ENCODINGS}
+                  "position_encoding": POSITION_ENCODINGS, "qk_norm": ("head", "proj"),
+                  "norm_placement": NORM_PLACEMENTS}
 
 
 #: the RoPE frequency scalings implemented (Hugging Face ``rope_type``)

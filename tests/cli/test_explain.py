@@ -183,3 +183,17 @@ def test_the_fused_head_keeps_no_logits_and_says_so(capsys):
     assert cli_main(["explain", "--preset", "smollm2-135m", "--seq-len", "2048", "--unfused-head"]) == 0
     out_whole = capsys.readouterr().out
     assert "not kept" not in out_whole and "kept whole (model.fused_head = False" in out_whole
+
+
+def test_mixture_of_experts_rows():
+    """LLAMA_TINY with 3 experts of width 5, 2 per token: the MLP's products run on the N·k = 12
+    routed rows (gate, up, down 2·12·4·5 = 480 each, forward) and the router is one more product
+    (2·6·4·3 = 144) where the dense model had gate, up, down of width 6 (288 each): the matrix
+    products are the dense count − 3·288 + 3·480 + 144; the 6·N rule counts the active parameters."""
+    dense = GPTConfig(**LLAMA_TINY)
+    moe = GPTConfig(**{**LLAMA_TINY, "n_experts": 3, "n_experts_per_token": 2, "d_expert": 5})
+    rows = {r.name: r for r in explain_rows(moe, B, T)}
+    assert rows["r"].shape == (B, T, 3) and rows["a7_gate"].shape == (12, 5) and rows["a9"].shape == (B, T, 4)
+    assert matmul_flops(moe, B, T) == matmul_flops(dense, B, T) + 3 * (-3 * 288 + 3 * 480 + 144)
+    tot = totals(moe, explain_rows(moe, B, T), B, T)
+    assert tot["six_n"] == 6 * (tot["n_params"] - 3 * 4 * 5) * B * T       # one expert of 3 unused per token

@@ -2,8 +2,9 @@
 
 :meth:`pedestrian.model.GPT.add_lora` documents the draws: one inverted-dropout mask per adapted
 layer input (``rng.random(shape) >= p``, kept entries ``1/(1-p)``), from ``model.dropout_rng``,
-in forward order; the q, k, v adapters of a block share the mask of their common input (PEFT's
-one ``c_attn`` module). With ``config.dropout = 0`` nothing else draws from that generator.
+in forward order, one per PEFT module: a GPT-2-shaped model's q, k, v adapters share the mask of
+their common input (PEFT's one ``c_attn`` module), a Llama-family model draws one each for q, k,
+v and for gate, up. With ``config.dropout = 0`` nothing else draws from that generator.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import numpy as np
 
 def replay_masks(model, rng: np.random.Generator, B: int, T: int) -> dict:
     """The masks a training forward draws, replayed from a copy of ``model.dropout_rng`` in the
-    documented order: one per adapted layer input, in forward order, the q, k, v adapters of a
-    block sharing one (``config.dropout = 0`` draws nothing)."""
+    documented order: one per PEFT module, in forward order (``config.dropout = 0`` draws nothing)."""
+    from pedestrian.model.params import qkv_shares_mask
+
     c, p = model.config, model.lora_dropout
     targets = set(model.lora_targets)
 
@@ -25,10 +27,13 @@ def replay_masks(model, rng: np.random.Generator, B: int, T: int) -> dict:
     masks = {}
     for i in range(c.n_blocks):
         qkv = [f"blocks.{i}.attn.{x}" for x in "qkv" if f"blocks.{i}.attn.{x}" in targets]
-        if qkv:
+        if qkv and qkv_shares_mask(c):
             m = draw(c.d_model)
             masks.update({name: m for name in qkv})
-        for name, width in ((f"blocks.{i}.attn_proj", c.n_heads * c.d_head),
+        else:
+            masks.update({name: draw(c.d_model) for name in qkv})
+        gate = [(f"blocks.{i}.mlp_gate", c.d_model)] if c.mlp == "swiglu" else []
+        for name, width in ((f"blocks.{i}.attn_proj", c.n_heads * c.d_head), *gate,
                             (f"blocks.{i}.mlp_expand", c.d_model), (f"blocks.{i}.mlp_contract", c.d_mlp)):
             if name in targets:
                 masks[name] = draw(width)

@@ -99,10 +99,12 @@ FLOAT32_SENSITIVITY_ROUNDINGS = 16
 
 def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, lora, activation,
               ln_eps, bias, seed, norm="layernorm", mlp="standard", n_kv_heads=None, qk_norm=None,
-              norm_placement="pre", rope_layers=None, sliding_window=None, layer_types=None, attn_softcap=None,
-              attn_scale=None, gemma=False):
+              norm_placement="pre", rope_layers=None, experts=None, sliding_window=None, layer_types=None,
+              attn_softcap=None, attn_scale=None, gemma=False):
     """``(cfg, params, lora spec, tokens, targets)`` of one case (O(1)-scale random weights; the
-    attention's window, soft-cap and scale change no parameter)."""
+    attention's window, soft-cap and scale change no parameter). ``experts``: ``(E, k, norm_topk_prob)``
+    for a mixture of experts (SwiGLU without biases only; drawn otherwise, it is left out), its
+    load-balancing loss in the loss."""
     cfg = default_cfg(vocab_size=13, context_length=T, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks,
                       d_head=d_head, d_qk=d_qk, causal=causal, position_encoding=position,
                       activation="silu" if mlp == "swiglu" else activation, ln_eps=ln_eps, bias=bias)
@@ -116,6 +118,10 @@ def make_case(B, T, n_heads, d_head, d_qk, d_model, n_blocks, causal, position, 
         if gemma:                                                           # Gemma's pieces (issue 48)
             cfg.update(norm_offset=1.0, embedding_scale=float(np.sqrt(d_model)), logit_softcap=2.0,
                        activation="gelu_tanh")
+        if experts is not None and mlp == "swiglu" and not bias:                  # (issue 48)
+            E, k, renorm = experts
+            cfg.update(n_experts=E, n_experts_per_token=k, d_expert=5, norm_topk_prob=renorm,
+                       router_aux_loss_coef=0.1, output_router_logits=True)
         spec, params = _llama_params(cfg, seed, lora)
     tokens, targets = token_batch(cfg, B, T, seed=seed, n_ignored=min(3, B * T - 1))
     cfg.update({k: v for k, v in dict(sliding_window=sliding_window, layer_types=layer_types,
@@ -243,6 +249,7 @@ def cases(draw) -> dict:
     return dict(norm=norm, mlp=mlp, gemma=gemma, n_kv_heads=n_kv, qk_norm=draw(st.sampled_from([None, "head", "proj"])),
                 norm_placement=draw(st.sampled_from(["pre", "post", "sandwich"])),
                 rope_layers=draw(st.sampled_from(layers)), B=draw(st.integers(1, 3)),
+                experts=draw(st.sampled_from([None, None, (3, 1, True), (4, 2, False), (2, 2, True)])),
                 T=draw(st.one_of(st.sampled_from(THRESHOLD_T), st.integers(1, 600))),
                 n_heads=n_heads, d_head=draw(st.integers(1, 16)),
                 d_qk=draw(st.integers(low_qk, 16)), d_model=draw(st.sampled_from([4, 7, 16, 48])),
@@ -300,6 +307,14 @@ def test_other_families_blocks(other, dtype):
     """Two fixed cases of the other families' blocks (issue 48), beside the search's draws."""
     check_case(_case(2, 7, 2, 4, 4, n_blocks=2, position="rope", lora=True, bias=False, norm="rmsnorm",
                      mlp="swiglu", n_kv_heads=1, **other), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("experts", [(4, 2, True), (3, 1, False)], ids=["E4-k2-renorm", "E3-k1-probs"])
+def test_experts_blocks(experts, dtype):
+    """Two fixed cases of a mixture of experts (issue 48), LoRA on every expert, beside the search's draws."""
+    check_case(_case(2, 9, 2, 4, 4, n_blocks=2, position="rope", lora=True, bias=False, norm="rmsnorm",
+                     mlp="swiglu", n_kv_heads=1, qk_norm="head", experts=experts, seed=4), dtype)
 
 
 @pytest.mark.skipif(os.environ.get("PEDESTRIAN_PROPERTY") != "1",

@@ -285,3 +285,14 @@ def test_a_config_no_family_writes_is_refused_naming_each_reason():
     assert export_family(dataclasses.replace(base, qk_norm=None)) == "llama"
     assert export_family(dataclasses.replace(base, qk_norm=None, rope_layers=(True, False))) == "smollm3"
     assert export_family(dataclasses.replace(base, qk_norm=None, rope_layers=(True, True))) == "llama"
+
+
+def test_names_with_numbers_in_them():
+    """A family's names may hold ``{}`` for a number (an expert's index), both ways."""
+    from pedestrian.interop.families import block_layer, hf_block_name
+
+    names = {"attn.q": "self_attn.q_proj", "experts.{}.mlp_gate": "mlp.experts.{}.gate_proj"}
+    assert hf_block_name(names, "experts.12.mlp_gate") == "mlp.experts.12.gate_proj"
+    assert block_layer(names, "mlp.experts.12.gate_proj") == "experts.12.mlp_gate"
+    assert hf_block_name(names, "attn.q") == "self_attn.q_proj" and block_layer(names, "self_attn.q_proj") == "attn.q"
+    assert hf_block_name(names, "mlp_gate") is None and block_layer(names, "mlp.gate_proj") is None

@@ -4,7 +4,9 @@ The corpus, tokenizer and split come from the checkpoint (as trained); --data ev
 another text with the checkpoint's tokenizer (--split all: the whole of it). A `pedestrian
 finetune` run folder (or its adapter/ checkpoint) is evaluated on its base model plus the
 adapters: the base recorded in it, or --hf-dir BASE_DIR. --hf-dir alone evaluates a Hugging Face
-model folder (with its tokenizer) on --data.
+model folder (with its tokenizer) on --data. A conversations file (*.jsonl: a chat fine-tune's
+data, or --data) is rendered with the folder's chat template and the loss counted on the
+assistant's tokens, as `pedestrian finetune` measures it (pedestrian.training.conversations).
 
 Examples:
   pedestrian eval runs/shakespeare_char            # its latest/ checkpoint
@@ -12,6 +14,7 @@ Examples:
   pedestrian eval runs/shakespeare_char/best --data other_text.txt --split all
   pedestrian eval runs/finetune                    # LoRA fine-tune: base + adapters
   pedestrian eval --hf-dir SmolLM2-135M --data my_notes.txt --split all
+  pedestrian eval --hf-dir SmolLM2-135M-Instruct --data chat.jsonl --split all
 """
 
 from __future__ import annotations
@@ -61,17 +64,33 @@ def run(args: argparse.Namespace) -> int:
         raise TrainingError(f"{what} was fine-tuned on preference pairs (--dpo {saved['dpo']}), not on a text; "
                             "pass --data PATH to evaluate it on one")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
-    tokens = corpus_split(data, tokenizer, val_fraction, args.split)
+    from ..training.conversations import evaluate_conversations, is_conversations
+
+    chat = is_conversations(data)
+    if chat and loaded.base is None:
+        raise TrainingError(f"{data} is a conversations file: it is rendered with a Hugging Face folder's chat "
+                            f"template, and {what} has none; evaluate it on text")
     with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported below, in one line
-        loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
-                                  progress=args.progress)
+        if chat:                                         # the assistant's tokens, as fine-tuning measured them
+            from ..training.finetune import training_window
+
+            loss, n = evaluate_conversations(
+                model, tokenizer, loaded.base, data, val_fraction=val_fraction, split=args.split,
+                window=training_window(saved.get("context_length"), model.config.context_length),
+                train_on_all_tokens=bool(saved.get("train_on_all_tokens")), batch_size=args.batch_size,
+                max_batches=args.max_batches)
+        else:
+            tokens = corpus_split(data, tokenizer, val_fraction, args.split)
+            loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
+                                      progress=args.progress)
     if not math.isfinite(loss):
         # finite weights (checkpoints refuse others) whose forward overflows: never print "nan"
         raise TrainingError(
             f"the {args.split} loss of {what} is {loss}: its forward pass "
             f"overflows in {model.dtype_name} (weights too large, a diverged run); try --dtype float64, "
             "or evaluate an earlier checkpoint")
-    unit = "character" if tokenizer.to_dict().get("kind") == "char" else "token"
+    unit = ("character" if tokenizer.to_dict().get("kind") == "char" else
+            "token" if not chat or saved.get("train_on_all_tokens") else "assistant token")
     # e^loss overflows a float above 709.8 nats: a perplexity of inf, not an OverflowError
     perplexity = math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
     shown = f"{perplexity:.2f}" if perplexity < 1e6 else f"{perplexity:.3g}"

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             if tied:
                 print("note: the adapter on the tied logits is merged into a separate lm_head.weight, so "
                       "the exported model is untied (tie_word_embeddings=false; wte unchanged)")
-        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite, token_ids=token_ids(loaded.hf_config))
+        out = save_pretrained(model, args.out, loaded.tokenizer, overwrite=args.overwrite, token_ids=token_ids(loaded.hf_config),
+                              copy_from=loaded.base)           # (a fine-tune's base: its chat template, stop ids)
     except OutputExistsError as exc:          # the library names overwrite=True; the user typed flags
         raise UserError(exc.advice("pass --overwrite")) from None
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]

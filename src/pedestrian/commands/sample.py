@@ -8,11 +8,16 @@ Examples:
   pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --stop $'\\n\\n' --stop "JULIET:"
   pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --prompt "First Citizen:"  # one batch
   pedestrian sample --checkpoint runs/shakespeare_char --prompts-file prompts.txt   # one prompt per line
+  pedestrian sample --hf-dir SmolLM2-135M-Instruct --chat --prompt "What is a gradient?" --system "Be brief."
 
 Behaviour (more in docs/guide.md, Sampling):
   - Several prompts (--prompt repeated, or --prompts-file) are generated together, left-padded,
     each row computing what it would alone, and printed when all are done under a "--- prompt N
     ---" line ("--- prompt N, sample M ---" with --num-samples).
+  - --chat: each prompt is a user turn (after a --system turn) rendered with the folder's chat
+    template and the assistant's header (as transformers' apply_chat_template with
+    add_generation_prompt); the answer alone is printed, ending at the folder's eos_token_id
+    (Llama 3 Instruct's <|eot_id|>, Qwen2's <|im_end|>).
   - One prompt is echoed, then each token printed as soon as its text is complete (a byte-level
     BPE token ending inside a UTF-8 character waits for the rest; left incomplete: U+FFFD).
   - Order, as Hugging Face transformers: repetition penalty -> temperature -> top-k -> top-p ->
@@ -23,7 +28,8 @@ Behaviour (more in docs/guide.md, Sampling):
   - An empty prompt starts from <|endoftext|> (error without it); a prompt longer than the
     context keeps its last context_length tokens (one warning line on stderr).
   - Every setting is checked before anything is printed.
-  - A sample ends at <|endoftext|> (--ignore-eot: go on), a --stop-id token, or right before a
+  - A sample ends at the folder's eos_token_id (generation_config.json, else config.json; int or
+    list, as transformers' generate; a checkpoint: <|endoftext|>) (--ignore-eot: go on), a --stop-id token, or right before a
     --stop TEXT in the generated text, however it is tokenized: neither the stop token nor the
     stop text is printed. Past the context the window slides (pedestrian.generation.generate).
 """
@@ -49,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", default=None,
                         help="text to continue (default: empty, see above); repeatable: several prompts "
                         "are generated together as one batch and printed one after the other, labelled")
+    parser.add_argument("--chat", action="store_true",
+                        help="each prompt is a user turn of a chat, rendered with the --hf-dir folder's chat template "
+                        "(with the assistant's header after it); only the answer is printed")
+    parser.add_argument("--system", metavar="TEXT", default=None,
+                        help="with --chat: a system turn before the user's")
     parser.add_argument("--prompts-file", metavar="FILE",
                         help="a UTF-8 text file with one prompt per line (empty lines skipped), "
                         "generated together like several --prompt")
@@ -71,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "not printed); repeatable, the first one found ends the sample")
     parser.add_argument("--stop-id", action="append", type=int, default=[], metavar="ID",
                         help="stop at this token id; repeatable")
-    parser.add_argument("--ignore-eot", action="store_true", help="do not stop at <|endoftext|>")
+    parser.add_argument("--ignore-eot", action="store_true", help="do not stop at the end-of-sequence ids (the "
+                        "folder's eos_token_id, else <|endoftext|>)")
     parser.add_argument("--window-shift", type=int, default=1,
                         help="past the context, drop this many oldest tokens per slide (default 1)")
     parser.add_argument("--no-cache", action="store_true",
@@ -83,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace):
-    """``(model, tokenizer)`` from ``--checkpoint`` and/or ``--hf-dir``
-    (:func:`pedestrian.load.load_model`)."""
+    """``(model, tokenizer, folder)`` from ``--checkpoint`` and/or ``--hf-dir``
+    (:func:`pedestrian.load.load_model`); ``folder``: the Hugging Face directory (the model's, or
+    a fine-tune's base), else ``None``."""
     from ..cli import UserError
     from ..load import adapter_checkpoint_dir, load_model
 
@@ -95,7 +108,7 @@ def _load_model(args: argparse.Namespace):
     if loaded.tokenizer is None:
         raise UserError(f"checkpoint {args.checkpoint} has no tokenizer saved beside it, so its "
                         "token ids cannot be turned into text")
-    return loaded.model, loaded.tokenizer
+    return loaded.model, loaded.tokenizer, loaded.base
 
 
 def sampling_from_args(args: argparse.Namespace) -> Sampling:
@@ -110,10 +123,15 @@ def named(name: str) -> str:
 
 
 def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = None,
-               err: TextIO | None = None) -> int:
+               err: TextIO | None = None, *, eos_ids=None, template=None) -> int:
     """The body of ``pedestrian sample`` once the model and tokenizer are loaded: the prompts,
     :func:`pedestrian.generation.prompts.write_completions` (to ``out``, default ``sys.stdout``),
-    the warnings and ``--stats`` (to ``err``, default ``sys.stderr``).
+    the warnings and ``--stats`` (to ``err``, default ``sys.stderr``). ``eos_ids``: the ids a
+    sample ends at (a Hugging Face folder's ``eos_token_id``; ``None``: the tokenizer's
+    ``<|endoftext|>``), see :func:`pedestrian.generation.prompts.complete`. ``template``: with
+    ``--chat``, the folder's :class:`~pedestrian.text.chat.ChatTemplate`: each prompt becomes
+    ``[system turn (--system),] user turn`` rendered with the assistant's header after it
+    (:func:`pedestrian.text.chat.render`), and only the answers are printed.
 
     Raises:
         ValueError: a bad setting (named by its flag) or prompt (see
@@ -128,10 +146,19 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
                            getattr(args, "prompts_file", None))
     given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
     only = "the --prompt" if given else "no --prompt was given, so the prompt"      # a single prompt
-    prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
-                  for i, text in enumerate(prompts)]
+    if template is not None:                     # --chat: a user turn each, the answer printed alone
+        from ..text.chat import render
+
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt_ids = [render(system + [{"role": "user", "content": text}], tokenizer, template,
+                             add_generation_prompt=True)[0] for text in prompts]
+        prompts = [""] * len(prompts)
+    else:
+        prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
+                      for i, text in enumerate(prompts)]
     done = write_completions(model, tokenizer, prompts, prompt_ids, args.max_new_tokens, sampling, out, err,
-                             num_samples=args.num_samples, window_shift=args.window_shift, use_cache=not args.no_cache)
+                             num_samples=args.num_samples, window_shift=args.window_shift, use_cache=not args.no_cache,
+                             eos_ids=eos_ids)
     if args.stats:
         B = len(done.rows)
         err.write(f"[{done.new_tokens} new tokens x {B} in {done.seconds:.3f} s: "
@@ -141,5 +168,22 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = _load_model(args)
-    return run_sample(model, tokenizer, args)
+    from ..interop.hf_chat import eos_token_ids
+
+    from ..cli import UserError
+
+    if args.system is not None and not args.chat:
+        raise UserError("--system is the system turn of a --chat prompt; add --chat (and an --hf-dir folder "
+                        "with a chat template)")
+    model, tokenizer, *folder = _load_model(args)
+    folder = folder[0] if folder else None
+    template = None
+    if args.chat:
+        if folder is None:
+            raise UserError("--chat renders the prompt with a Hugging Face folder's chat template; this "
+                            "checkpoint has none: pass --hf-dir DIR (an instruct model's folder)")
+        from ..interop.hf_chat import folder_chat_template
+
+        template = folder_chat_template(folder)
+    eos_ids = eos_token_ids(folder) if folder else None                 # the folder's, as generate()
+    return run_sample(model, tokenizer, args, eos_ids=eos_ids, template=template)

@@ -11,7 +11,8 @@ Usage::
 Rows are ``num_samples`` samples of each prompt, prompt by prompt (``done.rows[row] =
 (prompt, sample)``); prompts of different lengths are left-padded into one batch, each row
 computing what it would alone (:func:`pedestrian.generation.generate.generate`). A row ends at
-``<|endoftext|>`` (when the tokenizer has it and ``ignore_eot`` is false), at a ``stop_ids``
+the model's end-of-sequence ids (a Hugging Face folder's ``eos_token_id``, else the tokenizer's
+``<|endoftext|>``; not when ``ignore_eot``), at a ``stop_ids``
 token, or right before the first ``stop`` text it generates (matched on the decoded text however
 it is split into tokens, :class:`~pedestrian.text.tokenizer.StopText`); neither the stop token
 nor the stop text is part of the continuation. Only ids below ``tokenizer.vocab_size`` are
@@ -166,7 +167,8 @@ class Completion:
 
 def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: Sampling | None = None, *, num_samples: int = 1, window_shift: int = 1,
-             use_cache: bool = True, on_text: Callable[[int, str], None] | None = None, **loose) -> Completion:
+             use_cache: bool = True, on_text: Callable[[int, str], None] | None = None,
+             eos_ids: Sequence[int] | None = None, **loose) -> Completion:
     """Continue each prompt ``num_samples`` times, as one batch, and decode the continuations.
 
     Args:
@@ -177,6 +179,9 @@ def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_toke
             ``stop`` / ``stop_ids`` / ``ignore_eot`` say where a row ends (module docstring).
         on_text: called as ``on_text(row, text)`` with each piece of decoded text as soon as it
             is certain (a character complete, no stop string that it may begin).
+        eos_ids: the end-of-sequence ids a row ends at unless ``sampling.ignore_eot``: a Hugging
+            Face folder's ``eos_token_id`` (:func:`pedestrian.interop.hf_chat.eos_token_ids`);
+            ``None`` or ``()``: the tokenizer's ``<|endoftext|>`` (:func:`eot_id`).
         loose: ``generate``'s deprecated keywords (``temperature=`` ...), and ``stop=``,
             ``stop_ids=``, ``ignore_eot=``: they make the ``Sampling``, with a ``DeprecationWarning``.
 
@@ -190,8 +195,9 @@ def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_toke
     sampling = _loose(sampling, loose)
     check_completion(model, tokenizer, max_new_tokens=max_new_tokens, num_samples=num_samples,
                      stop_ids=sampling.stop_ids, window_shift=window_shift)
-    eot = None if sampling.ignore_eot else eot_id(tokenizer)
-    stop_set = set(sampling.stop_ids) | ({eot} if eot is not None else set())
+    eot = eot_id(tokenizer)
+    ends = [] if sampling.ignore_eot else [int(i) for i in eos_ids] if eos_ids else [] if eot is None else [eot]
+    stop_set = set(sampling.stop_ids) | set(ends)
     rows = [(i, j) for i in range(len(prompt_ids)) for j in range(num_samples)]
     row_ids = [np.asarray(prompt_ids[i], dtype=np.int64) for i, _ in rows]
     prompt = row_ids if len({len(r) for r in row_ids}) > 1 else np.stack(row_ids)
@@ -217,7 +223,7 @@ def complete(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_toke
         return done.copy()
 
     t0 = time.perf_counter()
-    ids = generate(model, prompt, max_new_tokens, sampling.ending_at([eot] if eot is not None else []),
+    ids = generate(model, prompt, max_new_tokens, sampling.ending_at(ends),
                    use_cache=use_cache, on_token=on_token, window_shift=window_shift, vocab_limit=tokenizer.vocab_size)
     seconds = time.perf_counter() - t0
     for r in range(len(rows)):

@@ -24,7 +24,8 @@ from ..config import GPTConfig
 from . import families_gemma
 
 __all__ = ["Family", "FAMILIES", "hf_family", "export_family", "layout_of", "family_names",
-           "llama_export_problems", "feature_problems", "register", "FEATURES", "ANY",
+           "llama_export_problems", "feature_problems", "register", "hf_block_name", "block_layer",
+           "FEATURES", "ANY",
            "LLAMA_NAMES", "TOP_NAMES", "REFUSED_KEYS"]
 
 #: keys of features no entry implements; set (not null, false, 0 or empty) they are refused
@@ -103,7 +104,8 @@ class Family:
         defaults: the config class's defaults (transformers 5.25), for keys a ``config.json``
             leaves out.
         layout: ``"llama"`` (``model.layers.{i}.<module>``, :data:`LLAMA_NAMES`) or ``"gpt2"``.
-        names: pedestrian block layer -> HF module, for the layers this family has.
+        names: pedestrian block layer -> HF module, for the layers this family has (``{}`` in
+            a key and its value stands for a number, :func:`hf_block_name`).
         features: the values of :data:`FEATURES` fields this family has (``qk_norm="head"``;
             :data:`ANY`: set by :attr:`fields`); read into every config of the family, and
             needed (the others at their defaults) to write one.
@@ -370,6 +372,33 @@ def export_family(config: GPTConfig) -> str:
             return family.model_type
         reasons.append(f"not {family.model_type}: {', '.join(problems)}")
     raise ValueError("no Hugging Face family writes this model (" + "; ".join(reasons) + ")")
+
+
+def _pattern(name: str) -> tuple[str, list[str]]:
+    """``"experts.3.mlp_gate"`` -> ``("experts.{}.mlp_gate", ["3"])``: a name's numbers taken out."""
+    parts = name.split(".")
+    numbers = [p for p in parts if p.isdigit()]
+    return ".".join("{}" if p.isdigit() else p for p in parts), numbers
+
+
+def hf_block_name(names: Mapping[str, str], layer: str) -> str | None:
+    """The HF module (in ``model.layers.{i}.``) of pedestrian block layer ``layer`` by ``names``
+    (:attr:`Family.names`; a key may hold ``{}`` for a number, e.g. an expert's index:
+    ``"experts.{}.mlp_gate": "mlp.experts.{}.gate_proj"``); ``None`` if it names none."""
+    if layer in names:
+        return names[layer]
+    key, numbers = _pattern(layer)
+    return names[key].format(*numbers) if key in names else None
+
+
+def block_layer(names: Mapping[str, str], module: str) -> str | None:
+    """The inverse of :func:`hf_block_name`: HF module (in ``model.layers.{i}.``) -> pedestrian
+    block layer, or ``None``."""
+    inverse = {hf: ped for ped, hf in names.items()}
+    if module in inverse:
+        return inverse[module]
+    key, numbers = _pattern(module)
+    return inverse[key].format(*numbers) if key in inverse else None
 
 
 def family_names(config: GPTConfig) -> Mapping[str, str]:

@@ -328,7 +328,13 @@ def tokenizer_writers(tokenizer, context_length: int, family: str = "gpt2") -> d
             "tokenizer_config.json": json_writer(tok_config)}
 
 
-def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, token_ids: dict | None = None) -> Path:
+#: the files of a base folder an export of its fine-tune keeps as they are (:func:`save_pretrained`'s
+#: ``copy_from``): the chat template, the generation config (its stop ids), the tokenizer's config
+CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json", "special_tokens_map.json")
+
+
+def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, token_ids: dict | None = None,
+                    copy_from=None) -> Path:
     """Write ``model`` (and ``tokenizer``) as a Hugging Face directory: a ``GPT2LMHeadModel``
     for a GPT-2-shaped config (layer norms, the standard MLP, learned positions), else a
     ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` with q, k, v biases only;
@@ -351,6 +357,9 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
             of the tokenizer's end-of-text id and no ``bos_token_id`` / ``pad_token_id`` (written
             ``null``: a class default such as SmolLM3's 128004 may lie outside the vocabulary): a merged fine-tune passes its base folder's,
             so the export keeps them. GPT-2 writes its end-of-text id as both, its convention.
+        copy_from: a merged fine-tune's base folder (whose tokenizer ``tokenizer`` is): its
+            :data:`CHAT_FILES` that exist are copied as they are, in place of the tokenizer config
+            written here -- an instruct model's export keeps its chat template and stop ids.
 
     Raises:
         ValueError: the model has adapters (merge them with ``merge_lora()`` or write them with
@@ -385,6 +394,12 @@ def save_pretrained(model, out_dir, tokenizer=None, *, overwrite: bool = False, 
     writers = {"config.json": json_writer(hf_config),
                "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
                **tokenizer_writers(tokenizer, config.context_length, family)}
+    if copy_from is not None and tokenizer is not None:
+        import shutil
+
+        base = Path(copy_from).expanduser()
+        writers.update({name: (lambda p, src=base / name: shutil.copyfile(src, p))
+                        for name in CHAT_FILES if (base / name).is_file()})
     return write_dir_atomically(out_dir, writers, overwrite=overwrite, conflicts=_WEIGHT_FILES)
 
 

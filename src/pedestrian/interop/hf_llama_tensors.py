@@ -37,7 +37,7 @@ import numpy as np
 from ..config import GPTConfig
 from ..model.layout import param_specs
 from .files import listing
-from .families import FAMILIES, TOP_NAMES
+from .families import FAMILIES, TOP_NAMES, hf_block_name
 from .hf_llama_config import export_family
 
 _P = "model.layers"
@@ -55,7 +55,10 @@ def _names(config: GPTConfig, family: str | None = None) -> list[tuple[str, str,
             continue
         _, i, rest = s.name.split(".", 2)
         layer, kind = rest.rsplit(".", 1)
-        out.append((f"{_P}.{i}.{rename[layer]}.{kind}", s.name, kind == "weight" and len(s.shape) == 2))
+        hf = hf_block_name(rename, layer)
+        if hf is None:
+            raise ValueError(f"{s.name} has no Hugging Face name in the {family or export_family(config)} family")
+        out.append((f"{_P}.{i}.{hf}.{kind}", s.name, kind == "weight" and len(s.shape) == 2))
     return out
 
 

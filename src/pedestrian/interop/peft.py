@@ -27,7 +27,8 @@ imported with its own rank and ``α = scaling``, exactly; on export ``r`` and ``
 the model's defaults (``lora_rank``, ``lora_alpha · lora_rank``) and every module that differs
 gets a ``rank_pattern`` / ``alpha_pattern`` entry under its full module name.
 ``lora_dropout`` is :attr:`GPT.lora_dropout` both ways (the same placement: the adapter's input,
-one mask per module, so q, k, v share the ``c_attn`` input's mask).
+one mask per module: GPT-2's q, k, v share the ``c_attn`` input's mask, a Llama-family model's
+``q_proj``, ``k_proj``, ``v_proj`` draw one each).
 """
 
 from __future__ import annotations

@@ -28,14 +28,13 @@ import re
 from typing import Mapping
 
 from ..config import GPTConfig
-from .families import family_names, layout_of
+from ..model.layout import fc_layers
+from .families import block_layer, family_names, hf_block_name, layout_of
 
 __all__ = ["is_gpt2", "peft_module", "fc_of_module", "pattern_value", "peft_scaling"]
 
 
 _MODULE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$")
-#: the block layers a LoRA adapter can sit on (their names in :attr:`~.families.Family.names`)
-_FC_KINDS = ("attn.q", "attn.k", "attn.v", "attn_proj", "mlp_gate", "mlp_expand", "mlp_contract")
 _HF_TO_FC = {"attn.c_proj": "attn_proj", "mlp.c_fc": "mlp_expand", "mlp.c_proj": "mlp_contract"}
 _FC_TO_HF = {v: k for k, v in _HF_TO_FC.items()}
 _LLAMA_MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -58,7 +57,7 @@ def peft_module(fc: str, config: GPTConfig | None = None) -> tuple[str, str | No
         return "lm_head", None
     _, i, rest = fc.split(".", 2)
     if config is not None and not is_gpt2(config):
-        return f"model.layers.{i}.{family_names(config)[rest]}", None
+        return f"model.layers.{i}.{hf_block_name(family_names(config), rest)}", None
     if rest.startswith("attn."):
         return f"transformer.h.{i}.attn.c_attn", rest[len("attn."):]
     return f"transformer.h.{i}.{_FC_TO_HF[rest]}", None
@@ -88,10 +87,9 @@ def fc_of_module(module: str, config: GPTConfig) -> list[str] | None:
         return ["logits"]
     if not is_gpt2(config):
         m = _LLAMA_MODULE.match(module)
-        fc = {hf: ped for ped, hf in family_names(config).items()}.get(m.group(2)) if m else None
-        if fc is None or int(m.group(1)) >= config.n_blocks or fc not in _FC_KINDS:
-            return None
-        return [f"blocks.{m.group(1)}.{fc}"]
+        fc = block_layer(family_names(config), m.group(2)) if m else None
+        name = f"blocks.{m.group(1)}.{fc}" if fc is not None else None
+        return [name] if name is not None and name in {n for n, _, _ in fc_layers(config)} else None
     m = _MODULE.match(module)
     if m is None or int(m.group(1)) >= config.n_blocks:
         return None

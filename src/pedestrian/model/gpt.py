@@ -294,11 +294,10 @@ class GPT:
         return f.a12
 
     def _block(self, x, w, positions, kv_block, i: int = 0, segments=None):
-        """Block ``i``'s ``a2 … a10`` from its input ``x`` (the dropped-out ``a1``, or the previous
-        ``a10``); returns the block's activations (and its adapters' caches, ``b.lora``). Norms
-        after the sublayers (``config.norm_placement``): ``a4_post``, ``a9_post``."""
+        """Block ``i``'s ``a2 … a10`` (``a4_post``, ``a9_post``: :mod:`.placement`) from its input ``x`` (the
+        dropped-out ``a1``, or the previous ``a10``); returns them (and its adapters' caches, ``b.lora``)."""
         c, K, S = self.config, self.kernels, self.slots
-        b = SimpleNamespace(lora={})
+        b = SimpleNamespace(lora={}, ln2=None)
         b.a2, b.ln1 = S.norm.forward(x, w.ln1) if w.ln1 is not None else (x, None)    # (B, T, d); post: x
         qkv = self._fc_forward(w.qkv, b.a2, b.lora)                                  # (B, T, H·d_qk+H_kv·(d_qk+d_head))
         qkv, b.prelude = prelude.forward(K, c, i, qkv, w, positions)                 # q/k norms, RoPE (model/prelude.py)
@@ -311,7 +310,6 @@ class GPT:
             (b.a5, b.a6), b.ln2 = S.norm.add_forward(x, branch, w.ln2)              # skip, then LN2 (B, T, d)
         else:                                                                        # post: no norm before the MLP
             b.a5 = b.a6 = K.add(x, branch)
-            b.ln2 = None
         b.a9 = S.mlp.forward(self._fc_forward, b, w, b.lora)                         # (B, T, d); a7, a8 on b
         branch, b.drop9 = self._dropout(placement.post_norm(S.norm, b, "a9", w.ln2_post))   # (or a9_post)
         b.a10 = K.add(b.a5, branch)                                                  # skip
@@ -319,8 +317,8 @@ class GPT:
 
     def _fc_forward(self, fc: FC, x, lora_caches: dict):
         """``y = x W + b``, plus ``α dropout(x) D U`` on the columns of each LoRA adapter of the
-        layer (one dropout mask for the layer's input, shared by its adapters; one each with
-        ``fc.own_masks``)."""
+        layer (one dropout mask for the layer's input, shared by its adapters -- GPT-2's q, k, v;
+        one each with ``fc.own_masks`` -- the Llama family's q, k, v and gate, up: PEFT's draws)."""
         y, _ = self.kernels.linear_forward(x, fc.weight, fc.bias)
         if not fc.adapters:
             return y
@@ -429,15 +427,13 @@ class GPT:
             D = SimpleNamespace(d10=d10, aux=None if delta_logits is not None else getattr(f, "aux_grad", None))  # Δ10
             D.d9 = placement.post_norm_backward(S.norm, D, K.dropout_backward(D.d10, b.drop9), b, 9, g.ln2_post)  # Δ9
             D.d6 = S.mlp.backward(self._fc_backward, D, b, w, g, b.lora)                       # Δ6 (Δ8, Δ7 on D)
-            D.d5 = (S.norm.add_backward(D.d6, b.ln2, D.d10, g.ln2) if b.ln2 is not None       # skip + LN2
-                    else K.add(D.d6, D.d10))                                                   # (post: a6 = a5)
+            D.d5 = placement.skip_backward(S.norm, K, D.d6, b.ln2, D.d10, g.ln2)             # skip + LN2 (or none)
             D.d4 = placement.post_norm_backward(S.norm, D, K.dropout_backward(D.d5, b.drop4), b, 4, g.ln1_post)  # Δ4
             D.d3 = self._fc_backward(w.attn_proj, g.attn_proj, D.d4, b.a3, b.lora)             # Δ3
             d_qkv, D.causal = K.multi_head_attention_backward(D.d3, b.attn, keep_delta_causal=keep_deltas)
             d_qkv = prelude.backward(K, c, d_qkv, b.prelude, g)                               # RoPE, q/k norms back
             D.d2 = self._fc_backward(w.qkv, g.qkv, d_qkv, b.a2, b.lora)                        # Δ2 = Σ_h (...)
-            d10 = (S.norm.add_backward(D.d2, b.ln1, D.d5, g.ln1) if b.ln1 is not None         # skip + LN1
-                   else K.add(D.d2, D.d5))                                                     # (post: a2 = x)
+            d10 = placement.skip_backward(S.norm, K, D.d2, b.ln1, D.d5, g.ln1)               # skip + LN1 (or none)
             if keep_deltas:
                 kept.insert(0, D)
             if after_block is not None:

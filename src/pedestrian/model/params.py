@@ -41,13 +41,22 @@ class Norm(NamedTuple):
 class FC(NamedTuple):
     """A fully connected layer's ``weight``, ``bias`` (``None`` when absent) and LoRA adapters
     ``(name, D, U, lo, hi)`` on its output columns ``lo:hi`` -- or the gradients of all three.
-    ``own_masks``: each adapter draws its own input-dropout mask (the gate and up layers fused as
-    one, each its own PEFT module), else one mask is shared (q, k, v: GPT-2's one ``c_attn``)."""
+    ``own_masks``: each adapter draws its own input-dropout mask (layers fused here that are
+    PEFT modules of their own: the Llama family's q, k, v and gate, up), else one mask is shared
+    (q, k, v: GPT-2's one ``c_attn``; :func:`qkv_shares_mask`)."""
 
     weight: object
     bias: object
     adapters: tuple
     own_masks: bool = False
+
+
+def qkv_shares_mask(config) -> bool:
+    """Whether the q, k, v adapters of a block share one input-dropout mask, as PEFT draws them:
+    GPT-2's q, k, v are one module (``c_attn``, one ``lora_dropout``), the Llama family's three
+    (``q_proj``, ``k_proj``, ``v_proj``, one mask each). The rule of
+    :func:`pedestrian.interop.peft_modules.is_gpt2`: layer norms and the standard MLP."""
+    return config.norm == "layernorm" and config.mlp == "standard"
 
 
 class Parameters:
@@ -299,7 +308,8 @@ class Parameters:
         pre = c.norm_placement != "post"
         blocks = [SimpleNamespace(ln1=norm(f"blocks.{i}.ln1") if pre else None,
                                   qkv=fc(f"blocks.{i}.attn.qkv", tuple((f"blocks.{i}.attn.{h}", lo, hi)
-                                                                       for h, (lo, hi) in qkv_columns(c))),
+                                                                       for h, (lo, hi) in qkv_columns(c)),
+                                         own_masks=not qkv_shares_mask(c)),
                                   attn_proj=fc(f"blocks.{i}.attn_proj"), ln2=norm(f"blocks.{i}.ln2") if pre else None,
                                   **extra_norms(f"blocks.{i}"), **{"router": None, **mlp(i)})
                   for i in range(c.n_blocks)]
@@ -358,8 +368,10 @@ class Parameters:
             dropout: PEFT's ``lora_dropout``: inverted dropout with this probability on each
                 adapter's input (never on the frozen ``x W + b``), only while
                 :attr:`training`. One mask per adapted layer input, drawn from
-                :attr:`dropout_rng` in forward order; the q, k, v adapters of a block share the
-                mask of their common input (as PEFT's one ``c_attn`` module does).
+                :attr:`dropout_rng` in forward order, as PEFT draws them: one per PEFT module.
+                A GPT-2-shaped model's q, k, v adapters share the mask of their common input
+                (PEFT's one ``c_attn`` module); the Llama family draws one each for q, k, v (in
+                that order; ``q_proj``, ``k_proj``, ``v_proj``) and for gate, up.
             seed: ``D ~ N(0, 1/f_in)``; ``U = 0``, so a new adapter starts as a no-op.
             freeze_base: base weights get no gradients at all (their matmuls are skipped).
 

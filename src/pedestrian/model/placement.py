@@ -13,7 +13,7 @@ a plugged one), parameters ``blocks.{i}.ln1_post``, ``blocks.{i}.ln2_post``.
 
 from __future__ import annotations
 
-__all__ = ["post_norm", "post_norm_backward"]
+__all__ = ["post_norm", "post_norm_backward", "skip_backward"]
 
 
 def post_norm(norm, b, name: str, w):
@@ -36,3 +36,10 @@ def post_norm_backward(norm, D, delta, b, n: int, g):
         return delta
     setattr(D, f"d{n}_post", delta)
     return norm.backward(delta, cache, g)
+
+
+def skip_backward(norm, K, delta, cache, delta_skip, g):
+    """The signal at a skip's output that feeds a norm before a sublayer: ``Δ_skip + normᵀ(Δ)``
+    (writes ``g``), or with no norm there (``cache`` ``None``: ``"post"``, where ``a2 = x`` and
+    ``a6 = a5``) ``Δ_skip + Δ``."""
+    return K.add(delta, delta_skip) if cache is None else norm.add_backward(delta, cache, delta_skip, g)

@@ -73,7 +73,9 @@ KINDS = {
     **dict.fromkeys(("activation_forward", "activation_backward", "swiglu_forward", "swiglu_backward"),
                     "elementwise"),
     **dict.fromkeys(("head_loss_forward", "head_loss_backward"), "head"),
-    **dict.fromkeys(("dropout_backward",), "as is"),
+    **dict.fromkeys(("dropout_backward", "moe_load_balancing_loss"), "as is"),
+    **dict.fromkeys(("moe_router_forward", "moe_router_backward", "moe_gather", "moe_scatter", "moe_combine_forward",
+                     "moe_combine_backward"), "float32"),    # the routing in float32; the experts' products: linear
     **dict.fromkeys(("swiglu_mlp_forward", "swiglu_mlp_backward"), "refused"),
 }
 

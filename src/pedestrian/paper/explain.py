@@ -185,26 +185,40 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                         N * d * itemsize, True))
     else:
         rows.append(Row("a6", (B, T, d), "a5 (norm_placement='post': no norm here)", "-", 0, "Δ5 += Δ6", 0, 0, True))
-    fwd, bwd = fc(d, dm)
+    k, mm, rows_of = 1, dm, (B, T)                # a mixture of experts: each token's k experts' rows
+    if c.n_experts:
+        k, mm, Ex = c.n_experts_per_token, c.d_expert, c.n_experts
+        rows_of = (N * k,)
+        fwd, bwd = fc(d, Ex)
+        rows.append(Row("r", (B, T, Ex), f"a6 W_r; top-{k} of softmax(r) → g (N, {k})", "router",
+                        fwd + N * Ex * E["cross_entropy"]["fwd"], "Δr = π∘(∂π − ⟨π, ∂π⟩); Δ6 = Δr W_rᵀ",
+                        bwd + N * Ex * E["cross_entropy"]["bwd"], N * (Ex + 2 * k) * itemsize, True))
+    fwd, bwd = (k * f for f in fc(d, mm))
     if c.mlp == "swiglu":                         # two FC layers of a6, then the gated product
-        rows.append(Row("a7_gate", (B, T, dm), "a6 W_gate" + b_, "mlp_gate", fwd,
-                        "Δ6 = Δ7_gate W_gateᵀ; dW = a6ᵀ Δ7_gate", bwd, N * dm * itemsize, True))
-        rows.append(Row("a7_up", (B, T, dm), "a6 W_up" + b_, "mlp_expand", fwd,
-                        "Δ6 += Δ7_up W_upᵀ; dW = a6ᵀ Δ7_up", bwd, N * dm * itemsize, True))
+        x6 = "a6 (its rows per expert) " if c.n_experts else "a6 "
+        rows.append(Row("a7_gate", (*rows_of, mm), x6 + "W_gate" + b_, "mlp_gate", fwd,
+                        "Δ6 = Δ7_gate W_gateᵀ; dW = a6ᵀ Δ7_gate", bwd, N * k * mm * itemsize, True))
+        rows.append(Row("a7_up", (*rows_of, mm), x6 + "W_up" + b_, "mlp_expand", fwd,
+                        "Δ6 += Δ7_up W_upᵀ; dW = a6ᵀ Δ7_up", bwd, N * k * mm * itemsize, True))
         gate = "gelu" if c.activation == "gelu_tanh" else "silu"            # GeGLU (Gemma) or SwiGLU
         sw = E["geglu" if gate == "gelu" else "swiglu"]
-        rows.append(Row("a8", (B, T, dm), f"{gate}(a7_gate) ∘ a7_up", "-", N * dm * sw["fwd"],
-                        f"Δ7_up = Δ8∘{gate}(a7_gate); Δ7_gate = Δ8∘a7_up∘{gate}'", N * dm * sw["bwd"],
-                        N * dm * itemsize, True))
+        rows.append(Row("a8", (*rows_of, mm), f"{gate}(a7_gate) ∘ a7_up", "-", N * k * mm * sw["fwd"],
+                        f"Δ7_up = Δ8∘{gate}(a7_gate); Δ7_gate = Δ8∘a7_up∘{gate}'", N * k * mm * sw["bwd"],
+                        N * k * mm * itemsize, True))
     else:
         rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
                         N * dm * itemsize, True))
         g = E[c.activation]
         rows.append(Row("a8", (B, T, dm), f"g(a7), g = {c.activation}", "-", N * dm * g["fwd"],
                         "Δ7 = g'(a7) ∘ Δ8", N * dm * g["bwd"], N * dm * itemsize, True))
-    fwd, bwd = fc(dm, d)
-    rows.append(Row("a9", (B, T, d), "a8 W_contract" + b_,
-                    "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd, N * d * itemsize, True))
+    fwd, bwd = (k * f for f in fc(mm, d))
+    if c.n_experts:                               # the experts' outputs weighted and added per token
+        rows.append(Row("a9", (B, T, d), "Σ_K g_e (a8_e W_contract,e)", "mlp_contract", fwd + 2 * N * k * d,
+                        "Δ8_e = g_e Δ9 Wᵀ; ∂g_e = ⟨Δ9, ·⟩; dW = a8ᵀ (g Δ9)", bwd + 3 * N * k * d,
+                        N * k * d * itemsize, True))
+    else:
+        rows.append(Row("a9", (B, T, d), "a8 W_contract" + b_,
+                        "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd, N * d * itemsize, True))
     if post:                                      # the norm after the MLP
         rows.append(Row("a9_post", (B, T, d), f"{LN}2post(a9)", ln_params, ln_fwd, f"Δ9 = {LN}2postᵀ(Δ9_post); {dgb}",
                         ln_bwd, N * d * itemsize, True))
@@ -265,7 +279,15 @@ def totals(config: GPTConfig, rows: list[Row], batch_size: int, seq_len: int, it
     tokens = batch_size * seq_len
     matmul = matmul_flops(config, batch_size, seq_len, mlp=slots is None or "mlp" not in slots.plugged)
     return dict(fwd=fwd, bwd=bwd, step=fwd + bwd, memory=memory, n_params=n_params, tokens=tokens,
-                six_n=6 * n_params * tokens, matmul_step=matmul, params_memory=4 * n_params * itemsize)
+                six_n=6 * active_params(config, n_params) * tokens, matmul_step=matmul,
+                params_memory=4 * n_params * itemsize)
+
+
+def active_params(config: GPTConfig, n_params: int) -> int:
+    """What the 6·N rule counts: every parameter, less the experts a token is not routed to."""
+    from ..model.layout import count_active_params, count_params
+
+    return n_params - (count_params(config) - count_active_params(config)) if config.n_experts else n_params
 
 
 def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int, mlp: bool = True) -> int:
@@ -276,8 +298,9 @@ def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int, mlp: bool = T
     N = batch_size * seq_len
     H = c.n_heads
     n_mlp = (3 if c.mlp == "swiglu" else 2) if mlp else 0     # SwiGLU: gate, up, down
+    moe = (c.n_experts_per_token * n_mlp * c.d_expert + c.n_experts) if c.n_experts else 0   # k experts + router
     per_block = 2 * N * (c.d_model * (H * c.d_qk + c.n_kv_heads * (c.d_qk + c.d_head)) + H * c.d_head * c.d_model
-                         + n_mlp * c.d_model * c.d_mlp)
+                         + c.d_model * (moe or n_mlp * c.d_mlp))
     attention = 2 * batch_size * H * seq_len * seq_len * (c.d_qk + c.d_head)
     forward = c.n_blocks * (per_block + attention) + 2 * N * c.d_model * c.vocab_size
     return 3 * forward
@@ -340,7 +363,8 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
         f"total {tot['step']:,} FLOPs ({_human(tot['step'], 'FLOP')}); block rows × {c.n_blocks}")
     say(f"  matrix products alone: {tot['matmul_step']:,} ({_human(tot['matmul_step'], 'FLOP')}, "
         f"{100 * tot['matmul_step'] / tot['step']:.1f}% of the total)")
-    say(f"  6·N·tokens rule: 6 × {tot['n_params']:,} parameters × {tot['tokens']:,} tokens = "
+    say(f"  6·N·tokens rule: 6 × {active_params(c, tot['n_params']):,} parameters"
+        f"{' (active per token)' if c.n_experts else ''} × {tot['tokens']:,} tokens = "
         f"{tot['six_n']:,} ({_human(tot['six_n'], 'FLOP')}); exact / rule = {tot['step'] / tot['six_n']:.3f}")
     say("    (the rule is 2 FLOPs per parameter per token forward and 4 backward: it leaves out the attention's\n"
         "    q kᵀ and P v and the elementwise work, and counts the embedding tables as if they were products)")

@@ -267,18 +267,13 @@ def folder_eos(hf_dir, tokenizer) -> tuple[str | None, int]:
 
 def chat_renderer(hf_dir, tokenizer):
     """``render(messages, add_generation_prompt) -> ids`` with the folder's chat template
-    (:mod:`pedestrian.text.chat`), or a function that refuses with the reason (no chat
-    rendering in this build, or no template in the folder)."""
-    try:
-        from ..text import chat
-    except ImportError:
-        chat = None
-    if chat is None or not hasattr(chat, "render") or not hasattr(chat, "folder_template"):
-        def refuse(messages, add_generation_prompt):
-            raise ValueError("records of messages need the folder's chat template, and this build of pedestrian "
-                             "does not render chat templates yet; write the records as plain text (prompt, "
-                             "chosen, rejected strings)")
-        return refuse
-    template = chat.folder_template(hf_dir)
+    (:func:`pedestrian.text.chat.render`: transformers' ``apply_chat_template``), or ``None`` when
+    the folder has no template (records of messages are then refused by line)."""
+    from ..interop.hf_chat import chat_template, folder_chat_template
+    from ..text.chat import render
+
+    if chat_template(hf_dir) is None:
+        return None
+    template = folder_chat_template(hf_dir)
     return lambda messages, add_generation_prompt: list(
-        chat.render(messages, tokenizer, template, add_generation_prompt=add_generation_prompt)[0])
+        render(messages, tokenizer, template, add_generation_prompt=add_generation_prompt)[0])

@@ -71,7 +71,9 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
     hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory with its tokenizer", kind=str,
                           metavar="DIR", required=True, tags=_PER_RUN)       # (on resume: checked by its SHA-256)
     data: str | None = setting(None, "UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer "
-                               "(or --dpo)", kind=str, metavar="PATH")
+                               "(or --dpo); or a conversations file, *.jsonl (one {\"messages\": [...]} or "
+                               "{\"prompt\", \"completion\"} a line), rendered with the base's chat template, the "
+                               "loss on the assistant's tokens", kind=str, metavar="PATH")
     dpo: str | None = setting(None, "preference pairs (JSONL of prompt / chosen / rejected: strings, or TRL's "
                               "message lists) to train on with DPO instead of --data", kind=str, metavar="PAIRS",
                               group=_DPO)
@@ -86,6 +88,11 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
     lora_dropout: float = setting(0.0, "dropout on the adapters' input while training (PEFT's "
                                   "lora_dropout)", rule=PROBABILITY, metavar="P",
                                   group=_LORA)
+    train_on_all_tokens: bool = setting(False, "with a conversations file: count every token in the loss, not "
+                                        "only the assistant's", group=_OPTIM)
+    pack: bool = setting(False, "with a conversations file: pack short conversations into each window, first fit "
+                         "(each attends only to itself, its positions from 0; TRL's packing), not one a row",
+                         group=_OPTIM)
     context_length: int | None = setting(None, "training window (default: min(256, the model's context))",
                                          kind=int, rule=POSITIVE_INT, metavar="T", group=_OPTIM)
     out: str = setting("runs/finetune", "run folder", metavar="DIR", group=_LOOP, tags=_PER_RUN)
@@ -120,6 +127,13 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
         if (self.data is None) == (self.dpo is None):
             raise ValueError("give the text to fine-tune on with --data PATH, or preference pairs with --dpo "
                              "PAIRS.jsonl (one of them)")
+        from .conversations import is_conversations
+
+        used = [flag for flag, on in (("--pack", self.pack), ("--train-on-all-tokens", self.train_on_all_tokens)) if on]
+        if used and not is_conversations(self.data):
+            raise ValueError(f"{' and '.join(used)} {'apply' if len(used) > 1 else 'applies'} to a conversations file "
+                             "(--data FILE.jsonl); "
+                             f"{self.data or self.dpo} is not one (plain text counts every token already)")
         from ..kernels.jit import num_threads
 
         num_threads()
@@ -202,6 +216,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     from ..interop.hf import HFFolder
     from ..interop.peft import save_peft_adapter
     from ..model.finite import finite_or_none
+    from .conversations import conversation_rows, is_conversations
     from .corpus import data_fingerprint, prepare_data
     from .distributed import launched_rank
     from .adapter_runs import is_train_run, resumed
@@ -238,12 +253,18 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
         from .dpo import read_preference_data
 
         batches, data_sha, data_line = read_preference_data(settings, tokenizer, T)
+    elif is_conversations(settings.data):       # one conversation a row, the assistant's tokens counted
+        train_tokens, val_tokens, data_sha = conversation_rows(settings, tokenizer, T, model)
+        batches = None
+        data_line = (f"data: {settings.data}: {sum(map(len, train_tokens.lines)):,} training / "
+                     f"{sum(map(len, val_tokens.lines)):,} validation conversations"
+                     + (f" packed in {len(train_tokens):,} / {len(val_tokens):,} windows" if settings.pack else ""))
     else:
         _, train_tokens, val_tokens = prepare_data(settings, tokenizer, window=T)
         data_sha, batches = data_fingerprint(train_tokens, val_tokens), None
         data_line = (f"data: {settings.data}: {train_tokens.shape[0]:,} training / {val_tokens.shape[0]:,} "
                      "validation tokens")
-    what = "preference pairs" if settings.dpo else "text"
+    what = "preference pairs" if settings.dpo else "conversations" if is_conversations(settings.data) else "text"
     if ckpt is not None and ckpt.meta.get("data_sha256") not in (None, data_sha):
         raise ValueError(f"the {what} in {settings.dpo or settings.data} is not the one the run in {out} was fine-tuned "
                          f"on (it changed since); resuming needs the same {what}: restore it, or start again with "

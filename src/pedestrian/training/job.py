@@ -44,7 +44,9 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray] | None,
     since ``t_start`` on rank 0 (whose clock decides for every rank).
 
     Args:
-        tokens: ``(train, validation)`` token arrays.
+        tokens: ``(train, validation)`` token arrays, or datasets with ``get_batch`` and
+            ``fixed_batches`` as :class:`~pedestrian.text.tokens.TokenDataset`'s (conversations:
+            :class:`~pedestrian.text.chat.ChatRows`).
         label: the progress bar's label (shown when ``settings.progress``, on rank 0).
         t_start: when the run started (a ``time.perf_counter()``): the origin of ``max_minutes``.
         resume: the :class:`~pedestrian.checkpoint.Checkpoint` a resumed run continues (its model
@@ -88,7 +90,7 @@ def build_trainer(settings, model, tokens: tuple[np.ndarray, np.ndarray] | None,
                                                           settings.min_lr), settings.grad_clip,
                                 getattr(settings, "update_in_backward", False))      # (train only)
     if batches is None:
-        train_ds, val_ds = TokenDataset(tokens[0]), TokenDataset(tokens[1])
+        train_ds, val_ds = (t if hasattr(t, "get_batch") else TokenDataset(t) for t in tokens)   # (or rows: chat)
         batches = Batches(lambda: [train_ds.get_batch(rng, B, T) for _ in range(k)], tokens_per_step=B * T * k,
                           validation=val_ds.fixed_batches(settings.seed + 1, settings.eval_batches, B, T),
                           eval_interval=settings.eval_interval, dropout_seed=settings.seed, rng=rng)

@@ -131,19 +131,19 @@ def _counted_on_device(batches, flags):
     NumPy arrays (counted on the host, nothing to wait for), else a 0-d int64 tensor on their
     device, with a flag in ``flags`` for a count of 0 (its host check raises
     :func:`_no_target_counts`' error)."""
-    if all(isinstance(y, np.ndarray) for _, y in batches):
-        return sum(count_targets(y) for _, y in batches)
+    if all(isinstance(b[1], np.ndarray) for b in batches):
+        return sum(count_targets(b[1]) for b in batches)
     import torch
 
-    device = next(y.device for _, y in batches if is_torch_array(y))
+    device = next(b[1].device for b in batches if is_torch_array(b[1]))
     n = sum((torch.as_tensor(np.asarray(y) != IGNORE_INDEX, device=device) if isinstance(y, np.ndarray)
-             else y != IGNORE_INDEX).sum() for _, y in batches)
+             else y != IGNORE_INDEX).sum() for _, y, *_ in batches)
     flags.add(n == 0, lambda: _refuse_empty(batches))
     return n
 
 
 def _refuse_empty(batches) -> None:
-    if sum(count_targets(y) for _, y in batches) == 0:
+    if sum(count_targets(b[1]) for b in batches) == 0:
         raise _no_target_counts(len(batches))
 
 
@@ -202,7 +202,8 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
     Args:
         model: a :class:`~pedestrian.model.GPT` in training mode (or not: dropout follows ``model.training``).
         optimizer: an :class:`~pedestrian.training.optim.AdamW` over the model's flat buffers.
-        batches: list of ``(x, y)`` int arrays ``(B_i, T_i)``, the *global* micro-batches (every
+        batches: list of ``(x, y)`` int arrays ``(B_i, T_i)`` (or ``(x, y, segments)``: packed rows,
+            ``GPT.loss(..., segments=)``), the *global* micro-batches (every
             rank passes the same ones and computes its rows, ``group.rows(B_i)``); targets may
             be ``-100`` (ignored) anywhere: the update is that of one batch made of them all
             (module docstring).
@@ -243,18 +244,19 @@ def train_step(model, optimizer: AdamW, batches, lr: float, grad_clip: float = 0
         if on_device:                                          # a tensor: its 0 is a flag
             n_total = _counted_on_device(batches, flags)
         else:
-            n_total = sum(count_targets(y) for _, y in batches)      # global: every rank sees every row
+            n_total = sum(count_targets(b[1]) for b in batches)      # global: every rank sees every row
         if isinstance(n_total, int) and n_total == 0:
             raise _no_target_counts(k)
         total = 0.0
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, *segments) in enumerate(batches):
             rows = group.rows(x.shape[0])
+            packed = {"segments": segments[0][rows]} if segments else {}     # packed rows (x, y, segments)
             if dropout_key is not None:
                 model.dropout_rng = RowKeyedRNG((*dropout_key, i), first_row=rows.start)
             if on_device:           # its share of the step's mean, unread; summed in float64 as Python sums
-                total = total + model.loss(x[rows], y[rows], n_total=n_total, read=False).double()
+                total = total + model.loss(x[rows], y[rows], n_total=n_total, read=False, **packed).double()
             else:
-                total += model.loss(x[rows], y[rows], n_total=n_total)     # its share of the step's mean
+                total += model.loss(x[rows], y[rows], n_total=n_total, **packed)     # its share of the step's mean
             model.backward()
             if k == 1:
                 break
@@ -293,16 +295,17 @@ def estimate_loss(model, batches, group=None) -> float:
         CommunicationError: another rank failed.
     """
     group = _ONE if group is None else group
-    n_total = sum(count_targets(y) for _, y in batches)
+    n_total = sum(count_targets(b[1]) for b in batches)
     if n_total == 0:
         raise TrainingError(f"every target of the {len(batches)} validation batch(es) is the ignore index "
                             f"{IGNORE_INDEX}, so there is no validation loss; give validation windows with "
                             "targets that count")
     with eval_mode(model):
         parts = []
-        for x, y in batches:
+        for x, y, *segments in batches:
             rows = group.rows(x.shape[0])
-            loss = model.loss(x[rows], y[rows], n_total=n_total, keep_activations=False)    # its share
+            packed = {"segments": segments[0][rows]} if segments else {}     # packed rows (x, y, segments)
+            loss = model.loss(x[rows], y[rows], n_total=n_total, keep_activations=False, **packed)    # its share
             parts.append(getattr(model, "loss_parts", {}).get("ce", loss))          # (a mixture of experts: without the aux loss)
     return float(sum(group.sum(parts, "the validation loss")))
 
