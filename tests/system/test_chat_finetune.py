@@ -135,11 +135,6 @@ def test_dpo_on_message_records_renders_them_with_the_template(folder, tmp_path,
                      "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"]) == 0
 
 
-SEGMENTS = "segments" in __import__("inspect").signature(__import__("pedestrian").GPT.loss).parameters
-
-
-@pytest.mark.skipif(not SEGMENTS, reason="the packed-segment mask (GPT.loss(..., segments=)) lands with the "
-                                         "attention masks (issue 49 item 5)")
 def test_packed_conversations_measure_the_same_loss_and_train(folder, tmp_path):
     """--pack puts several conversations in a window; each attends only to itself from position
     0, so the validation loss (a mean over the same counted targets) is the one-a-row loss."""
@@ -152,17 +147,6 @@ def test_packed_conversations_measure_the_same_loss_and_train(folder, tmp_path):
     # float64: the same products, summed in another order
     assert packed.initial_val_loss == pytest.approx(one.initial_val_loss, rel=1e-12)
     assert packed.val_loss < packed.initial_val_loss
-
-
-@pytest.mark.skipif(SEGMENTS, reason="this build packs")
-def test_pack_is_refused_in_one_line_without_the_segment_mask(folder, tmp_path, capsys):
-    d, _ = folder
-    capsys.readouterr()
-    code = cli.main(["finetune", "--hf-dir", str(d), "--data", str(write_chat(tmp_path / "chat.jsonl")), "--pack",
-                     "--lora-rank", "2", "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"])
-    err = capsys.readouterr().err
-    assert code != 0 and err.startswith("error: --pack needs the packed-segment attention mask")
-    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_conversation_flags_on_plain_text_are_refused(folder, tmp_path, capsys):

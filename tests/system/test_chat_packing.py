@@ -5,7 +5,6 @@ and every gradient of the conversations run one by one (float64)."""
 
 from __future__ import annotations
 
-import inspect
 
 import numpy as np
 import pytest
@@ -37,12 +36,6 @@ def test_first_fit_rows_and_segments():
     assert x.shape == y.shape == seg.shape == (3, 12)
 
 
-needs_segments = pytest.mark.skipif("segments" not in inspect.signature(GPT.loss).parameters,
-                                    reason="the packed-segment mask (GPT.loss(..., segments=)) lands with the "
-                                           "attention masks (issue 49 item 5)")
-
-
-@needs_segments
 @pytest.mark.parametrize("llama", [True, False], ids=["rope-rmsnorm-swiglu", "gpt2-learned"])
 def test_packed_windows_give_the_loss_and_gradients_of_the_conversations_one_by_one(llama):
     kw = dict(position_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2) if llama else {}

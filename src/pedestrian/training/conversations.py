@@ -12,7 +12,6 @@ token is within the window) is said on the ``pedestrian.finetune`` logger, one l
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from pathlib import Path
 
@@ -95,9 +94,6 @@ def conversation_rows(settings, tokenizer, window: int, model=None):
     from ..text.chat import chat_rows, read_conversations
 
     pack = bool(getattr(settings, "pack", False))
-    if pack and model is not None and "segments" not in inspect.signature(model.loss).parameters:
-        raise ValueError("--pack needs the packed-segment attention mask (GPT.loss(..., segments=)), which this "
-                         "build of pedestrian lacks; leave --pack out (one conversation a row)")
     template = folder_chat_template(settings.hf_dir)
     try:
         halves = split_conversations(read_conversations(settings.data), settings.val_fraction)
