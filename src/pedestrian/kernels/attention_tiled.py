@@ -40,7 +40,7 @@ from ..layers.attention import check_kv_heads, check_mask_args
 from . import schedule
 from .attention_loops import exp_shifted, row_max, softcap_range
 from .jit import blas_one_thread, kernel, prange, threads_used
-from .masks import key_bounds
+from .masks import block_bounds, key_bounds, key_range, row_range, tile_allowed, torch_bounds
 from .vecmath import exp
 from .workspace import empty_array
 
@@ -118,25 +118,6 @@ def _add_into(a, b):
             a[i, j] += b[i, j]
 
 
-@kernel
-def _row_range(i, i0, j0, c, lo, hi):
-    """``(a, n)``: the keys ``j0 + a … j0 + n − 1`` of a tile (first key ``j0``, ``c`` of them) that
-    query ``i0 + i`` may see (``lo``, ``hi``: its batch row's bounds); ``a >= n``: none."""
-    return min(c, max(0, lo[i0 + i] - j0)), min(c, max(0, hi[i0 + i] - j0))
-
-
-@kernel
-def _block_bounds(lo, hi, bq, b_lo, b_hi):
-    """Per query block of ``bq`` rows: the smallest ``lo`` and largest ``hi`` of its rows."""
-    T = lo.shape[0]
-    for n in range(b_lo.shape[0]):
-        i0 = n * bq
-        b_lo[n], b_hi[n] = lo[i0], hi[i0]
-        for i in range(i0, min(i0 + bq, T)):
-            b_lo[n] = min(b_lo[n], lo[i])
-            b_hi[n] = max(b_hi[n], hi[i])
-
-
 @kernel(parallel=True, size=lambda q, *rest: q.shape[0] * q.shape[1] * q.shape[1] // 2)   # scores made
 def _forward_units(q, k, v, units, lanes, bq, bk, lo, hi, cap, o, lse):
     """Online softmax per (head, query block) ``units[u] = g·n_blocks + block``:
@@ -175,7 +156,7 @@ def _forward_lane(q, k, v, units, lane, lanes, bq, bk, lo, hi, cap, o, lse):
             s = s_flat[:r * c].reshape((r, c))
             np.dot(q[g, i0:i1], k[gk, j0:j0 + c].T, s)       # S (r, c)
             for i in range(r):                               # e = exp(S − m_new), sums rescaled
-                a, n = _row_range(i, i0, j0, c, lo_b, hi_b)
+                a, n = row_range(i, i0, j0, c, lo_b, hi_b)
                 row = s[i]
                 if a >= n:                                   # no key of this tile: nothing changes
                     row[:] = 0.0
@@ -217,7 +198,7 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, d
     lo_b, hi_b = lo[bb], hi[bb]
     n_blocks = -(-T // bq)
     b_lo, b_hi = np.empty(n_blocks, np.int64), np.empty(n_blocks, np.int64)
-    _block_bounds(lo_b, hi_b, bq, b_lo, b_hi)
+    block_bounds(lo_b, hi_b, bq, b_lo, b_hi)
     minus_d = np.empty(T, dtype=q.dtype)                     # −D = −rowsum(Δ ∘ o), in float64
     for i in range(T):
         total = 0.0
@@ -242,7 +223,7 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, d
             np.dot(q[g, i0:i0 + r], k[gk, j0:j0 + c].T, p)  # S
             np.dot(d[g, i0:i0 + r], v[gk, j0:j0 + c].T, dp)  # dP
             for i in range(r):                               # P, then Δcausal into dp
-                a, n = _row_range(i, i0, j0, c, lo_b, hi_b)
+                a, n = row_range(i, i0, j0, c, lo_b, hi_b)
                 row, drow = p[i], dp[i]
                 ell, md = lse[g, i0 + i], minus_d[i0 + i]
                 if cap > 0:
@@ -262,7 +243,7 @@ def _backward_head(g, q, k, v, d, o, lse, bq, bk, lo, hi, cap, keep, kept, dq, d
                 _add_into(kept[g, i0:i0 + r, j0:j0 + c], dp)          # (kept starts as zeros)
             if cap > 0:                                      # Δraw = Δcausal ∘ (1 − tanh²)
                 for i in range(r):
-                    a, n = _row_range(i, i0, j0, c, lo_b, hi_b)
+                    a, n = row_range(i, i0, j0, c, lo_b, hi_b)
                     for j in range(a, n):
                         dp[i, j] *= f_flat[i * c + j]
             np.dot(p.T, d[g, i0:i0 + r], t_v[:c])            # dv += Pᵀ Δ
@@ -320,7 +301,7 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
     k, v = _split_heads(qkv[..., hq:hq + hk], B, n_kv), _split_heads(qkv[..., hq + hk:], B, n_kv)  # (B·H_kv, T, ·)
     q *= scale
     if is_torch_array(qkv):
-        mask = None if plain else _torch_bounds(bounds, cap, qkv)
+        mask = None if plain else torch_bounds(bounds, cap, qkv)
         if n_kv < n_heads:                                                   # (G_kv, g, T, ·), k, v broadcast
             o, lse = _torch_forward(q.reshape(B * n_kv, -1, T, d_qk), k[:, None], v[:, None], bq, bk, causal, mask)
             o, lse = o.reshape(G, T, d_head), lse.reshape(G, T)
@@ -341,37 +322,10 @@ def tiled_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, causal
                      plain=plain)   # (the heads' outputs as a3 holds them, not a second copy)
 
 
-def _torch_bounds(bounds, cap: float, like) -> dict:
-    """The mask of a tile loop on torch tensors: ``lo``, ``hi`` ``(B | 1, T)`` on ``like``'s device, the
-    bounds on the host (to skip tiles) and the soft-cap."""
-    import torch
-
-    lo, hi, _ = bounds
-    return dict(lo=torch.from_numpy(lo).to(like.device), hi=torch.from_numpy(hi).to(like.device),
-                lo_host=lo, hi_host=hi, cap=cap)
-
-
-def _tile_allowed(mask, i0: int, i1: int, j0: int, j1: int, s):
-    """Boolean ``(B | 1, 1, …, r, c)`` of the tile's visible scores, shaped to broadcast over ``s``
-    ``(G, r, c)`` or ``(G_kv, g, r, c)`` viewed as ``(B, heads…, r, c)``."""
-    import torch
-
-    j = torch.arange(j0, j1, device=s.device)
-    ok = (j >= mask["lo"][:, i0:i1, None]) & (j < mask["hi"][:, i0:i1, None])   # (B | 1, r, c)
-    return ok.reshape(ok.shape[0], *(1,) * (s.dim() - 3), *ok.shape[1:])
-
-
-def _key_range(mask, causal: bool, i0: int, i1: int, T: int) -> tuple:
-    """The keys a query block ``i0 … i1 − 1`` may see: ``(start, end)``."""
-    if mask is None:
-        return 0, i1 if causal else T
-    return int(mask["lo_host"][:, i0:i1].min()), int(mask["hi_host"][:, i0:i1].max())
-
-
 def _torch_forward(q, k, v, bq, bk, causal, mask=None):
     """The online softmax of :func:`_forward_lane` on torch tensors, all heads of a tile at once.
     Grouped, ``q`` is ``(G_kv, g, T, d_qk)`` and ``k``, ``v`` ``(G_kv, 1, T, ·)`` (broadcast over the group).
-    ``mask``: :func:`_torch_bounds` (``None``: the causal mask or none)."""
+    ``mask``: :func:`pedestrian.kernels.masks.torch_bounds` (``None``: the causal mask or none)."""
     import torch
 
     T, d_head = v.shape[-2:]
@@ -380,14 +334,14 @@ def _torch_forward(q, k, v, bq, bk, causal, mask=None):
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
         m = l = acc = None
-        start, end = _key_range(mask, causal, i0, i1, T)
+        start, end = key_range(mask, causal, i0, i1, T)
         for j0 in range(start // bk * bk, end, bk):
             j1 = min(j0 + bk, end)
             s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                       # S (G, r, c)
             if mask is not None:                                             # cap, then the mask
                 if mask["cap"] > 0:
                     s = mask["cap"] * torch.tanh(s / mask["cap"])
-                ok = _tile_allowed(mask, i0, i1, j0, j1, s.reshape(B, -1, *s.shape[-2:]))
+                ok = tile_allowed(mask, i0, i1, j0, j1, s.reshape(B, -1, *s.shape[-2:]))
                 s = torch.where(ok, s.reshape(B, -1, *s.shape[-2:]), -math.inf).reshape(s.shape)
             elif causal and j1 - 1 > i0:                                     # the tile crosses the diagonal
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)
@@ -437,7 +391,7 @@ def tiled_attention_backward(delta, cache, *, keep_delta_causal: bool = False):
     bounds = key_bounds(B, T, causal) if bounds is None else bounds
     cap, scale = cache.get("cap", 0.0), cache.get("scale", 1.0 / math.sqrt(d_qk))
     if is_torch_array(o):
-        mask = None if cache.get("plain", True) else _torch_bounds(bounds, cap, o)
+        mask = None if cache.get("plain", True) else torch_bounds(bounds, cap, o)
         kept = o.new_zeros((G, T, T)) if keep_delta_causal else None
         if group == 1:
             dq, dk, dv = _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept, mask)
@@ -472,7 +426,8 @@ def _group_sum(a, group: int):
 
 
 def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept, mask=None):
-    """:func:`_backward_head` on torch tensors, all heads of a tile at once (``mask``: :func:`_torch_bounds`)."""
+    """:func:`_backward_head` on torch tensors, all heads of a tile at once (``mask``:
+    :func:`pedestrian.kernels.masks.torch_bounds`)."""
     import torch
 
     T = o.shape[-2]
@@ -482,7 +437,7 @@ def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept, mask=None):
     B = 1 if mask is None else mask["lo"].shape[0]
     for i0 in range(0, T, bq):
         i1 = min(i0 + bq, T)
-        start, end = _key_range(mask, causal, i0, i1, T)
+        start, end = key_range(mask, causal, i0, i1, T)
         for j0 in range(start // bk * bk, end, bk):
             j1 = min(j0 + bk, end)
             s = q[..., i0:i1, :] @ k[..., j0:j1, :].mT                       # S
@@ -491,7 +446,7 @@ def _torch_backward(q, k, v, d, o, lse, bq, bk, causal, kept, mask=None):
                 if mask["cap"] > 0:                                          # cap(S), ∂cap/∂S = 1 − tanh²
                     th = torch.tanh(s / mask["cap"])
                     s, factor = mask["cap"] * th, 1 - th * th
-                ok = _tile_allowed(mask, i0, i1, j0, j1, s.reshape(B, -1, *s.shape[-2:]))
+                ok = tile_allowed(mask, i0, i1, j0, j1, s.reshape(B, -1, *s.shape[-2:]))
                 s = torch.where(ok, s.reshape(B, -1, *s.shape[-2:]), -math.inf).reshape(s.shape)
             elif causal and j1 - 1 > i0:
                 s += _tile_mask(i1 - i0, j1 - j0, i0 - j0, s)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["key_bounds"]
+from .jit import kernel
+
+__all__ = ["block_bounds", "key_bounds", "key_range", "row_range", "tile_allowed", "torch_bounds"]
 
 _BOUNDS: dict = {}
 
@@ -55,3 +57,49 @@ def key_bounds(B: int, T: int, causal: bool, window: int | None = None, segments
     lo = start if window is None else np.maximum(start, t - window + 1)
     hi = t + 1 if causal else end
     return np.ascontiguousarray(np.stack([lo, hi, seg]))                     # (3, B, T)
+
+
+@kernel
+def row_range(i, i0, j0, c, lo, hi):
+    """``(a, n)``: the keys ``j0 + a … j0 + n − 1`` of a tile (first key ``j0``, ``c`` of them) that
+    query ``i0 + i`` may see (``lo``, ``hi``: its batch row's bounds); ``a >= n``: none."""
+    return min(c, max(0, lo[i0 + i] - j0)), min(c, max(0, hi[i0 + i] - j0))
+
+
+@kernel
+def block_bounds(lo, hi, bq, b_lo, b_hi):
+    """Per query block of ``bq`` rows: the smallest ``lo`` and largest ``hi`` of its rows."""
+    T = lo.shape[0]
+    for n in range(b_lo.shape[0]):
+        i0 = n * bq
+        b_lo[n], b_hi[n] = lo[i0], hi[i0]
+        for i in range(i0, min(i0 + bq, T)):
+            b_lo[n] = min(b_lo[n], lo[i])
+            b_hi[n] = max(b_hi[n], hi[i])
+
+
+def torch_bounds(bounds, cap: float, like) -> dict:
+    """The mask of a tile loop on torch tensors: ``lo``, ``hi`` ``(B | 1, T)`` on ``like``'s device, the
+    bounds on the host (to skip tiles) and the soft-cap."""
+    import torch
+
+    lo, hi, _ = bounds
+    return dict(lo=torch.from_numpy(lo).to(like.device), hi=torch.from_numpy(hi).to(like.device),
+                lo_host=lo, hi_host=hi, cap=cap)
+
+
+def tile_allowed(mask, i0: int, i1: int, j0: int, j1: int, s):
+    """Boolean ``(B | 1, 1, …, r, c)`` of the tile's visible scores, shaped to broadcast over ``s``
+    ``(G, r, c)`` or ``(G_kv, g, r, c)`` viewed as ``(B, heads…, r, c)``."""
+    import torch
+
+    j = torch.arange(j0, j1, device=s.device)
+    ok = (j >= mask["lo"][:, i0:i1, None]) & (j < mask["hi"][:, i0:i1, None])   # (B | 1, r, c)
+    return ok.reshape(ok.shape[0], *(1,) * (s.dim() - 3), *ok.shape[1:])
+
+
+def key_range(mask, causal: bool, i0: int, i1: int, T: int) -> tuple:
+    """The keys a query block ``i0 … i1 − 1`` may see: ``(start, end)``."""
+    if mask is None:
+        return 0, i1 if causal else T
+    return int(mask["lo_host"][:, i0:i1].min()), int(mask["hi_host"][:, i0:i1].max())

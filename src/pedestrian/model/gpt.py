@@ -222,11 +222,8 @@ class GPT:
             keep_activations: ``False`` keeps only the logits (no :meth:`activations`,
                 :meth:`attention_weights` or backward for this step): each block's arrays are
                 let go when the block ends (:func:`pedestrian.generation.generate.generate` passes it).
-            segments: ``(B, T)`` integer ids of packed sequences, nondecreasing along each row
-                (several short conversations in one window): a query sees only the keys of its own
-                segment, and positions (RoPE, learned table) restart at 0 at each segment's start, so
-                each segment computes what it would alone. ``None``: one sequence per row. Not with
-                a ``kv_cache`` (:func:`pedestrian.model.inputs.segment_positions`).
+            segments: ``(B, T)`` ints nondecreasing along each row, packed sequences: a query sees only its
+                segment's keys, positions restart at 0 at each segment (no ``kv_cache``; :mod:`.inputs`).
 
         Returns:
             logits ``(B, T, vocab_size)`` in the model's dtype and backend. Arrays of an earlier
@@ -236,8 +233,7 @@ class GPT:
         Raises:
             TypeError: non-integer tokens or targets.
             ValueError: ids out of range, ``T > context_length`` (or more than the cache has
-                room for), shape mismatch, a cache made for another model or batch size; bad
-                ``segments``, or ``segments`` with a ``kv_cache``.
+                room for), shape mismatch, a cache made for another model or batch size; bad ``segments``.
         """
         c = self.config
         tokens = as_tokens(self, tokens, "token ids")
@@ -247,29 +243,26 @@ class GPT:
         if targets is not None:                                             # made safe, model/inputs.py)
             targets = as_tokens(self, targets, "targets")
             targets = check_targets(self.xp, targets, tokens, c.vocab_size)
-        packed = None if segments is None else segment_positions(self, segments, tokens, kv_cache)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
         self._workspace.new_step()
         if self.numpy_chain:                               # the edge: NumPy views in
             tokens, targets = to_numpy(tokens), None if targets is None else to_numpy(targets)
-            packed = None if packed is None else tuple(to_numpy(a) for a in packed)
         chain_cache = NumpyCache(kv_cache) if self.numpy_chain and kv_cache is not None else kv_cache
         with self._workspace:
-            logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations, packed)
+            logits = self._forward(tokens, targets, chain_cache, n_total, keep_activations, segments)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
         return self._out(logits)
 
-    def _forward(self, tokens, targets, kv_cache, n_total, keep=True, packed=None):
+    def _forward(self, tokens, targets, kv_cache, n_total, keep=True, segments=None):
         plain = not keep and not (self.config.dropout and self._dropping_out())   # nothing kept, no dropout
         if decode.fits(self, tokens, targets, kv_cache, plain):                     # a generated token: fewer
             logits, self._acts = decode.forward(self, tokens, kv_cache)             # calls, the same numbers
             return logits
         c, K, S, W = self.config, self.kernels, self.slots, self.parameters.weight_table()
         positions = None if kv_cache is None else kv_cache.positions(tokens.shape[1])   # None: 0 … T-1
-        segments = None
-        if packed is not None:                                                      # packed: per segment
-            segments, positions = packed
+        if segments is not None:                                                    # packed: per segment
+            segments, positions = segment_positions(self, segments, tokens, kv_cache)
         n_re = recomputed_blocks(self.recompute, c.n_blocks) if keep and kv_cache is None else 0
         f = SimpleNamespace(a0=tokens, blocks=[], lora={}, loss=None, kept=keep, recomputed=n_re, routes=[],
                             positions=positions, segments=segments)
@@ -343,12 +336,8 @@ class GPT:
              read: bool = True, per_row: bool = False, segments=None) -> float:
         """Forward with targets; the mean next-token cross-entropy (nats per token; ``0.0`` with zero
         gradients when every target is the ignore index ``-100``). ``n_total``, ``keep_activations``:
-        see :meth:`forward`. ``segments`` ``(B, T)`` ints, nondecreasing along each row: packed
-        sequences (short conversations in one window), each attending only to itself with its
-        positions restarting at 0 (:meth:`forward`); the loss is still the mean over every counted
-        target of the window, so it and its gradients are the sums of the segments' run alone
-        divided by that count (a target that crosses into the next segment is the caller's to
-        ignore, ``-100``). ``read=False``: the loss as the 0-d array it is, unread (no host sync;
+        see :meth:`forward`; ``segments``: packed sequences (:meth:`forward`; the loss is the segments' own,
+        weighted by their counted targets). ``read=False``: the loss as the 0-d array it is, unread (no host sync;
         ``train_step`` reads it once a step); on torch tensors the loss and the id checks' flags
         come to the host in one read (:func:`~pedestrian.model.device_checks.read_checked`).
         ``per_row``: :func:`.head.sequence_logprobs`'."""

@@ -209,7 +209,7 @@ def segment_positions(model, segments, tokens, kv_cache):
     change = np.ones((B, T), bool)
     change[:, 1:] = seg[:, 1:] != seg[:, :-1]
     positions = t - np.maximum.accumulate(np.where(change, t, 0), axis=1)      # index − its segment's start
-    if model.backend != "torch":
+    if model.backend != "torch" or model.numpy_chain:                       # (a torch-CPU model's chain: NumPy)
         return seg, positions
     import torch
 
