@@ -42,9 +42,9 @@ COMMANDS = {
                      "attention head on numbers, every matrix"),
     "train": ("train", "train a GPT on a text corpus (default: the bundled Shakespeare)"),
     "eval": ("evaluate", "validation loss of a checkpoint"),
-    "sample": ("sample", "generate text from a checkpoint or a Hugging Face GPT-2 / Llama / Qwen2 / Mistral directory"),
-    "finetune": ("finetune", "LoRA fine-tuning of a Hugging Face GPT-2 / Llama / Qwen2 / Mistral directory"),
-    "export-hf": ("export_hf", "write a checkpoint as a Hugging Face GPT-2 or Llama / Qwen2 directory, or adapters as PEFT files"),
+    "sample": ("sample", "generate text from a checkpoint or a Hugging Face directory"),
+    "finetune": ("finetune", "LoRA (or DPO) fine-tuning of a Hugging Face directory"),
+    "export-hf": ("export_hf", "write a checkpoint as a Hugging Face directory of its family, or adapters as PEFT files"),
     "explain": ("explain", "the paper's table: every a_i and Δ_i with shape, formula, FLOPs and memory"),
     "attention": ("attention", "PNG of the attention weights of every block and head for a prompt "
                                "(--gradients: beside Δcausal; --random: no checkpoint needed)"),

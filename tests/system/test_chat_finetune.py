@@ -158,3 +158,26 @@ def test_conversation_flags_on_plain_text_are_refused(folder, tmp_path, capsys):
                      "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error: --train-on-all-tokens applies to a conversations file")
+
+
+def test_pack_with_dpo_is_refused_naming_dpo(folder, tmp_path, capsys):
+    """--pack belongs to a conversations file; with --dpo the message says so (not "plain text")."""
+    d, _ = folder
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    code = cli.main(["finetune", "--hf-dir", str(d), "--dpo", str(pairs), "--pack", "--lora-rank", "2",
+                     "--out", str(tmp_path / "run"), "--no-progress", "--no-plot"])
+    err = capsys.readouterr().err
+    assert code != 0 and "not to --dpo" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_folder_as_hf_dir_points_to_export_hf(folder, tmp_path, capsys):
+    """A pedestrian run given as --hf-dir: the error names the merge that makes it a folder."""
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    capsys.readouterr()
+    code = cli.main(["sample", "--hf-dir", str(run), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code != 0 and "export-hf --adapter" in err and len(err.splitlines()) == 1

@@ -1,5 +1,5 @@
-"""Write a model as a Hugging Face directory (config.json, model.safetensors, tokenizer): a GPT-2, or a
-Llama / Qwen2 for a Llama-style model; or its LoRA adapters as a PEFT directory.
+"""Write a model as a Hugging Face directory (config.json, model.safetensors, tokenizer) of its family (GPT-2,
+Llama, Qwen2/3, Mistral, Gemma 2/3, OLMo 2, SmolLM3, Mixtral, Qwen3-MoE, OLMoE); or its LoRA adapters as a PEFT directory.
 
 Sources:
   --checkpoint CKPT          a full checkpoint of `pedestrian train` (adapters, if any, merged);

@@ -1,15 +1,19 @@
-"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory on a text file, or on
+"""LoRA fine-tuning of a Hugging Face directory (GPT-2, Llama, Qwen2/3, Mistral, Gemma 2/3, SmolLM3, OLMo 2, Mixtral, Qwen3-MoE or OLMoE) on a text file or a
+conversations file (.jsonl, through the folder's chat template), or on
 preference pairs with DPO (--dpo): the base weights stay frozen (their gradients are never computed)
 and only small adapters are trained.
 
 Writes, under --out: adapter/ (an adapter-only checkpoint, a small file), peft/ (the same
-adapters as a PEFT directory for transformers + peft), log.jsonl and loss_curve.png.
+adapters as a PEFT directory for transformers + peft; not for adapters on a mixture's experts,
+which PEFT cannot hold: the run says so), log.jsonl and loss_curve.png.
 
 Examples:
   pedestrian finetune --hf-dir gpt2 --data my_notes.txt --lora-rank 8
   pedestrian finetune --hf-dir gpt2 --data corpus/ --lora-rank 16 --lora-alpha 2 \\
       --lora-targets q k v attn_proj mlp_expand mlp_contract --max-steps 500 --out runs/ft
   pedestrian export-hf --adapter runs/ft --out gpt2-ft     # merge into a new GPT-2 directory
+  pedestrian finetune --hf-dir instruct --data chat.jsonl --lora-rank 16 --pack --out runs/chat
+  pedestrian finetune --hf-dir instruct --dpo pairs.jsonl --dpo-beta 0.1 --lora-rank 8 --out runs/dpo
   pedestrian sample --hf-dir gpt2-ft --prompt "Dear diary,"
   pedestrian finetune --hf-dir SmolLM2-135M --data my_notes.txt --lora-rank 8 \\
       --lora-targets q_proj k_proj v_proj o_proj gate_proj up_proj down_proj --out runs/smol-ft

@@ -1,4 +1,4 @@
-"""Generate text from a checkpoint or a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory, printing tokens as they come.
+"""Generate text from a checkpoint or a Hugging Face directory (any family finetune loads), printing tokens as they come.
 
 Examples:
   pedestrian sample --checkpoint runs/shakespeare_char --prompt "ROMEO:" --temperature 0.8 --top-k 40 --seed 1
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("model (one of --checkpoint / --hf-dir, or both for a fine-tune)")
     src.add_argument("--checkpoint", help="a checkpoint or run folder of `pedestrian train`, or a "
                      "`pedestrian finetune` run folder (or its adapter/ checkpoint)")
-    src.add_argument("--hf-dir", help="a Hugging Face GPT-2 / Llama / Qwen2 / Mistral directory (config.json + weights); with a "
+    src.add_argument("--hf-dir", help="a Hugging Face directory (GPT-2, Llama, Qwen, Mistral, Gemma, OLMo, SmolLM3, MoE) (config.json + weights); with a "
                      "fine-tune --checkpoint: its base model (default: the one recorded in it)")
     parser.add_argument("--prompt", action="append", default=None,
                         help="text to continue (default: empty, see above); repeatable: several prompts "

@@ -45,13 +45,15 @@ def read_hf_config(hf_dir) -> dict:
     d = Path(hf_dir).expanduser()
     if not d.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory not found: {d} is not a directory; pass the folder of "
-                                "a GPT-2, Llama, Qwen2, Mistral, Qwen3, OLMo 2 or SmolLM3 model (config.json + weights), e.g. one "
+                                "a Hugging Face model (config.json + weights: GPT-2, Llama, Qwen2/3, Mistral, Gemma 2/3, OLMo 2, SmolLM3, a mixture of experts), e.g. one "
                                 "downloaded with `hf download gpt2 --local-dir gpt2`, saved with transformers' "
                                 "save_pretrained, or written by `pedestrian export-hf`")
     path = d / "config.json"
     if not path.is_file():
+        run = " (a pedestrian run: merge its adapters into one with `pedestrian export-hf --adapter RUN --out DIR`)" \
+            if (d / "adapter").is_dir() or (d / "log.jsonl").is_file() else ""
         raise FileNotFoundError(f"{d} is not a Hugging Face model directory: it has no config.json "
-                                "(a GPT-2 saved with transformers' save_pretrained has one)")
+                                f"(a model saved with transformers' save_pretrained has one){run}")
     return read_json_object(path)
 
 

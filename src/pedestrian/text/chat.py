@@ -247,7 +247,7 @@ def read_conversations(path) -> list[Conversation]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not JSON ({exc.msg} at column {exc.colno}); each line holds one "
+            raise ValueError(f"{where} is not JSON ({exc.msg}, column {exc.colno}); each line holds one "
                              "conversation: {\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...}") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where} is not a JSON object")

@@ -130,10 +130,14 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
         from .conversations import is_conversations
 
         used = [flag for flag, on in (("--pack", self.pack), ("--train-on-all-tokens", self.train_on_all_tokens)) if on]
+        if used and self.dpo is not None:
+            raise ValueError(f"{' and '.join(used)} {'apply' if len(used) > 1 else 'applies'} to a conversations file "
+                             "(--data FILE.jsonl), not to --dpo (a pair's loss is its answers' tokens); leave "
+                             f"{' and '.join(used)} out")
         if used and not is_conversations(self.data):
             raise ValueError(f"{' and '.join(used)} {'apply' if len(used) > 1 else 'applies'} to a conversations file "
                              "(--data FILE.jsonl); "
-                             f"{self.data or self.dpo} is not one (plain text counts every token already)")
+                             f"{self.data} is not one (plain text counts every token already)")
         from ..kernels.jit import num_threads
 
         num_threads()
@@ -279,7 +283,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     log.info(f"pedestrian finetune: LoRA r={settings.lora_rank}, alpha={settings.lora_alpha:g} on "
              f"{len(model.lora_targets)} layers: {n_train:,} trainable of {n_total:,} parameters "
              f"({100 * n_train / n_total:.2f}%); base frozen")
-    log.info(f"{data_line}; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} steps; "
+    log.info(f"{data_line}; batch {settings.batch_size}x{settings.grad_accum}x{T}; {settings.max_steps} step{'' if settings.max_steps == 1 else 's'}; "
              f"out: {out}")
     if memory_plan(settings, model.config.n_blocks):
         log.info(memory_plan(settings, model.config.n_blocks))

@@ -145,7 +145,8 @@ def read_pairs(path, tokenizer, window: int, *, eos_token: str | None, render: C
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not JSON ({exc.msg}, column {exc.colno})") from exc
+            raise ValueError(f"{where} is not JSON ({exc.msg}, column {exc.colno}); each line holds one pair: "
+                             "{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}") from None
         pair = encode_record(record, tokenizer, eos_token=eos_token, render=render, where=where)
         forms.add("text" if isinstance(record["prompt"], str) else "messages")
         if len(forms) > 1:
