@@ -44,6 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .jsonl import json_lines
+
 #: the targets the loss does not count (:data:`pedestrian.layers.loss.IGNORE_INDEX`; text/ imports no layers)
 IGNORE_INDEX = -100
 
@@ -233,22 +235,9 @@ def read_conversations(path) -> list[Conversation]:
             its line number (``chat.jsonl line 7: ...``); a file without records.
     """
     path = Path(path).expanduser()
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--data {path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     out = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path.name} line {n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not JSON ({exc.msg}, column {exc.colno}); each line holds one "
-                             "conversation: {\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...}") from None
+    for n, where, record in json_lines(path, missing=f"--data {path}: no such file",
+                                    holds='one conversation: {"messages": [...]} or {"prompt": ..., "completion": ...}'):
         if not isinstance(record, dict):
             raise ValueError(f"{where} is not a JSON object")
         if "messages" in record:

@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..layers.loss import IGNORE_INDEX
+from ..text.jsonl import json_lines
 
 __all__ = ["Pair", "Pairs", "common_prefix_length", "encode_record", "pair_batch", "read_pairs"]
 
@@ -130,23 +131,10 @@ def read_pairs(path, tokenizer, window: int, *, eos_token: str | None, render: C
             mixing the two forms, no pair left.
     """
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"preference pairs not found: {p} is not a file (a JSONL file of "
-                                '{"prompt": ..., "chosen": ..., "rejected": ...} records)')
     pairs, dropped, forms = [], 0, set()
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{p} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{p.name} line {n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not JSON ({exc.msg}, column {exc.colno}); each line holds one pair: "
-                             "{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}") from None
+    for _, where, record in json_lines(p, missing=f"preference pairs not found: {p} is not a file (a JSONL file of "
+                                       '{"prompt": ..., "chosen": ..., "rejected": ...} records)',
+                                       holds='one pair: {"prompt": ..., "chosen": ..., "rejected": ...}'):
         pair = encode_record(record, tokenizer, eos_token=eos_token, render=render, where=where)
         forms.add("text" if isinstance(record["prompt"], str) else "messages")
         if len(forms) > 1:
