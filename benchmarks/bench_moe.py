@@ -69,13 +69,14 @@ def batch(vocab: int, T: int):
     return x, np.concatenate([x[:, 1:], np.full((1, 1), -100)], axis=1)
 
 
-def run_pedestrian(folder: str, T: int, warmup: int, steps: int) -> dict:
+def run_pedestrian(folder: str, T: int, warmup: int, steps: int, targets=("q", "k", "v", "attn_proj")) -> dict:
+    """pedestrian's LoRA steps on the folder (``targets``: its layer names); median ms, first loss."""
     from pedestrian.interop.hf import load_hf_model
     from pedestrian.training.optim import AdamW
 
     model = load_hf_model(folder)
     model.training = True
-    model.add_lora(["q", "k", "v", "attn_proj"], rank=RANK, alpha=LORA_ALPHA / RANK)
+    model.add_lora(list(targets), rank=RANK, alpha=LORA_ALPHA / RANK)
     opt = AdamW(model, lr=LR)
     x, y = batch(model.config.vocab_size, T)
     times, losses = [], []
@@ -90,14 +91,15 @@ def run_pedestrian(folder: str, T: int, warmup: int, steps: int) -> dict:
         k: float(v) for k, v in model.loss_parts.items()}}
 
 
-def run_transformers(folder: str, T: int, warmup: int, steps: int) -> dict:
+def run_transformers(folder: str, T: int, warmup: int, steps: int, targets=TARGETS) -> dict:
+    """transformers + PEFT's LoRA steps on the folder (``targets``: PEFT module names)."""
     import peft
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                                                       target_modules=TARGETS))
+                                                       target_modules=list(targets)))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     x = torch.as_tensor(batch(model.config.vocab_size, T)[0])
@@ -111,7 +113,8 @@ def run_transformers(folder: str, T: int, warmup: int, steps: int) -> dict:
         losses.append(float(out.loss))
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    return {"ms": 1e3 * statistics.median(times), "first_loss": losses[0], "aux": float(out.aux_loss)}
+    aux = getattr(out, "aux_loss", None)
+    return {"ms": 1e3 * statistics.median(times), "first_loss": losses[0], "aux": None if aux is None else float(aux)}
 
 
 def child(args) -> None:

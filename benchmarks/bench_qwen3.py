@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
 import common  # noqa: E402
 
 SHAPES = {
@@ -54,63 +51,14 @@ def write_folder(shape: dict, context: int, path: Path) -> None:
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(str(path))
 
 
-def batch(vocab: int, T: int):
-    """``(x, targets)``: ``T`` random ids, and the same ids shifted by one with the last target
-    ignored (the targets transformers forms from ``labels=x``)."""
-    x = np.random.default_rng(0).integers(0, vocab, size=(1, T)).astype(np.int64)
-    return x, np.concatenate([x[:, 1:], np.full((1, 1), -100)], axis=1)
-
-
-def run_pedestrian(folder: str, T: int, warmup: int, steps: int) -> dict:
-    from pedestrian.interop.hf import load_hf_model
-    from pedestrian.training.optim import AdamW
-
-    model = load_hf_model(folder)
-    model.training = True
-    model.add_lora(TARGETS, rank=RANK, alpha=LORA_ALPHA / RANK)
-    opt = AdamW(model, lr=LR)
-    x, y = batch(model.config.vocab_size, T)
-    times, losses = [], []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        losses.append(float(model.loss(x, y)))
-        model.backward()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return {"ms": 1e3 * statistics.median(times), "first_loss": losses[0]}
-
-
-def run_transformers(folder: str, T: int, warmup: int, steps: int) -> dict:
-    import peft
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                                                       target_modules=HF_TARGETS))
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    x = torch.as_tensor(batch(model.config.vocab_size, T)[0])
-    times, losses = [], []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        out = model(input_ids=x, labels=x)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return {"ms": 1e3 * statistics.median(times), "first_loss": losses[0]}
-
-
 def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    run = run_pedestrian if args.side == "pedestrian" else run_transformers
-    result = run(args.folder, args.context, args.warmup, args.steps)
+    if args.side == "pedestrian":                   # (bench_moe's runners, with the seven projections)
+        result = bench_moe.run_pedestrian(args.folder, args.context, args.warmup, args.steps, TARGETS)
+    else:
+        result = bench_moe.run_transformers(args.folder, args.context, args.warmup, args.steps, HF_TARGETS)
     result["peak_mib"] = common.peak_rss_mib()
     print(json.dumps(result))
 
