@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 #: family -> (config class, model class)
 CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
+           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 def hf_model(family: str, kw: dict, *, vocab_size: int, seed: int = 0):

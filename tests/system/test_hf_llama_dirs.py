@@ -36,6 +36,7 @@ CASES = {
     "llama3-rope-scaling": ("llama", dict(num_key_value_heads=2, rope_parameters=L3)),
     "qwen2-qkv-biases": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-no-window": ("mistral", dict(num_key_value_heads=2, sliding_window=None, head_dim=6)),
+    "mistral-window-5": ("mistral", dict(num_key_value_heads=2, sliding_window=5, head_dim=6)),   # X has 24 tokens
 }
 X = np.random.default_rng(5).integers(0, V, size=(2, 24))
 # float64 compares the same sums in another order: relative 1e-10 of the logits' scale is
@@ -149,8 +150,9 @@ def test_sharded_safetensors(tmp_path):
     assert rel_err(load_hf_model(d, dtype="float64").forward(X), hf_logits(hf, X)) <= REL64
 
 
-def test_greedy_generation_equals_generate(folders):
-    d, hf = folders["llama-gqa-4:2-tied"]
+@pytest.mark.parametrize("case", ["llama-gqa-4:2-tied", "mistral-window-5"])   # (27 tokens: past the window)
+def test_greedy_generation_equals_generate(folders, case):
+    d, hf = folders[case]
     model = load_hf_model(d, dtype="float64")
     prompt = X[:1, :7]
     hf = float64_throughout(hf).double()
@@ -164,13 +166,14 @@ def test_greedy_generation_equals_generate(folders):
 
 # ------------------------------------------------------------------------------------ export
 @pytest.mark.parametrize("case", ["llama-gqa-4:2-tied", "llama-mqa-head_dim10", "llama3-rope-scaling",
-                                  "qwen2-qkv-biases", "mistral-no-window"])
+                                  "qwen2-qkv-biases", "mistral-no-window", "mistral-window-5"])
 def test_export_loads_in_transformers(folders, tmp_path, case):
     d, _ = folders[case]
     model, tok = load_pretrained(d)
     out = save_pretrained(model, tmp_path / "out", tok)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2ForCausalLM" if case.startswith("qwen2") else "LlamaForCausalLM"]
+    assert cfg["architectures"] == ["Qwen2ForCausalLM" if case.startswith("qwen2") else
+                                    "MistralForCausalLM" if case == "mistral-window-5" else "LlamaForCausalLM"]
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(back).__name__ == cfg["architectures"][0]
     assert rel_err(model.forward(X), hf_logits(back, X, torch.float32)) <= REL32
@@ -260,7 +263,6 @@ REFUSED = {   # case -> (config.json edit, the field and value the one line name
              "rope_type='yarn'"),
     "yarn-beside-rope_parameters": ("llama-gqa-4:2-tied", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
                                     "rope_type='yarn'"),          # (transformers reads it first: it was ignored)
-    "sliding-window": ("mistral-no-window", {"sliding_window": 4096}, "sliding_window=4096"),
     "qwen2-sliding": ("qwen2-qkv-biases", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
                                             "layer_types": None},
                       "use_sliding_window=True"),

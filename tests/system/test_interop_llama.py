@@ -252,8 +252,7 @@ REFUSED = [
     ("llama", dict(num_local_experts=8), "num_local_experts=8 is not implemented"),
     ("llama", dict(is_encoder_decoder=True), "is_encoder_decoder=True is not implemented"),
     ("llama", dict(num_key_value_heads=3), "n_kv_heads must be a positive integer dividing n_heads=4"),
-    ("mistral", dict(sliding_window=4096), "sliding_window=4096 (a sliding-window attention) is not implemented"),
-    ("mistral", dict(), "sliding_window=4096"),                       # the class default when the key is absent
+    ("mistral", dict(sliding_window=0), "sliding_window=0 must be a positive integer or null"),
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1), "use_sliding_window=True with max_window_layers=1"),
     ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types contains 'sliding_attention'"),
     ("deepseek_v3", dict(), "model_type='deepseek_v3' is not implemented"),

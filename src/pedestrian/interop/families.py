@@ -115,8 +115,8 @@ class Family:
         write: ``write(config)`` -> this family's own ``config.json`` keys.
         problems: ``problems(config)`` -> why this family cannot write ``config`` (empty: it can),
             beyond what every Llama-layout family needs (:func:`llama_export_problems`).
-        exports: whether :func:`export_family` may choose it (Mistral without a window is
-            written as a Llama).
+        exports: whether :func:`export_family` may choose it (a family whose models another
+            family writes too says so in its ``problems``: Mistral without a window is a Llama).
         refused_keys: keys refused when set (:data:`REFUSED_KEYS`).
         arch_prefix: an ``architectures`` entry starting with this names the family too
             (GPT-2's ``GPT2LMHeadModel``, ``GPT2Model``, ...).
@@ -178,10 +178,22 @@ def _qwen2_fields(c: Mapping, source: str) -> dict:
 
 
 def _mistral_fields(c: Mapping, source: str) -> dict:
-    if c["sliding_window"] is not None:
-        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} (a sliding-window attention) is "
-                         "not implemented; only null (full causal attention)")
-    return dict(bias=False, qkv_bias=False)
+    """Mistral's ``sliding_window`` (4096 when the key is missing; ``null``: full causal attention):
+    every layer sees its last ``w`` keys, ``i − w < j <= i`` (transformers' Mistral masks every
+    layer alike with ``create_sliding_window_causal_mask``; it has no ``layer_types``)."""
+    w = c["sliding_window"]
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise ValueError(f"{source}: sliding_window={w!r} must be a positive integer or null")
+    return dict(bias=False, qkv_bias=False, sliding_window=w)
+
+
+def _mistral_problems(config: GPTConfig) -> list[str]:
+    p = want_key(config, bias=False, qkv_bias=False)
+    if config.sliding_window is None:
+        p.append("no sliding_window (written as a Llama)")
+    if config.layer_types is not None and set(config.layer_types) != {"sliding_attention"}:
+        p.append(f"layer_types={list(config.layer_types)!r} (Mistral slides every layer)")
+    return p
 
 
 def _gpt2_problems(config: GPTConfig) -> list[str]:
@@ -218,7 +230,8 @@ register(Family(
     "mistral", "MistralForCausalLM",
     dict(_COMMON, vocab_size=32000, intermediate_size=14336, max_position_embeddings=131072,
          num_key_value_heads=8, sliding_window=4096),
-    fields=_mistral_fields, exports=False))
+    features={"sliding_window": ANY, "layer_types": ANY}, fields=_mistral_fields, problems=_mistral_problems,
+    write=lambda c: dict(sliding_window=c.sliding_window)))
 
 
 #: the q/k norms' modules (Qwen3, OLMo 2, Gemma 3)

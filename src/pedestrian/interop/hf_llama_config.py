@@ -19,8 +19,7 @@ field (transformers 5.25 names; older ``config.json`` files are read too)::
 
 Refused, each with one line naming the field and its value: another ``hidden_act``, another
 ``rope_type`` (linear, dynamic, yarn, longrope, ...), ``partial_rotary_factor`` other than 1
-(Llama's rotate_half turns the whole head), a sliding window (Mistral ``sliding_window`` not
-null -- it is 4096 when the key is missing; Qwen2 ``use_sliding_window`` true with a
+(Llama's rotate_half turns the whole head), Qwen2's sliding window (``use_sliding_window`` true with a
 ``sliding_window`` and, without ``layer_types``, ``max_window_layers`` below ``num_hidden_layers``
 -- transformers' ``Qwen2Config`` slides layers ``max_window_layers`` and up; ``layer_types``
 other than ``full_attention``), Llama ``attention_bias`` or ``mlp_bias`` true alone, per-layer
