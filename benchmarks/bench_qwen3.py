@@ -52,9 +52,12 @@ def write_folder(shape: dict, context: int, path: Path) -> None:
 
 
 def child(args) -> None:
-    import torch
+    """One side's steps in this process (torch imported by the transformers side only, as in
+    :func:`bench_moe.child`)."""
+    if args.side == "transformers":
+        import torch
 
-    torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     if args.side == "pedestrian":                   # (bench_moe's runners, with the seven projections)
         result = bench_moe.run_pedestrian(args.folder, args.context, args.warmup, args.steps, TARGETS)
     else:

@@ -47,7 +47,8 @@ class Workspace:
         self._asked: set = set()
         self._tokens: list = []                            # contextvar tokens of nested `with`
         #: the fast kernels' thread count as read once in this step (``None``: not yet; set by
-        #: :func:`pedestrian.kernels.blas.few_rows_matmul`, dropped by :meth:`new_step`)
+        #: :func:`pedestrian.kernels.blas.few_rows_matmul`, dropped by :meth:`new_step`); ``1`` for
+        #: a training step's few-row products (:meth:`new_step`)
         self.threads: int | None = None
 
     def __len__(self) -> int:
@@ -80,9 +81,15 @@ class Workspace:
             self._next[key] = n + 1
         return a
 
-    def new_step(self) -> None:
-        """Drop the shapes nobody asked for since the last call (and the step's thread count)."""
-        self.threads = None
+    def new_step(self, training: bool = False) -> None:
+        """Drop the shapes nobody asked for since the last call (and the step's thread count).
+
+        ``training``: a step that keeps its activations (a forward for a backward) runs its
+        few-row products (a mixture's experts with a handful of tokens, a tiny model's layers) on
+        one thread, numba's BLAS: on BLAS's own thread pool they left its threads spinning beside
+        numba's regions (a small Qwen3-MoE's forward 0.74-0.88 s against 0.39-0.44 s one-threaded,
+        docs/kernels.md). A generated token (``False``) keeps BLAS's threads, measured faster there."""
+        self.threads = 1 if training else None
         for key in [k for k in self._pool if k not in self._asked]:
             del self._pool[key]
         self._next = {}

@@ -244,7 +244,7 @@ class GPT:
             targets = as_tokens(self, targets, "targets")
             targets = check_targets(self.xp, targets, tokens, c.vocab_size)
         self._acts, self._deltas = None, {}                # the last step's arrays are free to reuse
-        self._workspace.new_step()
+        self._workspace.new_step(training=keep_activations and kv_cache is None)
         if self.numpy_chain:                               # the edge: NumPy views in
             tokens, targets = to_numpy(tokens), None if targets is None else to_numpy(targets)
         chain_cache = NumpyCache(kv_cache) if self.numpy_chain and kv_cache is not None else kv_cache
