@@ -279,7 +279,7 @@ def test_nan_weights_are_one_error_line(char_setup, monkeypatch, capsys):
     model, tok = char_setup
     broken = GPT(model.config, seed=3)
     broken.params["blocks.0.attn.q.weight"][0, 0] = np.nan
-    monkeypatch.setattr(sample_cmd, "_load_model", lambda args: (broken, tok))
+    monkeypatch.setattr(sample_cmd, "_load_model", lambda args: (broken, tok, None))
     code = cli.main(["sample", "--checkpoint", "unused", "--prompt", "the fox", "--max-new-tokens", "50"])
     captured = capsys.readouterr()
     assert code == 2

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training import TrainingError, corpus_split, evaluate_tokens
+    from ..training import TrainingError
     from ..load import load_model
 
     if args.batch_size < 1:
@@ -64,33 +64,18 @@ def run(args: argparse.Namespace) -> int:
         raise TrainingError(f"{what} was fine-tuned on preference pairs (--dpo {saved['dpo']}), not on a text; "
                             "pass --data PATH to evaluate it on one")
     val_fraction = args.val_fraction if args.val_fraction is not None else saved.get("val_fraction", 0.1)
-    from ..training.conversations import evaluate_conversations, is_conversations
+    from ..training.conversations import evaluate_loaded
 
-    chat = is_conversations(data)
-    if chat and loaded.base is None:
-        raise TrainingError(f"{data} is a conversations file: it is rendered with a Hugging Face folder's chat "
-                            f"template, and {what} has none; evaluate it on text")
     with np.errstate(over="ignore", invalid="ignore"):   # an overflow is reported below, in one line
-        if chat:                                         # the assistant's tokens, as fine-tuning measured them
-            from ..training.finetune import training_window
-
-            loss, n = evaluate_conversations(
-                model, tokenizer, loaded.base, data, val_fraction=val_fraction, split=args.split,
-                window=training_window(saved.get("context_length"), model.config.context_length),
-                train_on_all_tokens=bool(saved.get("train_on_all_tokens")), batch_size=args.batch_size,
-                max_batches=args.max_batches)
-        else:
-            tokens = corpus_split(data, tokenizer, val_fraction, args.split)
-            loss, n = evaluate_tokens(model, tokens, batch_size=args.batch_size, max_batches=args.max_batches,
-                                      progress=args.progress)
+        loss, n, unit = evaluate_loaded(loaded, data, split=args.split, val_fraction=val_fraction,
+                                        batch_size=args.batch_size, max_batches=args.max_batches,
+                                        progress=args.progress)
     if not math.isfinite(loss):
         # finite weights (checkpoints refuse others) whose forward overflows: never print "nan"
         raise TrainingError(
             f"the {args.split} loss of {what} is {loss}: its forward pass "
             f"overflows in {model.dtype_name} (weights too large, a diverged run); try --dtype float64, "
             "or evaluate an earlier checkpoint")
-    unit = ("character" if tokenizer.to_dict().get("kind") == "char" else
-            "token" if not chat or saved.get("train_on_all_tokens") else "assistant token")
     # e^loss overflows a float above 709.8 nats: a perplexity of inf, not an OverflowError
     perplexity = math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
     shown = f"{perplexity:.2f}" if perplexity < 1e6 else f"{perplexity:.3g}"

@@ -147,11 +147,9 @@ def run_sample(model, tokenizer, args: argparse.Namespace, out: TextIO | None = 
     given = args.prompt is not None or bool(getattr(args, "prompts_file", None))
     only = "the --prompt" if given else "no --prompt was given, so the prompt"      # a single prompt
     if template is not None:                     # --chat: a user turn each, the answer printed alone
-        from ..text.chat import render
+        from ..text.chat import user_turn_prompt
 
-        system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt_ids = [render(system + [{"role": "user", "content": text}], tokenizer, template,
-                             add_generation_prompt=True)[0] for text in prompts]
+        prompt_ids = [user_turn_prompt(text, tokenizer, template, system=args.system) for text in prompts]
         prompts = [""] * len(prompts)
     else:
         prompt_ids = [encode_prompt(tokenizer, text, only if len(prompts) == 1 else f"--prompt {i + 1}")
@@ -175,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise UserError("--system is the system turn of a --chat prompt; add --chat (and an --hf-dir folder "
                         "with a chat template)")
-    model, tokenizer, *folder = _load_model(args)
-    folder = folder[0] if folder else None
+    model, tokenizer, folder = _load_model(args)
     template = None
     if args.chat:
         if folder is None:

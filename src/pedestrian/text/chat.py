@@ -49,7 +49,7 @@ from .jsonl import json_lines
 #: the targets the loss does not count (:data:`pedestrian.layers.loss.IGNORE_INDEX`; text/ imports no layers)
 IGNORE_INDEX = -100
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "render", "read_conversations", "Conversation",
+__all__ = ["ChatTemplate", "ChatTemplateError", "render", "user_turn_prompt", "read_conversations", "Conversation",
            "ChatRows", "chat_rows", "pack_windows", "IGNORE_INDEX"]
 
 
@@ -357,6 +357,14 @@ def pack_windows(pieces: Sequence[tuple], window: int, pad_id: int = 0) -> ChatR
             at += len(xc)
         segments[r, at:] = len(row)
     return ChatRows(x, y, [[line for _, _, line in row] for row in rows], segments)
+
+
+def user_turn_prompt(text: str, tokenizer, template: ChatTemplate | str, *, system: str | None = None) -> list[int]:
+    """The ids of a chat prompt: ``[system turn,] user turn`` with ``text``, then the assistant's
+    header (``add_generation_prompt``), as ``pedestrian sample --chat`` and transformers'
+    ``apply_chat_template(..., add_generation_prompt=True)`` make them."""
+    turns = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+    return render(turns, tokenizer, template, add_generation_prompt=True)[0]
 
 
 def render_all(messages, tokenizer, template: ChatTemplate) -> tuple[list[int], list[int]]:

@@ -115,3 +115,36 @@ def conversation_rows(settings, tokenizer, window: int, model=None):
         for a in (rows.x, rows.y) if rows.segments is None else (rows.x, rows.y, rows.segments):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     return parts[0], parts[1], h.hexdigest()
+
+
+def evaluate_loaded(loaded, data, *, split: str, val_fraction: float, batch_size: int = 32,
+                    max_batches: int | None = None, progress: bool = False) -> tuple[float, int, str]:
+    """``(loss, n_targets, unit)`` of a loaded model (:func:`pedestrian.load.load_model`'s result)
+    on one split of ``data``: a conversations file on the assistant's tokens, as its fine-tune
+    measured them (the base folder's chat template, the run's window and ``train_on_all_tokens``),
+    else a text's every token; ``unit``: ``"character"``, ``"token"`` or ``"assistant token"``.
+
+    Raises:
+        ValueError: a conversations file and no Hugging Face folder (no chat template); as
+            :func:`evaluate_conversations` and :func:`~.corpus.corpus_split`.
+    """
+    from .corpus import corpus_split, evaluate_tokens
+    from .settings import training_window
+
+    model, tokenizer, saved = loaded.model, loaded.tokenizer, loaded.settings
+    chat = is_conversations(data)
+    if chat and loaded.base is None:
+        raise ValueError(f"{data} is a conversations file: it is rendered with a Hugging Face folder's chat "
+                         "template, and this model has none; evaluate it on text")
+    if chat:                                             # the assistant's tokens, as fine-tuning measured them
+        loss, n = evaluate_conversations(
+            model, tokenizer, loaded.base, data, val_fraction=val_fraction, split=split,
+            window=training_window(saved.get("context_length"), model.config.context_length),
+            train_on_all_tokens=bool(saved.get("train_on_all_tokens")), batch_size=batch_size,
+            max_batches=max_batches)
+    else:
+        tokens = corpus_split(data, tokenizer, val_fraction, split)
+        loss, n = evaluate_tokens(model, tokens, batch_size=batch_size, max_batches=max_batches, progress=progress)
+    unit = ("character" if tokenizer.to_dict().get("kind") == "char" else
+            "token" if not chat or saved.get("train_on_all_tokens") else "assistant token")
+    return loss, n, unit

@@ -37,7 +37,7 @@ from ..model.layout import LORA_LAYER_KINDS
 from .specs import NON_ZERO, POSITIVE, POSITIVE_INT, PROBABILITY, add_flags, check, setting, specs, with_defaults
 from ..load import LoadedModel, adapter_base, adapter_checkpoint_dir, base_fingerprint, load_finetuned, load_model  # noqa: F401 (their home was here)
 from .settings import TAG_PER_RUN as _PER_RUN
-from .settings import RunSettings, absolute_path, memory_plan
+from .settings import RunSettings, absolute_path, memory_plan, training_window
 
 __all__ = ["FinetuneSettings", "FinetuneResult", "finetune", "DEFAULT_TARGETS"]
 
@@ -47,12 +47,6 @@ log = logging.getLogger("pedestrian.finetune")
 DEFAULT_TARGETS = ("q", "v")
 
 _LORA, _DPO, _OPTIM, _LOOP = "LoRA", "DPO", "optimisation", "loop"
-
-
-def training_window(context_length: int | None, model_context: int) -> int:
-    """A fine-tuning window's tokens: ``context_length`` (``--context-length``), by default
-    ``min(256, the model's context)``."""
-    return context_length or min(256, model_context)
 
 
 @dataclass(kw_only=True)

@@ -49,6 +49,12 @@ RETIRED_SETTINGS = {
 }
 
 
+
+def training_window(context_length: int | None, model_context: int) -> int:
+    """A fine-tuning window's tokens: ``context_length`` (``--context-length``), by default
+    ``min(256, the model's context)``."""
+    return context_length or min(256, model_context)
+
 @dataclass
 class RunSettings:
     """The settings a training run and a fine-tuning run share, declared once: the optimisation
