@@ -66,6 +66,15 @@ MAX_WIDTH = 256
 
 
 @triton.jit
+def _row_bounds(BOUNDS, bounds_b, hi_off, b, offs_m, row_ok, T):
+    """Rows ``offs_m`` of sequence ``b``: the first visible key and one past the last
+    (:func:`pedestrian.kernels.masks.key_bounds`' ``lo`` and ``hi`` planes; rows past ``T`` see none)."""
+    row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
+    row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+    return row_lo, row_hi
+
+
+@triton.jit
 def _forward_kernel(QKV, O, LSE, BOUNDS, T, stride_b, stride_t, o_stride_b, o_stride_t, bounds_b, hi_off,
                     H: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
                     P_QK: tl.constexpr, P_V: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
@@ -92,8 +101,7 @@ def _forward_kernel(QKV, O, LSE, BOUNDS, T, stride_b, stride_t, o_stride_b, o_st
     l_i = tl.zeros([BLOCK_M], q.dtype)
     acc = tl.zeros([BLOCK_M, P_V], q.dtype)
     if MASKED:                                                                        # the keys the rows see
-        row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
-        row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+        row_lo, row_hi = _row_bounds(BOUNDS, bounds_b, hi_off, b, offs_m, row_ok, T)
         lo = (tl.min(row_lo, 0) // BLOCK_N) * BLOCK_N
         hi = tl.max(row_hi, 0)
     else:
@@ -188,8 +196,7 @@ def _dkdv_kernel(QKV, DO, LSE, DR, DQKV, BOUNDS, T, stride_b, stride_t, do_strid
             d_row = tl.load(DR + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
             allowed = col_ok[:, None] & row_ok[None, :]
             if MASKED:
-                row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
-                row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+                row_lo, row_hi = _row_bounds(BOUNDS, bounds_b, hi_off, b, offs_m, row_ok, T)
                 allowed = allowed & (offs_n[:, None] >= row_lo[None, :]) & (offs_n[:, None] < row_hi[None, :])
             elif CAUSAL:
                 allowed = allowed & (offs_n[:, None] <= offs_m[None, :])
@@ -237,8 +244,7 @@ def _dq_kernel(QKV, DO, LSE, DR, DQKV, BOUNDS, T, stride_b, stride_t, do_stride_
     k0 = tl.load(base + k_col + cq, mask=cq < D_QK, other=0.0)                       # key 0: every query sees it
     dq = tl.zeros([BLOCK_M, P_QK], q.dtype)
     if MASKED:                                                                        # the keys the rows see
-        row_lo = tl.load(BOUNDS + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=T)
-        row_hi = tl.load(BOUNDS + hi_off + b.to(tl.int64) * bounds_b + offs_m, mask=row_ok, other=0)
+        row_lo, row_hi = _row_bounds(BOUNDS, bounds_b, hi_off, b, offs_m, row_ok, T)
         lo = (tl.min(row_lo, 0) // BLOCK_N) * BLOCK_N
         hi = tl.max(row_hi, 0)
     else:
