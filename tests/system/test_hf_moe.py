@@ -2,7 +2,8 @@
 random models written by transformers' ``save_pretrained`` (one tensor per expert), loaded by
 pedestrian in float64; logits, the loss -- the load-balancing loss included when the folder says
 ``output_router_logits`` -- and every gradient against transformers' own model; greedy generation
-against its ``generate``; the export read back by transformers; PEFT adapters on the attention;
+against its ``generate``; the export read back by transformers; PEFT files of adapters on the attention
+and on the experts both ways;
 the refusals.
 
 The oracle is transformers' model in float64 with its float32 steps replaced by their formulas in
@@ -23,6 +24,7 @@ from pedestrian.generation.sampling import Sampling
 from pedestrian.interop.hf import load_hf_model, save_pretrained
 from pedestrian.interop.hf_llama_config import config_from_hf
 from pedestrian.interop.hf_llama_tensors import llama_state_to_hf
+from pedestrian.model.layout import resolve_lora_targets
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -195,17 +197,40 @@ def test_greedy_generation_and_export(case, folders, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == CASES[case][0]
 
 
-def test_peft_attention_adapters_and_expert_refusal(folders, tmp_path):
+def _random_adapters(model, seed):
+    rng = np.random.default_rng(seed)
+    for k in model.lora_state_dict():
+        model.params[k][...] = 0.2 * rng.standard_normal(model.params[k].shape)
+
+
+# (layers, rank_pattern, alpha_pattern): every expert layer (gate and up of other ranks: a block-diagonal
+# gate_up_proj adapter), the down projection alone (no nesting), the gate alone beside the attention
+PEFT_CASES = {
+    "all": (["q", "v", "mlp_gate", "mlp_expand", "mlp_contract"], {"mlp_expand": 3}, {"mlp_contract": 0.5}),
+    "down": (["mlp_contract"], None, None),
+    "gate": (["k", "mlp_gate"], None, {"mlp_gate": 1.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("adapted", list(PEFT_CASES))
+def test_peft_files_with_experts_both_ways(case, adapted, folders, tmp_path):
+    """PEFT files of adapters on experts (interop/peft_experts.py: ``target_parameters``): PEFT's model
+    with them gives pedestrian's logits; read back, the very same adapters; a file PEFT wrote itself
+    gives PEFT's logits too."""
     from pedestrian.interop.peft import load_peft_adapter, save_peft_adapter
 
-    path, _ = folders["mixtral"]
-    ours = load_hf_model(path, dtype="float64")
-    ours.add_lora(["q", "v"], rank=2, alpha=2.0)
-    rng = np.random.default_rng(1)
-    for k in ours.lora_state_dict():
-        ours.params[k][...] = 0.2 * rng.standard_normal(ours.params[k].shape)
-    save_peft_adapter(ours, tmp_path / "adapter")
     peft = pytest.importorskip("peft")
+    path, _ = folders[case]
+    layers, ranks, alphas = PEFT_CASES[adapted]
+    ours = load_hf_model(path, dtype="float64")
+    c = ours.config                                   # (a dense block's MLP adapters: test_peft_expert_refusals)
+    ours.add_lora([fc for fc in resolve_lora_targets(c, layers) if c.is_moe(int(fc.split(".")[1])) or "mlp_" not in fc],
+                  rank=2, alpha=2.0, rank_pattern=ranks, alpha_pattern=alphas)
+    _random_adapters(ours, 1)
+    save_peft_adapter(ours, tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert bool(written["target_parameters"]) == any(layer.startswith("mlp_") for layer in layers)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
     wrapped = oracle(peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval())
     with torch.no_grad():
@@ -214,12 +239,48 @@ def test_peft_attention_adapters_and_expert_refusal(folders, tmp_path):
     assert np.max(np.abs(np.asarray(ours.forward(X)) - want)) <= REL * np.max(np.abs(want))
     again = load_hf_model(path, dtype="float64")
     load_peft_adapter(again, tmp_path / "adapter")
-    assert np.max(np.abs(np.asarray(again.forward(X)) - want)) <= REL * np.max(np.abs(want))
-    experts = load_hf_model(path)
-    experts.add_lora(["mlp_gate"], rank=2)
-    with pytest.raises(ValueError, match="experts") as err:
-        save_peft_adapter(experts, tmp_path / "no")
-    assert "\n" not in str(err.value)
+    assert again.lora_ranks == ours.lora_ranks and again.lora_alphas == ours.lora_alphas
+    for k, v in ours.lora_state_dict().items():                  # the same numbers: a copy both ways
+        assert np.array_equal(np.asarray(again.params[k]), np.asarray(v)), k
+    # a file PEFT wrote (its own random adapters): pedestrian reads its logits
+    theirs = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64),
+                                 peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj"], init_lora_weights=False,
+                                                 target_parameters=["mlp.experts.gate_up_proj", "down_proj"],
+                                                 rank_pattern={"down_proj": 3}))
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    with torch.no_grad():
+        want = oracle(theirs.eval())(torch.as_tensor(X)).logits.numpy()
+    read = load_hf_model(path, dtype="float64")
+    load_peft_adapter(read, tmp_path / "theirs")
+    assert np.max(np.abs(np.asarray(read.forward(X)) - want)) <= REL * np.max(np.abs(want))
+
+
+def test_peft_expert_refusals(folders, tmp_path):
+    from pedestrian.interop.peft import load_peft_adapter, save_peft_adapter
+
+    path, _ = folders["mixtral"]
+    dropout = load_hf_model(path)
+    dropout.add_lora(["mlp_gate"], rank=2, dropout=0.1)
+    uneven = load_hf_model(path)
+    uneven.add_lora(["mlp_gate"], rank=2, rank_pattern={"blocks.0.experts.1.mlp_gate": 3})
+    mixed = load_hf_model(folders["qwen3_moe-renorm-dense-layer"][0])      # (block 1 is dense)
+    mixed.add_lora(["q", "mlp_contract"], rank=2)
+    for model, match in ((dropout, "lora_dropout=0.1"), (uneven, "block 0's expert adapters"),
+                         (mixed, r"dense MLP blocks \(blocks.1.mlp_contract")):
+        with pytest.raises(ValueError, match=match) as err:
+            save_peft_adapter(model, tmp_path / "no")
+        assert "\n" not in str(err.value) and not (tmp_path / "no").exists()
+    ok = load_hf_model(path)
+    ok.add_lora(["mlp_contract"], rank=2)
+    save_peft_adapter(ok, tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    for edit, match in ((dict(target_parameters=["mlp.experts.w9"]), "names 'mlp.experts.w9'"),
+                        (dict(r=3), r"needs lora_A \(12, 12\)")):
+        (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
+        fresh = load_hf_model(path)
+        with pytest.raises(ValueError, match=match) as err:
+            load_peft_adapter(fresh, tmp_path / "adapter")
+        assert "\n" not in str(err.value) and not fresh.lora_targets
 
 
 @pytest.mark.parametrize("family, key, value", [
@@ -246,3 +307,43 @@ def test_dense_families_refuse_experts(folders):
     hf["model_type"], hf["architectures"] = "llama", ["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="num_local_experts"):
         config_from_hf(hf)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe-renorm-dense-layer"])
+def test_cli_finetune_writes_expert_adapters_as_peft_files(case, tmp_path, capsys):
+    """``finetune`` with LoRA on the attention and every expert projection writes PEFT files that
+    PEFT's model reads with the fine-tune's logits; a Qwen3-MoE whose dense block is adapted too gets
+    none, and the run says why in one line (test_peft_expert_refusals)."""
+    from hf_fixtures import TEXT, tiny_tokenizer
+
+    from pedestrian import cli
+    from pedestrian.training.finetune import load_finetuned
+
+    family, kw = CASES[case]
+    torch.manual_seed(0)
+    hf = getattr(transformers, CLASSES[family][1])(getattr(transformers, CLASSES[family][0])(
+        **{**TINY, **kw, "vocab_size": tiny_tokenizer().vocab_size}))
+    d = tmp_path / "base"
+    hf.save_pretrained(str(d))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().hf,
+                                         eos_token="<|endoftext|>").save_pretrained(str(d))
+    (tmp_path / "data.txt").write_text(TEXT * 2, encoding="utf-8")
+    run = tmp_path / "run"
+    code = cli.main(["finetune", "--hf-dir", str(d), "--data", str(tmp_path / "data.txt"), "--max-steps", "2",
+                     "--context-length", "16", "--batch-size", "2", "--eval-interval", "2", "--eval-batches", "1",
+                     "--lora-rank", "2", "--lora-targets", "q_proj", "v_proj", "gate_proj", "up_proj", "down_proj",
+                     "--out", str(run), "--no-progress", "--no-plot"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    if case != "mixtral":
+        assert not (run / "peft").exists()
+        assert [line for line in (out + err).splitlines() if "no PEFT files: " in line and "dense MLP" in line]
+        return
+    model, _ = load_finetuned(run, dtype="float64")
+    model.training = False
+    peft = pytest.importorskip("peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float64).eval()
+    with torch.no_grad():
+        want = oracle(peft.PeftModel.from_pretrained(base, str(run / "peft")).eval())(torch.as_tensor(X)).logits
+    want = want.numpy()
+    assert np.max(np.abs(np.asarray(model.forward(X)) - want)) <= REL * np.max(np.abs(want))

@@ -4,8 +4,8 @@ preference pairs with DPO (--dpo): the base weights stay frozen (their gradients
 and only small adapters are trained.
 
 Writes, under --out: adapter/ (an adapter-only checkpoint, a small file), peft/ (the same
-adapters as a PEFT directory for transformers + peft; not for adapters on a mixture's experts,
-which PEFT cannot hold: the run says so), log.jsonl and loss_curve.png.
+adapters as a PEFT directory for transformers + peft; a mixture's experts as PEFT's
+target_parameters; where PEFT cannot hold them the run says so), log.jsonl and loss_curve.png.
 
 Examples:
   pedestrian finetune --hf-dir gpt2 --data my_notes.txt --lora-rank 8

@@ -18,6 +18,9 @@ GPT-2 fuses q, k, v in one ``c_attn`` module, so a PEFT adapter on it is shared:
   bit, except the ``U`` of a part whose ``α`` differs from its block's first part: within a
   rounding or two).
 
+A mixture's experts are two 3-D parameters of one module in transformers, which PEFT adapts through
+``target_parameters``: :mod:`.peft_experts`.
+
 Per-layer settings (PEFT's convention, ``peft.tuners.lora.LoraModel._create_and_replace``): a
 module's rank is ``rank_pattern[key]`` and its ``lora_alpha`` is ``alpha_pattern[key]`` for the
 first key ``k`` with ``re.match(rf"(.*\\.)?({k})$", module)`` (``peft.utils.other.get_pattern_key``),
@@ -48,7 +51,9 @@ from ..model.layout import fc_layers
 from .files import SafetensorsFile, json_writer, listing, read_json_object, torch_load, write_dir_atomically
 from .hf_config import export_problems
 from .families import export_family
-from .peft_modules import fc_of_module, is_gpt2, pattern_value, peft_module, peft_scaling
+from .peft_experts import experts_from_peft, experts_to_peft
+from .peft_modules import (fc_of_module, fuse, is_gpt2, pattern_value, peft_module, peft_scaling, recorded_alpha,
+                           unfuse, written_parts)
 
 __all__ = ["PeftLora", "load_peft_adapter", "save_peft_adapter", "read_peft_adapter", "lora_state_from_peft",
            "lora_state_to_peft"]
@@ -81,7 +86,7 @@ class PeftLora(NamedTuple):
 
 _UNSUPPORTED = {  # adapter_config.json option -> value pedestrian needs
     "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
-    "target_parameters": None, "trainable_token_indices": None, "layer_replication": None,
+    "trainable_token_indices": None, "layer_replication": None,
 }
 
 
@@ -184,8 +189,9 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
     if base_mismatch:
         problems.append(f"the adapter's copy of {base_mismatch} differs from this model's weights "
                         "(the adapter was trained on a different base model)")
-    per_fc: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}   # fc -> (D, U, α)
     layout = _read_layout(metadata)
+    per_fc: dict[str, tuple[np.ndarray, np.ndarray, float]] = experts_from_peft(   # fc -> (D, U, α)
+        peft_config, modules, config, layout, problems)                 # (takes the experts' modules out)
     for module, ab in modules.items():
         if "lora_A" not in ab or "lora_B" not in ab:
             problems.append(f"{module} has only {sorted(ab)} (needs lora_A and lora_B)")
@@ -213,28 +219,12 @@ def lora_state_from_peft(peft_config: Mapping, tensors: Mapping[str, np.ndarray]
             continue
         scaling = peft_scaling(peft_config, module, rank)
         if len(targets) == 1:
-            per_fc[targets[0]] = (A.T, B.T, _recorded_alpha(layout, targets[0], scaling))
+            per_fc[targets[0]] = (A.T, B.T, recorded_alpha(layout, targets[0], scaling))
             continue
-        parts = _c_attn_parts(layout, module, targets[0].rsplit(".", 1)[0])
-        if parts and sum(r for _, r, _ in parts) == rank and _is_block_diagonal(B, parts, cols):
-            # the parts' α as written, if the module's scaling is still the first part's α (a file
-            # edited since: every part gets the module's scaling and its block of B as it is)
-            recorded = [(layout.get("alphas") or {}).get(fc, layout.get("alpha")) for fc, _, _ in parts]
-            if not (all(isinstance(a, (int, float)) and math.isfinite(a) and a != 0 for a in recorded)
-                    and math.isclose(recorded[0], scaling, rel_tol=1e-12)):
-                recorded = [scaling] * len(parts)
-            start = 0
-            for (fc, r, part), alpha in zip(parts, recorded):
-                lo, hi = cols[part]
-                U = B[lo:hi, start:start + r].T
-                per_fc[fc] = (A[start:start + r].T, U if alpha == recorded[0] else U * (recorded[0] / alpha),
-                              float(alpha))
-                start += r
-        else:
-            for fc in targets:
-                lo, hi = cols[fc.rsplit(".", 1)[1]]
-                per_fc[fc] = (A.T, B[lo:hi].T, scaling)
-    if not modules and not problems:
+        layer_of = {fc.rsplit(".", 1)[1]: fc for fc in targets}                  # c_attn: q, k, v
+        per_fc.update(unfuse(A, B, written_parts(layout, "c_attn_parts", module, layer_of), layer_of, cols, layout,
+                             scaling))
+    if not per_fc and not problems:
         problems.append("it holds no lora_A / lora_B tensors")
     if problems:
         raise ValueError(f"{source} does not fit this model ({config.n_blocks} blocks, d_model="
@@ -262,41 +252,6 @@ def _read_layout(metadata: Mapping | None) -> dict:
     except (TypeError, ValueError):
         return {}
     return layout if isinstance(layout, dict) and layout.get("version") in _LAYOUT_VERSIONS else {}
-
-
-def _recorded_alpha(layout: dict, fc: str, scaling: float) -> float:
-    """The layer's ``α`` as pedestrian recorded it, if that is PEFT's ``scaling`` up to the
-    rounding of ``α·r / r`` (a file edited since is read by its config), else ``scaling``."""
-    recorded = (layout.get("alphas") or {}).get(fc, layout.get("alpha"))
-    if isinstance(recorded, (int, float)) and math.isclose(recorded, scaling, rel_tol=1e-12):
-        return float(recorded)
-    return scaling
-
-
-def _c_attn_parts(layout: dict, module: str, stem: str) -> list[tuple[str, int, str]]:
-    """``[(layer, rank, part)]`` of a ``c_attn`` module written by :func:`save_peft_adapter`."""
-    parts = (layout.get("c_attn_parts") or {}).get(module)
-    if not isinstance(parts, list) or not all(p in ("q", "k", "v") for p in parts):
-        return []
-    ranks = layout.get("ranks") or {}
-    out = []
-    for part in parts:
-        fc = f"{stem}.{part}"
-        r = ranks.get(fc, layout.get("rank"))
-        if not isinstance(r, int) or r < 1:
-            return []
-        out.append((fc, r, part))
-    return out
-
-
-def _is_block_diagonal(B: np.ndarray, parts, cols) -> bool:
-    mask = np.ones(B.shape, dtype=bool)
-    start = 0
-    for fc, r, part in parts:
-        lo, hi = cols[part]
-        mask[lo:hi, start:start + r] = False
-        start += r
-    return not np.any(B[mask])
 
 
 def load_peft_adapter(model, adapter_dir, *, freeze_base: bool = True) -> None:
@@ -345,19 +300,16 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     scaling gets ``rank_pattern`` / ``alpha_pattern`` entries (``lora_alpha = α·rank``).
     ``c_attn``: see the module docstring. ``lora_dropout`` = :attr:`GPT.lora_dropout`.
 
+    Adapters on a mixture's experts: ``target_parameters`` (:mod:`.peft_experts`).
+
     Raises:
         ValueError: the model has no adapters, or its base is neither a Hugging Face GPT-2
             (:func:`pedestrian.interop.hf_config.export_problems`) nor a Llama-family model
-            (:func:`pedestrian.interop.families.export_family`).
+            (:func:`pedestrian.interop.families.export_family`); a
+            :class:`~.peft_experts.PeftRefused` for expert adapters PEFT cannot hold as they are.
     """
     if not model.lora_targets:
         raise ValueError("the model has no LoRA adapters to write (add_lora() or load some first)")
-    experts = [t for t in model.lora_targets if ".experts." in t]
-    if experts:                                 # transformers 5 fuses a block's experts into 3-D parameters
-        raise ValueError(f"PEFT files cannot hold adapters on experts ({experts[0]}, ... {len(experts)} layers): "
-                         "transformers keeps a block's experts as one 3-D parameter, not the modules PEFT's "
-                         "target_modules adapts; save them with pedestrian's checkpoint (finetune --out), or "
-                         "adapt the attention only (--lora-targets q k v o) for PEFT files")
     if is_gpt2(model.config):
         problems = export_problems(model.config)
         if problems:
@@ -376,42 +328,43 @@ def lora_state_to_peft(model, *, base_model_name_or_path: str | None = None
     cols = {"q": (0, hq), "k": (hq, 2 * hq), "v": (2 * hq, 2 * hq + hv)}
     grouped: dict[str, list[tuple[str, str | None]]] = {}
     for fc in model.lora_targets:
-        module, part = peft_module(fc, model.config)
-        grouped.setdefault(module, []).append((fc, part))
+        if ".experts." not in fc:                                   # (experts: target_parameters below)
+            module, part = peft_module(fc, model.config)
+            grouped.setdefault(module, []).append((fc, part))
     tensors, rank_pattern, alpha_pattern, parts_of = {}, {}, {}, {}
+    adapters = {}                                                   # module or parameter -> (A, B, scaling)
     for module, members in grouped.items():
         first = members[0][0]
-        scaling, R = alphas[first], sum(ranks[fc] for fc, _ in members)
         if members[0][1] is None:
-            A, B = P[f"{first}.lora_D"].T, P[f"{first}.lora_U"].T
+            adapters[module] = (P[f"{first}.lora_D"].T, P[f"{first}.lora_U"].T, alphas[first])
         else:
-            A = np.concatenate([P[f"{fc}.lora_D"].T for fc, _ in members], axis=0)
-            B = np.zeros((2 * hq + hv, R), dtype=A.dtype)
-            start = 0
-            for fc, part in members:
-                lo, hi = cols[part]
-                U_T = P[f"{fc}.lora_U"].T
-                B[lo:hi, start:start + ranks[fc]] = U_T if alphas[fc] == scaling else U_T * (alphas[fc] / scaling)
-                start += ranks[fc]
+            adapters[module] = fuse(P, members, cols, 2 * hq + hv, ranks, alphas)
             parts_of[module] = [part for _, part in members]
+    experts, wrappers, expert_parts = experts_to_peft(model, P, ranks, alphas)
+    adapters.update(experts)
+    for module, (A, B, scaling) in adapters.items():
+        R = A.shape[0] // (model.config.n_experts if module in experts else 1)     # (experts: E·R rows)
         if R != r:
             rank_pattern[module] = R
         if scaling * R != alpha * r:
             alpha_pattern[module] = scaling * R
-        tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(A)
-        tensors[f"{_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(B)
+        holder = wrappers.get(module, module)               # (the module holding the parameter's lora_A, lora_B)
+        tensors[f"{_PREFIX}{holder}.lora_A.weight"] = np.ascontiguousarray(A)
+        tensors[f"{_PREFIX}{holder}.lora_B.weight"] = np.ascontiguousarray(B)
     conv1d = is_gpt2(model.config) and any(m != "lm_head" for m in grouped)   # GPT-2's Conv1D
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": r, "lora_alpha": alpha * r, "lora_dropout": float(model.lora_dropout), "use_rslora": False,
-        "use_dora": False, "target_modules": list(grouped), "fan_in_fan_out": conv1d, "bias": "none",
+        "use_dora": False, "target_modules": list(grouped), "target_parameters": list(experts) or None,
+        "fan_in_fan_out": conv1d, "bias": "none",
         "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
         "layers_to_transform": None, "layers_pattern": None,
     }
     meta = {"format": "pt", _META_KEY: json.dumps({"version": 2, "rank": r, "alpha": alpha, "ranks": ranks,
-                                                   "alphas": alphas, "c_attn_parts": parts_of})}
+                                                   "alphas": alphas, "c_attn_parts": parts_of,
+                                                   "expert_parts": expert_parts})}
     return config, tensors, meta
 
 

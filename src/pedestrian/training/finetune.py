@@ -213,6 +213,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
     """
     from ..interop.hf import HFFolder
     from ..interop.peft import save_peft_adapter
+    from ..interop.peft_experts import PeftRefused
     from ..model.finite import finite_or_none
     from .conversations import conversation_rows, is_conversations
     from .corpus import data_fingerprint, prepare_data
@@ -311,20 +312,19 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
         initial_val = trainer.evaluate() if recorded is None else float(recorded)
         if math.isfinite(initial_val) and ckpt is None:
             log.info(f"step 0: val loss {initial_val:.4f}")
-        experts = any(".experts." in t for t in model.lora_targets)      # (PEFT cannot hold those: interop/peft.py)
-        if trainer.run() != "non_finite" and not experts:
-            save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
-        elif experts:
-            log.info("no PEFT files: transformers keeps a block's experts as one 3-D parameter, which PEFT's "
-                     f"target_modules cannot adapt; the adapters are in {out / 'adapter'} (pedestrian export-hf "
-                     "--adapter DIR writes the merged model)")
+        peft = None
+        if trainer.run() != "non_finite":
+            try:
+                peft = save_peft_adapter(model, out / "peft", base_model_name_or_path=base["hf_dir"], overwrite=True)
+            except PeftRefused as exc:
+                log.info(f"no PEFT files: {exc}; the adapters are in {out / 'adapter'}")
     reason = trainer.stop_reason
     seconds = time.perf_counter() - t_start
     loss, val_loss = trainer.loss, trainer.val_loss
     at = "" if trainer.last_eval == trainer.step else f" (at step {trainer.last_eval}, the last evaluation)"
     log.info(f"{'interrupted' if reason == 'interrupted' else 'done'}: step {trainer.step}, train loss "
              f"{loss:.4f}, val loss {initial_val:.4f} -> {val_loss:.4f}{at}, {seconds / 60:.1f} min; adapters "
-             f"in {out / 'adapter'}" + ("" if experts else f" and {out / 'peft'}"))
+             f"in {out / 'adapter'}" + (f" and {peft}" if peft else ""))
     return FinetuneResult(step=trainer.step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
                           trainable_params=n_train, total_params=n_total, seconds=seconds, out=out,
                           model=model, tokenizer=tokenizer, stop_reason=reason,
