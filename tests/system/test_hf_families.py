@@ -34,7 +34,15 @@ CASES = {   # family -> its config keywords beside TINY (what each family adds i
     "olmo2": dict(tie_word_embeddings=False),
     "smollm3": dict(no_rope_layers=[1, 0], tie_word_embeddings=True),
     "mistral": dict(sliding_window=5, tie_word_embeddings=False),      # X has 24 tokens: the window bites
+    # Qwen3's window (as Qwen2's): the layers from max_window_layers on slide, here the second
+    "qwen3-window": dict(head_dim=8, tie_word_embeddings=False, use_sliding_window=True, sliding_window=5,
+                         max_window_layers=1),
 }
+
+
+def fam(case: str) -> str:
+    """The family of a case of :data:`CASES` (``"qwen3-window"`` -> ``"qwen3"``)."""
+    return case.split("-")[0]
 # (no id 0: it is the folders' pad_token_id, whose embedding row transformers gives no gradient)
 X = np.random.default_rng(5).integers(1, V, size=(2, 24))
 # float64 compares the same sums in another order: relative 1e-10 of the logits' scale is ~5e5 ε64,
@@ -58,8 +66,8 @@ def save_dir(model, d):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("family_dirs")
-    return {f: (save_dir(hf_model(f, {**TINY, **kw}, vocab_size=V), tmp / f), hf_model(f, {**TINY, **kw}, vocab_size=V))
-            for f, kw in CASES.items()}
+    return {f: (save_dir(hf_model(fam(f), {**TINY, **kw}, vocab_size=V), tmp / f),
+                hf_model(fam(f), {**TINY, **kw}, vocab_size=V)) for f, kw in CASES.items()}
 
 
 # ------------------------------------------------------------------------------------ the table
@@ -119,7 +127,9 @@ def test_logits_loss_and_every_gradient_equal_transformers(folders, family, kern
     c = model.config
     assert (c.qk_norm, c.norm_placement, c.rope_layers) == {
         "qwen3": ("head", "pre", None), "olmo2": ("proj", "post", None), "smollm3": (None, "pre", (True, False)),
-        "mistral": (None, "pre", None)}[family]
+        "mistral": (None, "pre", None)}[fam(family)]
+    assert [c.window(i) for i in range(c.n_blocks)] == {"mistral": [5, 5], "qwen3-window": [None, 5]}.get(
+        family, [None, None])
     Y = np.roll(X, -1, axis=1)
     Y[0, -3:] = -100                                                   # ignored targets too
     loss = model.loss(X, Y)
@@ -134,7 +144,7 @@ def test_logits_loss_and_every_gradient_equal_transformers(folders, family, kern
     hf_grads = {k: p.grad.numpy() for k, p in hf.named_parameters() if not (c.tie_weights and k == "lm_head.weight")}
     if c.tie_weights and "model.embed_tokens.weight" not in hf_grads:
         hf_grads["model.embed_tokens.weight"] = hf.lm_head.weight.grad.numpy()
-    expected = llama_state_from_hf(hf_grads, c, family=family)
+    expected = llama_state_from_hf(hf_grads, c, family=fam(family))
     assert set(expected) == set(grads)
     for name, g in grads.items():                  # the same float64 sums reordered: 1e-10 of the scale
         scale = max(1e-3, float(np.max(np.abs(expected[name]))))
@@ -179,9 +189,10 @@ def test_export_loads_in_transformers(folders, tmp_path, family):
     model, tok = load_pretrained(d)
     out = save_pretrained(model, tmp_path / "out", tok)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == [CLASSES[family][1]] and cfg["model_type"] == family
+    assert cfg["architectures"] == [CLASSES[fam(family)][1]] and cfg["model_type"] == fam(family)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(back).__name__ == CLASSES[family][1]
+    assert type(back).__name__ == CLASSES[fam(family)][1]
+    assert getattr(back.config, "layer_types", None) == getattr(folders[family][1].config, "layer_types", None)
     assert rel_err(model.forward(X), hf_logits(back, X, torch.float32)) <= REL32
     again, _ = load_pretrained(out)
     assert again.config == model.config
@@ -257,8 +268,10 @@ def test_cli_finetune_eval_and_export(folders, tmp_path, capsys, family):
 # ------------------------------------------------------------------------------------ refusals
 REFUSED = [
     ("qwen3", dict(attention_bias=True), "attention_bias=True is not implemented"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
-     "use_sliding_window=True with max_window_layers=1"),
+    ("qwen3", dict(use_sliding_window=False, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types names 'sliding_attention' layers with use_sliding_window=False"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=-1),
+     "max_window_layers=-1 must be a layer index"),
     ("olmo2", dict(attention_bias=True), "attention_bias=True is not implemented"),
     ("smollm3", dict(use_sliding_window=True, sliding_window=4), "use_sliding_window=True with sliding_window=4"),
     ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers=[1, 0, 1] must hold a 0 or 1 for each"),

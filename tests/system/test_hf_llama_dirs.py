@@ -37,6 +37,9 @@ CASES = {
     "qwen2-qkv-biases": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-no-window": ("mistral", dict(num_key_value_heads=2, sliding_window=None, head_dim=6)),
     "mistral-window-5": ("mistral", dict(num_key_value_heads=2, sliding_window=5, head_dim=6)),   # X has 24 tokens
+    # Qwen2's own window: use_sliding_window from layer max_window_layers on (the second of two)
+    "qwen2-window-4-layer-1": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=True,
+                                             sliding_window=4, max_window_layers=1)),
 }
 X = np.random.default_rng(5).integers(0, V, size=(2, 24))
 # float64 compares the same sums in another order: relative 1e-10 of the logits' scale is
@@ -150,7 +153,8 @@ def test_sharded_safetensors(tmp_path):
     assert rel_err(load_hf_model(d, dtype="float64").forward(X), hf_logits(hf, X)) <= REL64
 
 
-@pytest.mark.parametrize("case", ["llama-gqa-4:2-tied", "mistral-window-5"])   # (27 tokens: past the window)
+@pytest.mark.parametrize("case", ["llama-gqa-4:2-tied", "mistral-window-5",           # (27 tokens: past the window)
+                                  "qwen2-window-4-layer-1"])
 def test_greedy_generation_equals_generate(folders, case):
     d, hf = folders[case]
     model = load_hf_model(d, dtype="float64")
@@ -166,7 +170,8 @@ def test_greedy_generation_equals_generate(folders, case):
 
 # ------------------------------------------------------------------------------------ export
 @pytest.mark.parametrize("case", ["llama-gqa-4:2-tied", "llama-mqa-head_dim10", "llama3-rope-scaling",
-                                  "qwen2-qkv-biases", "mistral-no-window", "mistral-window-5"])
+                                  "qwen2-qkv-biases", "mistral-no-window", "mistral-window-5",
+                                  "qwen2-window-4-layer-1"])
 def test_export_loads_in_transformers(folders, tmp_path, case):
     d, _ = folders[case]
     model, tok = load_pretrained(d)
@@ -263,9 +268,8 @@ REFUSED = {   # case -> (config.json edit, the field and value the one line name
              "rope_type='yarn'"),
     "yarn-beside-rope_parameters": ("llama-gqa-4:2-tied", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
                                     "rope_type='yarn'"),          # (transformers reads it first: it was ignored)
-    "qwen2-sliding": ("qwen2-qkv-biases", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
-                                            "layer_types": None},
-                      "use_sliding_window=True"),
+    "qwen2-sliding-layers-without-window": ("qwen2-qkv-biases", {"use_sliding_window": False, "layer_types": [
+        "sliding_attention", "full_attention"]}, "layer_types names 'sliding_attention' layers"),
     "gelu": ("llama-gqa-4:2-tied", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     "experts": ("mistral-no-window", {"num_local_experts": 8}, "num_local_experts=8"),
     "o_proj-bias": ("llama-gqa-4:2-tied", {"attention_bias": True}, "attention_bias=true"),

@@ -37,8 +37,10 @@ CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", "modeling_mixtral"
            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "modeling_olmoe")}
 CASES = {
     "mixtral": ("mixtral", dict(num_local_experts=4, intermediate_size=12)),
-    "qwen3_moe-renorm-dense-layer": ("qwen3_moe", dict(num_experts=5, moe_intermediate_size=6, intermediate_size=20,
-                                                       norm_topk_prob=True, mlp_only_layers=[1], head_dim=6)),
+    "qwen3_moe-renorm-dense-layer-window": ("qwen3_moe", dict(
+        num_experts=5, moe_intermediate_size=6, intermediate_size=20, norm_topk_prob=True, mlp_only_layers=[1],
+        head_dim=6, use_sliding_window=True, sliding_window=5)),               # (X has 11 tokens: the window bites)
+    "mixtral-window-4": ("mixtral", dict(num_local_experts=4, intermediate_size=12, sliding_window=4)),
     "olmoe-probs": ("olmoe", dict(num_experts=4, intermediate_size=10, norm_topk_prob=False, num_experts_per_tok=3)),
 }
 X = np.random.default_rng(7).integers(1, V, size=(2, 11))
@@ -147,6 +149,7 @@ def test_config(case, folders):
     assert (c.router_aux_loss_coef, c.output_router_logits) == (0.05, True)
     assert c.qk_norm == {"mixtral": None, "qwen3_moe": "head", "olmoe": "proj"}[family]
     assert c.moe_layers == ((0, 2) if family == "qwen3_moe" else None)
+    assert (c.sliding_window, c.layer_types) == (kw.get("sliding_window"), None)     # (every layer slides)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -263,7 +266,7 @@ def test_peft_expert_refusals(folders, tmp_path):
     dropout.add_lora(["mlp_gate"], rank=2, dropout=0.1)
     uneven = load_hf_model(path)
     uneven.add_lora(["mlp_gate"], rank=2, rank_pattern={"blocks.0.experts.1.mlp_gate": 3})
-    mixed = load_hf_model(folders["qwen3_moe-renorm-dense-layer"][0])      # (block 1 is dense)
+    mixed = load_hf_model(folders["qwen3_moe-renorm-dense-layer-window"][0])      # (block 1 is dense)
     mixed.add_lora(["q", "mlp_contract"], rank=2)
     for model, match in ((dropout, "lora_dropout=0.1"), (uneven, "block 0's expert adapters"),
                          (mixed, r"dense MLP blocks \(blocks.1.mlp_contract")):
@@ -284,15 +287,15 @@ def test_peft_expert_refusals(folders, tmp_path):
 
 
 @pytest.mark.parametrize("family, key, value", [
-    ("mixtral", "router_jitter_noise", 0.1), ("mixtral", "sliding_window", 8), ("olmoe", "clip_qkv", 8.0),
-    ("qwen3_moe", "use_sliding_window", True), ("olmoe", "attention_bias", True),
+    ("mixtral", "router_jitter_noise", 0.1), ("mixtral", "sliding_window", 0), ("olmoe", "clip_qkv", 8.0),
+    ("qwen3_moe", "sliding_window", 2.5), ("olmoe", "attention_bias", True),
 ])
 def test_refusals(family, key, value, folders):
     case = next(c for c, (f, _) in CASES.items() if f == family)
     hf = json.loads((folders[case][0] / "config.json").read_text())
     hf[key] = value
-    if key == "use_sliding_window":
-        hf["sliding_window"] = 8
+    if family == "qwen3_moe" and key == "sliding_window":
+        hf["use_sliding_window"] = True                 # (the window is read only then)
     with pytest.raises(ValueError, match=key) as err:
         config_from_hf(hf)
     assert "\n" not in str(err.value)
@@ -309,7 +312,7 @@ def test_dense_families_refuse_experts(folders):
         config_from_hf(hf)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe-renorm-dense-layer"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe-renorm-dense-layer-window"])
 def test_cli_finetune_writes_expert_adapters_as_peft_files(case, tmp_path, capsys):
     """``finetune`` with LoRA on the attention and every expert projection writes PEFT files that
     PEFT's model reads with the fine-tune's logits; a Qwen3-MoE whose dense block is adapted too gets

@@ -24,7 +24,7 @@ from ..config import GPTConfig
 from . import families_gemma
 
 __all__ = ["Family", "FAMILIES", "hf_family", "export_family", "layout_of", "family_names",
-           "llama_export_problems", "feature_problems", "register", "hf_block_name", "block_layer",
+           "llama_export_problems", "feature_problems", "register", "hf_block_name", "block_layer", "window_value",
            "FEATURES", "ANY",
            "LLAMA_NAMES", "TOP_NAMES", "REFUSED_KEYS"]
 
@@ -143,15 +143,45 @@ class Family:
 
 
 # ------------------------------------------------------------------------------------ the entries
-def _sliding_refused(c: Mapping, source: str) -> None:
-    """Qwen2-style windows: ``use_sliding_window`` with a ``sliding_window`` slides layers
-    ``max_window_layers`` and up (without ``layer_types``); refused where a layer would slide."""
-    if c.get("use_sliding_window") and c.get("sliding_window") is not None and c.get("layer_types") is None \
-            and c.get("max_window_layers", 0) < c["num_hidden_layers"]:
-        raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} with max_window_layers="
-                         f"{c.get('max_window_layers')!r} of {c['num_hidden_layers']!r} layers (a sliding-window "
-                         "attention from that layer on) is not implemented; pedestrian loads only models whose "
-                         "every layer attends to the whole causal context")
+def window_value(w, source: str):
+    """A ``sliding_window`` value read: a positive integer, or ``None`` (no window)."""
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise ValueError(f"{source}: sliding_window={w!r} must be a positive integer or null")
+    return w
+
+
+def _qwen_window(c: Mapping, source: str) -> dict:
+    """Qwen2's and Qwen3's window (transformers' ``Qwen2Config.__post_init__``): ``use_sliding_window``
+    switches ``sliding_window`` on (off: every layer attends to the whole causal context), and the
+    layers from ``max_window_layers`` on slide, unless ``layer_types`` names each layer; a sliding
+    layer sees keys ``i − w < j <= i`` (``create_sliding_window_causal_mask``, as Mistral's)."""
+    w = c.get("sliding_window") if c.get("use_sliding_window") else None
+    if w is None:
+        sliding = [t for t in c.get("layer_types") or [] if t != "full_attention"]
+        if sliding:
+            raise ValueError(f"{source}: layer_types names {sliding[0]!r} layers with use_sliding_window="
+                             f"{c.get('use_sliding_window')!r} and sliding_window={c.get('sliding_window')!r} (no "
+                             "window for them); set use_sliding_window true and a sliding_window, or make every "
+                             "layer 'full_attention'")
+        return dict(sliding_window=None, layer_types=None)
+    window_value(w, source)
+    first = c.get("max_window_layers")
+    if c.get("layer_types") is None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+        raise ValueError(f"{source}: max_window_layers={first!r} must be a layer index >= 0 (the first that slides)")
+    types = families_gemma.layer_types_of(c, source, lambda i: i >= first)
+    if "sliding_attention" not in types:                     # (no layer slides: the window is not used)
+        return dict(sliding_window=None, layer_types=None)
+    return dict(sliding_window=w, layer_types=types)
+
+
+def _qwen_window_write(config: GPTConfig) -> dict:
+    """The window keys of a Qwen2 / Qwen3 ``config.json`` (every layer's type written out)."""
+    n = config.n_blocks
+    types = ["sliding_attention" if config.window(i) else "full_attention" for i in range(n)]
+    if "sliding_attention" not in types:
+        return dict(use_sliding_window=False, sliding_window=None, max_window_layers=n, layer_types=types)
+    return dict(use_sliding_window=True, sliding_window=config.sliding_window,
+                max_window_layers=types.index("sliding_attention"), layer_types=types)
 
 
 def _llama_fields(c: Mapping, source: str) -> dict:
@@ -173,18 +203,14 @@ def _llama_problems(config: GPTConfig) -> list[str]:
 
 
 def _qwen2_fields(c: Mapping, source: str) -> dict:
-    _sliding_refused(c, source)
-    return dict(bias=False, qkv_bias=True)
+    return dict(_qwen_window(c, source), bias=False, qkv_bias=True)
 
 
 def _mistral_fields(c: Mapping, source: str) -> dict:
     """Mistral's ``sliding_window`` (4096 when the key is missing; ``null``: full causal attention):
     every layer sees its last ``w`` keys, ``i − w < j <= i`` (transformers' Mistral masks every
     layer alike with ``create_sliding_window_causal_mask``; it has no ``layer_types``)."""
-    w = c["sliding_window"]
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-        raise ValueError(f"{source}: sliding_window={w!r} must be a positive integer or null")
-    return dict(bias=False, qkv_bias=False, sliding_window=w)
+    return dict(bias=False, qkv_bias=False, sliding_window=window_value(c["sliding_window"], source))
 
 
 def _mistral_problems(config: GPTConfig) -> list[str]:
@@ -223,9 +249,8 @@ register(Family(
     dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
          num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
          layer_types=None),
-    fields=_qwen2_fields, problems=lambda c: want_key(c, bias=False, qkv_bias=True),
-    write=lambda c: dict(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_blocks,
-                         layer_types=["full_attention"] * c.n_blocks)))
+    features={"sliding_window": ANY, "layer_types": ANY},
+    fields=_qwen2_fields, problems=lambda c: want_key(c, bias=False, qkv_bias=True), write=_qwen_window_write))
 register(Family(
     "mistral", "MistralForCausalLM",
     dict(_COMMON, vocab_size=32000, intermediate_size=14336, max_position_embeddings=131072,
@@ -246,9 +271,8 @@ def attention_bias_refused(c: Mapping, source: str) -> None:
 
 
 def _qwen3_fields(c: Mapping, source: str) -> dict:
-    _sliding_refused(c, source)
     attention_bias_refused(c, source)
-    return dict(bias=False, qkv_bias=False)
+    return dict(_qwen_window(c, source), bias=False, qkv_bias=False)
 
 
 register(Family(
@@ -256,10 +280,9 @@ register(Family(
     dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
          num_key_value_heads=32, head_dim=128, attention_bias=False, use_sliding_window=False,
          sliding_window=4096, max_window_layers=28, layer_types=None),
-    names={**LLAMA_NAMES, **QK_NORM_NAMES}, features={"qk_norm": "head"},
+    names={**LLAMA_NAMES, **QK_NORM_NAMES}, features={"qk_norm": "head", "sliding_window": ANY, "layer_types": ANY},
     fields=_qwen3_fields, problems=lambda c: want_key(c, bias=False, qkv_bias=False),
-    write=lambda c: dict(attention_bias=False, use_sliding_window=False, sliding_window=None,
-                         max_window_layers=c.n_blocks, layer_types=["full_attention"] * c.n_blocks)))
+    write=lambda c: dict(_qwen_window_write(c), attention_bias=False)))
 
 
 def _olmo2_fields(c: Mapping, source: str) -> dict:

@@ -33,7 +33,7 @@ from typing import Mapping
 
 from ..config import GPTConfig, RopeScaling
 
-__all__ = ["GEMMA_NAMES", "GEMMA3_NAMES", "entries", "gemma2_fields", "gemma3_fields"]
+__all__ = ["GEMMA_NAMES", "GEMMA3_NAMES", "entries", "gemma2_fields", "gemma3_fields", "layer_types_of"]
 
 #: a Gemma block: pedestrian layer -> HF module (the Llama names, with the four norms of the sandwich)
 GEMMA_NAMES = {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm",
@@ -68,9 +68,10 @@ def _number(c: Mapping, key: str, source: str, *, positive: bool = True):
     return float(v)
 
 
-def _layer_types(c: Mapping, source: str, pattern) -> tuple | None:
+def layer_types_of(c: Mapping, source: str, pattern) -> tuple | None:
     """``layer_types`` as the config says, or the family's default pattern (``pattern(i)``: the
-    layer slides); ``None`` when there is no window (``sliding_window`` null: every layer full)."""
+    layer slides); ``None`` when there is no window (``sliding_window`` null: every layer full).
+    (Gemma's, and Qwen2's and Qwen3's in :mod:`.families`.)"""
     n = c["num_hidden_layers"]
     if c.get("sliding_window") is None:
         return None
@@ -110,7 +111,7 @@ def _shared(c: Mapping, source: str) -> dict:
 
 def gemma2_fields(c: Mapping, source: str) -> dict:
     """Gemma 2's keys: :func:`_shared`, its layers alternating window / global from the first, one RoPE."""
-    return dict(_shared(c, source), layer_types=_layer_types(c, source, lambda i: (i + 1) % 2 != 0))
+    return dict(_shared(c, source), layer_types=layer_types_of(c, source, lambda i: (i + 1) % 2 != 0))
 
 
 def _rope_of(params: Mapping, source: str, what: str) -> tuple[float, RopeScaling | None]:
@@ -142,7 +143,7 @@ def gemma3_fields(c: Mapping, source: str) -> dict:
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
         raise ValueError(f"{source}: sliding_window_pattern={pattern!r} must be a positive integer")
     out = dict(_shared(c, source), qk_norm="head",
-               layer_types=_layer_types(c, source, lambda i: (i + 1) % pattern != 0))
+               layer_types=layer_types_of(c, source, lambda i: (i + 1) % pattern != 0))
     params = c.get("rope_parameters")
     if isinstance(params, Mapping) and ("full_attention" in params or "sliding_attention" in params):
         full = dict(params.get("full_attention") or {})

@@ -16,9 +16,10 @@ matrix, which is what its folders hold and what pedestrian reads and writes::
 ``intermediate_size``, Qwen3-MoE's ``moe_intermediate_size``) -> ``d_expert``, ``norm_topk_prob``
 (Mixtral: always renormalised), ``router_aux_loss_coef``, ``output_router_logits``; Qwen3-MoE's
 ``mlp_only_layers`` and ``decoder_sparse_step`` -> ``moe_layers`` (its dense blocks keep
-``intermediate_size``). Refused in one line: Mixtral's ``router_jitter_noise`` (noise on the
-router's input while training), a ``sliding_window`` (Mixtral) or ``use_sliding_window`` (Qwen3-MoE),
-OLMoE's ``clip_qkv``, ``attention_bias``.
+``intermediate_size``). A window slides every layer, as Mistral's: Mixtral's ``sliding_window``,
+Qwen3-MoE's with ``use_sliding_window`` (transformers masks every layer with
+``create_sliding_window_causal_mask`` then). Refused in one line: Mixtral's ``router_jitter_noise``
+(noise on the router's input while training), OLMoE's ``clip_qkv``, ``attention_bias``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import re
 from collections.abc import Mapping
 
 from .families import (ANY, LLAMA_NAMES, QK_NORM_NAMES, REFUSED_KEYS, Family, attention_bias_refused, want_key,
-                       register)
+                       register, window_value)
 
 __all__ = ["ExpertNames", "MAX_EXPERTS"]
 
@@ -111,13 +112,11 @@ def _moe_problems(config, **allowed) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ Mixtral
 def _mixtral_fields(c: Mapping, source: str) -> dict:
-    if c.get("sliding_window") is not None:
-        raise ValueError(f"{source}: sliding_window={c['sliding_window']!r} (a sliding-window attention) is "
-                         "not implemented for Mixtral; only null")
     if c.get("router_jitter_noise"):
         raise ValueError(f"{source}: router_jitter_noise={c['router_jitter_noise']!r} (random noise on the router's "
                          "input while training) is not implemented; only 0")
-    return _moe_fields(c, source, "num_local_experts", "intermediate_size", True, 8)
+    return dict(_moe_fields(c, source, "num_local_experts", "intermediate_size", True, 8),
+                sliding_window=window_value(c.get("sliding_window"), source))
 
 
 register(Family(
@@ -129,9 +128,9 @@ register(Family(
     names=ExpertNames({k: v for k, v in LLAMA_NAMES.items() if not k.startswith("mlp_")}, "block_sparse_moe.gate",
                       {"mlp_gate": "block_sparse_moe.experts.{e}.w1", "mlp_expand": "block_sparse_moe.experts.{e}.w3",
                        "mlp_contract": "block_sparse_moe.experts.{e}.w2"}),
-    features=MOE_FEATURES, fields=_mixtral_fields,
+    features={**MOE_FEATURES, "sliding_window": ANY}, fields=_mixtral_fields,
     problems=lambda c: _moe_problems(c, norm_topk_prob=True, moe_layers=None),
-    write=lambda c: dict(_moe_write(c, "num_local_experts", "intermediate_size"), sliding_window=None,
+    write=lambda c: dict(_moe_write(c, "num_local_experts", "intermediate_size"), sliding_window=c.sliding_window,
                          router_jitter_noise=0.0),
     refused_keys=_REFUSED))
 
@@ -142,9 +141,6 @@ _EXPERT_NAMES = {"mlp_gate": "mlp.experts.{e}.gate_proj", "mlp_expand": "mlp.exp
 # ------------------------------------------------------------------------------------------ Qwen3-MoE
 def _qwen3_moe_fields(c: Mapping, source: str) -> dict:
     attention_bias_refused(c, source)
-    if c.get("use_sliding_window") and c.get("sliding_window") is not None:
-        raise ValueError(f"{source}: use_sliding_window={c['use_sliding_window']!r} (a sliding-window attention) "
-                         "is not implemented for Qwen3-MoE; only false")
     n, step = c["num_hidden_layers"], _int(c, "decoder_sparse_step", source)
     dense = c.get("mlp_only_layers") or []
     if not isinstance(dense, (list, tuple)) or any(not isinstance(i, int) or isinstance(i, bool) for i in dense):
@@ -152,6 +148,7 @@ def _qwen3_moe_fields(c: Mapping, source: str) -> dict:
     sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
     fields = _moe_fields(c, source, "num_experts", "moe_intermediate_size", "norm_topk_prob", 128)
     fields["moe_layers"] = None if len(sparse) == n else sparse
+    fields["sliding_window"] = window_value(c.get("sliding_window"), source) if c.get("use_sliding_window") else None
     if not sparse:
         raise ValueError(f"{source}: mlp_only_layers={list(dense)!r} with decoder_sparse_step={step} leaves no layer "
                          "with experts; load it as a Qwen3 model")
@@ -162,7 +159,8 @@ def _qwen3_moe_write(c) -> dict:
     sparse = list(range(c.n_blocks)) if c.moe_layers is None else list(c.moe_layers)
     return dict(_moe_write(c, "num_experts", "moe_intermediate_size"), decoder_sparse_step=1,
                 mlp_only_layers=[i for i in range(c.n_blocks) if i not in sparse], attention_bias=False,
-                use_sliding_window=False, sliding_window=None, max_window_layers=c.n_blocks)
+                use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
+                max_window_layers=c.n_blocks)
 
 
 register(Family(
@@ -174,7 +172,7 @@ register(Family(
          norm_topk_prob=False, output_router_logits=False, router_aux_loss_coef=0.001,
          mlp_only_layers=None),
     names=ExpertNames({**LLAMA_NAMES, **QK_NORM_NAMES}, "mlp.gate", _EXPERT_NAMES),
-    features={**MOE_FEATURES, "qk_norm": "head"}, fields=_qwen3_moe_fields,
+    features={**MOE_FEATURES, "qk_norm": "head", "sliding_window": ANY}, fields=_qwen3_moe_fields,
     problems=lambda c: _moe_problems(c), write=_qwen3_moe_write, refused_keys=_REFUSED))
 
 

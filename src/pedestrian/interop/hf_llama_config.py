@@ -19,10 +19,9 @@ field (transformers 5.25 names; older ``config.json`` files are read too)::
 
 Refused, each with one line naming the field and its value: another ``hidden_act``, another
 ``rope_type`` (linear, dynamic, yarn, longrope, ...), ``partial_rotary_factor`` other than 1
-(Llama's rotate_half turns the whole head), Qwen2's sliding window (``use_sliding_window`` true with a
-``sliding_window`` and, without ``layer_types``, ``max_window_layers`` below ``num_hidden_layers``
--- transformers' ``Qwen2Config`` slides layers ``max_window_layers`` and up; ``layer_types``
-other than ``full_attention``), Llama ``attention_bias`` or ``mlp_bias`` true alone, per-layer
+(Llama's rotate_half turns the whole head), ``layer_types`` other than ``full_attention`` in a
+family without windows (Qwen2's and Qwen3's: ``use_sliding_window`` from layer
+``max_window_layers`` on, read by :mod:`.families`), Llama ``attention_bias`` or ``mlp_bias`` true alone, per-layer
 ``rope_parameters`` that differ, ``is_encoder_decoder`` or ``add_cross_attention`` true, and the
 keys of features the Llama code does not have (:data:`REFUSED_KEYS`: experts, q/k norms,
 attention sinks) when set.
