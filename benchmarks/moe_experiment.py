@@ -15,7 +15,8 @@ Both mixtures are trained as transformers trains Mixtral (``--output-router-logi
 ``router_aux_loss_coef`` 0.01: the load-balancing loss is in the training loss); every other
 setting, the seed and the data order are the same for the three. Each final checkpoint is evaluated on
 the whole held-out split (``pedestrian eval``: the cross-entropy alone, without the aux loss).
-Tokens/s is wall-clock on a shared machine (median step): a rough speed comparison only.
+Tokens/s is wall clock, the median step: of the runs themselves, or with ``--speed-rounds`` of short
+runs of each variant in turn on an idle machine.
 
 It runs the command line, so each run is what a user gets from::
 
@@ -31,7 +32,7 @@ and writes ``docs/moe_experiment.png``, ``docs/moe_experiment.json`` and the res
 Usage::
 
     python3 benchmarks/moe_experiment.py                       # 300 steps, seed 1337 (what docs/ shows)
-    python3 benchmarks/moe_experiment.py --max-steps 1500 --seeds 1337 1338
+    python3 benchmarks/moe_experiment.py --max-steps 1500 --seeds 1337 1338 1339 --speed-rounds 3
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -99,7 +99,23 @@ def run_one(variant: str, seed: int, out: Path, args) -> dict:
     return result
 
 
-def table(results: list[dict], args, date: str) -> str:
+def speed(args, out: Path) -> dict:
+    """``{variant: tokens/s}``: each variant trained ``--speed-steps`` steps in turn, ``--speed-rounds``
+    times (the variants interleaved, so a change of the machine's load falls on all of them), the
+    median over all its steps of every round. Run it on an idle machine."""
+    rates = {v: [] for v in VARIANTS}
+    for r in range(args.speed_rounds):
+        for v in VARIANTS:
+            folder = out / "speed" / v
+            print(f"speed, round {r + 1} of {args.speed_rounds}: {v}, {args.speed_steps} steps ...", flush=True)
+            pedestrian("train", "--arch", "llama", *flags(v, args.d_mlp), "--max-steps", str(args.speed_steps),
+                       "--eval-interval", str(10 * args.speed_steps), "--warmup-steps", "10", "--max-minutes", "0",
+                       "--seed", "1337", "--out", str(folder), "--no-sample", "--no-progress", "--overwrite")
+            rates[v] += [r["tokens_per_s"] for r in read_log(folder / "log.jsonl") if "tokens_per_s" in r]
+    return {v: sorted(x)[len(x) // 2] for v, x in rates.items()}
+
+
+def table(results: list[dict], args, date: str, rates: dict | None = None) -> str:
     seeds = seeds_of(results)
     by = {(r["variant"], r["seed"]): r for r in results}
     mean = {v: sum(by[v, s]["val_loss_full_split"] for s in seeds) / len(seeds) for v in VARIANTS}
@@ -116,13 +132,18 @@ def table(results: list[dict], args, date: str) -> str:
              "| variant | MLP per block | parameters | active per token | "
              + " | ".join(f"seed {s}" for s in seeds) + " | mean | mean − dense | tokens/s (wall, median step) |",
              "|---|---|---|---|" + "---|" * len(seeds) + "---|---|---|"]
+    if rates:
+        lines[-2] = lines[-2].replace("tokens/s (wall, median step)", "tokens/s (idle machine, median step)")
     for v in VARIANTS:
         runs = [by[v, s] for s in seeds]
-        rate = sum(r["tokens_per_s_median"] for r in runs) / len(runs)
+        rate = rates[v] if rates else sum(r["tokens_per_s_median"] for r in runs) / len(runs)
         lines.append(f"| `{v}` | {what[v]} | {runs[0]['params']:,} | {runs[0]['active_params']:,} | "
                      + " | ".join(f"{r['val_loss_full_split']:.4f}" for r in runs)
                      + f" | **{mean[v]:.4f}** | {mean[v] - mean['dense']:+.4f} | {rate:,.0f} |")
-    lines += ["", "Tokens/s: on a 2-core machine shared with other jobs, a rough comparison only. Commands:", ""]
+    lines += ["", (f"Tokens/s: the median step of {args.speed_rounds} rounds of {args.speed_steps} steps per variant, "
+                   "the variants in turn, on an idle machine (`--speed-rounds`); 2 threads." if rates else
+                   "Tokens/s: the runs' median step, on a 2-core machine shared with other jobs: a rough comparison "
+                   "only.") + " Commands:", ""]
     lines += commands(results, "moe_experiment.png")
     return "\n".join(lines)
 
@@ -136,6 +157,10 @@ def main() -> int:
     p.add_argument("--out", default="runs/moe_experiment", help="run folders (default runs/moe_experiment)")
     p.add_argument("--fresh", action="store_true", help="train again runs that already have a result.json")
     p.add_argument("--docs", default=str(DOCS), help="where the plot, JSON and table go (default docs/)")
+    p.add_argument("--speed-rounds", type=int, default=0,
+                   help="then time each variant alone, in turn, this many rounds (an idle machine; default 0: "
+                        "the table gives the runs' own rates)")
+    p.add_argument("--speed-steps", type=int, default=200, help="steps per variant and round of --speed-rounds")
     args = p.parse_args()
     docs, out = Path(args.docs), Path(args.out)
     results = []
@@ -146,6 +171,7 @@ def main() -> int:
             r = results[-1]
             print(f"  val loss {r['val_loss_full_split']:.4f} (whole split), {r['params']:,} parameters "
                   f"({r['active_params']:,} per token), {r['tokens_per_s_median']:,.0f} tokens/s", flush=True)
+    rates = speed(args, out) if args.speed_rounds > 0 else None
     date = datetime.date.today().isoformat()
     plot(results, docs / "moe_experiment.png", args.max_steps, "variant", COLORS,
          lambda r, mean, seeds: (f"{r['variant']} ({r['params']:,} parameters, {r['active_params']:,} per token): "
@@ -154,9 +180,10 @@ def main() -> int:
     kept = [{k: v for k, v in r.items() if k != "train_curve"} for r in results]
     (docs / "moe_experiment.json").write_text(json.dumps(
         {"date": date, "max_steps": args.max_steps, "eval_interval": args.eval_interval, "seeds": args.seeds,
-         "d_mlp": args.d_mlp, "results": kept}, indent=1) + "\n")
+         "d_mlp": args.d_mlp, "results": kept, "tokens_per_s_idle": rates,
+         "speed": {"rounds": args.speed_rounds, "steps": args.speed_steps} if rates else None}, indent=1) + "\n")
     doc = docs / "moe_experiment.md"
-    write_results(doc, "Dense against mixtures of experts", table(results, args, date))
+    write_results(doc, "Dense against mixtures of experts", table(results, args, date, rates))
     print(f"wrote {doc}, {docs / 'moe_experiment.png'}, {docs / 'moe_experiment.json'}")
     return 0
 
