@@ -8,7 +8,9 @@ prompt runs the chain), left-padded rows or not; ``d_model`` 1-3 heads' worth (o
 widths, ``d_qk``, ``d_head`` 1-9 set apart from ``d_model / n_heads``); ``n_kv_heads`` every
 divisor of ``n_heads`` (1: multi-query); RoPE (all or part of ``d_qk``, Llama 3's scaling or
 not) or no positions; Qwen2's q, k, v biases or none; tied or untied logits; float64 and
-float32; ``PEDESTRIAN_NUM_THREADS`` = 1 and = 2, each in a subprocess of its own.
+float32; ``PEDESTRIAN_NUM_THREADS`` = 1 and = 2, each in a subprocess of its own; no window, or a sliding
+window of 1-5 keys on every block or on the second only (a ring of ``w`` slots that the steps wrap
+around: :func:`pedestrian.kernels.attention.ring_frame`).
 
 What is compared, at every step:
 
@@ -70,6 +72,7 @@ def cases(draw) -> dict:
                 d=draw(st.integers(1, 9)) * H + draw(st.integers(0, 1)), d_qk=draw(st.integers(1, 9)),
                 d_head=draw(st.integers(1, 9)), rope=draw(st.sampled_from(["full", "part", "llama3", "none"])),
                 qkv_bias=draw(st.booleans()), tied=draw(st.booleans()), padded=draw(st.booleans()),
+                window=draw(st.sampled_from([None, 1, 2, 3, 5])), window_all=draw(st.booleans()),
                 seed=draw(st.integers(0, 2**16)))
 
 
@@ -79,7 +82,10 @@ def config_of(case) -> GPTConfig:
     return llama(d_model=case["d"], n_heads=case["H"], n_kv_heads=case["H_kv"], d_qk=case["d_qk"],
                  d_head=case["d_head"], d_mlp=2 * case["d"] + 1, qkv_bias=case["qkv_bias"],
                  tie_weights=case["tied"], position_encoding="none" if rope == "none" else "rope",
-                 rope_fraction=0.5 if rope == "part" else 1.0, rope_scaling=LLAMA3 if rope == "llama3" else None)
+                 rope_fraction=0.5 if rope == "part" else 1.0, rope_scaling=LLAMA3 if rope == "llama3" else None,
+                 sliding_window=case.get("window"),
+                 layer_types=None if case.get("window") is None or case.get("window_all", True) else
+                 ("full_attention", "sliding_attention"))
 
 
 def check_case(case, dtype) -> None:
@@ -125,6 +131,8 @@ def check_case(case, dtype) -> None:
                    tied=False, padded=True, seed=1), dtype="float32")
 @example(case=dict(B=2, T0=3, Ts=[1, 1, 2], H=2, H_kv=2, d=16, d_qk=8, d_head=8, rope="part", qkv_bias=False,
                    tied=True, padded=False, seed=2), dtype="float64")
+@example(case=dict(B=2, T0=3, Ts=[1, 4, 2], H=2, H_kv=1, d=16, d_qk=8, d_head=8, rope="full", qkv_bias=False,
+                   tied=True, padded=True, window=3, window_all=False, seed=3), dtype="float64")
 def test_property_in_process(case, dtype):
     check_case(case, dtype)
 

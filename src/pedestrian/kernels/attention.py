@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from .. import layers
-from ..layers.attention import KVBlock, check_cache_heads, check_kv_heads, check_mask_args
+from ..layers.attention import KVBlock, check_cache_heads, check_kv_heads, check_mask_args, ring_slots
 from ..layers.checks import check_float
 from . import attention_loops, schedule
 from .attention_tiled import tiled_attention_backward, tiled_attention_forward, tiled_attention_weights, use_tiled
@@ -66,19 +66,56 @@ def multi_head_attention_forward(qkv, n_heads: int, d_qk: int, d_head: int, *, c
 
 def _cached_attention(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, n_kv, window, softcap, scale):
     """Attention of ``T`` new tokens against every cached one; writes their keys and values. A
-    few tokens: one numba loop nest; more (a prompt) or a sliding-window ring: the reference."""
+    few tokens: one numba loop nest (a sliding-window ring in its frame, :func:`ring_frame`); more
+    (a prompt): the reference."""
     keys, values = kv_cache.keys, kv_cache.values
     check_cache_heads(kv_cache, n_kv)
-    if (qkv.shape[1] <= schedule.DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous
-            and kv_cache.window is None):
-        return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache, window, softcap, scale)
+    if qkv.shape[1] <= schedule.DECODE_MAX_T and keys.flags.c_contiguous and values.flags.c_contiguous:
+        if kv_cache.window is None:
+            return _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache, window, softcap, scale)
+        frame, start = ring_frame(kv_cache, qkv.shape[1])
+        out = _decode(qkv, n_heads, d_qk, d_head, causal, frame, kv_cache.window, softcap, scale, start)
+        ring_keep(kv_cache, frame, qkv.shape[1])
+        return out
     out, cache = layers.multi_head_attention_forward(qkv, n_heads, d_qk, d_head, causal=causal, kv_cache=kv_cache,
                                                      n_kv_heads=n_kv, window=window, softcap=softcap, scale=scale)
     return out, dict(cache, kv_cache=True)
 
 
-def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, window=None, softcap=None, scale=None):
-    """:func:`_cached_attention` as one numba call (:func:`pedestrian.kernels.attention_loops.decode_attention`)."""
+def ring_frame(kv_cache: KVBlock, T: int) -> tuple[KVBlock, int]:
+    """``(frame, start)``: a sliding-window ring's step of ``T`` tokens as
+    :func:`~pedestrian.kernels.attention_loops.decode_attention` reads it (the reference's
+    ``_ring_step``): ``length = held``, the cached tokens a new query can still see
+    (:func:`~pedestrian.layers.attention.ring_slots`), then the ``T`` new ones, the left padding
+    counted in that frame. When they fit in the ring (``held + T <= w``: one token after a full
+    window, or a short prompt) the frame is the ring itself, its index 0 at slot ``start``, and the
+    step writes the new keys and values into their slots; else a copy in order (``start = 0``)
+    whose new keys and values :func:`ring_keep` puts into the ring."""
+    old, _ = ring_slots(kv_cache, T)
+    w, shift = kv_cache.keys.shape[2], kv_cache.length - len(old)                     # shift: index of frame 0
+    key_start = None if kv_cache.key_start is None else kv_cache.key_start - shift
+    if len(old) + T <= w:
+        return KVBlock(kv_cache.keys, kv_cache.values, len(old), key_start), (kv_cache.first + shift) % w
+    B, H_kv, _, d_qk = kv_cache.keys.shape
+    keys = np.empty((B, H_kv, len(old) + T, d_qk), kv_cache.keys.dtype)                  # (B, H_kv, held + T, d_qk)
+    values = np.empty((B, H_kv, len(old) + T, kv_cache.values.shape[3]), kv_cache.values.dtype)
+    keys[:, :, :len(old)], values[:, :, :len(old)] = kv_cache.keys[:, :, old], kv_cache.values[:, :, old]
+    return KVBlock(keys, values, len(old), key_start), 0
+
+
+def ring_keep(kv_cache: KVBlock, frame: KVBlock, T: int) -> None:
+    """The last ``min(T, w)`` new keys and values of a copied :func:`ring_frame` into their ring
+    slots (a frame that is the ring itself has them there already)."""
+    if frame.keys is kv_cache.keys:
+        return
+    _, new = ring_slots(kv_cache, T)
+    kv_cache.keys[:, :, new] = frame.keys[:, :, frame.length + T - len(new):frame.length + T]
+    kv_cache.values[:, :, new] = frame.values[:, :, frame.length + T - len(new):frame.length + T]
+
+
+def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, window=None, softcap=None, scale=None, start=0):
+    """:func:`_cached_attention` as one numba call (:func:`pedestrian.kernels.attention_loops.decode_attention`;
+    ``start``: the slot of cache index 0, :func:`ring_frame`)."""
     B, T, _ = qkv.shape
     L0, L = kv_cache.length, kv_cache.length + T
     if L0 < 0 or L > kv_cache.keys.shape[2]:                # (numba writes past the cache)
@@ -89,7 +126,7 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, window=None, 
     q = np.empty((B, n_heads, T, d_qk), dtype=qkv.dtype)
     p = np.empty((B, n_heads, T, L), dtype=qkv.dtype)
     out = np.empty((B, T, n_heads * d_head), dtype=qkv.dtype)
-    attention_loops.decode_attention(np.ascontiguousarray(qkv), kv_cache.keys, kv_cache.values, L0, key_start,
+    attention_loops.decode_attention(np.ascontiguousarray(qkv), kv_cache.keys, kv_cache.values, L0, start, key_start,
                                      causal, 0 if window is None else int(window),
                                      0.0 if softcap is None else float(softcap),
                                      1.0 / math.sqrt(d_qk) if scale is None else scale, q, p, out)

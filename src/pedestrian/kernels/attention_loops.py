@@ -266,7 +266,7 @@ def _group_sum(u, H, dk_heads, dv_heads, delta_qkv):
 
 
 @kernel
-def decode_attention(qkv, keys, values, length, key_start, causal, window, cap, scale, q_out, p_out, out):
+def decode_attention(qkv, keys, values, length, start, key_start, causal, window, cap, scale, q_out, p_out, out):
     """``out = softmax(q [K; k]ᵀ/√d_qk, mask) [V; v]`` for ``T`` new tokens after the cache's
     ``K``, ``V`` (EQUATIONS.md, "KV cache").
 
@@ -279,8 +279,10 @@ def decode_attention(qkv, keys, values, length, key_start, causal, window, cap, 
     padded); ``q_out`` ``(B, H, T, d_qk)`` = ``q · scale``, ``p_out`` ``(B, H, T, L)``,
     ``out`` ``(B, T, H·d_head)``; ``window > 0``: only keys ``pos − window < i`` (a full-length
     cache); ``cap > 0``: scores ``cap · tanh(s / cap)``. Masks as
-    :func:`pedestrian.layers.attention.attention_mask`."""
-    B, H_kv, _, d_qk = keys.shape
+    :func:`pedestrian.layers.attention.attention_mask`. Cache index ``i`` lives in slot ``(start +
+    i) mod capacity``: ``start = 0`` for a cache in order; a sliding window's ring read in place, in
+    its tokens' order (:func:`pedestrian.kernels.attention.ring_frame`)."""
+    B, H_kv, n_slots, d_qk = keys.shape
     H = q_out.shape[1]
     d_head = values.shape[3]
     T = qkv.shape[1]
@@ -289,10 +291,11 @@ def decode_attention(qkv, keys, values, length, key_start, causal, window, cap, 
     for bj in range(B * H_kv):                       # the key/value heads' new keys, values
         b, j = bj // H_kv, bj % H_kv
         for t in range(T):
+            slot = (start + length + t) % n_slots
             for c in range(d_qk):
-                keys[b, j, length + t, c] = qkv[b, t, H * d_qk + j * d_qk + c]
+                keys[b, j, slot, c] = qkv[b, t, H * d_qk + j * d_qk + c]
             for c in range(d_head):
-                values[b, j, length + t, c] = qkv[b, t, H * d_qk + H_kv * d_qk + j * d_head + c]
+                values[b, j, slot, c] = qkv[b, t, H * d_qk + H_kv * d_qk + j * d_head + c]
     for bh in range(B * H):                  # serial: a token's work is smaller than a parallel region's cost
         b, h = bh // H, bh % H
         j = h // (H // H_kv)                                         # its key/value head
@@ -303,21 +306,25 @@ def decode_attention(qkv, keys, values, length, key_start, causal, window, cap, 
             for c in range(d_qk):
                 q[c] = qkv[b, t, h * d_qk + c] * scale
             p = p_out[b, h, t]
+            slot = start - 1                                         # cache index i's slot, wrapping
             for i in range(L):
+                slot = slot + 1 if slot + 1 < n_slots else 0
                 if (causal and i > pos) or (i < key_start[b] and i != pos) or (window > 0 and i <= pos - window):
                     p[i] = -np.inf
                     continue
-                ki = keys[b, j, i]
+                ki = keys[b, j, slot]
                 dot = zero
                 for c in range(d_qk):
                     dot += q[c] * ki[c]
                 p[i] = cap * np.tanh(dot / cap) if cap > 0 else dot
             total = exp_shifted(p, L, row_max(p, L, p[pos]))         # (its own key: always allowed)
             acc[:] = 0.0
+            slot = start - 1
             for i in range(L):
+                slot = slot + 1 if slot + 1 < n_slots else 0
                 masked = (causal and i > pos) or (i < key_start[b] and i != pos) or (window > 0 and i <= pos - window)
                 p[i] = zero if masked else p[i] / total              # (0 also when the max is NaN)
-                vi = values[b, j, i]
+                vi = values[b, j, slot]
                 for c in range(d_head):
                     acc[c] += p[i] * vi[c]
             for c in range(d_head):

@@ -31,8 +31,8 @@ def add_rmsnorm(x, branch, weight, eps, y, xhat, rrms):
 
 
 @kernel
-def rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, keys, values, length, key_start, causal, window,
-                          cap, scale, q_out, p_out, out):
+def rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, keys, values, length, start, key_start, causal,
+                          window, cap, scale, q_out, p_out, out):
     """RoPE on the q and k heads of ``qkv`` ``(B, T, width)`` into ``turned`` ``(B·T, width)``
     (:func:`pedestrian.kernels.rope._turn`; ``r = 0``: a copy, no RoPE), then the KV-cache step of
     :func:`pedestrian.kernels.attention_loops.decode_attention` on ``turned`` (EQUATIONS.md "RoPE",
@@ -43,5 +43,5 @@ def rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r, turned, keys, values, le
         turn_rows(flat, cos, sin, n_qk, d_qk, r, turned)
     else:
         turned[:, :] = flat
-    decode_attention(turned.reshape((B, T, width)), keys, values, length, key_start, causal, window, cap, scale,
-                     q_out, p_out, out)
+    decode_attention(turned.reshape((B, T, width)), keys, values, length, start, key_start, causal, window, cap,
+                     scale, q_out, p_out, out)

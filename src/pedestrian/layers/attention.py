@@ -371,26 +371,34 @@ def check_mask_args(qkv, kv_cache, window, segments, softcap) -> None:
                          f"{tuple(qkv.shape[:2])}; pass one segment id per token")
 
 
+def ring_slots(kv_cache: KVBlock, T: int) -> tuple[list, list]:
+    """``(old, new)``: the ring slots of a sliding-window block's step of ``T`` tokens -- ``old``, in
+    order, those of the last ``min(length, w − 1)`` cached tokens a new query can still see; ``new``
+    those the last ``min(T, w)`` new tokens go to, ``(first + p) mod w``. (This layer's step and the
+    fused decode step, :mod:`pedestrian.model.decode`.)"""
+    w, L0 = kv_cache.keys.shape[2], kv_cache.length
+    held, n = min(L0, w - 1), min(T, w)
+    return ([(kv_cache.first + p) % w for p in range(L0 - held, L0)],
+            [(kv_cache.first + p) % w for p in range(L0 + T - n, L0 + T)])
+
+
 def _ring_step(kv_cache: KVBlock, k, v):
     """A KV-cache step of a sliding-window block whose arrays are a ring of ``w`` slots: the keys
-    and values the new queries may see -- the last ``min(length, w − 1)`` cached ones (gathered in
+    and values the new queries may see -- the cached ones of :func:`ring_slots` (gathered in
     order) and the ``T`` new ones -- and the left padding in that frame; the new tokens' keys and
-    values (the last ``w`` of them) are written into their slots ``(first + p) mod w``."""
+    values (the last ``w`` of them) are written into their slots."""
     xp = array_namespace(k)
     w, L0, T = kv_cache.keys.shape[2], kv_cache.length, k.shape[2]
     if kv_cache.window != w:
         raise ValueError(f"a sliding-window cache block holds {w} slots but its window is {kv_cache.window}")
     if kv_cache.keys.shape[1] != k.shape[1]:
         check_cache_heads(kv_cache, k.shape[1])
-    held = min(L0, w - 1)                                                    # keys a new query can still see
-    old = [(kv_cache.first + p) % w for p in range(L0 - held, L0)]
+    old, new = ring_slots(kv_cache, T)
     keys = xp.concat([kv_cache.keys[:, :, old, :], k], axis=2)              # (B, H_kv, held + T, d_qk)
     values = xp.concat([kv_cache.values[:, :, old, :], v], axis=2)          # (B, H_kv, held + T, d_head)
-    n = min(T, w)                                                            # the new ones the ring keeps
-    new = [(kv_cache.first + p) % w for p in range(L0 + T - n, L0 + T)]
-    kv_cache.keys[:, :, new, :] = k[:, :, T - n:, :]
-    kv_cache.values[:, :, new, :] = v[:, :, T - n:, :]
-    key_start = None if kv_cache.key_start is None else kv_cache.key_start - (L0 - held)
+    kv_cache.keys[:, :, new, :] = k[:, :, T - len(new):, :]
+    kv_cache.values[:, :, new, :] = v[:, :, T - len(new):, :]
+    key_start = None if kv_cache.key_start is None else kv_cache.key_start - (L0 - len(old))
     return keys, values, key_start
 
 

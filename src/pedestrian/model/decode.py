@@ -40,8 +40,8 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     :data:`~pedestrian.kernels.schedule.DECODE_MAX_T` new tokens, ``plain`` (it keeps no
     activations and runs no dropout), no targets, NumPy arrays of a model on the fast kernels with
     RMS norms, a SwiGLU MLP (no experts: a mixture of experts runs the chain) and RoPE (or no
-    positions), no LoRA adapters, no plugged layer, no sliding-window block whose cache is a ring
-    (``sliding_window < context_length``)."""
+    positions), no LoRA adapters, no plugged layer (a sliding-window block's ring runs in its own
+    frame, :func:`pedestrian.kernels.attention.ring_frame`)."""
     c, K = model.config, model.kernels
     if not plain or kv_cache is None or targets is not None or type(tokens) is not np.ndarray:
         return False
@@ -50,8 +50,6 @@ def fits(model, tokens, targets, kv_cache, plain: bool) -> bool:
     if c.n_experts or c.norm != "rmsnorm" or c.mlp != "swiglu" or c.position_encoding not in ("rope", "none") or not c.causal:
         return False
     if c.norm_placement != "pre":                      # its skips and norms are fused as pre-norms
-        return False
-    if c.sliding_window is not None and c.sliding_window < c.context_length:   # a sliding-window ring: the chain
         return False
     return all(getattr(K, name) is f for name, f in _STANDS_FOR.items())
 
@@ -70,9 +68,9 @@ def forward(model, tokens, kv_cache):
     width, eps = H * d_qk + H_kv * (d_qk + d_head), float(c.ln_eps)
     first = kv_cache.block(0)
     L0, L = first.length, first.length + T
-    if L0 < 0 or L > first.keys.shape[2]:
+    if L0 < 0 or L > kv_cache.context_length:
         raise ValueError(f"a KV-cache step of {T} tokens at length {L0} does not fit the cache's "
-                         f"capacity {first.keys.shape[2]}")
+                         f"capacity {kv_cache.context_length}")
     positions = kv_cache.positions(T)
     x = np.array(model.kernels.embedding_forward(tokens, W.tok_emb, W.pos_emb, positions,      # (B, T, d), own
                                                  **c.embedding_options)[0])
@@ -87,13 +85,15 @@ def forward(model, tokens, kv_cache):
     else:
         r = 0
     none = (np.zeros((1, 1), dtype),) * 2
-    key_start = (np.zeros(B, np.int64) if first.key_start is None
-                 else np.asarray(first.key_start, dtype=np.int64).reshape(B))
+    def starts(block):                                 # each row's first real key, in the block's frame
+        return (np.zeros(B, np.int64) if block.key_start is None
+                else np.asarray(block.key_start, dtype=np.int64).reshape(B))
     x2 = x.reshape(B * T, d)
     y = np.empty((B, T, d), dtype)                     # each norm's output (a2, a6, a11)
     y2, xhat, rrms = y.reshape(B * T, d), np.empty((B * T, d), dtype), np.empty(B * T)
     turned, q = np.empty((B * T, width), dtype), np.empty((B, H, T, d_qk), dtype)
-    p, a3 = np.empty((B, H, T, L), dtype), np.empty((B, T, H * d_head), dtype)
+    scores = {}                                        # (B, H, T, keys) by the keys a block's step sees
+    a3 = np.empty((B, T, H * d_head), dtype)
     m = c.d_mlp
     a8 = np.empty((B, T, m), dtype)
     n_qk, scale = H + H_kv, c.score_scale
@@ -106,14 +106,23 @@ def forward(model, tokens, kv_cache):
 
     fused.rmsnorm_rows(x2, w_norm(W.blocks[0].ln1), eps, y2, xhat, rrms)                   # a2 of block 0
     for i, w in enumerate(W.blocks):
-        block = kv_cache.block(i)
+        block = ring = kv_cache.block(i)
+        start = 0                                                   # (the slot of cache index 0)
+        if ring.window is not None:                                 # a sliding window's ring, in its tokens' order
+            block, start = attention.ring_frame(ring, T)
         qkv = mm(y, w.qkv)                                          # (B, T, width)
         qkv, _ = prelude.forward(model.kernels, c, i, qkv, w, None, turn=False)          # q/k norms (the chain's)
         window = c.window(i)
         cos, sin = angles.get(c.rope_of(i), none) if r else none
+        n_keys = block.length + T
+        p = scores.get(n_keys)
+        if p is None:
+            p = scores[n_keys] = np.empty((B, H, T, n_keys), dtype)
         fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r if c.uses_rope(i) else 0, turned, block.keys,
-                                    block.values, L0, key_start, True, 0 if window is None else window, cap, scale,
-                                    q, p, a3)                                               # RoPE, a3
+                                    block.values, block.length, start, starts(block), True,
+                                    0 if window is None else window, cap, scale, q, p, a3)  # RoPE, a3
+        if ring.window is not None:
+            attention.ring_keep(ring, block, T)
         a4 = mm(a3, w.attn_proj)
         fused.add_rmsnorm(x2, a4.reshape(B * T, d), w_norm(w.ln2), eps, y2, xhat, rrms)     # a5 in x, a6 in y
         a7 = mm(y, w.mlp_gate_up).reshape(B * T, -1)                                   # [a7_gate | a7_up]
