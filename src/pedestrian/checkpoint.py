@@ -159,8 +159,8 @@ def resolve_checkpoint_dir(path) -> Path:
     if (p / "config.json").is_file():           # a Hugging Face model folder: say where it goes
         raise FileNotFoundError(
             f"no checkpoint at {p}: it holds config.json, a Hugging Face model folder, which the commands "
-            f"take as --hf-dir {p} (`pedestrian sample --hf-dir`, `pedestrian finetune --hf-dir`, whose "
-            "`step 0: val loss` line is the model's own loss on --data)")
+            f"take as --hf-dir {p} (`pedestrian sample --hf-dir`, `pedestrian explain --hf-dir`, "
+            "`pedestrian finetune --hf-dir`, whose `step 0: val loss` line is the model's own loss on --data)")
     if (p / "adapter_config.json").is_file():   # a PEFT adapter folder (a finetune run's peft/)
         run = p.parent if (p.parent / "adapter" / STATE_FILE).is_file() else None
         raise FileNotFoundError(

@@ -177,7 +177,8 @@ def load_model(checkpoint=None, hf_dir=None, *, dtype: str | None = None, backen
     if checkpoint is None:
         if hf_dir is None:
             raise ValueError("pass a checkpoint (a train or finetune run: sample's --checkpoint CKPT, eval's CKPT) "
-                             "or --hf-dir DIR (a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory)")
+                             "or --hf-dir DIR (a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, SmolLM3, "
+                             "OLMo 2, Mixtral, Qwen3-MoE or OLMoE directory)")
         folder = HFFolder(hf_dir)
         tokenizer = folder.tokenizer()                 # cheap: fail before reading the weights
         return LoadedModel(folder.model(dtype=dtype or "float32", backend=backend), tokenizer, base=str(hf_dir),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pedestrian.cli import main as cli_main
-from pedestrian.paper.explain import explain_rows, matmul_flops, totals
+from pedestrian.paper.explain import explain_rows, explain_table, matmul_flops, totals
 from pedestrian.config import GPTConfig
 
 TINY = dict(vocab_size=5, context_length=3, d_model=4, n_heads=2, n_blocks=1, mlp_ratio=4,
@@ -197,3 +197,28 @@ def test_mixture_of_experts_rows():
     assert matmul_flops(moe, B, T) == matmul_flops(dense, B, T) + 3 * (-3 * 288 + 3 * 480 + 144)
     tot = totals(moe, explain_rows(moe, B, T), B, T)
     assert tot["six_n"] == 6 * (tot["n_params"] - 3 * 4 * 5) * B * T       # one expert of 3 unused per token
+
+
+def test_blocks_of_other_kinds_get_rows_of_their_own():
+    """A mixture whose middle block is dense, and a window on the outer blocks (a fresh user's find:
+    the table gave every block the first one's rows): the outer blocks' rows (experts, window) and
+    the middle one's (dense MLP, full attention), each counted for its own blocks; the products add
+    up as two mixture blocks and one dense block do."""
+    kw = {**LLAMA_TINY, "n_experts": 3, "n_experts_per_token": 2, "d_expert": 5, "n_blocks": 3}
+    mixed = GPTConfig(**kw, moe_layers=(0, 2), sliding_window=2,
+                      layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    rows = explain_rows(mixed, B, T)
+    kinds = {r.blocks for r in rows if r.blocks}
+    assert kinds == {(0, 2), (1,)}
+    by = {(r.blocks, r.name): r for r in rows}
+    assert by[(0, 2), "a7_gate"].shape == (B * T * 2, 5) and by[(1,), "a7_gate"].shape == (B, T, mixed.d_mlp)
+    assert ((0, 2), "r") in by and ((1,), "r") not in by
+    assert "window 2" in by[(0, 2), "P"].forward and "window" not in by[(1,), "P"].forward
+    tot = totals(mixed, rows, B, T)
+    assert tot["fwd"] == sum(r.fwd_flops * (len(r.blocks) or 1) for r in rows)
+    every = GPTConfig(**kw)
+    dense = GPTConfig(**{**LLAMA_TINY, "n_blocks": 3})
+    assert 3 * matmul_flops(mixed, B, T) == 2 * matmul_flops(every, B, T) + matmul_flops(dense, B, T)
+    out = explain_table(mixed, B, T)
+    assert "block i, for i in 0, 2 (a mixture of experts, window 2)" in out
+    assert "block i, for i = 1 (a dense MLP, full attention)" in out

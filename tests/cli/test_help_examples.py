@@ -33,7 +33,7 @@ def test_there_are_examples():
     assert len(list(_examples())) >= 20          # the scan above reads every command's help
 
 
-@pytest.mark.parametrize("argv", [["explain", "--hf-dir", "x"], ["params", "--preset", "gpt2", "--max-steps", "3"]])
+@pytest.mark.parametrize("argv", [["explain", "--data", "x"], ["params", "--preset", "gpt2", "--max-steps", "3"]])
 def test_an_unknown_flag_points_at_its_command_help(argv, capsys):
     from pedestrian.cli import main
 

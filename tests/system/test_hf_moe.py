@@ -350,3 +350,22 @@ def test_cli_finetune_writes_expert_adapters_as_peft_files(case, tmp_path, capsy
         want = oracle(peft.PeftModel.from_pretrained(base, str(run / "peft")).eval())(torch.as_tensor(X)).logits
     want = want.numpy()
     assert np.max(np.abs(np.asarray(model.forward(X)) - want)) <= REL * np.max(np.abs(want))
+
+
+def test_explain_and_params_read_a_folder(folders, capsys):
+    """``explain --hf-dir`` and ``params --hf-dir`` read the folder's config.json (no weights): the
+    dense block of the Qwen3-MoE folder gets its own rows, the window its mask; a field flag beside
+    the folder is refused in one line."""
+    from pedestrian import cli
+
+    d = str(folders["qwen3_moe-renorm-dense-layer-window"][0])
+    assert cli.main(["explain", "--hf-dir", d, "--seq-len", "8"]) == 0
+    out, _ = capsys.readouterr()
+    assert "block i, for i in 0, 2 (a mixture of experts)" in out and "block i, for i = 1 (a dense MLP)" in out
+    assert "causal mask, window 5" in out
+    assert cli.main(["params", "--hf-dir", d, "--lora-rank", "2", "--lora-targets", "q", "v"]) == 0
+    out, _ = capsys.readouterr()
+    assert "active per token" in out and "LoRA r=2 on q,v" in out
+    assert cli.main(["params", "--hf-dir", d, "--d-model", "32"]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "--d-model changes a preset's model; --hf-dir brings its own" in err

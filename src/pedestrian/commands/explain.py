@@ -3,7 +3,7 @@ step, with its shape, formula, the parameters it touches, forward and backward F
 memory the forward keeps for it; totals at the bottom, beside the 6·N·tokens rule.
 
 The model: a checkpoint (--checkpoint: its config, dtype, batch and context), a `pedestrian
-train` settings file (--config FILE.toml), a preset (--preset, with the field flags of
+train` settings file (--config FILE.toml), a Hugging Face model folder (--hf-dir DIR), a preset (--preset, with the field flags of
 `pedestrian params`), or else the default model of `pedestrian train` on the bundled plays (84
 characters). --batch-size and --seq-len set B and T (default: the run's batch size, or 1, and
 the context length; a `pedestrian finetune` run's micro-batch and training window, with a line on
@@ -17,6 +17,7 @@ Examples:
   pedestrian explain --checkpoint runs/shakespeare_char/best
   pedestrian explain --config configs/shakespeare_char.toml
   pedestrian explain --preset smollm2-135m --seq-len 2048 --unfused-head
+  pedestrian explain --hf-dir Qwen3-30B-A3B --seq-len 512
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("which model (at most one of these)")
     src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint folder or run folder")
     src.add_argument("--config", metavar="FILE.toml", help="a `pedestrian train` settings file")
+    src.add_argument("--hf-dir", metavar="DIR", help="a Hugging Face model folder (its config.json; no weights read)")
     add_model_flags(parser)                       # --preset and the field flags
     parser.add_argument("--batch-size", type=int, metavar="B", help="sequences per step")
     parser.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (default: context length)")
@@ -44,14 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None, dict]:
     """``(config, batch size or None, dtype, a checkpoint's plugged layers, a pedestrian finetune
     checkpoint's recorded settings or {})`` from the chosen source."""
-    sources = [name for name in ("checkpoint", "config", "preset") if getattr(args, name)]
+    sources = [name for name in ("checkpoint", "config", "hf_dir", "preset") if getattr(args, name)]
     if len(sources) > 1:
-        raise ValueError(f"give at most one of --checkpoint, --config, --preset (got {', '.join(sources)})")
+        raise ValueError(f"give at most one of --checkpoint, --config, --hf-dir, --preset (got "
+                         f"{', '.join('--' + s.replace('_', '-') for s in sources)})")
     dtype = args.dtype or "float32"
     flags = [f for f in CONFIG_FIELDS if getattr(args, f, None) is not None and f != "vocab_size"]
-    if (args.checkpoint or args.config) and flags:
-        raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --checkpoint and --config "
-                         "bring their own (drop the flag, or use --preset)")
+    if (args.checkpoint or args.config or args.hf_dir) and flags:
+        raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --checkpoint, --config and "
+                         "--hf-dir bring their own (drop the flag, or use --preset)")
+    if args.hf_dir:
+        from ..interop.hf import HFFolder
+
+        return HFFolder(args.hf_dir).config, None, dtype, None, {}
     if args.checkpoint:
         from ..checkpoint import read_state
 

@@ -6,12 +6,14 @@ Examples:
   pedestrian params --vocab-size 65 --context-length 64 --d-model 128 --n-heads 4 --n-blocks 4
   pedestrian params --preset gpt2 --d-mlp 3000 --no-qkv-bias
   pedestrian params --preset gpt2 --position-encoding rope     # no position table: 786,432 fewer
+  pedestrian params --hf-dir SmolLM2-135M --lora-rank 8 --lora-targets q v
 """
 
 from __future__ import annotations
 
 import argparse
 
+from ..config import CONFIG_FIELDS
 from ..model.layout import LORA_LAYER_KINDS
 from ..paper.explain import params_table
 from ..training.settings import add_model_flags, config_from_args
@@ -19,6 +21,8 @@ from ..training.settings import add_model_flags, config_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser, "qkv_bias")
+    parser.add_argument("--hf-dir", metavar="DIR", help="a Hugging Face model folder (its config.json; no weights "
+                        "read) instead of a preset")
     parser.add_argument("--lora-rank", type=int, help="also count LoRA adapters of this rank")
     parser.add_argument("--lora-targets", nargs="+", default=["all"],
                         help=f"LoRA layer kinds: {' '.join(LORA_LAYER_KINDS)} or all (default all)")
@@ -27,9 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.preset is None and args.vocab_size is None:
-        args.preset = "gpt2"
-    config = config_from_args(args)
+    if args.hf_dir:
+        from ..interop.hf import HFFolder
+
+        flags = ["preset"] * (args.preset is not None) + [f for f in CONFIG_FIELDS if getattr(args, f, None) is not None]
+        if flags:
+            raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --hf-dir brings its own "
+                             "(drop the flag)")
+        config = HFFolder(args.hf_dir).config
+    else:
+        if args.preset is None and args.vocab_size is None:
+            args.preset = "gpt2"
+        config = config_from_args(args)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
     lora = None if args.lora_rank is None else (args.lora_rank, args.lora_targets)

@@ -87,8 +87,9 @@ def experts_to_peft(model, P: Mapping, ranks: Mapping, alphas: Mapping) -> tuple
             adapted.setdefault(i, {}).setdefault(e, []).append(layer)
     if adapted and model.lora_dropout:
         raise PeftRefused(f"PEFT files cannot hold adapters on experts with lora_dropout={model.lora_dropout}: "
-                         "PEFT adapts a block's experts as one parameter, which takes no dropout; set "
-                         "model.lora_dropout = 0 before writing (the weights are the same)")
+                         "PEFT adapts a block's experts as one parameter, which takes no dropout; fine-tune with "
+                         "--lora-dropout 0 (in Python: set model.lora_dropout = 0 before writing, the weights are "
+                         "the same), or merge them (pedestrian export-hf --adapter)")
     adapters, holders, parts = {}, {}, {}
     for i, by_expert in sorted(adapted.items()):
         shape = {e: [(layer, ranks[f"blocks.{i}.experts.{e}.{layer}"]) for layer in sorted(layers)]
@@ -96,8 +97,9 @@ def experts_to_peft(model, P: Mapping, ranks: Mapping, alphas: Mapping) -> tuple
         if len(by_expert) != E or len({tuple(v) for v in shape.values()}) != 1:
             raise PeftRefused(f"PEFT files cannot hold block {i}'s expert adapters: PEFT adapts a block's {E} experts "
                              f"with one rank per parameter, and these differ by expert ({len(by_expert)} of {E} "
-                             "adapted, or other layers or ranks); adapt every expert alike (add_lora(['mlp_gate', "
-                             "...]) adapts them all)")
+                             "adapted, or other layers or ranks); adapt every expert alike (--lora-targets gate_proj "
+                             "up_proj down_proj, add_lora(['mlp_gate', ...]) in Python), or merge them (pedestrian "
+                             "export-hf --adapter)")
         layers = by_expert[0]
         targeted = [name for name, of in PARAMETERS.items() if set(of) & set(layers)]
         for name in targeted:

@@ -9,8 +9,8 @@ products per fully connected layer, Δ_in = Δ Wᵀ and dW = xᵀ Δ, and four i
 Elementwise work is counted at the costs of :data:`ELEMENTWISE`: the arithmetic operations per
 element of the reference layers (src/pedestrian/layers), each +, −, ×, ÷, exp, tanh, erf, sqrt,
 cos, sin and each summed element of a reduction counted once; comparisons, gathers and copies
-count 0. One block's rows are given once (every block is the same); totals count them
-n_blocks times. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
+count 0. One block's rows are given once for the blocks alike (per kind of block where they differ:
+a mixture of experts or a dense MLP, a window or full attention); totals count them once per block. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
 int64); totals add the parameters, their gradients and the two AdamW moments. The step is
 ``model.loss``'s, whose output head is fused with its loss (:mod:`pedestrian.model.head`): the
 logits ``a12`` and the loss's softmax / ``Δ12`` are not kept (0 bytes in their rows; the fused
@@ -77,7 +77,12 @@ class Row:
     backward: str
     bwd_flops: int
     memory: int                                   # bytes the forward keeps
-    per_block: bool = False
+    blocks: tuple = ()                            # the blocks whose row this is (() : not a block's)
+
+    @property
+    def per_block(self) -> bool:
+        """Whether this is a block's row (counted once per block of :attr:`blocks`)."""
+        return bool(self.blocks)
 
 
 def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int = 4,
@@ -129,102 +134,110 @@ def explain_rows(config: GPTConfig, batch_size: int, seq_len: int, itemsize: int
                     N * d * (E["embedding"]["bwd"] + learned * E["position"]["bwd"] + s * E["scale"]["bwd"]),
                     N * d * itemsize))
     dgb = "dγ" if rms else "dγ, dβ"
-    pre, post = c.norm_placement != "post", c.norm_placement != "pre"    # where the block's norms sit
-    if pre:
-        rows.append(Row("a2", (B, T, d), f"{LN}1(x)", ln_params, ln_fwd, f"Δx += {LN}1ᵀ(Δ2); {dgb}",
-                        ln_bwd, N * d * itemsize, True))
-    else:
-        rows.append(Row("a2", (B, T, d), "x (norm_placement='post': no norm here)", "-", 0, "Δx += Δ2", 0, 0, True))
-    qkv_bias = 1 if c.qkv_bias else 0
-    fwd = 2 * N * d * w_qkv + qkv_bias * N * w_qkv
-    bwd = 4 * N * d * w_qkv + qkv_bias * N * w_qkv
-    rope = c.position_encoding == "rope"          # then the rotated copy is kept, not this one
-    qkv_formula = "a2 [Wq|Wk|Wv]" + (" + [bq|bk|bv]" if qkv_bias or not rms else "")
-    if Hkv != H:
-        qkv_formula += f" (k, v: {Hkv} heads)"
-    rows.append(Row("qkv", (B, T, w_qkv), qkv_formula, "attn.q, attn.k, attn.v",
-                    fwd, "Δ2 = Δqkv Wᵀ; dW = a2ᵀ Δqkv", bwd, 0 if rope else N * w_qkv * itemsize, True))
-    if c.qk_norm is not None:                     # the prelude's q/k RMS norms (model/prelude.py)
-        n_qk = N * (H + Hkv) * dqk
-        per_row = N * (H + Hkv) if c.qk_norm == "head" else 2 * N
-        rn = E["rmsnorm"]
-        rows.append(Row("qk_norm", (B, T, w_qkv), "q, k ← RMS(q; w_q), RMS(k; w_k)" + (" per head" if c.qk_norm == "head"
-                        else " over the projection"), "attn.q_norm, attn.k_norm", n_qk * rn["fwd"] + per_row * rn["per_row_fwd"],
-                        "Δq, Δk ← RMSᵀ(Δ); dw_q, dw_k", n_qk * rn["bwd"], 0 if rope else N * w_qkv * itemsize, True))
-    if rope:
-        r = c.rope_dims
-        per = N * (H + Hkv) * r                   # rotated q and k elements
-        some = "" if c.rope_layers is None else f"; blocks {sum(c.rope_layers)} of {c.n_blocks} (rope_layers)"
-        rows.append(Row("rope", (B, T, w_qkv), f"q, k ← R(tθ) (first {r} of {dqk} per head{some})", "-",
-                        per * E["rope"]["fwd"], "Δq, Δk ← R(−tθ) Δ", per * E["rope"]["bwd"],
-                        N * w_qkv * itemsize, True))
-    scores = B * H * T * T
-    mask = " + causal mask" if c.causal else ""
-    rows.append(Row("P", (B, H, T, T), f"softmax(q kᵀ/√d_qk{mask})", "-",
-                    2 * scores * dqk + scores * E["scores"]["fwd"],
-                    "Δcausal = P∘(dP − rowsum(dP∘P))", scores * E["scores"]["bwd"],
-                    scores * itemsize, True))
-    g = H // Hkv
-    rows.append(Row("a3", (B, T, H * dh), "P v, heads side by side" if g == 1 else
-                    f"P_h v_(h//{g}), heads side by side", "-", 2 * scores * dh,
-                    "dv = PᵀΔ3, dP = Δ3 vᵀ; dq = Δraw k, dk = Δrawᵀ q" if g == 1 else
-                    f"dq = Δraw k; dK_j, dV_j: Σ over {g} heads",
-                    2 * scores * dh * 2 + 2 * scores * dqk * 2, N * H * dh * itemsize, True))
-    fwd, bwd = fc(H * dh, d)
-    b_ = " + b" if bias or not rms else ""        # GPT-2's rows name b whatever the config
-    rows.append(Row("a4", (B, T, d), "a3 W_proj" + b_, "attn_proj", fwd, "Δ3 = Δ4 Wᵀ; dW = a3ᵀ Δ4", bwd,
-                    N * d * itemsize, True))
-    if post:                                      # the norm after the attention (model/placement.py)
-        rows.append(Row("a4_post", (B, T, d), f"{LN}1post(a4)", ln_params, ln_fwd, f"Δ4 = {LN}1postᵀ(Δ4_post); {dgb}",
-                        ln_bwd, N * d * itemsize, True))
-    rows.append(Row("a5", (B, T, d), "x + a4_post" if post else "x + a4", "-", N * d * E["add"]["fwd"],
-                    "Δx += Δ5; Δ4_post = Δ5" if post else "Δx += Δ5; Δ4 = Δ5",
-                    N * d * E["add"]["bwd"], N * d * itemsize, True))
-    if pre:
-        rows.append(Row("a6", (B, T, d), f"{LN}2(a5)", ln_params, ln_fwd, f"Δ5 += {LN}2ᵀ(Δ6); {dgb}", ln_bwd,
-                        N * d * itemsize, True))
-    else:
-        rows.append(Row("a6", (B, T, d), "a5 (norm_placement='post': no norm here)", "-", 0, "Δ5 += Δ6", 0, 0, True))
-    k, mm, rows_of = 1, dm, (B, T)                # a mixture of experts: each token's k experts' rows
-    if c.n_experts:
-        k, mm, Ex = c.n_experts_per_token, c.d_expert, c.n_experts
-        rows_of = (N * k,)
-        fwd, bwd = fc(d, Ex)
-        rows.append(Row("r", (B, T, Ex), f"a6 W_r; top-{k} of softmax(r) → g (N, {k})", "router",
-                        fwd + N * Ex * E["cross_entropy"]["fwd"], "Δr = π∘(∂π − ⟨π, ∂π⟩); Δ6 = Δr W_rᵀ",
-                        bwd + N * Ex * E["cross_entropy"]["bwd"], N * (Ex + 2 * k) * itemsize, True))
-    fwd, bwd = (k * f for f in fc(d, mm))
-    if c.mlp == "swiglu":                         # two FC layers of a6, then the gated product
-        x6 = "a6 (its rows per expert) " if c.n_experts else "a6 "
-        rows.append(Row("a7_gate", (*rows_of, mm), x6 + "W_gate" + b_, "mlp_gate", fwd,
-                        "Δ6 = Δ7_gate W_gateᵀ; dW = a6ᵀ Δ7_gate", bwd, N * k * mm * itemsize, True))
-        rows.append(Row("a7_up", (*rows_of, mm), x6 + "W_up" + b_, "mlp_expand", fwd,
-                        "Δ6 += Δ7_up W_upᵀ; dW = a6ᵀ Δ7_up", bwd, N * k * mm * itemsize, True))
-        gate = "gelu" if c.activation == "gelu_tanh" else "silu"            # GeGLU (Gemma) or SwiGLU
-        sw = E["geglu" if gate == "gelu" else "swiglu"]
-        rows.append(Row("a8", (*rows_of, mm), f"{gate}(a7_gate) ∘ a7_up", "-", N * k * mm * sw["fwd"],
-                        f"Δ7_up = Δ8∘{gate}(a7_gate); Δ7_gate = Δ8∘a7_up∘{gate}'", N * k * mm * sw["bwd"],
-                        N * k * mm * itemsize, True))
-    else:
-        rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
-                        N * dm * itemsize, True))
-        g = E[c.activation]
-        rows.append(Row("a8", (B, T, dm), f"g(a7), g = {c.activation}", "-", N * dm * g["fwd"],
-                        "Δ7 = g'(a7) ∘ Δ8", N * dm * g["bwd"], N * dm * itemsize, True))
-    fwd, bwd = (k * f for f in fc(mm, d))
-    if c.n_experts:                               # the experts' outputs weighted and added per token
-        rows.append(Row("a9", (B, T, d), "Σ_K g_e (a8_e W_contract,e)", "mlp_contract", fwd + 2 * N * k * d,
-                        "Δ8_e = g_e Δ9 Wᵀ; ∂g_e = ⟨Δ9, ·⟩; dW = a8ᵀ (g Δ9)", bwd + 3 * N * k * d,
-                        N * k * d * itemsize, True))
-    else:
-        rows.append(Row("a9", (B, T, d), "a8 W_contract" + b_,
-                        "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd, N * d * itemsize, True))
-    if post:                                      # the norm after the MLP
-        rows.append(Row("a9_post", (B, T, d), f"{LN}2post(a9)", ln_params, ln_fwd, f"Δ9 = {LN}2postᵀ(Δ9_post); {dgb}",
-                        ln_bwd, N * d * itemsize, True))
-    rows.append(Row("a10", (B, T, d), "a5 + a9_post" if post else "a5 + a9", "-", N * d * E["add"]["fwd"],
-                    "Δ5 += Δ10; Δ9_post = Δ10" if post else "Δ5 += Δ10; Δ9 = Δ10",
-                    N * d * E["add"]["bwd"], N * d * itemsize, True))
+
+    def block_rows(moe: bool, window, blocks: tuple) -> None:       # the rows of blocks of one kind
+        pre, post = c.norm_placement != "post", c.norm_placement != "pre"    # where the block's norms sit
+        if pre:
+            rows.append(Row("a2", (B, T, d), f"{LN}1(x)", ln_params, ln_fwd, f"Δx += {LN}1ᵀ(Δ2); {dgb}",
+                            ln_bwd, N * d * itemsize, blocks))
+        else:
+            rows.append(Row("a2", (B, T, d), "x (norm_placement='post': no norm here)", "-", 0, "Δx += Δ2", 0, 0, blocks))
+        qkv_bias = 1 if c.qkv_bias else 0
+        fwd = 2 * N * d * w_qkv + qkv_bias * N * w_qkv
+        bwd = 4 * N * d * w_qkv + qkv_bias * N * w_qkv
+        rope = c.position_encoding == "rope"          # then the rotated copy is kept, not this one
+        qkv_formula = "a2 [Wq|Wk|Wv]" + (" + [bq|bk|bv]" if qkv_bias or not rms else "")
+        if Hkv != H:
+            qkv_formula += f" (k, v: {Hkv} heads)"
+        rows.append(Row("qkv", (B, T, w_qkv), qkv_formula, "attn.q, attn.k, attn.v",
+                        fwd, "Δ2 = Δqkv Wᵀ; dW = a2ᵀ Δqkv", bwd, 0 if rope else N * w_qkv * itemsize, blocks))
+        if c.qk_norm is not None:                     # the prelude's q/k RMS norms (model/prelude.py)
+            n_qk = N * (H + Hkv) * dqk
+            per_row = N * (H + Hkv) if c.qk_norm == "head" else 2 * N
+            rn = E["rmsnorm"]
+            rows.append(Row("qk_norm", (B, T, w_qkv), "q, k ← RMS(q; w_q), RMS(k; w_k)" + (" per head" if c.qk_norm == "head"
+                            else " over the projection"), "attn.q_norm, attn.k_norm", n_qk * rn["fwd"] + per_row * rn["per_row_fwd"],
+                            "Δq, Δk ← RMSᵀ(Δ); dw_q, dw_k", n_qk * rn["bwd"], 0 if rope else N * w_qkv * itemsize, blocks))
+        if rope:
+            r = c.rope_dims
+            per = N * (H + Hkv) * r                   # rotated q and k elements
+            some = "" if c.rope_layers is None else f"; blocks {sum(c.rope_layers)} of {c.n_blocks} (rope_layers)"
+            rows.append(Row("rope", (B, T, w_qkv), f"q, k ← R(tθ) (first {r} of {dqk} per head{some})", "-",
+                            per * E["rope"]["fwd"], "Δq, Δk ← R(−tθ) Δ", per * E["rope"]["bwd"],
+                            N * w_qkv * itemsize, blocks))
+        scores = B * H * T * T
+        mask = (f" + causal mask, window {window}" if window else " + causal mask") if c.causal else ""
+        rows.append(Row("P", (B, H, T, T), f"softmax(q kᵀ/√d_qk{mask})", "-",
+                        2 * scores * dqk + scores * E["scores"]["fwd"],
+                        "Δcausal = P∘(dP − rowsum(dP∘P))", scores * E["scores"]["bwd"],
+                        scores * itemsize, blocks))
+        g = H // Hkv
+        rows.append(Row("a3", (B, T, H * dh), "P v, heads side by side" if g == 1 else
+                        f"P_h v_(h//{g}), heads side by side", "-", 2 * scores * dh,
+                        "dv = PᵀΔ3, dP = Δ3 vᵀ; dq = Δraw k, dk = Δrawᵀ q" if g == 1 else
+                        f"dq = Δraw k; dK_j, dV_j: Σ over {g} heads",
+                        2 * scores * dh * 2 + 2 * scores * dqk * 2, N * H * dh * itemsize, blocks))
+        fwd, bwd = fc(H * dh, d)
+        b_ = " + b" if bias or not rms else ""        # GPT-2's rows name b whatever the config
+        rows.append(Row("a4", (B, T, d), "a3 W_proj" + b_, "attn_proj", fwd, "Δ3 = Δ4 Wᵀ; dW = a3ᵀ Δ4", bwd,
+                        N * d * itemsize, blocks))
+        if post:                                      # the norm after the attention (model/placement.py)
+            rows.append(Row("a4_post", (B, T, d), f"{LN}1post(a4)", ln_params, ln_fwd, f"Δ4 = {LN}1postᵀ(Δ4_post); {dgb}",
+                            ln_bwd, N * d * itemsize, blocks))
+        rows.append(Row("a5", (B, T, d), "x + a4_post" if post else "x + a4", "-", N * d * E["add"]["fwd"],
+                        "Δx += Δ5; Δ4_post = Δ5" if post else "Δx += Δ5; Δ4 = Δ5",
+                        N * d * E["add"]["bwd"], N * d * itemsize, blocks))
+        if pre:
+            rows.append(Row("a6", (B, T, d), f"{LN}2(a5)", ln_params, ln_fwd, f"Δ5 += {LN}2ᵀ(Δ6); {dgb}", ln_bwd,
+                            N * d * itemsize, blocks))
+        else:
+            rows.append(Row("a6", (B, T, d), "a5 (norm_placement='post': no norm here)", "-", 0, "Δ5 += Δ6", 0, 0, blocks))
+        k, mm, rows_of = 1, dm, (B, T)                # a mixture of experts: each token's k experts' rows
+        if moe:
+            k, mm, Ex = c.n_experts_per_token, c.d_expert, c.n_experts
+            rows_of = (N * k,)
+            fwd, bwd = fc(d, Ex)
+            rows.append(Row("r", (B, T, Ex), f"a6 W_r; top-{k} of softmax(r) → g (N, {k})", "router",
+                            fwd + N * Ex * E["cross_entropy"]["fwd"], "Δr = π∘(∂π − ⟨π, ∂π⟩); Δ6 = Δr W_rᵀ",
+                            bwd + N * Ex * E["cross_entropy"]["bwd"], N * (Ex + 2 * k) * itemsize, blocks))
+        fwd, bwd = (k * f for f in fc(d, mm))
+        if c.mlp == "swiglu":                         # two FC layers of a6, then the gated product
+            x6 = "a6 (its rows per expert) " if moe else "a6 "
+            rows.append(Row("a7_gate", (*rows_of, mm), x6 + "W_gate" + b_, "mlp_gate", fwd,
+                            "Δ6 = Δ7_gate W_gateᵀ; dW = a6ᵀ Δ7_gate", bwd, N * k * mm * itemsize, blocks))
+            rows.append(Row("a7_up", (*rows_of, mm), x6 + "W_up" + b_, "mlp_expand", fwd,
+                            "Δ6 += Δ7_up W_upᵀ; dW = a6ᵀ Δ7_up", bwd, N * k * mm * itemsize, blocks))
+            gate = "gelu" if c.activation == "gelu_tanh" else "silu"            # GeGLU (Gemma) or SwiGLU
+            sw = E["geglu" if gate == "gelu" else "swiglu"]
+            rows.append(Row("a8", (*rows_of, mm), f"{gate}(a7_gate) ∘ a7_up", "-", N * k * mm * sw["fwd"],
+                            f"Δ7_up = Δ8∘{gate}(a7_gate); Δ7_gate = Δ8∘a7_up∘{gate}'", N * k * mm * sw["bwd"],
+                            N * k * mm * itemsize, blocks))
+        else:
+            rows.append(Row("a7", (B, T, dm), "a6 W_expand + b", "mlp_expand", fwd, "Δ6 = Δ7 Wᵀ; dW = a6ᵀ Δ7", bwd,
+                            N * dm * itemsize, blocks))
+            g = E[c.activation]
+            rows.append(Row("a8", (B, T, dm), f"g(a7), g = {c.activation}", "-", N * dm * g["fwd"],
+                            "Δ7 = g'(a7) ∘ Δ8", N * dm * g["bwd"], N * dm * itemsize, blocks))
+        fwd, bwd = (k * f for f in fc(mm, d))
+        if moe:                               # the experts' outputs weighted and added per token
+            rows.append(Row("a9", (B, T, d), "Σ_K g_e (a8_e W_contract,e)", "mlp_contract", fwd + 2 * N * k * d,
+                            "Δ8_e = g_e Δ9 Wᵀ; ∂g_e = ⟨Δ9, ·⟩; dW = a8ᵀ (g Δ9)", bwd + 3 * N * k * d,
+                            N * k * d * itemsize, blocks))
+        else:
+            rows.append(Row("a9", (B, T, d), "a8 W_contract" + b_,
+                            "mlp_contract", fwd, "Δ8 = Δ9 Wᵀ; dW = a8ᵀ Δ9", bwd, N * d * itemsize, blocks))
+        if post:                                      # the norm after the MLP
+            rows.append(Row("a9_post", (B, T, d), f"{LN}2post(a9)", ln_params, ln_fwd, f"Δ9 = {LN}2postᵀ(Δ9_post); {dgb}",
+                            ln_bwd, N * d * itemsize, blocks))
+        rows.append(Row("a10", (B, T, d), "a5 + a9_post" if post else "a5 + a9", "-", N * d * E["add"]["fwd"],
+                        "Δ5 += Δ10; Δ9_post = Δ10" if post else "Δ5 += Δ10; Δ9 = Δ10",
+                        N * d * E["add"]["bwd"], N * d * itemsize, blocks))
+
+    kinds: dict = {}                              # (mixture of experts, window) -> its blocks
+    for i in range(c.n_blocks):
+        kinds.setdefault((c.is_moe(i), c.window(i)), []).append(i)
+    for (moe, window), blocks in kinds.items():
+        block_rows(moe, window, tuple(blocks))
     rows.append(Row("a11", (B, T, d), f"{LN}_final(a10)", ln_params, ln_fwd, f"Δ10 = {LN}ᵀ(Δ11); {dgb}", ln_bwd,
                     N * d * itemsize))
     tied = c.tie_weights
@@ -270,8 +283,7 @@ def totals(config: GPTConfig, rows: list[Row], batch_size: int, seq_len: int, it
     """Sums over one step (block rows counted ``n_blocks`` times), the matrix-product part alone,
     and the 6·N·tokens estimate (N = every parameter; of ``slots.specs()`` for a model with
     plugged layers, a :class:`~pedestrian.model.slots.Slots`)."""
-    k = config.n_blocks
-    mult = [k if r.per_block else 1 for r in rows]
+    mult = [len(r.blocks) or 1 for r in rows]
     fwd = sum(m * r.fwd_flops for m, r in zip(mult, rows))
     bwd = sum(m * r.bwd_flops for m, r in zip(mult, rows))
     memory = sum(m * r.memory for m, r in zip(mult, rows))
@@ -299,10 +311,10 @@ def matmul_flops(config: GPTConfig, batch_size: int, seq_len: int, mlp: bool = T
     H = c.n_heads
     n_mlp = (3 if c.mlp == "swiglu" else 2) if mlp else 0     # SwiGLU: gate, up, down
     moe = (c.n_experts_per_token * n_mlp * c.d_expert + c.n_experts) if c.n_experts else 0   # k experts + router
-    per_block = 2 * N * (c.d_model * (H * c.d_qk + c.n_kv_heads * (c.d_qk + c.d_head)) + H * c.d_head * c.d_model
-                         + c.d_model * (moe or n_mlp * c.d_mlp))
+    attn = 2 * N * (c.d_model * (H * c.d_qk + c.n_kv_heads * (c.d_qk + c.d_head)) + H * c.d_head * c.d_model)
     attention = 2 * batch_size * H * seq_len * seq_len * (c.d_qk + c.d_head)
-    forward = c.n_blocks * (per_block + attention) + 2 * N * c.d_model * c.vocab_size
+    mlps = sum(2 * N * c.d_model * (moe if c.is_moe(i) else n_mlp * c.d_mlp) for i in range(c.n_blocks))
+    forward = c.n_blocks * (attn + attention) + mlps + 2 * N * c.d_model * c.vocab_size
     return 3 * forward
 
 
@@ -348,19 +360,25 @@ def explain_table(config: GPTConfig, batch_size: int, seq_len: int, dtype: str =
     header = (f"{'a_i':<{w}}{'shape':<18}{'forward':<40}{'parameters':<24}{'fwd FLOPs':>12}  "
               f"{'Δ_i (backward)':<48}{'bwd FLOPs':>12}{'memory':>12}")
     say("\n" + header + "\n" + "-" * len(header))
-    in_block = False
+    blocks = ()
+    mixed_mlp = len({c.is_moe(i) for i in range(c.n_blocks)}) > 1       # what tells the kinds of blocks apart
+    mixed_window = len({c.window(i) for i in range(c.n_blocks)}) > 1
     for r in rows:
-        if r.per_block and not in_block:
-            say(f"  block i, for i = 0 … {c.n_blocks - 1} (x = a1, then the previous block's a10):")
-            in_block = True
-        elif not r.per_block and in_block:
-            in_block = False
+        if r.blocks and r.blocks != blocks:                 # the rows of blocks of another kind
+            which = (f"for i = 0 … {c.n_blocks - 1}" if len(r.blocks) == c.n_blocks else f"for i = {r.blocks[0]}"
+                     if len(r.blocks) == 1 else "for i in " + ", ".join(map(str, r.blocks)))
+            i = r.blocks[0]
+            kind = ([("a mixture of experts" if c.is_moe(i) else "a dense MLP")] if mixed_mlp else []) + (
+                [f"window {c.window(i)}" if c.window(i) else "full attention"] if mixed_window else [])
+            say(f"  block i, {which}{' (' + ', '.join(kind) + ')' if kind else ''} (x = a1, then the previous "
+                "block's a10):")
+        blocks = r.blocks
         shape = "()" if not r.shape else "(" + ", ".join(str(s) for s in r.shape) + ")"
-        say(f"{r.name:<{w}}{shape:<18}{r.forward:<40}{r.params:<24}{_human(r.fwd_flops):>12}  "
-            f"{r.backward:<48}{_human(r.bwd_flops):>12}{_mib(r.memory):>12}")
+        say(f"{r.name:<{w}}{shape + ' ':<18}{r.forward + ' ':<40}{r.params + ' ':<24}{_human(r.fwd_flops):>12}  "
+            f"{r.backward + ' ':<48}{_human(r.bwd_flops):>12}{_mib(r.memory):>12}")
     say("-" * len(header))
     say(f"one step: forward {_human(tot['fwd'], 'FLOP')}, backward {_human(tot['bwd'], 'FLOP')}, "
-        f"total {tot['step']:,} FLOPs ({_human(tot['step'], 'FLOP')}); block rows × {c.n_blocks}")
+        f"total {tot['step']:,} FLOPs ({_human(tot['step'], 'FLOP')}); block rows × their blocks")
     say(f"  matrix products alone: {tot['matmul_step']:,} ({_human(tot['matmul_step'], 'FLOP')}, "
         f"{100 * tot['matmul_step'] / tot['step']:.1f}% of the total)")
     say(f"  6·N·tokens rule: 6 × {active_params(c, tot['n_params']):,} parameters"

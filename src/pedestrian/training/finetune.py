@@ -1,4 +1,5 @@
-"""LoRA fine-tuning of a Hugging Face GPT-2, Llama, Qwen2 or Mistral model on a text file (paper section 6).
+"""LoRA fine-tuning of a Hugging Face model (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, SmolLM3,
+OLMo 2, Mixtral, Qwen3-MoE or OLMoE) on a text file (paper section 6).
 
 The base weights are frozen (``model.add_lora(..., freeze_base=True)``: their gradients are
 never computed) and only the adapters ``X.lora_D`` / ``X.lora_U`` are trained, by the loop
@@ -62,7 +63,8 @@ class FinetuneSettings(with_defaults(RunSettings, batch_size=8, max_steps=200, l
     names (``q_proj`` ... ``down_proj``, ``lm_head``) or full layer names.
     """
 
-    hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory with its tokenizer", kind=str,
+    hf_dir: str = setting(help="the base: a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, SmolLM3, "
+                                "OLMo 2, Mixtral, Qwen3-MoE or OLMoE directory with its tokenizer", kind=str,
                           metavar="DIR", required=True, tags=_PER_RUN)       # (on resume: checked by its SHA-256)
     data: str | None = setting(None, "UTF-8 text file (or folder of *.txt), tokenized with the base's tokenizer "
                                "(or --dpo); or a conversations file, *.jsonl (one {\"messages\": [...]} or "
@@ -202,7 +204,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
 
     Raises:
         ValueError / FileNotFoundError: bad settings, started as a rank of several (torchrun), a
-            base that is not a GPT-2, Llama, Qwen2 or Mistral directory (or asks for what
+            base that is not a Hugging Face directory of a family pedestrian reads (or asks for what
             pedestrian does not implement), a corpus too short for one window, a ``resume`` that
             does not match the run's record (settings, base weights, text), an existing run in ``out``
             without ``overwrite`` (with it, the old run is kept until the first checkpoint),
