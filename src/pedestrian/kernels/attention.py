@@ -130,7 +130,7 @@ def _decode(qkv, n_heads, d_qk, d_head, causal, kv_cache: KVBlock, window=None, 
                                      causal, 0 if window is None else int(window),
                                      0.0 if softcap is None else float(softcap),
                                      1.0 / math.sqrt(d_qk) if scale is None else scale, q, p, out)
-    k, v = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :]
+    k, v = kv_cache.keys[:, :, :L, :], kv_cache.values[:, :, :L, :]     # (a ring read in place: its slots' order)
     return out, dict(q=q, k=k, v=v, p=p, d_qk=d_qk, kv_cache=True)
 
 

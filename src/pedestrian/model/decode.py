@@ -85,6 +85,7 @@ def forward(model, tokens, kv_cache):
     else:
         r = 0
     none = (np.zeros((1, 1), dtype),) * 2
+
     def starts(block):                                 # each row's first real key, in the block's frame
         return (np.zeros(B, np.int64) if block.key_start is None
                 else np.asarray(block.key_start, dtype=np.int64).reshape(B))

@@ -106,6 +106,7 @@ def resolve_lora_targets(config: GPTConfig, targets) -> list[str]:
             raise ValueError(
                 f"unknown LoRA target {t!r}; use kinds {LORA_LAYER_KINDS}, their Hugging Face Llama "
                 f"names {tuple(HF_LORA_KINDS)}, 'all', or full layer names like 'blocks.0.attn.q'"
+                + (" or 'blocks.0.experts.1.mlp_gate'" if config.n_experts else "")
             )
     return [name for name in layers if name in set(chosen)]
 
