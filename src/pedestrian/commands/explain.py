@@ -3,11 +3,11 @@ step, with its shape, formula, the parameters it touches, forward and backward F
 memory the forward keeps for it; totals at the bottom, beside the 6·N·tokens rule.
 
 The model: a checkpoint (--checkpoint: its config, dtype, batch and context), a `pedestrian
-train` settings file (--config FILE.toml), a Hugging Face model folder (--hf-dir DIR), a preset (--preset, with the field flags of
-`pedestrian params`), or else the default model of `pedestrian train` on the bundled plays (84
-characters). --batch-size and --seq-len set B and T (default: the run's batch size, or 1, and
-the context length; a `pedestrian finetune` run's micro-batch and training window, with a line on
-its LoRA adapters). Nothing is allocated. How FLOPs and memory are counted: the notes under
+train` settings file (--config FILE.toml), a Hugging Face model folder (--hf-dir DIR: its
+config.json), a preset (--preset, with the field flags of `pedestrian params`), or else the
+default model of `pedestrian train` on the bundled plays (84 characters). --batch-size and
+--seq-len set B and T (default: the run's batch size, or 1, and the context length; a
+`pedestrian finetune` run's micro-batch and training window, with a line on its LoRA adapters). Nothing is allocated. How FLOPs and memory are counted: the notes under
 the table and pedestrian.paper.explain.
 
 Examples:

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if args.hf_dir:
         from ..interop.hf import HFFolder
 
-        flags = ["preset"] * (args.preset is not None) + [f for f in CONFIG_FIELDS if getattr(args, f, None) is not None]
+        flags = ["preset"] * (args.preset is not None) + [f for f in CONFIG_FIELDS
+                                                          if getattr(args, f, None) is not None]
         if flags:
             raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --hf-dir brings its own "
                              "(drop the flag)")

@@ -41,6 +41,7 @@ __all__ = ["experts_to_peft", "experts_from_peft", "PeftRefused"]
 class PeftRefused(ValueError):
     """Adapters PEFT files cannot hold as they are (what :func:`experts_to_peft` refuses)."""
 
+
 #: the experts module's parameters in the order transformers registers them (PEFT's nesting order),
 #: each with the pedestrian layers whose output rows it holds
 PARAMETERS = {"gate_up_proj": ("mlp_gate", "mlp_expand"), "down_proj": ("mlp_contract",)}
@@ -76,10 +77,10 @@ def experts_to_peft(model, P: Mapping, ranks: Mapping, alphas: Mapping) -> tuple
     E, rows, adapted = model.config.n_experts, _rows(model.config), {}
     dense = [fc for fc in model.lora_targets if E and ".experts." not in fc and ".mlp_" in fc]
     if dense:                       # (peft.utils.transformers_weight_conversion._convert_peft_config_moe)
-        raise PeftRefused(f"PEFT files cannot hold the adapters on this mixture's dense MLP blocks ({dense[0]}, ...): "
-                         "PEFT 0.21 reads gate_proj / up_proj / down_proj targets of a mixture-of-experts model as "
-                         "its experts' (converting transformers 4 adapters) and would drop them; adapt the attention "
-                         "and the experts only for PEFT files, or merge them (pedestrian export-hf --adapter)")
+        raise PeftRefused(f"PEFT files cannot hold the adapters on this mixture's dense MLP blocks ({dense[0]}, "
+                          "...): PEFT 0.21 reads gate_proj / up_proj / down_proj targets of a mixture-of-experts model as "
+                          "its experts' (converting transformers 4 adapters) and would drop them; adapt the attention "
+                          "and the experts only for PEFT files, or merge them (pedestrian export-hf --adapter)")
     for fc in model.lora_targets:
         match = _EXPERT.match(fc)
         if match:
@@ -87,19 +88,19 @@ def experts_to_peft(model, P: Mapping, ranks: Mapping, alphas: Mapping) -> tuple
             adapted.setdefault(i, {}).setdefault(e, []).append(layer)
     if adapted and model.lora_dropout:
         raise PeftRefused(f"PEFT files cannot hold adapters on experts with lora_dropout={model.lora_dropout}: "
-                         "PEFT adapts a block's experts as one parameter, which takes no dropout; fine-tune with "
-                         "--lora-dropout 0 (in Python: set model.lora_dropout = 0 before writing, the weights are "
-                         "the same), or merge them (pedestrian export-hf --adapter)")
+                          "PEFT adapts a block's experts as one parameter, which takes no dropout; fine-tune with "
+                          "--lora-dropout 0 (in Python: set model.lora_dropout = 0 before writing, the weights are "
+                          "the same), or merge them (pedestrian export-hf --adapter)")
     adapters, holders, parts = {}, {}, {}
     for i, by_expert in sorted(adapted.items()):
         shape = {e: [(layer, ranks[f"blocks.{i}.experts.{e}.{layer}"]) for layer in sorted(layers)]
                  for e, layers in by_expert.items()}
         if len(by_expert) != E or len({tuple(v) for v in shape.values()}) != 1:
             raise PeftRefused(f"PEFT files cannot hold block {i}'s expert adapters: PEFT adapts a block's {E} experts "
-                             f"with one rank per parameter, and these differ by expert ({len(by_expert)} of {E} "
-                             "adapted, or other layers or ranks); adapt every expert alike (--lora-targets gate_proj "
-                             "up_proj down_proj, add_lora(['mlp_gate', ...]) in Python), or merge them (pedestrian "
-                             "export-hf --adapter)")
+                              f"with one rank per parameter, and these differ by expert ({len(by_expert)} of {E} "
+                              "adapted, or other layers or ranks); adapt every expert alike (--lora-targets gate_proj "
+                              "up_proj down_proj, add_lora(['mlp_gate', ...]) in Python), or merge them (pedestrian "
+                              "export-hf --adapter)")
         layers = by_expert[0]
         targeted = [name for name, of in PARAMETERS.items() if set(of) & set(layers)]
         for name in targeted:
@@ -121,7 +122,7 @@ def experts_from_peft(peft_config: Mapping, modules: dict, config, layout: Mappi
     ``modules`` (module name -> ``{"lora_A", "lora_B"}``) and appends what does not fit to
     ``problems``. The parameters adapted are those ``target_parameters`` names (PEFT's rule: the
     full name, or a suffix of it after a dot)."""
-    entries = peft_config.get("target_parameters") or []
+    entries, before = peft_config.get("target_parameters") or [], len(problems)
     if not isinstance(entries, list) or not all(isinstance(t, str) for t in entries):
         problems.append(f"target_parameters={entries!r} (a list of parameter names is needed)")
         return {}
@@ -131,7 +132,7 @@ def experts_from_peft(peft_config: Mapping, modules: dict, config, layout: Mappi
         if not any(k == t or k.endswith(f".{t}") for keys in names.values() for k in keys):
             problems.append(f"target_parameters names {t!r}, which is no parameter of this base (it adapts only "
                             "a mixture's experts: mlp.experts.gate_up_proj, mlp.experts.down_proj)")
-    if not entries or problems:
+    if not entries or len(problems) > before:
         return {}
     E, rows, out = config.n_experts, _rows(config), {}
     for i in moe:

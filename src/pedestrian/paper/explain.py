@@ -10,8 +10,9 @@ Elementwise work is counted at the costs of :data:`ELEMENTWISE`: the arithmetic 
 element of the reference layers (src/pedestrian/layers), each +, −, ×, ÷, exp, tanh, erf, sqrt,
 cos, sin and each summed element of a reduction counted once; comparisons, gathers and copies
 count 0. One block's rows are given once for the blocks alike (per kind of block where they differ:
-a mixture of experts or a dense MLP, a window or full attention); totals count them once per block. Memory: the array the forward keeps for the backward, in the model's dtype (a0:
-int64); totals add the parameters, their gradients and the two AdamW moments. The step is
+a mixture of experts or a dense MLP, a window or full attention); totals count them once per
+block. Memory: the array the forward keeps for the backward, in the model's dtype (a0: int64);
+totals add the parameters, their gradients and the two AdamW moments. The step is
 ``model.loss``'s, whose output head is fused with its loss (:mod:`pedestrian.model.head`): the
 logits ``a12`` and the loss's softmax / ``Δ12`` are not kept (0 bytes in their rows; the fused
 forward keeps ``Δ11`` and the head's ``dW`` instead), which a note under the table says with their
