@@ -350,3 +350,23 @@ def test_a_grad_scale_without_the_kernel_is_refused():
     with pytest.raises(ValueError, match="needs the GPU's AdamW kernel"):
         opt.step(1e-2, grad_norm=1.0, grad_scale=0.5)
     assert opt.step_count == 0
+
+
+def test_a_bare_forward_reads_its_checks_once_after_it_is_queued():
+    """``model.forward(tokens, targets)`` outside a step (no KV cache): the id checks of the tokens,
+    the targets and the layers record flags, read in one ``bool`` at the end
+    (model/device_checks.checked_after) -- not one read per check before the first kernel; a bad id
+    still raises the error the NumPy model raises at once."""
+    model = _model("llama-gqa")
+    x, y = _batches(1)[0]
+    with host_reads() as reads:
+        model.forward(x, y)
+    assert [how for how, _ in reads] == ["__bool__"], reads
+    bad = x.clone()
+    bad[1, 3] = V + 2
+    numpy_model = GPT(model.config, seed=1)
+    with pytest.raises(ValueError) as want:
+        numpy_model.forward(bad.numpy(), y.numpy())
+    with pytest.raises(ValueError) as got:
+        model.forward(bad, y)
+    assert str(got.value) == str(want.value)

@@ -7,8 +7,9 @@ train` settings file (--config FILE.toml), a Hugging Face model folder (--hf-dir
 config.json), a preset (--preset, with the field flags of `pedestrian params`), or else the
 default model of `pedestrian train` on the bundled plays (84 characters). --batch-size and
 --seq-len set B and T (default: the run's batch size, or 1, and the context length; a
-`pedestrian finetune` run's micro-batch and training window, with a line on its LoRA adapters). Nothing is allocated. How FLOPs and memory are counted: the notes under
-the table and pedestrian.paper.explain.
+`pedestrian finetune` run's micro-batch and training window, with a line on its LoRA adapters).
+Nothing is allocated (pedestrian.training.describe). How FLOPs and memory are counted: the
+notes under the table and pedestrian.paper.explain.
 
 Examples:
   pedestrian explain
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import CONFIG_FIELDS, GPTConfig
+from ..training.describe import described_model
 from ..paper.explain import explain_table, lora_run_note
-from ..training.settings import add_model_flags, config_from_args
+from ..training.settings import add_model_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,51 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs it: the logits and their softmax kept whole (default: model.loss's fused head)")
 
 
-def _resolve(args) -> tuple[GPTConfig, int | None, str, list | None, dict]:
-    """``(config, batch size or None, dtype, a checkpoint's plugged layers, a pedestrian finetune
-    checkpoint's recorded settings or {})`` from the chosen source."""
-    sources = [name for name in ("checkpoint", "config", "hf_dir", "preset") if getattr(args, name)]
-    if len(sources) > 1:
-        raise ValueError(f"give at most one of --checkpoint, --config, --hf-dir, --preset (got "
-                         f"{', '.join('--' + s.replace('_', '-') for s in sources)})")
-    dtype = args.dtype or "float32"
-    flags = [f for f in CONFIG_FIELDS if getattr(args, f, None) is not None and f != "vocab_size"]
-    if (args.checkpoint or args.config or args.hf_dir) and flags:
-        raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --checkpoint, --config and "
-                         "--hf-dir bring their own (drop the flag, or use --preset)")
-    if args.hf_dir:
-        from ..interop.hf import HFFolder
-
-        return HFFolder(args.hf_dir).config, None, dtype, None, {}
-    if args.checkpoint:
-        from ..checkpoint import read_state
-
-        _, state = read_state(args.checkpoint)
-        config = GPTConfig.from_dict(state["config"])
-        meta = state.get("meta") or {}
-        finetune = meta.get("finetune") or {}                # (a finetune run's settings are there)
-        settings = meta.get("settings") or finetune
-        return config, settings.get("batch_size"), args.dtype or state.get("dtype", "float32"), state.get("layers"), finetune
-    if args.config:
-        from ..training.settings import config_file_model
-
-        config, settings = config_file_model(args.config, args.vocab_size or None)
-        return config, settings.batch_size, args.dtype or settings.dtype, None, {}
-    if args.preset or args.vocab_size:
-        return config_from_args(args), None, dtype, None, {}
-    from ..training import DEFAULT_MODEL, TrainSettings
-
-    return config_from_args(args, {**DEFAULT_MODEL, "vocab_size": 84}), TrainSettings().batch_size, dtype, None, {}
-
-
 def run(args: argparse.Namespace) -> int:
     from ..training.finetune import training_window
 
-    config, run_batch, dtype, layers, finetune = _resolve(args)
-    B = args.batch_size if args.batch_size is not None else (run_batch or 1)
+    d = described_model(args)
+    config, dtype, finetune = d.config, d.dtype, d.finetune
+    B = args.batch_size if args.batch_size is not None else (d.batch_size or 1)
     window = training_window(finetune.get("context_length"), config.context_length) if finetune else None
     T = args.seq_len if args.seq_len is not None else (window or config.context_length)
-    print(explain_table(config, B, T, dtype, layers, fused_head=not args.unfused_head))
+    print(explain_table(config, B, T, dtype, d.layers, fused_head=not args.unfused_head))
     if finetune:
         print("\n" + lora_run_note(config, finetune["lora_rank"], finetune["lora_targets"]))
     return 0

@@ -47,6 +47,5 @@ def run(args: argparse.Namespace) -> int:
     unit = "" if settings.dpo else " nats/token"
     print(f"validation {what} {result.initial_val_loss:.4f} -> {result.val_loss:.4f}{unit} after "
           f"{result.step} steps ({result.trainable_params:,} trainable parameters); "
-          f"adapters in {result.out / 'adapter'}"
-          + (f" and {result.out / 'peft'}" if (result.out / "peft").is_dir() else ""))   # (none for experts)
+          f"adapters in {result.out / 'adapter'}" + (f" and {result.peft}" if result.peft else ""))
     return 0

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import CONFIG_FIELDS
+from ..training.describe import described_model
 from ..model.layout import LORA_LAYER_KINDS
 from ..paper.explain import params_table
-from ..training.settings import add_model_flags, config_from_args
+from ..training.settings import add_model_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,19 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.hf_dir:
-        from ..interop.hf import HFFolder
-
-        flags = ["preset"] * (args.preset is not None) + [f for f in CONFIG_FIELDS
-                                                          if getattr(args, f, None) is not None]
-        if flags:
-            raise ValueError(f"--{flags[0].replace('_', '-')} changes a preset's model; --hf-dir brings its own "
-                             "(drop the flag)")
-        config = HFFolder(args.hf_dir).config
-    else:
-        if args.preset is None and args.vocab_size is None:
-            args.preset = "gpt2"
-        config = config_from_args(args)
+    config = described_model(args, default="gpt2").config
     if args.lora_rank is not None and args.lora_rank < 1:
         raise ValueError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
     lora = None if args.lora_rank is None else (args.lora_rank, args.lora_targets)

@@ -23,7 +23,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..layers.checks import check_ids, set_id_check
 
-__all__ = ["DeviceFlags", "deferred_checks", "deferring", "read_checked"]
+__all__ = ["DeviceFlags", "deferred_checks", "deferring", "read_checked", "checked_after"]
 
 
 class DeviceFlags:
@@ -126,3 +126,19 @@ def read_checked(run, tensors: bool) -> float:
     if bad:
         flags.raise_first()
     return loss
+
+
+def checked_after(run, tensors: bool):
+    """``run()``'s result. With ``tensors`` (torch tensors, no deferral already around this call) the
+    id checks made inside ``run`` are deferred and their flags read once, after ``run`` -- a
+    :meth:`GPT.forward <pedestrian.model.GPT.forward>` on a device is queued whole before the host
+    waits, once, instead of a read per check before its first kernel; a set flag raises the first
+    failing check's own error (:meth:`DeviceFlags.raise_first`). Otherwise the checks run as made."""
+    if not tensors or deferring() is not None:
+        return run()
+    with deferred_checks() as flags:
+        out = run()
+    flag = flags.any()
+    if flag is not None and bool(flag):                                      # the one read
+        flags.raise_first()
+    return out

@@ -67,7 +67,7 @@ from ..gpu import kernels_for
 from ..kernels.workspace import Workspace
 from . import decode, head, moe, placement, prelude, precision as mixed
 from .buffers import FlatBuffer
-from .device_checks import read_checked
+from .device_checks import checked_after, deferring, read_checked
 from .inputs import as_signal, as_tokens, check_cache, check_targets, check_tokens, segment_positions
 from .edge import NumpyCache, resolve_device, to_torch
 from .kv_cache import KVCache
@@ -234,7 +234,12 @@ class GPT:
             TypeError: non-integer tokens or targets.
             ValueError: ids out of range, ``T > context_length`` (or more than the cache has
                 room for), shape mismatch, a cache made for another model or batch size; bad ``segments``.
+                On torch tensors (no KV cache) the ids are checked on the device and read once, after
+                the forward is queued (:func:`~pedestrian.model.device_checks.checked_after`).
         """
+        if self.backend == "torch" and kv_cache is None and deferring() is None:   # the id checks: one read,
+            return checked_after(lambda: self.forward(tokens, targets, n_total=n_total,   # after the forward
+                                                      keep_activations=keep_activations, segments=segments), True)
         c = self.config
         tokens = as_tokens(self, tokens, "token ids")
         if kv_cache is not None:

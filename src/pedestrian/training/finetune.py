@@ -183,6 +183,7 @@ class FinetuneResult:
     tokenizer: object = None
     stop_reason: str = "max_steps"
     resume_command: str = ""        #: how to continue this run (after an interrupt, or to more steps)
+    peft: Path | None = None        #: the PEFT directory written (None: adapters PEFT cannot hold, said in the log)
 
 
 def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
@@ -329,7 +330,7 @@ def finetune(settings: FinetuneSettings, *, explicit=None) -> FinetuneResult:
              f"in {out / 'adapter'}" + (f" and {peft}" if peft else ""))
     return FinetuneResult(step=trainer.step, train_loss=loss, val_loss=val_loss, initial_val_loss=initial_val,
                           trainable_params=n_train, total_params=n_total, seconds=seconds, out=out,
-                          model=model, tokenizer=tokenizer, stop_reason=reason,
+                          model=model, tokenizer=tokenizer, stop_reason=reason, peft=peft,
                           resume_command="pedestrian finetune " + " ".join(shlex.quote(str(a)) for a in (
                               "--hf-dir", settings.hf_dir, *(("--dpo", settings.dpo) if settings.dpo else
                                                              ("--data", settings.data)), "--lora-rank",
