@@ -20,25 +20,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from family_oracles import hf_model as family_hf_model  # noqa: E402
+
 #: family -> (config class, model class)
 CLASSES = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_model(family: str, kw: dict, *, vocab_size: int, seed: int = 0):
-    """transformers' model of ``family`` with config ``kw`` (ids 0 for bos/eos/pad), random weights
-    of order 1: norm weights ``0.3 N(0, 1)`` (Gemma's are stored around 0: ``1 + w``), matrices
-    ×5 (std 0.1)."""
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, CLASSES[family][0])(vocab_size=vocab_size, **kw, bos_token_id=0, eos_token_id=0,
-                                                    pad_token_id=0)
-    model = getattr(transformers, CLASSES[family][1])(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.copy_(0.3 * torch.randn_like(p))
-            else:
-                p.mul_(5.0)
-    return model
+    """:func:`family_oracles.hf_model` of a Gemma family: norm weights ``0.3 N(0, 1)`` (Gemma's are
+    stored around 0: ``1 + w``), matrices ×5 (std 0.1)."""
+    return family_hf_model(family, kw, vocab_size=vocab_size, seed=seed, classes=CLASSES, norm_center=0.0)
 
 
 def _eager64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):

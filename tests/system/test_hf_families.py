@@ -5,21 +5,19 @@ every gradient, greedy generation, the export read back and PEFT adapters; the f
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from family_oracles import CLASSES, float64_throughout, hf_logits, hf_model
+from family_oracles import (CLASSES, SEVEN, check_export_round_trip, check_peft_both_ways, float64_throughout,
+                            hf_logits, hf_model, rel_err)
 from hf_fixtures import TEXT, tiny_tokenizer, torch, transformers
 
 from pedestrian import cli
 from pedestrian.generation.generate import generate
 from pedestrian.generation.sampling import Sampling
 from pedestrian.interop.families import FAMILIES, export_family, hf_family
-from pedestrian.interop.hf import load_hf_model, load_pretrained, save_pretrained
+from pedestrian.interop.hf import load_hf_model
 from pedestrian.interop.hf_llama_config import config_from_hf
 from pedestrian.interop.hf_llama_tensors import llama_state_from_hf
-from pedestrian.interop.peft import load_peft_adapter, save_peft_adapter
 from pedestrian.model import decode
 
 peft = pytest.importorskip("peft")
@@ -50,10 +48,6 @@ X = np.random.default_rng(5).integers(1, V, size=(2, 24))
 REL64 = 1e-10
 # float32: a few hundred ε32 of the logits' scale covers reordered float32 sums
 REL32 = 2e-5
-
-
-def rel_err(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
 def save_dir(model, d):
@@ -185,41 +179,15 @@ def test_fused_decode_step_runs_the_prelude(folders, family):
 # ------------------------------------------------------------------------------------ export
 @pytest.mark.parametrize("family", list(CASES))
 def test_export_loads_in_transformers(folders, tmp_path, family):
-    d, _ = folders[family]
-    model, tok = load_pretrained(d)
-    out = save_pretrained(model, tmp_path / "out", tok)
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == [CLASSES[fam(family)][1]] and cfg["model_type"] == fam(family)
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(back).__name__ == CLASSES[fam(family)][1]
+    back = check_export_round_trip(folders[family][0], tmp_path / "out", X, CLASSES[fam(family)][1], fam(family),
+                                   hf_logits, REL32)
     assert getattr(back.config, "layer_types", None) == getattr(folders[family][1].config, "layer_types", None)
-    assert rel_err(model.forward(X), hf_logits(back, X, torch.float32)) <= REL32
-    again, _ = load_pretrained(out)
-    assert again.config == model.config
-    for k, v in model.params.items():                 # a round trip is exact
-        np.testing.assert_array_equal(again.params[k], v)
 
 
 # ------------------------------------------------------------------------------------ PEFT
-SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 @pytest.mark.parametrize("family", list(CASES))
 def test_peft_adapter_both_ways(folders, tmp_path, family):
-    d, _ = folders[family]
-    torch.manual_seed(1)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
-    pm = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=SEVEN,
-                                                   init_lora_weights=False)).eval()
-    pm.save_pretrained(str(tmp_path / "theirs"))
-    model = load_hf_model(d, dtype="float64")
-    load_peft_adapter(model, tmp_path / "theirs")
-    assert len(model.lora_targets) == 7 * 2
-    assert rel_err(model.forward(X), hf_logits(pm, X)) <= REL64
-    out = save_peft_adapter(model, tmp_path / "ours")
-    back = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval(),
-                                          str(out)).eval()
-    assert rel_err(model.forward(X), hf_logits(back, X)) <= REL64
+    check_peft_both_ways(folders[family][0], tmp_path, X, hf_logits, REL64)
 
 
 # ------------------------------------------------------------------------------------ the commands

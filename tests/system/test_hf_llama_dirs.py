@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from family_oracles import float64_throughout, hf_logits, rel_err
 from hf_fixtures import TEXT, tiny_tokenizer, torch, transformers
 
 from pedestrian.generation.sampling import Sampling
@@ -71,52 +72,6 @@ def save_dir(model, d, **kw):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().hf, eos_token="<|endoftext|>")
     fast.save_pretrained(str(d))
     return d
-
-
-def float64_throughout(model):
-    """transformers computes the rotary table and ``LlamaRMSNorm`` in float32 whatever the
-    model's dtype (tests/paper/test_llama_model.py): here both are formed in the model's dtype
-    -- the angles from a float64 frequency table (pedestrian's ``llama3_theta`` for Llama 3,
-    checked there against transformers'), the norm by its formula without the casts -- so a
-    float64 model is a float64 oracle. Returns ``model``, patched once."""
-    from pedestrian.interop.hf_llama_config import config_from_hf
-    from pedestrian.layers.rope import llama3_theta
-
-    if getattr(model, "_float64_throughout", False):
-        return model
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = config_from_hf(inner.config.to_dict())
-    theta = config.rope_base ** (-2.0 * np.arange(config.d_qk // 2) / config.d_qk)
-    if config.rope_scaling is not None:
-        theta = llama3_theta(theta, config.rope_scaling)
-    inv_freq = torch.as_tensor(theta)
-
-    def rotary(x, position_ids):
-        angle = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((angle, angle), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    def rms(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RotaryEmbedding"):
-            module.forward = rotary
-        elif name.endswith("RMSNorm"):
-            module.forward = rms.__get__(module)
-    inner.config._attn_implementation = "sdpa"      # eager attention's softmax is float32 too
-    model._float64_throughout = True
-    return model
-
-
-def hf_logits(model, x, dtype=torch.float64) -> np.ndarray:
-    with torch.no_grad():
-        return float64_throughout(model).to(dtype)(torch.as_tensor(x)).logits.double().numpy()
-
-
-def rel_err(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
 @pytest.fixture(scope="module")
