@@ -65,15 +65,21 @@ def float64_throughout(model):
     def rms(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
+    patch_rotary_and_norms(model, rotary, rms)
+    inner.config._attn_implementation = "sdpa"
+    model._float64_throughout = True
+    return model
+
+
+def patch_rotary_and_norms(model, rotary, rms) -> None:
+    """Every ``*RotaryEmbedding`` of ``model`` computes ``rotary(x, position_ids, ...)`` and every
+    ``*RMSNorm`` ``rms(self, x)`` (the float64 formulas in place of transformers' float32 casts)."""
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RotaryEmbedding"):
             module.forward = rotary
         elif name.endswith("RMSNorm"):
             module.forward = rms.__get__(module)
-    inner.config._attn_implementation = "sdpa"
-    model._float64_throughout = True
-    return model
 
 
 def hf_logits(model, x, dtype=torch.float64) -> np.ndarray:

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from family_oracles import hf_model as family_hf_model  # noqa: E402
+from family_oracles import hf_model as family_hf_model, patch_rotary_and_norms  # noqa: E402
 
 #: family -> (config class, model class)
 CLASSES = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
@@ -72,12 +72,7 @@ def float64_throughout(model):
     def rms(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RotaryEmbedding"):
-            module.forward = rotary
-        elif name.endswith("RMSNorm"):
-            module.forward = rms.__get__(module)
+    patch_rotary_and_norms(model, rotary, rms)
     import transformers.models.gemma2.modeling_gemma2 as g2
     import transformers.models.gemma3.modeling_gemma3 as g3
 
