@@ -89,6 +89,7 @@ def forward(model, tokens, kv_cache):
     def starts(block):                                 # each row's first real key, in the block's frame
         return (np.zeros(B, np.int64) if block.key_start is None
                 else np.asarray(block.key_start, dtype=np.int64).reshape(B))
+    key_start = starts(first)                          # (every block's but a ring's, made once)
     x2 = x.reshape(B * T, d)
     y = np.empty((B, T, d), dtype)                     # each norm's output (a2, a6, a11)
     y2, xhat, rrms = y.reshape(B * T, d), np.empty((B * T, d), dtype), np.empty(B * T)
@@ -108,9 +109,10 @@ def forward(model, tokens, kv_cache):
     fused.rmsnorm_rows(x2, w_norm(W.blocks[0].ln1), eps, y2, xhat, rrms)                   # a2 of block 0
     for i, w in enumerate(W.blocks):
         block = ring = kv_cache.block(i)
-        start = 0                                                   # (the slot of cache index 0)
+        start, block_start = 0, key_start                           # (the slot of cache index 0)
         if ring.window is not None:                                 # a sliding window's ring, in its tokens' order
             block, start = attention.ring_frame(ring, T)
+            block_start = starts(block)
         qkv = mm(y, w.qkv)                                          # (B, T, width)
         qkv, _ = prelude.forward(model.kernels, c, i, qkv, w, None, turn=False)          # q/k norms (the chain's)
         window = c.window(i)
@@ -120,7 +122,7 @@ def forward(model, tokens, kv_cache):
         if p is None:
             p = scores[n_keys] = np.empty((B, H, T, n_keys), dtype)
         fused.rope_decode_attention(qkv, cos, sin, n_qk, d_qk, r if c.uses_rope(i) else 0, turned, block.keys,
-                                    block.values, block.length, start, starts(block), True,
+                                    block.values, block.length, start, block_start, True,
                                     0 if window is None else window, cap, scale, q, p, a3)  # RoPE, a3
         if ring.window is not None:
             attention.ring_keep(ring, block, T)
